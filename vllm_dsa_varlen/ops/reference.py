@@ -1,0 +1,126 @@
+"""Torch reference of paged MQA logits: the single source of truth for tests.
+
+``logits[r, n] = sum_h relu(q[r, h] . k[n]) * k_scale[n] * w[r, h]`` for every
+KV token ``n`` the row may see, ``-inf`` elsewhere.  Two layouts:
+
+* padded (DeepGEMM SM90 / stock vLLM): ``q [B, next_n, H, D]``,
+  ``context_lens [B, next_n]``, ``block_table [B, W]``; row ``b * next_n + j``
+  reads block-table row ``b`` and sees ``context_lens[b, j]`` tokens.
+* varlen (``indices`` given): ``q [R, 1, H, D]``, ``context_lens [R, 1]`` (or
+  ``[R]``), ``block_table [R, W]``, ``indices [R]``.  A request is a maximal
+  run of equal adjacent ids; its KV length is the run's *last* row's context
+  length, its block-table row is the run's *first* row, and each row sees
+  ``min(own context length, run KV length)`` tokens.
+
+KV cache: the fused fp8 layout ``uint8 [num_blocks, page, 1, D + 4]``: per page,
+``page * D`` e4m3 values followed by ``page`` fp32 scales.  Nothing here
+imports vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+
+
+def split_fused_kv(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``uint8 [blocks, page, 1, D + 4]`` -> (fp8 ``[blocks, page, D]``, fp32 ``[blocks, page]``)."""
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
+        raise ValueError(
+            "kv_cache: expected uint8 [num_blocks, page, 1, D + 4], got "
+            f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
+    blocks, page, _, width = kv_cache.shape
+    dim = width - 4
+    flat = kv_cache.reshape(blocks, page * width)
+    values = flat[:, : page * dim].contiguous().view(torch.float8_e4m3fn).view(blocks, page, dim)
+    scales = flat[:, page * dim:].contiguous().view(torch.float32).view(blocks, page)
+    return values, scales
+
+
+def quantize_kv_fp8(k: torch.Tensor) -> torch.Tensor:
+    """Quantize ``k`` float ``[blocks, page, D]`` per token to the fused fp8 layout."""
+    blocks, page, dim = k.shape
+    scale = k.abs().float().amax(dim=-1, keepdim=True).clamp_min(1e-4) / FP8_MAX
+    values = (k.float() / scale).to(torch.float8_e4m3fn)
+    fused = torch.empty((blocks, page * (dim + 4)), dtype=torch.uint8, device=k.device)
+    fused[:, : page * dim] = values.reshape(blocks, page * dim).view(torch.uint8)
+    fused[:, page * dim:] = scale.reshape(blocks, page).contiguous().view(torch.uint8).view(
+        blocks, page * 4)
+    return fused.view(blocks, page, 1, dim + 4)
+
+
+def _row_logits(q_rows, weights_rows, values, scales, bt_row, kv_len, page, dtype):
+    """Logits ``[n_rows, kv_len]`` of rows sharing one request's KV."""
+    num_pages = (kv_len + page - 1) // page
+    blocks = bt_row[:num_pages].long()
+    k = values[blocks].to(dtype).reshape(num_pages * page, -1)[:kv_len]
+    s = scales[blocks].to(dtype).reshape(-1)[:kv_len]
+    qk = torch.einsum("rhd,nd->rhn", q_rows.to(dtype), k)
+    return (qk.relu() * weights_rows.to(dtype)[:, :, None]).sum(dim=1) * s[None, :]
+
+
+def paged_mqa_logits_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_context_len: int,
+    indices: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Reference logits, float32 ``[rows, max_context_len]``; ``-inf`` where a
+    row sees no token.  See the module docstring for both layouts."""
+    values, scales = split_fused_kv(kv_cache)
+    page = values.shape[1]
+    batch, next_n, heads, _ = q.shape
+    rows = batch * next_n
+    out = torch.full((rows, max_context_len), float("-inf"), dtype=torch.float32, device=q.device)
+    q_rows = q.reshape(rows, heads, -1)
+    w_rows = weights.reshape(rows, heads)
+    ctx = context_lens.reshape(rows).tolist()
+    if indices is None:
+        groups = [(b * next_n, (b + 1) * next_n, b) for b in range(batch)]
+        kv_lens = [max(ctx[s:e]) for s, e, _ in groups]
+    else:
+        ids = indices.tolist()
+        groups, start = [], 0
+        for r in range(1, rows + 1):
+            if r == rows or ids[r] != ids[start]:
+                groups.append((start, r, start))
+                start = r
+        kv_lens = [ctx[e - 1] for _, e, _ in groups]
+    for (start, end, bt_index), kv_len in zip(groups, kv_lens):
+        kv_len = max(0, min(kv_len, max_context_len))
+        if kv_len == 0:
+            continue
+        logits = _row_logits(q_rows[start:end], w_rows[start:end], values, scales,
+                             block_table[bt_index], kv_len, page, compute_dtype)
+        cols = torch.arange(kv_len, device=q.device)
+        row_ctx = torch.tensor(ctx[start:end], device=q.device).clamp(max=kv_len)
+        out[start:end, :kv_len] = torch.where(
+            cols[None, :] < row_ctx[:, None], logits.float(), float("-inf"))
+    return out
+
+
+def valid_mask(context_lens: torch.Tensor, max_context_len: int,
+               indices: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool ``[rows, max_context_len]``: positions a kernel must write.
+
+    Each row's own context length bounds it; in the varlen layout also its
+    run's KV length (the run's last row's context length)."""
+    ctx = context_lens.reshape(-1).long()
+    if indices is not None:
+        ids = indices.reshape(-1)
+        # Last row of each row's run: scan from the end.
+        n = ids.numel()
+        last = torch.arange(n, device=ids.device)
+        if n > 1:
+            is_end = torch.ones(n, dtype=torch.bool, device=ids.device)
+            is_end[:-1] = ids[:-1] != ids[1:]
+            pos = torch.where(is_end, last, torch.full_like(last, n))
+            last = pos.flip(0).cummin(0).values.flip(0)
+        ctx = torch.minimum(ctx, ctx[last])
+    cols = torch.arange(max_context_len, device=ctx.device)
+    return cols[None, :] < ctx[:, None]

@@ -1,0 +1,187 @@
+"""Decode-row planning: one pure function that turns a decode batch into rows.
+
+A decode step holds ``B`` requests; request ``b`` carries ``n_b`` query tokens
+(1 for plain decode, up to ``next_n`` with MTP / speculative decode) and has
+``seq_lens[b]`` tokens of KV *including* those new tokens.  The varlen layout
+flattens the batch to one row per query token (``next_n == 1``) and ties the
+rows of one request together with a run id:
+
+* ``indices[r]``       int32 — run id; a request is a maximal run of equal
+  adjacent ids.  Real rows carry their request's index ``b``; padding rows get
+  ids of their own.
+* ``context_lens[r]``  int32 — the row's own causal context length
+  ``seq_lens[b] - n_b + j + 1`` for the ``j``-th token of request ``b``,
+  clamped at 0 (graph-padding requests have ``seq_len == 0``).
+* ``block_table[r]``   int32 — the request's block-table row (a kernel reads
+  the run's first row; every row is filled so any row may be read).
+
+This function is the single source of the layout: the vLLM builder, the kernel
+tests and the benchmark all call it.  It only issues device ops (no ``.item()``
+or ``.tolist()``), so the uniform path never synchronises with the host and can
+run while a CUDA graph is captured.  Host-side facts (number of rows, whether
+the batch is uniform) come in as Python ints, as vLLM has them on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """Rows of one decode step in the varlen layout (see module docstring).
+
+    ``indices``: int32 ``[R]``; ``context_lens``: int32 ``[R]``;
+    ``block_table``: int32 ``[R, W]``; ``num_rows``: ``R``.
+    """
+
+    indices: torch.Tensor
+    context_lens: torch.Tensor
+    block_table: torch.Tensor
+    num_rows: int
+
+
+@dataclass
+class DecodeRowBuffers:
+    """Preallocated outputs for :func:`plan_decode_rows` (stable addresses).
+
+    ``indices`` int32 ``[N]`` must start 8-byte aligned (DeepGEMM scans the
+    ids two at a time); ``context_lens`` int32 ``[N]``; ``block_table`` int32
+    ``[N, W]``; ``arange`` int32 ``[>= N]`` holding ``0..N-1``.
+    """
+
+    indices: torch.Tensor
+    context_lens: torch.Tensor
+    block_table: torch.Tensor
+    arange: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_rows: int, block_table_width: int,
+                 device: torch.device | str) -> "DecodeRowBuffers":
+        return cls(
+            indices=torch.zeros(max_rows, dtype=torch.int32, device=device),
+            context_lens=torch.zeros(max_rows, dtype=torch.int32, device=device),
+            block_table=torch.zeros((max_rows, block_table_width), dtype=torch.int32,
+                                    device=device),
+            arange=torch.arange(max_rows, dtype=torch.int32, device=device),
+        )
+
+
+def _check_inputs(seq_lens, query_start_loc, block_table, num_rows, uniform_len):
+    if seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens: expected a 1-D tensor [B], got shape {tuple(seq_lens.shape)}")
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != num_reqs + 1:
+        raise ValueError(
+            f"query_start_loc: expected shape [{num_reqs + 1}] (B + 1), "
+            f"got {tuple(query_start_loc.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] < num_reqs:
+        raise ValueError(
+            f"block_table: expected a 2-D tensor with at least {num_reqs} rows, "
+            f"got shape {tuple(block_table.shape)}")
+    for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc),
+                    ("block_table", block_table)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: expected an integer tensor, got {t.dtype}")
+    if num_rows < 0:
+        raise ValueError(f"num_rows: expected >= 0, got {num_rows}")
+    if uniform_len is not None:
+        if uniform_len < 1:
+            raise ValueError(f"uniform_len: expected >= 1, got {uniform_len}")
+        if num_rows != num_reqs * uniform_len:
+            raise ValueError(
+                f"num_rows: a uniform batch of {num_reqs} requests x {uniform_len} "
+                f"tokens has {num_reqs * uniform_len} rows, got {num_rows}")
+
+
+def plan_decode_rows(
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    num_rows: int,
+    uniform_len: int | None = None,
+    num_tokens: int | None = None,
+    out: DecodeRowBuffers | None = None,
+) -> DecodeRows:
+    """Flatten a decode batch into varlen rows.
+
+    Args:
+        seq_lens: int ``[B]``, KV length of each request including its new tokens.
+        query_start_loc: int ``[B + 1]``, cumulative query-token offsets (may
+            start at a non-zero offset; only differences are used).
+        block_table: int32 ``[>= B, W]``, one block-table row per request.
+        num_rows: ``R``, the number of rows to produce.
+        num_tokens: for a variable batch, the total query tokens
+            ``sum(n_b)`` as the host knows it (default ``R``); rows past it are
+            padding rows (ids of their own, context 0, block-table row of 0s).
+        uniform_len: every request has exactly this many tokens
+            (``R == B * uniform_len``): ids are ``r // uniform_len``, computed
+            without any data-dependent shape.
+        out: buffers to write into (e.g. a CUDA-graph-stable workspace); fresh
+            tensors when ``None``.
+
+    Returns:
+        :class:`DecodeRows` whose tensors are views of ``out`` when given.
+    """
+    _check_inputs(seq_lens, query_start_loc, block_table, num_rows, uniform_len)
+    device = seq_lens.device
+    num_reqs = seq_lens.shape[0]
+    if out is None:
+        out = DecodeRowBuffers.allocate(num_rows, block_table.shape[1], device)
+    elif out.indices.shape[0] < num_rows or out.arange.shape[0] < num_rows:
+        raise ValueError(
+            f"out: buffers hold {out.indices.shape[0]} rows, {num_rows} needed")
+    elif out.block_table.shape[1] < block_table.shape[1]:
+        raise ValueError(
+            f"out.block_table: width {out.block_table.shape[1]} < block_table width "
+            f"{block_table.shape[1]}")
+    width = block_table.shape[1]
+    ids = out.indices[:num_rows]
+    ctx = out.context_lens[:num_rows]
+    rows_bt = out.block_table[:num_rows, :width]
+    rows = out.arange[:num_rows]
+    if num_rows == 0:
+        return DecodeRows(ids, ctx, rows_bt, 0)
+
+    qsl = query_start_loc.to(torch.int32)
+    decode_lens = qsl[1:] - qsl[:-1]
+    if uniform_len is not None:
+        torch.div(rows, uniform_len, rounding_mode="floor", out=ids)
+        req = ids.long()
+        pos = rows - ids * uniform_len
+        ctx.copy_((seq_lens.to(torch.int32)[req] - uniform_len + pos + 1).clamp_min_(0))
+        rows_bt.copy_(block_table.index_select(0, req))
+        return DecodeRows(ids, ctx, rows_bt, num_rows)
+
+    # Variable lengths: the first ``num_tokens`` rows are real (their request
+    # index by repeat_interleave, sized from the host so no sync is needed);
+    # any rows after them are padding rows with ids of their own.
+    num_real = num_rows if num_tokens is None else num_tokens
+    if not 0 <= num_real <= num_rows:
+        raise ValueError(f"num_tokens: expected 0..{num_rows}, got {num_tokens}")
+    req = torch.repeat_interleave(
+        torch.arange(num_reqs, device=device, dtype=torch.int32), decode_lens,
+        output_size=num_real).long()
+    real_ids, pad_ids = ids[:num_real], ids[num_real:]
+    real_ctx, pad_ctx = ctx[:num_real], ctx[num_real:]
+    real_bt, pad_bt = rows_bt[:num_real], rows_bt[num_real:]
+    real_ids.copy_(req)
+    pos = rows[:num_real] - (qsl[req] - qsl[0])
+    real_ctx.copy_((seq_lens.to(torch.int32)[req] - decode_lens[req] + pos + 1).clamp_min_(0))
+    real_bt.copy_(block_table.index_select(0, req))
+    torch.add(rows[num_real:], num_reqs, out=pad_ids)
+    pad_ctx.zero_()
+    pad_bt.zero_()
+    return DecodeRows(ids, ctx, rows_bt, num_rows)
+
+
+def run_starts(indices: torch.Tensor) -> torch.Tensor:
+    """Bool ``[R]``: row ``r`` starts a run (``r == 0`` or its id differs from
+    row ``r - 1``'s)."""
+    starts = torch.ones_like(indices, dtype=torch.bool)
+    if indices.numel() > 1:
+        starts[1:] = indices[1:] != indices[:-1]
+    return starts

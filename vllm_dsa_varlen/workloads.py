@@ -1,0 +1,153 @@
+"""Decode steps generated the way serving produces them, for tests and benchmarks.
+
+A step has ``B`` requests with ``n_b`` query tokens each (MTP accepted lengths)
+and KV lengths ``seq_lens[b]`` (including the new tokens); pages are scattered
+over a shared pool by a random permutation (non-monotonic block tables).  The
+varlen rows come from :func:`vllm_dsa_varlen.plan.plan_decode_rows`, the same
+function the vLLM builder calls.  Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .ops.reference import quantize_kv_fp8
+from .plan import DecodeRows, plan_decode_rows
+
+
+@dataclass
+class DecodeStep:
+    """One decode step in both layouts.
+
+    Varlen: ``q [R, 1, H, D]`` fp8, ``weights [R, H]`` fp32, ``rows`` (ids,
+    per-row context lengths, per-row block-table rows).
+    Request level: ``seq_lens [B]``, ``decode_lens [B]``, ``query_start_loc
+    [B + 1]``, ``block_table [B, W]``.  ``kv_cache`` is the fused fp8 pool.
+    """
+
+    q: torch.Tensor
+    weights: torch.Tensor
+    kv_cache: torch.Tensor
+    seq_lens: torch.Tensor
+    decode_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_table: torch.Tensor
+    rows: DecodeRows
+    max_context_len: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.num_rows
+
+    def padded(self, next_n: int) -> dict:
+        """The same step padded to ``next_n`` rows per request (the layout of
+        DeepGEMM's native ``[B, next_n]`` path and of stock vLLM's padded path).
+
+        Padded rows repeat the request's first row's context length and carry
+        zero queries; ``row_of`` maps each varlen row to its padded row.
+        Tokens are right-aligned: a request with ``n`` tokens fills the last
+        ``n`` of its ``next_n`` slots, so the last slot sees the full length.
+        """
+        num_reqs = self.seq_lens.shape[0]
+        device = self.q.device
+        heads, dim = self.q.shape[2], self.q.shape[3]
+        lens = self.decode_lens.long()
+        if int(lens.max()) > next_n:
+            raise ValueError(f"next_n: {next_n} < longest request ({int(lens.max())} tokens)")
+        req = self.rows.indices[: int(lens.sum())].long()
+        pos = torch.arange(req.numel(), device=device) - self.query_start_loc[req].long()
+        slot = next_n - lens[req] + pos
+        row_of = req * next_n + slot
+        q = torch.zeros((num_reqs * next_n, heads, dim), dtype=torch.float32, device=device)
+        q[row_of] = self.q[: req.numel(), 0].float()
+        w = torch.zeros((num_reqs * next_n, heads), dtype=torch.float32, device=device)
+        w[row_of] = self.weights[: req.numel()]
+        offs = torch.arange(next_n, device=device)
+        ctx = (self.seq_lens.long()[:, None] - next_n + 1 + offs[None, :]).clamp_min(0)
+        return {
+            "q": q.to(torch.float8_e4m3fn).view(num_reqs, next_n, heads, dim),
+            "weights": w,
+            "context_lens": ctx.to(torch.int32).contiguous(),
+            "block_table": self.block_table,
+            "row_of": row_of,
+        }
+
+
+def accepted_lengths(num_reqs: int, max_tokens: int, acceptance: float | None,
+                     generator: torch.Generator) -> torch.Tensor:
+    """Tokens per request: ``max_tokens`` each when ``acceptance`` is None, else
+    1 + the number of leading draft tokens accepted, each with probability
+    ``acceptance`` (geometric, capped at ``max_tokens``)."""
+    if acceptance is None:
+        return torch.full((num_reqs,), max_tokens, dtype=torch.int32)
+    accept = torch.rand((num_reqs, max_tokens - 1), generator=generator) < acceptance
+    leading = accept.int().cumprod(dim=1).sum(dim=1)
+    return (1 + leading).to(torch.int32)
+
+
+def make_decode_step(
+    decode_lens: list[int] | torch.Tensor,
+    seq_lens: list[int] | torch.Tensor,
+    *,
+    heads: int = 64,
+    dim: int = 128,
+    page: int = 64,
+    extra_blocks: int = 0,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    max_context_len: int | None = None,
+    padding_rows: int = 0,
+) -> DecodeStep:
+    """Build a decode step.  ``seq_lens[b]`` of 0 makes a graph-padding request
+    (its rows get context 0).  ``padding_rows`` appends rows past the real
+    tokens (own ids, context 0), as a graph-padded variable batch has."""
+    gen = torch.Generator().manual_seed(seed)
+    decode_lens = torch.as_tensor(decode_lens, dtype=torch.int32)
+    seq_lens = torch.as_tensor(seq_lens, dtype=torch.int32)
+    num_reqs = decode_lens.numel()
+    pages_per_req = (seq_lens + page - 1) // page
+    width = max(1, int(pages_per_req.max()) if num_reqs else 1)
+    if max_context_len is not None:
+        width = max(width, (max_context_len + page - 1) // page)
+    total_pages = int(pages_per_req.sum()) + extra_blocks + 1
+    perm = torch.randperm(total_pages, generator=gen).to(torch.int32)
+    block_table = torch.zeros((num_reqs, width), dtype=torch.int32)
+    offset = 0
+    for b, n in enumerate(pages_per_req.tolist()):
+        block_table[b, :n] = perm[offset:offset + n]
+        offset += n
+    k = torch.randn((total_pages, page, dim), generator=gen)
+    kv_cache = quantize_kv_fp8(k)
+    query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(decode_lens, 0)
+    num_tokens = int(query_start_loc[-1])
+    num_rows = num_tokens + padding_rows
+    q = torch.randn((num_rows, 1, heads, dim), generator=gen).to(torch.float8_e4m3fn)
+    weights = torch.randn((num_rows, heads), generator=gen) / heads ** 0.5
+    if max_context_len is None:
+        max_context_len = max(1, int(seq_lens.max()) if num_reqs else 1)
+    dev = torch.device(device)
+    seq_lens, decode_lens = seq_lens.to(dev), decode_lens.to(dev)
+    query_start_loc, block_table = query_start_loc.to(dev), block_table.to(dev)
+    rows = plan_decode_rows(seq_lens, query_start_loc, block_table,
+                            num_rows=num_rows, num_tokens=num_tokens)
+    return DecodeStep(q=q.to(dev), weights=weights.to(dev), kv_cache=kv_cache.to(dev),
+                      seq_lens=seq_lens, decode_lens=decode_lens,
+                      query_start_loc=query_start_loc, block_table=block_table,
+                      rows=rows, max_context_len=max_context_len)
+
+
+def random_decode_step(num_reqs: int, max_tokens: int, context_len: int, *,
+                       acceptance: float | None = None, spread: float = 0.3,
+                       seed: int = 0, **kwargs) -> DecodeStep:
+    """A step of ``num_reqs`` requests with KV lengths uniform in
+    ``context_len * [1 - spread, 1 + spread]`` and accepted lengths from
+    :func:`accepted_lengths`."""
+    gen = torch.Generator().manual_seed(seed + 7919)
+    lens = accepted_lengths(num_reqs, max_tokens, acceptance, gen)
+    lo = max(int(lens.max()), int(context_len * (1 - spread)))
+    hi = max(lo + 1, int(context_len * (1 + spread)))
+    seq_lens = torch.randint(lo, hi, (num_reqs,), generator=gen, dtype=torch.int32)
+    return make_decode_step(lens, seq_lens, seed=seed, **kwargs)
