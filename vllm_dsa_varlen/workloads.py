@@ -99,18 +99,29 @@ def make_decode_step(
     seed: int = 0,
     max_context_len: int | None = None,
     padding_rows: int = 0,
+    compress_ratio: int = 1,
 ) -> DecodeStep:
-    """Build a decode step.  ``seq_lens[b]`` of 0 makes a graph-padding request
-    (its rows get context 0).  ``padding_rows`` appends rows past the real
-    tokens (own ids, context 0), as a graph-padded variable batch has."""
+    """Build a decode step.
+
+    ``seq_lens[b]`` of 0 makes a graph-padding request (its rows get context
+    0).  ``padding_rows`` appends rows past the real tokens (own ids, context
+    0), as a graph-padded variable batch has.  ``compress_ratio > 1`` models
+    DeepSeek V4's compressed indexer cache: the cache holds ``len //
+    compress_ratio`` entries per request and every row's context length is
+    divided likewise (as vLLM 0.27.1's builder does after planning).
+    Small tensors are drawn on the CPU, large ones on ``device``."""
+    dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
+    dev_gen = torch.Generator(device=dev).manual_seed(seed)
     decode_lens = torch.as_tensor(decode_lens, dtype=torch.int32)
     seq_lens = torch.as_tensor(seq_lens, dtype=torch.int32)
     num_reqs = decode_lens.numel()
-    pages_per_req = (seq_lens + page - 1) // page
+    kv_lens = seq_lens // compress_ratio
+    pages_per_req = (kv_lens + page - 1) // page
     width = max(1, int(pages_per_req.max()) if num_reqs else 1)
-    if max_context_len is not None:
-        width = max(width, (max_context_len + page - 1) // page)
+    if max_context_len is None:
+        max_context_len = max(1, int(kv_lens.max()) if num_reqs else 1)
+    width = max(width, (max_context_len + page - 1) // page)
     total_pages = int(pages_per_req.sum()) + extra_blocks + 1
     perm = torch.randperm(total_pages, generator=gen).to(torch.int32)
     block_table = torch.zeros((num_reqs, width), dtype=torch.int32)
@@ -118,35 +129,38 @@ def make_decode_step(
     for b, n in enumerate(pages_per_req.tolist()):
         block_table[b, :n] = perm[offset:offset + n]
         offset += n
-    k = torch.randn((total_pages, page, dim), generator=gen)
+    k = torch.randn((total_pages, page, dim), generator=dev_gen, device=dev)
     kv_cache = quantize_kv_fp8(k)
+    del k
     query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(decode_lens, 0)
     num_tokens = int(query_start_loc[-1])
     num_rows = num_tokens + padding_rows
-    q = torch.randn((num_rows, 1, heads, dim), generator=gen).to(torch.float8_e4m3fn)
-    weights = torch.randn((num_rows, heads), generator=gen) / heads ** 0.5
-    if max_context_len is None:
-        max_context_len = max(1, int(seq_lens.max()) if num_reqs else 1)
-    dev = torch.device(device)
+    q = torch.randn((num_rows, 1, heads, dim), generator=dev_gen, device=dev).to(torch.float8_e4m3fn)
+    weights = torch.randn((num_rows, heads), generator=dev_gen, device=dev) / heads ** 0.5
     seq_lens, decode_lens = seq_lens.to(dev), decode_lens.to(dev)
     query_start_loc, block_table = query_start_loc.to(dev), block_table.to(dev)
     rows = plan_decode_rows(seq_lens, query_start_loc, block_table,
                             num_rows=num_rows, num_tokens=num_tokens)
-    return DecodeStep(q=q.to(dev), weights=weights.to(dev), kv_cache=kv_cache.to(dev),
-                      seq_lens=seq_lens, decode_lens=decode_lens,
-                      query_start_loc=query_start_loc, block_table=block_table,
-                      rows=rows, max_context_len=max_context_len)
+    if compress_ratio > 1:
+        rows.context_lens.div_(compress_ratio, rounding_mode="floor")
+    return DecodeStep(q=q, weights=weights, kv_cache=kv_cache, seq_lens=seq_lens,
+                      decode_lens=decode_lens, query_start_loc=query_start_loc,
+                      block_table=block_table, rows=rows, max_context_len=max_context_len)
 
 
 def random_decode_step(num_reqs: int, max_tokens: int, context_len: int, *,
-                       acceptance: float | None = None, spread: float = 0.3,
-                       seed: int = 0, **kwargs) -> DecodeStep:
+                       acceptance: float | None = None, variable: bool = False,
+                       spread: float = 0.3, seed: int = 0, **kwargs) -> DecodeStep:
     """A step of ``num_reqs`` requests with KV lengths uniform in
-    ``context_len * [1 - spread, 1 + spread]`` and accepted lengths from
-    :func:`accepted_lengths`."""
+    ``context_len * [1 - spread, 1 + spread]``.  Tokens per request: uniform
+    in ``1..max_tokens`` when ``variable``, else from :func:`accepted_lengths`
+    (``max_tokens`` each when ``acceptance`` is None)."""
     gen = torch.Generator().manual_seed(seed + 7919)
-    lens = accepted_lengths(num_reqs, max_tokens, acceptance, gen)
+    if variable:
+        lens = torch.randint(1, max_tokens + 1, (num_reqs,), generator=gen, dtype=torch.int32)
+    else:
+        lens = accepted_lengths(num_reqs, max_tokens, acceptance, gen)
     lo = max(int(lens.max()), int(context_len * (1 - spread)))
     hi = max(lo + 1, int(context_len * (1 + spread)))
     seq_lens = torch.randint(lo, hi, (num_reqs,), generator=gen, dtype=torch.int32)

@@ -53,12 +53,14 @@ CPU_CASES = {
 
 
 @pytest.mark.parametrize("name", list(CPU_CASES))
-@pytest.mark.parametrize("rows_per_dot, pages_per_split", [(2, 1), (4, 3), (1, 8)])
-def test_small_shapes_match_reference(name, rows_per_dot, pages_per_split, device):
+@pytest.mark.parametrize("rows_per_dot, pages_per_split, transposed",
+                         [(2, 1, False), (4, 3, False), (1, 8, False), (4, 2, True)])
+def test_small_shapes_match_reference(name, rows_per_dot, pages_per_split, transposed, device):
     decode_lens, seq_lens, padding_rows, heads = CPU_CASES[name]
     step = make_decode_step(decode_lens, seq_lens, heads=heads, padding_rows=padding_rows,
                             max_context_len=max(seq_lens) + 11, seed=len(name), device=device)
-    out = run_kernel(step, rows_per_dot=rows_per_dot, pages_per_split=pages_per_split)
+    out = run_kernel(step, rows_per_dot=rows_per_dot, pages_per_split=pages_per_split,
+                     transposed=transposed)
     check_against_reference(step, out, rel_tol=1e-5)
 
 

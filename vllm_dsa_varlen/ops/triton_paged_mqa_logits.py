@@ -17,9 +17,10 @@ every column below ``min(row context, run KV length)`` is written, the rest is
 left as it was allocated.
 
 Work split: one program per (row, KV split).  A program whose row does not start
-a run exits at once; the run's first row walks the run, loads each KV page of
-its split once and scores all of the run's rows against it (``ROWS`` rows per
-``tl.dot``, more in further passes over the page held in registers).  The grid
+a run exits at once; the run's first row walks the run, holds up to ``ROWS`` of
+its rows' queries in registers, and scores them all with one ``tl.dot`` per KV
+page of its split, so each page is read once per run (runs longer than
+``ROWS`` take further passes).  The grid
 depends only on shapes (``R`` and ``max_context_len``) and nothing is read back
 to the host, so a launch can be captured in a CUDA graph.
 """
@@ -42,7 +43,7 @@ def _varlen_paged_mqa_logits_kernel(
     num_rows, max_context_len,
     stride_q, stride_kv_block, stride_w, stride_bt, stride_out,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    ROWS: tl.constexpr, PAGES_PER_SPLIT: tl.constexpr,
+    ROWS: tl.constexpr, PAGES_PER_SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     row0 = tl.program_id(0)
     split = tl.program_id(1)
@@ -65,31 +66,39 @@ def _varlen_paged_mqa_logits_kernel(
     offs_t = tl.arange(0, PAGE)
     offs_r = tl.arange(0, ROWS)
     bt_row = bt_ptr + row0.to(tl.int64) * stride_bt
-    for page in range(page_begin, page_end):
-        block = tl.load(bt_row + page).to(tl.int64)
-        page_ptr = kv_ptr + block * stride_kv_block
-        k = tl.load((page_ptr + offs_t[:, None] * D + offs_d[None, :]).to(
-            tl.pointer_type(tl.float8e4nv)))                          # [PAGE, D]
-        scale = tl.load((page_ptr + PAGE * D + offs_t * 4).to(
-            tl.pointer_type(tl.float32)))                             # [PAGE]
-        cols = page * PAGE + offs_t
-        for chunk in range(0, run_len, ROWS):
-            m_row = chunk + offs_m // H                               # row within run
-            m_ok = m_row < run_len
-            rows_m = (row0 + m_row).to(tl.int64)
-            q = tl.load(q_ptr + rows_m[:, None] * stride_q + (offs_m % H)[:, None] * D
-                        + offs_d[None, :], mask=m_ok[:, None], other=0.0)  # [ROWS*H, D]
-            w = tl.load(w_ptr + rows_m * stride_w + offs_m % H, mask=m_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k))                                # [ROWS*H, PAGE] fp32
-            s = tl.maximum(s, 0.0) * w[:, None]
-            logits = tl.sum(tl.reshape(s, (ROWS, H, PAGE)), axis=1) * scale[None, :]
-            r_in_run = chunk + offs_r
-            r_ok = r_in_run < run_len
-            rows_r = (row0 + r_in_run).to(tl.int64)
-            row_ctx = tl.load(ctx_ptr + rows_r, mask=r_ok, other=0)
-            row_ctx = tl.minimum(row_ctx, kv_len)
+    # Rows in chunks of ROWS; a run longer than ROWS re-reads its split's pages
+    # once per extra chunk (choose ROWS >= the usual run length).
+    for chunk in range(0, run_len, ROWS):
+        m_row = chunk + offs_m // H                                   # row within run
+        m_ok = m_row < run_len
+        rows_m = (row0 + m_row).to(tl.int64)
+        q = tl.load(q_ptr + rows_m[:, None] * stride_q + (offs_m % H)[:, None] * D
+                    + offs_d[None, :], mask=m_ok[:, None], other=0.0)    # [ROWS*H, D]
+        w = tl.load(w_ptr + rows_m * stride_w + offs_m % H, mask=m_ok, other=0.0)
+        r_in_run = chunk + offs_r
+        r_ok = r_in_run < run_len
+        rows_r = (row0 + r_in_run).to(tl.int64)
+        row_ctx = tl.minimum(tl.load(ctx_ptr + rows_r, mask=r_ok, other=0), kv_len)
+        out_rows = out_ptr + rows_r * stride_out
+        for page in range(page_begin, page_end):
+            block = tl.load(bt_row + page).to(tl.int64)
+            page_ptr = kv_ptr + block * stride_kv_block
+            k = tl.load((page_ptr + offs_t[:, None] * D + offs_d[None, :]).to(
+                tl.pointer_type(tl.float8e4nv)))                      # [PAGE, D]
+            scale = tl.load((page_ptr + PAGE * D + offs_t * 4).to(
+                tl.pointer_type(tl.float32)))                         # [PAGE]
+            cols = page * PAGE + offs_t
+            if TRANSPOSED:
+                s = tl.dot(k, tl.trans(q))                            # [PAGE, ROWS*H]
+                s = tl.maximum(s, 0.0) * w[None, :]
+                logits = tl.trans(tl.sum(tl.reshape(s, (PAGE, ROWS, H)), axis=2))
+            else:
+                s = tl.dot(q, tl.trans(k))                            # [ROWS*H, PAGE]
+                s = tl.maximum(s, 0.0) * w[:, None]
+                logits = tl.sum(tl.reshape(s, (ROWS, H, PAGE)), axis=1)
+            logits = logits * scale[None, :]                          # [ROWS, PAGE]
             keep = r_ok[:, None] & (cols[None, :] < row_ctx[:, None])
-            tl.store(out_ptr + rows_r[:, None] * stride_out + cols[None, :], logits, mask=keep)
+            tl.store(out_rows[:, None] + cols[None, :], logits, mask=keep)
 
 
 def _fail(arg: str, expected: str, got) -> None:
@@ -191,12 +200,15 @@ def varlen_paged_mqa_logits(
     pages_per_split: int = 8,
     num_warps: int = 8,
     num_stages: int = 2,
+    transposed: bool = False,
     out: torch.Tensor | None = None,
     validate_contents: bool = False,
 ) -> torch.Tensor:
     """Varlen paged MQA logits, float32 ``[R, max_context_len]`` (see module doc).
 
-    ``rows_per_dot``: rows scored per ``tl.dot`` (default: 4 for H 32, 2 for H 64).
+    ``rows_per_dot``: rows scored per ``tl.dot`` (default 4: MTP runs of up to
+    4 tokens read each page once).  ``transposed``: score ``K @ Q^T`` instead of
+    ``Q @ K^T`` (tuning knob).
     ``out``: optional float32 ``[R, >= max_context_len]`` to write into.
     ``validate_contents``: also run the data-dependent checks (host sync).
     """
@@ -215,7 +227,7 @@ def varlen_paged_mqa_logits(
     if rows == 0:
         return out
     if rows_per_dot is None:
-        rows_per_dot = 2 if heads == 64 else 4
+        rows_per_dot = 4
     if rows_per_dot not in (1, 2, 4, 8):
         _fail("rows_per_dot", "1, 2, 4 or 8", rows_per_dot)
     num_splits = triton.cdiv(triton.cdiv(max_context_len, page), pages_per_split)
@@ -225,6 +237,7 @@ def varlen_paged_mqa_logits(
         rows, max_context_len,
         q.stride(0), kv_cache.stride(0), weights.stride(0), block_table.stride(0), out.stride(0),
         H=heads, D=dim, PAGE=page, ROWS=rows_per_dot, PAGES_PER_SPLIT=pages_per_split,
+        TRANSPOSED=bool(transposed),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -1,0 +1,335 @@
+"""Decode-indexer benchmark: every paged-MQA-logits path this machine has.
+
+Decode steps are built the way serving produces them (DeepSeek V3.2 shapes:
+H 64, D 128, page 64, fp8 cache; optionally V4's compressed cache) through the
+project's own plan, and each available path is timed on the same step:
+
+* ``triton-varlen``   — this project's kernel: one row per token + run ids;
+* ``deepgemm-flat``   — DeepGEMM ``next_n = 1`` on the flattened rows (what
+  vLLM 0.27.1 does on Hopper with MTP >= 2: every row re-reads its KV);
+* ``deepgemm-native`` — DeepGEMM ``[B, next_n]`` padded (SM90: next_n <= 2);
+* ``deepgemm-varlen`` — DeepGEMM with ``indices`` (SM100 only).
+
+Reported per path: median µs (CUDA events via ``triton.testing.do_bench``,
+which flushes the L2 before every run), the floor (max of memory floor and
+compute floor, from a copy bandwidth and an fp8 matmul rate measured in the
+same run), useful vs padded rows, and the plan's host µs per step.  Without a
+GPU it runs tiny shapes through the reference and the Triton interpreter and
+says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Case:
+    name: str
+    num_reqs: int
+    context: int
+    max_tokens: int
+    variable: bool = False
+    heads: int = 64
+    compress_ratio: int = 1
+
+
+GPU_CASES = [
+    Case("B64 L32K 4tok uniform", 64, 32768, 4),
+    Case("B64 L32K 1..4tok", 64, 32768, 4, variable=True),
+    Case("B64 L32K 2tok uniform", 64, 32768, 2),
+    Case("B256 L4K 2tok uniform", 256, 4096, 2),
+    Case("B128 L8K 1..4tok", 128, 8192, 4, variable=True),
+    Case("B8 L128K 1..4tok", 8, 131072, 4, variable=True),
+    Case("B64 L128K/4 V4 4tok", 64, 131072, 4, compress_ratio=4),
+    Case("B1 L8K 4tok uniform", 1, 8192, 4),
+]
+CPU_CASES = [
+    Case("tiny B3 L300 1..4tok", 3, 300, 4, variable=True, heads=32),
+    Case("tiny B2 L200 2tok", 2, 200, 2, heads=32),
+]
+
+
+@dataclass
+class Row:
+    case: str
+    path: str
+    us: float
+    floor_us: float
+    mem_floor_us: float
+    compute_floor_us: float
+    useful_rows: int
+    padded_rows: int
+    kv_reads_per_request: float
+    plan_host_us: float
+    note: str = ""
+    params: dict = field(default_factory=dict)
+
+
+def measure_ceilings(torch, do_bench):
+    """(copy bytes/s counting read + write, fp8 dense matmul FLOP/s), measured here."""
+    n = 1 << 30
+    src = torch.randn(n // 4, device="cuda")
+    dst = torch.empty_like(src)
+    t = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median") * 1e-3
+    bw = 2 * n / t
+    m = 8192
+    a = torch.randn((m, m), device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn((m, m), device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.tensor(1.0, device="cuda")
+    t = do_bench(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                 warmup=50, rep=300, return_mode="median") * 1e-3
+    return bw, 2 * m ** 3 / t
+
+
+def floors(step, bw, flops_rate):
+    """Memory floor (KV once per request + useful fp32 logits + q + weights) and
+    compute floor (2·H·D per useful logit), in seconds."""
+    rows = step.rows
+    heads, dim = step.q.shape[2], step.q.shape[3]
+    ctx = rows.context_lens.long()
+    ids = rows.indices
+    last = torch_last_rows(ids)
+    kv_tokens = int(ctx[last].sum())
+    useful_logits = int(ctx.sum())
+    num_rows = rows.num_rows
+    bytes_ = kv_tokens * (dim + 4) + useful_logits * 4 + num_rows * heads * (dim + 4)
+    flops = 2 * heads * dim * useful_logits
+    return bytes_ / bw, flops / flops_rate, useful_logits, kv_tokens
+
+
+def torch_last_rows(ids):
+    import torch
+    n = ids.numel()
+    is_end = torch.ones(n, dtype=torch.bool, device=ids.device)
+    if n > 1:
+        is_end[:-1] = ids[:-1] != ids[1:]
+    return is_end
+
+
+def plan_host_us(torch, step, reps=200):
+    """Host µs of one plan call (the builder's per-step work), no sync inside."""
+    from .plan import DecodeRowBuffers, plan_decode_rows
+    lens = step.decode_lens
+    uniform = int(lens.min()) == int(lens.max())
+    n = int(lens.max())
+    num_rows = step.num_rows
+    bufs = DecodeRowBuffers.allocate(num_rows, step.block_table.shape[1], step.q.device)
+    kwargs = dict(uniform_len=n) if uniform else dict(num_tokens=num_rows)
+    for _ in range(10):
+        plan_decode_rows(step.seq_lens, step.query_start_loc, step.block_table,
+                         num_rows=num_rows, out=bufs, **kwargs)
+    sync = torch.cuda.synchronize if step.q.is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        plan_decode_rows(step.seq_lens, step.query_start_loc, step.block_table,
+                         num_rows=num_rows, out=bufs, **kwargs)
+    t1 = time.perf_counter()
+    sync()
+    return (t1 - t0) / reps * 1e6
+
+
+def deepgemm_paths(torch, step, dg, num_sms):
+    """Closures for the DeepGEMM paths this GPU runs, with their row counts."""
+    paths = {}
+    rows = step.rows
+    major = torch.cuda.get_device_capability()[0]
+    ctx2d = rows.context_lens.view(-1, 1).contiguous()
+    if major == 10:
+        meta = dg.get_paged_mqa_logits_metadata(ctx2d, 64, num_sms, indices=rows.indices)
+        paths["deepgemm-varlen"] = (lambda: dg.fp8_fp4_paged_mqa_logits(
+            (step.q, None), step.kv_cache, step.weights, ctx2d, rows.block_table, meta,
+            step.max_context_len, indices=rows.indices), rows.num_rows, 0, 1.0)
+        return paths
+    meta = dg.get_paged_mqa_logits_metadata(ctx2d, 64, num_sms)
+    reads = rows.num_rows / step.seq_lens.numel()
+    paths["deepgemm-flat"] = (lambda: dg.fp8_fp4_paged_mqa_logits(
+        (step.q, None), step.kv_cache, step.weights, ctx2d, rows.block_table, meta,
+        step.max_context_len), rows.num_rows, 0, reads)
+    next_n = int(step.decode_lens.max())
+    if next_n <= 2:
+        pad = step.padded(next_n)
+        meta_n = dg.get_paged_mqa_logits_metadata(pad["context_lens"], 64, num_sms)
+        total = pad["context_lens"].numel()
+        paths["deepgemm-native"] = (lambda: dg.fp8_fp4_paged_mqa_logits(
+            (pad["q"], None), step.kv_cache, pad["weights"], pad["context_lens"],
+            step.block_table, meta_n, step.max_context_len), total, total - rows.num_rows, 1.0)
+    return paths
+
+
+def triton_variants(spec: str | None):
+    """Kernel parameter sets to time: ``default`` or ``k=v,k=v;k=v,...``."""
+    if not spec:
+        return [{}]
+    out = []
+    for part in spec.split(";"):
+        params = {}
+        for kv in filter(None, part.split(",")):
+            k, v = kv.split("=")
+            params[k.strip()] = int(v)
+        out.append(params)
+    return out
+
+
+def check_close(torch, got, ref, mask):
+    err = float((got[mask] - ref[mask]).norm() / ref[mask].norm().clamp_min(1e-30))
+    return err
+
+
+def run_gpu(args):
+    import torch
+    from triton.testing import do_bench
+
+    from .ops.reference import paged_mqa_logits_ref, valid_mask
+    from .ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
+    from .workloads import random_decode_step
+
+    try:
+        import deep_gemm as dg
+        num_sms = dg.get_num_sms()
+    except Exception as exc:  # noqa: BLE001 - report and go on without the peer
+        print(f"DeepGEMM not available ({exc}); timing the Triton kernel only")
+        dg, num_sms = None, 0
+    bw, flops_rate = measure_ceilings(torch, do_bench)
+    print(f"measured: copy {bw / 1e12:.2f} TB/s, fp8 matmul {flops_rate / 1e12:.0f} TFLOP/s")
+    cases = [c for c in GPU_CASES if not args.cases or any(s in c.name for s in args.cases)]
+    results, checks = [], []
+    profiler = None
+    if args.trace:
+        profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+        profiler.__enter__()
+    for case in cases:
+        step = random_decode_step(case.num_reqs, case.max_tokens, case.context,
+                                  variable=case.variable, heads=case.heads, seed=args.seed,
+                                  device="cuda", compress_ratio=case.compress_ratio)
+        mem_s, comp_s, useful, kv_tokens = floors(step, bw, flops_rate)
+        floor_s = max(mem_s, comp_s)
+        host_us = plan_host_us(torch, step)
+        rows = step.rows
+        ctx2d = rows.context_lens.view(-1, 1)
+        ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx2d, rows.block_table,
+                                   step.max_context_len, indices=rows.indices)
+        mask = valid_mask(ctx2d, step.max_context_len, rows.indices)
+        paths = {}
+        for params in triton_variants(args.variants):
+            label = "triton-varlen" + ("" if not params else " " + ",".join(f"{k}={v}" for k, v in params.items()))
+            paths[label] = ((lambda p=params: varlen_paged_mqa_logits(
+                step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
+                step.max_context_len, **p)), rows.num_rows, 0, 1.0, params)
+        if dg is not None:
+            for name, (fn, total, padded, reads) in deepgemm_paths(torch, step, dg, num_sms).items():
+                paths[name] = (fn, total, padded, reads, {})
+        for name, (fn, total, padded, reads, params) in paths.items():
+            out = fn().float()
+            if name == "deepgemm-native":
+                pad = step.padded(int(step.decode_lens.max()))
+                out = out[pad["row_of"]]
+            err = check_close(torch, out[:, : step.max_context_len], ref, mask)
+            checks.append((case.name, name, err))
+            torch.cuda.nvtx.range_push(f"{case.name} | {name}")
+            t = do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median") * 1e-3
+            torch.cuda.nvtx.range_pop()
+            results.append(Row(case.name, name, t * 1e6, floor_s * 1e6, mem_s * 1e6, comp_s * 1e6,
+                               rows.num_rows, padded, reads, host_us,
+                               note=f"rel_err={err:.1e}", params=params))
+        del step, ref, mask
+        torch.cuda.empty_cache()
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(args.trace)
+        print(f"trace written: {args.trace}")
+    return results, {"copy_TBps": bw / 1e12, "fp8_TFLOPs": flops_rate / 1e12,
+                     "device": torch.cuda.get_device_name(), "deepgemm": getattr(dg, "__version__", None)}
+
+
+def run_cpu(args):
+    import torch
+
+    from .ops.reference import paged_mqa_logits_ref, valid_mask
+    from .ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
+    from .workloads import random_decode_step
+
+    print("no CUDA GPU: tiny shapes through the torch reference and the Triton interpreter; "
+          "times are not kernel performance")
+    results = []
+    for case in CPU_CASES:
+        step = random_decode_step(case.num_reqs, case.max_tokens, case.context,
+                                  variable=case.variable, heads=case.heads, seed=args.seed)
+        rows = step.rows
+        ctx2d = rows.context_lens.view(-1, 1)
+        host_us = plan_host_us(torch, step, reps=20)
+        t0 = time.perf_counter()
+        ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx2d, rows.block_table,
+                                   step.max_context_len, indices=rows.indices)
+        t_ref = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        got = varlen_paged_mqa_logits(step.q, step.kv_cache, step.weights, ctx2d, rows.block_table,
+                                      rows.indices, step.max_context_len)
+        t_kernel = time.perf_counter() - t0
+        mask = valid_mask(ctx2d, step.max_context_len, rows.indices)
+        err = float((got[mask] - ref[mask]).norm() / ref[mask].norm())
+        for name, t in (("reference (cpu)", t_ref), ("triton-varlen (interpreter)", t_kernel)):
+            results.append(Row(case.name, name, t * 1e6, float("nan"), float("nan"), float("nan"),
+                               rows.num_rows, 0, 1.0, host_us, note=f"rel_err={err:.1e}"))
+    return results, {"device": "cpu (interpreter)", "copy_TBps": None, "fp8_TFLOPs": None}
+
+
+def format_table(results):
+    head = f"{'case':24} {'path':34} {'µs':>9} {'floor µs':>9} {'x floor':>8} {'rows u/pad':>11} {'KV reads':>8} {'plan µs':>8}  note"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        ratio = r.us / r.floor_us if r.floor_us == r.floor_us else float("nan")
+        lines.append(f"{r.case:24} {r.path:34} {r.us:9.1f} {r.floor_us:9.1f} {ratio:8.2f} "
+                     f"{r.useful_rows:>5}/{r.padded_rows:<5} {r.kv_reads_per_request:8.2f} "
+                     f"{r.plan_host_us:8.1f}  {r.note}")
+    return "\n".join(lines)
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(__file__)).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write results here")
+    parser.add_argument("--trace", help="write a Chrome trace (torch.profiler, NVTX ranges) here")
+    parser.add_argument("--cases", nargs="*", help="substrings of case names to run")
+    parser.add_argument("--variants", help="Triton kernel parameter sets, e.g. "
+                        "'rows_per_dot=2,pages_per_split=8;rows_per_dot=4,num_warps=8'")
+    parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time (ms)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu", action="store_true", help="force the tiny CPU run")
+    args = parser.parse_args(argv)
+    import torch
+    gpu = torch.cuda.is_available() and not args.cpu
+    if not gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    results, env = (run_gpu if gpu else run_cpu)(args)
+    table = format_table(results)
+    print(table)
+    if args.json:
+        payload = {"command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+                   "commit": git_commit(), "python": platform.python_version(),
+                   "torch": torch.__version__, **env,
+                   "results": [asdict(r) for r in results]}
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"json written: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
