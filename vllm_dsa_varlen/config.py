@@ -1,0 +1,189 @@
+"""Configuration: two environment variables and one pure decision function.
+
+* ``VLLM_DSA_VARLEN``: ``auto`` (default) or ``off``.  ``off`` leaves every
+  decode step on stock vLLM's path (the plugin also skips patching when it is
+  ``off`` at start-up).
+* ``VLLM_DSA_VARLEN_BACKEND``: ``auto`` (default), ``deepgemm`` or ``triton``.
+
+:func:`choose_decode_path` turns the facts a builder knows (platform, GPU
+capability, the installed DeepGEMM's capabilities, whether the Triton kernel
+can serve this cache, ``next_n``, FP4 cache, the two settings) into a
+:class:`DecodePath`.  It reads no global state, so the decision table is
+tested directly.  Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+MODE_ENV = "VLLM_DSA_VARLEN"
+BACKEND_ENV = "VLLM_DSA_VARLEN_BACKEND"
+MODES = ("auto", "off")
+BACKENDS = ("auto", "deepgemm", "triton")
+
+# fp8 (e4m3) tensor-core support starts with Ada / Hopper.
+MIN_FP8_CAPABILITY = (8, 9)
+SM100_MAJOR = 10
+
+
+def _read(name: str, allowed: tuple[str, ...], environ: Mapping[str, str] | None) -> str:
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return allowed[0]
+    value = raw.strip().lower()
+    if value not in allowed:
+        raise ValueError(
+            f"{name}={raw!r} is not valid: expected one of {', '.join(allowed)} "
+            f"(default {allowed[0]})")
+    return value
+
+
+def read_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``VLLM_DSA_VARLEN`` -> ``"auto"`` | ``"off"`` (unset or empty: ``"auto"``)."""
+    return _read(MODE_ENV, MODES, environ)
+
+
+def read_backend(environ: Mapping[str, str] | None = None) -> str:
+    """``VLLM_DSA_VARLEN_BACKEND`` -> ``"auto"`` | ``"deepgemm"`` | ``"triton"``."""
+    return _read(BACKEND_ENV, BACKENDS, environ)
+
+
+@dataclass(frozen=True)
+class DeepGemmCaps:
+    """What the installed DeepGEMM's indexer functions accept (detected from
+    their signatures, never from a version string).
+
+    ``paged_indices`` / ``metadata_indices``: ``fp8_fp4_paged_mqa_logits`` /
+    ``get_paged_mqa_logits_metadata`` take an ``indices`` argument.
+    ``paged_clean_logits`` / ``prefill_clean_logits``: the paged / prefill
+    logits functions take ``clean_logits`` (the API vLLM 0.27.1 was built with).
+    ``prefill_max_seqlen_k``: the prefill function takes ``max_seqlen_k``
+    (2.8.x: row-compressed prefill logits).
+    ``signatures_known``: the argument names could be read at all.
+    """
+
+    has_paged: bool = True
+    has_metadata: bool = True
+    has_prefill: bool = True
+    paged_indices: bool = False
+    metadata_indices: bool = False
+    paged_clean_logits: bool = True
+    prefill_clean_logits: bool = True
+    prefill_max_seqlen_k: bool = False
+    signatures_known: bool = True
+
+    @property
+    def varlen(self) -> bool:
+        """Both the scheduler and the kernel accept run ids."""
+        return self.has_paged and self.has_metadata and self.paged_indices and self.metadata_indices
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    """The decode path of a builder.
+
+    ``use_varlen``: flatten decode rows and hand run ids to the kernel.
+    ``backend``: ``"deepgemm"`` | ``"triton"`` when varlen, else ``None``.
+    ``reason``: one human sentence saying why.
+    ``warning``: the setting asked for something that cannot run here.
+    """
+
+    use_varlen: bool
+    backend: str | None
+    reason: str
+    warning: bool = False
+
+    def describe(self) -> str:
+        path = f"varlen ({self.backend})" if self.use_varlen else "stock"
+        return f"{path}: {self.reason}"
+
+
+def _stock(reason: str, warning: bool = False) -> DecodePath:
+    return DecodePath(False, None, reason, warning)
+
+
+def _fmt_cap(capability: tuple[int, int]) -> str:
+    return f"sm_{capability[0]}{capability[1]}"
+
+
+def choose_decode_path(
+    *,
+    is_cuda: bool,
+    capability: tuple[int, int] | None,
+    deepgemm: DeepGemmCaps | None,
+    triton_ok: bool,
+    next_n: int,
+    fp4_cache: bool,
+    mode: str = "auto",
+    backend: str = "auto",
+) -> DecodePath:
+    """Decide a builder's decode path (pure; see the module docstring).
+
+    Rules, in order: ``mode == "off"`` -> stock.  Not CUDA / no capability ->
+    stock.  SM10x with a DeepGEMM whose scheduler and kernel take ``indices``
+    -> DeepGEMM varlen (any ``next_n``: DeepGEMM 2.8.x on SM100 *requires*
+    run ids).  Otherwise, with an fp8-capable GPU (>= sm_89), a usable Triton
+    kernel, an FP8 cache and ``next_n > 1`` -> Triton varlen; with
+    ``next_n == 1`` varlen saves nothing -> stock.  The MXFP4 indexer cache is
+    SM100 + DeepGEMM only (never Triton).  A forced backend that cannot run
+    gives stock with ``warning=True``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if next_n < 1:
+        raise ValueError(f"next_n: expected >= 1, got {next_n}")
+    if mode == "off":
+        return _stock(f"{MODE_ENV}=off")
+    if not is_cuda:
+        return _stock("not a CUDA platform")
+    if capability is None:
+        return _stock("CUDA device capability unknown")
+    capability = (int(capability[0]), int(capability[1]))
+    cap = _fmt_cap(capability)
+    sm10x = capability[0] == SM100_MAJOR
+
+    dg_reason = _deepgemm_refusal(sm10x, cap, deepgemm)
+    triton_reason = _triton_refusal(capability, cap, triton_ok, next_n, fp4_cache)
+
+    if backend in ("auto", "deepgemm") and dg_reason is None:
+        return DecodePath(True, "deepgemm",
+                          f"{cap} with a DeepGEMM whose paged MQA logits take run ids "
+                          f"(next_n={next_n}, {'MXFP4' if fp4_cache else 'FP8'} cache)")
+    if backend == "deepgemm":
+        return _stock(f"{BACKEND_ENV}=deepgemm but {dg_reason}", warning=True)
+    if triton_reason is None:
+        why = "forced" if backend == "triton" else "no DeepGEMM varlen here"
+        return DecodePath(True, "triton",
+                          f"{cap}, FP8 cache, next_n={next_n} ({why}): Triton varlen "
+                          "kernel reads each KV page once per request")
+    if backend == "triton":
+        return _stock(f"{BACKEND_ENV}=triton but {triton_reason}", warning=True)
+    return _stock(f"no varlen backend: {dg_reason}; {triton_reason}")
+
+
+def _deepgemm_refusal(sm10x: bool, cap: str, deepgemm: DeepGemmCaps | None) -> str | None:
+    if not sm10x:
+        return f"DeepGEMM varlen needs SM10x (device is {cap})"
+    if deepgemm is None:
+        return "DeepGEMM is not installed"
+    if not deepgemm.varlen:
+        return "the installed DeepGEMM's paged MQA logits take no `indices`"
+    return None
+
+
+def _triton_refusal(capability: tuple[int, int], cap: str, triton_ok: bool, next_n: int,
+                    fp4_cache: bool) -> str | None:
+    if fp4_cache:
+        return "the MXFP4 indexer cache is served by DeepGEMM on SM100 only (never Triton)"
+    if capability < MIN_FP8_CAPABILITY:
+        return f"{cap} has no fp8 support (Triton varlen needs >= sm_89)"
+    if not triton_ok:
+        return "the Triton varlen kernel is unavailable or does not support this cache"
+    if next_n == 1:
+        return "next_n == 1: one row per request, varlen would save nothing"
+    return None

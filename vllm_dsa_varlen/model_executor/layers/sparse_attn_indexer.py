@@ -1,0 +1,85 @@
+"""Varlen kernel dispatch inside vLLM 0.27.1's sparse-attention indexer op.
+
+Replaces the module global ``fp8_fp4_paged_mqa_logits`` of
+``vllm.model_executor.layers.sparse_attn_indexer`` (see
+:mod:`vllm_dsa_varlen.patches`).  The registered custom op
+``torch.ops.vllm.sparse_attn_indexer`` captured the *function*
+``sparse_attn_indexer``, so that cannot be swapped, but the function looks
+its module globals up at call time; its decode branch calls::
+
+    fp8_fp4_paged_mqa_logits((q, q_scale), kv_cache, weights[:R], seq_lens,
+                             decode_metadata.block_table,
+                             decode_metadata.schedule_metadata,
+                             max_model_len=..., clean_logits=False)
+
+With the varlen builder, ``decode_lens`` is all ones and ``requires_padding``
+is False, so stock reshapes the decode queries to ``[R, 1, H, D]`` and
+``seq_lens`` is ``[R, 1]``: the arguments already are the varlen layout.  The
+run ids ride on ``schedule_metadata`` (:mod:`vllm_dsa_varlen.varlen_ids`):
+
+* tagged ``deepgemm``: DeepGEMM with ``indices=ids`` (FP8 and MXFP4 caches);
+* tagged ``triton``: :func:`vllm_dsa_varlen.ops.triton_paged_mqa_logits.varlen_paged_mqa_logits`
+  (FP8 cache only; an MXFP4 step raises);
+* no tag: exactly the stock call (through :mod:`vllm_dsa_varlen.utils.deep_gemm`,
+  which passes stock's arguments unchanged).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...utils import deep_gemm as dsa_dg
+from ...utils.deep_gemm import mask_beyond
+from ...varlen_ids import varlen_ids_of
+
+
+def _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids, max_model_len,
+                   clean_logits):
+    q_values, q_scale = q
+    if q_scale is not None or q_values.dtype != torch.float8_e4m3fn:
+        raise RuntimeError(
+            "vllm-dsa-varlen: the Triton varlen backend serves the FP8 indexer cache only; "
+            f"this step has {'MXFP4 (scaled) ' if q_scale is not None else ''}queries of "
+            f"dtype {q_values.dtype} (an MXFP4 cache needs the DeepGEMM backend on SM100)")
+    from ...ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
+
+    logits = varlen_paged_mqa_logits(q_values, kv_cache, weights, context_lens, block_tables,
+                                     ids, max_model_len)
+    if clean_logits:
+        mask_beyond(logits, context_lens)
+    return logits
+
+
+def fp8_fp4_paged_mqa_logits(
+    q: tuple[torch.Tensor, torch.Tensor | None],
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    schedule_metadata: torch.Tensor,
+    max_model_len: int,
+    clean_logits: bool,
+) -> torch.Tensor:
+    """Paged MQA logits for the indexer's decode step, float32 ``[rows, max_model_len]``.
+
+    ``q``: ``(values [B, next_n, H, D'], scales or None)``; ``weights``
+    ``[B * next_n, H]``; ``context_lens`` int32 ``[B, next_n]``;
+    ``block_tables`` int32 ``[B, W]``.  A varlen step has ``next_n == 1`` and
+    its run ids tagged on ``schedule_metadata``."""
+    tag = varlen_ids_of(schedule_metadata)
+    if tag is None:
+        return dsa_dg.fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables,
+                                               schedule_metadata, max_model_len, clean_logits)
+    rows = q[0].shape[0]
+    if q[0].dim() != 4 or q[0].shape[1] != 1 or rows > tag.ids.shape[0]:
+        raise RuntimeError(
+            f"vllm-dsa-varlen: varlen decode expects queries [R, 1, H, D] with R <= "
+            f"{tag.ids.shape[0]} run ids, got {tuple(q[0].shape)}")
+    # Stock feeds a single dummy row when a decode batch has no tokens.
+    ids = tag.ids if rows == tag.ids.shape[0] else tag.ids[:rows]
+    if tag.backend == "deepgemm":
+        return dsa_dg.fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables,
+                                               schedule_metadata, max_model_len, clean_logits,
+                                               indices=ids)
+    return _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
+                          max_model_len, clean_logits)

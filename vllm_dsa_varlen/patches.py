@@ -1,0 +1,217 @@
+"""The one registry of every monkey-patch this plugin makes to vLLM 0.27.1.
+
+No vLLM file is edited: the plugin replaces attributes (module globals and
+class attributes) at run time, and every such replacement is a :class:`Patch`
+record in :data:`PATCHES` -- the list *is* the documentation of what the plugin
+changes and why.  :func:`apply_all` applies them (idempotent), :func:`undo_all`
+puts the originals back exactly (also restoring "was not there" by deleting),
+:func:`applied` lists what is in force.
+
+A patch names its replacement by dotted path (``"package.module:name"``) so
+this module imports neither vLLM nor the replacement modules until
+:func:`apply_all` runs.  With ``wraps=True`` the named object is a factory
+called once with the original attribute, returning the replacement (used to
+wrap stock methods without looking the original up on every call).
+
+Order matters where one patch's replacement reads another's target: the
+``vllm.utils.deep_gemm`` wrappers come first, the builder patches last.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+logger = logging.getLogger("vllm.dsa_varlen")
+
+UPSTREAM = "0.27.1"
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One replaced attribute.
+
+    ``module``: dotted module path, e.g. ``"vllm.v1.attention.backends.mla.indexer"``.
+    ``attribute``: attribute path inside it, e.g.
+    ``"DeepseekV32IndexerMetadataBuilder.build"`` (the last part is replaced on
+    the object the earlier parts lead to).
+    ``replacement``: ``"package.module:name"`` of the replacement (or of a
+    factory ``original -> replacement`` when ``wraps``).
+    ``reason``: why the patch exists (required, non-empty).
+    ``upstream``: the vLLM version the patched code was read from.
+    """
+
+    module: str
+    attribute: str
+    replacement: str
+    reason: str
+    upstream: str = UPSTREAM
+    wraps: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.attribute}"
+
+
+_DG = "vllm.utils.deep_gemm"
+_SAI = "vllm.model_executor.layers.sparse_attn_indexer"
+_IX = "vllm.v1.attention.backends.mla.indexer"
+_OUR_DG = "vllm_dsa_varlen.utils.deep_gemm"
+_OUR_SAI = "vllm_dsa_varlen.model_executor.layers.sparse_attn_indexer"
+_OUR_IX = "vllm_dsa_varlen.v1.attention.backends.mla.indexer"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(_DG, "get_paged_mqa_logits_metadata", f"{_OUR_DG}:get_paged_mqa_logits_metadata",
+          "accept the varlen run ids (`indices`) and forward them to DeepGEMM only "
+          "when set; without them the call is exactly stock's"),
+    Patch(_DG, "fp8_fp4_paged_mqa_logits", f"{_OUR_DG}:fp8_fp4_paged_mqa_logits",
+          "forward `indices` when set; adapt to DeepGEMM 2.8.x (no `clean_logits`: "
+          "drop it and emulate; bf16 weights/logits on SM100: convert) so 0.27.1's "
+          "fp32 top-k kernels keep working"),
+    Patch(_DG, "fp8_fp4_mqa_logits", f"{_OUR_DG}:fp8_fp4_mqa_logits",
+          "prefill logits: DeepGEMM 2.8.x has no `clean_logits` and writes "
+          "row-compressed logits; adapt so stock's absolute-column top-k still reads "
+          "right (unchanged call on the API 0.27.1 was built with)"),
+    Patch(_SAI, "fp8_fp4_mqa_logits", f"{_OUR_DG}:fp8_fp4_mqa_logits",
+          "the indexer op imported the prefill wrapper by name; point it at the "
+          "adapted one"),
+    Patch(_SAI, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI}:fp8_fp4_paged_mqa_logits",
+          "the registered custom op captured `sparse_attn_indexer` itself but looks "
+          "this module global up per call: route varlen decode steps (ids carried "
+          "by the schedule tensor) to DeepGEMM-with-indices or the Triton kernel"),
+    Patch(_IX, "get_paged_mqa_logits_metadata", f"{_OUR_IX}:get_paged_mqa_logits_metadata",
+          "the builder's build() calls this module global: during a varlen build pass "
+          "the step's run ids to DeepGEMM's scheduler (Triton needs no schedule)"),
+    Patch(_IX, "DeepSeekV32IndexerDecodeMetadata", f"{_OUR_IX}:DeepSeekV32IndexerDecodeMetadata",
+          "build() constructs the decode metadata through this module global: a "
+          "subclass adds the `indices` field (None when not varlen)"),
+    Patch(_IX, "DeepseekV32IndexerMetadataBuilder.__init__", f"{_OUR_IX}:wrap_init",
+          "decide the decode path once (config.choose_decode_path), force the flatten "
+          "branch and allocate the run-id buffer when varlen", wraps=True),
+    Patch(_IX, "DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors",
+          f"{_OUR_IX}:wrap_prepare_decode_tensors",
+          "varlen: plan rows with plan.plan_decode_rows into stock's buffers (no "
+          "Triton helper, no second copy of the row logic) and remember the run ids",
+          wraps=True),
+    Patch(_IX, "DeepseekV32IndexerMetadataBuilder.build", f"{_OUR_IX}:wrap_build",
+          "varlen: mark the build for the metadata hook, then hand the run ids to the "
+          "decode metadata and to the kernel call (via a per-step schedule view)",
+          wraps=True),
+)
+
+
+@dataclass
+class _Applied:
+    patch: Patch
+    owner: Any
+    name: str
+    original: Any  # raw value from the owner's __dict__, or _MISSING
+    replacement: Any
+
+
+_lock = threading.RLock()
+_applied: dict[str, _Applied] = {}
+
+
+def _resolve(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    if not attr:
+        raise ValueError(f"replacement: expected 'package.module:name', got {path!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _owner_and_name(patch: Patch) -> tuple[Any, str]:
+    owner: Any = importlib.import_module(patch.module)
+    *parents, name = patch.attribute.split(".")
+    for part in parents:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def _raw(owner: Any, name: str) -> Any:
+    """The attribute as stored on ``owner`` itself (descriptors unbound), or _MISSING."""
+    return vars(owner).get(name, _MISSING)
+
+
+def _apply_one(patch: Patch) -> None:
+    owner, name = _owner_and_name(patch)
+    original = _raw(owner, name)
+    if original is _MISSING and not hasattr(owner, name):
+        raise AttributeError(
+            f"{patch.key}: not found in vLLM {patch.upstream}-style module; "
+            "the installed vLLM differs from the one this patch was written for")
+    target = _resolve(patch.replacement)
+    current = getattr(owner, name)
+    replacement = target(current) if patch.wraps else target
+    setattr(owner, name, replacement)
+    _applied[patch.key] = _Applied(patch, owner, name, original, replacement)
+
+
+def apply_all(patches: tuple[Patch, ...] | None = None) -> list[str]:
+    """Apply every patch not yet applied (idempotent).  Returns the keys applied
+    by this call.  On failure the patches applied by this call are undone."""
+    done: list[str] = []
+    with _lock:
+        try:
+            for patch in PATCHES if patches is None else patches:
+                if patch.key in _applied:
+                    continue
+                _apply_one(patch)
+                done.append(patch.key)
+        except Exception:
+            for key in reversed(done):
+                _undo_one(_applied.pop(key))
+            raise
+    if done:
+        logger.debug("vllm-dsa-varlen: applied %d patches: %s", len(done), ", ".join(done))
+    return done
+
+
+def _undo_one(entry: _Applied) -> None:
+    current = _raw(entry.owner, entry.name)
+    if current is not entry.replacement:
+        logger.warning("vllm-dsa-varlen: %s was replaced again by someone else; "
+                       "restoring the original anyway", entry.patch.key)
+    if entry.original is _MISSING:
+        if current is not _MISSING:
+            delattr(entry.owner, entry.name)
+    else:
+        setattr(entry.owner, entry.name, entry.original)
+
+
+def undo_all() -> list[str]:
+    """Restore every original, in reverse order of application.  Returns the keys."""
+    with _lock:
+        keys = list(_applied)
+        for key in reversed(keys):
+            _undo_one(_applied.pop(key))
+    return keys
+
+
+def applied() -> list[Patch]:
+    """The patches in force, in the order they were applied."""
+    with _lock:
+        return [entry.patch for entry in _applied.values()]
+
+
+def original(module: str, attribute: str) -> Any:
+    """The stock attribute a patch replaced (raises KeyError when not applied)."""
+    with _lock:
+        entry = _applied[f"{module}:{attribute}"]
+    if entry.original is _MISSING:
+        raise KeyError(f"{module}:{attribute} had no original")
+    return entry.original
+
+
+def replacement_of(patch: Patch) -> Callable[..., Any] | Any:
+    """The object installed for ``patch`` (raises KeyError when not applied)."""
+    with _lock:
+        return _applied[patch.key].replacement

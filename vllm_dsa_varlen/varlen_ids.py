@@ -1,0 +1,55 @@
+"""How a decode step's run ids travel from the metadata builder to the kernel call.
+
+vLLM 0.27.1's indexer op calls ``fp8_fp4_paged_mqa_logits(..., seq_lens,
+block_table, schedule_metadata, ...)`` with fields of the decode metadata but
+not the metadata itself, so the run ids need a carrier among those arguments.
+The builder gives every varlen step a *fresh view* of its (CUDA-graph-stable)
+scheduler-metadata buffer -- same storage, same address -- and tags that view
+object with the step's ids and backend.  The kernel-call replacement reads the
+tag off the tensor it is handed.
+
+* No global "last step" state: the tag lives on the step's own tensor object,
+  so metadata of another step, group or builder can never pick it up.
+* Per-layer host cost: one attribute lookup on a tensor.
+* Stock steps (and anything else that reaches the kernel call) carry no tag
+  and take the stock path.
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+_ATTR = "_vllm_dsa_varlen_ids"
+BACKENDS = ("deepgemm", "triton")
+
+
+class VarlenTag(NamedTuple):
+    """``ids``: int32 ``[R]`` run ids; ``backend``: ``"deepgemm"`` | ``"triton"``."""
+
+    ids: torch.Tensor
+    backend: str
+
+
+def attach_varlen_ids(schedule: torch.Tensor, ids: torch.Tensor, backend: str) -> torch.Tensor:
+    """Return a fresh view of ``schedule`` (same storage) tagged with ``ids``.
+
+    ``schedule``: the builder's scheduler-metadata buffer (any shape/dtype).
+    ``ids``: int32 ``[R]``.  ``backend``: ``"deepgemm"`` or ``"triton"``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32 or ids.dim() != 1:
+        raise ValueError(f"ids: expected an int32 [R] tensor, got "
+                         f"{getattr(ids, 'dtype', type(ids).__name__)} "
+                         f"{tuple(getattr(ids, 'shape', ()))}")
+    view = schedule.view(schedule.shape)
+    setattr(view, _ATTR, VarlenTag(ids, backend))
+    return view
+
+
+def varlen_ids_of(schedule: object) -> VarlenTag | None:
+    """The tag :func:`attach_varlen_ids` put on ``schedule``, or ``None``."""
+    return getattr(schedule, _ATTR, None)
