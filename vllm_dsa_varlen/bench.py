@@ -222,9 +222,10 @@ def run_gpu(args):
         paths = {}
         for params in triton_variants(args.variants):
             label = "triton-varlen" + ("" if not params else " " + ",".join(f"{k}={v}" for k, v in params.items()))
+            hint = int(step.decode_lens.max())
             paths[label] = ((lambda p=params: varlen_paged_mqa_logits(
                 step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
-                step.max_context_len, **p)), rows.num_rows, 0, 1.0, params)
+                step.max_context_len, max_run_len=hint, **p)), rows.num_rows, 0, 1.0, params)
         if dg is not None:
             for name, (fn, total, padded, reads) in deepgemm_paths(torch, step, dg, num_sms).items():
                 paths[name] = (fn, total, padded, reads, {})

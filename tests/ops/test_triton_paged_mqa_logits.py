@@ -52,22 +52,27 @@ CPU_CASES = {
 }
 
 
+KNOBS = [dict(rows_per_dot=2, tiles_per_split=1), dict(rows_per_dot=4, tiles_per_split=3),
+         dict(rows_per_dot=1), dict(per_row=True, rows_per_dot=2, tiles_per_split=2),
+         dict(tile_pages=2, tiles_per_split=1), dict(tile_pages=2, per_row=True, rows_per_dot=4)]
+
+
 @pytest.mark.parametrize("name", list(CPU_CASES))
-@pytest.mark.parametrize("rows_per_dot, pages_per_split, transposed",
-                         [(2, 1, False), (4, 3, False), (1, 8, False), (4, 2, True)])
-def test_small_shapes_match_reference(name, rows_per_dot, pages_per_split, transposed, device):
+@pytest.mark.parametrize("knobs", KNOBS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
+def test_small_shapes_match_reference(name, knobs, device):
     decode_lens, seq_lens, padding_rows, heads = CPU_CASES[name]
     step = make_decode_step(decode_lens, seq_lens, heads=heads, padding_rows=padding_rows,
                             max_context_len=max(seq_lens) + 11, seed=len(name), device=device)
-    out = run_kernel(step, rows_per_dot=rows_per_dot, pages_per_split=pages_per_split,
-                     transposed=transposed)
+    out = run_kernel(step, **knobs)
     check_against_reference(step, out, rel_tol=1e-5)
 
 
 def test_runs_longer_than_a_dot_and_unaligned_max_len(device):
     step = make_decode_step([8, 5], [333, 140], heads=32, max_context_len=333, seed=5, device=device)
-    out = run_kernel(step, rows_per_dot=2, pages_per_split=2)
-    check_against_reference(step, out, rel_tol=1e-5)
+    for knobs in (dict(rows_per_dot=2, tiles_per_split=2), dict(per_row=True, rows_per_dot=2),
+                  dict(tile_pages=2, rows_per_dot=4)):
+        out = run_kernel(step, **knobs)
+        check_against_reference(step, out, rel_tol=1e-5)
 
 
 def test_block_table_rows_after_the_first_of_a_run_are_not_read(device):
@@ -201,7 +206,8 @@ def test_cuda_graph_replay_with_new_contents():
     ctx = torch.zeros((rows_cap, 1), dtype=torch.int32, device="cuda")
     bt = torch.zeros((rows_cap, bt_width), dtype=torch.int32, device="cuda")
     ids = torch.zeros(rows_cap, dtype=torch.int32, device="cuda")
-    kv = torch.zeros_like(first.kv_cache)
+    kv = torch.zeros((max(s.kv_cache.shape[0] for s in steps), *first.kv_cache.shape[1:]),
+                     dtype=torch.uint8, device="cuda")
     out = torch.empty((rows_cap, max_len), device="cuda")
 
     def load(step):
@@ -212,7 +218,7 @@ def test_cuda_graph_replay_with_new_contents():
         # Rows past the step's own are padding rows with ids of their own.
         ids.copy_(torch.arange(rows_cap, device="cuda", dtype=torch.int32) + 10**6)
         ids[:n] = step.rows.indices
-        kv.copy_(step.kv_cache)
+        kv[: step.kv_cache.shape[0]].copy_(step.kv_cache)
 
     load(first)
     stream = torch.cuda.Stream()

@@ -38,12 +38,34 @@ LOGITS_ALIGN = 128  # elements: keeps each logits row 512-byte aligned
 
 
 @triton.jit
+def _load_kv_tile(kv_ptr, bt_row, tile, num_pages, stride_kv_block, offs_n, offs_d,
+                  D: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr):
+    """KV tile ``tile`` (``TILE_PAGES`` pages): fp8 values [BN, D], fp32 scales [BN].
+    Pages at or past ``num_pages`` read block 0 (their columns are not stored)."""
+    if TILE_PAGES == 1:
+        block = tl.load(bt_row + tile).to(tl.int64)
+        page_ptr = kv_ptr + block * stride_kv_block
+        tok_ptr = page_ptr + offs_n * D
+        scale_ptr = page_ptr + PAGE * D + offs_n * 4
+    else:
+        page_idx = tile * TILE_PAGES + offs_n // PAGE
+        block = tl.load(bt_row + page_idx, mask=page_idx < num_pages, other=0).to(tl.int64)
+        page_ptr = kv_ptr + block * stride_kv_block
+        tok_ptr = page_ptr + (offs_n % PAGE) * D
+        scale_ptr = page_ptr + PAGE * D + (offs_n % PAGE) * 4
+    k = tl.load((tok_ptr[:, None] + offs_d[None, :]).to(tl.pointer_type(tl.float8e4nv)))
+    scale = tl.load(scale_ptr.to(tl.pointer_type(tl.float32)))
+    return k, scale
+
+
+@triton.jit
 def _varlen_paged_mqa_logits_kernel(
     q_ptr, kv_ptr, w_ptr, ctx_ptr, bt_ptr, ids_ptr, out_ptr,
     num_rows, max_context_len,
     stride_q, stride_kv_block, stride_w, stride_bt, stride_out,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    ROWS: tl.constexpr, PAGES_PER_SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr,
+    ROWS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, TILE_PAGES: tl.constexpr,
+    PER_ROW: tl.constexpr,
 ):
     row0 = tl.program_id(0)
     split = tl.program_id(1)
@@ -56,49 +78,58 @@ def _varlen_paged_mqa_logits_kernel(
     while row0 + run_len < num_rows and tl.load(ids_ptr + row0 + run_len) == run_id:
         run_len += 1
     kv_len = tl.minimum(tl.load(ctx_ptr + row0 + run_len - 1), max_context_len)
-    page_begin = split * PAGES_PER_SPLIT
-    page_end = tl.minimum(page_begin + PAGES_PER_SPLIT, tl.cdiv(kv_len, PAGE))
-    if page_begin >= page_end:
+    BN: tl.constexpr = PAGE * TILE_PAGES
+    tile_begin = split * TILES_PER_SPLIT
+    tile_end = tl.minimum(tile_begin + TILES_PER_SPLIT, tl.cdiv(kv_len, BN))
+    if tile_begin >= tile_end:
         return
-
-    offs_m = tl.arange(0, ROWS * H)        # (row-in-chunk, head) flattened
+    num_pages = tl.cdiv(kv_len, PAGE)
     offs_d = tl.arange(0, D)
-    offs_t = tl.arange(0, PAGE)
-    offs_r = tl.arange(0, ROWS)
+    offs_n = tl.arange(0, BN)
+    offs_h = tl.arange(0, H)
     bt_row = bt_ptr + row0.to(tl.int64) * stride_bt
-    # Rows in chunks of ROWS; a run longer than ROWS re-reads its split's pages
-    # once per extra chunk (choose ROWS >= the usual run length).
-    for chunk in range(0, run_len, ROWS):
-        m_row = chunk + offs_m // H                                   # row within run
-        m_ok = m_row < run_len
-        rows_m = (row0 + m_row).to(tl.int64)
-        q = tl.load(q_ptr + rows_m[:, None] * stride_q + (offs_m % H)[:, None] * D
-                    + offs_d[None, :], mask=m_ok[:, None], other=0.0)    # [ROWS*H, D]
-        w = tl.load(w_ptr + rows_m * stride_w + offs_m % H, mask=m_ok, other=0.0)
-        r_in_run = chunk + offs_r
-        r_ok = r_in_run < run_len
-        rows_r = (row0 + r_in_run).to(tl.int64)
-        row_ctx = tl.minimum(tl.load(ctx_ptr + rows_r, mask=r_ok, other=0), kv_len)
-        out_rows = out_ptr + rows_r * stride_out
-        for page in range(page_begin, page_end):
-            block = tl.load(bt_row + page).to(tl.int64)
-            page_ptr = kv_ptr + block * stride_kv_block
-            k = tl.load((page_ptr + offs_t[:, None] * D + offs_d[None, :]).to(
-                tl.pointer_type(tl.float8e4nv)))                      # [PAGE, D]
-            scale = tl.load((page_ptr + PAGE * D + offs_t * 4).to(
-                tl.pointer_type(tl.float32)))                         # [PAGE]
-            cols = page * PAGE + offs_t
-            if TRANSPOSED:
-                s = tl.dot(k, tl.trans(q))                            # [PAGE, ROWS*H]
+    if PER_ROW:
+        # One dot per row: no padded rows for short runs.
+        for tile in range(tile_begin, tile_end):
+            k, scale = _load_kv_tile(kv_ptr, bt_row, tile, num_pages, stride_kv_block, offs_n, offs_d,
+                                     D, PAGE, TILE_PAGES)
+            cols = tile * BN + offs_n
+            for chunk in range(0, run_len, ROWS):
+                for r in tl.static_range(ROWS):
+                    if chunk + r < run_len:
+                        row = (row0 + chunk + r).to(tl.int64)
+                        q = tl.load(q_ptr + row * stride_q + offs_h[:, None] * D + offs_d[None, :])
+                        w = tl.load(w_ptr + row * stride_w + offs_h)
+                        row_ctx = tl.minimum(tl.load(ctx_ptr + row), kv_len)
+                        s = tl.dot(k, tl.trans(q))                        # [BN, H]
+                        logits = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
+                        tl.store(out_ptr + row * stride_out + cols, logits, mask=cols < row_ctx)
+    else:
+        # ROWS rows stacked in one dot; runs longer than ROWS take further
+        # passes over the split's tiles.
+        offs_m = tl.arange(0, ROWS * H)    # (row-in-chunk, head) flattened
+        offs_r = tl.arange(0, ROWS)
+        for chunk in range(0, run_len, ROWS):
+            m_row = chunk + offs_m // H
+            m_ok = m_row < run_len
+            rows_m = (row0 + m_row).to(tl.int64)
+            q = tl.load(q_ptr + rows_m[:, None] * stride_q + (offs_m % H)[:, None] * D
+                        + offs_d[None, :], mask=m_ok[:, None], other=0.0)    # [ROWS*H, D]
+            w = tl.load(w_ptr + rows_m * stride_w + offs_m % H, mask=m_ok, other=0.0)
+            r_ok = chunk + offs_r < run_len
+            rows_r = (row0 + chunk + offs_r).to(tl.int64)
+            row_ctx = tl.minimum(tl.load(ctx_ptr + rows_r, mask=r_ok, other=0), kv_len)
+            out_rows = out_ptr + rows_r * stride_out
+            for tile in range(tile_begin, tile_end):
+                k, scale = _load_kv_tile(kv_ptr, bt_row, tile, num_pages, stride_kv_block, offs_n, offs_d,
+                                         D, PAGE, TILE_PAGES)
+                cols = tile * BN + offs_n
+                s = tl.dot(k, tl.trans(q))                                # [BN, ROWS*H]
                 s = tl.maximum(s, 0.0) * w[None, :]
-                logits = tl.trans(tl.sum(tl.reshape(s, (PAGE, ROWS, H)), axis=2))
-            else:
-                s = tl.dot(q, tl.trans(k))                            # [ROWS*H, PAGE]
-                s = tl.maximum(s, 0.0) * w[:, None]
-                logits = tl.sum(tl.reshape(s, (ROWS, H, PAGE)), axis=1)
-            logits = logits * scale[None, :]                          # [ROWS, PAGE]
-            keep = r_ok[:, None] & (cols[None, :] < row_ctx[:, None])
-            tl.store(out_rows[:, None] + cols[None, :], logits, mask=keep)
+                logits = tl.trans(tl.sum(tl.reshape(s, (BN, ROWS, H)), axis=2))
+                logits = logits * scale[None, :]                          # [ROWS, BN]
+                keep = r_ok[:, None] & (cols[None, :] < row_ctx[:, None])
+                tl.store(out_rows[:, None] + cols[None, :], logits, mask=keep)
 
 
 def _fail(arg: str, expected: str, got) -> None:
@@ -187,6 +218,21 @@ def check_varlen_contents(context_lens, block_table, indices, max_context_len, p
                   (int(vals.min()), int(vals.max())))
 
 
+def default_split(num_rows: int, max_context_len: int, page: int, tile_pages: int,
+                  max_run_len: int, num_sms: int) -> int:
+    """KV tiles per program: enough programs to fill the GPU (about three per SM
+    over the runs there are at least), at most 32 tiles."""
+    tiles = triton.cdiv(triton.cdiv(max_context_len, page), tile_pages)
+    runs = max(1, triton.cdiv(num_rows, max(1, max_run_len)))
+    return max(1, min(32, triton.cdiv(runs * tiles, 3 * num_sms)))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def varlen_paged_mqa_logits(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -196,20 +242,24 @@ def varlen_paged_mqa_logits(
     indices: torch.Tensor,
     max_context_len: int,
     *,
+    max_run_len: int = 4,
     rows_per_dot: int | None = None,
-    pages_per_split: int = 8,
-    num_warps: int = 8,
+    per_row: bool = False,
+    tile_pages: int = 1,
+    tiles_per_split: int | None = None,
+    num_warps: int = 4,
     num_stages: int = 2,
-    transposed: bool = False,
     out: torch.Tensor | None = None,
     validate_contents: bool = False,
 ) -> torch.Tensor:
     """Varlen paged MQA logits, float32 ``[R, max_context_len]`` (see module doc).
 
-    ``rows_per_dot``: rows scored per ``tl.dot`` (default 4: MTP runs of up to
-    4 tokens read each page once).  ``transposed``: score ``K @ Q^T`` instead of
-    ``Q @ K^T`` (tuning knob).
-    ``out``: optional float32 ``[R, >= max_context_len]`` to write into.
+    ``max_run_len``: a hint (the host knows the longest request's token count)
+    used to size the work split; any run length is handled correctly.
+    Tuning knobs: ``rows_per_dot`` (rows stacked per ``tl.dot``, default 2),
+    ``per_row`` (one dot per row instead), ``tile_pages`` (pages per dot),
+    ``tiles_per_split`` (default :func:`default_split`), ``num_warps``,
+    ``num_stages``.  ``out``: optional float32 ``[R, >= max_context_len]``.
     ``validate_contents``: also run the data-dependent checks (host sync).
     """
     rows, heads, dim, page = check_varlen_inputs(
@@ -227,17 +277,23 @@ def varlen_paged_mqa_logits(
     if rows == 0:
         return out
     if rows_per_dot is None:
-        rows_per_dot = 4
+        rows_per_dot = 2
     if rows_per_dot not in (1, 2, 4, 8):
         _fail("rows_per_dot", "1, 2, 4 or 8", rows_per_dot)
-    num_splits = triton.cdiv(triton.cdiv(max_context_len, page), pages_per_split)
+    if tile_pages not in (1, 2):
+        _fail("tile_pages", "1 or 2", tile_pages)
+    if tiles_per_split is None:
+        tiles_per_split = default_split(rows, max_context_len, page, tile_pages, max_run_len,
+                                        _num_sms(q.device))
+    num_splits = triton.cdiv(triton.cdiv(triton.cdiv(max_context_len, page), tile_pages),
+                             tiles_per_split)
     grid = (rows, num_splits)
     _varlen_paged_mqa_logits_kernel[grid](
         q, kv_cache, weights, context_lens, block_table, indices, out,
         rows, max_context_len,
         q.stride(0), kv_cache.stride(0), weights.stride(0), block_table.stride(0), out.stride(0),
-        H=heads, D=dim, PAGE=page, ROWS=rows_per_dot, PAGES_PER_SPLIT=pages_per_split,
-        TRANSPOSED=bool(transposed),
+        H=heads, D=dim, PAGE=page, ROWS=rows_per_dot, TILES_PER_SPLIT=tiles_per_split,
+        TILE_PAGES=tile_pages, PER_ROW=bool(per_row),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
