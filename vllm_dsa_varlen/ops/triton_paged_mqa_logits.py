@@ -65,7 +65,7 @@ def _varlen_paged_mqa_logits_kernel(
     stride_q, stride_kv_block, stride_w, stride_bt, stride_out,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     ROWS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, TILE_PAGES: tl.constexpr,
-    PER_ROW: tl.constexpr,
+    PER_ROW: tl.constexpr, PAIRS: tl.constexpr,
 ):
     row0 = tl.program_id(0)
     split = tl.program_id(1)
@@ -105,31 +105,56 @@ def _varlen_paged_mqa_logits_kernel(
                         logits = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
                         tl.store(out_ptr + row * stride_out + cols, logits, mask=cols < row_ctx)
     else:
-        # ROWS rows stacked in one dot; runs longer than ROWS take further
-        # passes over the split's tiles.
-        offs_m = tl.arange(0, ROWS * H)    # (row-in-chunk, head) flattened
+        # ROWS rows stacked per dot, and up to PAIRS such groups held at once
+        # so a run of up to PAIRS * ROWS rows reads each tile once; longer
+        # runs take further passes over the split's tiles.
+        offs_m = tl.arange(0, ROWS * H)    # (row-in-group, head) flattened
         offs_r = tl.arange(0, ROWS)
-        for chunk in range(0, run_len, ROWS):
-            m_row = chunk + offs_m // H
-            m_ok = m_row < run_len
-            rows_m = (row0 + m_row).to(tl.int64)
-            q = tl.load(q_ptr + rows_m[:, None] * stride_q + (offs_m % H)[:, None] * D
-                        + offs_d[None, :], mask=m_ok[:, None], other=0.0)    # [ROWS*H, D]
-            w = tl.load(w_ptr + rows_m * stride_w + offs_m % H, mask=m_ok, other=0.0)
-            r_ok = chunk + offs_r < run_len
-            rows_r = (row0 + chunk + offs_r).to(tl.int64)
-            row_ctx = tl.minimum(tl.load(ctx_ptr + rows_r, mask=r_ok, other=0), kv_len)
-            out_rows = out_ptr + rows_r * stride_out
+        for chunk in range(0, run_len, PAIRS * ROWS):
+            qa, wa, ok_a, ctx_a, out_a = _load_rows(
+                q_ptr, w_ptr, ctx_ptr, out_ptr, row0, chunk, run_len, kv_len,
+                stride_q, stride_w, stride_out, offs_m, offs_r, offs_d, H, D)
+            if PAIRS > 1:
+                has_b = chunk + ROWS < run_len
+                qb, wb, ok_b, ctx_b, out_b = _load_rows(
+                    q_ptr, w_ptr, ctx_ptr, out_ptr, row0, chunk + ROWS, run_len, kv_len,
+                    stride_q, stride_w, stride_out, offs_m, offs_r, offs_d, H, D)
             for tile in range(tile_begin, tile_end):
-                k, scale = _load_kv_tile(kv_ptr, bt_row, tile, num_pages, stride_kv_block, offs_n, offs_d,
-                                         D, PAGE, TILE_PAGES)
+                k, scale = _load_kv_tile(kv_ptr, bt_row, tile, num_pages, stride_kv_block,
+                                         offs_n, offs_d, D, PAGE, TILE_PAGES)
                 cols = tile * BN + offs_n
-                s = tl.dot(k, tl.trans(q))                                # [BN, ROWS*H]
-                s = tl.maximum(s, 0.0) * w[None, :]
-                logits = tl.trans(tl.sum(tl.reshape(s, (BN, ROWS, H)), axis=2))
-                logits = logits * scale[None, :]                          # [ROWS, BN]
-                keep = r_ok[:, None] & (cols[None, :] < row_ctx[:, None])
-                tl.store(out_rows[:, None] + cols[None, :], logits, mask=keep)
+                _score_rows(k, scale, cols, qa, wa, ok_a, ctx_a, out_a, BN, ROWS, H)
+                if PAIRS > 1:
+                    if has_b:
+                        _score_rows(k, scale, cols, qb, wb, ok_b, ctx_b, out_b, BN, ROWS, H)
+
+@triton.jit
+def _load_rows(q_ptr, w_ptr, ctx_ptr, out_ptr, row0, first, run_len, kv_len,
+               stride_q, stride_w, stride_out, offs_m, offs_r, offs_d,
+               H: tl.constexpr, D: tl.constexpr):
+    """Queries [ROWS*H, D], weights [ROWS*H], row mask, row context lengths and
+    output row pointers of run rows ``first .. first + ROWS - 1``."""
+    m_row = first + offs_m // H
+    m_ok = m_row < run_len
+    rows_m = (row0 + m_row).to(tl.int64)
+    q = tl.load(q_ptr + rows_m[:, None] * stride_q + (offs_m % H)[:, None] * D
+                + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    w = tl.load(w_ptr + rows_m * stride_w + offs_m % H, mask=m_ok, other=0.0)
+    r_ok = first + offs_r < run_len
+    rows_r = (row0 + first + offs_r).to(tl.int64)
+    row_ctx = tl.minimum(tl.load(ctx_ptr + rows_r, mask=r_ok, other=0), kv_len)
+    return q, w, r_ok, row_ctx, out_ptr + rows_r * stride_out
+
+
+@triton.jit
+def _score_rows(k, scale, cols, q, w, r_ok, row_ctx, out_rows,
+                BN: tl.constexpr, ROWS: tl.constexpr, H: tl.constexpr):
+    """Score ROWS rows against one KV tile and store their logits."""
+    s = tl.dot(k, tl.trans(q))                                        # [BN, ROWS*H]
+    s = tl.maximum(s, 0.0) * w[None, :]
+    logits = tl.trans(tl.sum(tl.reshape(s, (BN, ROWS, H)), axis=2)) * scale[None, :]
+    keep = r_ok[:, None] & (cols[None, :] < row_ctx[:, None])
+    tl.store(out_rows[:, None] + cols[None, :], logits, mask=keep)
 
 
 def _fail(arg: str, expected: str, got) -> None:
@@ -221,10 +246,10 @@ def check_varlen_contents(context_lens, block_table, indices, max_context_len, p
 def default_split(num_rows: int, max_context_len: int, page: int, tile_pages: int,
                   max_run_len: int, num_sms: int) -> int:
     """KV tiles per program: enough programs to fill the GPU (about three per SM
-    over the runs there are at least), at most 32 tiles."""
+    over the runs there are at least), 2 to 32 tiles."""
     tiles = triton.cdiv(triton.cdiv(max_context_len, page), tile_pages)
     runs = max(1, triton.cdiv(num_rows, max(1, max_run_len)))
-    return max(1, min(32, triton.cdiv(runs * tiles, 3 * num_sms)))
+    return max(min(2, tiles), min(32, triton.cdiv(runs * tiles, 3 * num_sms)))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -245,6 +270,7 @@ def varlen_paged_mqa_logits(
     max_run_len: int = 4,
     rows_per_dot: int | None = None,
     per_row: bool = False,
+    groups: int = 2,
     tile_pages: int = 1,
     tiles_per_split: int | None = None,
     num_warps: int = 4,
@@ -257,7 +283,9 @@ def varlen_paged_mqa_logits(
     ``max_run_len``: a hint (the host knows the longest request's token count)
     used to size the work split; any run length is handled correctly.
     Tuning knobs: ``rows_per_dot`` (rows stacked per ``tl.dot``, default 2),
-    ``per_row`` (one dot per row instead), ``tile_pages`` (pages per dot),
+    ``groups`` (row groups held at once: runs of up to ``groups *
+    rows_per_dot`` rows read each tile once), ``per_row`` (one dot per row
+    instead), ``tile_pages`` (pages per dot),
     ``tiles_per_split`` (default :func:`default_split`), ``num_warps``,
     ``num_stages``.  ``out``: optional float32 ``[R, >= max_context_len]``.
     ``validate_contents``: also run the data-dependent checks (host sync).
@@ -280,6 +308,8 @@ def varlen_paged_mqa_logits(
         rows_per_dot = 2
     if rows_per_dot not in (1, 2, 4, 8):
         _fail("rows_per_dot", "1, 2, 4 or 8", rows_per_dot)
+    if groups not in (1, 2):
+        _fail("groups", "1 or 2", groups)
     if tile_pages not in (1, 2):
         _fail("tile_pages", "1 or 2", tile_pages)
     if tiles_per_split is None:
@@ -293,7 +323,7 @@ def varlen_paged_mqa_logits(
         rows, max_context_len,
         q.stride(0), kv_cache.stride(0), weights.stride(0), block_table.stride(0), out.stride(0),
         H=heads, D=dim, PAGE=page, ROWS=rows_per_dot, TILES_PER_SPLIT=tiles_per_split,
-        TILE_PAGES=tile_pages, PER_ROW=bool(per_row),
+        TILE_PAGES=tile_pages, PER_ROW=bool(per_row), PAIRS=groups,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
