@@ -231,6 +231,11 @@ def run_gpu(args):
                 paths[name] = (fn, total, padded, reads, {})
         for name, (fn, total, padded, reads, params) in paths.items():
             out = fn().float()
+            if name.startswith("triton"):
+                from .ops import triton_paged_mqa_logits as tk
+                c = tk.LAST_COMPILED[0]
+                params = {**params, "regs": getattr(c, "n_regs", None),
+                          "spills": getattr(c, "n_spills", None)}
             if name == "deepgemm-native":
                 pad = step.padded(int(step.decode_lens.max()))
                 out = out[pad["row_of"]]
@@ -241,7 +246,8 @@ def run_gpu(args):
             torch.cuda.nvtx.range_pop()
             results.append(Row(case.name, name, t * 1e6, floor_s * 1e6, mem_s * 1e6, comp_s * 1e6,
                                rows.num_rows, padded, reads, host_us,
-                               note=f"rel_err={err:.1e}", params=params))
+                               note=f"rel_err={err:.1e}" + (f" regs={params.get('regs')} spills={params.get('spills')}" if "regs" in params else ""),
+                               params=params))
         del step, ref, mask
         torch.cuda.empty_cache()
     if profiler is not None:

@@ -35,6 +35,7 @@ SUPPORTED_HEADS = (32, 64)
 SUPPORTED_DIMS = (128,)
 SUPPORTED_PAGES = (64,)
 LOGITS_ALIGN = 128  # elements: keeps each logits row 512-byte aligned
+LAST_COMPILED = [None]  # the last launch's compiled kernel (registers, spills: for the benchmark)
 
 
 @triton.jit
@@ -318,7 +319,7 @@ def varlen_paged_mqa_logits(
     num_splits = triton.cdiv(triton.cdiv(triton.cdiv(max_context_len, page), tile_pages),
                              tiles_per_split)
     grid = (rows, num_splits)
-    _varlen_paged_mqa_logits_kernel[grid](
+    compiled = _varlen_paged_mqa_logits_kernel[grid](
         q, kv_cache, weights, context_lens, block_table, indices, out,
         rows, max_context_len,
         q.stride(0), kv_cache.stride(0), weights.stride(0), block_table.stride(0), out.stride(0),
@@ -326,4 +327,5 @@ def varlen_paged_mqa_logits(
         TILE_PAGES=tile_pages, PER_ROW=bool(per_row), PAIRS=groups,
         num_warps=num_warps, num_stages=num_stages,
     )
+    LAST_COMPILED[0] = compiled
     return out
