@@ -11,11 +11,21 @@
 
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
 
 import torch
 
 NUM_SMS = 8
+
+# Some vLLM modules branch on the platform at import time (CUDA-only imports):
+# import every patch target and replacement now, before any test fakes a GPU.
+for _name in ("vllm.utils.deep_gemm", "vllm.model_executor.layers.sparse_attn_indexer",
+              "vllm.v1.attention.backends.mla.indexer",
+              "vllm_dsa_varlen.utils.deep_gemm",
+              "vllm_dsa_varlen.model_executor.layers.sparse_attn_indexer",
+              "vllm_dsa_varlen.v1.attention.backends.mla.indexer"):
+    importlib.import_module(_name)
 
 
 def fake_gpu(monkeypatch, capability: tuple[int, int] | None, *, deepgemm_installed: bool = True,
