@@ -28,7 +28,10 @@ def clean(monkeypatch):
 
 
 @pytest.fixture
-def plugin_log():
+def plugin_log(monkeypatch):
+    from vllm_dsa_varlen.v1.attention.backends.mla import indexer as ours
+
+    monkeypatch.setattr(ours, "_logged", set())  # "once per process" starts afresh
     records = []
 
     class _Keep(logging.Handler):
