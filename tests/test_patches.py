@@ -181,6 +181,58 @@ def test_register_rejects_bad_settings(monkeypatch):
     assert patches.applied() == []
 
 
+DEFERRED = r"""
+import os, sys
+import vllm_dsa_varlen
+from vllm_dsa_varlen import patches
+
+targets = {p.module for p in patches.PATCHES}
+vllm_dsa_varlen.register()
+vllm_dsa_varlen.register()
+assert not targets & set(sys.modules), targets & set(sys.modules)  # nothing imported early
+assert patches.applied() == [] and len(patches.pending()) == len(patches.PATCHES)
+
+# vLLM may set this after the plugins were loaded (VllmConfig does for DeepSeek V4);
+# the indexer op's decorator reads it when its module is imported.
+os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+import vllm.model_executor.layers.sparse_attn_indexer as sai
+from vllm_dsa_varlen.model_executor.layers import sparse_attn_indexer as ours
+assert sai.fp8_fp4_paged_mqa_logits is ours.fp8_fp4_paged_mqa_logits
+assert hasattr(sai.sparse_attn_indexer, "__wrapped__"), "eager-break decorator bypassed"
+import vllm.v1.attention.backends.mla.indexer as ix
+assert ix.DeepseekV32IndexerMetadataBuilder.build.__wrapped__ is not None
+assert patches.pending() == [] and len(patches.applied()) == len(patches.PATCHES)
+assert not any(type(f).__name__ == "_PatchOnImport" for f in sys.meta_path)
+assert sai.__loader__.get_source("vllm.model_executor.layers.sparse_attn_indexer")
+patches.undo_all()
+assert sai.fp8_fp4_paged_mqa_logits is not ours.fp8_fp4_paged_mqa_logits
+print("ok")
+"""
+
+
+def test_register_defers_patches_until_their_module_is_imported():
+    import os
+    import pathlib
+
+    root = pathlib.Path(vllm_dsa_varlen.__file__).parent.parent
+    env = {k: v for k, v in os.environ.items()
+           if k not in (config.MODE_ENV, config.BACKEND_ENV, "VLLM_USE_BREAKABLE_CUDAGRAPH")}
+    env["PYTHONPATH"] = str(root)
+    out = subprocess.run([sys.executable, "-c", DEFERRED], env=env, capture_output=True,
+                         text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_deferred_and_eager_application_do_not_double_apply():
+    patches.apply_all(patches.PATCHES[:2])
+    state = _snapshot()
+    assert patches.apply_all(defer_unimported=True)  # the rest: their modules are imported
+    assert patches.pending() == []
+    for patch in patches.PATCHES[:2]:
+        assert _snapshot()[patch.key] is state[patch.key]
+    assert len(patches.applied()) == len(patches.PATCHES)
+
+
 def test_importing_the_package_does_not_import_vllm():
     import os
     import pathlib

@@ -26,7 +26,8 @@ def _vllm_series(version: str) -> tuple[int, int] | None:
 
 
 def register() -> None:
-    """Plugin entry point: apply the patch registry (idempotent).
+    """Plugin entry point: apply the patch registry (idempotent; target modules
+    not imported yet are patched when they are).
 
     Does nothing but log when ``VLLM_DSA_VARLEN=off`` or when the installed
     vLLM is not 0.27.x (stock behaviour).  Raises ``ValueError`` for an
@@ -47,4 +48,6 @@ def register() -> None:
         return
     from . import patches
 
-    patches.apply_all()
+    # Modules not imported yet are patched right after their first import, so
+    # loading the plugin imports no vLLM module early (see patches' docstring).
+    patches.apply_all(defer_unimported=True)

@@ -9,7 +9,13 @@ puts the originals back exactly (also restoring "was not there" by deleting),
 
 A patch names its replacement by dotted path (``"package.module:name"``) so
 this module imports neither vLLM nor the replacement modules until
-:func:`apply_all` runs.  With ``wraps=True`` the named object is a factory
+:func:`apply_all` runs.  ``apply_all(defer_unimported=True)`` (what the plugin
+entry point uses) patches the modules already imported and patches each other
+target module right after it is first imported (a ``sys.meta_path`` hook), so
+loading the plugin imports no vLLM module early: some read settings at import
+time (e.g. ``sparse_attn_indexer``'s ``@eager_break_during_capture`` reads
+``VLLM_USE_BREAKABLE_CUDAGRAPH``, which ``VllmConfig`` may set only after the
+plugins were loaded).  With ``wraps=True`` the named object is a factory
 called once with the original attribute, returning the replacement (used to
 wrap stock methods without looking the original up on every call).
 
@@ -20,7 +26,9 @@ Order matters where one patch's replacement reads another's target: the
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import logging
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -155,24 +163,120 @@ def _apply_one(patch: Patch) -> None:
     _applied[patch.key] = _Applied(patch, owner, name, original, replacement)
 
 
-def apply_all(patches: tuple[Patch, ...] | None = None) -> list[str]:
-    """Apply every patch not yet applied (idempotent).  Returns the keys applied
-    by this call.  On failure the patches applied by this call are undone."""
+def _apply_module_patches(patches: list[Patch]) -> list[str]:
+    """Apply ``patches`` (all or none: on failure the ones applied are undone)."""
     done: list[str] = []
+    try:
+        for patch in patches:
+            if patch.key in _applied:
+                continue
+            _apply_one(patch)
+            done.append(patch.key)
+    except Exception:
+        for key in reversed(done):
+            _undo_one(_applied.pop(key))
+        raise
+    return done
+
+
+def apply_all(patches: tuple[Patch, ...] | None = None, *,
+              defer_unimported: bool = False) -> list[str]:
+    """Apply every patch not yet applied (idempotent).  Returns the keys applied
+    by this call.  On failure the patches applied by this call are undone.
+
+    ``defer_unimported``: a patch whose target module is not imported yet is
+    applied right after that module's first import instead of importing it now."""
     with _lock:
-        try:
-            for patch in PATCHES if patches is None else patches:
-                if patch.key in _applied:
-                    continue
-                _apply_one(patch)
-                done.append(patch.key)
-        except Exception:
-            for key in reversed(done):
-                _undo_one(_applied.pop(key))
-            raise
+        todo = [p for p in (PATCHES if patches is None else patches) if p.key not in _applied]
+        now = [p for p in todo if not defer_unimported or p.module in sys.modules]
+        later = [p for p in todo if p not in now]
+        done = _apply_module_patches(now)
+        for patch in later:
+            bucket = _pending.setdefault(patch.module, [])
+            if all(q.key != patch.key for q in bucket):
+                bucket.append(patch)
+        if _pending:
+            _install_hook()
     if done:
         logger.debug("vllm-dsa-varlen: applied %d patches: %s", len(done), ", ".join(done))
+    if later:
+        logger.debug("vllm-dsa-varlen: %d patches wait for their module's import: %s",
+                     len(later), ", ".join(p.key for p in later))
     return done
+
+
+# --------------------------------------------------------------------------------------
+# Deferred patches: applied right after their module's first import
+# --------------------------------------------------------------------------------------
+
+_pending: dict[str, list[Patch]] = {}
+
+
+def _apply_pending(module_name: str) -> None:
+    with _lock:
+        patches = _pending.pop(module_name, [])
+        if not _pending:
+            _remove_hook()
+        if patches:
+            done = _apply_module_patches(patches)
+            logger.debug("vllm-dsa-varlen: applied on import of %s: %s", module_name,
+                         ", ".join(done))
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real loader, then applies the module's pending patches."""
+
+    def __init__(self, inner: Any, name: str):
+        self._inner = inner
+        self._name = name
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._inner.exec_module(module)
+        _apply_pending(self._name)
+
+    def __getattr__(self, attr: str) -> Any:  # get_source, is_package, ...
+        return getattr(self._inner, attr)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds target modules with the other finders and wraps their loader."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchingLoader(spec.loader, fullname)
+        return spec
+
+
+_hook = _PatchOnImport()
+
+
+def _install_hook() -> None:
+    if _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)
+
+
+def _remove_hook() -> None:
+    if _hook in sys.meta_path:
+        sys.meta_path.remove(_hook)
+
+
+def pending() -> list[Patch]:
+    """Patches waiting for their module's first import."""
+    with _lock:
+        return [p for bucket in _pending.values() for p in bucket]
 
 
 def _undo_one(entry: _Applied) -> None:
@@ -188,8 +292,11 @@ def _undo_one(entry: _Applied) -> None:
 
 
 def undo_all() -> list[str]:
-    """Restore every original, in reverse order of application.  Returns the keys."""
+    """Restore every original, in reverse order of application, and drop the
+    patches still waiting for an import.  Returns the keys restored."""
     with _lock:
+        _pending.clear()
+        _remove_hook()
         keys = list(_applied)
         for key in reversed(keys):
             _undo_one(_applied.pop(key))
