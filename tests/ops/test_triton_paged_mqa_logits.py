@@ -55,8 +55,7 @@ CPU_CASES = {
 KNOBS = [dict(rows_per_dot=2, tiles_per_split=1), dict(rows_per_dot=4, tiles_per_split=3),
          dict(rows_per_dot=1), dict(per_row=True, rows_per_dot=2, tiles_per_split=2),
          dict(tile_pages=2, tiles_per_split=1), dict(tile_pages=2, per_row=True, rows_per_dot=4),
-         dict(groups=1, rows_per_dot=2, tiles_per_split=2), dict(groups=2, rows_per_dot=1),
-         dict(tma=True, groups=2, tiles_per_split=2)]
+         dict(groups=1, rows_per_dot=2, tiles_per_split=2), dict(groups=2, rows_per_dot=1)]
 
 
 @pytest.mark.parametrize("name", list(CPU_CASES))

@@ -39,18 +39,11 @@ LAST_COMPILED = [None]  # the last launch's compiled kernel (registers, spills: 
 
 
 @triton.jit
-def _load_kv_tile(kv_ptr, kv_desc, bt_row, tile, num_pages, stride_kv_block, offs_n, offs_d,
-                  D: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr,
-                  USE_TMA: tl.constexpr):
+def _load_kv_tile(kv_ptr, bt_row, tile, num_pages, stride_kv_block, offs_n, offs_d,
+                  D: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr):
     """KV tile ``tile`` (``TILE_PAGES`` pages): fp8 values [BN, D], fp32 scales [BN].
     Pages at or past ``num_pages`` read block 0 (their columns are not stored).
-    ``USE_TMA``: values through a tensor descriptor over the pool viewed as
-    ``[blocks, page_bytes / D, D]`` bytes (one page per tile)."""
-    if USE_TMA:
-        block = tl.load(bt_row + tile)
-        k = tl.reshape(kv_desc.load([block, 0, 0]), (PAGE, D)).to(tl.float8e4nv, bitcast=True)
-        scale_ptr = kv_ptr + block.to(tl.int64) * stride_kv_block + PAGE * D + offs_n * 4
-        return k, tl.load(scale_ptr.to(tl.pointer_type(tl.float32)))
+    """
     if TILE_PAGES == 1:
         block = tl.load(bt_row + tile).to(tl.int64)
         page_ptr = kv_ptr + block * stride_kv_block
@@ -69,13 +62,12 @@ def _load_kv_tile(kv_ptr, kv_desc, bt_row, tile, num_pages, stride_kv_block, off
 
 @triton.jit
 def _varlen_paged_mqa_logits_kernel(
-    q_ptr, kv_ptr, kv_desc, w_ptr, ctx_ptr, bt_ptr, ids_ptr, out_ptr,
+    q_ptr, kv_ptr, w_ptr, ctx_ptr, bt_ptr, ids_ptr, out_ptr,
     num_rows, max_context_len,
     stride_q, stride_kv_block, stride_w, stride_bt, stride_out,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     ROWS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, TILE_PAGES: tl.constexpr,
-    PER_ROW: tl.constexpr, PAIRS: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    PER_ROW: tl.constexpr, PAIRS: tl.constexpr,
 ):
     row0 = tl.program_id(0)
     split = tl.program_id(1)
@@ -101,8 +93,8 @@ def _varlen_paged_mqa_logits_kernel(
     if PER_ROW:
         # One dot per row: no padded rows for short runs.
         for tile in range(tile_begin, tile_end):
-            k, scale = _load_kv_tile(kv_ptr, kv_desc, bt_row, tile, num_pages, stride_kv_block, offs_n, offs_d,
-                                     D, PAGE, TILE_PAGES, USE_TMA)
+            k, scale = _load_kv_tile(kv_ptr, bt_row, tile, num_pages, stride_kv_block, offs_n, offs_d,
+                                     D, PAGE, TILE_PAGES)
             cols = tile * BN + offs_n
             for chunk in range(0, run_len, ROWS):
                 for r in tl.static_range(ROWS):
@@ -129,9 +121,9 @@ def _varlen_paged_mqa_logits_kernel(
                 qb, wb, ok_b, ctx_b, out_b = _load_rows(
                     q_ptr, w_ptr, ctx_ptr, out_ptr, row0, chunk + ROWS, run_len, kv_len,
                     stride_q, stride_w, stride_out, offs_m, offs_r, offs_d, H, D)
-            for tile in tl.range(tile_begin, tile_end, warp_specialize=WARP_SPECIALIZE):
-                k, scale = _load_kv_tile(kv_ptr, kv_desc, bt_row, tile, num_pages, stride_kv_block,
-                                         offs_n, offs_d, D, PAGE, TILE_PAGES, USE_TMA)
+            for tile in range(tile_begin, tile_end):
+                k, scale = _load_kv_tile(kv_ptr, bt_row, tile, num_pages, stride_kv_block,
+                                         offs_n, offs_d, D, PAGE, TILE_PAGES)
                 cols = tile * BN + offs_n
                 _score_rows(k, scale, cols, qa, wa, ok_a, ctx_a, out_a, BN, ROWS, H)
                 if PAIRS > 1:
@@ -282,8 +274,6 @@ def varlen_paged_mqa_logits(
     per_row: bool = False,
     groups: int | None = None,
     tile_pages: int = 1,
-    tma: bool = False,
-    warp_specialize: bool = False,
     tiles_per_split: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
@@ -297,9 +287,7 @@ def varlen_paged_mqa_logits(
     Tuning knobs: ``rows_per_dot`` (rows stacked per ``tl.dot``, default 2),
     ``groups`` (row groups held at once: runs of up to ``groups *
     rows_per_dot`` rows read each tile once; default 1 when ``max_run_len``
-    fits one group, else 2), ``tma`` (KV pages through the Hopper tensor-memory
-    accelerator), ``warp_specialize`` (Triton's warp specialization of the
-    tile loop), ``per_row`` (one dot per row
+    fits one group, else 2), ``per_row`` (one dot per row
     instead), ``tile_pages`` (pages per dot),
     ``tiles_per_split`` (default :func:`default_split`), ``num_warps``,
     ``num_stages``.  ``out``: optional float32 ``[R, >= max_context_len]``.
@@ -335,22 +323,12 @@ def varlen_paged_mqa_logits(
     num_splits = triton.cdiv(triton.cdiv(triton.cdiv(max_context_len, page), tile_pages),
                              tiles_per_split)
     grid = (rows, num_splits)
-    kv_desc = kv_cache
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        stride = kv_cache.stride(0)
-        if tile_pages != 1 or stride % dim or stride % 16 or kv_cache.data_ptr() % 16:
-            _fail("tma", "tile_pages == 1 and a 16-byte aligned page stride divisible by D",
-                  (tile_pages, stride))
-        pool = kv_cache.as_strided((kv_cache.shape[0], stride // dim, dim), (stride, dim, 1))
-        kv_desc = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [1, page, dim])
     compiled = _varlen_paged_mqa_logits_kernel[grid](
-        q, kv_cache, kv_desc, weights, context_lens, block_table, indices, out,
+        q, kv_cache, weights, context_lens, block_table, indices, out,
         rows, max_context_len,
         q.stride(0), kv_cache.stride(0), weights.stride(0), block_table.stride(0), out.stride(0),
         H=heads, D=dim, PAGE=page, ROWS=rows_per_dot, TILES_PER_SPLIT=tiles_per_split,
-        TILE_PAGES=tile_pages, PER_ROW=bool(per_row), PAIRS=groups, USE_TMA=bool(tma),
-        WARP_SPECIALIZE=bool(warp_specialize),
+        TILE_PAGES=tile_pages, PER_ROW=bool(per_row), PAIRS=groups,
         num_warps=num_warps, num_stages=num_stages,
     )
     LAST_COMPILED[0] = compiled
