@@ -36,6 +36,7 @@ class DecodeStep:
     block_table: torch.Tensor
     rows: DecodeRows
     max_context_len: int
+    compress_ratio: int = 1
 
     @property
     def num_rows(self) -> int:
@@ -66,6 +67,7 @@ class DecodeStep:
         w[row_of] = self.weights[: req.numel()]
         offs = torch.arange(next_n, device=device)
         ctx = (self.seq_lens.long()[:, None] - next_n + 1 + offs[None, :]).clamp_min(0)
+        ctx = ctx // self.compress_ratio
         return {
             "q": q.to(torch.float8_e4m3fn).view(num_reqs, next_n, heads, dim),
             "weights": w,
@@ -146,7 +148,8 @@ def make_decode_step(
         rows.context_lens.div_(compress_ratio, rounding_mode="floor")
     return DecodeStep(q=q, weights=weights, kv_cache=kv_cache, seq_lens=seq_lens,
                       decode_lens=decode_lens, query_start_loc=query_start_loc,
-                      block_table=block_table, rows=rows, max_context_len=max_context_len)
+                      block_table=block_table, rows=rows, max_context_len=max_context_len,
+                      compress_ratio=compress_ratio)
 
 
 def random_decode_step(num_reqs: int, max_tokens: int, context_len: int, *,
