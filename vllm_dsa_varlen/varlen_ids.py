@@ -28,25 +28,32 @@ BACKENDS = ("deepgemm", "triton")
 
 
 class VarlenTag(NamedTuple):
-    """``ids``: int32 ``[R]`` run ids; ``backend``: ``"deepgemm"`` | ``"triton"``."""
+    """``ids``: int32 ``[R]`` run ids; ``backend``: ``"deepgemm"`` | ``"triton"``;
+    ``max_run_len``: the step's longest run as the host knows it (a sizing hint
+    for the Triton kernel; correctness never depends on it)."""
 
     ids: torch.Tensor
     backend: str
+    max_run_len: int = 1
 
 
-def attach_varlen_ids(schedule: torch.Tensor, ids: torch.Tensor, backend: str) -> torch.Tensor:
+def attach_varlen_ids(schedule: torch.Tensor, ids: torch.Tensor, backend: str,
+                      max_run_len: int = 1) -> torch.Tensor:
     """Return a fresh view of ``schedule`` (same storage) tagged with ``ids``.
 
     ``schedule``: the builder's scheduler-metadata buffer (any shape/dtype).
-    ``ids``: int32 ``[R]``.  ``backend``: ``"deepgemm"`` or ``"triton"``."""
+    ``ids``: int32 ``[R]``.  ``backend``: ``"deepgemm"`` or ``"triton"``.
+    ``max_run_len``: the step's longest request in tokens (>= 1)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32 or ids.dim() != 1:
         raise ValueError(f"ids: expected an int32 [R] tensor, got "
                          f"{getattr(ids, 'dtype', type(ids).__name__)} "
                          f"{tuple(getattr(ids, 'shape', ()))}")
+    if not isinstance(max_run_len, int) or max_run_len < 1:
+        raise ValueError(f"max_run_len: expected an int >= 1, got {max_run_len!r}")
     view = schedule.view(schedule.shape)
-    setattr(view, _ATTR, VarlenTag(ids, backend))
+    setattr(view, _ATTR, VarlenTag(ids, backend, max_run_len))
     return view
 
 

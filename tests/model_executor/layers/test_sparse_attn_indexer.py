@@ -124,11 +124,12 @@ def test_decode_topk_equals_the_padded_path(monkeypatch, backend, seed):
     ids = md.decode.indices
     assert ids is not None and ids.shape[0] == step.num_rows
 
-    seen = []
+    seen, seen_kwargs = [], []
     real_kernel = triton_kernel.varlen_paged_mqa_logits
 
     def spy(*args, **kwargs):
         seen.append(args)
+        seen_kwargs.append(kwargs)
         return real_kernel(*args, **kwargs)
 
     monkeypatch.setattr(triton_kernel, "varlen_paged_mqa_logits", spy)
@@ -140,6 +141,7 @@ def test_decode_topk_equals_the_padded_path(monkeypatch, backend, seed):
         q_values = call.bound["q"][0]
     else:
         assert len(seen) == 1 and seen[0][5] is ids
+        assert seen_kwargs[0]["max_run_len"] == int(step.decode_lens.max())
         assert dg.calls_to("fp8_fp4_paged_mqa_logits") == []
         q_values = seen[0][0]
     assert q_values.shape == (step.num_rows, 1, HEADS, DIM)  # rows = R, next_n = 1

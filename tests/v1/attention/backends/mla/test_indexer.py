@@ -122,6 +122,7 @@ def _check_varlen_decode(md, builder, lens, seqs, bt, compress_ratio=1):
     # The kernel call gets the ids through a fresh view of the stable schedule buffer.
     tag = varlen_ids_of(dec.schedule_metadata)
     assert tag is not None and tag.ids is ids and tag.backend == builder.varlen_backend
+    assert tag.max_run_len == max(lens)  # the host's sizing hint for the Triton kernel
     assert dec.schedule_metadata is not builder.scheduler_metadata_buffer
     assert dec.schedule_metadata.data_ptr() == builder.scheduler_metadata_buffer.data_ptr()
     assert varlen_ids_of(builder.scheduler_metadata_buffer) is None
@@ -212,6 +213,7 @@ def test_plain_decode_keeps_stock_rows_with_one_run_per_request(monkeypatch, bac
     assert torch.equal(dec.block_table, stock_dec["block_table"])
     assert dec.requires_padding == stock_md.decode.requires_padding
     assert varlen_ids_of(dec.schedule_metadata).ids is dec.indices
+    assert varlen_ids_of(dec.schedule_metadata).max_run_len == 1
 
 
 @pytest.mark.parametrize("backend", ["deepgemm", "triton"])

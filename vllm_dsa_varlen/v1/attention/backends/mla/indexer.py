@@ -127,6 +127,7 @@ def _setup_varlen(builder: Any) -> None:
     builder.use_varlen = path.use_varlen
     builder.varlen_backend = path.backend
     builder._varlen_step_ids = None
+    builder._varlen_step_max_run = 1
     builder._varlen_common = None
     _log_path(path)
     if not path.use_varlen:
@@ -188,6 +189,7 @@ def _plan_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.T
     one_token_each = builder.decode_lens_buffer[: rows.num_rows]
     one_token_each.fill_(1)
     builder._varlen_step_ids = rows.indices
+    builder._varlen_step_max_run = max_decode_len
     return rows.context_lens, rows.block_table, one_token_each, rows.num_rows, False
 
 
@@ -211,6 +213,7 @@ def wrap_prepare_decode_tensors(original: Callable[..., Any]) -> Callable[..., A
             if getattr(self, "use_varlen", False):
                 # Plain decode: one row per request, each its own run.
                 self._varlen_step_ids = self.varlen_rows.arange[: result[3]]
+                self._varlen_step_max_run = 1
             return result
         return _plan_varlen_rows(self, seq_lens, block_table, decode_lens, decode_lens_cpu,
                                  query_start_loc, num_decodes, num_decode_tokens, max_decode_len)
@@ -252,7 +255,8 @@ def _hand_over_ids(builder: Any, metadata: Any) -> None:
         raise RuntimeError(f"varlen build: {ids.shape[0]} run ids for "
                            f"{decode.seq_lens.shape[0]} decode rows")
     decode.schedule_metadata = attach_varlen_ids(builder.scheduler_metadata_buffer, ids,
-                                                 builder.varlen_backend)
+                                                 builder.varlen_backend,
+                                                 max(1, builder._varlen_step_max_run))
     decode.indices = ids
 
 
