@@ -137,32 +137,98 @@ def plan_host_us(torch, step, reps=200):
     return (t1 - t0) / reps * 1e6
 
 
+@dataclass
+class Path:
+    """One timed implementation: ``fn()`` returns logits; rows it computes in
+    all and how many are padding; how often each request's KV is read;
+    ``row_of`` maps varlen rows to the path's rows (padded layouts)."""
+
+    fn: object
+    rows: int
+    padded_rows: int
+    kv_reads: float
+    params: dict = field(default_factory=dict)
+    row_of: object = None
+
+
 def deepgemm_paths(torch, step, dg, num_sms):
-    """Closures for the DeepGEMM paths this GPU runs, with their row counts."""
+    """The DeepGEMM paths this GPU runs on ``step``."""
     paths = {}
     rows = step.rows
     major = torch.cuda.get_device_capability()[0]
     ctx2d = rows.context_lens.view(-1, 1).contiguous()
     if major == 10:
         meta = dg.get_paged_mqa_logits_metadata(ctx2d, 64, num_sms, indices=rows.indices)
-        paths["deepgemm-varlen"] = (lambda: dg.fp8_fp4_paged_mqa_logits(
+        paths["deepgemm-varlen"] = Path(lambda: dg.fp8_fp4_paged_mqa_logits(
             (step.q, None), step.kv_cache, step.weights, ctx2d, rows.block_table, meta,
             step.max_context_len, indices=rows.indices), rows.num_rows, 0, 1.0)
         return paths
     meta = dg.get_paged_mqa_logits_metadata(ctx2d, 64, num_sms)
-    reads = rows.num_rows / step.seq_lens.numel()
-    paths["deepgemm-flat"] = (lambda: dg.fp8_fp4_paged_mqa_logits(
+    paths["deepgemm-flat"] = Path(lambda: dg.fp8_fp4_paged_mqa_logits(
         (step.q, None), step.kv_cache, step.weights, ctx2d, rows.block_table, meta,
-        step.max_context_len), rows.num_rows, 0, reads)
+        step.max_context_len), rows.num_rows, 0, rows.num_rows / step.seq_lens.numel())
     next_n = int(step.decode_lens.max())
     if next_n <= 2:
         pad = step.padded(next_n)
         meta_n = dg.get_paged_mqa_logits_metadata(pad["context_lens"], 64, num_sms)
         total = pad["context_lens"].numel()
-        paths["deepgemm-native"] = (lambda: dg.fp8_fp4_paged_mqa_logits(
+        paths["deepgemm-native"] = Path(lambda: dg.fp8_fp4_paged_mqa_logits(
             (pad["q"], None), step.kv_cache, pad["weights"], pad["context_lens"],
-            step.block_table, meta_n, step.max_context_len), total, total - rows.num_rows, 1.0)
+            step.block_table, meta_n, step.max_context_len), total, total - rows.num_rows, 1.0,
+            row_of=pad["row_of"])
     return paths
+
+
+def case_paths(torch, case, args, dg, num_sms):
+    """Build ``case``'s decode step and every path to time on it."""
+    from .ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
+    from .workloads import random_decode_step
+
+    step = random_decode_step(case.num_reqs, case.max_tokens, case.context,
+                              variable=case.variable, heads=case.heads, seed=args.seed,
+                              device="cuda", compress_ratio=case.compress_ratio)
+    rows = step.rows
+    ctx2d = rows.context_lens.view(-1, 1)
+    hint = int(step.decode_lens.max())
+    paths = {}
+    for params in triton_variants(args.variants):
+        label = "triton-varlen" + ("" if not params else " " + ",".join(
+            f"{k}={v}" for k, v in params.items()))
+        paths[label] = Path(lambda p=params: varlen_paged_mqa_logits(
+            step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
+            step.max_context_len, max_run_len=hint, **p), rows.num_rows, 0, 1.0, dict(params))
+    if dg is not None:
+        paths.update(deepgemm_paths(torch, step, dg, num_sms))
+    return step, paths
+
+
+def trace_pass(torch, cases, args, dg, num_sms):
+    """Three calls of every path under torch.profiler, each in an NVTX range and a
+    profiler record named ``case | path`` (the timed runs stay unprofiled; building
+    each step shows as ``build step``)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for case in cases:
+            with torch.profiler.record_function("build step"):
+                step, paths = case_paths(torch, case, args, dg, num_sms)
+                for name in list(paths):
+                    try:
+                        paths[name].fn()  # compile before the traced calls
+                    except Exception:  # noqa: BLE001 - refused variants were reported already
+                        del paths[name]
+            torch.cuda.synchronize()
+            for name, path in paths.items():
+                label = f"{case.name} | {name}"
+                for _ in range(3):
+                    torch.cuda.nvtx.range_push(label)
+                    with torch.profiler.record_function(label):
+                        path.fn()
+                    torch.cuda.nvtx.range_pop()
+            torch.cuda.synchronize()
+            del step, paths
+            torch.cuda.empty_cache()
+    profiler.export_chrome_trace(args.trace)
+    print(f"trace written: {args.trace}")
 
 
 def triton_variants(spec: str | None):
@@ -188,9 +254,8 @@ def run_gpu(args):
     import torch
     from triton.testing import do_bench
 
+    from .ops import triton_paged_mqa_logits as tk
     from .ops.reference import paged_mqa_logits_ref, valid_mask
-    from .ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
-    from .workloads import random_decode_step
 
     try:
         import deep_gemm as dg
@@ -201,17 +266,10 @@ def run_gpu(args):
     bw, flops_rate = measure_ceilings(torch, do_bench)
     print(f"measured: copy {bw / 1e12:.2f} TB/s, fp8 matmul {flops_rate / 1e12:.0f} TFLOP/s")
     cases = [c for c in GPU_CASES if not args.cases or any(s in c.name for s in args.cases)]
-    results, checks = [], []
-    profiler = None
-    if args.trace:
-        profiler = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
-        profiler.__enter__()
+    results = []
     for case in cases:
-        step = random_decode_step(case.num_reqs, case.max_tokens, case.context,
-                                  variable=case.variable, heads=case.heads, seed=args.seed,
-                                  device="cuda", compress_ratio=case.compress_ratio)
-        mem_s, comp_s, useful, kv_tokens = floors(step, bw, flops_rate)
+        step, paths = case_paths(torch, case, args, dg, num_sms)
+        mem_s, comp_s, _, _ = floors(step, bw, flops_rate)
         floor_s = max(mem_s, comp_s)
         host_us = plan_host_us(torch, step)
         rows = step.rows
@@ -219,45 +277,29 @@ def run_gpu(args):
         ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx2d, rows.block_table,
                                    step.max_context_len, indices=rows.indices)
         mask = valid_mask(ctx2d, step.max_context_len, rows.indices)
-        paths = {}
-        for params in triton_variants(args.variants):
-            label = "triton-varlen" + ("" if not params else " " + ",".join(f"{k}={v}" for k, v in params.items()))
-            hint = int(step.decode_lens.max())
-            paths[label] = ((lambda p=params: varlen_paged_mqa_logits(
-                step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
-                step.max_context_len, max_run_len=hint, **p)), rows.num_rows, 0, 1.0, params)
-        if dg is not None:
-            for name, (fn, total, padded, reads) in deepgemm_paths(torch, step, dg, num_sms).items():
-                paths[name] = (fn, total, padded, reads, {})
-        for name, (fn, total, padded, reads, params) in paths.items():
+        for name, path in paths.items():
             try:
-                out = fn().float()
+                out = path.fn().float()
             except Exception as exc:  # noqa: BLE001 - a variant this GPU/Triton refuses
                 print(f"{case.name} | {name}: failed: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
+            note = ""
             if name.startswith("triton"):
-                from .ops import triton_paged_mqa_logits as tk
-                c = tk.LAST_COMPILED[0]
-                params = {**params, "regs": getattr(c, "n_regs", None),
-                          "spills": getattr(c, "n_spills", None)}
-            if name == "deepgemm-native":
-                pad = step.padded(int(step.decode_lens.max()))
-                out = out[pad["row_of"]]
+                compiled = tk.LAST_COMPILED[0]
+                path.params.update(regs=getattr(compiled, "n_regs", None),
+                                   spills=getattr(compiled, "n_spills", None))
+                note = f" regs={path.params['regs']} spills={path.params['spills']}"
+            if path.row_of is not None:
+                out = out[path.row_of]
             err = check_close(torch, out[:, : step.max_context_len], ref, mask)
-            checks.append((case.name, name, err))
-            torch.cuda.nvtx.range_push(f"{case.name} | {name}")
-            t = do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median") * 1e-3
-            torch.cuda.nvtx.range_pop()
+            t = do_bench(path.fn, warmup=25, rep=args.rep_ms, return_mode="median") * 1e-3
             results.append(Row(case.name, name, t * 1e6, floor_s * 1e6, mem_s * 1e6, comp_s * 1e6,
-                               rows.num_rows, padded, reads, host_us,
-                               note=f"rel_err={err:.1e}" + (f" regs={params.get('regs')} spills={params.get('spills')}" if "regs" in params else ""),
-                               params=params))
-        del step, ref, mask
+                               rows.num_rows, path.padded_rows, path.kv_reads, host_us,
+                               note=f"rel_err={err:.1e}{note}", params=path.params))
+        del step, paths, ref, mask
         torch.cuda.empty_cache()
-    if profiler is not None:
-        profiler.__exit__(None, None, None)
-        profiler.export_chrome_trace(args.trace)
-        print(f"trace written: {args.trace}")
+    if args.trace:
+        trace_pass(torch, cases, args, dg, num_sms)
     return results, {"copy_TBps": bw / 1e12, "fp8_TFLOPs": flops_rate / 1e12,
                      "device": torch.cuda.get_device_name(), "deepgemm": getattr(dg, "__version__", None)}
 
@@ -272,25 +314,37 @@ def run_cpu(args):
     print("no CUDA GPU: tiny shapes through the torch reference and the Triton interpreter; "
           "times are not kernel performance")
     results = []
+    profiler = None
+    if args.trace:  # CPU activity only: no NVTX without CUDA
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiler.__enter__()
     for case in CPU_CASES:
         step = random_decode_step(case.num_reqs, case.max_tokens, case.context,
                                   variable=case.variable, heads=case.heads, seed=args.seed)
         rows = step.rows
         ctx2d = rows.context_lens.view(-1, 1)
         host_us = plan_host_us(torch, step, reps=20)
-        t0 = time.perf_counter()
-        ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx2d, rows.block_table,
-                                   step.max_context_len, indices=rows.indices)
-        t_ref = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        got = varlen_paged_mqa_logits(step.q, step.kv_cache, step.weights, ctx2d, rows.block_table,
-                                      rows.indices, step.max_context_len)
-        t_kernel = time.perf_counter() - t0
+        timed = {}
+        for name, fn in (
+                ("reference (cpu)", lambda: paged_mqa_logits_ref(
+                    step.q, step.kv_cache, step.weights, ctx2d, rows.block_table,
+                    step.max_context_len, indices=rows.indices)),
+                ("triton-varlen (interpreter)", lambda: varlen_paged_mqa_logits(
+                    step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
+                    step.max_context_len, max_run_len=case.max_tokens))):
+            with torch.profiler.record_function(f"{case.name} | {name}"):
+                t0 = time.perf_counter()
+                timed[name] = (fn(), time.perf_counter() - t0)
+        (ref, _), (got, _) = timed.values()
         mask = valid_mask(ctx2d, step.max_context_len, rows.indices)
         err = float((got[mask] - ref[mask]).norm() / ref[mask].norm())
-        for name, t in (("reference (cpu)", t_ref), ("triton-varlen (interpreter)", t_kernel)):
+        for name, (_, t) in timed.items():
             results.append(Row(case.name, name, t * 1e6, float("nan"), float("nan"), float("nan"),
                                rows.num_rows, 0, 1.0, host_us, note=f"rel_err={err:.1e}"))
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(args.trace)
+        print(f"trace written: {args.trace} (CPU activity)")
     return results, {"device": "cpu (interpreter)", "copy_TBps": None, "fp8_TFLOPs": None}
 
 

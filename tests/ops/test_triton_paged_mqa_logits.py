@@ -9,7 +9,7 @@ import torch
 
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
 from vllm_dsa_varlen.ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
-from vllm_dsa_varlen.plan import plan_decode_rows
+from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
 from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
 
 POISON = float("nan")
@@ -243,4 +243,65 @@ def test_cuda_graph_replay_with_new_contents():
         ref = paged_mqa_logits_ref(q[:n], kv, w[:n], ctx[:n], bt[:n], max_len, indices=ids[:n])
         m = mask[:n]
         err = (out[:n][m] - ref[m]).norm() / ref[m].norm()
+        assert err < 1e-3
+
+
+@pytest.mark.gpu
+def test_uniform_plan_and_kernel_captured_together():
+    """The builder's uniform path (plan + kernel) in one CUDA graph, replayed on
+    new batch compositions (new lengths, graph-padding requests, block tables,
+    queries), equals eager execution and the reference."""
+    num_reqs, tokens, max_len = 32, 3, 5000
+    rows_cap = num_reqs * tokens
+    steps = [random_decode_step(num_reqs, tokens, 3500, heads=64, seed=s, device="cuda",
+                                max_context_len=max_len, extra_blocks=64) for s in (11, 12, 13)]
+    width = max(s.block_table.shape[1] for s in steps)
+    seq_lens = torch.zeros(num_reqs, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(0, rows_cap + 1, tokens, dtype=torch.int32, device="cuda")
+    block_table = torch.zeros((num_reqs, width), dtype=torch.int32, device="cuda")
+    q = torch.zeros((rows_cap, 1, 64, 128), dtype=torch.float8_e4m3fn, device="cuda")
+    w = torch.zeros((rows_cap, 64), device="cuda")
+    kv = torch.zeros((max(s.kv_cache.shape[0] for s in steps), *steps[0].kv_cache.shape[1:]),
+                     dtype=torch.uint8, device="cuda")
+    bufs = DecodeRowBuffers.allocate(rows_cap, width, "cuda")
+    out = torch.empty((rows_cap, max_len), device="cuda")
+
+    def run(dst):
+        rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=rows_cap,
+                                uniform_len=tokens, out=bufs)
+        varlen_paged_mqa_logits(q, kv, w, rows.context_lens.view(-1, 1), rows.block_table,
+                                rows.indices, max_len, out=dst, max_run_len=tokens)
+
+    def load(step, padding_reqs):
+        seq_lens.copy_(step.seq_lens)
+        seq_lens[padding_reqs] = 0
+        block_table.zero_()
+        block_table[:, : step.block_table.shape[1]] = step.block_table
+        q.copy_(step.q)
+        w.copy_(step.weights)
+        kv[: step.kv_cache.shape[0]].copy_(step.kv_cache)
+
+    load(steps[0], [])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(out)
+    for step, padding in ((steps[1], [3, 4]), (steps[2], []), (steps[0], [0, 31])):
+        load(step, padding)
+        out.fill_(POISON)
+        graph.replay()
+        eager = torch.full_like(out, POISON)
+        run(eager)
+        torch.cuda.synchronize()
+        ctx = bufs.context_lens[:rows_cap].view(-1, 1)
+        ids = bufs.indices[:rows_cap]
+        mask = valid_mask(ctx, max_len, ids)
+        assert not mask[[r for p in padding for r in range(p * tokens, (p + 1) * tokens)]].any()
+        assert torch.equal(out[mask], eager[mask])
+        ref = paged_mqa_logits_ref(q, kv, w, ctx, bufs.block_table[:rows_cap], max_len, indices=ids)
+        err = (out[mask] - ref[mask]).norm() / ref[mask].norm()
         assert err < 1e-3
