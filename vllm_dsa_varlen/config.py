@@ -126,8 +126,11 @@ def choose_decode_path(
     stock.  SM10x with a DeepGEMM whose scheduler and kernel take ``indices``
     -> DeepGEMM varlen (any ``next_n``: DeepGEMM 2.8.x on SM100 *requires*
     run ids).  Otherwise, with an fp8-capable GPU (>= sm_89), a usable Triton
-    kernel, an FP8 cache and ``next_n > 1`` -> Triton varlen; with
-    ``next_n == 1`` varlen saves nothing -> stock.  The MXFP4 indexer cache is
+    kernel, an FP8 cache and ``next_n > 2`` -> Triton varlen (where stock
+    0.27.1 flattens and re-reads the KV per token); with ``next_n == 1``
+    varlen saves nothing and with ``next_n == 2`` DeepGEMM's native two-token
+    kernel measured faster -> stock (a forced Triton backend takes
+    ``next_n == 2`` too).  The MXFP4 indexer cache is
     SM100 + DeepGEMM only (never Triton).  A forced backend that cannot run
     gives stock with ``warning=True``.
     """
@@ -148,7 +151,8 @@ def choose_decode_path(
     sm10x = capability[0] == SM100_MAJOR
 
     dg_reason = _deepgemm_refusal(sm10x, cap, deepgemm)
-    triton_reason = _triton_refusal(capability, cap, triton_ok, next_n, fp4_cache)
+    triton_reason = _triton_refusal(capability, cap, triton_ok, next_n, fp4_cache,
+                                    forced=backend == "triton")
 
     if backend in ("auto", "deepgemm") and dg_reason is None:
         return DecodePath(True, "deepgemm",
@@ -177,7 +181,7 @@ def _deepgemm_refusal(sm10x: bool, cap: str, deepgemm: DeepGemmCaps | None) -> s
 
 
 def _triton_refusal(capability: tuple[int, int], cap: str, triton_ok: bool, next_n: int,
-                    fp4_cache: bool) -> str | None:
+                    fp4_cache: bool, forced: bool = False) -> str | None:
     if fp4_cache:
         return "the MXFP4 indexer cache is served by DeepGEMM on SM100 only (never Triton)"
     if capability < MIN_FP8_CAPABILITY:
@@ -186,4 +190,8 @@ def _triton_refusal(capability: tuple[int, int], cap: str, triton_ok: bool, next
         return "the Triton varlen kernel is unavailable or does not support this cache"
     if next_n == 1:
         return "next_n == 1: one row per request, varlen would save nothing"
+    if next_n == 2 and not forced:
+        return (f"next_n == 2: DeepGEMM's native [B, 2] kernel is faster than the Triton "
+                f"varlen kernel at two tokens (measured on an H200, BENCHMARKS.md); "
+                f"{BACKEND_ENV}=triton forces it")
     return None
