@@ -305,3 +305,24 @@ def test_uniform_plan_and_kernel_captured_together():
         ref = paged_mqa_logits_ref(q, kv, w, ctx, bufs.block_table[:rows_cap], max_len, indices=ids)
         err = (out[mask] - ref[mask]).norm() / ref[mask].norm()
         assert err < 1e-3
+
+
+def test_rows_past_r_are_never_touched(device):
+    """ids, queries and logits may be views of longer buffers (the builder's are):
+    an id past row R equal to the last run's must not extend that run."""
+    step = make_decode_step([2, 3], [90, 140], heads=32, seed=21, device=device)
+    rows = step.rows
+    r = rows.num_rows
+    ids_buf = torch.empty(r + 2, dtype=torch.int32, device=device)
+    ids_buf[:r] = rows.indices
+    ids_buf[r:] = rows.indices[-1]  # stale ids of a longer earlier step
+    q_buf = torch.cat([step.q, step.q[:2]])
+    w_buf = torch.cat([step.weights, step.weights[:2]])
+    ctx_buf = torch.cat([rows.context_lens, rows.context_lens[-1:] + 5, rows.context_lens[-1:]])
+    bt_buf = torch.cat([rows.block_table, rows.block_table[:2]])
+    out_buf = torch.full((r + 2, step.max_context_len + 64), POISON, device=device)
+    varlen_paged_mqa_logits(q_buf[:r], step.kv_cache, w_buf[:r], ctx_buf[:r].view(-1, 1),
+                            bt_buf[:r], ids_buf[:r], step.max_context_len,
+                            out=out_buf[:r, : step.max_context_len])
+    assert torch.isnan(out_buf[r:]).all(), "rows past R were written"
+    check_against_reference(step, out_buf[:r], rel_tol=1e-5)

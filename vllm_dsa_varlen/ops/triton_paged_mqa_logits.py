@@ -75,10 +75,13 @@ def _varlen_paged_mqa_logits_kernel(
     if row0 > 0:
         if tl.load(ids_ptr + row0 - 1) == run_id:
             return  # not the first row of its run
-    # Walk the run to its last row.
+    # Walk the run to its last row.  Loads past row R are masked: the ids may be
+    # a view of a longer buffer whose next element repeats the last id.
     run_len = 1
-    while row0 + run_len < num_rows and tl.load(ids_ptr + row0 + run_len) == run_id:
+    nxt = tl.load(ids_ptr + row0 + 1, mask=row0 + 1 < num_rows, other=run_id + 1)
+    while nxt == run_id:
         run_len += 1
+        nxt = tl.load(ids_ptr + row0 + run_len, mask=row0 + run_len < num_rows, other=run_id + 1)
     kv_len = tl.minimum(tl.load(ctx_ptr + row0 + run_len - 1), max_context_len)
     BN: tl.constexpr = PAGE * TILE_PAGES
     tile_begin = split * TILES_PER_SPLIT
