@@ -10,8 +10,10 @@ project's own plan, and each available path is timed on the same step:
 * ``deepgemm-native`` — DeepGEMM ``[B, next_n]`` padded (SM90: next_n <= 2);
 * ``deepgemm-varlen`` — DeepGEMM with ``indices`` (SM100 only).
 
-Reported per path: median µs (CUDA events via ``triton.testing.do_bench``,
-which flushes the L2 before every run), the floor (max of memory floor and
+Reported per path: median µs of a CUDA-graph replay of one call (CUDA events
+via ``triton.testing.do_bench``, which flushes the L2 before every run; the
+graph removes host launch time, which a Python launcher adds to small eager
+calls), the same for the eager call (``eager=`` in the note), the floor (max of memory floor and
 compute floor, from a copy bandwidth and an fp8 matmul rate measured in the
 same run), useful vs padded rows, and the plan's host µs per step.  Without a
 GPU it runs tiny shapes through the reference and the Triton interpreter and
@@ -292,10 +294,16 @@ def run_gpu(args):
             if path.row_of is not None:
                 out = out[path.row_of]
             err = check_close(torch, out[:, : step.max_context_len], ref, mask)
-            t = do_bench(path.fn, warmup=25, rep=args.rep_ms, return_mode="median") * 1e-3
+            eager = do_bench(path.fn, warmup=25, rep=args.rep_ms, return_mode="median") * 1e-3
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                path.fn()
+            t = do_bench(graph.replay, warmup=25, rep=args.rep_ms, return_mode="median") * 1e-3
             results.append(Row(case.name, name, t * 1e6, floor_s * 1e6, mem_s * 1e6, comp_s * 1e6,
                                rows.num_rows, path.padded_rows, path.kv_reads, host_us,
-                               note=f"rel_err={err:.1e}{note}", params=path.params))
+                               note=f"eager={eager * 1e6:.1f}us rel_err={err:.1e}{note}",
+                               params=path.params))
+            del graph
         del step, paths, ref, mask
         torch.cuda.empty_cache()
     if args.trace:

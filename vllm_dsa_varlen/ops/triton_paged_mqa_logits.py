@@ -27,6 +27,8 @@ to the host, so a launch can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -257,6 +259,7 @@ def default_split(num_rows: int, max_context_len: int, page: int, tile_pages: in
     return max(min(2, tiles), min(32, triton.cdiv(runs * tiles, 3 * num_sms)))
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
