@@ -44,7 +44,7 @@ __all__ = [
     "DeepGemmCaps", "param_names", "detect_caps", "current_caps",
     "get_paged_mqa_logits_metadata", "fp8_fp4_paged_mqa_logits", "fp8_fp4_mqa_logits",
     "call_metadata", "call_paged_logits", "call_prefill_logits", "mask_beyond",
-    "check_indices",
+    "check_indices", "check_varlen_layout",
 ]
 
 logger = logging.getLogger("vllm.dsa_varlen")
@@ -213,6 +213,33 @@ def check_indices(indices: torch.Tensor, rows: int) -> None:
         raise ValueError(f"indices: expected an 8-byte aligned start, got {hex(indices.data_ptr())}")
 
 
+def check_varlen_layout(q_values: torch.Tensor, weights: torch.Tensor | None,
+                        context_lens: torch.Tensor, block_tables: torch.Tensor | None,
+                        rows: int) -> None:
+    """Host-side shape checks of a call that carries ``indices`` (no device sync).
+
+    The run ids tie ``rows`` one-token rows together, so every per-row argument
+    must be in the varlen layout: ``q`` values ``[R, 1, H, D']`` (``next_n ==
+    1``), ``weights [R, H]``, ``context_lens`` int32 ``[R, 1]``,
+    ``block_tables`` int32 ``[>= R, W]``.  ``weights`` / ``block_tables`` may
+    be ``None`` (the scheduler call has neither)."""
+    if q_values is not None and (q_values.dim() != 4 or q_values.shape[0] != rows
+                                 or q_values.shape[1] != 1):
+        raise ValueError(f"q: with indices (varlen) expected values [{rows}, 1, H, D] "
+                         f"(next_n == 1, one row per id), got {tuple(q_values.shape)}")
+    if weights is not None and (weights.dim() != 2 or weights.shape[0] != rows):
+        raise ValueError(f"weights: with indices (varlen) expected [{rows}, H], "
+                         f"got {tuple(weights.shape)}")
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (rows, 1):
+        raise ValueError(f"context_lens: with indices (varlen) expected int32 [{rows}, 1], "
+                         f"got {context_lens.dtype} {tuple(context_lens.shape)}")
+    if block_tables is not None and (block_tables.dtype != torch.int32
+                                     or block_tables.dim() != 2
+                                     or block_tables.shape[0] < rows):
+        raise ValueError(f"block_table: with indices (varlen) expected int32 [>= {rows}, W], "
+                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
+
+
 def mask_beyond(logits: torch.Tensor, end: torch.Tensor, start: torch.Tensor | None = None
                 ) -> torch.Tensor:
     """Set ``logits[r, c] = -inf`` for ``c >= end[r]`` (and ``c < start[r]``), in place.
@@ -259,6 +286,7 @@ def call_metadata(impl: Callable[..., Any], caps: DeepGemmCaps | None,
         raise RuntimeError("indices: the installed DeepGEMM's get_paged_mqa_logits_metadata "
                            "takes no `indices` (varlen decode needs DeepGEMM 2.8.x on SM100)")
     check_indices(indices, context_lens.shape[0])
+    check_varlen_layout(None, None, context_lens, None, indices.shape[0])
     return impl(context_lens, block_size, num_sms, indices=indices)
 
 
@@ -293,6 +321,7 @@ def call_paged_logits(
             raise RuntimeError("indices: the installed DeepGEMM's fp8_fp4_paged_mqa_logits "
                                "takes no `indices` (varlen decode needs DeepGEMM 2.8.x on SM100)")
         check_indices(indices, q[0].shape[0])
+        check_varlen_layout(q[0], weights, context_lens, block_tables, indices.shape[0])
         kwargs["indices"] = indices
     if api_28:
         weights = _weights_for(weights, sm100(), "fp8_fp4_paged_mqa_logits")
