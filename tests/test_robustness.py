@@ -40,10 +40,14 @@ Where each bad input of the issue is covered ("here" = this file):
       test_dispatch_refuses_bad_ids_before_the_kernel (ids too short: ``run ids``)
     - the carrier: here test_attach_refuses_bad_ids_backend_and_run_length
 * context length beyond the block table
-    - Triton kernel: ...[context beyond block table],
-      ...::test_contents_check_catches_context_past_max_len
-    - known gap under DCP, here test_triton_under_dcp_logits_wider_than_local_block_table
-      (xfail, see its docstring)
+    - Triton kernel (data-dependent, so with ``validate_contents=True``; a launch
+      stays sync-free and the kernel clamps every run to the block table's
+      capacity, never reading past it): tests/ops/test_triton_paged_mqa_logits.py::
+      test_contents_check_catches_context_beyond_the_block_table,
+      ::test_contents_check_catches_context_past_max_len
+    - logits wider than a rank-local block table (DCP) are valid and served: here
+      test_triton_under_dcp_logits_wider_than_local_block_table,
+      tests/ops/test_triton_paged_mqa_logits.py::test_logits_wider_than_the_block_table_are_served
 * unsupported head count or head dim (or page size)
     - Triton kernel: ...[head count, head dim, kv page]
     - builder (logged fallback to stock): here test_unsupported_triton_cache_falls_back_to_stock,
@@ -324,9 +328,6 @@ BAD_TRITON_CALL = {
                           "block_table: expected int32"),
     "block table rows": (lambda a: a.update(block_tables=a["block_tables"][:-1]), ValueError,
                          "block_table: expected int32"),
-    "context beyond block table": (lambda a: a.update(
-        max_model_len=a["block_tables"].shape[1] * PAGE + 1), ValueError,
-        "max_context_len: .*beyond the block table"),
 }
 
 
@@ -367,12 +368,6 @@ def test_reference_names_a_bad_kv_cache():
             split_fused_kv(bad)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "Under DCP (world 2) vLLM sizes each rank's block table for its local share "
-    "(cdiv(max_model_len, block_size * dcp_world)) but the indexer op asks for "
-    "max_model_len logits columns; the Triton kernel's host check refuses "
-    "max_context_len > block_table width x page, so every Triton varlen decode step "
-    "under DCP would raise.  Nothing in the decode-path decision excludes DCP."))
 def test_triton_under_dcp_logits_wider_than_local_block_table():
     max_model_len, dcp_world = 4096, 2
     width = -(-max_model_len // (PAGE * dcp_world))

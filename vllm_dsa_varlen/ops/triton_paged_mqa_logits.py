@@ -65,7 +65,7 @@ def _load_kv_tile(kv_ptr, bt_row, tile, num_pages, stride_kv_block, offs_n, offs
 @triton.jit
 def _varlen_paged_mqa_logits_kernel(
     q_ptr, kv_ptr, w_ptr, ctx_ptr, bt_ptr, ids_ptr, out_ptr,
-    num_rows, max_context_len,
+    num_rows, max_context_len, bt_width,
     stride_q, stride_kv_block, stride_w, stride_bt, stride_out,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     ROWS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, TILE_PAGES: tl.constexpr,
@@ -84,7 +84,11 @@ def _varlen_paged_mqa_logits_kernel(
     while nxt == run_id:
         run_len += 1
         nxt = tl.load(ids_ptr + row0 + run_len, mask=row0 + run_len < num_rows, other=run_id + 1)
-    kv_len = tl.minimum(tl.load(ctx_ptr + row0 + run_len - 1), max_context_len)
+    # Never past the logits width nor the block table's capacity (memory safety;
+    # a context longer than the block table is invalid input, caught by
+    # check_varlen_contents when asked for).
+    kv_len = tl.minimum(tl.minimum(tl.load(ctx_ptr + row0 + run_len - 1), max_context_len),
+                        bt_width * PAGE)
     BN: tl.constexpr = PAGE * TILE_PAGES
     tile_begin = split * TILES_PER_SPLIT
     tile_end = tl.minimum(tile_begin + TILES_PER_SPLIT, tl.cdiv(kv_len, BN))
@@ -223,9 +227,6 @@ def check_varlen_inputs(q, kv_cache, weights, context_lens, block_table, indices
         _fail("indices", "an 8-byte aligned start address", hex(indices.data_ptr()))
     if not isinstance(max_context_len, int) or max_context_len < 1:
         _fail("max_context_len", "an int >= 1", max_context_len)
-    if max_context_len > block_table.shape[1] * page:
-        _fail("max_context_len", f"<= block_table width x page = {block_table.shape[1] * page} "
-              "(context length beyond the block table)", max_context_len)
     devices = {t.device for t in (q, kv_cache, weights, context_lens, block_table, indices)}
     if len(devices) != 1:
         _fail("inputs", "all tensors on one device", sorted(str(d) for d in devices))
@@ -234,12 +235,19 @@ def check_varlen_inputs(q, kv_cache, weights, context_lens, block_table, indices
 
 def check_varlen_contents(context_lens, block_table, indices, max_context_len, page,
                           num_blocks) -> None:
-    """Data-dependent checks (reads tensors back: eager debugging only)."""
+    """Data-dependent checks (read tensors back, so eager debugging only: a launch
+    stays free of host syncs for CUDA graphs).  The kernel itself never reads or
+    writes outside its tensors whatever the contents: it clamps each run to the
+    logits width and to the block table's capacity."""
     ctx = context_lens.reshape(-1)
     if ctx.numel() and int(ctx.min()) < 0:
         _fail("context_lens", "values >= 0", int(ctx.min()))
     if ctx.numel() and int(ctx.max()) > max_context_len:
         _fail("context_lens", f"values <= max_context_len = {max_context_len}", int(ctx.max()))
+    capacity = block_table.shape[1] * page
+    if ctx.numel() and int(ctx.max()) > capacity:
+        _fail("context_lens", f"values <= block_table width x page = {capacity} "
+              "(context length beyond the block table)", int(ctx.max()))
     used = (ctx.long() + page - 1) // page
     cols = torch.arange(block_table.shape[1], device=block_table.device)
     live = cols[None, :] < used[:, None]
@@ -331,7 +339,7 @@ def varlen_paged_mqa_logits(
     grid = (rows, num_splits)
     compiled = _varlen_paged_mqa_logits_kernel[grid](
         q, kv_cache, weights, context_lens, block_table, indices, out,
-        rows, max_context_len,
+        rows, max_context_len, block_table.shape[1],
         q.stride(0), kv_cache.stride(0), weights.stride(0), block_table.stride(0), out.stride(0),
         H=heads, D=dim, PAGE=page, ROWS=rows_per_dot, TILES_PER_SPLIT=tiles_per_split,
         TILE_PAGES=tile_pages, PER_ROW=bool(per_row), PAIRS=groups,
