@@ -322,3 +322,14 @@ def replacement_of(patch: Patch) -> Callable[..., Any] | Any:
     """The object installed for ``patch`` (raises KeyError when not applied)."""
     with _lock:
         return _applied[patch.key].replacement
+
+
+def describe() -> str:
+    """The registry as a Markdown table (module, attribute, upstream, reason)."""
+    lines = ["| module | attribute | upstream | reason |", "|---|---|---|---|"]
+    lines += [f"| `{p.module}` | `{p.attribute}` | {p.upstream} | {p.reason} |" for p in PATCHES]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(describe())
