@@ -106,3 +106,14 @@ def test_bad_shapes_are_named():
         plan_decode_rows(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), bt, num_rows=2)
     with pytest.raises(ValueError, match="block_table"):
         plan_decode_rows(torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), bt, num_rows=2)
+
+
+def test_more_requests_than_rows():
+    """Zero-token (graph-padding) requests: more requests than rows."""
+    seq_lens = torch.tensor([0, 0, 50, 0], dtype=torch.int32)
+    qsl = torch.tensor([0, 0, 0, 2, 2], dtype=torch.int32)
+    bt = torch.arange(8, dtype=torch.int32).view(4, 2)
+    rows = plan_decode_rows(seq_lens, qsl, bt, num_rows=2)
+    assert rows.indices.tolist() == [2, 2]
+    assert rows.context_lens.tolist() == [49, 50]
+    assert rows.block_table.tolist() == [[4, 5], [4, 5]]

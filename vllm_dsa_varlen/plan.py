@@ -162,16 +162,19 @@ def plan_decode_rows(
     num_real = num_rows if num_tokens is None else num_tokens
     if not 0 <= num_real <= num_rows:
         raise ValueError(f"num_tokens: expected 0..{num_rows}, got {num_tokens}")
-    req = torch.repeat_interleave(
-        torch.arange(num_reqs, device=device, dtype=torch.int32), decode_lens,
-        output_size=num_real).long()
     real_ids, pad_ids = ids[:num_real], ids[num_real:]
     real_ctx, pad_ctx = ctx[:num_real], ctx[num_real:]
     real_bt, pad_bt = rows_bt[:num_real], rows_bt[num_real:]
-    real_ids.copy_(req)
-    pos = rows[:num_real] - (qsl[req] - qsl[0])
-    real_ctx.copy_((seq_lens.to(torch.int32)[req] - decode_lens[req] + pos + 1).clamp_min_(0))
-    real_bt.copy_(block_table.index_select(0, req))
+    # Row r of request b (global row index r) sees seq_b - n_b + (r - start_b) + 1
+    # tokens, start_b = qsl_b - qsl_0; with n_b = qsl_{b+1} - qsl_b that is
+    # (seq_b - qsl_{b+1} + qsl_0 + 1) + r: one per-request offset, repeated.
+    offset = seq_lens.to(torch.int32) - qsl[1:] + (qsl[:1] + 1)
+    real_ctx.copy_(torch.repeat_interleave(offset, decode_lens, output_size=num_real))
+    real_ctx.add_(rows[:num_real]).clamp_min_(0)
+    req_index = (out.arange[:num_reqs] if out.arange.shape[0] >= num_reqs else
+                 torch.arange(num_reqs, dtype=torch.int32, device=device))
+    real_ids.copy_(torch.repeat_interleave(req_index, decode_lens, output_size=num_real))
+    real_bt.copy_(block_table.index_select(0, real_ids))
     torch.add(rows[num_real:], num_reqs, out=pad_ids)
     pad_ctx.zero_()
     pad_bt.zero_()
