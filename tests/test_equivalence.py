@@ -10,7 +10,6 @@ interpreter (fewer, slower examples).  Derandomized: hypothesis prints the
 failing example and its seed.
 """
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

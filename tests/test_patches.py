@@ -20,24 +20,6 @@ def clean_registry():
     patches.undo_all()
 
 
-@pytest.fixture
-def plugin_log():
-    """Records of the plugin's logger (vLLM's 'vllm' logger does not propagate)."""
-    records = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    log = logging.getLogger("vllm.dsa_varlen")
-    handler, old_level = _Keep(level=logging.DEBUG), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-    yield records
-    log.removeHandler(handler)
-    log.setLevel(old_level)
-
-
 def _owner(patch):
     owner = importlib.import_module(patch.module)
     *parents, name = patch.attribute.split(".")

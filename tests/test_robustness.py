@@ -96,33 +96,7 @@ from vllm_dsa_varlen.workloads import make_decode_step  # noqa: E402
 PAGE = 64
 
 
-@pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    monkeypatch.delenv(config.MODE_ENV, raising=False)
-    monkeypatch.delenv(config.BACKEND_ENV, raising=False)
-    patches.undo_all()
-    yield
-    patches.undo_all()
-
-
-@pytest.fixture
-def plugin_log(monkeypatch):
-    from vllm_dsa_varlen.v1.attention.backends.mla import indexer as ours
-
-    monkeypatch.setattr(ours, "_logged", set())  # "once per process" starts afresh
-    records = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    log = logging.getLogger("vllm.dsa_varlen")
-    handler, level = _Keep(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    yield records
-    log.removeHandler(handler)
-    log.setLevel(level)
+pytestmark = pytest.mark.usefixtures("clean_plugin")
 
 
 def _step(seed=0, lens=(3, 1, 2), seqs=None):

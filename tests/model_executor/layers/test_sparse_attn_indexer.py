@@ -29,13 +29,7 @@ PREFIX = "model.layers.0.self_attn.indexer.k_cache"
 HEADS, DIM, PAGE, TOPK = 32, 128, 64, 16
 
 
-@pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    monkeypatch.delenv(config.MODE_ENV, raising=False)
-    monkeypatch.delenv(config.BACKEND_ENV, raising=False)
-    patches.undo_all()
-    yield
-    patches.undo_all()
+pytestmark = pytest.mark.usefixtures("clean_plugin")
 
 
 def _topk_per_row_decode(logits, next_n, seq_lens, topk_indices, num_rows, stride0, stride1, k):

@@ -1,6 +1,5 @@
 """The patched DeepseekV32IndexerMetadataBuilder, driven through vLLM 0.27.1's own build()."""
 
-import logging
 
 import pytest
 import torch
@@ -18,33 +17,7 @@ WIDTH = 64
 NUM_BLOCKS = 1000
 
 
-@pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    monkeypatch.delenv(config.MODE_ENV, raising=False)
-    monkeypatch.delenv(config.BACKEND_ENV, raising=False)
-    patches.undo_all()
-    yield
-    patches.undo_all()
-
-
-@pytest.fixture
-def plugin_log(monkeypatch):
-    from vllm_dsa_varlen.v1.attention.backends.mla import indexer as ours
-
-    monkeypatch.setattr(ours, "_logged", set())  # "once per process" starts afresh
-    records = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    log = logging.getLogger("vllm.dsa_varlen")
-    handler, level = _Keep(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    yield records
-    log.removeHandler(handler)
-    log.setLevel(level)
+pytestmark = pytest.mark.usefixtures("clean_plugin")
 
 
 def _no_triton_slot_mapping(monkeypatch):
