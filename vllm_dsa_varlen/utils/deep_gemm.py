@@ -61,20 +61,32 @@ def _log_once(level: int, msg: str, *args: Any) -> None:
 # Signature detection
 # --------------------------------------------------------------------------------------
 
-def _split_top_level(text: str) -> list[str]:
-    """Split ``text`` at commas not nested in brackets or quotes."""
-    parts, depth, quote, start = [], 0, None, 0
-    for i, ch in enumerate(text):
+def _top_level(text: str, start: int = 0):
+    """Yield ``(index, char, depth)`` for the characters of ``text`` from
+    ``start`` that are outside quotes; ``depth`` counts open brackets *after*
+    the character."""
+    depth, quote = 0, None
+    for i in range(start, len(text)):
+        ch = text[i]
         if quote:
             if ch == quote:
                 quote = None
-        elif ch in "'\"":
+            continue
+        if ch in "'\"":
             quote = ch
-        elif ch in "([{":
+            continue
+        if ch in "([{":
             depth += 1
         elif ch in ")]}":
             depth -= 1
-        elif ch == "," and depth == 0:
+        yield i, ch, depth
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split ``text`` at commas not nested in brackets or quotes."""
+    parts, start = [], 0
+    for i, ch, depth in _top_level(text):
+        if ch == "," and depth == 0:
             parts.append(text[start:i])
             start = i + 1
     parts.append(text[start:])
@@ -91,21 +103,8 @@ def _args_of_line(line: str, name: str | None) -> list[str] | None:
         return None
     if name is not None and line[:open_at].strip() != name:
         return None
-    depth, quote, close_at = 0, None, -1
-    for i in range(open_at, len(line)):
-        ch = line[i]
-        if quote:
-            if ch == quote:
-                quote = None
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-            if depth == 0:
-                close_at = i
-                break
+    close_at = next((i for i, ch, depth in _top_level(line, open_at)
+                     if ch in ")]}" and depth == 0), -1)
     if close_at < 0:
         return None
     names = []
