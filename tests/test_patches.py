@@ -237,3 +237,22 @@ def test_entry_point_is_declared():
     target = project["entry-points"]["vllm.general_plugins"]["dsa_varlen"]
     module, _, func = target.partition(":")
     assert getattr(importlib.import_module(module), func) is vllm_dsa_varlen.register
+
+
+def test_vllm_plugin_loader_runs_register():
+    """vLLM's own loader finds the installed entry point and runs register()."""
+    import importlib.metadata as md
+    import os
+
+    eps = [e for e in md.entry_points(group="vllm.general_plugins")
+           if e.value == "vllm_dsa_varlen:register"]
+    if not eps:
+        pytest.skip("package not installed (run scripts/setup.sh): no entry point to load")
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "from vllm_dsa_varlen import patches; "
+            "assert len(patches.pending()) + len(patches.applied()) == len(patches.PATCHES); "
+            "import vllm.v1.attention.backends.mla.indexer as ix; "
+            "assert hasattr(ix.DeepseekV32IndexerMetadataBuilder.build, '__wrapped__'); print('ok')")
+    env = {k: v for k, v in os.environ.items() if k not in (config.MODE_ENV, config.BACKEND_ENV)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
