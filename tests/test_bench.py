@@ -24,3 +24,15 @@ def test_variant_spec_parsing():
     assert bench.triton_variants(None) == [{}]
     assert bench.triton_variants("rows_per_dot=2,num_warps=4;groups=1") == [
         {"rows_per_dot": 2, "num_warps": 4}, {"groups": 1}]
+
+
+def test_custom_cases_from_the_command_line(tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--cpu", "--json", str(out), "--batch", "2", "3", "--context", "150",
+                       "--tokens", "3", "--acceptance", "0.5"]) == 0
+    data = json.loads(out.read_text())
+    cases = sorted({r["case"] for r in data["results"]})
+    assert cases == ["B2 L150 3tok acc0.5", "B3 L150 3tok acc0.5"]
+    for row in data["results"]:
+        assert float(row["note"].split("=")[1]) < 1e-5
+        assert row["useful_rows"] <= 3 * int(row["case"].split()[0][1:])  # at most B x tokens

@@ -41,6 +41,37 @@ class Case:
     variable: bool = False
     heads: int = 64
     compress_ratio: int = 1
+    acceptance: float | None = None
+
+    def step(self, seed: int, device: str = "cpu"):
+        """This case's decode step (the project's plan inside)."""
+        from .workloads import random_decode_step
+
+        return random_decode_step(self.num_reqs, self.max_tokens, self.context,
+                                  variable=self.variable, acceptance=self.acceptance,
+                                  heads=self.heads, seed=seed, device=device,
+                                  compress_ratio=self.compress_ratio)
+
+
+def custom_cases(args) -> list[Case]:
+    """Cases from the command line: every combination of ``--batch``,
+    ``--context`` and ``--tokens``, with ``--acceptance`` (accepted draft tokens,
+    each with that probability) or ``--variable`` (uniform 1..tokens) or neither
+    (uniform batches), and ``--compress-ratio`` (DeepSeek V4's cache)."""
+    if not (args.batch or args.context or args.tokens):
+        return []
+    out = []
+    for b in args.batch or [64]:
+        for length in args.context or [32768]:
+            for t in args.tokens or [4]:
+                kind = (f"acc{args.acceptance:g}" if args.acceptance is not None else
+                        "1..%d" % t if args.variable else "uniform")
+                v4 = f" V4/{args.compress_ratio}" if args.compress_ratio > 1 else ""
+                out.append(Case(f"B{b} L{length} {t}tok {kind}{v4}", b, length, t,
+                                variable=args.variable, heads=args.heads,
+                                compress_ratio=args.compress_ratio,
+                                acceptance=args.acceptance))
+    return out
 
 
 GPU_CASES = [
@@ -184,11 +215,8 @@ def deepgemm_paths(torch, step, dg, num_sms):
 def case_paths(torch, case, args, dg, num_sms):
     """Build ``case``'s decode step and every path to time on it."""
     from .ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
-    from .workloads import random_decode_step
 
-    step = random_decode_step(case.num_reqs, case.max_tokens, case.context,
-                              variable=case.variable, heads=case.heads, seed=args.seed,
-                              device="cuda", compress_ratio=case.compress_ratio)
+    step = case.step(args.seed, "cuda")
     rows = step.rows
     ctx2d = rows.context_lens.view(-1, 1)
     hint = int(step.decode_lens.max())
@@ -267,7 +295,8 @@ def run_gpu(args):
         dg, num_sms = None, 0
     bw, flops_rate = measure_ceilings(torch, do_bench)
     print(f"measured: copy {bw / 1e12:.2f} TB/s, fp8 matmul {flops_rate / 1e12:.0f} TFLOP/s")
-    cases = [c for c in GPU_CASES if not args.cases or any(s in c.name for s in args.cases)]
+    cases = custom_cases(args) or [
+        c for c in GPU_CASES if not args.cases or any(s in c.name for s in args.cases)]
     results = []
     for case in cases:
         step, paths = case_paths(torch, case, args, dg, num_sms)
@@ -317,7 +346,6 @@ def run_cpu(args):
 
     from .ops.reference import paged_mqa_logits_ref, valid_mask
     from .ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
-    from .workloads import random_decode_step
 
     print("no CUDA GPU: tiny shapes through the torch reference and the Triton interpreter; "
           "times are not kernel performance")
@@ -326,9 +354,8 @@ def run_cpu(args):
     if args.trace:  # CPU activity only: no NVTX without CUDA
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         profiler.__enter__()
-    for case in CPU_CASES:
-        step = random_decode_step(case.num_reqs, case.max_tokens, case.context,
-                                  variable=case.variable, heads=case.heads, seed=args.seed)
+    for case in custom_cases(args) or CPU_CASES:
+        step = case.step(args.seed)
         rows = step.rows
         ctx2d = rows.context_lens.view(-1, 1)
         host_us = plan_host_us(torch, step, reps=20)
@@ -384,10 +411,22 @@ def main(argv=None):
                         "'rows_per_dot=2,pages_per_split=8;rows_per_dot=4,num_warps=8'")
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time (ms)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, nargs="*", help="custom cases: batch sizes")
+    parser.add_argument("--context", type=int, nargs="*", help="custom cases: mean KV lengths")
+    parser.add_argument("--tokens", type=int, nargs="*", help="custom cases: MTP tokens per request")
+    parser.add_argument("--acceptance", type=float, help="custom cases: draft acceptance rate")
+    parser.add_argument("--variable", action="store_true",
+                        help="custom cases: tokens per request uniform in 1..tokens")
+    parser.add_argument("--compress-ratio", type=int, default=1,
+                        help="custom cases: DeepSeek V4 compressed cache ratio")
+    parser.add_argument("--heads", type=int, default=None,
+                        help="custom cases: indexer heads (default 64 on a GPU, 32 on the CPU)")
     parser.add_argument("--cpu", action="store_true", help="force the tiny CPU run")
     args = parser.parse_args(argv)
     import torch
     gpu = torch.cuda.is_available() and not args.cpu
+    if args.heads is None:
+        args.heads = 64 if gpu else 32
     if not gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     results, env = (run_gpu if gpu else run_cpu)(args)
