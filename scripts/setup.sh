@@ -13,6 +13,8 @@ for pkg in torchvision torchaudio torchcodec; do
     "$PY" -m pip uninstall -q -y "$pkg"
   fi
 done
+# pyenv only sees new console scripts (vllm-dsa-varlen-bench) after a rehash.
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
 "$PY" - <<'PY'
 import importlib.metadata as md
 import vllm_dsa_varlen
