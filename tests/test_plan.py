@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows, run_starts
+from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows, run_ends, run_starts
 
 
 def expected_rows(decode_lens, seq_lens, block_table, padding_rows):
@@ -82,6 +82,7 @@ def test_writes_into_buffers_with_stable_addresses():
 def test_run_starts():
     ids = torch.tensor([0, 0, 1, 2, 2, 2, 0], dtype=torch.int32)
     assert run_starts(ids).tolist() == [True, False, True, True, False, False, True]
+    assert run_ends(ids).tolist() == [False, True, True, False, False, True, True]
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -125,26 +125,18 @@ def measure_ceilings(torch, do_bench):
 def floors(step, bw, flops_rate):
     """Memory floor (KV once per request + useful fp32 logits + q + weights) and
     compute floor (2·H·D per useful logit), in seconds."""
+    from .plan import run_ends
+
     rows = step.rows
     heads, dim = step.q.shape[2], step.q.shape[3]
     ctx = rows.context_lens.long()
-    ids = rows.indices
-    last = torch_last_rows(ids)
+    last = run_ends(rows.indices)
     kv_tokens = int(ctx[last].sum())
     useful_logits = int(ctx.sum())
     num_rows = rows.num_rows
     bytes_ = kv_tokens * (dim + 4) + useful_logits * 4 + num_rows * heads * (dim + 4)
     flops = 2 * heads * dim * useful_logits
     return bytes_ / bw, flops / flops_rate, useful_logits, kv_tokens
-
-
-def torch_last_rows(ids):
-    import torch
-    n = ids.numel()
-    is_end = torch.ones(n, dtype=torch.bool, device=ids.device)
-    if n > 1:
-        is_end[:-1] = ids[:-1] != ids[1:]
-    return is_end
 
 
 def plan_host_us(torch, step, reps=200):

@@ -188,3 +188,12 @@ def run_starts(indices: torch.Tensor) -> torch.Tensor:
     if indices.numel() > 1:
         starts[1:] = indices[1:] != indices[:-1]
     return starts
+
+
+def run_ends(indices: torch.Tensor) -> torch.Tensor:
+    """Bool ``[R]``: row ``r`` ends a run (``r == R - 1`` or its id differs from
+    row ``r + 1``'s)."""
+    ends = torch.ones_like(indices, dtype=torch.bool)
+    if indices.numel() > 1:
+        ends[:-1] = indices[:-1] != indices[1:]
+    return ends
