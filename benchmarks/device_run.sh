@@ -12,7 +12,7 @@ if [ -f .device/install-deepgemm.sh ]; then
   tail -2 "$OUT/deepgemm-install.log"
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests/ops tests/test_plan.py tests/utils/test_deep_gemm_real.py} \
+  python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests/ops tests/test_plan.py tests/vllm_0_27/utils/test_deep_gemm_real.py} \
     2>&1 | tee "$OUT/gpu-tests.log" | tail -25
 fi
 python3 benchmarks/benchmark_indexer_decode.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"

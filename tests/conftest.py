@@ -49,7 +49,7 @@ def plugin_log(monkeypatch):
     import logging
 
     if importlib.util.find_spec("vllm") is not None:  # the builder patch imports vLLM
-        from vllm_dsa_varlen.v1.attention.backends.mla import indexer as ours
+        from vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla import indexer as ours
 
         monkeypatch.setattr(ours, "_logged", set())
     records = []

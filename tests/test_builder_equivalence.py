@@ -56,7 +56,7 @@ from vllm_stubs import NUM_SMS, decode_batch, fake_gpu, make_builder  # noqa: E4
 
 import vllm_dsa_varlen.ops.triton_paged_mqa_logits as triton_kernel  # noqa: E402
 from vllm_dsa_varlen import config, patches  # noqa: E402
-from vllm_dsa_varlen.model_executor.layers import sparse_attn_indexer as dispatch  # noqa: E402
+from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as dispatch  # noqa: E402
 from vllm_dsa_varlen.ops.reference import (  # noqa: E402
     paged_mqa_logits_ref,
     quantize_kv_fp8,

@@ -88,7 +88,7 @@ def test_wrapping_patches_call_the_original(monkeypatch):
 def test_failed_apply_rolls_back(monkeypatch):
     before = _snapshot()
     broken = patches.Patch("vllm.utils.deep_gemm", "no_such_function_here",
-                           "vllm_dsa_varlen.utils.deep_gemm:fp8_fp4_paged_mqa_logits",
+                           "vllm_dsa_varlen.vllm_0_27.utils.deep_gemm:fp8_fp4_paged_mqa_logits",
                            "a patch whose target does not exist, to test rollback")
     with pytest.raises(AttributeError, match="no_such_function_here"):
         patches.apply_all(patches.PATCHES[:3] + (broken,))
@@ -178,7 +178,7 @@ assert patches.applied() == [] and len(patches.pending()) == len(patches.PATCHES
 # the indexer op's decorator reads it when its module is imported.
 os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
 import vllm.model_executor.layers.sparse_attn_indexer as sai
-from vllm_dsa_varlen.model_executor.layers import sparse_attn_indexer as ours
+from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as ours
 assert sai.fp8_fp4_paged_mqa_logits is ours.fp8_fp4_paged_mqa_logits
 assert hasattr(sai.sparse_attn_indexer, "__wrapped__"), "eager-break decorator bypassed"
 import vllm.v1.attention.backends.mla.indexer as ix

@@ -83,13 +83,13 @@ from fake_deep_gemm import FakeDeepGemm  # noqa: E402
 from vllm_stubs import NUM_SMS, decode_batch, fake_gpu, make_builder, random_block_table  # noqa: E402
 
 from vllm_dsa_varlen import config, patches, varlen_ids  # noqa: E402
-from vllm_dsa_varlen.model_executor.layers import sparse_attn_indexer as dispatch  # noqa: E402
+from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as dispatch  # noqa: E402
 from vllm_dsa_varlen.ops.reference import (  # noqa: E402
     paged_mqa_logits_ref,
     split_fused_kv,
     valid_mask,
 )
-from vllm_dsa_varlen.utils import deep_gemm as dsa_dg  # noqa: E402
+from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg  # noqa: E402
 from vllm_dsa_varlen.varlen_ids import VarlenTag, attach_varlen_ids  # noqa: E402
 from vllm_dsa_varlen.workloads import make_decode_step  # noqa: E402
 
@@ -434,7 +434,7 @@ def test_unsupported_triton_cache_falls_back_to_stock(monkeypatch, plugin_log, k
     (132, 64, None, True),  # head count unknown: the kernel checks it per call
 ])
 def test_triton_serves_only_supported_caches(monkeypatch, head_size, block_size, heads, serves):
-    from vllm_dsa_varlen.v1.attention.backends.mla import indexer as ours
+    from vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla import indexer as ours
 
     fake_gpu(monkeypatch, (9, 0))
     builder = SimpleNamespace(

@@ -22,9 +22,9 @@ NUM_SMS = 8
 # import every patch target and replacement now, before any test fakes a GPU.
 for _name in ("vllm.utils.deep_gemm", "vllm.model_executor.layers.sparse_attn_indexer",
               "vllm.v1.attention.backends.mla.indexer",
-              "vllm_dsa_varlen.utils.deep_gemm",
-              "vllm_dsa_varlen.model_executor.layers.sparse_attn_indexer",
-              "vllm_dsa_varlen.v1.attention.backends.mla.indexer"):
+              "vllm_dsa_varlen.vllm_0_27.utils.deep_gemm",
+              "vllm_dsa_varlen.vllm_0_27.model_executor.layers.sparse_attn_indexer",
+              "vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla.indexer"):
     importlib.import_module(_name)
 
 

@@ -69,9 +69,9 @@ class Patch:
 _DG = "vllm.utils.deep_gemm"
 _SAI = "vllm.model_executor.layers.sparse_attn_indexer"
 _IX = "vllm.v1.attention.backends.mla.indexer"
-_OUR_DG = "vllm_dsa_varlen.utils.deep_gemm"
-_OUR_SAI = "vllm_dsa_varlen.model_executor.layers.sparse_attn_indexer"
-_OUR_IX = "vllm_dsa_varlen.v1.attention.backends.mla.indexer"
+_OUR_DG = "vllm_dsa_varlen.vllm_0_27.utils.deep_gemm"
+_OUR_SAI = "vllm_dsa_varlen.vllm_0_27.model_executor.layers.sparse_attn_indexer"
+_OUR_IX = "vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla.indexer"
 
 PATCHES: tuple[Patch, ...] = (
     Patch(_DG, "get_paged_mqa_logits_metadata", f"{_OUR_DG}:get_paged_mqa_logits_metadata",

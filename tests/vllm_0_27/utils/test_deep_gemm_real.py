@@ -14,7 +14,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref  # noqa: E402
-from vllm_dsa_varlen.utils import deep_gemm as dsa_dg  # noqa: E402
+from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg  # noqa: E402
 from vllm_dsa_varlen.workloads import make_decode_step  # noqa: E402
 
 

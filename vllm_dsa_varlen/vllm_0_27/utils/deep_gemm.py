@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import DeepGemmCaps
+from vllm_dsa_varlen.config import DeepGemmCaps
 
 __all__ = [
     "DeepGemmCaps", "param_names", "detect_caps", "current_caps",

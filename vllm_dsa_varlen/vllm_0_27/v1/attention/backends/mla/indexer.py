@@ -47,7 +47,7 @@ from vllm.v1.attention.backends.mla import indexer as _ix
 
 from vllm_dsa_varlen.config import DecodePath, choose_decode_path, read_backend, read_mode
 from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
-from vllm_dsa_varlen.utils import deep_gemm as dsa_dg
+from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg
 from vllm_dsa_varlen.varlen_ids import attach_varlen_ids
 
 logger = logging.getLogger("vllm.dsa_varlen")

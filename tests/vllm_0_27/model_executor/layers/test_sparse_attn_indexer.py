@@ -20,7 +20,7 @@ from vllm_stubs import NUM_SMS, decode_batch, fake_gpu, make_builder  # noqa: E4
 
 import vllm_dsa_varlen.ops.triton_paged_mqa_logits as triton_kernel  # noqa: E402
 from vllm_dsa_varlen import patches  # noqa: E402
-from vllm_dsa_varlen.model_executor.layers import sparse_attn_indexer as ours  # noqa: E402
+from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as ours  # noqa: E402
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref  # noqa: E402
 from vllm_dsa_varlen.varlen_ids import attach_varlen_ids  # noqa: E402
 from vllm_dsa_varlen.workloads import make_decode_step  # noqa: E402
