@@ -1,0 +1,105 @@
+"""Per-step choice: the varlen kernel, or what stock vLLM runs for this step.
+
+The builder-level decision (:func:`vllm_dsa_varlen.config.choose_decode_path`)
+says whether a varlen backend *can* serve a builder.  On GPUs where the varlen
+kernel is the project's own (Hopper and other fp8 GPUs without a DeepGEMM
+varlen kernel) it is not faster than stock for every step, so each decode step
+is also checked here: :func:`varlen_wins` says whether the varlen kernel was
+measured at least as fast as the path stock vLLM would take for *this* step.
+Nothing here reads global state or tensors: the facts are host-known ints
+(``StepFacts``), so the choice never synchronises with the device.
+
+CUDA graphs: a full graph is keyed by the step's token count (and, in vLLM,
+whether the batch is a uniform decode), so a decision that also depends on the
+batch size or the longest run is made once at capture and replayed for other
+batches with the same key.  That is safe as long as the builder prepares the
+metadata both kernels need whenever it could go either way (it does); only the
+speed of the baked choice is then a property of the captured batch.
+
+What stock runs for a step (``StockKind``):
+
+* ``"native"``   DeepGEMM's ``[B, next_n]`` kernel on a uniform step
+  (Hopper: next_n 1 or 2 on vLLM 0.27; 1, 2 or 4 on vLLM 0.33);
+* ``"flattened"`` one row per token without ids, every row re-reading its
+  request's KV (vLLM 0.27 Hopper with next_n > 2; 0.33 Hopper with next_n not
+  native, or with adaptive verification);
+* ``"split"``    a non-uniform step under ``require_uniform``: the requests
+  after the first length mismatch are computed by the prefill path.
+
+:data:`MEASURED` is the table the decision follows (BENCHMARKS.md holds the
+measurements behind it).  A step matches a rule when every bound holds; the
+varlen kernel is used only where a rule says it won.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+StockKind = Literal["native", "flattened", "split"]
+STOCK_KINDS: tuple[str, ...] = ("native", "flattened", "split")
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """Host-known facts of one decode step.
+
+    ``rows``: query rows (tokens) of the decode part; ``requests``: decode
+    requests; ``max_run``: the longest request in tokens; ``uniform``: every
+    request has ``max_run`` tokens; ``max_context``: the longest KV length
+    (host-known in vLLM's common metadata; 0 when unknown)."""
+
+    rows: int
+    requests: int
+    max_run: int
+    uniform: bool
+    max_context: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "requests", "max_run", "max_context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+        if self.requests > self.rows:
+            raise ValueError(f"requests: {self.requests} requests cannot fill {self.rows} rows")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Varlen measured at least as fast as ``stock`` on steps with
+    ``min_run <= max_run <= max_run_le`` and ``rows >= min_rows`` and
+    ``requests >= min_requests`` (``None``: unbounded)."""
+
+    stock: str
+    min_run: int = 1
+    max_run_le: int | None = None
+    min_rows: int = 0
+    min_requests: int = 0
+    note: str = ""
+
+    def matches(self, step: StepFacts) -> bool:
+        return (step.max_run >= self.min_run
+                and (self.max_run_le is None or step.max_run <= self.max_run_le)
+                and step.rows >= self.min_rows and step.requests >= self.min_requests)
+
+
+# The measured table (H200, CUDA-graph replay; BENCHMARKS.md).  Every rule is
+# backed by a row there; where no rule matches, stock is kept.
+MEASURED: tuple[Rule, ...] = (
+    # A non-uniform step that stock splits to the prefill path: the prefill
+    # path recomputes the tail requests with their whole KV per token and no
+    # CUDA graph; varlen keeps them as decodes.
+    Rule("split", note="variable steps stay decodes"),
+    # Stock flattening re-reads each request's KV once per token.
+    Rule("flattened", min_run=3, min_requests=64,
+         note="Triton varlen 1.52x faster than DeepGEMM flattened at B64 L32K 4 tokens"),
+)
+
+
+def varlen_wins(step: StepFacts, stock: str, table: tuple[Rule, ...] = MEASURED) -> bool:
+    """Whether the varlen kernel is used for ``step`` instead of ``stock``'s path."""
+    if stock not in STOCK_KINDS:
+        raise ValueError(f"stock: expected one of {STOCK_KINDS}, got {stock!r}")
+    if step.rows == 0:
+        return False
+    return any(rule.stock == stock and rule.matches(step) for rule in table)
