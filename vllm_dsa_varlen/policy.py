@@ -27,8 +27,8 @@ What stock runs for a step (``StockKind``):
   after the first length mismatch are computed by the prefill path.
 
 :data:`MEASURED` is the table the decision follows (BENCHMARKS.md holds the
-measurements behind it).  A step matches a rule when every bound holds; the
-varlen kernel is used only where a rule says it won.
+measurements behind it), looked up at call time.  A step matches a rule when
+every bound holds; the varlen kernel is used only where a rule says it won.
 """
 
 from __future__ import annotations
@@ -102,13 +102,16 @@ class Rule:
                 and step.rows >= self.min_rows and step.requests >= self.min_requests)
 
 
-# The measured table (H200, CUDA-graph replay; BENCHMARKS.md).  Every rule is
-# backed by a row there; where no rule matches, stock is kept.
+# The rule table (H200, CUDA-graph replay; BENCHMARKS.md).  The "flattened"
+# rule is backed by a measured row there; the "split" rule is reasoned, not
+# timed (see its note).  No rule beats stock's native kernel: at two tokens it
+# measured faster.  Where no rule matches, stock is kept.
 MEASURED: tuple[Rule, ...] = (
     # A non-uniform step that stock splits to the prefill path: the prefill
-    # path recomputes the tail requests with their whole KV per token and no
-    # CUDA graph; varlen keeps them as decodes.
-    Rule("split", note="variable steps stay decodes"),
+    # path gathers the tail requests' KV into a workspace, scores it and runs
+    # outside a full CUDA graph; varlen keeps them as decodes (not timed).
+    Rule("split", note="variable steps stay decodes (reasoned from stock's prefill path, "
+                       "not timed)"),
     # Stock flattening re-reads each request's KV once per token.
     Rule("flattened", min_run=3, min_requests=64,
          note="Triton varlen 1.52x faster than DeepGEMM flattened at B64 L32K 4 tokens"),
