@@ -278,8 +278,9 @@ def _plain_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.
             "vllm-dsa-varlen: plain decode step with a zero-token request before a real one "
             f"(decode_lens {decode_lens_cpu.tolist()}); graph padding comes last in vLLM 0.27.1")
     ctx = builder.decode_seq_lens_buffer
-    torch.mul(seq_lens, decode_lens[:num_reqs] > 0, out=ctx[:num_reqs])
-    ctx[:num_reqs].clamp_(min=0)
+    per_request = ctx[:num_reqs]
+    per_request.copy_(seq_lens)
+    per_request.mul_(decode_lens[:num_reqs] > 0).clamp_(min=0)
     if num_rows > num_reqs:
         ctx[num_reqs:num_rows].zero_()
     width = block_table.shape[1]
