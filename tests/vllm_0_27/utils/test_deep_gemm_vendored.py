@@ -97,8 +97,8 @@ def vendored(tmp_path_factory):
     run = subprocess.run([sys.executable, "-c", _PROBE, str(so)], capture_output=True,
                          text=True, env=env, timeout=300)
     if run.returncode != 0:
-        pytest.skip(f"the vendored DeepGEMM did not load with stand-ins for {missing}: "
-                    f"{run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}")
+        why = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode
+        pytest.skip(f"the vendored DeepGEMM did not load with stand-ins for {missing}: {why}")
     result = json.loads(run.stdout.strip().splitlines()[-1])
     result["stand_ins"] = missing
     return result

@@ -259,6 +259,18 @@ def test_plain_decode_is_flattened(monkeypatch, backend, compress_ratio, lens, p
                            schedule_fingerprint(md.decode.seq_lens, ids, NUM_SMS))
 
 
+def test_plain_decode_with_a_hole_is_refused(monkeypatch):
+    """Row r of a plain varlen step is request r: a zero-token request before a
+    real one (which vLLM's graph padding never makes) is refused, not mis-planned."""
+    _setup(monkeypatch, "deepgemm")
+    patches.apply_all()
+    builder = make_builder(monkeypatch, next_n=3)
+    with pytest.raises(RuntimeError, match="zero-token request before a real one"):
+        _build(builder, [1, 0, 1], [40, 0, 50], seed=0)
+    md, bt = _build(builder, [1, 1, 0], [40, 50, 0], seed=0)  # the builder still works
+    _check_varlen_decode(md, builder, [1, 1, 0], [40, 50, 0], bt)
+
+
 def test_plain_decode_with_padding_tokens_fails_without_flattening(monkeypatch):
     """Why plain steps are flattened: stock's flatten-branch builder (SM90,
     next_n > 2) keeps per-request rows for a plain step, and under V4 a step with

@@ -117,7 +117,8 @@ def _triton_serves(vllm_config: Any, kv_cache_spec: Any) -> bool:
         return False
     page = getattr(kv_cache_spec, "storage_block_size", getattr(kv_cache_spec, "block_size", None))
     head_size = getattr(kv_cache_spec, "head_size", None)
-    if page not in tk.SUPPORTED_PAGES or head_size is None or head_size - 4 not in tk.SUPPORTED_DIMS:
+    if (page not in tk.SUPPORTED_PAGES or head_size is None
+            or head_size - 4 not in tk.SUPPORTED_DIMS):
         return False
     model_config = getattr(vllm_config, "model_config", None)
     heads = getattr(getattr(model_config, "hf_config", None), "index_n_heads", None)
@@ -302,8 +303,8 @@ def _clamp_stock_padding(builder: Any, seq_lens: torch.Tensor) -> None:
     """Clamp stock's per-token context lengths at 0 in place (device op) when
     they live in the builder's buffer (graph-padding requests have ``seq_len
     == 0``, so stock's ``seq_len - n + j + 1`` goes negative)."""
-    buf = builder.decode_seq_lens_buffer
-    if seq_lens.numel() and seq_lens.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+    buf = builder.decode_seq_lens_buffer.untyped_storage()
+    if seq_lens.numel() and seq_lens.untyped_storage().data_ptr() == buf.data_ptr():
         seq_lens.clamp_(min=0)
 
 
