@@ -149,8 +149,10 @@ def test_decode_topk_equals_the_padded_path(monkeypatch, backend, seed):
 
 # --------------------------------------------------------------------------- per step
 
-def _spy_logits(monkeypatch):
-    """Record what the op's decode kernel call returns (through the plugin's dispatch)."""
+def _run_indexer_spied(monkeypatch, md, step):
+    """:func:`_run_indexer` on ``step``, recording what the op's decode kernel
+    call (the plugin's dispatch) returned.  The spy is removed before the test
+    ends, so the patch registry's undo finds its own replacement again."""
     out = []
     inner = sai.fp8_fp4_paged_mqa_logits
 
@@ -159,8 +161,12 @@ def _spy_logits(monkeypatch):
         out.append((args, kwargs, logits.clone()))
         return logits
 
-    monkeypatch.setattr(sai, "fp8_fp4_paged_mqa_logits", spy)
-    return out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sai, "fp8_fp4_paged_mqa_logits", spy)
+        topk = _run_indexer(monkeypatch, md, step.q[:, 0], None, step.kv_cache.squeeze(2),
+                            step.weights, step.max_context_len)
+    assert sai.fp8_fp4_paged_mqa_logits is inner
+    return topk, out
 
 
 def _assert_logits_like_padded(logits, step, next_n):
@@ -207,10 +213,8 @@ def test_flattened_per_step_both_kernels_give_the_padded_result(monkeypatch, num
     varlen = policy.varlen_wins(policy.StepFacts.from_decode_lens(
         lens, rows=step.num_rows, max_context=max(seqs)), "flattened")
     assert varlen == (num_reqs >= 64)
-    calls = _spy_logits(monkeypatch)
     n_dg = len(dg.calls_to("fp8_fp4_paged_mqa_logits"))
-    topk = _run_indexer(monkeypatch, md, step.q[:, 0], None, step.kv_cache.squeeze(2),
-                        step.weights, step.max_context_len)
+    topk, calls = _run_indexer_spied(monkeypatch, md, step)
     dg_calls = dg.calls_to("fp8_fp4_paged_mqa_logits")[n_dg:]
     if varlen:
         assert dg_calls == []
@@ -245,10 +249,8 @@ def test_split_hybrid_both_layouts_give_the_padded_result(monkeypatch, lens, seq
     md = _build(builder, step)
     assert md.num_decodes == len(lens) and md.num_prefills == 0
     uniform = len(set(lens)) == 1
-    calls = _spy_logits(monkeypatch)
     n_dg = len(dg.calls_to("fp8_fp4_paged_mqa_logits"))
-    topk = _run_indexer(monkeypatch, md, step.q[:, 0], None, step.kv_cache.squeeze(2),
-                        step.weights, step.max_context_len)
+    topk, calls = _run_indexer_spied(monkeypatch, md, step)
     dg_calls = dg.calls_to("fp8_fp4_paged_mqa_logits")[n_dg:]
     (args, _, logits), = calls
     if uniform:  # stock's native call: [B, 2] queries, [B, 2] lengths, no ids
