@@ -1,0 +1,473 @@
+"""Hopper (sm_90) varlen paged MQA logits in Triton Gluon.
+
+Same inputs, outputs and semantics as
+:func:`vllm_dsa_varlen.ops.triton_paged_mqa_logits.varlen_paged_mqa_logits`
+(see that module and :mod:`vllm_dsa_varlen.ops.reference`); this is the sm_90
+fast path the launcher there picks on Hopper.
+
+Structure (one launch, graph safe, no host sync):
+
+* **Persistent grid**: ``CTAS_PER_SM`` programs per SM, whatever the batch.
+* **Device-side schedule**: every program scans the run ids and context
+  lengths (a prefix sum of each run's KV pages), takes an even share
+  ``[c * T / n, (c + 1) * T / n)`` of the ``T`` pages of the step, and walks
+  the runs that share covers (a run may be split between programs; each output
+  column is written by exactly one program, so results are bitwise
+  deterministic).
+* **TMA page loads** into a ``STAGES``-deep shared-memory ring completed on
+  mbarriers: a page's fp8 values through a 3-D descriptor over the fused cache
+  viewed as ``[blocks, page, D]`` (page id as coordinate, the cache's own page
+  stride) and its ``page`` fp32 scales through a 2-D descriptor over the same
+  bytes viewed as ``[blocks, page * (D + 4) / 4]`` fp32.  The run's queries
+  (``ROWS_MAX`` rows, one ``[G, H, D]`` box per group of ``G = 128 // H``
+  rows) come by TMA too, once per run.
+* **wgmma** with the KV tokens on M (64 per page) and ``G`` query rows x ``H``
+  heads on N (= 128): ``acc[t, (g, h)] = k[t] . q[g, h]``, A (the page) and
+  B (the queries, K-major) both from shared memory.
+* **Epilogue in registers**: ``relu(acc) * w`` summed over each row's heads
+  (inside the thread, then across the quad), times the token's scale, stored
+  for the rows and columns the row may see.
+
+Warp specialisation: not in this version (see docs/kernel-notes.md); the
+overlap of one program's tensor work with another's epilogue comes from
+``CTAS_PER_SM`` resident programs.
+
+Nothing here runs on the CPU interpreter: correctness is tested on the GPU,
+compilation for sm_90 on the CPU (``tests/ops/test_compile.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import triton
+
+logger = logging.getLogger(__name__)
+
+try:  # Gluon and its Hopper pieces; any gap leaves the portable kernel in charge
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # The CTA-wide barrier is ``thread_barrier`` on Triton 3.6, ``barrier`` later.
+    _cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
+    # The TMA load is ``async_copy_global_to_shared`` on 3.6, ``async_load`` later.
+    _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared")
+    _MISSING = None
+except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the Triton
+    gluon = gl = None
+    _MISSING = f"{type(exc).__name__}: {exc}"
+
+HEADS = (32, 64)
+DIM = 128
+PAGE = 64
+MMA_N = 128          # query rows x heads per wgmma
+BLOCK_R = 1024       # rows scanned per step of the schedule pass
+CTAS_PER_SM = 1
+STAGES = 6
+CONSUMERS = 2
+CONSUMER_REGS = 232
+MAXNREG = 168
+DIRECT_STORE = False
+
+
+def available() -> str | None:
+    """``None`` when this Triton has every Gluon piece the kernel uses, else why not."""
+    return _MISSING
+
+
+if _MISSING is None:
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _seg_pages(ids_ptr, ctx_ptr, r, num_rows, kv_cap, run_first,
+                   PAGE: gl.constexpr, ROWS_MAX: gl.constexpr):
+        """Work items (pages x row chunks of ``ROWS_MAX``) of the run ending at
+        each row of ``r``, 0 for rows that end no run; ``run_first`` is each
+        row's run's first row (carried across blocks of rows by the caller)."""
+        ok = r < num_rows
+        idr = gl.load(ids_ptr + r, mask=ok, other=0)
+        idn = gl.load(ids_ptr + r + 1, mask=(r + 1) < num_rows, other=0)
+        end = ok & (((r + 1) >= num_rows) | (idn != idr))
+        kv = gl.load(ctx_ptr + r, mask=end, other=0)
+        kv = gl.minimum(gl.maximum(kv, 0), kv_cap)
+        chunks = (r - run_first + ROWS_MAX) // ROWS_MAX
+        return gl.where(end, (kv + PAGE - 1) // PAGE * chunks, 0), end
+
+    @gluon.jit
+    def _max(a, b):
+        return gl.maximum(a, b)
+
+    @gluon.jit
+    def _run_first(ids_ptr, r, num_rows, carry):
+        """First row of each row's run (``carry``: the last block's answer for
+        its last row, -1 before the first block)."""
+        ok = r < num_rows
+        idr = gl.load(ids_ptr + r, mask=ok, other=0)
+        idp = gl.load(ids_ptr + r - 1, mask=ok & (r > 0), other=0)
+        starts = gl.where(ok & ((r == 0) | (idp != idr)), r, -1)
+        return gl.maximum(gl.associative_scan(starts, 0, _max), carry)
+
+    @gluon.jit
+    def _run_at(ids_ptr, ctx_ptr, start, num_rows, kv_cap, PAGE: gl.constexpr):
+        """The run starting at row ``start``: (last row, KV length, pages)."""
+        rid = gl.load(ids_ptr + start)
+        end = start
+        nxt = gl.load(ids_ptr + end + 1, mask=end + 1 < num_rows, other=rid + 1)
+        while nxt == rid:
+            end += 1
+            nxt = gl.load(ids_ptr + end + 1, mask=end + 1 < num_rows, other=rid + 1)
+        kv = gl.minimum(gl.maximum(gl.load(ctx_ptr + end), 0), kv_cap)
+        return end, kv, (kv + PAGE - 1) // PAGE
+
+    @gluon.jit
+    def _next_run(ids_ptr, ctx_ptr, end, num_rows, kv_cap, PAGE: gl.constexpr):
+        """The first run with pages after the run ending at row ``end``:
+        (first row, last row, KV length, pages)."""
+        start = end + 1
+        end, kv, pages = _run_at(ids_ptr, ctx_ptr, start, num_rows, kv_cap, PAGE)
+        while pages == 0:
+            start = end + 1
+            end, kv, pages = _run_at(ids_ptr, ctx_ptr, start, num_rows, kv_cap, PAGE)
+        return start, end, kv, pages
+
+    @gluon.jit
+    def _my_share(ids_ptr, ctx_ptr, num_rows, kv_cap, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr,
+                  BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
+        """This program's work items: (count, last row of the first run, item
+        offset in that run).  Two passes over the ids: the step's total, then
+        the run holding this program's first item."""
+        layout: gl.constexpr = gl.BlockedLayout([BLOCK_R // (32 * num_warps)], [32], [num_warps], [0])
+        offs = gl.arange(0, BLOCK_R, layout=layout)
+        total = 0
+        first = -1
+        for base in range(0, num_rows, BLOCK_R):
+            rf = _run_first(ids_ptr, base + offs, num_rows, first)
+            items, _ = _seg_pages(ids_ptr, ctx_ptr, base + offs, num_rows, kv_cap, rf, PAGE, ROWS_MAX)
+            total += gl.sum(items, axis=0)
+            first = gl.max(rf, axis=0)
+        cta = gl.program_id(0)
+        n = gl.num_programs(0)
+        lo = (cta.to(gl.int64) * total // n).to(gl.int32)
+        hi = ((cta.to(gl.int64) + 1) * total // n).to(gl.int32)
+        first_end = num_rows
+        first_off = 0
+        if hi > lo:
+            carry = 0
+            first = -1
+            for base in range(0, num_rows, BLOCK_R):
+                r = base + offs
+                rf = _run_first(ids_ptr, r, num_rows, first)
+                items, end = _seg_pages(ids_ptr, ctx_ptr, r, num_rows, kv_cap, rf, PAGE, ROWS_MAX)
+                cum = gl.associative_scan(items, 0, _add) + carry
+                hit = end & (cum > lo) & (r < first_end)
+                e = gl.min(gl.where(hit, r, num_rows), axis=0)
+                if e < first_end:
+                    first_end = e
+                    first_off = lo - gl.sum(gl.where(r == e, cum - items, 0), axis=0)
+                carry += gl.sum(items, axis=0)
+                first = gl.max(rf, axis=0)
+        return hi - lo, first_end, first_off
+
+    @gluon.jit
+    def _cursor_init(ids_ptr, ctx_ptr, first_end, first_off, kv_cap, PAGE: gl.constexpr,
+                     ROWS_MAX: gl.constexpr):
+        """Cursor (first row, last row, KV length, pages, row chunk, page) at
+        item ``first_off`` of the run ending at row ``first_end``."""
+        start = first_end
+        rid = gl.load(ids_ptr + first_end)
+        prev = gl.load(ids_ptr + start - 1, mask=start > 0, other=rid + 1)
+        while prev == rid:
+            start -= 1
+            prev = gl.load(ids_ptr + start - 1, mask=start > 0, other=rid + 1)
+        kv = gl.minimum(gl.maximum(gl.load(ctx_ptr + first_end), 0), kv_cap)
+        pages = (kv + PAGE - 1) // PAGE
+        return start, first_end, kv, pages, first_off // pages * ROWS_MAX, first_off % pages
+
+    @gluon.jit
+    def _cursor_step(ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
+                     q_empty, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr, RELEASE: gl.constexpr):
+        """Advance a cursor by one work item; a new segment (run x row chunk)
+        bumps ``seg`` (and, with ``RELEASE``, frees the old segment's queries)."""
+        pg += 1
+        if pg == pages:
+            pg = 0
+            chunk += ROWS_MAX
+            if start + chunk > end:
+                start, end, kv, pages = _next_run(ids_ptr, ctx_ptr, end, num_rows, kv_cap, PAGE)
+                chunk = 0
+            if RELEASE:
+                mbarrier.arrive(q_empty.index(seg % 2), count=1)
+            seg += 1
+        return start, end, kv, pages, chunk, pg, seg
+
+    @gluon.jit
+    def _producer(kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows, kv_cap, stride_bt,
+                  n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
+                  q_empty, PAGE: gl.constexpr, D: gl.constexpr, ROWS_MAX: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """TMA warp: the run's query rows once per segment, then every page."""
+        G: gl.constexpr = q_desc.block_type.shape[0]
+        NG: gl.constexpr = ROWS_MAX // G
+        SCALE_COL: gl.constexpr = PAGE * D // 4
+        start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
+                                                        kv_cap, PAGE, ROWS_MAX)
+        seg = 0
+        loaded = -1
+        for i in range(n_items):
+            if i > 0:
+                start, end, kv, pages, chunk, pg, seg = _cursor_step(
+                    ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
+                    q_empty, PAGE, ROWS_MAX, False)
+            if seg != loaded:
+                qb = seg % 2
+                mbarrier.wait(q_empty.index(qb), ((seg // 2) & 1) ^ 1)
+                mbarrier.expect(q_full.index(qb), NG * q_desc.block_type.nbytes)
+                for g in gl.static_range(NG):
+                    _tma_load(q_desc, [start + chunk + g * G, 0, 0], q_full.index(qb),
+                              q_smem.index(qb * NG + g))
+                loaded = seg
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            block = gl.load(bt_ptr + start.to(gl.int64) * stride_bt + pg)
+            mbarrier.expect(full.index(slot), kv_desc.block_type.nbytes + sc_desc.block_type.nbytes)
+            _tma_load(kv_desc, [block, 0, 0], full.index(slot), kv_smem.index(slot))
+            _tma_load(sc_desc, [block, SCALE_COL], full.index(slot), sc_smem.index(slot))
+
+    @gluon.jit
+    def _epilogue(acc, w_ptr, ctx_ptr, out_ptr, stride_w, stride_out, row_g, end, kv, scale, cols,
+                  G: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr, DIRECT_STORE: gl.constexpr):
+        """relu(acc) * w summed over each row's heads, times the token scale,
+        stored where the row may look."""
+        N: gl.constexpr = G * H
+        col_layout: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
+        offs_n = gl.arange(0, N, layout=col_layout)
+        w_row = row_g + offs_n // H
+        w = gl.load(w_ptr + w_row.to(gl.int64) * stride_w + offs_n % H, mask=w_row <= end, other=0.0)
+        sw = gl.maximum(acc, 0.0) * gl.expand_dims(w, 0)
+        logit = gl.sum(gl.reshape(sw, [PAGE, G, H]), axis=2)              # [PAGE, G]
+        if DIRECT_STORE:  # store from the reduction's own layout (no shared-memory shuffle)
+            lay: gl.constexpr = logit.type.layout
+            scale = gl.convert_layout(scale, gl.SliceLayout(1, lay))
+        else:
+            lay: gl.constexpr = gl.BlockedLayout([PAGE * G // 128, 1], [32 // G, G], [4, 1], [0, 1])
+            logit = gl.convert_layout(logit, lay)
+        offs_t = gl.arange(0, PAGE, layout=gl.SliceLayout(1, lay))
+        offs_g = gl.arange(0, G, layout=gl.SliceLayout(0, lay))
+        logit = logit * gl.expand_dims(scale, 1)
+        rows = row_g + offs_g
+        r_ok = rows <= end
+        r_ctx = gl.load(ctx_ptr + rows, mask=r_ok, other=0)
+        r_lim = gl.where(r_ok, gl.minimum(r_ctx, kv), 0)
+        c = cols + offs_t
+        keep = gl.expand_dims(c, 1) < gl.expand_dims(r_lim, 0)
+        ptrs = out_ptr + gl.expand_dims(rows.to(gl.int64) * stride_out, 0) + gl.expand_dims(c, 1)
+        gl.store(ptrs, logit, mask=keep)
+
+    @gluon.jit
+    def _consumer(w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w, stride_out,
+                  n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
+                  q_empty, WHICH: gl.constexpr, CONSUMERS: gl.constexpr, H: gl.constexpr,
+                  D: gl.constexpr, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr, G: gl.constexpr,
+                  STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr):
+        """A math warpgroup: items WHICH, WHICH + CONSUMERS, ...: wgmma of the
+        page against each row group's queries, epilogue, store."""
+        N: gl.constexpr = G * H
+        NG: gl.constexpr = ROWS_MAX // G
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
+        sc_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0])
+        tok_layout: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([PAGE * G // 128, 1], [32 // G, G], [4, 1], [0, 1]))
+        zero = gl.zeros([PAGE, N], gl.float32, mma_layout)
+        start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
+                                                        kv_cap, PAGE, ROWS_MAX)
+        seg = 0
+        for _ in gl.static_range(WHICH):
+            if WHICH < n_items:
+                start, end, kv, pages, chunk, pg, seg = _cursor_step(
+                    ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
+                    q_empty, PAGE, ROWS_MAX, True)
+        for i in range(WHICH, n_items, CONSUMERS):
+            if i > WHICH:
+                for _ in gl.static_range(CONSUMERS):
+                    start, end, kv, pages, chunk, pg, seg = _cursor_step(
+                        ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
+                        q_empty, PAGE, ROWS_MAX, True)
+            slot = i % STAGES
+            qb = seg % 2
+            mbarrier.wait(q_full.index(qb), (seg // 2) & 1)
+            mbarrier.wait(full.index(slot), (i // STAGES) & 1)
+            kv_tile = kv_smem.index(slot).reshape([PAGE, D])
+            scale = gl.convert_layout(gl.reshape(sc_smem.index(slot).load(sc_layout), [PAGE]), tok_layout)
+            row0 = start + chunk
+            rows_here = gl.minimum(end - row0 + 1, ROWS_MAX)
+            cols = pg * PAGE
+            # Row groups in pairs (the second group's wgmma runs under the first's
+            # epilogue), then a lone last group.  Loops, not branches, around the
+            # wgmmas: Triton 3.6 fails to lower a wgmma under an scf.if here.
+            pairs = 0
+            if NG >= 2:
+                pairs = rows_here // (2 * G)
+                for p in range(pairs):
+                    qa = q_smem.index(qb * NG + 2 * p).reshape([N, D]).permute((1, 0))
+                    acc0 = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
+                    qc = q_smem.index(qb * NG + 2 * p + 1).reshape([N, D]).permute((1, 0))
+                    acc1 = warpgroup_mma(kv_tile, qc, zero, use_acc=False, is_async=True)
+                    r0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
+                    _epilogue(r0, w_ptr, ctx_ptr, out_ptr, stride_w, stride_out,
+                              row0 + 2 * p * G, end, kv, scale, cols, G, H, PAGE, DIRECT_STORE)
+                    r1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
+                    _epilogue(r1, w_ptr, ctx_ptr, out_ptr, stride_w, stride_out,
+                              row0 + (2 * p + 1) * G, end, kv, scale, cols, G, H, PAGE, DIRECT_STORE)
+            for g in range(2 * pairs, (rows_here + G - 1) // G):
+                qa = q_smem.index(qb * NG + g).reshape([N, D]).permute((1, 0))
+                acc0 = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
+                r0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+                _epilogue(r0, w_ptr, ctx_ptr, out_ptr, stride_w, stride_out,
+                          row0 + g * G, end, kv, scale, cols, G, H, PAGE, DIRECT_STORE)
+            fence_async_shared()
+            mbarrier.arrive(empty.index(slot), count=1)
+
+    @gluon.jit
+    def _consumer_worker(w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w, stride_out,
+                         n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
+                         q_empty, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+                         ROWS_MAX: gl.constexpr, G: gl.constexpr, STAGES: gl.constexpr,
+                         DIRECT_STORE: gl.constexpr):
+        _consumer(w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w, stride_out,
+                  n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
+                  q_empty, 1, 2, H, D, PAGE, ROWS_MAX, G, STAGES, DIRECT_STORE)
+
+    @gluon.jit
+    def _varlen_logits_sm90(
+        kv_desc, sc_desc, q_desc, w_ptr, ctx_ptr, bt_ptr, ids_ptr, out_ptr,
+        num_rows, max_context_len, bt_width, stride_w, stride_bt, stride_out,
+        H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        DIRECT_STORE: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        G: gl.constexpr = q_desc.block_type.shape[0]      # query rows per wgmma
+        NG: gl.constexpr = ROWS_MAX // G                  # row groups per segment
+        gl.static_assert(NG * G == ROWS_MAX)
+        kv_cap = gl.minimum(max_context_len, bt_width * PAGE)
+        n_items, first_end, first_off = _my_share(ids_ptr, ctx_ptr, num_rows, kv_cap, PAGE,
+                                                  ROWS_MAX, BLOCK_R, num_warps)
+        if n_items > 0:
+            kv_smem = gl.allocate_shared_memory(kv_desc.dtype, [STAGES] + kv_desc.block_type.shape,
+                                                kv_desc.layout)
+            sc_smem = gl.allocate_shared_memory(sc_desc.dtype, [STAGES] + sc_desc.block_type.shape,
+                                                sc_desc.layout)
+            q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * NG] + q_desc.block_type.shape,
+                                               q_desc.layout)
+            full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(full.index(s), count=1)
+                mbarrier.init(empty.index(s), count=1)
+            for s in gl.static_range(2):
+                mbarrier.init(q_full.index(s), count=1)
+                mbarrier.init(q_empty.index(s), count=CONSUMERS)
+            fence_async_shared()
+            if CONSUMERS == 2:
+                gl.warp_specialize([
+                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
+                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
+                                 full, empty, q_full, q_empty, 0, 2, H, D, PAGE, ROWS_MAX, G,
+                                 STAGES, DIRECT_STORE)),
+                    (_consumer_worker, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap,
+                                        stride_w, stride_out, n_items, first_end, first_off,
+                                        kv_smem, sc_smem, q_smem, full, empty, q_full, q_empty,
+                                        H, D, PAGE, ROWS_MAX, G, STAGES, DIRECT_STORE)),
+                    (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
+                                 kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
+                                 q_smem, full, empty, q_full, q_empty, PAGE, D, ROWS_MAX, STAGES)),
+                ], [4, 1], [CONSUMER_REGS, 24])
+            else:
+                gl.warp_specialize([
+                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
+                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
+                                 full, empty, q_full, q_empty, 0, 1, H, D, PAGE, ROWS_MAX, G,
+                                 STAGES, DIRECT_STORE)),
+                    (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
+                                 kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
+                                 q_smem, full, empty, q_full, q_empty, PAGE, D, ROWS_MAX, STAGES)),
+                ], [1], [24])
+
+
+# ----------------------------------------------------------------------- host
+
+
+def layouts(heads: int):
+    """Shared-memory layouts of the three TMA boxes (page values, page scales,
+    one query group)."""
+    kv = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+    sc = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    q = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+    return kv, sc, q
+
+
+def rows_per_mma(heads: int) -> int:
+    return MMA_N // heads
+
+
+def descriptors(q, kv_cache):
+    """TMA descriptors over the fused cache (values, scales) and the queries."""
+    rows, _, heads, dim = q.shape
+    blocks, page = kv_cache.shape[0], kv_cache.shape[1]
+    stride_b = kv_cache.stride(0)
+    kv_l, sc_l, q_l = layouts(heads)
+    values = kv_cache.view(torch.float8_e4m3fn)
+    kv_desc = TensorDescriptor(values, [blocks, page, dim], [stride_b, dim, 1], [1, page, dim], kv_l)
+    words = kv_cache.view(torch.float32)  # [blocks, page, 1, (D + 4) / 4]
+    sc_desc = TensorDescriptor(words, [blocks, page * (dim + 4) // 4], [stride_b // 4, 1], [1, page],
+                               sc_l)
+    g = rows_per_mma(heads)
+    q3 = q.view(torch.float8_e4m3fn)
+    q_desc = TensorDescriptor(q3, [rows, heads, dim], [q.stride(0), dim, 1], [g, heads, dim], q_l)
+    return kv_desc, sc_desc, q_desc
+
+
+def unsupported_reason(q, kv_cache) -> str | None:
+    """Why the sm_90 path cannot take these tensors (``None``: it can)."""
+    if _MISSING is not None:
+        return f"Triton {triton.__version__} lacks a Gluon piece ({_MISSING})"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "not an sm_90 GPU"
+    if q.shape[2] not in HEADS or q.shape[3] != DIM or kv_cache.shape[1] != PAGE:
+        return f"shape outside H {HEADS}, D {DIM}, page {PAGE}"
+    if kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
+        return "cache page stride or base not 16-byte aligned (TMA)"
+    if q.stride(0) % 16 or q.data_ptr() % 16:
+        return "query row stride or base not 16-byte aligned (TMA)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
+           rows_max: int = 4, stages: int = STAGES, ctas_per_sm: int = CTAS_PER_SM,
+           consumers: int = CONSUMERS, consumer_regs: int = CONSUMER_REGS, maxnreg: int | None = MAXNREG,
+           direct_store: bool = DIRECT_STORE):
+    """Launch the sm_90 kernel on checked inputs (see the portable launcher)."""
+    rows, _, heads, dim = q.shape
+    kv_desc, sc_desc, q_desc = descriptors(q, kv_cache)
+    grid = (_num_sms(q.device.index or 0) * ctas_per_sm,)
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
+    return _varlen_logits_sm90[grid](
+        kv_desc, sc_desc, q_desc, weights, context_lens, block_table, indices, out,
+        rows, max_context_len, block_table.shape[1],
+        weights.stride(0), block_table.stride(0), out.stride(0),
+        H=heads, D=dim, PAGE=kv_cache.shape[1], ROWS_MAX=rows_max, STAGES=stages,
+        CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, DIRECT_STORE=bool(direct_store), BLOCK_R=BLOCK_R, num_warps=4, **extra)
