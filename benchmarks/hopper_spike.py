@@ -71,7 +71,9 @@ def ours(args):
     fails = 0
     for rm in (2, 4, 8):
         for i, (lens, seqs, pad, heads) in enumerate(checks):
-            if rm < 128 // heads:
+            if rm < 128 // heads or args.mode == "time":
+                continue
+            if args.only is not None and (i, rm) != tuple(args.only):
                 continue
             step = make_decode_step(lens, seqs, heads=heads, padding_rows=pad,
                                     max_context_len=max(seqs) + 11, seed=i, device="cuda")
@@ -80,7 +82,7 @@ def ours(args):
             out = torch.full((rows.num_rows + 3, step.max_context_len + 40), float("nan"),
                              device="cuda")
             try:
-                gl_fn(step, out[: rows.num_rows], rows_max=rm, maxnreg=168)()
+                gl_fn(step, out[: rows.num_rows], rows_max=rm)()
                 torch.cuda.synchronize()
             except Exception as exc:  # noqa: BLE001
                 print(f"check {i} rm={rm}: launch failed {type(exc).__name__}: {str(exc)[:2000]}")
@@ -99,18 +101,20 @@ def ours(args):
             first = got.clone()
             same = True
             for _ in range(3):
-                gl_fn(step, out[: rows.num_rows], rows_max=rm, maxnreg=168)()
+                gl_fn(step, out[: rows.num_rows], rows_max=rm)()
                 same &= bool(torch.equal(torch.nan_to_num(first), torch.nan_to_num(
                     out[: rows.num_rows, : step.max_context_len])))
-            good = ok_written and ok_clean and err < 1e-5 and same
+            good = ok_written and ok_clean and err < 1e-3 and same
             fails += not good
             print(f"check {i} rm={rm} H{heads}: written={ok_written} clean={ok_clean} "
                   f"err={err:.2e} deterministic={same} {'OK' if good else 'FAIL'}", flush=True)
     print(f"correctness failures: {fails}", flush=True)
 
     # ---- timing
+    if args.mode == "check":
+        return
     variants = [dict(stages=6), dict(stages=6, direct_store=True), dict(stages=4),
-                dict(stages=4, consumers=1, ctas_per_sm=2, maxnreg=128)]
+                dict(stages=8)]
     for case in CASES:
         step = step_of(case)
         rows = step.rows
@@ -119,7 +123,8 @@ def ours(args):
         rm = 2 if tok <= 2 else 4 if tok <= 4 else 8
         for v in variants:
             v = dict(v, rows_max=rm)
-            if rm == 8 and v.get("stages", 6) > 6:
+            if rm == 8 and v.get("stages", 6) > 6 or args.variant is not None and v != dict(
+                    variants[args.variant], rows_max=rm):
                 continue
             try:
                 g, e = timed(gl_fn(step, out, **v))
@@ -167,6 +172,9 @@ def peer_vdg(args):
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--peer", default=None)
+    p.add_argument("--mode", default="both", choices=["both", "check", "time"])
+    p.add_argument("--only", type=int, nargs=2, default=None)
+    p.add_argument("--variant", type=int, default=None)
     a = p.parse_args()
     t0 = time.time()
     (peer_vdg if a.peer == "vdg" else ours)(a)

@@ -71,7 +71,7 @@ CTAS_PER_SM = 1
 STAGES = 6
 CONSUMERS = 2
 CONSUMER_REGS = 232
-MAXNREG = 168
+MAXNREG = 128
 DIRECT_STORE = False
 
 
@@ -116,26 +116,32 @@ if _MISSING is None:
         return gl.maximum(gl.associative_scan(starts, 0, _max), carry)
 
     @gluon.jit
-    def _run_at(ids_ptr, ctx_ptr, start, num_rows, kv_cap, PAGE: gl.constexpr):
-        """The run starting at row ``start``: (last row, KV length, pages)."""
+    def _run_at(ids_ptr, ctx_ptr, start, num_rows, kv_cap, PAGE: gl.constexpr, NW: gl.constexpr):
+        """The run starting at row ``start``: (last row, KV length, pages).
+        Reads the ids 32 rows at a time (one load latency for runs up to 32 rows)."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        offs = gl.arange(0, 32, layout=lay)
         rid = gl.load(ids_ptr + start)
-        end = start
-        nxt = gl.load(ids_ptr + end + 1, mask=end + 1 < num_rows, other=rid + 1)
-        while nxt == rid:
-            end += 1
-            nxt = gl.load(ids_ptr + end + 1, mask=end + 1 < num_rows, other=rid + 1)
+        base = start + 1
+        win = gl.load(ids_ptr + base + offs, mask=base + offs < num_rows, other=rid + 1)
+        diff = gl.min(gl.where(win != rid, offs, 32), axis=0)
+        while diff == 32:
+            base += 32
+            win = gl.load(ids_ptr + base + offs, mask=base + offs < num_rows, other=rid + 1)
+            diff = gl.min(gl.where(win != rid, offs, 32), axis=0)
+        end = base + diff - 1
         kv = gl.minimum(gl.maximum(gl.load(ctx_ptr + end), 0), kv_cap)
         return end, kv, (kv + PAGE - 1) // PAGE
 
     @gluon.jit
-    def _next_run(ids_ptr, ctx_ptr, end, num_rows, kv_cap, PAGE: gl.constexpr):
+    def _next_run(ids_ptr, ctx_ptr, end, num_rows, kv_cap, PAGE: gl.constexpr, NW: gl.constexpr):
         """The first run with pages after the run ending at row ``end``:
         (first row, last row, KV length, pages)."""
         start = end + 1
-        end, kv, pages = _run_at(ids_ptr, ctx_ptr, start, num_rows, kv_cap, PAGE)
+        end, kv, pages = _run_at(ids_ptr, ctx_ptr, start, num_rows, kv_cap, PAGE, NW)
         while pages == 0:
             start = end + 1
-            end, kv, pages = _run_at(ids_ptr, ctx_ptr, start, num_rows, kv_cap, PAGE)
+            end, kv, pages = _run_at(ids_ptr, ctx_ptr, start, num_rows, kv_cap, PAGE, NW)
         return start, end, kv, pages
 
     @gluon.jit
@@ -178,22 +184,28 @@ if _MISSING is None:
 
     @gluon.jit
     def _cursor_init(ids_ptr, ctx_ptr, first_end, first_off, kv_cap, PAGE: gl.constexpr,
-                     ROWS_MAX: gl.constexpr):
+                     ROWS_MAX: gl.constexpr, NW: gl.constexpr):
         """Cursor (first row, last row, KV length, pages, row chunk, page) at
         item ``first_off`` of the run ending at row ``first_end``."""
-        start = first_end
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        offs = gl.arange(0, 32, layout=lay)
         rid = gl.load(ids_ptr + first_end)
-        prev = gl.load(ids_ptr + start - 1, mask=start > 0, other=rid + 1)
-        while prev == rid:
-            start -= 1
-            prev = gl.load(ids_ptr + start - 1, mask=start > 0, other=rid + 1)
         kv = gl.minimum(gl.maximum(gl.load(ctx_ptr + first_end), 0), kv_cap)
+        top = first_end - 1                      # rows top, top - 1, ... top - 31
+        win = gl.load(ids_ptr + top - offs, mask=top - offs >= 0, other=rid + 1)
+        diff = gl.min(gl.where(win != rid, offs, 32), axis=0)
+        while diff == 32:
+            top -= 32
+            win = gl.load(ids_ptr + top - offs, mask=top - offs >= 0, other=rid + 1)
+            diff = gl.min(gl.where(win != rid, offs, 32), axis=0)
+        start = top - diff + 1
         pages = (kv + PAGE - 1) // PAGE
         return start, first_end, kv, pages, first_off // pages * ROWS_MAX, first_off % pages
 
     @gluon.jit
     def _cursor_step(ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                     q_empty, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr, RELEASE: gl.constexpr):
+                     q_empty, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr, RELEASE: gl.constexpr,
+                     NW: gl.constexpr):
         """Advance a cursor by one work item; a new segment (run x row chunk)
         bumps ``seg`` (and, with ``RELEASE``, frees the old segment's queries)."""
         pg += 1
@@ -201,7 +213,7 @@ if _MISSING is None:
             pg = 0
             chunk += ROWS_MAX
             if start + chunk > end:
-                start, end, kv, pages = _next_run(ids_ptr, ctx_ptr, end, num_rows, kv_cap, PAGE)
+                start, end, kv, pages = _next_run(ids_ptr, ctx_ptr, end, num_rows, kv_cap, PAGE, NW)
                 chunk = 0
             if RELEASE:
                 mbarrier.arrive(q_empty.index(seg % 2), count=1)
@@ -218,14 +230,22 @@ if _MISSING is None:
         NG: gl.constexpr = ROWS_MAX // G
         SCALE_COL: gl.constexpr = PAGE * D // 4
         start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
-                                                        kv_cap, PAGE, ROWS_MAX)
+                                                        kv_cap, PAGE, ROWS_MAX, 1)
         seg = 0
         loaded = -1
+        # Block ids come 32 pages at a time, the next 32 prefetched, so no TMA
+        # issue waits on a dependent block-table load inside a segment.
+        bt_lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        offs_b = gl.arange(0, 32, layout=bt_lay)
+        bt_seg = -1
+        bt_base = 0
+        blocks = gl.zeros([32], gl.int32, bt_lay)
+        blocks_next = gl.zeros([32], gl.int32, bt_lay)
         for i in range(n_items):
             if i > 0:
                 start, end, kv, pages, chunk, pg, seg = _cursor_step(
                     ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                    q_empty, PAGE, ROWS_MAX, False)
+                    q_empty, PAGE, ROWS_MAX, False, 1)
             if seg != loaded:
                 qb = seg % 2
                 mbarrier.wait(q_empty.index(qb), ((seg // 2) & 1) ^ 1)
@@ -236,7 +256,20 @@ if _MISSING is None:
                 loaded = seg
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            block = gl.load(bt_ptr + start.to(gl.int64) * stride_bt + pg)
+            if bt_seg != seg:
+                bt_seg = seg
+                bt_base = pg
+                row_bt = bt_ptr + start.to(gl.int64) * stride_bt
+                blocks = gl.load(row_bt + pg + offs_b, mask=pg + offs_b < pages, other=0)
+                blocks_next = gl.load(row_bt + pg + 32 + offs_b, mask=pg + 32 + offs_b < pages,
+                                      other=0)
+            elif pg - bt_base >= 32:
+                bt_base += 32
+                blocks = blocks_next
+                row_bt = bt_ptr + start.to(gl.int64) * stride_bt
+                blocks_next = gl.load(row_bt + bt_base + 32 + offs_b,
+                                      mask=bt_base + 32 + offs_b < pages, other=0)
+            block = gl.sum(gl.where(offs_b == pg - bt_base, blocks, 0), axis=0)
             mbarrier.expect(full.index(slot), kv_desc.block_type.nbytes + sc_desc.block_type.nbytes)
             _tma_load(kv_desc, [block, 0, 0], full.index(slot), kv_smem.index(slot))
             _tma_load(sc_desc, [block, SCALE_COL], full.index(slot), sc_smem.index(slot))
@@ -287,19 +320,19 @@ if _MISSING is None:
         tok_layout: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([PAGE * G // 128, 1], [32 // G, G], [4, 1], [0, 1]))
         zero = gl.zeros([PAGE, N], gl.float32, mma_layout)
         start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
-                                                        kv_cap, PAGE, ROWS_MAX)
+                                                        kv_cap, PAGE, ROWS_MAX, 4)
         seg = 0
         for _ in gl.static_range(WHICH):
             if WHICH < n_items:
                 start, end, kv, pages, chunk, pg, seg = _cursor_step(
                     ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                    q_empty, PAGE, ROWS_MAX, True)
+                    q_empty, PAGE, ROWS_MAX, True, 4)
         for i in range(WHICH, n_items, CONSUMERS):
             if i > WHICH:
                 for _ in gl.static_range(CONSUMERS):
                     start, end, kv, pages, chunk, pg, seg = _cursor_step(
                         ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                        q_empty, PAGE, ROWS_MAX, True)
+                        q_empty, PAGE, ROWS_MAX, True, 4)
             slot = i % STAGES
             qb = seg % 2
             mbarrier.wait(q_full.index(qb), (seg // 2) & 1)
@@ -336,14 +369,8 @@ if _MISSING is None:
             mbarrier.arrive(empty.index(slot), count=1)
 
     @gluon.jit
-    def _consumer_worker(w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w, stride_out,
-                         n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
-                         q_empty, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
-                         ROWS_MAX: gl.constexpr, G: gl.constexpr, STAGES: gl.constexpr,
-                         DIRECT_STORE: gl.constexpr):
-        _consumer(w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w, stride_out,
-                  n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
-                  q_empty, 1, 2, H, D, PAGE, ROWS_MAX, G, STAGES, DIRECT_STORE)
+    def _idle():
+        pass
 
     @gluon.jit
     def _varlen_logits_sm90(
@@ -377,22 +404,27 @@ if _MISSING is None:
                 mbarrier.init(q_full.index(s), count=1)
                 mbarrier.init(q_empty.index(s), count=CONSUMERS)
             fence_async_shared()
+            # The default partition stays idle: every role runs in a worker
+            # partition (work in the default partition was seen to corrupt the
+            # workers' captured arguments on Triton 3.6).
             if CONSUMERS == 2:
                 gl.warp_specialize([
+                    (_idle, ()),
                     (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
                                  stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
                                  full, empty, q_full, q_empty, 0, 2, H, D, PAGE, ROWS_MAX, G,
                                  STAGES, DIRECT_STORE)),
-                    (_consumer_worker, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap,
-                                        stride_w, stride_out, n_items, first_end, first_off,
-                                        kv_smem, sc_smem, q_smem, full, empty, q_full, q_empty,
-                                        H, D, PAGE, ROWS_MAX, G, STAGES, DIRECT_STORE)),
+                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
+                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
+                                 full, empty, q_full, q_empty, 1, 2, H, D, PAGE, ROWS_MAX, G,
+                                 STAGES, DIRECT_STORE)),
                     (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
                                  kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
                                  q_smem, full, empty, q_full, q_empty, PAGE, D, ROWS_MAX, STAGES)),
-                ], [4, 1], [CONSUMER_REGS, 24])
+                ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
             else:
                 gl.warp_specialize([
+                    (_idle, ()),
                     (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
                                  stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
                                  full, empty, q_full, q_empty, 0, 1, H, D, PAGE, ROWS_MAX, G,
@@ -400,7 +432,7 @@ if _MISSING is None:
                     (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
                                  kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
                                  q_smem, full, empty, q_full, q_empty, PAGE, D, ROWS_MAX, STAGES)),
-                ], [1], [24])
+                ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # ----------------------------------------------------------------------- host
