@@ -5,10 +5,10 @@ OUT=${OUT:-/tmp/dsa-out}; mkdir -p "$OUT"
 timeout 120 python3 benchmarks/hopper_spike.py --mode check > "$OUT/check.log" 2>&1; rc=$?; echo "check rc=$rc"
 grep -a "^check\|correctness\|failed" "$OUT/check.log" | cut -c1-160
 if [ $rc != 0 ]; then
-timeout 120 compute-sanitizer --tool memcheck --show-backtrace no --print-limit 3 python3 benchmarks/hopper_spike.py --mode check > "$OUT/sanitize.log" 2>&1; echo "sanitizer rc=$?"
+timeout 100 compute-sanitizer --tool memcheck --show-backtrace no --print-limit 3 python3 benchmarks/hopper_spike.py --mode check > "$OUT/sanitize.log" 2>&1; echo "sanitizer rc=$?"
 grep -a -v "^=========     \|^$" "$OUT/sanitize.log" | head -30
 fi
-timeout 300 python3 benchmarks/hopper_spike.py --mode time > "$OUT/time.log" 2>&1; echo "time rc=$?"
+timeout 200 python3 benchmarks/hopper_spike.py --mode time --variant 0 > "$OUT/time.log" 2>&1; echo "time rc=$?"
 grep -a '^{"case"' "$OUT/time.log" | python3 -c "
 import sys, json
 for l in sys.stdin:

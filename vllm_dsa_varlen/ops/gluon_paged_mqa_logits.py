@@ -223,9 +223,10 @@ if _MISSING is None:
     @gluon.jit
     def _producer(kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows, kv_cap, stride_bt,
                   n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
-                  q_empty, PAGE: gl.constexpr, D: gl.constexpr, ROWS_MAX: gl.constexpr,
+                  q_empty, started, PAGE: gl.constexpr, D: gl.constexpr, ROWS_MAX: gl.constexpr,
                   STAGES: gl.constexpr):
         """TMA warp: the run's query rows once per segment, then every page."""
+        _all_started(started)
         G: gl.constexpr = q_desc.block_type.shape[0]
         NG: gl.constexpr = ROWS_MAX // G
         SCALE_COL: gl.constexpr = PAGE * D // 4
@@ -275,15 +276,19 @@ if _MISSING is None:
             _tma_load(sc_desc, [block, SCALE_COL], full.index(slot), sc_smem.index(slot))
 
     @gluon.jit
-    def _epilogue(acc, w_ptr, ctx_ptr, out_ptr, stride_w, stride_out, row_g, end, kv, scale, cols,
+    def _load_w(w_ptr, stride_w, row_g, end, N: gl.constexpr, H: gl.constexpr,
+                col_layout: gl.constexpr):
+        """Weights of rows ``row_g ..`` in the accumulator's column layout (0 past the run)."""
+        offs_n = gl.arange(0, N, layout=col_layout)
+        w_row = row_g + offs_n // H
+        return gl.load(w_ptr + w_row.to(gl.int64) * stride_w + offs_n % H, mask=w_row <= end,
+                       other=0.0)
+
+    @gluon.jit
+    def _epilogue(acc, w, ctx_ptr, out_ptr, stride_out, row_g, end, kv, scale, cols,
                   G: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr, DIRECT_STORE: gl.constexpr):
         """relu(acc) * w summed over each row's heads, times the token scale,
         stored where the row may look."""
-        N: gl.constexpr = G * H
-        col_layout: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
-        offs_n = gl.arange(0, N, layout=col_layout)
-        w_row = row_g + offs_n // H
-        w = gl.load(w_ptr + w_row.to(gl.int64) * stride_w + offs_n % H, mask=w_row <= end, other=0.0)
         sw = gl.maximum(acc, 0.0) * gl.expand_dims(w, 0)
         logit = gl.sum(gl.reshape(sw, [PAGE, G, H]), axis=2)              # [PAGE, G]
         if DIRECT_STORE:  # store from the reduction's own layout (no shared-memory shuffle)
@@ -307,7 +312,7 @@ if _MISSING is None:
     @gluon.jit
     def _consumer(w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w, stride_out,
                   n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
-                  q_empty, WHICH: gl.constexpr, CONSUMERS: gl.constexpr, H: gl.constexpr,
+                  q_empty, started, WHICH: gl.constexpr, CONSUMERS: gl.constexpr, H: gl.constexpr,
                   D: gl.constexpr, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr, G: gl.constexpr,
                   STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr):
         """A math warpgroup: items WHICH, WHICH + CONSUMERS, ...: wgmma of the
@@ -318,7 +323,13 @@ if _MISSING is None:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
         sc_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0])
         tok_layout: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([PAGE * G // 128, 1], [32 // G, G], [4, 1], [0, 1]))
+        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        W_REGS: gl.constexpr = NG <= 2
         zero = gl.zeros([PAGE, N], gl.float32, mma_layout)
+        w0 = gl.zeros([N], gl.float32, col_layout)
+        w1 = gl.zeros([N], gl.float32, col_layout)
+        w_seg = -1
+        _all_started(started)
         start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
                                                         kv_cap, PAGE, ROWS_MAX, 4)
         seg = 0
@@ -345,6 +356,11 @@ if _MISSING is None:
             # Row groups in pairs (the second group's wgmma runs under the first's
             # epilogue), then a lone last group.  Loops, not branches, around the
             # wgmmas: Triton 3.6 fails to lower a wgmma under an scf.if here.
+            if W_REGS:  # the segment's weights stay in registers (NG <= 2)
+                if w_seg != seg:
+                    w0 = _load_w(w_ptr, stride_w, row0, end, N, H, col_layout)
+                    w1 = _load_w(w_ptr, stride_w, row0 + G, end, N, H, col_layout)
+                    w_seg = seg
             pairs = 0
             if NG >= 2:
                 pairs = rows_here // (2 * G)
@@ -353,17 +369,27 @@ if _MISSING is None:
                     acc0 = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
                     qc = q_smem.index(qb * NG + 2 * p + 1).reshape([N, D]).permute((1, 0))
                     acc1 = warpgroup_mma(kv_tile, qc, zero, use_acc=False, is_async=True)
+                    if W_REGS:
+                        wa = w0
+                        wb = w1
+                    else:
+                        wa = _load_w(w_ptr, stride_w, row0 + 2 * p * G, end, N, H, col_layout)
+                        wb = _load_w(w_ptr, stride_w, row0 + (2 * p + 1) * G, end, N, H, col_layout)
                     r0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
-                    _epilogue(r0, w_ptr, ctx_ptr, out_ptr, stride_w, stride_out,
+                    _epilogue(r0, wa, ctx_ptr, out_ptr, stride_out,
                               row0 + 2 * p * G, end, kv, scale, cols, G, H, PAGE, DIRECT_STORE)
                     r1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
-                    _epilogue(r1, w_ptr, ctx_ptr, out_ptr, stride_w, stride_out,
+                    _epilogue(r1, wb, ctx_ptr, out_ptr, stride_out,
                               row0 + (2 * p + 1) * G, end, kv, scale, cols, G, H, PAGE, DIRECT_STORE)
             for g in range(2 * pairs, (rows_here + G - 1) // G):
                 qa = q_smem.index(qb * NG + g).reshape([N, D]).permute((1, 0))
                 acc0 = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
+                if W_REGS:
+                    wt = gl.where(g == 0, w0, w1)
+                else:
+                    wt = _load_w(w_ptr, stride_w, row0 + g * G, end, N, H, col_layout)
                 r0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
-                _epilogue(r0, w_ptr, ctx_ptr, out_ptr, stride_w, stride_out,
+                _epilogue(r0, wt, ctx_ptr, out_ptr, stride_out,
                           row0 + g * G, end, kv, scale, cols, G, H, PAGE, DIRECT_STORE)
             fence_async_shared()
             mbarrier.arrive(empty.index(slot), count=1)
@@ -371,6 +397,15 @@ if _MISSING is None:
     @gluon.jit
     def _idle():
         pass
+
+    @gluon.jit
+    def _all_started(started):
+        """Every worker partition checks in before any does work: a partition
+        that runs ahead could otherwise reuse scratch shared memory still holding
+        another partition's captured arguments (seen on Triton 3.6 as bad
+        pointers in the second math warpgroup)."""
+        mbarrier.arrive(started, count=1)
+        mbarrier.wait(started, 0)
 
     @gluon.jit
     def _varlen_logits_sm90(
@@ -403,6 +438,8 @@ if _MISSING is None:
             for s in gl.static_range(2):
                 mbarrier.init(q_full.index(s), count=1)
                 mbarrier.init(q_empty.index(s), count=CONSUMERS)
+            started = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(started, count=CONSUMERS + 1)
             fence_async_shared()
             # The default partition stays idle: every role runs in a worker
             # partition (work in the default partition was seen to corrupt the
@@ -412,26 +449,26 @@ if _MISSING is None:
                     (_idle, ()),
                     (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
                                  stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
-                                 full, empty, q_full, q_empty, 0, 2, H, D, PAGE, ROWS_MAX, G,
+                                 full, empty, q_full, q_empty, started, 0, 2, H, D, PAGE, ROWS_MAX, G,
                                  STAGES, DIRECT_STORE)),
                     (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
                                  stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
-                                 full, empty, q_full, q_empty, 1, 2, H, D, PAGE, ROWS_MAX, G,
+                                 full, empty, q_full, q_empty, started, 1, 2, H, D, PAGE, ROWS_MAX, G,
                                  STAGES, DIRECT_STORE)),
                     (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
                                  kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
-                                 q_smem, full, empty, q_full, q_empty, PAGE, D, ROWS_MAX, STAGES)),
+                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES)),
                 ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
             else:
                 gl.warp_specialize([
                     (_idle, ()),
                     (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
                                  stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
-                                 full, empty, q_full, q_empty, 0, 1, H, D, PAGE, ROWS_MAX, G,
+                                 full, empty, q_full, q_empty, started, 0, 1, H, D, PAGE, ROWS_MAX, G,
                                  STAGES, DIRECT_STORE)),
                     (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
                                  kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
-                                 q_smem, full, empty, q_full, q_empty, PAGE, D, ROWS_MAX, STAGES)),
+                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES)),
                 ], [4, 1], [CONSUMER_REGS, 24])
 
 
