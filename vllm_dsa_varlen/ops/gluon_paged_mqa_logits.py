@@ -310,6 +310,35 @@ if _MISSING is None:
         gl.store(ptrs, logit, mask=keep)
 
     @gluon.jit
+    def _pair(kv_tile, q_smem, qi, zero, wa, wb, ctx_ptr, out_ptr, stride_out, row0, end, kv, scale,
+              cols, G: gl.constexpr, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+              DIRECT_STORE: gl.constexpr):
+        """Row groups ``qi`` and ``qi + 1`` (rows ``row0 ..``) against one page."""
+        N: gl.constexpr = G * H
+        qa = q_smem.index(qi).reshape([N, D]).permute((1, 0))
+        acc0 = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
+        qc = q_smem.index(qi + 1).reshape([N, D]).permute((1, 0))
+        acc1 = warpgroup_mma(kv_tile, qc, zero, use_acc=False, is_async=True)
+        r0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
+        _epilogue(r0, wa, ctx_ptr, out_ptr, stride_out, row0, end, kv, scale, cols, G, H, PAGE,
+                  DIRECT_STORE)
+        r1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
+        _epilogue(r1, wb, ctx_ptr, out_ptr, stride_out, row0 + G, end, kv, scale, cols, G, H, PAGE,
+                  DIRECT_STORE)
+
+    @gluon.jit
+    def _single(kv_tile, q_smem, qi, zero, w, ctx_ptr, out_ptr, stride_out, row0, end, kv, scale,
+                cols, G: gl.constexpr, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+                DIRECT_STORE: gl.constexpr):
+        """Row group ``qi`` (rows ``row0 ..``) against one page."""
+        N: gl.constexpr = G * H
+        qa = q_smem.index(qi).reshape([N, D]).permute((1, 0))
+        acc = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
+        r = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _epilogue(r, w, ctx_ptr, out_ptr, stride_out, row0, end, kv, scale, cols, G, H, PAGE,
+                  DIRECT_STORE)
+
+    @gluon.jit
     def _consumer(w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w, stride_out,
                   n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
                   q_empty, started, WHICH: gl.constexpr, CONSUMERS: gl.constexpr, H: gl.constexpr,
@@ -333,14 +362,14 @@ if _MISSING is None:
         start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
                                                         kv_cap, PAGE, ROWS_MAX, 4)
         seg = 0
-        for _ in gl.static_range(WHICH):
+        for _w in gl.static_range(WHICH):
             if WHICH < n_items:
                 start, end, kv, pages, chunk, pg, seg = _cursor_step(
                     ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
                     q_empty, PAGE, ROWS_MAX, True, 4)
         for i in range(WHICH, n_items, CONSUMERS):
             if i > WHICH:
-                for _ in gl.static_range(CONSUMERS):
+                for _c in gl.static_range(CONSUMERS):
                     start, end, kv, pages, chunk, pg, seg = _cursor_step(
                         ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
                         q_empty, PAGE, ROWS_MAX, True, 4)
@@ -361,36 +390,30 @@ if _MISSING is None:
                     w0 = _load_w(w_ptr, stride_w, row0, end, N, H, col_layout)
                     w1 = _load_w(w_ptr, stride_w, row0 + G, end, N, H, col_layout)
                     w_seg = seg
-            pairs = 0
-            if NG >= 2:
-                pairs = rows_here // (2 * G)
-                for p in range(pairs):
-                    qa = q_smem.index(qb * NG + 2 * p).reshape([N, D]).permute((1, 0))
-                    acc0 = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
-                    qc = q_smem.index(qb * NG + 2 * p + 1).reshape([N, D]).permute((1, 0))
-                    acc1 = warpgroup_mma(kv_tile, qc, zero, use_acc=False, is_async=True)
-                    if W_REGS:
-                        wa = w0
-                        wb = w1
-                    else:
-                        wa = _load_w(w_ptr, stride_w, row0 + 2 * p * G, end, N, H, col_layout)
-                        wb = _load_w(w_ptr, stride_w, row0 + (2 * p + 1) * G, end, N, H, col_layout)
-                    r0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
-                    _epilogue(r0, wa, ctx_ptr, out_ptr, stride_out,
-                              row0 + 2 * p * G, end, kv, scale, cols, G, H, PAGE, DIRECT_STORE)
-                    r1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
-                    _epilogue(r1, wb, ctx_ptr, out_ptr, stride_out,
-                              row0 + (2 * p + 1) * G, end, kv, scale, cols, G, H, PAGE, DIRECT_STORE)
-            for g in range(2 * pairs, (rows_here + G - 1) // G):
-                qa = q_smem.index(qb * NG + g).reshape([N, D]).permute((1, 0))
-                acc0 = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
-                if W_REGS:
-                    wt = gl.where(g == 0, w0, w1)
-                else:
+            ngroups = (rows_here + G - 1) // G
+            if W_REGS:
+                # At most two groups: a pair when the chunk has rows for both
+                # (the second wgmma runs under the first epilogue), else one.
+                # Loops of 0/1 trips with fixed buffer indices, not branches:
+                # Triton 3.6 fails to lower a wgmma under an scf.if here.
+                if NG == 2:
+                    for _p in range(ngroups // 2):
+                        _pair(kv_tile, q_smem, qb * NG, zero, w0, w1, ctx_ptr, out_ptr, stride_out,
+                              row0, end, kv, scale, cols, G, H, D, PAGE, DIRECT_STORE)
+                for _t in range(ngroups % 2 if NG == 2 else ngroups):
+                    _single(kv_tile, q_smem, qb * NG, zero, w0, ctx_ptr, out_ptr, stride_out,
+                            row0, end, kv, scale, cols, G, H, D, PAGE, DIRECT_STORE)
+            else:
+                for p in range(ngroups // 2):
+                    wa = _load_w(w_ptr, stride_w, row0 + 2 * p * G, end, N, H, col_layout)
+                    wb = _load_w(w_ptr, stride_w, row0 + (2 * p + 1) * G, end, N, H, col_layout)
+                    _pair(kv_tile, q_smem, qb * NG + 2 * p, zero, wa, wb, ctx_ptr, out_ptr,
+                          stride_out, row0 + 2 * p * G, end, kv, scale, cols, G, H, D, PAGE,
+                          DIRECT_STORE)
+                for g in range(2 * (ngroups // 2), ngroups):
                     wt = _load_w(w_ptr, stride_w, row0 + g * G, end, N, H, col_layout)
-                r0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
-                _epilogue(r0, wt, ctx_ptr, out_ptr, stride_out,
-                          row0 + g * G, end, kv, scale, cols, G, H, PAGE, DIRECT_STORE)
+                    _single(kv_tile, q_smem, qb * NG + g, zero, wt, ctx_ptr, out_ptr, stride_out,
+                            row0 + g * G, end, kv, scale, cols, G, H, D, PAGE, DIRECT_STORE)
             fence_async_shared()
             mbarrier.arrive(empty.index(slot), count=1)
 
