@@ -62,6 +62,7 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
     gluon = gl = None
     _MISSING = f"{type(exc).__name__}: {exc}"
 
+PER_STEP_INTS = ("num_rows", "max_context_len", "bt_width", "stride_bt")  # never specialised
 HEADS = (32, 64)
 DIM = 128
 PAGE = 64
@@ -430,7 +431,7 @@ if _MISSING is None:
         mbarrier.arrive(started, count=1)
         mbarrier.wait(started, 0)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=PER_STEP_INTS)
     def _varlen_logits_sm90(
         kv_desc, sc_desc, q_desc, w_ptr, ctx_ptr, bt_ptr, ids_ptr, out_ptr,
         num_rows, max_context_len, bt_width, stride_w, stride_bt, stride_out,
@@ -548,18 +549,76 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def rows_max_for(heads: int, max_run_len: int) -> int:
+    """Query rows held per segment, from the host's longest-run hint: the
+    smallest of 2, 4, 8 (at least one wgmma group) covering it.  Longer runs
+    are split into chunks of this many rows (each chunk re-reads the pages)."""
+    g = rows_per_mma(heads)
+    for rows in (2, 4, 8):
+        if rows >= g and rows >= max_run_len:
+            return rows
+    return 8
+
+
+def variants(heads: int, max_run_lens=(1, 2, 4, 8)) -> list[int]:
+    """``ROWS_MAX`` values a server with these run-length hints compiles."""
+    return sorted({rows_max_for(heads, n) for n in max_run_lens})
+
+
+_ARGS = ("kv_desc", "sc_desc", "q_desc", "w_ptr", "ctx_ptr", "bt_ptr", "ids_ptr", "out_ptr",
+         "num_rows", "max_context_len", "bt_width", "stride_w", "stride_bt", "stride_out")
+
+
 def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
            rows_max: int = 4, stages: int = STAGES, ctas_per_sm: int = CTAS_PER_SM,
            consumers: int = CONSUMERS, consumer_regs: int = CONSUMER_REGS, maxnreg: int | None = MAXNREG,
            direct_store: bool = DIRECT_STORE):
-    """Launch the sm_90 kernel on checked inputs (see the portable launcher)."""
+    """Launch the sm_90 kernel on checked inputs (see the portable launcher);
+    the grid depends on the GPU alone."""
+    from .triton_paged_mqa_logits import launch_bound
+
     rows, _, heads, dim = q.shape
+    if rows_max % rows_per_mma(heads) or rows_max not in (2, 4, 8):
+        raise ValueError(f"rows_max: expected 2, 4 or 8 and a multiple of {rows_per_mma(heads)} "
+                         f"(query rows per wgmma at H {heads}), got {rows_max}")
     kv_desc, sc_desc, q_desc = descriptors(q, kv_cache)
     grid = (_num_sms(q.device.index or 0) * ctas_per_sm,)
-    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
-    return _varlen_logits_sm90[grid](
-        kv_desc, sc_desc, q_desc, weights, context_lens, block_table, indices, out,
-        rows, max_context_len, block_table.shape[1],
-        weights.stride(0), block_table.stride(0), out.stride(0),
-        H=heads, D=dim, PAGE=kv_cache.shape[1], ROWS_MAX=rows_max, STAGES=stages,
-        CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, DIRECT_STORE=bool(direct_store), BLOCK_R=BLOCK_R, num_warps=4, **extra)
+    args = (kv_desc, sc_desc, q_desc, weights, context_lens, block_table, indices, out,
+            rows, max_context_len, block_table.shape[1],
+            weights.stride(0), block_table.stride(0), out.stride(0))
+    constexprs = dict(H=heads, D=dim, PAGE=kv_cache.shape[1], ROWS_MAX=rows_max, STAGES=stages,
+                      CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
+                      DIRECT_STORE=bool(direct_store), BLOCK_R=BLOCK_R, num_warps=4)
+    options = {} if maxnreg is None else {"maxnreg": maxnreg}
+    return launch_bound(_varlen_logits_sm90, grid, args, constexprs, options, set(PER_STEP_INTS),
+                        _ARGS)
+
+
+def schedule_model(indices, context_lens, max_context_len: int, bt_width: int, rows_max: int,
+                   num_programs: int, page: int = PAGE) -> list[list[tuple[int, int, int, int]]]:
+    """Host mirror of the kernel's device-side schedule, for tests: each
+    program's work items as ``(run first row, run last row, row chunk, page)``.
+
+    Items are every page of every row chunk (``rows_max`` rows) of every run;
+    program ``c`` of ``n`` takes items ``[c * T // n, (c + 1) * T // n)`` of
+    the ``T`` in run order.  Same arithmetic as ``_my_share`` / ``_cursor_*``
+    (a run's KV length is its last row's context, clamped to ``[0,
+    min(max_context_len, bt_width * page)]``)."""
+    ids = [int(x) for x in indices]
+    ctx = [int(x) for x in context_lens]
+    cap = min(max_context_len, bt_width * page)
+    runs = []
+    r = 0
+    while r < len(ids):
+        e = r
+        while e + 1 < len(ids) and ids[e + 1] == ids[r]:
+            e += 1
+        kv = min(max(ctx[e], 0), cap)
+        pages = -(-kv // page)
+        for chunk in range(0, e - r + 1, rows_max):
+            for pg in range(pages):
+                runs.append((r, e, chunk, pg))
+        r = e + 1
+    total = len(runs)
+    return [runs[c * total // num_programs:(c + 1) * total // num_programs]
+            for c in range(num_programs)]
