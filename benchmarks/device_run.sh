@@ -5,7 +5,8 @@
 # Triton) and DeepGEMM 2.8.2 in one process, vLLM 0.33's DeepGEMM 2.8.1 in a
 # process of its own (the two DeepGEMMs crash when loaded together), merged into
 # one table.  Extra arguments go to both benchmark processes.  Logs, JSON land in $OUT.
-#   DEV=.device (default; ../.device from a copy one level down)  SKIP_TESTS=1  RUN_VDG=0
+#   DEV=.device (default; ../.device from a copy one level down)  SKIP_TESTS=1  TESTS_LAST=1
+#   RUN_VDG=0  RUN_GLUON=0  GPU_TESTS=...  TEST_TIMEOUT/PEER_TIMEOUT/MAIN_TIMEOUT (seconds)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/dsa-out}; mkdir -p "$OUT"
@@ -19,23 +20,27 @@ elif [ -f "$DEV/install-deepgemm.sh" ]; then
   bash "$DEV/install-deepgemm.sh" > "$OUT/deepgemm-install.log" 2>&1; echo "rc=$?" >> "$OUT/deepgemm-install.log"
 fi
 tail -1 "$OUT/deepgemm-install.log" 2>/dev/null
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
+run_tests() {
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests/ops tests/test_plan.py tests/vllm_0_27/utils/test_deep_gemm_real.py} \
     > "$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"; tail -25 "$OUT/gpu-tests.log"
-fi
+}
+[ "${SKIP_TESTS:-0}" != 1 ] && [ "${TESTS_LAST:-0}" != 1 ] && run_tests
 peers=()
 if [ "${RUN_VDG:-1}" = 1 ] && [ -f "$DEV/vllm-deep-gemm-0.33.0.tgz" ]; then
   mkdir -p /tmp/vdg && tar xzf "$DEV/vllm-deep-gemm-0.33.0.tgz" -C /tmp/vdg
-  PYTHONPATH=/tmp/vdg python3 benchmarks/benchmark_indexer_decode.py --peer vdg --json "$OUT/bench-vdg.json" "$@" \
+  PYTHONPATH=/tmp/vdg timeout ${PEER_TIMEOUT:-600} python3 benchmarks/benchmark_indexer_decode.py --peer vdg --json "$OUT/bench-vdg.json" "$@" \
     > "$OUT/bench-vdg.log" 2>&1; echo "vdg peer rc=$?"
   [ -f "$OUT/bench-vdg.json" ] && peers+=("$OUT/bench-vdg.json")
 fi
 # The sm_90 kernel in a process of its own too: a fault there cannot take the other paths down.
 if [ "${RUN_GLUON:-1}" = 1 ]; then
-  python3 benchmarks/benchmark_indexer_decode.py --peer gluon --json "$OUT/bench-gluon.json" "$@" \
+  timeout ${PEER_TIMEOUT:-600} python3 benchmarks/benchmark_indexer_decode.py --peer gluon --json "$OUT/bench-gluon.json" "$@" \
     > "$OUT/bench-gluon.log" 2>&1; echo "gluon peer rc=$?"
   [ -f "$OUT/bench-gluon.json" ] && peers+=("$OUT/bench-gluon.json")
 fi
 merge=()
 [ ${#peers[@]} -gt 0 ] && merge=(--merge "${peers[@]}")
-python3 benchmarks/benchmark_indexer_decode.py --no-gluon --json "$OUT/bench.json" "${merge[@]}" "$@" 2>&1 | tee "$OUT/bench.log"
+timeout ${MAIN_TIMEOUT:-900} python3 benchmarks/benchmark_indexer_decode.py --no-gluon --json "$OUT/bench.json" "${merge[@]}" "$@" > "$OUT/bench.log" 2>&1
+echo "main rc=$?"; sed -n '/^case /,$p' "$OUT/bench.log"
+[ "${SKIP_TESTS:-0}" != 1 ] && [ "${TESTS_LAST:-0}" = 1 ] && run_tests
+exit 0

@@ -98,7 +98,6 @@ GPU_CASES = [
     Case("B64 L8K 6tok uniform", 64, 8192, 6),
     Case("B64 L8K 8tok uniform", 64, 8192, 8),
     Case("B64 L8K 1..8tok", 64, 8192, 8, variable=True),
-    Case("B64 L128K/4 V4 4tok", 64, 131072, 4, compress_ratio=4),
 ]
 CPU_CASES = [
     Case("tiny B3 L300 1..4tok", 3, 300, 4, variable=True, heads=32),

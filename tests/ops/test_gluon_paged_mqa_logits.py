@@ -204,6 +204,39 @@ def _check(step, out, rel_tol=1e-3):
     return mask
 
 
+def _compiled(fn):
+    return sum(len(c[0]) for c in fn.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_no_compile_after_precompile_for_new_step_sizes():
+    """After precompile, steps with new row counts, logits widths and block-table
+    widths compile nothing (the kernels' own caches do not grow)."""
+    heads = 64
+    took = precompile(heads=heads, device="cuda")
+    assert took > 0
+    fns = [tk._varlen_paged_mqa_logits_kernel] + ([gk._varlen_logits_sm90] if HOPPER else [])
+    before = [_compiled(f) for f in fns]
+    for i, (reqs, tokens, ctx_len, width_pad) in enumerate(
+            [(3, 1, 300, 0), (17, 2, 5000, 3), (33, 3, 2000, 1), (5, 4, 9000, 7), (2, 8, 100, 2),
+             (129, 1, 70, 5)]):
+        step = random_decode_step(reqs, tokens, ctx_len, heads=heads, seed=i, device="cuda",
+                                  max_context_len=ctx_len * 2 + 17 * i)
+        rows = step.rows
+        bt = torch.cat([rows.block_table, torch.zeros((rows.num_rows, width_pad), dtype=torch.int32,
+                                                      device="cuda")], dim=1)
+        out = tk.varlen_paged_mqa_logits(step.q, step.kv_cache, step.weights,
+                                         rows.context_lens.view(-1, 1), bt, rows.indices,
+                                         step.max_context_len, max_run_len=tokens)
+        torch.cuda.synchronize()
+        mask = valid_mask(rows.context_lens.view(-1, 1), step.max_context_len, rows.indices)
+        ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights,
+                                   rows.context_lens.view(-1, 1), bt, step.max_context_len,
+                                   indices=rows.indices)
+        assert (out[mask] - ref[mask]).norm() / ref[mask].norm() < 1e-3
+    assert [_compiled(f) for f in fns] == before
+
+
 SMALL = {
     # decode lens, seq lens, padding rows, heads
     "runs_1_to_8_h32": ([1, 2, 3, 4, 5, 6, 7, 8], [65, 130, 3, 64, 200, 129, 70, 191], 0, 32),
@@ -302,34 +335,3 @@ def test_sm90_graph_replay_with_new_contents_and_compositions():
         assert (out[:n][m] - ref[m]).norm() / ref[m].norm() < 1e-3
 
 
-def _compiled(fn):
-    return sum(len(c[0]) for c in fn.device_caches.values())
-
-
-@pytest.mark.gpu
-def test_no_compile_after_precompile_for_new_step_sizes():
-    """After precompile, steps with new row counts, logits widths and block-table
-    widths compile nothing (the kernels' own caches do not grow)."""
-    heads = 64
-    took = precompile(heads=heads, device="cuda")
-    assert took > 0
-    fns = [tk._varlen_paged_mqa_logits_kernel] + ([gk._varlen_logits_sm90] if HOPPER else [])
-    before = [_compiled(f) for f in fns]
-    for i, (reqs, tokens, ctx_len, width_pad) in enumerate(
-            [(3, 1, 300, 0), (17, 2, 5000, 3), (33, 3, 2000, 1), (5, 4, 9000, 7), (2, 8, 100, 2),
-             (129, 1, 70, 5)]):
-        step = random_decode_step(reqs, tokens, ctx_len, heads=heads, seed=i, device="cuda",
-                                  max_context_len=ctx_len * 2 + 17 * i)
-        rows = step.rows
-        bt = torch.cat([rows.block_table, torch.zeros((rows.num_rows, width_pad), dtype=torch.int32,
-                                                      device="cuda")], dim=1)
-        out = tk.varlen_paged_mqa_logits(step.q, step.kv_cache, step.weights,
-                                         rows.context_lens.view(-1, 1), bt, rows.indices,
-                                         step.max_context_len, max_run_len=tokens)
-        torch.cuda.synchronize()
-        mask = valid_mask(rows.context_lens.view(-1, 1), step.max_context_len, rows.indices)
-        ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights,
-                                   rows.context_lens.view(-1, 1), bt, step.max_context_len,
-                                   indices=rows.indices)
-        assert (out[mask] - ref[mask]).norm() / ref[mask].norm() < 1e-3
-    assert [_compiled(f) for f in fns] == before

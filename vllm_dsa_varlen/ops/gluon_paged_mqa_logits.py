@@ -381,7 +381,6 @@ if _MISSING is None:
             kv_tile = kv_smem.index(slot).reshape([PAGE, D])
             scale = gl.convert_layout(gl.reshape(sc_smem.index(slot).load(sc_layout), [PAGE]), tok_layout)
             row0 = start + chunk
-            rows_here = gl.minimum(end - row0 + 1, ROWS_MAX)
             cols = pg * PAGE
             # Row groups in pairs (the second group's wgmma runs under the first's
             # epilogue), then a lone last group.  Loops, not branches, around the
@@ -389,32 +388,27 @@ if _MISSING is None:
             if W_REGS:  # the segment's weights stay in registers (NG <= 2)
                 if w_seg != seg:
                     w0 = _load_w(w_ptr, stride_w, row0, end, N, H, col_layout)
-                    w1 = _load_w(w_ptr, stride_w, row0 + G, end, N, H, col_layout)
+                    if NG == 2:
+                        w1 = _load_w(w_ptr, stride_w, row0 + G, end, N, H, col_layout)
                     w_seg = seg
-            ngroups = (rows_here + G - 1) // G
-            if W_REGS:
-                # At most two groups: a pair when the chunk has rows for both
-                # (the second wgmma runs under the first epilogue), else one.
-                # Loops of 0/1 trips with fixed buffer indices, not branches:
-                # Triton 3.6 fails to lower a wgmma under an scf.if here.
-                if NG == 2:
-                    for _p in range(ngroups // 2):
-                        _pair(kv_tile, q_smem, qb * NG, zero, w0, w1, ctx_ptr, out_ptr, stride_out,
-                              row0, end, kv, scale, cols, G, H, D, PAGE, DIRECT_STORE)
-                for _t in range(ngroups % 2 if NG == 2 else ngroups):
-                    _single(kv_tile, q_smem, qb * NG, zero, w0, ctx_ptr, out_ptr, stride_out,
-                            row0, end, kv, scale, cols, G, H, D, PAGE, DIRECT_STORE)
+            # Every row group of the segment's buffer, unconditionally: straight-line
+            # wgmmas with fixed buffer indices (rows past the run are computed on
+            # whatever the box holds and never stored).  A wgmma under a runtime
+            # branch does not lower on Triton 3.6, and 0/1-trip loops around them
+            # were seen to fault on the GPU (docs/kernel-notes.md).
+            if NG == 1:
+                _single(kv_tile, q_smem, qb * NG, zero, w0, ctx_ptr, out_ptr, stride_out,
+                        row0, end, kv, scale, cols, G, H, D, PAGE, DIRECT_STORE)
+            elif NG == 2:
+                _pair(kv_tile, q_smem, qb * NG, zero, w0, w1, ctx_ptr, out_ptr, stride_out,
+                      row0, end, kv, scale, cols, G, H, D, PAGE, DIRECT_STORE)
             else:
-                for p in range(ngroups // 2):
+                for p in gl.static_range(NG // 2):
                     wa = _load_w(w_ptr, stride_w, row0 + 2 * p * G, end, N, H, col_layout)
                     wb = _load_w(w_ptr, stride_w, row0 + (2 * p + 1) * G, end, N, H, col_layout)
                     _pair(kv_tile, q_smem, qb * NG + 2 * p, zero, wa, wb, ctx_ptr, out_ptr,
                           stride_out, row0 + 2 * p * G, end, kv, scale, cols, G, H, D, PAGE,
                           DIRECT_STORE)
-                for g in range(2 * (ngroups // 2), ngroups):
-                    wt = _load_w(w_ptr, stride_w, row0 + g * G, end, N, H, col_layout)
-                    _single(kv_tile, q_smem, qb * NG + g, zero, wt, ctx_ptr, out_ptr, stride_out,
-                            row0 + g * G, end, kv, scale, cols, G, H, D, PAGE, DIRECT_STORE)
             fence_async_shared()
             mbarrier.arrive(empty.index(slot), count=1)
 
