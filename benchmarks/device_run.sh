@@ -32,7 +32,8 @@ if [ "${RUN_VDG:-1}" = 1 ] && [ -f "$DEV/vllm-deep-gemm-0.33.0.tgz" ]; then
     > "$OUT/bench-vdg.log" 2>&1; echo "vdg peer rc=$?"
   [ -f "$OUT/bench-vdg.json" ] && peers+=("$OUT/bench-vdg.json")
 fi
-# The sm_90 kernel in a process of its own too: a fault there cannot take the other paths down.
+# The sm_90 kernel in a process of its own too (a fault there cannot take the other paths
+# down); RUN_GLUON=0 times it in the main process instead.
 if [ "${RUN_GLUON:-1}" = 1 ]; then
   timeout ${PEER_TIMEOUT:-600} python3 benchmarks/benchmark_indexer_decode.py --peer gluon --json "$OUT/bench-gluon.json" "$@" \
     > "$OUT/bench-gluon.log" 2>&1; echo "gluon peer rc=$?"
@@ -40,7 +41,8 @@ if [ "${RUN_GLUON:-1}" = 1 ]; then
 fi
 merge=()
 [ ${#peers[@]} -gt 0 ] && merge=(--merge "${peers[@]}")
-timeout ${MAIN_TIMEOUT:-900} python3 benchmarks/benchmark_indexer_decode.py --no-gluon --json "$OUT/bench.json" "${merge[@]}" "$@" > "$OUT/bench.log" 2>&1
+nogluon=(); [ "${RUN_GLUON:-1}" = 1 ] && nogluon=(--no-gluon)
+timeout ${MAIN_TIMEOUT:-900} python3 benchmarks/benchmark_indexer_decode.py "${nogluon[@]}" --json "$OUT/bench.json" "${merge[@]}" "$@" > "$OUT/bench.log" 2>&1
 echo "main rc=$?"; sed -n '/^case /,$p' "$OUT/bench.log"
 [ "${SKIP_TESTS:-0}" != 1 ] && [ "${TESTS_LAST:-0}" = 1 ] && run_tests
 exit 0

@@ -394,7 +394,7 @@ def run_gpu(args):
             del graph
         del step, paths, ref, mask
         torch.cuda.empty_cache()
-        if args.peer and args.json:  # a peer's rows so far survive a crash in a later case
+        if args.json:  # the rows so far survive a crash in a later case
             write_json(args, results, {"device": torch.cuda.get_device_name(), "partial": True},
                        torch)
     if args.trace:

@@ -345,8 +345,8 @@ def launch_bound(kernel, grid, args: tuple, constexprs: dict, options: dict, uns
            tuple(sorted(options.items())),
            tuple(_spec(v) if n not in unspecialized else None for n, v in zip(names, args)))
     compiled = _BOUND.get(key) if PREBOUND else None
-    if compiled is not None:
-        compiled[grid](*args, *constexprs.values())
+    if compiled is not None:  # a compiled kernel launches on a 3-D grid
+        compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs.values())
         return compiled
     compiled = kernel[grid](*args, **constexprs, **options)
     if PREBOUND and not isinstance(compiled, type(None)) and hasattr(compiled, "function"):
