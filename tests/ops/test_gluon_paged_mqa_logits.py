@@ -138,6 +138,17 @@ def test_cpu_tensors_take_the_portable_kernel_and_sm90_is_refused():
     assert "not an sm_90 GPU" in gk.unsupported_reason(step.q, step.kv_cache) or gk.available()
 
 
+def test_auto_takes_sm90_where_it_measured_faster(monkeypatch):
+    """On Hopper, "auto" takes the sm_90 kernel for runs of up to 4 tokens and at
+    least 32 rows (the H200 table in BENCHMARKS.md), the portable kernel otherwise."""
+    assert tk.auto_takes_sm90(rows=256, max_run_len=4)
+    assert tk.auto_takes_sm90(rows=32, max_run_len=1)
+    assert not tk.auto_takes_sm90(rows=4, max_run_len=4)      # B1: launch-latency bound
+    assert not tk.auto_takes_sm90(rows=384, max_run_len=6)    # 8-row segments: slower
+    monkeypatch.setattr(tk, "HOPPER_AUTO", False)
+    assert not tk.auto_takes_sm90(rows=256, max_run_len=4)
+
+
 def test_layout_checks_run_once_per_shape_signature(monkeypatch):
     step = make_decode_step([2, 1], [70, 20], heads=32)
     calls = []

@@ -43,15 +43,17 @@ def precompile(*, heads: int, dim: int = 128, page: int = 64, device=None,
     blocks = 2
     pool = torch.zeros(blocks * stride, dtype=torch.uint8, device=device)
     kv_cache = pool.as_strided((blocks, page, 1, dim + 4), (stride, dim + 4, dim + 4, 1))
+    # A few rows and many rows: the launcher's choice between the kernels depends
+    # on the row count too (see triton_paged_mqa_logits.auto_takes_sm90).
     for n in sorted(set(max_run_lens)):
-        rows = max(2, n)
-        q = torch.zeros((rows, 1, heads, dim), device=device).to(torch.float8_e4m3fn)
-        weights = torch.zeros((rows, heads), dtype=torch.float32, device=device)
-        ctx = torch.zeros((rows, 1), dtype=torch.int32, device=device)
-        table = torch.zeros((rows, 32), dtype=torch.int32, device=device)
-        ids = torch.zeros(rows, dtype=torch.int32, device=device)
-        varlen_paged_mqa_logits(q, kv_cache, weights, ctx, table, ids, page, max_run_len=n,
-                                kernel=kernel)
+        for rows in (max(2, n), max(64, n)):
+            q = torch.zeros((rows, 1, heads, dim), device=device).to(torch.float8_e4m3fn)
+            weights = torch.zeros((rows, heads), dtype=torch.float32, device=device)
+            ctx = torch.zeros((rows, 1), dtype=torch.int32, device=device)
+            table = torch.zeros((rows, 32), dtype=torch.int32, device=device)
+            ids = torch.zeros(rows, dtype=torch.int32, device=device)
+            varlen_paged_mqa_logits(q, kv_cache, weights, ctx, table, ids, page, max_run_len=n,
+                                    kernel=kernel)
     torch.cuda.synchronize(device)
     took = time.perf_counter() - start
     logger.info("vllm-dsa-varlen: indexer kernels compiled for H %d, D %d, page %d, run-length "

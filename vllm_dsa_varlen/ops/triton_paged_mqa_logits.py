@@ -363,7 +363,13 @@ _PORTABLE_ARGS = ("q_ptr", "kv_ptr", "w_ptr", "ctx_ptr", "bt_ptr", "ids_ptr", "o
 # ------------------------------------------------------------ sm_90 dispatch
 
 KERNEL_ENV = "VLLM_DSA_VARLEN_KERNEL"  # "auto" (default), "portable" or "sm90"
-HOPPER_AUTO = True  # "auto" takes the sm_90 Gluon kernel on Hopper when it can
+HOPPER_AUTO = True  # "auto" takes the sm_90 Gluon kernel on Hopper where it measured faster
+# Where "auto" takes the sm_90 kernel (H200, docs/results/hopper/run8): runs of up to 4
+# tokens (hint) and at least 32 rows.  Longer runs hold 8 query rows per segment and
+# measured slower than the portable kernel (6, 8, 1..8 tokens); a handful of rows
+# (B1) is launch-latency bound and the portable kernel measured 1 µs faster.
+HOPPER_MAX_RUN_LEN = 4
+HOPPER_MIN_ROWS = 32
 _logged: set = set()
 
 
@@ -373,13 +379,20 @@ def _log_once(msg: str) -> None:
         logger.info(msg)
 
 
-def hopper_kernel_for(q, kv_cache, kernel: str | None):
+def auto_takes_sm90(rows: int, max_run_len: int) -> bool:
+    """Whether "auto" takes the sm_90 kernel for a step of ``rows`` rows whose
+    longest run is ``max_run_len`` (host-known, so the choice is graph safe)."""
+    return HOPPER_AUTO and max_run_len <= HOPPER_MAX_RUN_LEN and rows >= HOPPER_MIN_ROWS
+
+
+def hopper_kernel_for(q, kv_cache, kernel: str | None, max_run_len: int = 4):
     """The sm_90 module when this call should take the Gluon kernel, else ``None``
     (the portable kernel).  ``kernel``: "auto", "portable" or "sm90"."""
     kernel = kernel or os.environ.get(KERNEL_ENV, "auto")
     if kernel not in ("auto", "portable", "sm90"):
         _fail("kernel", '"auto", "portable" or "sm90"', kernel)
-    if kernel == "portable" or (kernel == "auto" and (not HOPPER_AUTO or not q.is_cuda)):
+    if kernel == "portable" or (kernel == "auto" and (
+            not q.is_cuda or not auto_takes_sm90(q.shape[0], max_run_len))):
         return None
     from . import gluon_paged_mqa_logits as gk
 
@@ -448,7 +461,7 @@ def varlen_paged_mqa_logits(
         return out
     knobs = (rows_per_dot is not None or groups is not None or per_row or tile_pages != 1
              or tiles_per_split is not None or num_warps != 4 or num_stages != 3)
-    gk = None if knobs and kernel != "sm90" else hopper_kernel_for(q, kv_cache, kernel)
+    gk = None if knobs and kernel != "sm90" else hopper_kernel_for(q, kv_cache, kernel, max_run_len)
     if gk is not None:
         LAST_COMPILED[0] = gk.launch(q, kv_cache, weights, context_lens, block_table, indices,
                                      max_context_len, out, rows_max=gk.rows_max_for(heads, max_run_len))
