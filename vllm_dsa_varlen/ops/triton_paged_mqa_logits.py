@@ -364,7 +364,7 @@ _PORTABLE_ARGS = ("q_ptr", "kv_ptr", "w_ptr", "ctx_ptr", "bt_ptr", "ids_ptr", "o
 
 KERNEL_ENV = "VLLM_DSA_VARLEN_KERNEL"  # "auto" (default), "portable" or "sm90"
 HOPPER_AUTO = True  # "auto" takes the sm_90 Gluon kernel on Hopper where it measured faster
-# Where "auto" takes the sm_90 kernel (H200, docs/results/hopper/run8): runs of up to 4
+# Where "auto" takes the sm_90 kernel (H200, docs/results/hopper/call8): runs of up to 4
 # tokens (hint) and at least 32 rows.  Longer runs hold 8 query rows per segment and
 # measured slower than the portable kernel (6, 8, 1..8 tokens); a handful of rows
 # (B1) is launch-latency bound and the portable kernel measured 1 µs faster.
