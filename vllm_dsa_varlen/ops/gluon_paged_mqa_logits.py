@@ -2,38 +2,36 @@
 
 Same inputs, outputs and semantics as
 :func:`vllm_dsa_varlen.ops.triton_paged_mqa_logits.varlen_paged_mqa_logits`
-(see that module and :mod:`vllm_dsa_varlen.ops.reference`); this is the sm_90
-fast path the launcher there picks on Hopper.
+(see that module and :mod:`vllm_dsa_varlen.ops.reference`); the launcher there
+takes this kernel on sm_90 where it measured faster (``auto_takes_sm90``).
 
 Structure (one launch, graph safe, no host sync):
 
 * **Persistent grid**: ``CTAS_PER_SM`` programs per SM, whatever the batch.
 * **Device-side schedule**: every program scans the run ids and context
-  lengths (a prefix sum of each run's KV pages), takes an even share
-  ``[c * T / n, (c + 1) * T / n)`` of the ``T`` pages of the step, and walks
-  the runs that share covers (a run may be split between programs; each output
-  column is written by exactly one program, so results are bitwise
-  deterministic).
-* **TMA page loads** into a ``STAGES``-deep shared-memory ring completed on
+  lengths (a prefix sum of each run's work items: pages x chunks of
+  ``ROWS_MAX`` query rows), takes an even share ``[c * T / n, (c + 1) * T / n)``
+  of the ``T`` items of the step, and walks the runs that share covers (a run
+  may be split between programs; each output element is written by exactly
+  one program, so results are bitwise repeatable).  :func:`schedule_model` is
+  the same arithmetic on the host, for tests.
+* **Warp specialisation**: a TMA warp, two math warpgroups taking alternate
+  items (setmaxnreg 232 / 24), an idle default partition.
+* **TMA** into a ``STAGES``-deep shared-memory ring with full/empty
   mbarriers: a page's fp8 values through a 3-D descriptor over the fused cache
   viewed as ``[blocks, page, D]`` (page id as coordinate, the cache's own page
-  stride) and its ``page`` fp32 scales through a 2-D descriptor over the same
-  bytes viewed as ``[blocks, page * (D + 4) / 4]`` fp32.  The run's queries
-  (``ROWS_MAX`` rows, one ``[G, H, D]`` box per group of ``G = 128 // H``
-  rows) come by TMA too, once per run.
+  stride), its ``page`` fp32 scales through a 2-D descriptor over the same
+  bytes viewed as ``[blocks, page * (D + 4) / 4]`` fp32; the segment's queries
+  (one ``[G, H, D]`` box per group of ``G = 128 // H`` rows) into a double
+  buffer released by both math warpgroups.
 * **wgmma** with the KV tokens on M (64 per page) and ``G`` query rows x ``H``
-  heads on N (= 128): ``acc[t, (g, h)] = k[t] . q[g, h]``, A (the page) and
-  B (the queries, K-major) both from shared memory.
-* **Epilogue in registers**: ``relu(acc) * w`` summed over each row's heads
-  (inside the thread, then across the quad), times the token's scale, stored
-  for the rows and columns the row may see.
-
-Warp specialisation: not in this version (see docs/kernel-notes.md); the
-overlap of one program's tensor work with another's epilogue comes from
-``CTAS_PER_SM`` resident programs.
+  heads on N (= 128), A (the page) and B (the queries, K-major) from shared
+  memory.
+* **Epilogue in registers**: ``relu(acc) * w`` summed over each row's heads,
+  times the token's scale, stored where the row may look.
 
 Nothing here runs on the CPU interpreter: correctness is tested on the GPU,
-compilation for sm_90 on the CPU (``tests/ops/test_compile.py``).
+compilation for sm_90 on the CPU (``python -m vllm_dsa_varlen.ops.compile_check``).
 """
 
 from __future__ import annotations
@@ -53,8 +51,6 @@ try:  # Gluon and its Hopper pieces; any gap leaves the portable kernel in charg
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    # The CTA-wide barrier is ``thread_barrier`` on Triton 3.6, ``barrier`` later.
-    _cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
     # The TMA load is ``async_copy_global_to_shared`` on 3.6, ``async_load`` later.
     _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared")
     _MISSING = None
