@@ -1,0 +1,61 @@
+"""Paged MQA logits kernels (fp8 indexer cache, DeepGEMM's varlen semantics).
+
+* :mod:`.reference` — the torch reference, the source of truth for tests;
+* :mod:`.triton_paged_mqa_logits` — the launcher and the portable Triton kernel
+  (any fp8 GPU and the CPU interpreter);
+* :mod:`.gluon_paged_mqa_logits` — the sm_90 (Hopper) Gluon kernel the
+  launcher takes on Hopper;
+* :func:`precompile` — compile every variant a server uses, up front.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger("vllm.dsa_varlen")
+
+__all__ = ["precompile"]
+
+
+def precompile(*, heads: int, dim: int = 128, page: int = 64, device=None,
+               max_run_lens=(1, 2, 4, 8), kv_block_stride: int | None = None,
+               kernel: str | None = None) -> float:
+    """Compile every kernel variant a server with ``heads`` indexer heads uses,
+    so no decode step waits on a JIT compile; returns the seconds it took.
+
+    The variants are the launcher's for each ``max_run_len`` hint in
+    ``max_run_lens`` (the sm_90 kernel on Hopper, the portable kernel
+    elsewhere, or as ``kernel`` forces).  Per-step integers (row count, logits
+    width, block-table width and stride) are not specialised, so calls with any
+    of them reuse these compilations.  ``kv_block_stride``: the serving cache's
+    page stride in bytes when it is not ``page * (dim + 4)``.
+    """
+    import torch
+
+    from .triton_paged_mqa_logits import varlen_paged_mqa_logits
+
+    device = torch.device(device if device is not None else "cuda")
+    if device.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device (kernels compile for a GPU), got {device}")
+    start = time.perf_counter()
+    stride = kv_block_stride or page * (dim + 4)
+    blocks = 2
+    pool = torch.zeros(blocks * stride, dtype=torch.uint8, device=device)
+    kv_cache = pool.as_strided((blocks, page, 1, dim + 4), (stride, dim + 4, dim + 4, 1))
+    # A few rows and many rows: the launcher's choice between the kernels depends
+    # on the row count too (see triton_paged_mqa_logits.auto_takes_sm90).
+    for n in sorted(set(max_run_lens)):
+        for rows in (max(2, n), max(64, n)):
+            q = torch.zeros((rows, 1, heads, dim), device=device).to(torch.float8_e4m3fn)
+            weights = torch.zeros((rows, heads), dtype=torch.float32, device=device)
+            ctx = torch.zeros((rows, 1), dtype=torch.int32, device=device)
+            table = torch.zeros((rows, 32), dtype=torch.int32, device=device)
+            ids = torch.zeros(rows, dtype=torch.int32, device=device)
+            varlen_paged_mqa_logits(q, kv_cache, weights, ctx, table, ids, page, max_run_len=n,
+                                    kernel=kernel)
+    torch.cuda.synchronize(device)
+    took = time.perf_counter() - start
+    logger.info("vllm-dsa-varlen: indexer kernels compiled for H %d, D %d, page %d, run-length "
+                "hints %s in %.2f s", heads, dim, page, tuple(sorted(set(max_run_lens))), took)
+    return took
