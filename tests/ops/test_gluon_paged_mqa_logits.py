@@ -145,6 +145,8 @@ def test_auto_takes_sm90_where_it_measured_faster(monkeypatch):
     assert tk.auto_takes_sm90(rows=32, max_run_len=1)
     assert not tk.auto_takes_sm90(rows=4, max_run_len=4)      # B1: launch-latency bound
     assert not tk.auto_takes_sm90(rows=384, max_run_len=6)    # 8-row segments: slower
+    # Eager calls pay the sm_90 launch's host time: the portable kernel.
+    assert not tk.auto_takes_sm90(rows=256, max_run_len=4, capturing=False)
     monkeypatch.setattr(tk, "HOPPER_AUTO", False)
     assert not tk.auto_takes_sm90(rows=256, max_run_len=4)
 
@@ -222,7 +224,9 @@ def _compiled(fn):
 @pytest.mark.gpu
 def test_no_compile_after_precompile_for_new_step_sizes():
     """After precompile, steps with new row counts, logits widths and block-table
-    widths compile nothing (the kernels' own caches do not grow)."""
+    widths compile nothing (the kernels' own caches do not grow), eager (the
+    portable kernel) or captured into a CUDA graph (where "auto" may take the
+    sm_90 kernel)."""
     heads = 64
     took = precompile(heads=heads, device="cuda")
     assert took > 0
@@ -245,6 +249,15 @@ def test_no_compile_after_precompile_for_new_step_sizes():
                                    rows.context_lens.view(-1, 1), bt, step.max_context_len,
                                    indices=rows.indices)
         assert (out[mask] - ref[mask]).norm() / ref[mask].norm() < 1e-3
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = tk.varlen_paged_mqa_logits(step.q, step.kv_cache, step.weights,
+                                                  rows.context_lens.view(-1, 1), bt, rows.indices,
+                                                  step.max_context_len, max_run_len=tokens)
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (captured[mask] - ref[mask]).norm() / ref[mask].norm() < 1e-3
     assert [_compiled(f) for f in fns] == before
 
 

@@ -379,10 +379,17 @@ def _log_once(msg: str) -> None:
         logger.info(msg)
 
 
-def auto_takes_sm90(rows: int, max_run_len: int) -> bool:
+def auto_takes_sm90(rows: int, max_run_len: int, capturing: bool = True) -> bool:
     """Whether "auto" takes the sm_90 kernel for a step of ``rows`` rows whose
-    longest run is ``max_run_len`` (host-known, so the choice is graph safe)."""
-    return HOPPER_AUTO and max_run_len <= HOPPER_MAX_RUN_LEN and rows >= HOPPER_MIN_ROWS
+    longest run is ``max_run_len`` (host-known, so the choice is graph safe).
+
+    ``capturing``: the call is being captured into a CUDA graph.  An eager call
+    of the sm_90 kernel costs 100-200 µs of host time (its TMA descriptors are
+    encoded per launch), more than the portable kernel's whole eager call on
+    all but the largest steps measured (BENCHMARKS.md, eager table), so eager
+    calls take the portable kernel; a graph replay pays no host time."""
+    return (HOPPER_AUTO and capturing and max_run_len <= HOPPER_MAX_RUN_LEN
+            and rows >= HOPPER_MIN_ROWS)
 
 
 def hopper_kernel_for(q, kv_cache, kernel: str | None, max_run_len: int = 4):
@@ -392,7 +399,8 @@ def hopper_kernel_for(q, kv_cache, kernel: str | None, max_run_len: int = 4):
     if kernel not in ("auto", "portable", "sm90"):
         _fail("kernel", '"auto", "portable" or "sm90"', kernel)
     if kernel == "portable" or (kernel == "auto" and (
-            not q.is_cuda or not auto_takes_sm90(q.shape[0], max_run_len))):
+            not q.is_cuda or not auto_takes_sm90(q.shape[0], max_run_len,
+                                                 torch.cuda.is_current_stream_capturing()))):
         return None
     from . import gluon_paged_mqa_logits as gk
 
