@@ -538,3 +538,22 @@ def test_varlen_rows_match_stock_flatten_branch(monkeypatch, backend, seed, comp
     assert builder.varlen_backend == backend
     got = _snapshot(_build(builder, lens, seqs, pad, seed)[0])
     _assert_same(got, want, skip=("decode.schedule_metadata",))
+
+
+@pytest.mark.parametrize("backend,next_n,compiles", [("triton", 4, True), ("triton", 3, True),
+                                                     ("deepgemm", 4, False)])
+def test_builder_precompiles_the_triton_kernels_at_creation(monkeypatch, backend, next_n,
+                                                            compiles):
+    """A Triton-backed builder compiles the kernels when it is made (with this
+    cache's shape and run-length hints up to next_n); a DeepGEMM one does not."""
+    from vllm_dsa_varlen import warmup
+
+    _setup(monkeypatch, backend)
+    calls = []
+    monkeypatch.setattr(warmup, "precompile_for",
+                        lambda cfg, spec, device, max_run_len: calls.append(
+                            (spec.head_size, spec.block_size, str(device), max_run_len)))
+    patches.apply_all()
+    builder = make_builder(monkeypatch, next_n=next_n)
+    assert builder.varlen_backend == backend
+    assert calls == ([(132, 64, "cpu", next_n)] if compiles else [])

@@ -73,7 +73,7 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla import indexer as _ix
 
-from vllm_dsa_varlen import policy
+from vllm_dsa_varlen import policy, warmup
 from vllm_dsa_varlen.config import DecodePath, choose_decode_path, read_backend, read_mode
 from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg
@@ -209,6 +209,11 @@ def _setup_varlen(builder: Any) -> None:
     builder.decode_indices_buffer = builder.varlen_rows.indices
     if builder.decode_indices_buffer.data_ptr() % 8:
         raise RuntimeError("decode_indices_buffer: DeepGEMM needs an 8-byte aligned start")
+    if path.backend == "triton":
+        # Every kernel variant a step can launch, compiled now (logged with the
+        # time it took) so no decode step waits on a JIT compile.
+        warmup.precompile_for(builder.vllm_config, builder.kv_cache_spec, builder.device,
+                              builder.num_speculative_tokens + 1)
 
 
 def wrap_init(original: Callable[..., None]) -> Callable[..., None]:
