@@ -86,26 +86,34 @@ class StepFacts:
 @dataclass(frozen=True)
 class Rule:
     """Varlen measured at least as fast as ``stock`` on steps with
-    ``min_run <= max_run <= max_run_le`` and ``rows >= min_rows`` and
-    ``requests >= min_requests`` (``None``: unbounded)."""
+    ``min_run <= max_run <= max_run_le``, ``rows >= min_rows``,
+    ``requests >= min_requests``, ``max_context >= min_context`` and, when
+    ``uniform`` is set, that uniformity (``None``: unbounded / either)."""
 
     stock: str
     min_run: int = 1
     max_run_le: int | None = None
     min_rows: int = 0
     min_requests: int = 0
+    min_context: int = 0
+    uniform: bool | None = None
     note: str = ""
 
     def matches(self, step: StepFacts) -> bool:
         return (step.max_run >= self.min_run
                 and (self.max_run_le is None or step.max_run <= self.max_run_le)
-                and step.rows >= self.min_rows and step.requests >= self.min_requests)
+                and step.rows >= self.min_rows and step.requests >= self.min_requests
+                and step.max_context >= self.min_context
+                and (self.uniform is None or step.uniform == self.uniform))
 
 
-# The rule table (H200, CUDA-graph replay; BENCHMARKS.md).  The "flattened"
-# rule is backed by a measured row there; the "split" rule is reasoned, not
-# timed (see its note).  No rule beats stock's native kernel: at two tokens it
-# measured faster.  Where no rule matches, stock is kept.
+# The rule table (H200, CUDA-graph replay, every path in one run: BENCHMARKS.md,
+# "Per-step facts for the policy").  Each "flattened" rule covers only steps
+# like the measured rows where varlen was at least as fast as DeepGEMM
+# flattened; the "split" rule is reasoned, not timed (see its note).  No rule
+# beats stock's native kernel: DeepGEMM native next_n = 2 and (vLLM 0.33)
+# next_n = 4 measured faster on every step of up to 4 tokens.  Where no rule
+# matches, stock is kept.
 MEASURED: tuple[Rule, ...] = (
     # A non-uniform step that stock splits to the prefill path: the prefill
     # path gathers the tail requests' KV into a workspace, scores it and runs
@@ -113,8 +121,15 @@ MEASURED: tuple[Rule, ...] = (
     Rule("split", note="variable steps stay decodes (reasoned from stock's prefill path, "
                        "not timed)"),
     # Stock flattening re-reads each request's KV once per token.
-    Rule("flattened", min_run=3, min_requests=64,
-         note="Triton varlen 1.52x faster than DeepGEMM flattened at B64 L32K 4 tokens"),
+    Rule("flattened", min_run=3, max_run_le=4, min_rows=64, uniform=True,
+         note="uniform 3-4 tokens, >= 64 rows: 1.03x (B16 L16K) to 1.70x (B256 L8K) "
+              "DeepGEMM flattened; B1 (4 rows) measured slower"),
+    Rule("flattened", min_run=8, max_run_le=8, min_requests=64, uniform=True,
+         note="uniform 8 tokens, B64 L8K: 1.09x DeepGEMM flattened"),
+    Rule("flattened", min_run=2, max_run_le=4, min_requests=64, min_context=32768,
+         uniform=False,
+         note="variable 1..4 tokens, B64 at 32K contexts: 1.10x DeepGEMM flattened; "
+              "at 8K contexts B64 measured slower (0.84x)"),
 )
 
 

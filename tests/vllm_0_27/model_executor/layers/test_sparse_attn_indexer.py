@@ -199,6 +199,9 @@ def test_flattened_per_step_both_kernels_give_the_padded_result(monkeypatch, num
     fake_gpu(monkeypatch, (9, 0))
     dg = FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
     monkeypatch.setattr(triton_kernel, "varlen_paged_mqa_logits", _reference_varlen_kernel)
+    # The op follows whatever the table says (the table itself: tests/test_policy.py).
+    monkeypatch.setattr(policy, "MEASURED", (policy.Rule("flattened", min_run=3,
+                                                         min_requests=64, note="test table"),))
     gen = torch.Generator().manual_seed(num_reqs)
     lens = ([next_n] * num_reqs if uniform else
             [next_n] + torch.randint(1, next_n + 1, (num_reqs - 1,), generator=gen).tolist())

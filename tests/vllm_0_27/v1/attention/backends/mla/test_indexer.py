@@ -433,6 +433,9 @@ def test_flattened_per_step_kernel_choice(monkeypatch, lens_kind, num_reqs):
     ``policy.varlen_wins`` picks from the host-known step facts."""
     fake_gpu(monkeypatch, (9, 0))
     dg = FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
+    # The builder follows whatever the table says (the table itself: tests/test_policy.py).
+    monkeypatch.setattr(policy, "MEASURED", (policy.Rule("flattened", min_run=3,
+                                                         min_requests=64, note="test table"),))
     patches.apply_all()
     builder = make_builder(monkeypatch, next_n=4, max_tokens=256, max_seqs=64)
     assert builder.decode_path.per_step == "flattened"
@@ -447,7 +450,7 @@ def test_flattened_per_step_kernel_choice(monkeypatch, lens_kind, num_reqs):
     md, bt = _build(builder, lens, seqs, seed=num_reqs)
     facts = policy.StepFacts.from_decode_lens(lens, max_context=max(seqs))
     varlen = policy.varlen_wins(facts, "flattened")
-    assert varlen == (num_reqs >= 64 and lens_kind != "plain")  # the measured table
+    assert varlen == (num_reqs >= 64 and lens_kind != "plain")  # the test table
     _check_varlen_decode(md, builder, lens, seqs, bt, kernel=varlen)
     call = dg.calls_to("get_paged_mqa_logits_metadata")[-1]
     assert call.kwargs == {} and call.args[0] is md.decode.seq_lens
