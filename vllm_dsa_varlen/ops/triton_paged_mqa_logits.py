@@ -384,9 +384,10 @@ def auto_takes_sm90(rows: int, max_run_len: int, capturing: bool = True) -> bool
     longest run is ``max_run_len`` (host-known, so the choice is graph safe).
 
     ``capturing``: the call is being captured into a CUDA graph.  An eager call
-    of the sm_90 kernel costs 100-200 µs of host time (its TMA descriptors are
-    encoded per launch), more than the portable kernel's whole eager call on
-    all but the largest steps measured (BENCHMARKS.md, eager table), so eager
+    of the sm_90 kernel costs about 50-200 µs of host time (measured in two H200
+    runs; its TMA descriptors are encoded per launch), more than the portable
+    kernel's whole eager call on small steps (BENCHMARKS.md, eager table), and
+    the launcher cannot see a step's KV length without a host sync, so eager
     calls take the portable kernel; a graph replay pays no host time."""
     return (HOPPER_AUTO and capturing and max_run_len <= HOPPER_MAX_RUN_LEN
             and rows >= HOPPER_MIN_ROWS)
