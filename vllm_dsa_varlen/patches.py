@@ -175,6 +175,12 @@ PATCHES: tuple[Patch, ...] = (
           "during a planned build, plan one-token rows with plan.plan_decode_rows into "
           "stock's buffers and the run ids into stock's decode_indices_buffer",
           upstream=_V033, wraps=True),
+    Patch(_IX, "DeepseekV32IndexerMetadataBuilder.update_draft_decode_metadata",
+          f"{_OUR_IX_33}:wrap_update_draft_decode_metadata",
+          "a drafter reuses a step's metadata one token per request: for a varlen step, "
+          "remake DeepGEMM's schedule without the ids (SM90 takes none) and reset the ids "
+          "to one run per row",
+          upstream=_V033, wraps=True),
     Patch(_IX, "DeepseekV32IndexerMetadataBuilder.build", f"{_OUR_IX_33}:wrap_build",
           "classify each step from host facts (what stock runs: native, flattened or "
           "split) and ask policy.varlen_wins; varlen: flatten without the uniform split "

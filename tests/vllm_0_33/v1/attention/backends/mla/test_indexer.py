@@ -339,3 +339,30 @@ def test_register_off_leaves_0_33_unpatched(monkeypatch, plugin_log):
     assert patches.applied() == [] and patches.pending() == []
     assert ix.DeepseekV32IndexerMetadataBuilder.build is stock_build
     assert any("off" in r.getMessage() for r in plugin_log)
+
+
+def test_draft_update_of_a_varlen_step(monkeypatch):
+    """A drafter's later steps reuse a plain step's metadata (stock's
+    ``update_draft_decode_metadata``): a varlen step's metadata is updated
+    without handing its ids to DeepGEMM (the SM90 double refuses ids), the
+    schedule is DeepGEMM's for the new rows, and the ids are one run per row."""
+    from fake_deep_gemm import schedule_fingerprint
+
+    dg = _hopper(monkeypatch)
+    _all_win(monkeypatch)
+    patches.apply_all(line="0.33")
+    builder = make_builder(monkeypatch, next_n=4)
+    gen = torch.Generator().manual_seed(2)
+    bt = _table(gen, 3)
+    md = builder.build(0, decode_batch([1, 1, 1], [40, 90, 61], bt))
+    assert builder.last_step_choice.varlen
+    builder.decode_indices_buffer[:3] = torch.tensor([5, 5, 5], dtype=torch.int32)  # stale
+    md.seq_lens = torch.tensor([41, 91, 62], dtype=torch.int32)
+    builder.update_draft_decode_metadata(md)
+    dec = md.decode
+    assert dec.indices.tolist() == [0, 1, 2]
+    assert dec.seq_lens[:, 0].tolist() == [41, 91, 62]
+    tag = varlen_ids_of(dec.schedule_metadata)
+    assert tag is not None and tag.ids is dec.indices and tag.max_run_len == 1
+    assert torch.equal(dec.schedule_metadata, schedule_fingerprint(dec.seq_lens, None, 8))
+    assert all(c.bound.get("indices") is None for c in dg.calls)

@@ -33,6 +33,11 @@ Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
     captured with either kernel replays correctly on any batch of its key;
   - otherwise: stock's build, untouched.
 
+* ``DeepseekV32IndexerMetadataBuilder.update_draft_decode_metadata``
+  (wrapped): a drafter's later steps (one token per request) reuse a step's
+  metadata; for a varlen step stock would hand the ids to DeepGEMM's
+  scheduler, which takes none on SM90: the schedule is remade without them
+  (the Triton kernel needs none) and the ids are reset to one run per row.
 * ``DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors`` (wrapped):
   during a planned build, rows are planned by :func:`vllm_dsa_varlen.plan.plan_decode_rows`
   straight into stock's buffers (``decode_seq_lens_buffer``,
@@ -74,7 +79,7 @@ from vllm_dsa_varlen.config import (
 )
 from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
 from vllm_dsa_varlen.policy import StepFacts, varlen_wins
-from vllm_dsa_varlen.varlen_ids import attach_varlen_ids
+from vllm_dsa_varlen.varlen_ids import attach_varlen_ids, varlen_ids_of
 
 logger = logging.getLogger("vllm.dsa_varlen")
 _logged: set[str] = set()
@@ -416,3 +421,29 @@ def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
         return metadata
 
     return build
+
+
+def wrap_update_draft_decode_metadata(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``update_draft_decode_metadata`` replacement: a varlen step's metadata is
+    updated by stock without its ids (DeepGEMM on SM90 takes none), then the
+    ids become one run per row again.  Other metadata: stock, untouched."""
+
+    @functools.wraps(original)
+    def update_draft_decode_metadata(self, metadata):
+        decode = metadata.decode
+        tag = None if decode is None else varlen_ids_of(decode.schedule_metadata)
+        if tag is None:
+            return original(self, metadata)
+        ids = decode.indices
+        decode.indices = None
+        try:
+            original(self, metadata)
+        finally:
+            decode.indices = ids
+        if ids is not None:
+            ids.copy_(self.arange_buffer[: ids.shape[0]])
+        decode.schedule_metadata = attach_varlen_ids(decode.schedule_metadata, tag.ids,
+                                                     tag.backend, 1)
+        return None
+
+    return update_draft_decode_metadata
