@@ -235,7 +235,7 @@ SETTINGS = dict(derandomize=True, deadline=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=1000, **SETTINGS)
 @given(batch=builder_batches())
 def test_builder_varlen_equals_upstream_path(world, batch):
     layout, lens, seqs = batch["layout"], batch["lens"], batch["seqs"]
