@@ -56,7 +56,8 @@ def pytest_pycollect_makemodule(module_path, parent):
     if line is None or line == VLLM_LINE:
         return None
     node = _OtherLineModule.from_parent(parent, path=module_path)
-    node.skip_reason = (f"written against vLLM {line}.x; installed: "
+    node.skip_reason = (f"{pathlib.Path(module_path).name} is written against vLLM {line}.x; "
+                        f"installed: "
                         f"{'vLLM ' + VLLM_LINE + '.x' if VLLM_LINE else 'no vLLM'}")
     return node
 
