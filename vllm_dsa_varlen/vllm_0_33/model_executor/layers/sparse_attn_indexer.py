@@ -24,6 +24,10 @@ False, so stock reshapes the decode queries to ``[R, 1, H, D]`` and
 
 The kernel is looked up per call (a module attribute), so a GPU-specific fast
 path added behind that function is used here without change.
+
+DeepSeek V4.1's latency-specialized decode makes its own DeepGEMM calls with
+``decode.indices``; it needs the MXFP4 indexer cache (SM100), which the
+builder never serves with varlen, so it never sees a Triton varlen step.
 """
 
 from __future__ import annotations
