@@ -1,18 +1,48 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build DeepGEMM (carry .device; staged by
-# ../shared/device/fetch-deepgemm.py), run the GPU tests, then the benchmark
-# (extra arguments go to the benchmark).  Logs, JSON and trace land in $OUT.
+# One call on the GPU machine: DeepGEMM 2.8.2 (a prebuilt wheel in $DEV when there
+# is one, else built from the staged sdist), the GPU tests, then the benchmark with
+# every peer on the same inputs: this project's kernels (sm_90 Gluon + portable
+# Triton) and DeepGEMM 2.8.2 in one process, vLLM 0.33's DeepGEMM 2.8.1 in a
+# process of its own (the two DeepGEMMs crash when loaded together), merged into
+# one table.  Extra arguments go to both benchmark processes.  Logs, JSON land in $OUT.
+#   DEV=.device (default; ../.device from a copy one level down)  SKIP_TESTS=1  TESTS_LAST=1
+#   RUN_VDG=0  RUN_GLUON=0  GPU_TESTS=...  TEST_TIMEOUT/PEER_TIMEOUT/MAIN_TIMEOUT (seconds)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/dsa-out}; mkdir -p "$OUT"
+DEV=${DEV:-.device}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-if [ -f .device/install-deepgemm.sh ]; then
-  bash .device/install-deepgemm.sh > "$OUT/deepgemm-install.log" 2>&1; echo "rc=$?" >> "$OUT/deepgemm-install.log"
-  tail -2 "$OUT/deepgemm-install.log"
+whl=$(ls "$DEV"/deepgemm-*.whl 2>/dev/null | head -1)
+if [ -n "$whl" ]; then
+  python3 -m pip install -q --no-deps --no-index "$whl" > "$OUT/deepgemm-install.log" 2>&1; echo "rc=$?" >> "$OUT/deepgemm-install.log"
+elif [ -f "$DEV/install-deepgemm.sh" ]; then
+  bash "$DEV/install-deepgemm.sh" > "$OUT/deepgemm-install.log" 2>&1; echo "rc=$?" >> "$OUT/deepgemm-install.log"
 fi
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests/ops tests/test_plan.py tests/vllm_0_27/utils/test_deep_gemm_real.py} \
-    2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+tail -1 "$OUT/deepgemm-install.log" 2>/dev/null
+run_tests() {
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests/ops tests/test_plan.py tests/vllm_0_27/utils/test_deep_gemm_real.py} \
+    > "$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"; tail -25 "$OUT/gpu-tests.log"
+}
+[ "${SKIP_TESTS:-0}" != 1 ] && [ "${TESTS_LAST:-0}" != 1 ] && run_tests
+peers=()
+if [ "${RUN_VDG:-1}" = 1 ] && [ -f "$DEV/vllm-deep-gemm-0.33.0.tgz" ]; then
+  mkdir -p /tmp/vdg && tar xzf "$DEV/vllm-deep-gemm-0.33.0.tgz" -C /tmp/vdg
+  PYTHONPATH=/tmp/vdg timeout ${PEER_TIMEOUT:-600} python3 benchmarks/benchmark_indexer_decode.py --peer vdg --json "$OUT/bench-vdg.json" "$@" \
+    > "$OUT/bench-vdg.log" 2>&1; echo "vdg peer rc=$?"
+  [ -f "$OUT/bench-vdg.json" ] && peers+=("$OUT/bench-vdg.json")
 fi
-python3 benchmarks/benchmark_indexer_decode.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+# The sm_90 kernel in a process of its own too (a fault there cannot take the other paths
+# down); RUN_GLUON=0 times it in the main process instead.
+if [ "${RUN_GLUON:-1}" = 1 ]; then
+  timeout ${PEER_TIMEOUT:-600} python3 benchmarks/benchmark_indexer_decode.py --peer gluon --json "$OUT/bench-gluon.json" "$@" \
+    > "$OUT/bench-gluon.log" 2>&1; echo "gluon peer rc=$?"
+  [ -f "$OUT/bench-gluon.json" ] && peers+=("$OUT/bench-gluon.json")
+fi
+merge=()
+[ ${#peers[@]} -gt 0 ] && merge=(--merge "${peers[@]}")
+nogluon=(); [ "${RUN_GLUON:-1}" = 1 ] && nogluon=(--no-gluon)
+timeout ${MAIN_TIMEOUT:-900} python3 benchmarks/benchmark_indexer_decode.py "${nogluon[@]}" --json "$OUT/bench.json" "${merge[@]}" "$@" > "$OUT/bench.log" 2>&1
+echo "main rc=$?"; sed -n '/^case /,$p' "$OUT/bench.log"
+[ "${SKIP_TESTS:-0}" != 1 ] && [ "${TESTS_LAST:-0}" = 1 ] && run_tests
+exit 0

@@ -1,11 +1,26 @@
 """A DeepGEMM test double for the indexer functions (CPU, pure torch).
 
-Two API flavours, told apart the way the real ones are -- by their argument
-names, which the double exposes like pybind does (``inspect.signature``
-fails; the first line of ``__doc__`` is the signature):
+Three API generations, told apart the way the real ones are -- by their
+argument names, which the double exposes like pybind does
+(``inspect.signature`` fails; the first line of ``__doc__`` is the signature):
 
-* ``"old"``: the API vLLM 0.27.1 was built with -- ``clean_logits`` keyword,
-  float32 logits, no ``indices`` unless ``accepts_indices=True``.
+* ``"2.6"`` (the default): the DeepGEMM 2.6.1 vLLM 0.27.1 vendors
+  (``vllm/third_party/deep_gemm``), with its pybind signatures
+  ``get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms,
+  indices=None)``, ``fp8_fp4_paged_mqa_logits(q, kv_cache, weights,
+  context_lens, block_table, schedule_meta, max_context_len,
+  clean_logits=False, logits_dtype=torch.float32, indices=None)`` and
+  ``fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end,
+  clean_logits=True, max_seqlen_k=0, logits_dtype=torch.float32)``
+  (``tests/vllm_0_27/utils/test_deep_gemm_vendored.py`` checks these against
+  the shipped ``.so``).  Run ids are accepted on both functions and asserted
+  to come with ``arch == 100`` and ``next_n == 1``; the FP8 cache is taken on
+  SM100; paged weights are float32; logits come back in ``logits_dtype``
+  (float32 or bfloat16).  ``max_seqlen_k > 0`` (row-compressed prefill
+  logits) is not modelled and raises.
+* ``"old"``: a DeepGEMM without run ids -- ``clean_logits`` keyword, float32
+  logits, no ``indices`` unless ``accepts_indices=True`` (the fallback when a
+  site-packages DeepGEMM without them shadows the vendored one).
 * ``"2.8"``: DeepGEMM 2.8.x -- no ``clean_logits``; ``indices`` accepted;
   on ``arch=100`` run ids are *required*, weights must be bf16 and logits come
   back bf16; on ``arch=90`` ``next_n`` must be 1 or 2 and ids are refused;
@@ -99,17 +114,19 @@ def schedule_fingerprint(context_lens: torch.Tensor, indices: torch.Tensor | Non
 
 
 class FakeDeepGemm:
-    """The double.  ``flavour``: ``"old"`` | ``"2.8"``; ``arch``: 100 | 90;
-    ``num_sms``: the SM count DeepGEMM would report."""
+    """The double.  ``flavour``: ``"2.6"`` | ``"old"`` | ``"2.8"``; ``arch``:
+    100 | 90; ``num_sms``: the SM count DeepGEMM would report."""
 
-    def __init__(self, flavour: str = "2.8", arch: int = 100, num_sms: int = 8,
+    FLAVOURS = ("2.6", "old", "2.8")
+
+    def __init__(self, flavour: str = "2.6", arch: int = 100, num_sms: int = 8,
                  accepts_indices: bool | None = None):
-        if flavour not in ("old", "2.8"):
-            raise ValueError(f"flavour: expected 'old' or '2.8', got {flavour!r}")
+        if flavour not in self.FLAVOURS:
+            raise ValueError(f"flavour: expected one of {self.FLAVOURS}, got {flavour!r}")
         if arch not in (90, 100):
             raise ValueError(f"arch: expected 90 or 100, got {arch}")
         self.flavour, self.arch, self.num_sms = flavour, arch, num_sms
-        self.accepts_indices = flavour == "2.8" if accepts_indices is None else accepts_indices
+        self.accepts_indices = flavour != "old" if accepts_indices is None else accepts_indices
         self.calls: list[Call] = []
         opt = [("indices", None)] if self.accepts_indices else []
         self.get_paged_mqa_logits_metadata = _PybindLike(
@@ -121,12 +138,17 @@ class FakeDeepGemm:
                  ("schedule_meta", _REQUIRED), ("max_context_len", _REQUIRED)]
         if flavour == "old":
             paged.append(("clean_logits", _REQUIRED))
+        elif flavour == "2.6":
+            paged += [("clean_logits", False), ("logits_dtype", torch.float32)]
         self.fp8_fp4_paged_mqa_logits = _PybindLike(
             "fp8_fp4_paged_mqa_logits", paged + opt, self._paged, self)
         prefill = [("q", _REQUIRED), ("kv", _REQUIRED), ("weights", _REQUIRED),
                    ("cu_seq_len_k_start", _REQUIRED), ("cu_seq_len_k_end", _REQUIRED)]
         if flavour == "old":
             prefill.append(("clean_logits", _REQUIRED))
+        elif flavour == "2.6":
+            prefill += [("clean_logits", True), ("max_seqlen_k", 0),
+                        ("logits_dtype", torch.float32)]
         else:
             prefill += [("max_seqlen_k", _REQUIRED), ("schedule_meta", None)]
         self.fp8_fp4_mqa_logits = _PybindLike("fp8_fp4_mqa_logits", prefill, self._prefill, self)
@@ -184,7 +206,7 @@ class FakeDeepGemm:
         return schedule_fingerprint(context_lens, indices, num_sms)
 
     def _paged(self, q, kv_cache, weights, context_lens, block_table, schedule_meta,
-               max_context_len, clean_logits=False, indices=None):
+               max_context_len, clean_logits=False, indices=None, logits_dtype=torch.float32):
         values, scales = q
         assert values.dim() == 4, f"q: 4-D [B, next_n, H, D] expected, got {tuple(values.shape)}"
         batch, next_n, heads, _ = values.shape
@@ -212,6 +234,10 @@ class FakeDeepGemm:
             "schedule_meta: not the scheduler's output for these context lengths / ids"
         assert isinstance(max_context_len, int) and max_context_len > 0, "max_context_len"
         out_dtype = torch.bfloat16 if (self.flavour == "2.8" and self.arch == 100) else torch.float32
+        if self.flavour == "2.6":
+            assert logits_dtype in (torch.float32, torch.bfloat16), \
+                f"logits_dtype: {logits_dtype} not float32 / bfloat16"
+            out_dtype = logits_dtype
         if fp4:
             return torch.zeros((rows, max_context_len), dtype=out_dtype, device=values.device)
         logits = paged_mqa_logits_ref(values, kv_cache, weights.float(), context_lens, block_table,
@@ -222,8 +248,11 @@ class FakeDeepGemm:
         return logits.to(out_dtype)
 
     def _prefill(self, q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits=False,
-                 max_seqlen_k=None, schedule_meta=None):
+                 max_seqlen_k=None, schedule_meta=None, logits_dtype=torch.float32):
         values, scales = q
+        if self.flavour == "2.6":
+            assert max_seqlen_k == 0, "max_seqlen_k > 0 (compressed logits): not modelled"
+            assert logits_dtype == torch.float32, "logits_dtype: only float32 modelled"
         k_values, k_scales = kv
         assert scales is None, "prefill double: FP8 only"
         want_w = torch.bfloat16 if (self.flavour == "2.8" and self.arch == 100) else torch.float32
@@ -235,7 +264,7 @@ class FakeDeepGemm:
         cols = torch.arange(num_kv)
         inside = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
         out_dtype = torch.bfloat16 if (self.flavour == "2.8" and self.arch == 100) else torch.float32
-        if self.flavour == "old":
+        if self.flavour in ("old", "2.6"):
             fill = float("-inf") if clean_logits else GARBAGE
             return torch.where(inside, scores, torch.full_like(scores, fill)).to(out_dtype)
         spans = ke - ks

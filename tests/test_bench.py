@@ -36,3 +36,23 @@ def test_custom_cases_from_the_command_line(tmp_path):
     for row in data["results"]:
         assert float(row["note"].split("=")[1]) < 1e-5
         assert row["useful_rows"] <= 3 * int(row["case"].split()[0][1:])  # at most B x tokens
+
+
+def test_cpu_json_is_strict(tmp_path):
+    """No bare NaN in bench.json (jq and JSON.parse reject it): the CPU run's
+    unknown floors are written as null."""
+    out = tmp_path / "bench.json"
+    assert bench.main(["--cpu", "--json", str(out)]) == 0
+    text = out.read_text()
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    data = json.loads(text, parse_constant=refuse)
+    assert data["results"]
+    assert all(r["floor_us"] is None and r["mem_floor_us"] is None for r in data["results"])
+
+
+def test_strict_json_replaces_every_non_finite_float():
+    value = {"a": float("nan"), "b": [1.0, float("inf"), {"c": float("-inf")}], "d": 2}
+    assert bench.strict_json(value) == {"a": None, "b": [1.0, None, {"c": None}], "d": 2}

@@ -8,14 +8,22 @@ tokens with ``seq_len`` 0, extra padding tokens), DeepSeek V4 compression
 applied, for both varlen backends:
 
 * ``deepgemm``: SM100 faked, DeepGEMM replaced by ``tests/fake_deep_gemm.py``
-  (flavour with ``clean_logits`` and ``indices``, fp32 logits, so the
-  comparison can be exact); the double enforces the varlen contract (ids int32
-  ``[R]`` aligned and contiguous, ``next_n == 1``, and a schedule made by the
-  scheduler for the same context lengths *and ids* as the kernel call).
-* ``triton``: SM90 faked, backend forced; the kernel call is routed by the
-  plugin's dispatch to ``varlen_paged_mqa_logits``, stood in for here by the
-  torch reference (the Triton kernel itself is checked against the padded path
-  in ``tests/test_equivalence.py``).
+  in its default generation (vLLM 0.27.1's vendored DeepGEMM: ``clean_logits``
+  and ``indices``, fp32 logits, so the comparison can be exact); the double
+  enforces the varlen contract (ids int32 ``[R]`` aligned and contiguous,
+  ``next_n == 1``, and a schedule made by the scheduler for the same context
+  lengths *and ids* as the kernel call).
+* ``triton``: SM90 faked, backend forced (every step varlen); the kernel call
+  is routed by the plugin's dispatch to ``varlen_paged_mqa_logits``, stood in
+  for here by the torch reference (the Triton kernel itself is checked against
+  the padded path in ``tests/test_equivalence.py``).
+* ``hopper``: SM90 faked with the double as Hopper's DeepGEMM, backend left on
+  ``auto``, ``next_n > 2``: the builder compares each step with stock's
+  flattened DeepGEMM call (``per_step == "flattened"``) and the kernel call
+  goes to the Triton stand-in or to DeepGEMM *without* ids on the same rows.
+  The rule table is replaced here by one that picks varlen whenever the
+  longest request has 3 or more tokens, so both kernels run on these small
+  batches (the measured table needs 64 requests).
 
 The decode metadata is fed to the plugin's kernel-call replacement exactly as
 vLLM's ``sparse_attn_indexer`` feeds it (queries ``[R, 1, H, D]``, per-row
@@ -55,7 +63,7 @@ from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E40
 from vllm_stubs import NUM_SMS, decode_batch, fake_gpu, make_builder  # noqa: E402
 
 import vllm_dsa_varlen.ops.triton_paged_mqa_logits as triton_kernel  # noqa: E402
-from vllm_dsa_varlen import config, patches  # noqa: E402
+from vllm_dsa_varlen import config, patches, policy  # noqa: E402
 from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as dispatch  # noqa: E402
 from vllm_dsa_varlen.ops.reference import (  # noqa: E402
     paged_mqa_logits_ref,
@@ -71,6 +79,8 @@ NUM_BLOCKS = 48       # KV pool pages; block tables draw from it at random
 MAX_SEQ = 600         # uncompressed KV length cap (V4: x4)
 DCP_WORLD = 2
 LAYOUTS = ("dense", "v4", "dcp_rank0", "dcp_rank1")
+# Varlen whenever the longest request has >= 3 tokens (see the module docstring).
+HOPPER_TABLE = (policy.Rule("flattened", min_run=3, note="test table"),)
 
 
 def _local_len(length: int, world: int, rank: int) -> int:
@@ -102,10 +112,12 @@ class _World:
         """Fake the platform of ``backend`` (and this layout's DCP rank) in ``mp``."""
         if backend == "deepgemm":
             fake_gpu(mp, (10, 0))
-            dg = FakeDeepGemm("old", 100, num_sms=NUM_SMS, accepts_indices=True).install(mp)
+            dg = FakeDeepGemm("2.6", 100, num_sms=NUM_SMS).install(mp)
         else:
             fake_gpu(mp, (9, 0))
-            dg = FakeDeepGemm("old", 90, num_sms=NUM_SMS).install(mp)
+            dg = FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(mp)
+        if backend == "hopper":
+            mp.setattr(policy, "MEASURED", HOPPER_TABLE)
         if layout.startswith("dcp"):
             mp.setattr(ix, "get_dcp_group",
                        lambda: SimpleNamespace(rank_in_group=int(layout[-1]),
@@ -123,7 +135,7 @@ class _World:
     def builder(self, mp: pytest.MonkeyPatch, backend: str, next_n: int, layout: str):
         key = (backend, next_n, layout)
         if key not in self.builders:
-            mp.setenv(config.BACKEND_ENV, backend)
+            mp.setenv(config.BACKEND_ENV, "auto" if backend == "hopper" else backend)
             if layout.startswith("dcp"):
                 stock_config = vllm_stubs.make_config
 
@@ -136,7 +148,9 @@ class _World:
             ratio = 4 if layout == "v4" else 1
             b = make_builder(mp, next_n=next_n, width=WIDTH, block_size=PAGE * ratio,
                              compress_ratio=ratio)
-            assert b.use_varlen and b.varlen_backend == backend, b.decode_path
+            assert b.use_varlen, b.decode_path
+            assert b.varlen_backend == ("triton" if backend == "hopper" else backend)
+            assert b.decode_path.per_step == ("flattened" if backend == "hopper" else None)
             assert b.dcp_world_size == (DCP_WORLD if layout.startswith("dcp") else 1)
             assert b.compress_ratio == ratio
             self.builders[key] = b
@@ -160,10 +174,11 @@ def world():
 
 @st.composite
 def builder_batches(draw):
-    backend = draw(st.sampled_from(["deepgemm", "triton"]))
+    backend = draw(st.sampled_from(["deepgemm", "triton", "hopper"]))
     layout = draw(st.sampled_from(LAYOUTS))
-    # DeepGEMM varlen serves any next_n on SM100; Triton needs next_n >= 2.
-    next_n = draw(st.integers(1 if backend == "deepgemm" else 2, 4))
+    # DeepGEMM varlen serves any next_n on SM100; Triton needs next_n >= 2; on
+    # Hopper stock flattens (and is compared per step) from next_n = 3.
+    next_n = draw(st.integers({"deepgemm": 1, "triton": 2, "hopper": 3}[backend], 4))
     kind = draw(st.sampled_from(["variable", "uniform", "plain", "variable"]))
     num_reqs = draw(st.integers(1, 6))
     if kind == "plain":
@@ -175,12 +190,7 @@ def builder_batches(draw):
     ratio = 4 if layout == "v4" else 1
     seqs = [draw(st.integers(n, MAX_SEQ * ratio)) for n in lens]
     pad_reqs = draw(st.integers(0, 2))
-    if max(lens) == 1:
-        # One-token steps: vLLM pads requests and tokens together (each padding
-        # request holds one padding token), else the indexer op cannot reshape.
-        pad_tokens = pad_reqs
-    else:
-        pad_tokens = draw(st.integers(0, 3))
+    pad_tokens = draw(st.integers(0, 3))
     return dict(backend=backend, layout=layout, next_n=next_n, kind=kind,
                 lens=lens + [0] * pad_reqs, seqs=seqs + [0] * pad_reqs, pad_tokens=pad_tokens,
                 seed=draw(st.integers(0, 2**31 - 1)), extra=draw(st.integers(0, 64)))
@@ -259,14 +269,20 @@ def test_builder_varlen_equals_padded_path(world, batch):
         assert md.num_decodes == len(lens) and md.num_prefills == 0
         num_rows = dec.seq_lens.shape[0]
         tokens = sum(lens)
-        want_rows = (len(lens) if max(lens) == 1 else tokens + batch["pad_tokens"])
-        assert num_rows == want_rows and dec.seq_lens.shape == (num_rows, 1)
-        # Multi-token varlen steps are one token per row; one-token steps keep
-        # stock's rows (stock packs the queries when padding requests exist).
-        assert dec.requires_padding is (max(lens) == 1 and min(lens) == 0)
+        # Every varlen step, plain ones included, is one token per row: R =
+        # the step's (padded) token count.
+        assert num_rows == tokens + batch["pad_tokens"] and dec.seq_lens.shape == (num_rows, 1)
+        assert dec.requires_padding is False
+        assert torch.equal(dec.decode_lens, torch.ones(num_rows, dtype=torch.int32))
         ids = dec.indices
         tag = varlen_ids_of(dec.schedule_metadata)
-        assert tag is not None and tag.ids is ids and tag.backend == backend
+        kernel = backend if backend != "hopper" else (
+            "triton" if policy.varlen_wins(policy.StepFacts.from_decode_lens(
+                lens, rows=num_rows, max_context=max(seqs)), "flattened") else "stock")
+        if kernel == "stock":  # stock's id-less DeepGEMM call on the same rows
+            assert tag is None and dec.schedule_metadata is builder.scheduler_metadata_buffer
+        else:
+            assert tag is not None and tag.ids is ids and tag.backend == kernel
         assert ids.dtype == torch.int32 and ids.shape == (num_rows,) and ids.data_ptr() % 8 == 0
 
         # The metadata against the independent expectation: per-row lengths,
@@ -274,9 +290,6 @@ def test_builder_varlen_equals_padded_path(world, batch):
         expected = _expected_rows(lens, seqs, layout)
         want_ctx = torch.tensor([c for _, c in expected] + [0] * (num_rows - tokens),
                                 dtype=torch.int32)
-        if max(lens) == 1:  # plain step: one row per request, padding requests included
-            want_ctx = torch.tensor([_row_len(s, 1, 0, layout) for s in seqs],
-                                    dtype=torch.int32)
         assert torch.equal(dec.seq_lens[:, 0], want_ctx)
         req = torch.tensor([b for b, _ in expected], dtype=torch.long)
         assert torch.equal(dec.block_table[:tokens], block_table[req])
@@ -298,11 +311,14 @@ def test_builder_varlen_equals_padded_path(world, batch):
         max_len = max(1, int(want_ctx.max()) if num_rows else 1) + batch["extra"]
         n_calls = len(dg.calls_to("fp8_fp4_paged_mqa_logits"))
         logits = _kernel_call(md, q, w, world.kv_cache, max_len)
-        if backend == "deepgemm":
-            call = dg.calls_to("fp8_fp4_paged_mqa_logits")[n_calls:]
+        call = dg.calls_to("fp8_fp4_paged_mqa_logits")[n_calls:]
+        if kernel == "deepgemm":
             assert len(call) == 1 and call[0].kwargs["indices"] is ids
+        elif kernel == "stock":
+            assert len(call) == 1 and "indices" not in call[0].kwargs
+            assert call[0].bound["q"][0].shape[:2] == (num_rows, 1)
         else:
-            assert len(dg.calls_to("fp8_fp4_paged_mqa_logits")) == n_calls
+            assert call == []
 
     mask = valid_mask(dec.seq_lens, max_len, ids)
     padded, pad_mask = _padded_logits(q, w, world.kv_cache, block_table, lens, seqs, layout,

@@ -14,70 +14,97 @@ from vllm_dsa_varlen.config import (
 )
 
 DG_VARLEN = DeepGemmCaps(paged_indices=True, metadata_indices=True, paged_clean_logits=False,
-                         prefill_clean_logits=False, prefill_max_seqlen_k=True)
-DG_OLD = DeepGemmCaps()  # the API vLLM 0.27.1 was built with: no indices
+                         prefill_clean_logits=False, prefill_max_seqlen_k=True)  # 2.8.x
+# The DeepGEMM 2.6.1 vLLM 0.27.1 vendors: clean_logits *and* indices on both functions.
+DG_VENDORED = DeepGemmCaps(paged_indices=True, metadata_indices=True, prefill_max_seqlen_k=True)
+DG_OLD = DeepGemmCaps()  # a DeepGEMM without run ids (clean_logits, fp32 logits)
 DG_HALF = DeepGemmCaps(paged_indices=True, metadata_indices=False)  # kernel only
 
 SM100, SM90, SM89, SM80, SM120 = (10, 0), (9, 0), (8, 9), (8, 0), (12, 0)
 
 
 def decide(**kw):
-    base = dict(is_cuda=True, capability=SM90, deepgemm=None, triton_ok=True, next_n=2,
+    base = dict(is_cuda=True, capability=SM90, deepgemm=DG_OLD, triton_ok=True, next_n=2,
                 fp4_cache=False, mode="auto", backend="auto")
     base.update(kw)
     return choose_decode_path(**base)
 
 
-# (kwargs, expected (use_varlen, backend, warning), a word the reason must contain)
+# (kwargs, expected (use_varlen, backend, warning, per_step), a word the reason must contain)
 TABLE = [
-    (dict(mode="off", capability=SM100, deepgemm=DG_VARLEN), (False, None, False), "off"),
-    (dict(is_cuda=False, capability=None), (False, None, False), "CUDA"),
-    (dict(capability=None), (False, None, False), "capability"),
-    (dict(capability=SM100, deepgemm=DG_VARLEN, next_n=1), (True, "deepgemm", False), "sm_100"),
-    (dict(capability=SM100, deepgemm=DG_VARLEN, next_n=4), (True, "deepgemm", False), "run ids"),
+    (dict(mode="off", capability=SM100, deepgemm=DG_VARLEN), (False, None, False, None), "off"),
+    (dict(is_cuda=False, capability=None), (False, None, False, None), "CUDA"),
+    (dict(capability=None), (False, None, False, None), "capability"),
+    (dict(capability=SM100, deepgemm=DG_VARLEN, next_n=1), (True, "deepgemm", False, None),
+     "sm_100"),
+    (dict(capability=SM100, deepgemm=DG_VARLEN, next_n=4), (True, "deepgemm", False, None),
+     "run ids"),
     (dict(capability=SM100, deepgemm=DG_VARLEN, next_n=4, fp4_cache=True),
-     (True, "deepgemm", False), "MXFP4"),
-    (dict(capability=(10, 3), deepgemm=DG_VARLEN, next_n=2), (True, "deepgemm", False), "sm_103"),
-    # SM100 without a varlen DeepGEMM: Triton when it pays off, else stock.
-    (dict(capability=SM100, deepgemm=DG_OLD, next_n=3), (True, "triton", False), "Triton"),
-    (dict(capability=SM100, deepgemm=DG_HALF, next_n=3), (True, "triton", False), "Triton"),
-    (dict(capability=SM100, deepgemm=DG_OLD, next_n=1), (False, None, False), "next_n == 1"),
-    (dict(capability=SM100, deepgemm=DG_OLD, next_n=3, fp4_cache=True), (False, None, False),
-     "MXFP4"),
-    (dict(capability=SM100, deepgemm=None, next_n=3, fp4_cache=True), (False, None, False),
+     (True, "deepgemm", False, None), "MXFP4"),
+    (dict(capability=(10, 3), deepgemm=DG_VARLEN, next_n=2), (True, "deepgemm", False, None),
+     "sm_103"),
+    # A default B200 install: vLLM 0.27.1's vendored DeepGEMM takes ids -> DeepGEMM varlen.
+    (dict(capability=SM100, deepgemm=DG_VENDORED, next_n=1), (True, "deepgemm", False, None),
+     "run ids"),
+    (dict(capability=SM100, deepgemm=DG_VENDORED, next_n=3), (True, "deepgemm", False, None),
+     "FP8"),
+    (dict(capability=SM100, deepgemm=DG_VENDORED, next_n=3, fp4_cache=True),
+     (True, "deepgemm", False, None), "MXFP4"),
+    # SM100 without a DeepGEMM that takes ids: stock runs native [B, next_n] on uniform
+    # steps, so Triton only takes the steps stock would split.
+    (dict(capability=SM100, deepgemm=DG_OLD, next_n=3), (True, "triton", False, "split"),
+     "splits"),
+    (dict(capability=SM100, deepgemm=DG_HALF, next_n=2), (True, "triton", False, "split"),
+     "Triton"),
+    (dict(capability=SM100, deepgemm=DG_OLD, next_n=1), (False, None, False, None),
+     "next_n == 1"),
+    (dict(capability=SM100, deepgemm=DG_OLD, next_n=3, fp4_cache=True),
+     (False, None, False, None), "MXFP4"),
+    (dict(capability=SM100, deepgemm=None, next_n=3, fp4_cache=True), (False, None, False, None),
      "not installed"),
-    # Hopper / Ada / Blackwell consumer: DeepGEMM varlen never, Triton for next_n > 2
-    # (at next_n == 2 DeepGEMM's native kernel measured faster; forcing works).
-    (dict(capability=SM90, deepgemm=DG_VARLEN, next_n=3), (True, "triton", False), "sm_90"),
-    (dict(capability=SM90, deepgemm=DG_VARLEN, next_n=2), (False, None, False), "next_n == 2"),
-    (dict(capability=SM90, backend="triton", next_n=2), (True, "triton", False), "forced"),
-    (dict(capability=SM90, deepgemm=DG_VARLEN, next_n=1), (False, None, False), "next_n == 1"),
-    (dict(capability=SM89, next_n=4), (True, "triton", False), "sm_89"),
-    (dict(capability=SM120, next_n=4), (True, "triton", False), "sm_120"),
-    (dict(capability=SM80, next_n=4), (False, None, False), "fp8"),
-    (dict(capability=SM90, next_n=4, triton_ok=False), (False, None, False), "Triton"),
+    # Hopper / Ada / Blackwell consumer: DeepGEMM varlen never.  next_n > 2: stock
+    # flattens, compared per step; next_n == 2: stock's native kernel on uniform steps,
+    # Triton on the steps stock splits; no DeepGEMM at all: Triton every step.
+    (dict(capability=SM90, deepgemm=DG_VARLEN, next_n=3), (True, "triton", False, "flattened"),
+     "sm_90"),
+    (dict(capability=SM90, deepgemm=DG_VENDORED, next_n=4),
+     (True, "triton", False, "flattened"), "flattens"),
+    (dict(capability=SM90, deepgemm=DG_VARLEN, next_n=2), (True, "triton", False, "split"),
+     "splits"),
+    (dict(capability=SM90, deepgemm=None, next_n=2), (True, "triton", False, None),
+     "no DeepGEMM"),
+    (dict(capability=SM90, deepgemm=None, next_n=4), (True, "triton", False, None),
+     "no DeepGEMM"),
+    (dict(capability=SM90, backend="triton", next_n=2), (True, "triton", False, None), "forced"),
+    (dict(capability=SM90, deepgemm=DG_VARLEN, next_n=1), (False, None, False, None),
+     "next_n == 1"),
+    (dict(capability=SM89, next_n=4), (True, "triton", False, "flattened"), "sm_89"),
+    (dict(capability=SM120, next_n=4), (True, "triton", False, "flattened"), "sm_120"),
+    (dict(capability=SM80, next_n=4), (False, None, False, None), "fp8"),
+    (dict(capability=SM90, next_n=4, triton_ok=False), (False, None, False, None), "Triton"),
     # Forced backends.
     (dict(capability=SM90, backend="deepgemm", deepgemm=DG_VARLEN, next_n=4),
-     (False, None, True), "SM10x"),
+     (False, None, True, None), "SM10x"),
     (dict(capability=SM100, backend="deepgemm", deepgemm=DG_OLD, next_n=4),
-     (False, None, True), "indices"),
+     (False, None, True, None), "indices"),
     (dict(capability=SM100, backend="deepgemm", deepgemm=DG_VARLEN, next_n=4),
-     (True, "deepgemm", False), "run ids"),
+     (True, "deepgemm", False, None), "run ids"),
     (dict(capability=SM100, backend="triton", deepgemm=DG_VARLEN, next_n=4),
-     (True, "triton", False), "forced"),
+     (True, "triton", False, None), "forced"),
     (dict(capability=SM100, backend="triton", deepgemm=DG_VARLEN, next_n=4, fp4_cache=True),
-     (False, None, True), "MXFP4"),
-    (dict(capability=SM80, backend="triton", next_n=4), (False, None, True), "fp8"),
-    (dict(capability=SM90, backend="triton", next_n=4, triton_ok=False), (False, None, True),
-     "Triton"),
-    (dict(capability=SM90, backend="triton", next_n=1), (False, None, True), "next_n == 1"),
+     (False, None, True, None), "MXFP4"),
+    (dict(capability=SM80, backend="triton", next_n=4), (False, None, True, None), "fp8"),
+    (dict(capability=SM90, backend="triton", next_n=4, triton_ok=False),
+     (False, None, True, None), "Triton"),
+    (dict(capability=SM90, backend="triton", next_n=1), (False, None, True, None),
+     "next_n == 1"),
 ]
 
 
 @pytest.mark.parametrize("kwargs,expected,word", TABLE)
 def test_decision_table(kwargs, expected, word):
     path = decide(**kwargs)
-    assert (path.use_varlen, path.backend, path.warning) == expected
+    assert (path.use_varlen, path.backend, path.warning, path.per_step) == expected
     assert word.lower() in path.reason.lower()
     assert path.describe().startswith("varlen" if path.use_varlen else "stock")
 
@@ -95,7 +122,14 @@ def test_invariants_over_the_whole_space(cap, dg, triton_ok, next_n, fp4, backen
         assert cap[0] == 10 and dg is not None and dg.varlen
     if path.backend == "triton":
         assert not fp4 and cap >= (8, 9) and triton_ok and next_n > 1
-        assert next_n > 2 or backend == "triton"
+    # Per-step comparison exactly where stock has a decode kernel and the
+    # Triton backend was not forced; which of stock's paths it is follows stock.
+    if path.per_step is not None:
+        assert path.backend == "triton" and backend == "auto" and dg is not None
+        stock_flattens = cap[0] != 10 and next_n > 2
+        assert path.per_step == ("flattened" if stock_flattens else "split")
+    elif path.backend == "triton":
+        assert backend == "triton" or dg is None
     if fp4:
         assert path.backend != "triton"
     if backend != "auto" and path.use_varlen:

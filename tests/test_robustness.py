@@ -442,4 +442,4 @@ def test_triton_serves_only_supported_caches(monkeypatch, head_size, block_size,
                                       head_size=head_size),
         vllm_config=SimpleNamespace(model_config=SimpleNamespace(
             hf_config=SimpleNamespace(index_n_heads=heads))))
-    assert ours._triton_serves(builder) is serves
+    assert ours._triton_serves(builder.vllm_config, builder.kv_cache_spec) is serves

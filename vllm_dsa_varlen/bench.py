@@ -4,11 +4,18 @@ Decode steps are built the way serving produces them (DeepSeek V3.2 shapes:
 H 64, D 128, page 64, fp8 cache; optionally V4's compressed cache) through the
 project's own plan, and each available path is timed on the same step:
 
-* ``triton-varlen``   — this project's kernel: one row per token + run ids;
+* ``triton-portable`` — this project's portable Triton kernel: one row per
+  token + run ids (``triton-varlen`` on a GPU without an sm_90 kernel);
+* ``gluon-sm90``      — this project's Hopper kernel (Triton Gluon), the one
+  the launcher takes on sm_90;
 * ``deepgemm-flat``   — DeepGEMM ``next_n = 1`` on the flattened rows (what
   vLLM 0.27.1 does on Hopper with MTP >= 2: every row re-reads its KV);
 * ``deepgemm-native`` — DeepGEMM ``[B, next_n]`` padded (SM90: next_n <= 2);
-* ``deepgemm-varlen`` — DeepGEMM with ``indices`` (SM100 only).
+* ``deepgemm-varlen`` — DeepGEMM with ``indices`` (SM100 only);
+* ``vdg281-*``        — vLLM 0.33's vendored DeepGEMM 2.8.1 (``--peer vdg``,
+  run in a process of its own and merged with ``--merge``): ``flat``
+  (``next_n = 1``) and ``native<n>`` (``next_n`` 1, 2 or 4; next_n = 4 is a
+  2-CTA cluster; variable steps padded to ``(B, 4)``).
 
 Reported per path: median µs of a CUDA-graph replay of one call (CUDA events
 via ``triton.testing.do_bench``, which flushes the L2 before every run; the
@@ -76,13 +83,21 @@ def custom_cases(args) -> list[Case]:
 
 GPU_CASES = [
     Case("B64 L32K 4tok uniform", 64, 32768, 4),
-    Case("B64 L32K 1..4tok", 64, 32768, 4, variable=True),
+    Case("B64 L8K 4tok uniform", 64, 8192, 4),
+    Case("B128 L8K 4tok uniform", 128, 8192, 4),
+    Case("B256 L8K 4tok uniform", 256, 8192, 4),
+    Case("B8 L128K 4tok uniform", 8, 131072, 4),
+    Case("B16 L16K 4tok uniform", 16, 16384, 4),
+    Case("B1 L8K 4tok uniform", 1, 8192, 4),
     Case("B64 L32K 2tok uniform", 64, 32768, 2),
     Case("B256 L4K 2tok uniform", 256, 4096, 2),
+    Case("B64 L32K 3tok uniform", 64, 32768, 3),
+    Case("B64 L32K 1..4tok", 64, 32768, 4, variable=True),
+    Case("B64 L8K 1..4tok", 64, 8192, 4, variable=True),
     Case("B128 L8K 1..4tok", 128, 8192, 4, variable=True),
-    Case("B8 L128K 1..4tok", 8, 131072, 4, variable=True),
-    Case("B64 L128K/4 V4 4tok", 64, 131072, 4, compress_ratio=4),
-    Case("B1 L8K 4tok uniform", 1, 8192, 4),
+    Case("B64 L8K 6tok uniform", 64, 8192, 6),
+    Case("B64 L8K 8tok uniform", 64, 8192, 8),
+    Case("B64 L8K 1..8tok", 64, 8192, 8, variable=True),
 ]
 CPU_CASES = [
     Case("tiny B3 L300 1..4tok", 3, 300, 4, variable=True, heads=32),
@@ -104,6 +119,7 @@ class Row:
     plan_host_us: float
     note: str = ""
     params: dict = field(default_factory=dict)
+    eager_us: float = float("nan")
 
 
 def measure_ceilings(torch, do_bench):
@@ -204,8 +220,35 @@ def deepgemm_paths(torch, step, dg, num_sms):
     return paths
 
 
+def vdg_paths(torch, step, dg, num_sms):
+    """vLLM 0.33's DeepGEMM 2.8.1 on ``step``: flattened rows, and its native
+    ``[B, next_n]`` kernel for next_n 1, 2 or 4 (variable steps padded to 4;
+    next_n = 4 runs as a 2-CTA cluster, metadata sized for half the SMs, as
+    vLLM 0.33 does)."""
+    rows = step.rows
+    ctx2d = rows.context_lens.view(-1, 1).contiguous()
+    meta = dg.get_paged_mqa_logits_metadata(ctx2d, 64, num_sms)
+    paths = {"vdg281-flat": Path(lambda: dg.fp8_fp4_paged_mqa_logits(
+        (step.q, None), step.kv_cache, step.weights, ctx2d, rows.block_table, meta,
+        step.max_context_len), rows.num_rows, 0, rows.num_rows / step.seq_lens.numel())}
+    longest = int(step.decode_lens.max())
+    uniform = int(step.decode_lens.min()) == longest
+    next_n = longest if uniform and longest in (1, 2, 4) else 4 if longest <= 4 else None
+    if next_n is not None:
+        pad = step.padded(next_n)
+        meta_n = dg.get_paged_mqa_logits_metadata(pad["context_lens"], 64,
+                                                  num_sms // 2 if next_n == 4 else num_sms)
+        total = pad["context_lens"].numel()
+        paths[f"vdg281-native{next_n}"] = Path(lambda: dg.fp8_fp4_paged_mqa_logits(
+            (pad["q"], None), step.kv_cache, pad["weights"], pad["context_lens"],
+            step.block_table, meta_n, step.max_context_len), total, total - rows.num_rows, 1.0,
+            row_of=pad["row_of"])
+    return paths
+
+
 def case_paths(torch, case, args, dg, num_sms):
     """Build ``case``'s decode step and every path to time on it."""
+    from .ops import gluon_paged_mqa_logits as gk
     from .ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
 
     step = case.step(args.seed, "cuda")
@@ -213,12 +256,28 @@ def case_paths(torch, case, args, dg, num_sms):
     ctx2d = rows.context_lens.view(-1, 1)
     hint = int(step.decode_lens.max())
     paths = {}
+    if args.peer == "vdg":
+        return step, vdg_paths(torch, step, dg, num_sms)
+    hopper = gk.unsupported_reason(step.q, step.kv_cache) is None
+    if args.peer == "gluon":
+        if hopper:
+            paths["gluon-sm90"] = Path(lambda: varlen_paged_mqa_logits(
+                step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
+                step.max_context_len, max_run_len=hint, kernel="sm90"), rows.num_rows, 0, 1.0,
+                dict(rows_max=gk.rows_max_for(step.q.shape[2], hint)))
+        return step, paths
     for params in triton_variants(args.variants):
-        label = "triton-varlen" + ("" if not params else " " + ",".join(
+        label = ("triton-portable" if hopper else "triton-varlen") + ("" if not params else " " + ",".join(
             f"{k}={v}" for k, v in params.items()))
         paths[label] = Path(lambda p=params: varlen_paged_mqa_logits(
             step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
-            step.max_context_len, max_run_len=hint, **p), rows.num_rows, 0, 1.0, dict(params))
+            step.max_context_len, max_run_len=hint, kernel="portable", **p), rows.num_rows, 0, 1.0,
+            dict(params))
+    if hopper and not args.no_gluon:
+        paths["gluon-sm90"] = Path(lambda: varlen_paged_mqa_logits(
+            step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
+            step.max_context_len, max_run_len=hint, kernel="sm90"), rows.num_rows, 0, 1.0,
+            dict(rows_max=gk.rows_max_for(step.q.shape[2], hint)))
     if dg is not None:
         paths.update(deepgemm_paths(torch, step, dg, num_sms))
     return step, paths
@@ -280,10 +339,18 @@ def run_gpu(args):
     from .ops.reference import paged_mqa_logits_ref, valid_mask
 
     try:
-        import deep_gemm as dg
-        num_sms = dg.get_num_sms()
+        if args.peer == "gluon":
+            dg, num_sms = None, 0
+        elif args.peer == "vdg":
+            import vllm_deep_gemm as dg
+            num_sms = dg.get_num_sms()
+        else:
+            import deep_gemm as dg
+            num_sms = dg.get_num_sms()
     except Exception as exc:  # noqa: BLE001 - report and go on without the peer
-        print(f"DeepGEMM not available ({exc}); timing the Triton kernel only")
+        if args.peer:
+            raise SystemExit(f"--peer {args.peer}: DeepGEMM not importable ({exc})")
+        print(f"DeepGEMM not available ({exc}); timing the Triton kernels only")
         dg, num_sms = None, 0
     bw, flops_rate = measure_ceilings(torch, do_bench)
     print(f"measured: copy {bw / 1e12:.2f} TB/s, fp8 matmul {flops_rate / 1e12:.0f} TFLOP/s")
@@ -307,7 +374,7 @@ def run_gpu(args):
                 print(f"{case.name} | {name}: failed: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
             note = ""
-            if name.startswith("triton"):
+            if name.startswith(("triton", "gluon")):
                 compiled = tk.LAST_COMPILED[0]
                 path.params.update(regs=getattr(compiled, "n_regs", None),
                                    spills=getattr(compiled, "n_spills", None))
@@ -323,12 +390,27 @@ def run_gpu(args):
             results.append(Row(case.name, name, t * 1e6, floor_s * 1e6, mem_s * 1e6, comp_s * 1e6,
                                rows.num_rows, path.padded_rows, path.kv_reads, host_us,
                                note=f"eager={eager * 1e6:.1f}us rel_err={err:.1e}{note}",
-                               params=path.params))
+                               params=path.params, eager_us=eager * 1e6))
             del graph
         del step, paths, ref, mask
         torch.cuda.empty_cache()
+        if args.json:  # the rows so far survive a crash in a later case
+            write_json(args, results, {"device": torch.cuda.get_device_name(), "partial": True},
+                       torch)
     if args.trace:
         trace_pass(torch, cases, args, dg, num_sms)
+    for path in args.merge or []:  # a peer's rows (same cases, same seeds, its own process)
+        with open(path) as f:
+            peer = json.load(f)
+        by_case = {r.case: r for r in results}
+        for row in peer["results"]:
+            mine = by_case.get(row["case"])
+            if mine is not None:  # floors from this run's ceilings
+                row.update(floor_us=mine.floor_us, mem_floor_us=mine.mem_floor_us,
+                           compute_floor_us=mine.compute_floor_us)
+            results.append(Row(**row))
+        results.sort(key=lambda r: [c.name for c in cases].index(r.case)
+                     if r.case in [c.name for c in cases] else len(cases))
     return results, {"copy_TBps": bw / 1e12, "fp8_TFLOPs": flops_rate / 1e12,
                      "device": torch.cuda.get_device_name(), "deepgemm": getattr(dg, "__version__", None)}
 
@@ -379,11 +461,24 @@ def format_table(results):
     head = f"{'case':24} {'path':34} {'µs':>9} {'floor µs':>9} {'x floor':>8} {'rows u/pad':>11} {'KV reads':>8} {'plan µs':>8}  note"
     lines = [head, "-" * len(head)]
     for r in results:
-        ratio = r.us / r.floor_us if r.floor_us == r.floor_us else float("nan")
-        lines.append(f"{r.case:24} {r.path:34} {r.us:9.1f} {r.floor_us:9.1f} {ratio:8.2f} "
+        floor = r.floor_us if r.floor_us is not None else float("nan")
+        ratio = r.us / floor if floor == floor and floor > 0 else float("nan")
+        lines.append(f"{r.case:24} {r.path:34} {r.us:9.1f} {floor:9.1f} {ratio:8.2f} "
                      f"{r.useful_rows:>5}/{r.padded_rows:<5} {r.kv_reads_per_request:8.2f} "
                      f"{r.plan_host_us:8.1f}  {r.note}")
     return "\n".join(lines)
+
+
+def strict_json(value):
+    """``value`` with every non-finite float replaced by ``None`` (JSON has no
+    NaN or Infinity; strict parsers such as jq and JSON.parse reject them)."""
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def git_commit():
@@ -414,6 +509,12 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=None,
                         help="custom cases: indexer heads (default 64 on a GPU, 32 on the CPU)")
     parser.add_argument("--cpu", action="store_true", help="force the tiny CPU run")
+    parser.add_argument("--peer", choices=["vdg", "gluon"], help="time only one peer in this "
+                        "process: vdg (vLLM 0.33's DeepGEMM 2.8.1, importable as vllm_deep_gemm) "
+                        "or gluon (this project's sm_90 kernel)")
+    parser.add_argument("--no-gluon", action="store_true",
+                        help="leave the sm_90 kernel out (time it with --peer gluon instead)")
+    parser.add_argument("--merge", nargs="*", help="JSON files of --peer runs to merge into this run")
     args = parser.parse_args(argv)
     import torch
     gpu = torch.cuda.is_available() and not args.cpu
@@ -425,14 +526,21 @@ def main(argv=None):
     table = format_table(results)
     print(table)
     if args.json:
-        payload = {"command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
-                   "commit": git_commit(), "python": platform.python_version(),
-                   "torch": torch.__version__, **env,
-                   "results": [asdict(r) for r in results]}
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
+        write_json(args, results, env, torch, argv)
         print(f"json written: {args.json}")
     return 0
+
+
+def write_json(args, results, env, torch, argv=None):
+    """The run as strict JSON (no NaN: unknown floors are null)."""
+    import triton
+
+    payload = {"command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+               "commit": git_commit(), "python": platform.python_version(),
+               "torch": torch.__version__, "triton": triton.__version__, **env,
+               "results": [asdict(r) for r in results]}
+    with open(args.json, "w") as f:
+        json.dump(strict_json(payload), f, indent=1, allow_nan=False)
 
 
 if __name__ == "__main__":

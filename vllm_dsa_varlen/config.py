@@ -10,6 +10,11 @@ capability, the installed DeepGEMM's capabilities, whether the Triton kernel
 can serve this cache, ``next_n``, FP4 cache, the two settings) into a
 :class:`DecodePath`.  It reads no global state, so the decision table is
 tested directly.  Nothing here imports vLLM.
+
+The builder-level decision says whether a varlen backend can serve a builder
+and, for the Triton backend, which of stock's paths each step is compared
+with (``DecodePath.per_step``); the per-step choice itself is
+:func:`vllm_dsa_varlen.policy.varlen_wins`.
 """
 
 from __future__ import annotations
@@ -57,9 +62,11 @@ class DeepGemmCaps:
     their signatures, never from a version string).
 
     ``paged_indices`` / ``metadata_indices``: ``fp8_fp4_paged_mqa_logits`` /
-    ``get_paged_mqa_logits_metadata`` take an ``indices`` argument.
+    ``get_paged_mqa_logits_metadata`` take an ``indices`` argument (both do in
+    the DeepGEMM 2.6.1 vLLM 0.27.1 vendors and in 2.8.x).
     ``paged_clean_logits`` / ``prefill_clean_logits``: the paged / prefill
-    logits functions take ``clean_logits`` (the API vLLM 0.27.1 was built with).
+    logits functions take ``clean_logits`` (the vendored 2.6.1 does; 2.8.x
+    does not).
     ``prefill_max_seqlen_k``: the prefill function takes ``max_seqlen_k``
     (2.8.x: row-compressed prefill logits).
     ``signatures_known``: the argument names could be read at all.
@@ -89,15 +96,33 @@ class DecodePath:
     ``backend``: ``"deepgemm"`` | ``"triton"`` when varlen, else ``None``.
     ``reason``: one human sentence saying why.
     ``warning``: the setting asked for something that cannot run here.
+    ``per_step``: which of stock's paths each step is compared with
+    (:func:`vllm_dsa_varlen.policy.varlen_wins`), or ``None`` when every
+    decode step takes the varlen kernel:
+
+    * ``"flattened"``: stock flattens every multi-token step (Hopper-class
+      GPUs with ``next_n > 2``).  Every step gets the flattened rows and run
+      ids; the kernel call goes to the varlen kernel or to stock's id-less
+      DeepGEMM call on the same rows, per step.
+    * ``"split"``: stock runs DeepGEMM's native ``[B, next_n]`` kernel on
+      uniform steps and sends the requests after the first length mismatch
+      to the prefill path (``next_n == 2`` off SM10x; SM10x without a
+      DeepGEMM that takes ids).  Uniform steps keep stock's native path;
+      a step stock would split is flattened and takes the varlen kernel.
     """
 
     use_varlen: bool
     backend: str | None
     reason: str
     warning: bool = False
+    per_step: str | None = None
 
     def describe(self) -> str:
         path = f"varlen ({self.backend})" if self.use_varlen else "stock"
+        if self.per_step == "flattened":
+            path += ", per step against stock's flattened DeepGEMM call"
+        elif self.per_step == "split":
+            path += " for the steps stock splits; uniform steps stay stock's native path"
         return f"{path}: {self.reason}"
 
 
@@ -124,15 +149,19 @@ def choose_decode_path(
 
     Rules, in order: ``mode == "off"`` -> stock.  Not CUDA / no capability ->
     stock.  SM10x with a DeepGEMM whose scheduler and kernel take ``indices``
-    -> DeepGEMM varlen (any ``next_n``: DeepGEMM 2.8.x on SM100 *requires*
-    run ids).  Otherwise, with an fp8-capable GPU (>= sm_89), a usable Triton
-    kernel, an FP8 cache and ``next_n > 2`` -> Triton varlen (where stock
-    0.27.1 flattens and re-reads the KV per token); with ``next_n == 1``
-    varlen saves nothing and with ``next_n == 2`` DeepGEMM's native two-token
-    kernel measured faster -> stock (a forced Triton backend takes
-    ``next_n == 2`` too).  The MXFP4 indexer cache is
-    SM100 + DeepGEMM only (never Triton).  A forced backend that cannot run
-    gives stock with ``warning=True``.
+    (vLLM 0.27.1's vendored 2.6.1 and 2.8.x both do) -> DeepGEMM varlen for
+    every step, any ``next_n``.  Otherwise, with an fp8-capable GPU
+    (>= sm_89), a usable Triton kernel, an FP8 cache and ``next_n >= 2`` ->
+    Triton varlen, compared per step with the path stock would take
+    (``per_step``, see :class:`DecodePath`): ``"flattened"`` where stock
+    flattens (``next_n > 2`` off SM10x), ``"split"`` where stock runs
+    DeepGEMM's native ``[B, next_n]`` kernel on uniform steps (``next_n ==
+    2``, or SM10x); with no DeepGEMM installed stock has no decode kernel,
+    so every step takes Triton.  ``next_n == 1`` -> stock (varlen saves
+    nothing).  A forced Triton backend takes every step (no per-step
+    comparison).  The MXFP4 indexer cache is SM100 + DeepGEMM only (never
+    Triton).  A forced backend that cannot run gives stock with
+    ``warning=True``.
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -151,8 +180,8 @@ def choose_decode_path(
     sm10x = capability[0] == SM100_MAJOR
 
     dg_reason = _deepgemm_refusal(sm10x, cap, deepgemm)
-    triton_reason = _triton_refusal(capability, cap, triton_ok, next_n, fp4_cache,
-                                    forced=backend == "triton")
+    forced = backend == "triton"
+    triton_reason = _triton_refusal(capability, cap, triton_ok, next_n, fp4_cache)
 
     if backend in ("auto", "deepgemm") and dg_reason is None:
         return DecodePath(True, "deepgemm",
@@ -161,13 +190,26 @@ def choose_decode_path(
     if backend == "deepgemm":
         return _stock(f"{BACKEND_ENV}=deepgemm but {dg_reason}", warning=True)
     if triton_reason is None:
-        why = "forced" if backend == "triton" else "no DeepGEMM varlen here"
+        per_step = None if forced else _stock_kind(sm10x, next_n, deepgemm)
+        why = {None: "forced" if forced else "no DeepGEMM installed: stock has no decode kernel",
+               "flattened": "stock flattens and re-reads the KV per token",
+               "split": "stock splits non-uniform steps to the prefill path"}[per_step]
         return DecodePath(True, "triton",
                           f"{cap}, FP8 cache, next_n={next_n} ({why}): Triton varlen "
-                          "kernel reads each KV page once per request")
-    if backend == "triton":
+                          "kernel reads each KV page once per request", per_step=per_step)
+    if forced:
         return _stock(f"{BACKEND_ENV}=triton but {triton_reason}", warning=True)
     return _stock(f"no varlen backend: {dg_reason}; {triton_reason}")
+
+
+def _stock_kind(sm10x: bool, next_n: int, deepgemm: DeepGemmCaps | None) -> str | None:
+    """What stock 0.27.1 runs for a multi-token step on this GPU (``None``: it
+    has no decode kernel without DeepGEMM)."""
+    if deepgemm is None:
+        return None
+    if sm10x or next_n == 2:
+        return "split"  # native [B, next_n] on uniform steps, prefill for the rest
+    return "flattened"
 
 
 def _deepgemm_refusal(sm10x: bool, cap: str, deepgemm: DeepGemmCaps | None) -> str | None:
@@ -176,12 +218,13 @@ def _deepgemm_refusal(sm10x: bool, cap: str, deepgemm: DeepGemmCaps | None) -> s
     if deepgemm is None:
         return "DeepGEMM is not installed"
     if not deepgemm.varlen:
-        return "the installed DeepGEMM's paged MQA logits take no `indices`"
+        return ("the installed DeepGEMM's paged MQA logits take no `indices` "
+                "(vLLM 0.27.1's vendored 2.6.1 and 2.8.x do)")
     return None
 
 
 def _triton_refusal(capability: tuple[int, int], cap: str, triton_ok: bool, next_n: int,
-                    fp4_cache: bool, forced: bool = False) -> str | None:
+                    fp4_cache: bool) -> str | None:
     if fp4_cache:
         return "the MXFP4 indexer cache is served by DeepGEMM on SM100 only (never Triton)"
     if capability < MIN_FP8_CAPABILITY:
@@ -190,8 +233,4 @@ def _triton_refusal(capability: tuple[int, int], cap: str, triton_ok: bool, next
         return "the Triton varlen kernel is unavailable or does not support this cache"
     if next_n == 1:
         return "next_n == 1: one row per request, varlen would save nothing"
-    if next_n == 2 and not forced:
-        return (f"next_n == 2: DeepGEMM's native [B, 2] kernel is faster than the Triton "
-                f"varlen kernel at two tokens (measured on an H200, BENCHMARKS.md); "
-                f"{BACKEND_ENV}=triton forces it")
     return None

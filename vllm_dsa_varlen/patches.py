@@ -141,17 +141,25 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_IX, "DeepSeekV32IndexerDecodeMetadata", f"{_OUR_IX}:DeepSeekV32IndexerDecodeMetadata",
           "build() constructs the decode metadata through this module global: a "
           "subclass adds the `indices` field (None when not varlen)"),
+    Patch(_IX, "DeepseekV32IndexerMetadataBuilder.get_cudagraph_support",
+          f"{_OUR_IX}:wrap_get_cudagraph_support",
+          "full CUDA graphs for every batch: ALWAYS when every decode step gets the "
+          "varlen rows (one row per token, any batch composition), as upstream 0.28.0; "
+          "stock's UNIFORM_BATCH otherwise", wraps=True),
     Patch(_IX, "DeepseekV32IndexerMetadataBuilder.__init__", f"{_OUR_IX}:wrap_init",
           "decide the decode path once (config.choose_decode_path), force the flatten "
           "branch and allocate the run-id buffer when varlen", wraps=True),
     Patch(_IX, "DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors",
           f"{_OUR_IX}:wrap_prepare_decode_tensors",
           "varlen: plan rows with plan.plan_decode_rows into stock's buffers (no "
-          "Triton helper, no second copy of the row logic) and remember the run ids",
+          "Triton helper, no second copy of the row logic), plain steps flattened too, "
+          "and remember the run ids; stock steps: padding requests' context lengths "
+          "clamped at 0",
           wraps=True),
     Patch(_IX, "DeepseekV32IndexerMetadataBuilder.build", f"{_OUR_IX}:wrap_build",
-          "varlen: mark the build for the metadata hook, then hand the run ids to the "
-          "decode metadata and to the kernel call (via a per-step schedule view)",
+          "varlen: choose the step's layout and kernel (policy.varlen_wins), mark the "
+          "build for the metadata hook, then hand the run ids to the decode metadata "
+          "and to the kernel call (via a per-step schedule view)",
           wraps=True),
     # ---- vLLM 0.33 line (read from 0.33.0) ------------------------------------------
     # SM100 + DeepGEMM: upstream varlen, untouched.  Hopper and other fp8 GPUs:

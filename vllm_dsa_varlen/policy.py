@@ -27,14 +27,14 @@ What stock runs for a step (``StockKind``):
   after the first length mismatch are computed by the prefill path.
 
 :data:`MEASURED` is the table the decision follows (BENCHMARKS.md holds the
-measurements behind it).  A step matches a rule when every bound holds; the
-varlen kernel is used only where a rule says it won.
+measurements behind it), looked up at call time.  A step matches a rule when
+every bound holds; the varlen kernel is used only where a rule says it won.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 StockKind = Literal["native", "flattened", "split"]
 STOCK_KINDS: tuple[str, ...] = ("native", "flattened", "split")
@@ -62,6 +62,25 @@ class StepFacts:
                 raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
         if self.requests > self.rows:
             raise ValueError(f"requests: {self.requests} requests cannot fill {self.rows} rows")
+        if self.requests and not 1 <= self.max_run <= self.rows:
+            raise ValueError(f"max_run: expected 1..{self.rows} for {self.requests} requests, "
+                             f"got {self.max_run}")
+
+    @classmethod
+    def from_decode_lens(cls, decode_lens: Sequence[int], *, rows: int | None = None,
+                         max_context: int = 0) -> "StepFacts":
+        """Facts of a step from its per-request token counts (host ints, e.g.
+        ``query_start_loc_cpu.diff().tolist()``).  Requests with 0 tokens
+        (CUDA-graph padding) are not requests; ``rows`` defaults to the token
+        count (pass the padded row count when the step has padding rows)."""
+        lens = [int(n) for n in decode_lens]
+        if any(n < 0 for n in lens):
+            raise ValueError(f"decode_lens: expected counts >= 0, got {lens}")
+        real = [n for n in lens if n > 0]
+        max_run = max(real, default=0)
+        return cls(rows=sum(lens) if rows is None else int(rows), requests=len(real),
+                   max_run=max_run, uniform=all(n == max_run for n in real),
+                   max_context=int(max_context))
 
 
 @dataclass(frozen=True)
@@ -83,23 +102,29 @@ class Rule:
                 and step.rows >= self.min_rows and step.requests >= self.min_requests)
 
 
-# The measured table (H200, CUDA-graph replay; BENCHMARKS.md).  Every rule is
-# backed by a row there; where no rule matches, stock is kept.
+# The rule table (H200, CUDA-graph replay; BENCHMARKS.md).  The "flattened"
+# rule is backed by a measured row there; the "split" rule is reasoned, not
+# timed (see its note).  No rule beats stock's native kernel: at two tokens it
+# measured faster.  Where no rule matches, stock is kept.
 MEASURED: tuple[Rule, ...] = (
     # A non-uniform step that stock splits to the prefill path: the prefill
-    # path recomputes the tail requests with their whole KV per token and no
-    # CUDA graph; varlen keeps them as decodes.
-    Rule("split", note="variable steps stay decodes"),
+    # path gathers the tail requests' KV into a workspace, scores it and runs
+    # outside a full CUDA graph; varlen keeps them as decodes (not timed).
+    Rule("split", note="variable steps stay decodes (reasoned from stock's prefill path, "
+                       "not timed)"),
     # Stock flattening re-reads each request's KV once per token.
     Rule("flattened", min_run=3, min_requests=64,
          note="Triton varlen 1.52x faster than DeepGEMM flattened at B64 L32K 4 tokens"),
 )
 
 
-def varlen_wins(step: StepFacts, stock: str, table: tuple[Rule, ...] = MEASURED) -> bool:
-    """Whether the varlen kernel is used for ``step`` instead of ``stock``'s path."""
+def varlen_wins(step: StepFacts, stock: str, table: tuple[Rule, ...] | None = None) -> bool:
+    """Whether the varlen kernel is used for ``step`` instead of ``stock``'s path.
+
+    ``table``: the rules (default :data:`MEASURED`, looked up at call time)."""
     if stock not in STOCK_KINDS:
         raise ValueError(f"stock: expected one of {STOCK_KINDS}, got {stock!r}")
     if step.rows == 0:
         return False
-    return any(rule.stock == stock and rule.matches(step) for rule in table)
+    rules = MEASURED if table is None else table
+    return any(rule.stock == stock and rule.matches(step) for rule in rules)

@@ -342,4 +342,5 @@ def test_rows_past_r_are_never_touched(device):
                             bt_buf[:r], ids_buf[:r], step.max_context_len,
                             out=out_buf[:r, : step.max_context_len])
     assert torch.isnan(out_buf[r:]).all(), "rows past R were written"
-    check_against_reference(step, out_buf[:r], rel_tol=1e-5)
+    # fp8 tensor-core products accumulate in ~14 bits on the GPU; the interpreter in fp32
+    check_against_reference(step, out_buf[:r], rel_tol=1e-3 if device.type == "cuda" else 1e-5)

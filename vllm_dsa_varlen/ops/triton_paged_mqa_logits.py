@@ -28,6 +28,8 @@ to the host, so a launch can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 
 import torch
 import triton
@@ -38,6 +40,7 @@ SUPPORTED_DIMS = (128,)
 SUPPORTED_PAGES = (64,)
 LOGITS_ALIGN = 128  # elements: keeps each logits row 512-byte aligned
 LAST_COMPILED = [None]  # the last launch's compiled kernel (registers, spills: for the benchmark)
+logger = logging.getLogger("vllm.dsa_varlen")
 
 
 @triton.jit
@@ -62,13 +65,22 @@ def _load_kv_tile(kv_ptr, bt_row, tile, num_pages, stride_kv_block, offs_n, offs
     return k, scale
 
 
-@triton.jit
+# Integers that change from step to step must not select a new compiled variant
+# (Triton specialises integers equal to 1 or divisible by 16, and pointers by
+# 16-byte alignment): a new variant in the middle of serving is a JIT compile.
+# Strides stay specialised: they are fixed by the serving buffers and their
+# divisibility is what lets the page loads vectorise.
+PER_STEP_INTS = ("num_rows", "max_context_len", "bt_width", "tiles_per_split", "stride_bt")
+PER_STEP_PTRS = ("ctx_ptr", "ids_ptr")
+
+
+@triton.jit(do_not_specialize=PER_STEP_INTS, do_not_specialize_on_alignment=PER_STEP_PTRS)
 def _varlen_paged_mqa_logits_kernel(
     q_ptr, kv_ptr, w_ptr, ctx_ptr, bt_ptr, ids_ptr, out_ptr,
-    num_rows, max_context_len, bt_width,
+    num_rows, max_context_len, bt_width, tiles_per_split,
     stride_q, stride_kv_block, stride_w, stride_bt, stride_out,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    ROWS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, TILE_PAGES: tl.constexpr,
+    ROWS: tl.constexpr, TILE_PAGES: tl.constexpr,
     PER_ROW: tl.constexpr, PAIRS: tl.constexpr,
 ):
     row0 = tl.program_id(0)
@@ -90,8 +102,8 @@ def _varlen_paged_mqa_logits_kernel(
     kv_len = tl.minimum(tl.minimum(tl.load(ctx_ptr + row0 + run_len - 1), max_context_len),
                         bt_width * PAGE)
     BN: tl.constexpr = PAGE * TILE_PAGES
-    tile_begin = split * TILES_PER_SPLIT
-    tile_end = tl.minimum(tile_begin + TILES_PER_SPLIT, tl.cdiv(kv_len, BN))
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(kv_len, BN))
     if tile_begin >= tile_end:
         return
     num_pages = tl.cdiv(kv_len, PAGE)
@@ -274,6 +286,134 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+# ------------------------------------------------------------ launch-cost cache
+#
+# An eager call pays for the Python checks and for Triton's argument binding on
+# every layer of every step.  Both are cached: the layout checks per shape
+# signature (the tensors' shapes, strides, dtypes and device), and the compiled
+# kernel per specialisation key, launched directly on later calls.
+
+_CHECKED: dict = {}
+_BOUND: dict = {}
+_CACHE_LIMIT = 4096
+PREBOUND = True  # launch cached compiled kernels directly (set False to always go through the JIT)
+
+
+def _signature(*tensors) -> tuple:
+    return tuple((t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else
+                 (type(t),) for t in tensors)
+
+
+def checked_layout(q, kv_cache, weights, context_lens, block_table, indices,
+                   max_context_len) -> tuple[int, int, int, int]:
+    """:func:`check_varlen_inputs`, run once per shape signature; the checks that
+    depend on values (``indices`` address, ``max_context_len``) run every call."""
+    if not isinstance(max_context_len, int) or max_context_len < 1:
+        _fail("max_context_len", "an int >= 1", max_context_len)
+    if isinstance(indices, torch.Tensor) and indices.data_ptr() % 8:
+        _fail("indices", "an 8-byte aligned start address", hex(indices.data_ptr()))
+    key = _signature(q, kv_cache, weights, context_lens, block_table, indices)
+    got = _CHECKED.get(key)
+    if got is None:
+        got = check_varlen_inputs(q, kv_cache, weights, context_lens, block_table, indices,
+                                  max_context_len)
+        if len(_CHECKED) >= _CACHE_LIMIT:
+            _CHECKED.clear()
+        _CHECKED[key] = got
+    return got
+
+
+def _spec(v) -> tuple:
+    """What Triton specialises an argument on (integers: == 1 and % 16;
+    tensors: 16-byte alignment)."""
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() % 16 == 0)
+    if isinstance(v, bool):
+        return (bool, v)
+    if isinstance(v, int):
+        return (int, v == 1, v % 16 == 0)
+    return (type(v), getattr(v, "__mangle__", lambda: None)())
+
+
+def launch_bound(kernel, grid, args: tuple, constexprs: dict, options: dict, unspecialized: set,
+                 names: tuple):
+    """Launch ``kernel`` on ``grid``: through the JIT the first time for a
+    specialisation key, then straight through the compiled kernel (no argument
+    binding).  ``args`` are the runtime arguments in order (``names``), whose
+    members in ``unspecialized`` do not enter the key."""
+    key = (kernel, grid[1:] if len(grid) > 1 else (), tuple(sorted(constexprs.items())),
+           tuple(sorted(options.items())),
+           tuple(_spec(v) if n not in unspecialized else None for n, v in zip(names, args)))
+    compiled = _BOUND.get(key) if PREBOUND else None
+    if compiled is not None:  # a compiled kernel launches on a 3-D grid
+        compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs.values())
+        return compiled
+    compiled = kernel[grid](*args, **constexprs, **options)
+    if PREBOUND and not isinstance(compiled, type(None)) and hasattr(compiled, "function"):
+        if len(_BOUND) >= _CACHE_LIMIT:
+            _BOUND.clear()
+        _BOUND[key] = compiled
+    return compiled
+
+
+_PORTABLE_ARGS = ("q_ptr", "kv_ptr", "w_ptr", "ctx_ptr", "bt_ptr", "ids_ptr", "out_ptr",
+                  "num_rows", "max_context_len", "bt_width", "tiles_per_split",
+                  "stride_q", "stride_kv_block", "stride_w", "stride_bt", "stride_out")
+
+# ------------------------------------------------------------ sm_90 dispatch
+
+KERNEL_ENV = "VLLM_DSA_VARLEN_KERNEL"  # "auto" (default), "portable" or "sm90"
+HOPPER_AUTO = True  # "auto" takes the sm_90 Gluon kernel on Hopper where it measured faster
+# Where "auto" takes the sm_90 kernel (H200, docs/results/hopper/call8): runs of up to 4
+# tokens (hint) and at least 32 rows.  Longer runs hold 8 query rows per segment and
+# measured slower than the portable kernel (6, 8, 1..8 tokens); a handful of rows
+# (B1) is launch-latency bound and the portable kernel measured 1 µs faster.
+HOPPER_MAX_RUN_LEN = 4
+HOPPER_MIN_ROWS = 32
+_logged: set = set()
+
+
+def _log_once(msg: str) -> None:
+    if msg not in _logged:
+        _logged.add(msg)
+        logger.info(msg)
+
+
+def auto_takes_sm90(rows: int, max_run_len: int, capturing: bool = True) -> bool:
+    """Whether "auto" takes the sm_90 kernel for a step of ``rows`` rows whose
+    longest run is ``max_run_len`` (host-known, so the choice is graph safe).
+
+    ``capturing``: the call is being captured into a CUDA graph.  An eager call
+    of the sm_90 kernel costs 100-200 µs of host time (its TMA descriptors are
+    encoded per launch), more than the portable kernel's whole eager call on
+    all but the largest steps measured (BENCHMARKS.md, eager table), so eager
+    calls take the portable kernel; a graph replay pays no host time."""
+    return (HOPPER_AUTO and capturing and max_run_len <= HOPPER_MAX_RUN_LEN
+            and rows >= HOPPER_MIN_ROWS)
+
+
+def hopper_kernel_for(q, kv_cache, kernel: str | None, max_run_len: int = 4):
+    """The sm_90 module when this call should take the Gluon kernel, else ``None``
+    (the portable kernel).  ``kernel``: "auto", "portable" or "sm90"."""
+    kernel = kernel or os.environ.get(KERNEL_ENV, "auto")
+    if kernel not in ("auto", "portable", "sm90"):
+        _fail("kernel", '"auto", "portable" or "sm90"', kernel)
+    if kernel == "portable" or (kernel == "auto" and (
+            not q.is_cuda or not auto_takes_sm90(q.shape[0], max_run_len,
+                                                 torch.cuda.is_current_stream_capturing()))):
+        return None
+    from . import gluon_paged_mqa_logits as gk
+
+    why = gk.unsupported_reason(q, kv_cache)
+    if why is None:
+        return gk
+    if kernel == "sm90":
+        raise RuntimeError(f"kernel='sm90' requested but the sm_90 kernel cannot run: {why}")
+    if torch.cuda.get_device_capability(q.device)[0] == 9:
+        _log_once(f"vllm-dsa-varlen: portable Triton kernel on this Hopper GPU ({why})")
+    return None
+
+
 def varlen_paged_mqa_logits(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -291,6 +431,7 @@ def varlen_paged_mqa_logits(
     tiles_per_split: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    kernel: str | None = None,
     out: torch.Tensor | None = None,
     validate_contents: bool = False,
 ) -> torch.Tensor:
@@ -298,7 +439,12 @@ def varlen_paged_mqa_logits(
 
     ``max_run_len``: a hint (the host knows the longest request's token count)
     used to size the work split; any run length is handled correctly.
-    Tuning knobs: ``rows_per_dot`` (rows stacked per ``tl.dot``, default 2),
+    ``kernel``: "auto" (default; env ``VLLM_DSA_VARLEN_KERNEL``) takes the sm_90
+    Gluon kernel (:mod:`.gluon_paged_mqa_logits`) on Hopper and this portable
+    kernel elsewhere or when a portable tuning knob is given; "portable" and
+    "sm90" force one.
+    Tuning knobs of the portable kernel: ``rows_per_dot`` (rows stacked per
+    ``tl.dot``, default 2),
     ``groups`` (row groups held at once: runs of up to ``groups *
     rows_per_dot`` rows read each tile once; default 1 when ``max_run_len``
     fits one group, else 2), ``per_row`` (one dot per row
@@ -307,7 +453,7 @@ def varlen_paged_mqa_logits(
     ``num_stages``.  ``out``: optional float32 ``[R, >= max_context_len]``.
     ``validate_contents``: also run the data-dependent checks (host sync).
     """
-    rows, heads, dim, page = check_varlen_inputs(
+    rows, heads, dim, page = checked_layout(
         q, kv_cache, weights, context_lens, block_table, indices, max_context_len)
     if validate_contents:
         check_varlen_contents(context_lens, block_table, indices, max_context_len, page,
@@ -320,6 +466,13 @@ def varlen_paged_mqa_logits(
         _fail("out", f"float32 [{rows}, >= {max_context_len}] with stride(1) == 1",
               f"{out.dtype} {tuple(out.shape)}")
     if rows == 0:
+        return out
+    knobs = (rows_per_dot is not None or groups is not None or per_row or tile_pages != 1
+             or tiles_per_split is not None or num_warps != 4 or num_stages != 3)
+    gk = None if knobs and kernel != "sm90" else hopper_kernel_for(q, kv_cache, kernel, max_run_len)
+    if gk is not None:
+        LAST_COMPILED[0] = gk.launch(q, kv_cache, weights, context_lens, block_table, indices,
+                                     max_context_len, out, rows_max=gk.rows_max_for(heads, max_run_len))
         return out
     if rows_per_dot is None:
         rows_per_dot = 2
@@ -337,13 +490,23 @@ def varlen_paged_mqa_logits(
     num_splits = triton.cdiv(triton.cdiv(triton.cdiv(max_context_len, page), tile_pages),
                              tiles_per_split)
     grid = (rows, num_splits)
-    compiled = _varlen_paged_mqa_logits_kernel[grid](
-        q, kv_cache, weights, context_lens, block_table, indices, out,
-        rows, max_context_len, block_table.shape[1],
-        q.stride(0), kv_cache.stride(0), weights.stride(0), block_table.stride(0), out.stride(0),
-        H=heads, D=dim, PAGE=page, ROWS=rows_per_dot, TILES_PER_SPLIT=tiles_per_split,
-        TILE_PAGES=tile_pages, PER_ROW=bool(per_row), PAIRS=groups,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    LAST_COMPILED[0] = compiled
+    args = (q, kv_cache, weights, context_lens, block_table, indices, out,
+            rows, max_context_len, block_table.shape[1], tiles_per_split,
+            q.stride(0), kv_cache.stride(0), weights.stride(0), block_table.stride(0), out.stride(0))
+    constexprs = dict(H=heads, D=dim, PAGE=page, ROWS=rows_per_dot, TILE_PAGES=tile_pages,
+                      PER_ROW=bool(per_row), PAIRS=groups)
+    if not q.is_cuda:  # the interpreter: nothing to bind
+        LAST_COMPILED[0] = _varlen_paged_mqa_logits_kernel[grid](
+            *args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        return out
+    LAST_COMPILED[0] = launch_bound(_varlen_paged_mqa_logits_kernel, grid, args, constexprs,
+                                    dict(num_warps=num_warps, num_stages=num_stages),
+                                    set(PER_STEP_INTS) | set(PER_STEP_PTRS), _PORTABLE_ARGS)
     return out
+
+
+def portable_variants(heads: int, max_run_lens=(1, 2, 4, 8)) -> list[dict]:
+    """The portable kernel's compile-time variants a server with ``heads`` uses
+    (default knobs; the ``max_run_len`` hint picks one or two row groups)."""
+    groups = sorted({1 if n <= 2 else 2 for n in max_run_lens})
+    return [dict(H=heads, ROWS=2, TILE_PAGES=1, PER_ROW=False, PAIRS=g) for g in groups]

@@ -100,16 +100,24 @@ def test_param_names_from_pybind_docs(doc, names):
     assert dsa_dg.param_names(fn) == names
 
 
-@pytest.mark.parametrize("flavour,arch", [("old", 100), ("old", 90), ("2.8", 100), ("2.8", 90)])
+@pytest.mark.parametrize("flavour,arch", [("2.6", 100), ("2.6", 90), ("old", 100), ("old", 90),
+                                          ("2.8", 100), ("2.8", 90)])
 def test_detect_caps_of_each_flavour(flavour, arch):
     dg = FakeDeepGemm(flavour, arch)
     caps = dsa_dg.detect_caps(dg.fp8_fp4_paged_mqa_logits, dg.get_paged_mqa_logits_metadata,
                               dg.fp8_fp4_mqa_logits)
     assert caps.signatures_known
-    assert caps.varlen == (flavour == "2.8")
-    assert caps.paged_clean_logits == caps.prefill_clean_logits == (flavour == "old")
-    assert caps.prefill_max_seqlen_k == (flavour == "2.8")
+    assert caps.varlen == (flavour != "old")  # the vendored 2.6.1 and 2.8.x take ids
+    assert caps.paged_clean_logits == caps.prefill_clean_logits == (flavour != "2.8")
+    assert caps.prefill_max_seqlen_k == (flavour != "old")
     assert dsa_dg.detect_caps(None, None, None) is None
+
+
+def test_default_double_is_the_vendored_generation():
+    dg = FakeDeepGemm()
+    assert (dg.flavour, dg.arch) == ("2.6", 100)
+    assert dsa_dg.param_names(dg.fp8_fp4_paged_mqa_logits)[-3:] == (
+        "clean_logits", "logits_dtype", "indices")
 
 
 def test_unreadable_signatures_mean_the_stock_api():
@@ -289,9 +297,13 @@ def test_ids_on_an_api_without_indices_raise(monkeypatch):
                                          indices=ids)
 
 
-def test_old_api_with_indices_keeps_fp32_and_clean_logits(monkeypatch):
+@pytest.mark.parametrize("flavour", ["2.6", "old"])
+def test_old_api_with_indices_keeps_fp32_and_clean_logits(monkeypatch, flavour):
+    """The vendored 2.6.1 (and any API with clean_logits and ids): ids and
+    clean_logits forwarded, logits_dtype left at its float32 default, FP8 cache
+    on SM100."""
     fake_gpu(monkeypatch, (10, 0))
-    dg = FakeDeepGemm("old", 100, accepts_indices=True).install(monkeypatch)
+    dg = FakeDeepGemm(flavour, 100, accepts_indices=True).install(monkeypatch)
     step = _step(seed=9)
     q, kv, w, ctx, bt, ids = _varlen_args(step)
     sched = dsa_dg.get_paged_mqa_logits_metadata(ctx, 64, dg.num_sms, indices=ids)
@@ -299,8 +311,23 @@ def test_old_api_with_indices_keeps_fp32_and_clean_logits(monkeypatch):
                                              clean_logits=True, indices=ids)
     assert dg.calls[-1].kwargs == {"clean_logits": True, "indices": ids}
     assert dg.calls[-1].bound["weights"] is w
+    assert logits.dtype == torch.float32
     ref = paged_mqa_logits_ref(q[0], kv, w, ctx, bt, step.max_context_len, ids)
     torch.testing.assert_close(logits, ref)
+
+
+def test_vendored_double_asserts_ids_only_on_sm100_with_one_token_rows(monkeypatch):
+    """The 2.6.1 contract the double enforces: ids need arch 10 and next_n == 1."""
+    step = _step(seed=4)
+    q, kv, w, ctx, bt, ids = _varlen_args(step)
+    sm90 = FakeDeepGemm("2.6", 90)
+    with pytest.raises(AssertionError, match="SM100"):
+        sm90.get_paged_mqa_logits_metadata(ctx, 64, sm90.num_sms, indices=ids)
+    sm100 = FakeDeepGemm("2.6", 100)
+    two = ctx[: ctx.shape[0] // 2 * 2].reshape(-1, 2).contiguous()
+    with pytest.raises(AssertionError, match="next_n == 1"):
+        sm100.get_paged_mqa_logits_metadata(two, 64, sm100.num_sms,
+                                            indices=ids[: two.shape[0]].contiguous())
 
 
 # --------------------------------------------------------------------------- prefill

@@ -13,7 +13,12 @@ Why:
   signatures (``inspect.signature``, else the first line of the pybind
   ``__doc__``), never by a version string:
 
-  - the API vLLM 0.27.1 was built with: ``clean_logits`` keyword, fp32 logits;
+  - the API vLLM 0.27.1 was built with, e.g. the DeepGEMM 2.6.1 it vendors
+    (``vllm/third_party/deep_gemm``): ``clean_logits`` keyword, fp32 logits
+    (``logits_dtype`` defaults to float32 and is not passed), and ``indices``
+    on both ``get_paged_mqa_logits_metadata`` and ``fp8_fp4_paged_mqa_logits``
+    (it asserts SM10x and ``next_n == 1`` with ids and takes the FP8 cache on
+    SM100), so a default B200 install has DeepGEMM varlen;
   - 2.8.x: no ``clean_logits`` (dropped here; when ``clean_logits=True`` was
     asked, columns at or past each row's context length are set to ``-inf``
     here), ``indices`` required on SM100 where weights must be bf16 and logits
@@ -154,8 +159,8 @@ def detect_caps(paged: Callable[..., Any] | None, metadata: Callable[..., Any] |
                 prefill: Callable[..., Any] | None = None) -> DeepGemmCaps | None:
     """Capabilities of DeepGEMM's indexer functions (``None`` when none exists).
 
-    Unreadable signatures are taken for the API vLLM 0.27.1 was built with
-    (``clean_logits`` accepted, no ``indices``), which is what stock assumes."""
+    Unreadable signatures are taken as ``clean_logits`` accepted and no
+    ``indices`` -- the call stock makes, the only safe assumption."""
     if paged is None and metadata is None and prefill is None:
         return None
     paged_names = param_names(paged)
@@ -283,7 +288,8 @@ def call_metadata(impl: Callable[..., Any], caps: DeepGemmCaps | None,
         return impl(context_lens, block_size, num_sms)
     if caps is None or not caps.metadata_indices:
         raise RuntimeError("indices: the installed DeepGEMM's get_paged_mqa_logits_metadata "
-                           "takes no `indices` (varlen decode needs DeepGEMM 2.8.x on SM100)")
+                           "takes no `indices` (varlen decode needs a DeepGEMM that does -- "
+                           "vLLM 0.27.1's vendored 2.6.1 or 2.8.x -- on SM10x)")
     check_indices(indices, context_lens.shape[0])
     check_varlen_layout(None, None, context_lens, None, indices.shape[0])
     return impl(context_lens, block_size, num_sms, indices=indices)
@@ -318,7 +324,8 @@ def call_paged_logits(
     if indices is not None:
         if caps is None or not caps.paged_indices:
             raise RuntimeError("indices: the installed DeepGEMM's fp8_fp4_paged_mqa_logits "
-                               "takes no `indices` (varlen decode needs DeepGEMM 2.8.x on SM100)")
+                               "takes no `indices` (varlen decode needs a DeepGEMM that does -- "
+                               "vLLM 0.27.1's vendored 2.6.1 or 2.8.x -- on SM10x)")
         check_indices(indices, q[0].shape[0])
         check_varlen_layout(q[0], weights, context_lens, block_tables, indices.shape[0])
         kwargs["indices"] = indices

@@ -19,7 +19,7 @@ from vllm.config import CUDAGraphMode  # noqa: E402
 from vllm_stubs import NUM_SMS, decode_batch, fake_gpu, make_builder  # noqa: E402
 
 import vllm_dsa_varlen.ops.triton_paged_mqa_logits as triton_kernel  # noqa: E402
-from vllm_dsa_varlen import patches  # noqa: E402
+from vllm_dsa_varlen import config, patches, policy  # noqa: E402
 from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as ours  # noqa: E402
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref  # noqa: E402
 from vllm_dsa_varlen.varlen_ids import attach_varlen_ids  # noqa: E402
@@ -59,11 +59,15 @@ def _run_indexer(monkeypatch, md, q_quant, q_scale, kv_cache, weights, max_model
 
 
 def _setup(monkeypatch, backend, fp4=False):
-    if backend == "deepgemm":
+    """'deepgemm' (SM100, DeepGEMM 2.8.x double), 'deepgemm-2.6' (SM100, vLLM
+    0.27.1's vendored generation), 'triton' (SM90, backend forced)."""
+    if backend.startswith("deepgemm"):
         fake_gpu(monkeypatch, (10, 0))
-        return FakeDeepGemm("2.8", 100, num_sms=NUM_SMS).install(monkeypatch)
+        flavour = "2.6" if backend == "deepgemm-2.6" else "2.8"
+        return FakeDeepGemm(flavour, 100, num_sms=NUM_SMS).install(monkeypatch)
     fake_gpu(monkeypatch, (9, 0))
-    return FakeDeepGemm("old", 90, num_sms=NUM_SMS).install(monkeypatch)
+    monkeypatch.setenv(config.BACKEND_ENV, "triton")
+    return FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
 
 
 def _random_step(seed, next_n, pad_reqs, pad_rows):
@@ -104,7 +108,7 @@ def _assert_topk_like_padded(topk, step, next_n, tol_rel):
         assert torch.all(ref[row, got.long()] >= kth - tol), r
 
 
-@pytest.mark.parametrize("backend", ["deepgemm", "triton"])
+@pytest.mark.parametrize("backend", ["deepgemm", "deepgemm-2.6", "triton"])
 @pytest.mark.parametrize("seed", range(3))
 def test_decode_topk_equals_the_padded_path(monkeypatch, backend, seed):
     next_n = 3
@@ -113,7 +117,7 @@ def test_decode_topk_equals_the_padded_path(monkeypatch, backend, seed):
     patches.apply_all()
     builder = make_builder(monkeypatch, next_n=next_n, width=step.block_table.shape[1],
                            max_model_len=step.max_context_len)
-    assert builder.varlen_backend == backend
+    assert builder.varlen_backend == backend.split("-")[0]
     md = _build(builder, step)
     ids = md.decode.indices
     assert ids is not None and ids.shape[0] == step.num_rows
@@ -129,7 +133,7 @@ def test_decode_topk_equals_the_padded_path(monkeypatch, backend, seed):
     monkeypatch.setattr(triton_kernel, "varlen_paged_mqa_logits", spy)
     topk = _run_indexer(monkeypatch, md, step.q[:, 0], None, step.kv_cache.squeeze(2),
                         step.weights, step.max_context_len)
-    if backend == "deepgemm":
+    if backend.startswith("deepgemm"):
         call = dg.calls_to("fp8_fp4_paged_mqa_logits")[-1]
         assert call.kwargs["indices"] is ids and seen == []
         q_values = call.bound["q"][0]
@@ -141,6 +145,124 @@ def test_decode_topk_equals_the_padded_path(monkeypatch, backend, seed):
     assert q_values.shape == (step.num_rows, 1, HEADS, DIM)  # rows = R, next_n = 1
     # bf16 logits (DeepGEMM 2.8.x on SM100) order near-ties differently than fp32
     _assert_topk_like_padded(topk, step, next_n, 1e-2 if backend == "deepgemm" else 1e-4)
+
+
+# --------------------------------------------------------------------------- per step
+
+def _run_indexer_spied(monkeypatch, md, step):
+    """:func:`_run_indexer` on ``step``, recording what the op's decode kernel
+    call (the plugin's dispatch) returned.  The spy is removed before the test
+    ends, so the patch registry's undo finds its own replacement again."""
+    out = []
+    inner = sai.fp8_fp4_paged_mqa_logits
+
+    def spy(*args, **kwargs):
+        logits = inner(*args, **kwargs)
+        out.append((args, kwargs, logits.clone()))
+        return logits
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sai, "fp8_fp4_paged_mqa_logits", spy)
+        topk = _run_indexer(monkeypatch, md, step.q[:, 0], None, step.kv_cache.squeeze(2),
+                            step.weights, step.max_context_len)
+    assert sai.fp8_fp4_paged_mqa_logits is inner
+    return topk, out
+
+
+def _assert_logits_like_padded(logits, step, next_n):
+    """On every valid position of every real token, the logits equal the padded path's."""
+    pad = step.padded(next_n)
+    ref = paged_mqa_logits_ref(pad["q"], step.kv_cache, pad["weights"], pad["context_lens"],
+                               pad["block_table"], step.max_context_len)
+    ctx = pad["context_lens"].reshape(-1)[pad["row_of"]]
+    real = pad["row_of"].numel()
+    cols = torch.arange(step.max_context_len)
+    valid = cols[None, :] < ctx[:, None].long()
+    got = logits[:real, : step.max_context_len]
+    torch.testing.assert_close(got[valid], ref[pad["row_of"]][valid], rtol=1e-5, atol=1e-5)
+
+
+def _reference_varlen_kernel(q, kv_cache, weights, context_lens, block_table, indices,
+                             max_context_len, **_):
+    """Stand-in for the Triton kernel (the kernel itself: tests/ops, tests/test_equivalence.py)."""
+    return paged_mqa_logits_ref(q, kv_cache, weights, context_lens, block_table,
+                                max_context_len, indices)
+
+
+@pytest.mark.parametrize("num_reqs,uniform", [(4, False), (8, True), (64, True), (64, False)])
+def test_flattened_per_step_both_kernels_give_the_padded_result(monkeypatch, num_reqs, uniform):
+    """SM90, next_n = 4, DeepGEMM installed: each step's kernel call goes to the
+    varlen kernel or to stock's id-less DeepGEMM call on the same flattened rows,
+    as ``policy.varlen_wins`` says; either way the op's logits on valid positions
+    and its top-k sets are the padded path's."""
+    next_n = 4
+    fake_gpu(monkeypatch, (9, 0))
+    dg = FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
+    monkeypatch.setattr(triton_kernel, "varlen_paged_mqa_logits", _reference_varlen_kernel)
+    gen = torch.Generator().manual_seed(num_reqs)
+    lens = ([next_n] * num_reqs if uniform else
+            [next_n] + torch.randint(1, next_n + 1, (num_reqs - 1,), generator=gen).tolist())
+    seqs = [n + int(x) for n, x in zip(lens, torch.randint(0, 300, (num_reqs,), generator=gen))]
+    step = make_decode_step(lens, seqs, heads=HEADS, dim=DIM, page=PAGE, seed=num_reqs,
+                            padding_rows=2)
+    patches.apply_all()
+    builder = make_builder(monkeypatch, next_n=next_n, width=step.block_table.shape[1],
+                           max_model_len=step.max_context_len, max_tokens=512, max_seqs=128)
+    assert builder.decode_path.per_step == "flattened"
+    md = _build(builder, step)
+    varlen = policy.varlen_wins(policy.StepFacts.from_decode_lens(
+        lens, rows=step.num_rows, max_context=max(seqs)), "flattened")
+    assert varlen == (num_reqs >= 64)
+    n_dg = len(dg.calls_to("fp8_fp4_paged_mqa_logits"))
+    topk, calls = _run_indexer_spied(monkeypatch, md, step)
+    dg_calls = dg.calls_to("fp8_fp4_paged_mqa_logits")[n_dg:]
+    if varlen:
+        assert dg_calls == []
+    else:  # exactly stock's flattened call: [R, 1] rows, no ids
+        assert len(dg_calls) == 1 and "indices" not in dg_calls[0].kwargs
+        assert dg_calls[0].bound["q"][0].shape == (step.num_rows, 1, HEADS, DIM)
+    (args, _, logits), = calls
+    assert args[0][0].shape == (step.num_rows, 1, HEADS, DIM)
+    _assert_logits_like_padded(logits, step, next_n)
+    _assert_topk_like_padded(topk, step, next_n, 1e-4)
+
+
+@pytest.mark.parametrize("lens,seqs", [
+    ([2, 2, 2, 2], [90, 7, 300, 41]),          # uniform: stock's native [B, 2] kernel
+    ([2, 1, 2, 1, 2], [90, 7, 300, 41, 12]),   # stock would split: varlen decodes
+    ([1, 2, 2], [30, 200, 5]),
+])
+def test_split_hybrid_both_layouts_give_the_padded_result(monkeypatch, lens, seqs):
+    """SM90, next_n = 2, DeepGEMM installed: a uniform step runs DeepGEMM's native
+    ``[B, 2]`` kernel as stock does; a step stock would split stays all decodes
+    and runs the varlen kernel on flattened rows.  Both: the padded path's
+    logits on valid positions and top-k sets."""
+    next_n = 2
+    fake_gpu(monkeypatch, (9, 0))
+    dg = FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
+    monkeypatch.setattr(triton_kernel, "varlen_paged_mqa_logits", _reference_varlen_kernel)
+    step = make_decode_step(lens, seqs, heads=HEADS, dim=DIM, page=PAGE, seed=len(lens))
+    patches.apply_all()
+    builder = make_builder(monkeypatch, next_n=next_n, width=step.block_table.shape[1],
+                           max_model_len=step.max_context_len)
+    assert builder.decode_path.per_step == "split"
+    md = _build(builder, step)
+    assert md.num_decodes == len(lens) and md.num_prefills == 0
+    uniform = len(set(lens)) == 1
+    n_dg = len(dg.calls_to("fp8_fp4_paged_mqa_logits"))
+    topk, calls = _run_indexer_spied(monkeypatch, md, step)
+    dg_calls = dg.calls_to("fp8_fp4_paged_mqa_logits")[n_dg:]
+    (args, _, logits), = calls
+    if uniform:  # stock's native call: [B, 2] queries, [B, 2] lengths, no ids
+        assert md.decode.indices is None
+        assert len(dg_calls) == 1 and "indices" not in dg_calls[0].kwargs
+        assert args[0][0].shape == (len(lens), next_n, HEADS, DIM)
+        logits = logits.reshape(len(lens) * next_n, -1)  # padded rows == real rows here
+    else:
+        assert dg_calls == [] and md.decode.indices is not None
+        assert args[0][0].shape == (step.num_rows, 1, HEADS, DIM)
+    _assert_logits_like_padded(logits, step, next_n)
+    _assert_topk_like_padded(topk, step, next_n, 1e-4)
 
 
 def test_mxfp4_cache_hands_ids_to_deepgemm(monkeypatch):

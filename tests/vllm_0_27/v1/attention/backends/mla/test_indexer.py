@@ -8,9 +8,18 @@ pytest.importorskip("vllm")
 
 import vllm.v1.attention.backends.mla.indexer as ix  # noqa: E402
 from fake_deep_gemm import FakeDeepGemm, schedule_fingerprint  # noqa: E402
-from vllm_stubs import NUM_SMS, decode_batch, fake_gpu, make_builder, random_block_table  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport  # noqa: E402
+from vllm.v1.kv_cache_interface import MLAAttentionSpec  # noqa: E402
+from vllm_stubs import (  # noqa: E402
+    NUM_SMS,
+    decode_batch,
+    fake_gpu,
+    make_builder,
+    make_config,
+    random_block_table,
+)
 
-from vllm_dsa_varlen import config, patches  # noqa: E402
+from vllm_dsa_varlen import config, patches, policy  # noqa: E402
 from vllm_dsa_varlen.varlen_ids import varlen_ids_of  # noqa: E402
 
 WIDTH = 64
@@ -30,14 +39,16 @@ def _no_triton_slot_mapping(monkeypatch):
     monkeypatch.setattr(ix, "get_compressed_slot_mapping", stub)
 
 
-def _setup(monkeypatch, backend):
-    """Fake the GPU for a backend: 'deepgemm' (SM100 + DeepGEMM 2.8.x double),
-    'triton' (SM90, Triton usable)."""
+def _setup(monkeypatch, backend, flavour="2.6"):
+    """Fake the GPU for a backend: 'deepgemm' (SM100 + the DeepGEMM double,
+    default: vLLM 0.27.1's vendored generation), 'triton' (SM90, Triton
+    forced: every step takes the varlen kernel)."""
     if backend == "deepgemm":
         fake_gpu(monkeypatch, (10, 0))
-        return FakeDeepGemm("2.8", 100, num_sms=NUM_SMS).install(monkeypatch)
+        return FakeDeepGemm(flavour, 100, num_sms=NUM_SMS).install(monkeypatch)
     fake_gpu(monkeypatch, (9, 0))
-    return FakeDeepGemm("old", 90, num_sms=NUM_SMS).install(monkeypatch)
+    monkeypatch.setenv(config.BACKEND_ENV, "triton")
+    return FakeDeepGemm(flavour, 90, num_sms=NUM_SMS).install(monkeypatch)
 
 
 def _expected_rows(decode_lens, seq_lens, num_rows, compress_ratio=1):
@@ -71,8 +82,10 @@ def _build(builder, lens, seqs, pad_tokens=0, seed=0):
     return builder.build(0, cm), bt
 
 
-def _check_varlen_decode(md, builder, lens, seqs, bt, compress_ratio=1):
-    """The decode metadata of a varlen step against the independent expectation."""
+def _check_varlen_decode(md, builder, lens, seqs, bt, compress_ratio=1, kernel=True):
+    """The decode metadata of a varlen step against the independent expectation
+    (``kernel``: the varlen kernel was chosen for the step, else stock's id-less
+    call on the same rows)."""
     dec = md.decode
     rows = md.num_decode_tokens
     req, ctx = _expected_rows(lens, seqs, rows, compress_ratio)
@@ -92,6 +105,10 @@ def _check_varlen_decode(md, builder, lens, seqs, bt, compress_ratio=1):
     assert torch.equal(starts, want_starts)
     assert len(set(ids[~real].tolist())) == int((~real).sum())
     assert not set(ids[~real].tolist()) & set(ids[real].tolist())
+    if not kernel:  # stock's call: the untagged schedule buffer itself
+        assert dec.schedule_metadata is builder.scheduler_metadata_buffer
+        assert varlen_ids_of(dec.schedule_metadata) is None
+        return ids
     # The kernel call gets the ids through a fresh view of the stable schedule buffer.
     tag = varlen_ids_of(dec.schedule_metadata)
     assert tag is not None and tag.ids is ids and tag.backend == builder.varlen_backend
@@ -104,22 +121,25 @@ def _check_varlen_decode(md, builder, lens, seqs, bt, compress_ratio=1):
 
 # --------------------------------------------------------------------------- __init__
 
-@pytest.mark.parametrize("cap,flavour,next_n,fp4,env,want", [
-    ((10, 0), "2.8", 4, False, {}, "deepgemm"),
-    ((10, 0), "2.8", 1, False, {}, "deepgemm"),
-    ((10, 0), "2.8", 3, True, {}, "deepgemm"),
-    ((10, 0), "old", 3, False, {}, "triton"),
-    ((10, 0), "old", 1, False, {}, None),
-    ((9, 0), "2.8", 3, False, {}, "triton"),
-    ((9, 0), "old", 2, False, {}, None),
-    ((9, 0), "old", 2, False, {config.BACKEND_ENV: "triton"}, "triton"),
-    ((9, 0), "old", 1, False, {}, None),
-    ((10, 0), "2.8", 4, False, {config.MODE_ENV: "off"}, None),
-    ((10, 0), "2.8", 4, False, {config.BACKEND_ENV: "triton"}, "triton"),
-    ((9, 0), "old", 4, False, {config.BACKEND_ENV: "deepgemm"}, None),
-    (None, "2.8", 4, False, {}, None),
+@pytest.mark.parametrize("cap,flavour,next_n,fp4,env,want,per_step", [
+    ((10, 0), "2.6", 4, False, {}, "deepgemm", None),
+    ((10, 0), "2.6", 1, False, {}, "deepgemm", None),
+    ((10, 0), "2.6", 3, True, {}, "deepgemm", None),
+    ((10, 0), "2.8", 4, False, {}, "deepgemm", None),
+    ((10, 0), "2.8", 1, False, {}, "deepgemm", None),
+    ((10, 0), "old", 3, False, {}, "triton", "split"),
+    ((10, 0), "old", 1, False, {}, None, None),
+    ((9, 0), "2.6", 3, False, {}, "triton", "flattened"),
+    ((9, 0), "2.6", 2, False, {}, "triton", "split"),
+    ((9, 0), "old", 2, False, {config.BACKEND_ENV: "triton"}, "triton", None),
+    ((9, 0), "2.6", 1, False, {}, None, None),
+    ((10, 0), "2.6", 4, False, {config.MODE_ENV: "off"}, None, None),
+    ((10, 0), "2.6", 4, False, {config.BACKEND_ENV: "triton"}, "triton", None),
+    ((9, 0), "old", 4, False, {config.BACKEND_ENV: "deepgemm"}, None, None),
+    (None, "2.6", 4, False, {}, None, None),
 ])
-def test_init_decides_the_path(monkeypatch, plugin_log, cap, flavour, next_n, fp4, env, want):
+def test_init_decides_the_path(monkeypatch, plugin_log, cap, flavour, next_n, fp4, env, want,
+                               per_step):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     fake_gpu(monkeypatch, cap)
@@ -128,8 +148,10 @@ def test_init_decides_the_path(monkeypatch, plugin_log, cap, flavour, next_n, fp
     patches.apply_all()
     builder = make_builder(monkeypatch, next_n=next_n, fp4=fp4)
     assert builder.use_varlen == (want is not None) and builder.varlen_backend == want
+    assert builder.decode_path.per_step == per_step
     if want:
-        assert builder.use_flattening is True
+        # "split": the flatten flag is set per step; stock's between steps.
+        assert builder.use_flattening is (per_step != "split" or stock.use_flattening)
         ids = builder.decode_indices_buffer
         assert ids.dtype == torch.int32 and ids.data_ptr() % 8 == 0
         assert ids.shape[0] >= builder.vllm_config.scheduler_config.max_num_batched_tokens
@@ -139,6 +161,42 @@ def test_init_decides_the_path(monkeypatch, plugin_log, cap, flavour, next_n, fp
     assert len(lines) == 1 and builder.decode_path.reason in lines[0]
     make_builder(monkeypatch, next_n=next_n, fp4=fp4)  # a second builder logs nothing new
     assert len([r for r in plugin_log if "decode path" in r.getMessage()]) == 1
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+
+@pytest.mark.parametrize("cap,flavour,next_n,env,want", [
+    ((10, 0), "2.6", 4, {}, AttentionCGSupport.ALWAYS),      # DeepGEMM varlen
+    ((10, 0), "2.6", 1, {}, AttentionCGSupport.ALWAYS),
+    ((9, 0), "2.6", 4, {}, AttentionCGSupport.ALWAYS),       # Triton, per step vs flattened
+    ((9, 0), "2.6", 2, {config.BACKEND_ENV: "triton"}, AttentionCGSupport.ALWAYS),
+    ((9, 0), None, 2, {}, AttentionCGSupport.ALWAYS),        # Triton, no DeepGEMM at all
+    ((9, 0), "2.6", 2, {}, AttentionCGSupport.UNIFORM_BATCH),  # "split": layout per step
+    ((10, 0), "old", 3, {}, AttentionCGSupport.UNIFORM_BATCH),
+    ((9, 0), "2.6", 1, {}, AttentionCGSupport.UNIFORM_BATCH),  # stock
+    ((10, 0), "2.6", 4, {config.MODE_ENV: "off"}, AttentionCGSupport.UNIFORM_BATCH),
+    (None, "2.6", 4, {}, AttentionCGSupport.UNIFORM_BATCH),
+])
+@pytest.mark.parametrize("v4", [False, True])
+def test_cudagraph_support(monkeypatch, cap, flavour, next_n, env, want, v4):
+    """Both indexer backends (V3.2 and V4 share the builder class) answer ALWAYS
+    exactly when every decode step gets the varlen rows; otherwise stock's answer."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    fake_gpu(monkeypatch, cap, deepgemm_installed=flavour is not None)
+    FakeDeepGemm(flavour or "2.6", cap[0] * 10 if cap else 100).install(monkeypatch)
+    backend_cls = ix.DeepseekV4IndexerBackend if v4 else ix.DeepseekV32IndexerBackend
+    spec = MLAAttentionSpec(block_size=256 if v4 else 64, num_kv_heads=1, head_size=132,
+                            dtype=torch.uint8, compress_ratio=4 if v4 else 1)
+    cfg = make_config(next_n=next_n)
+    stock = backend_cls.get_builder_cls().get_cudagraph_support(cfg, spec)
+    assert stock == AttentionCGSupport.UNIFORM_BATCH
+    patches.apply_all()
+    assert backend_cls.get_builder_cls().get_cudagraph_support(cfg, spec) == want
+    if want == AttentionCGSupport.ALWAYS:
+        builder = make_builder(monkeypatch, next_n=next_n, block_size=spec.block_size,
+                               compress_ratio=spec.compress_ratio)
+        assert builder.use_varlen and builder.decode_path.per_step != "split"
 
 
 # --------------------------------------------------------------------------- varlen builds
@@ -169,25 +227,62 @@ def test_varlen_build(monkeypatch, backend, seed, kind):
 
 
 @pytest.mark.parametrize("backend", ["deepgemm", "triton"])
-def test_plain_decode_keeps_stock_rows_with_one_run_per_request(monkeypatch, backend):
-    lens, seqs = [1, 1, 1, 1, 0], [40, 900, 7, 65, 0]
-    _setup(monkeypatch, "triton")  # stock on SM90 (2.8.x on SM100 refuses id-less calls)
-    stock = make_builder(monkeypatch, next_n=4)
-    stock_md, _ = _build(stock, lens, seqs, pad_tokens=2, seed=1)
-    stock_dec = {k: getattr(stock_md.decode, k).clone() for k in ("seq_lens", "block_table")}
-    _setup(monkeypatch, backend)
+@pytest.mark.parametrize("compress_ratio", [1, 4])
+@pytest.mark.parametrize("lens,pad_tokens", [
+    ([1, 1, 1, 1, 0], 0),      # a graph-padding request with no token
+    ([1, 1, 1, 1, 0], 3),      # more padded tokens than requests
+    ([1, 1, 1], 5),            # padding tokens without padding requests
+    ([1, 1, 1, 1, 1, 1], 0),   # plain, unpadded
+])
+def test_plain_decode_is_flattened(monkeypatch, backend, compress_ratio, lens, pad_tokens):
+    """Plain steps get the varlen rows too (as upstream 0.28.0): ``R =
+    num_decode_tokens`` rows of one token, every row its own run, graph-padding
+    rows with context 0 -- including steps with more padded tokens than
+    requests, where ids for stock's per-request rows would not match R."""
+    dg = _setup(monkeypatch, backend)
+    _no_triton_slot_mapping(monkeypatch)
     patches.apply_all()
-    builder = make_builder(monkeypatch, next_n=4)
-    md, bt = _build(builder, lens, seqs, pad_tokens=2, seed=1)
-    dec = md.decode
-    assert torch.equal(dec.indices, torch.arange(len(lens), dtype=torch.int32))
-    assert dec.indices.data_ptr() == builder.arange_buffer.data_ptr()
-    assert torch.equal(dec.seq_lens[:, 0], torch.tensor(seqs, dtype=torch.int32))
-    assert torch.equal(dec.seq_lens, stock_dec["seq_lens"])
-    assert torch.equal(dec.block_table, stock_dec["block_table"])
-    assert dec.requires_padding == stock_md.decode.requires_padding
-    assert varlen_ids_of(dec.schedule_metadata).ids is dec.indices
-    assert varlen_ids_of(dec.schedule_metadata).max_run_len == 1
+    builder = make_builder(monkeypatch, next_n=3, block_size=64 * compress_ratio,
+                           compress_ratio=compress_ratio)
+    gen = torch.Generator().manual_seed(len(lens) + pad_tokens)
+    seqs = [int(x) if n else 0 for n, x in zip(lens, torch.randint(1, 3000, (len(lens),),
+                                                                   generator=gen))]
+    md, bt = _build(builder, lens, seqs, pad_tokens, seed=3)
+    assert md.num_decodes == len(lens) and md.num_decode_tokens == sum(lens) + pad_tokens
+    ids = _check_varlen_decode(md, builder, lens, seqs, bt, compress_ratio)
+    assert torch.equal(ids, torch.arange(md.num_decode_tokens, dtype=torch.int32))
+    assert md.decode.seq_lens.data_ptr() == builder.decode_seq_lens_buffer.data_ptr()
+    if backend == "deepgemm":
+        call = dg.calls_to("get_paged_mqa_logits_metadata")[-1]
+        assert call.kwargs["indices"] is ids
+        assert torch.equal(builder.scheduler_metadata_buffer,
+                           schedule_fingerprint(md.decode.seq_lens, ids, NUM_SMS))
+
+
+def test_plain_decode_with_a_hole_is_refused(monkeypatch):
+    """Row r of a plain varlen step is request r: a zero-token request before a
+    real one (which vLLM's graph padding never makes) is refused, not mis-planned."""
+    _setup(monkeypatch, "deepgemm")
+    patches.apply_all()
+    builder = make_builder(monkeypatch, next_n=3)
+    with pytest.raises(RuntimeError, match="zero-token request before a real one"):
+        _build(builder, [1, 0, 1], [40, 0, 50], seed=0)
+    md, bt = _build(builder, [1, 1, 0], [40, 50, 0], seed=0)  # the builder still works
+    _check_varlen_decode(md, builder, [1, 1, 0], [40, 50, 0], bt)
+
+
+def test_plain_decode_with_padding_tokens_fails_without_flattening(monkeypatch):
+    """Why plain steps are flattened: stock's flatten-branch builder (SM90,
+    next_n > 2) keeps per-request rows for a plain step, and under V4 a step with
+    more padded tokens than requests then has 6 context rows for 3 block-table
+    rows -- one run id per request cannot describe it."""
+    fake_gpu(monkeypatch, (9, 0))
+    FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
+    _no_triton_slot_mapping(monkeypatch)
+    stock = make_builder(monkeypatch, next_n=3, block_size=256, compress_ratio=4)
+    assert stock.use_flattening
+    md, _ = _build(stock, [1, 1, 1], [400, 900, 20], pad_tokens=3, seed=1)
+    assert md.decode.seq_lens.shape[0] == 6 and md.decode.block_table.shape[0] == 3
 
 
 @pytest.mark.parametrize("backend", ["deepgemm", "triton"])
@@ -206,7 +301,8 @@ def test_v4_compressed_cache(monkeypatch, backend, seed):
 
 
 def test_buffers_are_stable_across_steps(monkeypatch):
-    """Same row count -> same addresses (what a captured CUDA graph replays)."""
+    """Every step -- uniform, variable, plain -- the same addresses (what a
+    captured CUDA graph replays)."""
     _setup(monkeypatch, "deepgemm")
     patches.apply_all()
     builder = make_builder(monkeypatch, next_n=4)
@@ -221,6 +317,27 @@ def test_buffers_are_stable_across_steps(monkeypatch):
     # the first step's tag still names its own ids object, not the second step's
     assert varlen_ids_of(first.decode.schedule_metadata).ids is first.decode.indices
     assert first.decode.indices is not second.decode.indices
+    third, bt = _build(builder, [1, 1, 1, 0], [9, 99, 999, 0], pad_tokens=8, seed=2)  # plain
+    assert [t.data_ptr() for t in (third.decode.indices, third.decode.seq_lens,
+                                   third.decode.block_table,
+                                   third.decode.schedule_metadata)] == addrs
+    _check_varlen_decode(third, builder, [1, 1, 1, 0], [9, 99, 999, 0], bt)
+
+
+def test_v4_buffers_are_stable_across_plain_and_multi_token_steps(monkeypatch):
+    """V4: stock divides plain steps' lengths into another buffer; the varlen rows
+    are copied back so a captured graph reads the same buffer for every step."""
+    _setup(monkeypatch, "deepgemm")
+    _no_triton_slot_mapping(monkeypatch)
+    patches.apply_all()
+    builder = make_builder(monkeypatch, next_n=4, block_size=256, compress_ratio=4)
+    multi, _ = _build(builder, [4, 2, 4], [1000, 600, 3000], pad_tokens=2, seed=0)
+    addrs = [t.data_ptr() for t in (multi.decode.indices, multi.decode.seq_lens,
+                                    multi.decode.block_table)]
+    plain, bt = _build(builder, [1, 1, 0], [1000, 600, 0], pad_tokens=9, seed=1)
+    assert [t.data_ptr() for t in (plain.decode.indices, plain.decode.seq_lens,
+                                   plain.decode.block_table)] == addrs
+    _check_varlen_decode(plain, builder, [1, 1, 0], [1000, 600, 0], bt, compress_ratio=4)
 
 
 def test_mixed_batch_keeps_variable_decodes_as_decodes(monkeypatch):
@@ -232,6 +349,110 @@ def test_mixed_batch_keeps_variable_decodes_as_decodes(monkeypatch):
     md, bt = _build(builder, lens, seqs, seed=2)
     assert (md.num_decodes, md.num_prefills, md.num_decode_tokens) == (3, 1, 8)
     _check_varlen_decode(md, builder, lens[:3], seqs[:3], bt)
+
+
+# --------------------------------------------------------------------------- stock paths
+
+@pytest.mark.parametrize("where", ["sm90_next_n2_split", "sm100_no_varlen_deepgemm_split",
+                                   "sm90_no_triton_stock", "off"])
+def test_stock_paths_clamp_padding_requests_at_zero(monkeypatch, where):
+    """A graph-padded uniform step on the paths left to stock's native kernel:
+    0.27.1 gives the padding request negative per-token lengths (read as uint32
+    by DeepGEMM); the plugin clamps them at 0.  ``VLLM_DSA_VARLEN=off`` leaves
+    vLLM exactly stock."""
+    lens, seqs, next_n = [2, 2, 0], [10, 7, 0], 2  # num_tokens 6
+    if where == "sm100_no_varlen_deepgemm_split":
+        fake_gpu(monkeypatch, (10, 0))
+        dg = FakeDeepGemm("old", 100, num_sms=NUM_SMS).install(monkeypatch)
+    else:
+        fake_gpu(monkeypatch, (9, 0), triton=where != "sm90_no_triton_stock")
+        dg = FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
+    stock = make_builder(monkeypatch, next_n=next_n)
+    stock_md, _ = _build(stock, lens, seqs, pad_tokens=2, seed=5)
+    assert stock_md.decode.seq_lens.tolist() == [[9, 10], [6, 7], [-1, 0]]  # 0.27.1 as shipped
+    stock_bt = stock_md.decode.block_table.clone()
+    if where == "off":
+        monkeypatch.setenv(config.MODE_ENV, "off")
+    patches.apply_all()
+    builder = make_builder(monkeypatch, next_n=next_n)
+    assert builder.use_varlen == where.endswith("split")
+    md, _ = _build(builder, lens, seqs, pad_tokens=2, seed=5)
+    dec = md.decode
+    want = [[max(0, s - next_n + j + 1) for j in range(next_n)] for s in seqs]
+    if where == "off":
+        want = stock_md.decode.seq_lens.tolist()
+    assert dec.seq_lens.tolist() == want
+    assert dec.indices is None and varlen_ids_of(dec.schedule_metadata) is None
+    assert torch.equal(dec.block_table, stock_bt) and dec.requires_padding
+    # DeepGEMM's scheduler saw the clamped lengths
+    assert torch.equal(builder.scheduler_metadata_buffer,
+                       schedule_fingerprint(dec.seq_lens, None, NUM_SMS))
+    assert dg.calls_to("get_paged_mqa_logits_metadata")[-1].kwargs == {}
+
+
+# --------------------------------------------------------------------------- per step
+
+def test_split_hybrid_keeps_uniform_steps_native_and_flattens_the_steps_stock_splits(
+        monkeypatch):
+    """SM90, next_n == 2, DeepGEMM installed (``per_step == "split"``): a uniform
+    step (graph padding included) keeps stock's native ``[B, 2]`` rows and
+    DeepGEMM; a step stock would split keeps every decode as a decode, in varlen
+    rows for the Triton kernel."""
+    fake_gpu(monkeypatch, (9, 0))
+    FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
+    monkeypatch.setattr(ix, "build_prefill_chunk_metadata", lambda *a, **k: None)
+    stock = make_builder(monkeypatch, next_n=2)
+    patches.apply_all()
+    builder = make_builder(monkeypatch, next_n=2)
+    assert builder.decode_path.per_step == "split" and not builder.use_flattening
+
+    md, _ = _build(builder, [2, 2, 2, 0], [50, 60, 70, 0], pad_tokens=2, seed=0)
+    assert md.num_decodes == 4 and md.decode.indices is None
+    assert md.decode.seq_lens.tolist() == [[49, 50], [59, 60], [69, 70], [0, 0]]
+    assert varlen_ids_of(md.decode.schedule_metadata) is None
+
+    for lens, seqs, decodes in (([2, 1, 2], [40, 30, 90], 3), ([2, 1, 50], [40, 30, 90], 2),
+                                ([1, 2, 2, 0], [5, 70, 80, 0], 4)):
+        stock_md, _ = _build(stock, lens, seqs, pad_tokens=1, seed=1)
+        assert stock_md.num_decodes < decodes  # stock sends the tail to the prefill path
+        md, bt = _build(builder, lens, seqs, pad_tokens=1, seed=1)
+        assert (md.num_decodes, md.num_prefills) == (decodes, len(lens) - decodes)
+        pad = 1 if decodes == len(lens) else 0  # padding tokens belong to the last request
+        _check_varlen_decode(md, builder, lens[:decodes], seqs[:decodes], bt)
+        assert md.num_decode_tokens == sum(lens[:decodes]) + pad
+        assert varlen_ids_of(md.decode.schedule_metadata).backend == "triton"
+        assert not builder.use_flattening  # stock's flag again between steps
+
+
+@pytest.mark.parametrize("lens_kind,num_reqs", [
+    ("uniform", 4), ("variable", 8), ("plain", 64), ("uniform", 64), ("variable", 64)])
+def test_flattened_per_step_kernel_choice(monkeypatch, lens_kind, num_reqs):
+    """SM90, next_n == 4, DeepGEMM installed (``per_step == "flattened"``): every
+    step gets the flattened rows and ids, and DeepGEMM's id-less schedule for
+    those rows (so either kernel finds valid metadata); the kernel is the one
+    ``policy.varlen_wins`` picks from the host-known step facts."""
+    fake_gpu(monkeypatch, (9, 0))
+    dg = FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
+    patches.apply_all()
+    builder = make_builder(monkeypatch, next_n=4, max_tokens=256, max_seqs=64)
+    assert builder.decode_path.per_step == "flattened"
+    gen = torch.Generator().manual_seed(num_reqs)
+    if lens_kind == "uniform":
+        lens = [4] * num_reqs
+    elif lens_kind == "plain":
+        lens = [1] * num_reqs
+    else:
+        lens = [4] + torch.randint(1, 5, (num_reqs - 1,), generator=gen).tolist()
+    seqs = [n + int(x) for n, x in zip(lens, torch.randint(0, 3000, (num_reqs,), generator=gen))]
+    md, bt = _build(builder, lens, seqs, seed=num_reqs)
+    facts = policy.StepFacts.from_decode_lens(lens, max_context=max(seqs))
+    varlen = policy.varlen_wins(facts, "flattened")
+    assert varlen == (num_reqs >= 64 and lens_kind != "plain")  # the measured table
+    _check_varlen_decode(md, builder, lens, seqs, bt, kernel=varlen)
+    call = dg.calls_to("get_paged_mqa_logits_metadata")[-1]
+    assert call.kwargs == {} and call.args[0] is md.decode.seq_lens
+    assert torch.equal(builder.scheduler_metadata_buffer,
+                       schedule_fingerprint(md.decode.seq_lens, None, NUM_SMS))
 
 
 # --------------------------------------------------------------------------- vs stock

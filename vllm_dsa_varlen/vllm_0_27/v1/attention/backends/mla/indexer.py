@@ -3,6 +3,15 @@
 Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
 :mod:`vllm_dsa_varlen.patches`):
 
+* ``DeepseekV32IndexerMetadataBuilder.get_cudagraph_support`` (wrapped):
+  ``AttentionCGSupport.ALWAYS`` when every decode step of the builder gets the
+  varlen layout (DeepGEMM varlen; Triton varlen with ``per_step`` ``None`` or
+  ``"flattened"``), as upstream 0.28.0 does for its varlen path: every step
+  then has one row per query token, so a full CUDA graph captured for one
+  batch replays any batch of the same token count.  Otherwise stock's
+  ``UNIFORM_BATCH`` (the ``"split"`` hybrid below switches layout per step,
+  which is graph-safe only because vLLM then captures full graphs for uniform
+  decode batches alone).
 * ``DeepseekV32IndexerMetadataBuilder.__init__`` (wrapped): after stock's
   init, decide the decode path once (:func:`vllm_dsa_varlen.config.choose_decode_path`)
   and log it.  When varlen: ``use_flattening = True`` -- stock ``build`` then
@@ -10,27 +19,45 @@ Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
   and takes its flatten branch, in which it treats the per-row context lengths
   as a view of ``decode_seq_lens_buffer`` and applies DCP localisation and
   DeepSeek V4's ``//= compress_ratio`` to it *in place*, exactly as 0.27.1
-  does -- and allocate the run-id buffer (int32, 8-byte aligned).
+  does -- and allocate the run-id buffer (int32, 8-byte aligned).  With
+  ``per_step == "split"`` the flag is set per step instead (see ``build``).
 * ``DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors`` (wrapped):
-  varlen multi-token steps are planned by :func:`vllm_dsa_varlen.plan.plan_decode_rows`
-  straight into stock's buffers (``decode_seq_lens_buffer``,
+  varlen steps are planned into stock's buffers (``decode_seq_lens_buffer``,
   ``expanded_block_table_buffer``): rows ``R = num_decode_tokens``, one token
   each (``decode_lens`` all 1, ``requires_padding`` False), so the indexer op
-  reshapes decode queries to ``[R, 1, H, D]``.  Plain decode steps keep stock's
-  result with ids ``arange(B)``.  Not varlen: stock, untouched.
-* ``DeepseekV32IndexerMetadataBuilder.build`` (wrapped): marks the build (a
-  thread-local) for the metadata hook below, and after stock's build hands the
-  ids to the decode metadata (``indices``) and to the kernel call (a fresh view
-  of ``scheduler_metadata_buffer`` tagged by :mod:`vllm_dsa_varlen.varlen_ids`).
-* module global ``get_paged_mqa_logits_metadata``: during a varlen build,
-  DeepGEMM's scheduler gets the step's ``indices``; the Triton backend needs no
-  schedule (the buffer is left as it is).  Otherwise: stock's call.
+  reshapes decode queries to ``[R, 1, H, D]``.  Multi-token steps by
+  :func:`vllm_dsa_varlen.plan.plan_decode_rows`; plain steps (one token per
+  request) by a per-request copy that stock's own post-processing (DCP, V4)
+  then finishes, extended to ``R`` rows afterwards -- rows past the real
+  tokens are padding rows with ids of their own and context 0.  Steps left to
+  stock: stock's tensors, with graph-padding requests' per-token context
+  lengths clamped at 0 (0.27.1 gives ``seq_len - next_n + j + 1 < 0`` there,
+  which DeepGEMM reads as uint32; 0.28.0 clamps too) -- except under
+  ``VLLM_DSA_VARLEN=off``, which leaves vLLM exactly stock.
+* ``DeepseekV32IndexerMetadataBuilder.build`` (wrapped): decides the step
+  (``per_step == "split"``: a step stock would split is flattened when
+  :func:`vllm_dsa_varlen.policy.varlen_wins` says so, a uniform one keeps
+  stock's native path), marks the build (a thread-local) for the metadata hook
+  below, and after stock's build hands the ids to the decode metadata
+  (``indices``) and -- when the varlen kernel is chosen for the step -- to the
+  kernel call (a fresh view of ``scheduler_metadata_buffer`` tagged by
+  :mod:`vllm_dsa_varlen.varlen_ids`).  With ``per_step == "flattened"`` the
+  kernel is chosen per step from host-known facts (no device sync); both
+  kernels find valid metadata either way, so a CUDA graph that baked one
+  choice replays correctly for any batch.
+* module global ``get_paged_mqa_logits_metadata``: during a varlen build the
+  DeepGEMM backend's scheduler gets the step's ``indices``; the Triton backend
+  with ``per_step == "flattened"`` gets stock's id-less schedule for the same
+  rows (the stock alternative's); otherwise Triton needs no schedule.  Not a
+  varlen build: stock's call.
 * module global ``DeepSeekV32IndexerDecodeMetadata``: a subclass adding
   ``indices: int32 [R] | None``.
 
-All buffers are preallocated, so addresses are stable across steps (CUDA
-graphs capture the kernel call with the same id/length/block-table views that
-later builds rewrite in place).
+All buffers are preallocated and every varlen step uses the same ones (ids in
+``decode_indices_buffer``, lengths in ``decode_seq_lens_buffer``, block-table
+rows in ``expanded_block_table_buffer``), so addresses are stable across steps
+(CUDA graphs capture the kernel call with the views later builds rewrite in
+place).
 """
 
 from __future__ import annotations
@@ -43,8 +70,10 @@ from typing import Any, Callable
 
 import torch
 from vllm.platforms import current_platform
+from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla import indexer as _ix
 
+from vllm_dsa_varlen import policy
 from vllm_dsa_varlen.config import DecodePath, choose_decode_path, read_backend, read_mode
 from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg
@@ -60,13 +89,13 @@ _building = threading.local()
 @dataclass
 class DeepSeekV32IndexerDecodeMetadata(_ix.DeepSeekV32IndexerDecodeMetadata):
     """Stock decode metadata plus ``indices``: int32 ``[R]`` run ids of the
-    varlen layout (``None`` when the step is not varlen)."""
+    varlen layout (``None`` when the step's rows are stock's)."""
 
     indices: torch.Tensor | None = None
 
 
 # --------------------------------------------------------------------------------------
-# __init__
+# The decode-path decision (__init__, get_cudagraph_support)
 # --------------------------------------------------------------------------------------
 
 def _capability() -> tuple[int, int] | None:
@@ -76,8 +105,8 @@ def _capability() -> tuple[int, int] | None:
     return (int(cap[0]), int(cap[1]))
 
 
-def _triton_serves(builder: Any) -> bool:
-    """Whether the Triton varlen kernel supports this builder's cache."""
+def _triton_serves(vllm_config: Any, kv_cache_spec: Any) -> bool:
+    """Whether the Triton varlen kernel supports this cache."""
     try:
         from vllm.triton_utils import HAS_TRITON
 
@@ -86,32 +115,59 @@ def _triton_serves(builder: Any) -> bool:
         return False
     if not HAS_TRITON:
         return False
-    spec = builder.kv_cache_spec
-    page = getattr(spec, "storage_block_size", getattr(spec, "block_size", None))
-    head_size = getattr(spec, "head_size", None)
-    if page not in tk.SUPPORTED_PAGES or head_size is None or head_size - 4 not in tk.SUPPORTED_DIMS:
+    page = getattr(kv_cache_spec, "storage_block_size", getattr(kv_cache_spec, "block_size", None))
+    head_size = getattr(kv_cache_spec, "head_size", None)
+    if (page not in tk.SUPPORTED_PAGES or head_size is None
+            or head_size - 4 not in tk.SUPPORTED_DIMS):
         return False
-    model_config = getattr(builder.vllm_config, "model_config", None)
+    model_config = getattr(vllm_config, "model_config", None)
     heads = getattr(getattr(model_config, "hf_config", None), "index_n_heads", None)
     return not isinstance(heads, int) or heads in tk.SUPPORTED_HEADS
 
 
-def decide_decode_path(builder: Any) -> DecodePath:
-    """Gather the facts for :func:`choose_decode_path` from ``builder`` and the platform."""
+def decide_decode_path_for(vllm_config: Any, kv_cache_spec: Any) -> DecodePath:
+    """Gather the facts for :func:`choose_decode_path` from a vLLM config, the
+    indexer's KV-cache spec and the platform (what the builder and its
+    ``get_cudagraph_support`` classmethod both know)."""
     mode, backend = read_mode(), read_backend()
     is_cuda = bool(current_platform.is_cuda())
     on = mode != "off" and is_cuda
     caps = dsa_dg.current_caps() if on and _ix.has_deep_gemm() else None
+    spec = getattr(vllm_config, "speculative_config", None)
+    next_n = 1 + (spec.num_speculative_tokens if spec else 0)
     return choose_decode_path(
         is_cuda=is_cuda,
         capability=_capability() if is_cuda else None,
         deepgemm=caps,
-        triton_ok=on and _triton_serves(builder),
-        next_n=builder.num_speculative_tokens + 1,
-        fp4_cache=bool(builder.use_fp4_indexer_cache),
+        triton_ok=on and _triton_serves(vllm_config, kv_cache_spec),
+        next_n=next_n,
+        fp4_cache=bool(vllm_config.attention_config.use_fp4_indexer_cache),
         mode=mode,
         backend=backend,
     )
+
+
+def decide_decode_path(builder: Any) -> DecodePath:
+    """:func:`decide_decode_path_for` of ``builder``'s config and cache spec."""
+    return decide_decode_path_for(builder.vllm_config, builder.kv_cache_spec)
+
+
+def every_step_varlen(path: DecodePath) -> bool:
+    """Every decode step gets the varlen rows (the layout never switches)."""
+    return path.use_varlen and path.per_step != "split"
+
+
+def wrap_get_cudagraph_support(original: Callable[..., Any]) -> classmethod:
+    """``get_cudagraph_support`` replacement (a classmethod): ``ALWAYS`` when
+    :func:`every_step_varlen`, else stock's answer."""
+
+    @functools.wraps(original)
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+        if every_step_varlen(decide_decode_path_for(vllm_config, kv_cache_spec)):
+            return AttentionCGSupport.ALWAYS
+        return original(vllm_config, kv_cache_spec)
+
+    return classmethod(get_cudagraph_support)
 
 
 def _log_path(path: DecodePath) -> None:
@@ -126,13 +182,21 @@ def _setup_varlen(builder: Any) -> None:
     builder.decode_path = path
     builder.use_varlen = path.use_varlen
     builder.varlen_backend = path.backend
+    # Steps left to stock get padding requests' context lengths clamped at 0,
+    # except when the plugin is switched off (then vLLM is exactly stock).
+    builder.clamp_stock_padding = read_mode() != "off"
+    builder.stock_use_flattening = builder.use_flattening
+    builder._varlen_step = False
     builder._varlen_step_ids = None
+    builder._varlen_step_rows = 0
     builder._varlen_step_max_run = 1
+    builder._varlen_final_ctx = None
     builder._varlen_common = None
     _log_path(path)
     if not path.use_varlen:
         return
-    builder.use_flattening = True
+    if path.per_step != "split":
+        builder.use_flattening = True
     max_rows = builder.decode_seq_lens_buffer.shape[0]
     # Context lengths and block-table rows are planned straight into stock's
     # buffers (stock post-processes them in place); only the ids are new.
@@ -176,7 +240,8 @@ def _plan_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.T
                       decode_lens: torch.Tensor, decode_lens_cpu: torch.Tensor,
                       query_start_loc: torch.Tensor, num_decodes: int, num_decode_tokens: int,
                       max_decode_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
-    """Plan ``R = num_decode_tokens`` one-token rows into the builder's buffers."""
+    """Multi-token step: plan ``R = num_decode_tokens`` one-token rows into the
+    builder's buffers."""
     qsl = _decode_query_start_loc(builder, query_start_loc, decode_lens, num_decodes)
     uniform = (int(decode_lens_cpu.min()) == max_decode_len
                and num_decodes * max_decode_len == num_decode_tokens)
@@ -189,32 +254,84 @@ def _plan_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.T
     one_token_each = builder.decode_lens_buffer[: rows.num_rows]
     one_token_each.fill_(1)
     builder._varlen_step_ids = rows.indices
+    builder._varlen_step_rows = rows.num_rows
     builder._varlen_step_max_run = max_decode_len
     return rows.context_lens, rows.block_table, one_token_each, rows.num_rows, False
+
+
+def _plain_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                       decode_lens: torch.Tensor, decode_lens_cpu: torch.Tensor,
+                       num_decodes: int, num_decode_tokens: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
+    """Plain step (every decode request has at most one token): ``R =
+    num_decode_tokens`` rows, row ``r < B`` is request ``r``.
+
+    Returns the *per-request* context lengths ``int32 [B]`` (a view of
+    ``decode_seq_lens_buffer``, a request with no token seeing 0; entries
+    ``B..R-1`` are zeroed) so stock's plain post-processing (DCP
+    localisation, V4 division) applies to them as in 0.27.1;
+    :func:`_final_context_lens` then takes the ``R``-row view.  Block-table
+    rows ``int32 [R, W]`` (padding rows 0), ``decode_lens`` ``[R]`` of 1."""
+    num_rows, num_reqs = num_decode_tokens, num_decodes
+    num_real = int(decode_lens_cpu.sum())
+    if num_real and int(decode_lens_cpu[:num_real].min()) != 1:
+        raise RuntimeError(
+            "vllm-dsa-varlen: plain decode step with a zero-token request before a real one "
+            f"(decode_lens {decode_lens_cpu.tolist()}); graph padding comes last in vLLM 0.27.1")
+    ctx = builder.decode_seq_lens_buffer
+    per_request = ctx[:num_reqs]
+    per_request.copy_(seq_lens)
+    per_request.mul_(decode_lens[:num_reqs] > 0).clamp_(min=0)
+    if num_rows > num_reqs:
+        ctx[num_reqs:num_rows].zero_()
+    width = block_table.shape[1]
+    rows_bt = builder.expanded_block_table_buffer[:num_rows, :width]
+    kept = min(num_reqs, num_rows)
+    rows_bt[:kept].copy_(block_table[:kept])
+    rows_bt[kept:].zero_()
+    ids = builder.decode_indices_buffer[:num_rows]
+    ids.copy_(builder.arange_buffer[:num_rows])  # one run per row
+    one_token_each = builder.decode_lens_buffer[:num_rows]
+    one_token_each.fill_(1)
+    builder._varlen_step_ids = ids
+    builder._varlen_step_rows = num_rows
+    builder._varlen_step_max_run = 1
+    return ctx[:num_reqs], rows_bt, one_token_each, num_rows, False
+
+
+def _clamp_stock_padding(builder: Any, seq_lens: torch.Tensor) -> None:
+    """Clamp stock's per-token context lengths at 0 in place (device op) when
+    they live in the builder's buffer (graph-padding requests have ``seq_len
+    == 0``, so stock's ``seq_len - n + j + 1`` goes negative)."""
+    buf = builder.decode_seq_lens_buffer.untyped_storage()
+    if seq_lens.numel() and seq_lens.untyped_storage().data_ptr() == buf.data_ptr():
+        seq_lens.clamp_(min=0)
 
 
 def wrap_prepare_decode_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
     """``_prepare_decode_tensors`` replacement (see the module docstring).
 
     Returns stock's tuple ``(seq_lens, block_table, decode_lens, batch_size,
-    requires_padding)``; varlen multi-token: ``(int32 [R], int32 [R, W],
-    int32 [R] of 1, R, False)``."""
+    requires_padding)``; a varlen multi-token step: ``(int32 [R], int32 [R,
+    W], int32 [R] of 1, R, False)``; a varlen plain step: ``(int32 [B]
+    per-request lengths, int32 [R, W], int32 [R] of 1, R, False)``."""
 
     @functools.wraps(original)
     def _prepare_decode_tensors(self, seq_lens, block_table, decode_lens, decode_lens_cpu,
                                 query_start_loc, num_decodes, num_decode_tokens, use_native,
                                 next_n, max_decode_len):
-        if not getattr(self, "use_varlen", False) or max_decode_len <= 1:
+        if not getattr(self, "_varlen_step", False):
             result = original(
                 self, seq_lens=seq_lens, block_table=block_table, decode_lens=decode_lens,
                 decode_lens_cpu=decode_lens_cpu, query_start_loc=query_start_loc,
                 num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
                 use_native=use_native, next_n=next_n, max_decode_len=max_decode_len)
-            if getattr(self, "use_varlen", False):
-                # Plain decode: one row per request, each its own run.
-                self._varlen_step_ids = self.varlen_rows.arange[: result[3]]
-                self._varlen_step_max_run = 1
+            if getattr(self, "clamp_stock_padding", False):
+                _clamp_stock_padding(self, result[0])
             return result
+        if max_decode_len <= 1:
+            return _plain_varlen_rows(self, seq_lens, block_table, decode_lens, decode_lens_cpu,
+                                      num_decodes, num_decode_tokens)
         return _plan_varlen_rows(self, seq_lens, block_table, decode_lens, decode_lens_cpu,
                                  query_start_loc, num_decodes, num_decode_tokens, max_decode_len)
 
@@ -225,59 +342,140 @@ def wrap_prepare_decode_tensors(original: Callable[..., Any]) -> Callable[..., A
 # build and the metadata hook
 # --------------------------------------------------------------------------------------
 
+def _final_context_lens(builder: Any, context_lens: torch.Tensor) -> torch.Tensor:
+    """The step's per-row context lengths, int32 ``[R, 1]`` viewing
+    ``decode_seq_lens_buffer[:R]``, from what stock's build produced.
+
+    Multi-token steps already are that view.  Plain steps: stock kept the
+    per-request lengths (``[B, 1]``, rows ``B..R-1`` zeroed by
+    :func:`_plain_varlen_rows`), or -- DeepSeek V4 -- wrote ``R`` divided rows
+    to ``expanded_seq_lens_buffer``, which are copied over so every varlen step
+    hands the kernel the same buffer."""
+    if builder._varlen_final_ctx is not None:
+        return builder._varlen_final_ctx
+    rows = builder._varlen_step_rows
+    final = builder.decode_seq_lens_buffer[:rows]
+    flat = context_lens.reshape(-1)
+    if flat.data_ptr() != final.data_ptr():
+        if flat.shape[0] != rows:
+            raise RuntimeError(f"varlen build: {flat.shape[0]} context lengths for {rows} rows")
+        final.copy_(flat)
+    builder._varlen_final_ctx = final.unsqueeze(-1)
+    return builder._varlen_final_ctx
+
+
 def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int,
                                   num_sms: int) -> torch.Tensor:
     """Replacement for the indexer module's ``get_paged_mqa_logits_metadata``.
 
     ``context_lens``: int32 ``[B, next_n]``.  During a varlen build the
-    DeepGEMM backend's scheduler gets the step's run ids; the Triton backend
-    keeps the buffer as it is (its kernel needs no schedule).  Else: stock."""
+    scheduler sees the step's ``[R, 1]`` rows: with the step's run ids for
+    the DeepGEMM backend; id-less (stock's flattened schedule) for the Triton
+    backend compared per step with stock's flattened call; the Triton kernel
+    itself needs no schedule (the buffer is left as it is).  Else: stock."""
     builder = getattr(_building, "builder", None)
     ids = None if builder is None else builder._varlen_step_ids
     if ids is None:
         return dsa_dg.get_paged_mqa_logits_metadata(context_lens, block_size, num_sms)
-    if ids.shape[0] != context_lens.shape[0]:
+    rows = _final_context_lens(builder, context_lens)
+    if ids.shape[0] != rows.shape[0]:
         raise RuntimeError(f"varlen build: {ids.shape[0]} run ids for "
-                           f"{context_lens.shape[0]} decode rows")
+                           f"{rows.shape[0]} decode rows")
     if builder.varlen_backend == "deepgemm":
-        return dsa_dg.get_paged_mqa_logits_metadata(context_lens, block_size, num_sms,
-                                                    indices=ids)
+        return dsa_dg.get_paged_mqa_logits_metadata(rows, block_size, num_sms, indices=ids)
+    if builder.decode_path.per_step == "flattened":
+        return dsa_dg.get_paged_mqa_logits_metadata(rows, block_size, num_sms)
     return builder.scheduler_metadata_buffer
 
 
-def _hand_over_ids(builder: Any, metadata: Any) -> None:
-    """Give the step's decode metadata its ids and a tagged schedule view."""
+def _decode_lens_cpu(common: Any, num_decodes: int) -> list[int]:
+    """Host token counts of the first ``num_decodes`` requests (no device sync)."""
+    qsl = common.query_start_loc_cpu[: num_decodes + 1]
+    return (qsl[1:] - qsl[:-1]).tolist()
+
+
+def step_facts(common: Any, num_decodes: int, num_decode_tokens: int) -> policy.StepFacts:
+    """:class:`vllm_dsa_varlen.policy.StepFacts` of a step's decode part, from
+    host-known values only."""
+    return policy.StepFacts.from_decode_lens(
+        _decode_lens_cpu(common, num_decodes), rows=num_decode_tokens,
+        max_context=max(0, int(common.max_seq_len)))
+
+
+def _split_step_takes_varlen(builder: Any, common: Any) -> bool:
+    """``per_step == "split"``: whether this step leaves stock's native path.
+
+    Stock splits with ``require_uniform=True``; a step it would split (fewer
+    decodes than with ``require_uniform=False``) takes varlen when the policy
+    says so.  Host values only."""
+    split = _ix.split_decodes_and_prefills
+    short_extends = not builder.use_pcp
+    stock = split(common, decode_threshold=builder.decode_threshold, require_uniform=True,
+                  treat_short_extends_as_decodes=short_extends)
+    ours = split(common, decode_threshold=builder.decode_threshold, require_uniform=False,
+                 treat_short_extends_as_decodes=short_extends)
+    if ours[0] == stock[0]:
+        return False
+    return policy.varlen_wins(step_facts(common, ours[0], ours[2]), "split")
+
+
+def _kernel_takes_varlen(builder: Any, common: Any, metadata: Any) -> bool:
+    """Per step: whether the kernel call goes to the varlen kernel."""
+    if builder.decode_path.per_step != "flattened":
+        return True
+    return policy.varlen_wins(
+        step_facts(common, metadata.num_decodes, metadata.num_decode_tokens), "flattened")
+
+
+def _hand_over_ids(builder: Any, metadata: Any, common: Any) -> None:
+    """Give the step's decode metadata its rows, ids and (when the varlen
+    kernel is chosen) a tagged schedule view."""
     ids, builder._varlen_step_ids = builder._varlen_step_ids, None
     decode = metadata.decode
     if decode is None or ids is None:
         return
+    decode.seq_lens = _final_context_lens(builder, decode.seq_lens)
     if ids.shape[0] != decode.seq_lens.shape[0]:
         raise RuntimeError(f"varlen build: {ids.shape[0]} run ids for "
                            f"{decode.seq_lens.shape[0]} decode rows")
-    decode.schedule_metadata = attach_varlen_ids(builder.scheduler_metadata_buffer, ids,
-                                                 builder.varlen_backend,
-                                                 max(1, builder._varlen_step_max_run))
     decode.indices = ids
+    if _kernel_takes_varlen(builder, common, metadata):
+        decode.schedule_metadata = attach_varlen_ids(builder.scheduler_metadata_buffer, ids,
+                                                     builder.varlen_backend,
+                                                     max(1, builder._varlen_step_max_run))
 
 
 def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``build`` replacement: stock build inside a varlen-build mark, then
-    :func:`_hand_over_ids`.  Not varlen: stock, untouched."""
+    """``build`` replacement: decide the step, stock build inside a
+    varlen-build mark, then :func:`_hand_over_ids`.  Not varlen: stock, untouched."""
 
     @functools.wraps(original)
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        if not getattr(self, "use_varlen", False):
+        path = getattr(self, "decode_path", None)
+        if path is None or not path.use_varlen:
             return original(self, common_prefix_len, common_attn_metadata, fast_build)
+        split_mode = path.per_step == "split"
+        if split_mode and not _split_step_takes_varlen(self, common_attn_metadata):
+            return original(self, common_prefix_len, common_attn_metadata, fast_build)
+        self._varlen_step = True
         self._varlen_step_ids = None
+        self._varlen_final_ctx = None
         self._varlen_common = common_attn_metadata
+        if split_mode:
+            self.use_flattening = True
         outer = getattr(_building, "builder", None)
         _building.builder = self
         try:
             metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
+            _hand_over_ids(self, metadata, common_attn_metadata)
         finally:
             _building.builder = outer
+            self._varlen_step = False
+            self._varlen_step_ids = None
+            self._varlen_final_ctx = None
             self._varlen_common = None
-        _hand_over_ids(self, metadata)
+            if split_mode:
+                self.use_flattening = self.stock_use_flattening
         return metadata
 
     return build

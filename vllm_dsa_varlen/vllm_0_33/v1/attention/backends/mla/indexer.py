@@ -287,9 +287,12 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
     """Classify the decode part of a step from host-known facts (CPU query
     offsets, counts); ``None`` when the step has no decode.
 
-    Graph padding counts: a padded batch (requests of 0 tokens, extra tokens)
-    is described as the graph it replays, and 0-token requests do not make a
-    step non-uniform (stock's split treats them the same way)."""
+    0-token (graph-padding) requests do not make a step non-uniform (stock's
+    split treats them the same way).  Facts are
+    :meth:`~vllm_dsa_varlen.policy.StepFacts.from_decode_lens` of the step
+    (padding requests are not requests; rows include padding rows), except for
+    a native step, which is described by its CUDA-graph key (see the module
+    docstring)."""
     if cm.num_actual_tokens == 0:
         return None
     num_decodes, rows = _split(builder, cm, require_uniform=False)
@@ -298,6 +301,8 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
     qsl = cm.query_start_loc_cpu[: num_decodes + 1].numpy()
     lens = np.diff(qsl)
     max_run = int(lens.max())
+    if max_run == 0:  # only graph-padding requests: nothing to choose
+        return None
     uniform = bool(np.all((lens == max_run) | (lens == 0)))
     next_n = builder.num_speculative_tokens + 1
     if builder.use_flattening:
@@ -308,11 +313,15 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
         stock = "native"
     else:
         stock = "flattened"
-    # A native step may replay a FULL graph of a uniform key: decide from the
-    # key's facts only (no context length).
-    max_context = 0 if stock == "native" else int(cm.max_seq_len)
-    facts = StepFacts(rows=rows, requests=min(num_decodes, rows), max_run=max_run,
-                      uniform=uniform, max_context=max(0, max_context))
+    if stock == "native":
+        # A native step may replay a FULL graph of a uniform key: decide from
+        # the key's facts only -- padded rows and requests (0-token padding
+        # requests counted, as the key's request count does), no context length.
+        facts = StepFacts(rows=rows, requests=min(num_decodes, rows), max_run=max_run,
+                          uniform=uniform, max_context=0)
+    else:
+        facts = StepFacts.from_decode_lens(lens.tolist(), rows=rows,
+                                           max_context=max(0, int(cm.max_seq_len)))
     varlen = varlen_wins(facts, stock)
     return StepChoice(facts, stock, varlen, plan=varlen or stock == "flattened")
 

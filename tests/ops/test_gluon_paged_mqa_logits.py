@@ -1,0 +1,361 @@
+"""The sm_90 (Hopper) Gluon kernel and the launcher around both kernels.
+
+On the CPU: every kernel variant compiles (``triton.compile`` for an explicit
+GPU target, no GPU needed), the schedule's arithmetic covers every work item
+once, and the launcher's host logic (kernel choice, cached checks, pre-bound
+launches, precompile's contract).  Marked ``gpu``: the kernel against the
+reference on an sm_90 GPU (skipped elsewhere; Gluon does not run in Triton's
+interpreter).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_dsa_varlen.ops import precompile
+from vllm_dsa_varlen.ops import gluon_paged_mqa_logits as gk
+from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
+from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+POISON = float("nan")
+
+
+# ---------------------------------------------------------------- compiles (CPU)
+
+@pytest.fixture(scope="module")
+def compiled_variants():
+    """Every variant compiled by ``python -m vllm_dsa_varlen.ops.compile_check``
+    in a process without ``TRITON_INTERPRET`` (the interpreter replaces the JIT
+    functions that ``triton.compile`` needs), with this environment's Triton."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "vllm_dsa_varlen.ops.compile_check"],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=900)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return proc.returncode, rows[0], rows[1:]
+
+
+def test_every_variant_compiles(compiled_variants):
+    """The sm_90 kernel for H 32/64 and every ROWS_MAX a run-length hint can
+    pick, and the portable kernel for sm_89, sm_90, sm_100 and sm_120: all
+    build with this Triton; the sm_90 kernel has wgmma, TMA and the partitions'
+    register split, and no local memory."""
+    rc, head, rows = compiled_variants
+    failures = [r for r in rows if not r["ok"]]
+    assert not failures, failures
+    assert rc == 0
+    portable = {(r["heads"], r["arch"], r["pairs"]) for r in rows if r["kernel"] == "portable"}
+    assert portable == {(h, a, p) for h in (32, 64) for a in (89, 90, 100, 120) for p in (1, 2)}
+    if head["gluon"] != "ok":
+        pytest.skip(f"this Triton has no usable Gluon: {head['gluon']}")
+    sm90 = [r for r in rows if r["kernel"] == "sm90"]
+    assert {(r["heads"], r["rows_max"]) for r in sm90} == {(32, 4), (32, 8), (64, 2), (64, 4), (64, 8)}
+    for r in sm90:
+        assert r["wgmma"] and r["tma"] and r["setmaxnreg"] and not r["local"], r
+        assert r["shared"] <= 227 * 1024
+
+
+def test_per_step_integers_are_not_specialised():
+    """Row count, logits width and block-table width/stride change every step:
+    neither kernel may compile a variant per value."""
+    assert {"num_rows", "max_context_len", "bt_width", "stride_bt"} <= set(tk.PER_STEP_INTS)
+    assert "tiles_per_split" in tk.PER_STEP_INTS
+    assert {"num_rows", "max_context_len", "bt_width", "stride_bt"} <= set(gk.PER_STEP_INTS)
+    if gk.available() is None:
+        for fn, names in ((gk._varlen_logits_sm90, gk.PER_STEP_INTS),):
+            params = {p.name: p for p in fn.params}
+            assert all(params[n].do_not_specialize for n in names)
+
+
+# ---------------------------------------------------------------- schedule (CPU)
+
+def _step_ids(lens):
+    ids = []
+    for i, n in enumerate(lens):
+        ids += [i] * n
+    return ids
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_schedule_covers_every_item_once_and_splits_evenly(seed):
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 11, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()
+    ids = _step_ids(lens)
+    ctx = torch.randint(-3, 900, (len(ids),), generator=gen).tolist()
+    max_len, width, rows_max = 700, 9, [2, 4, 8][seed % 3]
+    programs = int(torch.randint(1, 300, (1,), generator=gen))
+    shares = gk.schedule_model(ids, ctx, max_len, width, rows_max, programs)
+    items = [it for share in shares for it in share]
+    assert len(items) == len(set(items))
+    # every run's every page, once per row chunk, with the run's KV clamped
+    want = set()
+    start = 0
+    for n in lens:
+        end = start + n - 1
+        kv = min(max(ctx[end], 0), max_len, width * 64)
+        want |= {(start, end, c, p) for c in range(0, n, rows_max) for p in range(-(-kv // 64))}
+        start = end + 1
+    assert set(items) == want
+    sizes = [len(s) for s in shares]
+    assert max(sizes) - min(sizes) <= 1
+    # each program's items are consecutive in run order
+    order = sorted(want)
+    for share in shares:
+        if share:
+            i = order.index(share[0])
+            assert order[i:i + len(share)] == share
+
+
+def test_rows_max_follows_the_hint_and_the_wgmma_group():
+    assert [gk.rows_max_for(64, n) for n in (1, 2, 3, 4, 5, 8, 12)] == [2, 2, 4, 4, 8, 8, 8]
+    assert [gk.rows_max_for(32, n) for n in (1, 2, 4, 5, 9)] == [4, 4, 4, 8, 8]
+    assert gk.variants(64) == [2, 4, 8] and gk.variants(32) == [4, 8]
+
+
+# ---------------------------------------------------------------- launcher (CPU)
+
+def _args(step):
+    rows = step.rows
+    return (step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1), rows.block_table,
+            rows.indices, step.max_context_len)
+
+
+def test_cpu_tensors_take_the_portable_kernel_and_sm90_is_refused():
+    step = make_decode_step([2, 1], [70, 20], heads=32)
+    assert tk.hopper_kernel_for(step.q, step.kv_cache, "auto") is None
+    assert tk.hopper_kernel_for(step.q, step.kv_cache, "portable") is None
+    with pytest.raises(RuntimeError, match="sm_90 kernel cannot run"):
+        tk.varlen_paged_mqa_logits(*_args(step), kernel="sm90")
+    with pytest.raises(ValueError, match="kernel"):
+        tk.varlen_paged_mqa_logits(*_args(step), kernel="fastest")
+    assert "not an sm_90 GPU" in gk.unsupported_reason(step.q, step.kv_cache) or gk.available()
+
+
+def test_auto_takes_sm90_where_it_measured_faster(monkeypatch):
+    """On Hopper, "auto" takes the sm_90 kernel for runs of up to 4 tokens and at
+    least 32 rows (the H200 table in BENCHMARKS.md), the portable kernel otherwise."""
+    assert tk.auto_takes_sm90(rows=256, max_run_len=4)
+    assert tk.auto_takes_sm90(rows=32, max_run_len=1)
+    assert not tk.auto_takes_sm90(rows=4, max_run_len=4)      # B1: launch-latency bound
+    assert not tk.auto_takes_sm90(rows=384, max_run_len=6)    # 8-row segments: slower
+    # Eager calls pay the sm_90 launch's host time: the portable kernel.
+    assert not tk.auto_takes_sm90(rows=256, max_run_len=4, capturing=False)
+    monkeypatch.setattr(tk, "HOPPER_AUTO", False)
+    assert not tk.auto_takes_sm90(rows=256, max_run_len=4)
+
+
+def test_layout_checks_run_once_per_shape_signature(monkeypatch):
+    step = make_decode_step([2, 1], [70, 20], heads=32)
+    calls = []
+    real = tk.check_varlen_inputs
+    monkeypatch.setattr(tk, "check_varlen_inputs", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(tk, "_CHECKED", {})
+    for _ in range(3):
+        tk.checked_layout(*_args(step))
+    assert len(calls) == 1
+    other = make_decode_step([3, 2], [90, 20], heads=32)
+    tk.checked_layout(*_args(other))
+    assert len(calls) == 2
+    # bad inputs are still refused, cached or not
+    args = list(_args(step))
+    args[2] = args[2].double()
+    with pytest.raises(ValueError, match="weights"):
+        tk.checked_layout(*args)
+    args = list(_args(step))
+    with pytest.raises(ValueError, match="max_context_len"):
+        tk.checked_layout(*args[:-1], 0)
+    buf = torch.zeros(args[5].numel() + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        tk.checked_layout(*args[:5], buf[1:], args[6])
+
+
+def test_prebound_launch_key_separates_specialisations():
+    """The cached compiled kernel is reused only for arguments Triton would
+    specialise the same way (integer == 1 / % 16, tensor 16-byte alignment)."""
+    a = torch.zeros(64, dtype=torch.float32)
+    assert tk._spec(a) == tk._spec(torch.zeros(8, dtype=torch.float32))
+    assert tk._spec(a) != tk._spec(a[1:])
+    assert tk._spec(a) != tk._spec(a.int())
+    assert tk._spec(32) == tk._spec(48) != tk._spec(33) != tk._spec(1)
+
+
+def test_precompile_needs_a_gpu():
+    with pytest.raises(ValueError, match="device"):
+        precompile(heads=64, device="cpu")
+
+
+# ---------------------------------------------------------------- GPU (sm_90)
+
+def _run(step, **kw):
+    rows = step.rows
+    out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
+    tk.varlen_paged_mqa_logits(*_args(step), out=out[: rows.num_rows], **kw)
+    return out
+
+
+def _check(step, out, rel_tol=1e-3):
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
+                               step.max_context_len, indices=rows.indices)
+    mask = valid_mask(ctx, step.max_context_len, rows.indices)
+    got = out[: rows.num_rows, : step.max_context_len]
+    assert torch.isfinite(got[mask]).all(), "a valid position was not written"
+    assert torch.isnan(got[~mask]).all(), "a position past the row's context was written"
+    assert torch.isnan(out[:, step.max_context_len:]).all(), "written past max_context_len"
+    assert torch.isnan(out[rows.num_rows:]).all(), "rows past R were written"
+    if mask.any():
+        err = (got[mask] - ref[mask]).norm() / ref[mask].norm().clamp_min(1e-30)
+        assert err < rel_tol, f"relative error {err:.2e}"
+    return mask
+
+
+def _compiled(fn):
+    return sum(len(c[0]) for c in fn.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_no_compile_after_precompile_for_new_step_sizes():
+    """After precompile, steps with new row counts, logits widths and block-table
+    widths compile nothing (the kernels' own caches do not grow), eager (the
+    portable kernel) or captured into a CUDA graph (where "auto" may take the
+    sm_90 kernel)."""
+    heads = 64
+    took = precompile(heads=heads, device="cuda")
+    assert took > 0
+    fns = [tk._varlen_paged_mqa_logits_kernel] + ([gk._varlen_logits_sm90] if HOPPER else [])
+    before = [_compiled(f) for f in fns]
+    for i, (reqs, tokens, ctx_len, width_pad) in enumerate(
+            [(3, 1, 300, 0), (17, 2, 5000, 3), (33, 3, 2000, 1), (5, 4, 9000, 7), (2, 8, 100, 2),
+             (129, 1, 70, 5)]):
+        step = random_decode_step(reqs, tokens, ctx_len, heads=heads, seed=i, device="cuda",
+                                  max_context_len=ctx_len * 2 + 17 * i)
+        rows = step.rows
+        bt = torch.cat([rows.block_table, torch.zeros((rows.num_rows, width_pad), dtype=torch.int32,
+                                                      device="cuda")], dim=1)
+        out = tk.varlen_paged_mqa_logits(step.q, step.kv_cache, step.weights,
+                                         rows.context_lens.view(-1, 1), bt, rows.indices,
+                                         step.max_context_len, max_run_len=tokens)
+        torch.cuda.synchronize()
+        mask = valid_mask(rows.context_lens.view(-1, 1), step.max_context_len, rows.indices)
+        ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights,
+                                   rows.context_lens.view(-1, 1), bt, step.max_context_len,
+                                   indices=rows.indices)
+        assert (out[mask] - ref[mask]).norm() / ref[mask].norm() < 1e-3
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = tk.varlen_paged_mqa_logits(step.q, step.kv_cache, step.weights,
+                                                  rows.context_lens.view(-1, 1), bt, rows.indices,
+                                                  step.max_context_len, max_run_len=tokens)
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (captured[mask] - ref[mask]).norm() / ref[mask].norm() < 1e-3
+    assert [_compiled(f) for f in fns] == before
+
+
+SMALL = {
+    # decode lens, seq lens, padding rows, heads
+    "runs_1_to_8_h32": ([1, 2, 3, 4, 5, 6, 7, 8], [65, 130, 3, 64, 200, 129, 70, 191], 0, 32),
+    "runs_1_to_8_h64": ([8, 7, 6, 5, 4, 3, 2, 1], [65, 130, 9, 64, 200, 129, 70, 191], 0, 64),
+    "shorter_than_a_page": ([1, 1, 3, 2], [1, 63, 5, 64], 0, 64),
+    "shorter_than_the_run": ([4, 8, 3], [2, 5, 1], 0, 64),
+    "graph_padding": ([2, 2, 2, 2], [90, 0, 150, 0], 3, 64),
+    "longer_than_rows_max": ([9, 12], [700, 3000], 0, 64),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("hint", [1, 4, 8])
+@pytest.mark.parametrize("name", list(SMALL))
+def test_sm90_matches_reference_small(name, hint):
+    lens, seqs, pad, heads = SMALL[name]
+    step = make_decode_step(lens, seqs, heads=heads, padding_rows=pad,
+                            max_context_len=max(seqs) + 11, seed=len(name) + hint, device="cuda")
+    _check(step, _run(step, kernel="sm90", max_run_len=hint))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", [(64, 4, 8192, None, 64), (64, 4, 8192, 0.7, 64),
+                                  (32, 2, 16384, None, 64), (96, 3, 4096, 0.5, 32),
+                                  (8, 8, 20000, 0.8, 64), (1, 4, 8192, None, 64)])
+def test_sm90_serving_sizes_repeatable(case):
+    num_reqs, tokens, context, acceptance, heads = case
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    step = random_decode_step(num_reqs, tokens, context, acceptance=acceptance, heads=heads,
+                              seed=seed, device="cuda")
+    hint = int(step.decode_lens.max())
+    first = _run(step, kernel="sm90", max_run_len=hint)
+    mask = _check(step, first)
+    r = step.num_rows
+    for _ in range(20):
+        again = _run(step, kernel="sm90", max_run_len=hint)
+        assert torch.equal(again[:r, : step.max_context_len][mask],
+                           first[:r, : step.max_context_len][mask]), "not bitwise repeatable"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_sm90_graph_replay_with_new_contents_and_compositions():
+    num_reqs, tokens, max_len = 24, 4, 6000
+    steps = [random_decode_step(num_reqs, tokens, 4000, acceptance=a, variable=v, heads=64, seed=s,
+                                device="cuda", max_context_len=max_len, extra_blocks=40)
+             for s, a, v in ((1, None, False), (2, 0.6, False), (3, None, True), (4, 0.3, False))]
+    cap = num_reqs * tokens
+    width = max(s.rows.block_table.shape[1] for s in steps)
+    q = torch.zeros((cap, 1, 64, 128), dtype=torch.float8_e4m3fn, device="cuda")
+    w = torch.zeros((cap, 64), device="cuda")
+    ctx = torch.zeros((cap, 1), dtype=torch.int32, device="cuda")
+    bt = torch.zeros((cap, width), dtype=torch.int32, device="cuda")
+    ids = torch.zeros(cap, dtype=torch.int32, device="cuda")
+    kv = torch.zeros((max(s.kv_cache.shape[0] for s in steps), *steps[0].kv_cache.shape[1:]),
+                     dtype=torch.uint8, device="cuda")
+    out = torch.empty((cap, max_len), device="cuda")
+
+    def load(step):
+        n = step.num_rows
+        q.zero_(); w.zero_(); ctx.zero_(); bt.zero_()
+        q[:n] = step.q; w[:n] = step.weights; ctx[:n, 0] = step.rows.context_lens
+        bt[:n, : step.rows.block_table.shape[1]] = step.rows.block_table
+        ids.copy_(torch.arange(cap, device="cuda", dtype=torch.int32) + 10**6)
+        ids[:n] = step.rows.indices
+        kv[: step.kv_cache.shape[0]].copy_(step.kv_cache)
+
+    def call(dst):
+        tk.varlen_paged_mqa_logits(q, kv, w, ctx, bt, ids, max_len, out=dst, max_run_len=tokens,
+                                   kernel="sm90")
+
+    load(steps[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call(out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(out)
+    for step in steps[1:] + steps[:1]:
+        load(step)
+        out.fill_(POISON)
+        graph.replay()
+        eager = torch.full_like(out, POISON)
+        call(eager)
+        torch.cuda.synchronize()
+        mask = valid_mask(ctx, max_len, ids)
+        assert torch.equal(out[mask], eager[mask])
+        assert torch.isnan(out[~mask]).all()
+        n = step.num_rows
+        ref = paged_mqa_logits_ref(q[:n], kv, w[:n], ctx[:n], bt[:n], max_len, indices=ids[:n])
+        m = mask[:n]
+        assert (out[:n][m] - ref[m]).norm() / ref[m].norm() < 1e-3
+
+

@@ -1,0 +1,110 @@
+"""The per-step choice :func:`vllm_dsa_varlen.policy.varlen_wins` and its step facts.
+
+The expectations below are written from the measured table as BENCHMARKS.md
+states it (Triton varlen beat DeepGEMM flattened from 64 requests with >= 3
+tokens; never measured faster than DeepGEMM's native two-token kernel) and
+from stock's split behaviour, independently of how :data:`policy.MEASURED`
+encodes them.
+"""
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from vllm_dsa_varlen import policy
+from vllm_dsa_varlen.policy import MEASURED, Rule, StepFacts, varlen_wins
+
+
+def _facts_by_hand(lens, rows=None, max_context=0):
+    real = [n for n in lens if n > 0]
+    return dict(rows=sum(lens) if rows is None else rows, requests=len(real),
+                max_run=max(real) if real else 0,
+                uniform=len(set(real)) <= 1, max_context=max_context)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_from_decode_lens_counts_requests_runs_and_uniformity(seed):
+    rng = random.Random(seed)
+    lens = [rng.randint(1, 4) for _ in range(rng.randint(0, 40))]
+    if rng.random() < 0.5 and lens:
+        lens = [lens[0]] * len(lens)
+    lens += [0] * rng.randint(0, 3)  # graph-padding requests are not requests
+    pad_rows = rng.randint(0, 5)
+    facts = StepFacts.from_decode_lens(lens, rows=sum(lens) + pad_rows, max_context=77)
+    want = _facts_by_hand(lens, sum(lens) + pad_rows, 77)
+    assert {k: getattr(facts, k) for k in want} == want
+    assert StepFacts.from_decode_lens(lens).rows == sum(lens)
+
+
+@pytest.mark.parametrize("kwargs,word", [
+    (dict(rows=-1, requests=0, max_run=0, uniform=True), "rows"),
+    (dict(rows=3, requests=4, max_run=1, uniform=True), "requests"),
+    (dict(rows=8, requests=2, max_run=0, uniform=True), "max_run"),
+    (dict(rows=8, requests=2, max_run=9, uniform=True), "max_run"),
+    (dict(rows=8, requests=2, max_run=4, uniform=True, max_context=-5), "max_context"),
+    (dict(rows=8.0, requests=2, max_run=4, uniform=True), "rows"),
+])
+def test_bad_facts_name_the_field(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        StepFacts(**kwargs)
+
+
+def test_bad_decode_lens_and_stock_kind_raise():
+    with pytest.raises(ValueError, match="decode_lens"):
+        StepFacts.from_decode_lens([2, -1])
+    with pytest.raises(ValueError, match="stock"):
+        varlen_wins(StepFacts.from_decode_lens([4] * 64), "padded")
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_measured_table_as_benchmarks_states_it(seed):
+    rng = random.Random(1000 + seed)
+    num = rng.choice([1, 2, 8, 63, 64, 65, 128, 256])
+    top = rng.randint(1, 4)
+    lens = [top] * num if rng.random() < 0.5 else [rng.randint(1, top) for _ in range(num)]
+    step = StepFacts.from_decode_lens(lens, max_context=rng.randint(0, 1 << 17))
+    # stock flattens: Triton varlen measured faster from 64 requests with >= 3 tokens
+    assert varlen_wins(step, "flattened") == (step.requests >= 64 and step.max_run >= 3)
+    # stock's native [B, next_n] kernel: never measured slower than varlen -> keep it
+    assert not varlen_wins(step, "native")
+    # stock would split: the tail would run as prefill -> varlen keeps them decodes
+    assert varlen_wins(step, "split")
+
+
+def test_empty_step_never_takes_varlen():
+    empty = StepFacts(rows=0, requests=0, max_run=0, uniform=True)
+    assert not any(varlen_wins(empty, kind) for kind in policy.STOCK_KINDS)
+
+
+def test_adding_requests_never_loses_a_win():
+    """Monotone in the batch: a step that wins keeps winning with more requests."""
+    for kind in policy.STOCK_KINDS:
+        for run in range(1, 5):
+            wins = [varlen_wins(StepFacts.from_decode_lens([run] * b), kind) for b in range(1, 300)]
+            assert wins == sorted(wins), (kind, run)
+
+
+def test_table_is_looked_up_at_call_time_and_can_be_given(monkeypatch):
+    step = StepFacts.from_decode_lens([3, 1, 2])
+    assert not varlen_wins(step, "flattened")
+    mine = (Rule("flattened", min_run=3),)
+    assert varlen_wins(step, "flattened", mine)
+    monkeypatch.setattr(policy, "MEASURED", mine)
+    assert varlen_wins(step, "flattened")
+    assert not varlen_wins(step, "flattened", ())
+
+
+def test_every_rule_names_a_stock_kind_and_says_why():
+    for rule in MEASURED:
+        assert rule.stock in policy.STOCK_KINDS and rule.note
+
+
+def test_policy_is_pure_python():
+    """No torch, no vLLM: the choice is made from host ints, never from tensors."""
+    code = ("import sys, vllm_dsa_varlen.policy; "
+            "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"

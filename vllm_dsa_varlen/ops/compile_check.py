@@ -1,0 +1,113 @@
+"""Compile the kernels for a GPU target without a GPU (``triton.compile`` with an
+explicit ``GPUTarget``): what the CPU tests use to prove every variant builds
+with the Triton installed.  Returns the compiled kernels (their ``asm`` holds
+TTGIR / PTX, ``n_regs`` is unset without a driver)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def _mangle(arg) -> str:
+    from triton.runtime.jit import mangle_type
+    return mangle_type(arg)
+
+
+def compile_gluon_sm90(heads: int, rows_max: int, stages: int | None = None, consumers: int | None = None,
+                       consumer_regs: int | None = None, maxnreg: int | None = None,
+                       direct_store: bool | None = None, arch: int = 90):
+    """The sm_90 Gluon kernel for ``heads`` and ``rows_max``, built for ``sm_<arch>``."""
+    from . import gluon_paged_mqa_logits as gk
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    rows, blocks, dim, page = 8, 4, gk.DIM, gk.PAGE
+    q = torch.empty((rows, 1, heads, dim), dtype=torch.float8_e4m3fn)
+    kv = torch.empty((blocks, page, 1, dim + 4), dtype=torch.uint8)
+    kv_desc, sc_desc, q_desc = gk.descriptors(q, kv)
+    sig = {
+        "kv_desc": _mangle(kv_desc), "sc_desc": _mangle(sc_desc), "q_desc": _mangle(q_desc),
+        "w_ptr": "*fp32", "ctx_ptr": "*i32", "bt_ptr": "*i32", "ids_ptr": "*i32", "out_ptr": "*fp32",
+        "num_rows": "i32", "max_context_len": "i32", "bt_width": "i32", "stride_w": "i32",
+        "stride_bt": "i32", "stride_out": "i32",
+        "H": "constexpr", "D": "constexpr", "PAGE": "constexpr", "ROWS_MAX": "constexpr",
+        "STAGES": "constexpr", "CONSUMERS": "constexpr", "CONSUMER_REGS": "constexpr",
+        "DIRECT_STORE": "constexpr",
+        "BLOCK_R": "constexpr", "num_warps": "constexpr",
+    }
+    consts = {"H": heads, "D": dim, "PAGE": page, "ROWS_MAX": rows_max,
+              "STAGES": stages or gk.STAGES, "CONSUMERS": consumers or gk.CONSUMERS,
+              "CONSUMER_REGS": consumer_regs or gk.CONSUMER_REGS,
+              "DIRECT_STORE": gk.DIRECT_STORE if direct_store is None else direct_store,
+              "BLOCK_R": gk.BLOCK_R, "num_warps": 4}
+    options = {"num_warps": 4}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    src = GluonASTSource(gk._varlen_logits_sm90, sig, consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_portable(arch: int, H: int, ROWS: int = 2, TILE_PAGES: int = 1, PER_ROW: bool = False,
+                     PAIRS: int = 1, D: int = 128, PAGE: int = 64, num_warps: int = 4,
+                     num_stages: int = 3):
+    """The portable kernel (one compile-time variant) built for ``sm_<arch>``.
+    Needs real JIT functions: run without ``TRITON_INTERPRET`` (see :func:`main`)."""
+    from . import triton_paged_mqa_logits as tk
+
+    fn = tk._varlen_paged_mqa_logits_kernel
+    ptr = {"q_ptr": "*fp8e4nv", "kv_ptr": "*u8", "w_ptr": "*fp32", "ctx_ptr": "*i32",
+           "bt_ptr": "*i32", "ids_ptr": "*i32", "out_ptr": "*fp32"}
+    sig = dict(ptr)
+    sig.update({n: "i32" for n in tk._PORTABLE_ARGS if n not in ptr})
+    consts = dict(H=H, D=D, PAGE=PAGE, ROWS=ROWS, TILE_PAGES=TILE_PAGES, PER_ROW=PER_ROW,
+                  PAIRS=PAIRS)
+    sig.update({k: "constexpr" for k in consts})
+    src = ASTSource(fn, sig, consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def main() -> int:
+    """Compile every variant a server can use and print one JSON line per kernel:
+    the sm_90 kernel for H 32/64 and every ROWS_MAX, the portable kernel for
+    sm_89, sm_90, sm_100 and sm_120.  Exit status 1 on any failure."""
+    import json
+    import os
+
+    from . import gluon_paged_mqa_logits as gk
+    from . import triton_paged_mqa_logits as tk
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("run without TRITON_INTERPRET=1 (the interpreter replaces the JIT)")
+    failed = 0
+    report = {"triton": triton.__version__, "gluon": gk.available() or "ok"}
+    print(json.dumps(report), flush=True)
+    jobs = []
+    if gk.available() is None:
+        jobs += [("sm90", h, r) for h in gk.HEADS for r in gk.variants(h, range(1, 17))]
+    jobs += [("portable", h, arch, v) for h in (32, 64) for arch in (89, 90, 100, 120)
+             for v in tk.portable_variants(h)]
+    for job in jobs:
+        row = {"kernel": job[0], "heads": job[1]}
+        try:
+            if job[0] == "sm90":
+                row["rows_max"] = job[2]
+                k = compile_gluon_sm90(job[1], job[2], maxnreg=gk.MAXNREG)
+            else:
+                row["arch"], row["pairs"] = job[2], job[3]["PAIRS"]
+                k = compile_portable(job[2], **job[3])
+            ptx = k.asm["ptx"]
+            row.update(ok=True, shared=k.metadata.shared, wgmma="wgmma.mma_async" in ptx,
+                       tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx,
+                       local=".local" in ptx)
+        except Exception as exc:  # noqa: BLE001 - report every failure, then fail
+            failed += 1
+            row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-2000:]}")
+        print(json.dumps(row), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

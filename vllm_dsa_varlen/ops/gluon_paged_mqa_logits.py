@@ -1,0 +1,614 @@
+"""Hopper (sm_90) varlen paged MQA logits in Triton Gluon.
+
+Same inputs, outputs and semantics as
+:func:`vllm_dsa_varlen.ops.triton_paged_mqa_logits.varlen_paged_mqa_logits`
+(see that module and :mod:`vllm_dsa_varlen.ops.reference`); the launcher there
+takes this kernel on sm_90 where it measured faster (``auto_takes_sm90``).
+
+Structure (one launch, graph safe, no host sync):
+
+* **Persistent grid**: ``CTAS_PER_SM`` programs per SM, whatever the batch.
+* **Device-side schedule**: every program scans the run ids and context
+  lengths (a prefix sum of each run's work items: pages x chunks of
+  ``ROWS_MAX`` query rows), takes an even share ``[c * T / n, (c + 1) * T / n)``
+  of the ``T`` items of the step, and walks the runs that share covers (a run
+  may be split between programs; each output element is written by exactly
+  one program, so results are bitwise repeatable).  :func:`schedule_model` is
+  the same arithmetic on the host, for tests.
+* **Warp specialisation**: a TMA warp, two math warpgroups taking alternate
+  items (setmaxnreg 232 / 24), an idle default partition.
+* **TMA** into a ``STAGES``-deep shared-memory ring with full/empty
+  mbarriers: a page's fp8 values through a 3-D descriptor over the fused cache
+  viewed as ``[blocks, page, D]`` (page id as coordinate, the cache's own page
+  stride), its ``page`` fp32 scales through a 2-D descriptor over the same
+  bytes viewed as ``[blocks, page * (D + 4) / 4]`` fp32; the segment's queries
+  (one ``[G, H, D]`` box per group of ``G = 128 // H`` rows) into a double
+  buffer released by both math warpgroups.
+* **wgmma** with the KV tokens on M (64 per page) and ``G`` query rows x ``H``
+  heads on N (= 128), A (the page) and B (the queries, K-major) from shared
+  memory.
+* **Epilogue in registers**: ``relu(acc) * w`` summed over each row's heads,
+  times the token's scale, stored where the row may look.
+
+Nothing here runs on the CPU interpreter: correctness is tested on the GPU,
+compilation for sm_90 on the CPU (``python -m vllm_dsa_varlen.ops.compile_check``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import triton
+
+logger = logging.getLogger(__name__)
+
+try:  # Gluon and its Hopper pieces; any gap leaves the portable kernel in charge
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # The TMA load is ``async_copy_global_to_shared`` on 3.6, ``async_load`` later.
+    _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared")
+    _MISSING = None
+except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the Triton
+    gluon = gl = None
+    _MISSING = f"{type(exc).__name__}: {exc}"
+
+PER_STEP_INTS = ("num_rows", "max_context_len", "bt_width", "stride_bt")  # never specialised
+HEADS = (32, 64)
+DIM = 128
+PAGE = 64
+MMA_N = 128          # query rows x heads per wgmma
+BLOCK_R = 1024       # rows scanned per step of the schedule pass
+CTAS_PER_SM = 1
+STAGES = 6
+CONSUMERS = 2
+CONSUMER_REGS = 232
+MAXNREG = 128
+DIRECT_STORE = False
+
+
+def available() -> str | None:
+    """``None`` when this Triton has every Gluon piece the kernel uses, else why not."""
+    return _MISSING
+
+
+if _MISSING is None:
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _seg_pages(ids_ptr, ctx_ptr, r, num_rows, kv_cap, run_first,
+                   PAGE: gl.constexpr, ROWS_MAX: gl.constexpr):
+        """Work items (pages x row chunks of ``ROWS_MAX``) of the run ending at
+        each row of ``r``, 0 for rows that end no run; ``run_first`` is each
+        row's run's first row (carried across blocks of rows by the caller)."""
+        ok = r < num_rows
+        idr = gl.load(ids_ptr + r, mask=ok, other=0)
+        idn = gl.load(ids_ptr + r + 1, mask=(r + 1) < num_rows, other=0)
+        end = ok & (((r + 1) >= num_rows) | (idn != idr))
+        kv = gl.load(ctx_ptr + r, mask=end, other=0)
+        kv = gl.minimum(gl.maximum(kv, 0), kv_cap)
+        chunks = (r - run_first + ROWS_MAX) // ROWS_MAX
+        return gl.where(end, (kv + PAGE - 1) // PAGE * chunks, 0), end
+
+    @gluon.jit
+    def _max(a, b):
+        return gl.maximum(a, b)
+
+    @gluon.jit
+    def _run_first(ids_ptr, r, num_rows, carry):
+        """First row of each row's run (``carry``: the last block's answer for
+        its last row, -1 before the first block)."""
+        ok = r < num_rows
+        idr = gl.load(ids_ptr + r, mask=ok, other=0)
+        idp = gl.load(ids_ptr + r - 1, mask=ok & (r > 0), other=0)
+        starts = gl.where(ok & ((r == 0) | (idp != idr)), r, -1)
+        return gl.maximum(gl.associative_scan(starts, 0, _max), carry)
+
+    @gluon.jit
+    def _run_at(ids_ptr, ctx_ptr, start, num_rows, kv_cap, PAGE: gl.constexpr, NW: gl.constexpr):
+        """The run starting at row ``start``: (last row, KV length, pages).
+        Reads the ids 32 rows at a time (one load latency for runs up to 32 rows)."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        offs = gl.arange(0, 32, layout=lay)
+        rid = gl.load(ids_ptr + start)
+        base = start + 1
+        win = gl.load(ids_ptr + base + offs, mask=base + offs < num_rows, other=rid + 1)
+        diff = gl.min(gl.where(win != rid, offs, 32), axis=0)
+        while diff == 32:
+            base += 32
+            win = gl.load(ids_ptr + base + offs, mask=base + offs < num_rows, other=rid + 1)
+            diff = gl.min(gl.where(win != rid, offs, 32), axis=0)
+        end = base + diff - 1
+        kv = gl.minimum(gl.maximum(gl.load(ctx_ptr + end), 0), kv_cap)
+        return end, kv, (kv + PAGE - 1) // PAGE
+
+    @gluon.jit
+    def _next_run(ids_ptr, ctx_ptr, end, num_rows, kv_cap, PAGE: gl.constexpr, NW: gl.constexpr):
+        """The first run with pages after the run ending at row ``end``:
+        (first row, last row, KV length, pages)."""
+        start = end + 1
+        end, kv, pages = _run_at(ids_ptr, ctx_ptr, start, num_rows, kv_cap, PAGE, NW)
+        while pages == 0:
+            start = end + 1
+            end, kv, pages = _run_at(ids_ptr, ctx_ptr, start, num_rows, kv_cap, PAGE, NW)
+        return start, end, kv, pages
+
+    @gluon.jit
+    def _my_share(ids_ptr, ctx_ptr, num_rows, kv_cap, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr,
+                  BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
+        """This program's work items: (count, last row of the first run, item
+        offset in that run).  Two passes over the ids: the step's total, then
+        the run holding this program's first item."""
+        layout: gl.constexpr = gl.BlockedLayout([BLOCK_R // (32 * num_warps)], [32], [num_warps], [0])
+        offs = gl.arange(0, BLOCK_R, layout=layout)
+        total = 0
+        first = -1
+        for base in range(0, num_rows, BLOCK_R):
+            rf = _run_first(ids_ptr, base + offs, num_rows, first)
+            items, _ = _seg_pages(ids_ptr, ctx_ptr, base + offs, num_rows, kv_cap, rf, PAGE, ROWS_MAX)
+            total += gl.sum(items, axis=0)
+            first = gl.max(rf, axis=0)
+        cta = gl.program_id(0)
+        n = gl.num_programs(0)
+        lo = (cta.to(gl.int64) * total // n).to(gl.int32)
+        hi = ((cta.to(gl.int64) + 1) * total // n).to(gl.int32)
+        first_end = num_rows
+        first_off = 0
+        if hi > lo:
+            carry = 0
+            first = -1
+            for base in range(0, num_rows, BLOCK_R):
+                r = base + offs
+                rf = _run_first(ids_ptr, r, num_rows, first)
+                items, end = _seg_pages(ids_ptr, ctx_ptr, r, num_rows, kv_cap, rf, PAGE, ROWS_MAX)
+                cum = gl.associative_scan(items, 0, _add) + carry
+                hit = end & (cum > lo) & (r < first_end)
+                e = gl.min(gl.where(hit, r, num_rows), axis=0)
+                if e < first_end:
+                    first_end = e
+                    first_off = lo - gl.sum(gl.where(r == e, cum - items, 0), axis=0)
+                carry += gl.sum(items, axis=0)
+                first = gl.max(rf, axis=0)
+        return hi - lo, first_end, first_off
+
+    @gluon.jit
+    def _cursor_init(ids_ptr, ctx_ptr, first_end, first_off, kv_cap, PAGE: gl.constexpr,
+                     ROWS_MAX: gl.constexpr, NW: gl.constexpr):
+        """Cursor (first row, last row, KV length, pages, row chunk, page) at
+        item ``first_off`` of the run ending at row ``first_end``."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        offs = gl.arange(0, 32, layout=lay)
+        rid = gl.load(ids_ptr + first_end)
+        kv = gl.minimum(gl.maximum(gl.load(ctx_ptr + first_end), 0), kv_cap)
+        top = first_end - 1                      # rows top, top - 1, ... top - 31
+        win = gl.load(ids_ptr + top - offs, mask=top - offs >= 0, other=rid + 1)
+        diff = gl.min(gl.where(win != rid, offs, 32), axis=0)
+        while diff == 32:
+            top -= 32
+            win = gl.load(ids_ptr + top - offs, mask=top - offs >= 0, other=rid + 1)
+            diff = gl.min(gl.where(win != rid, offs, 32), axis=0)
+        start = top - diff + 1
+        pages = (kv + PAGE - 1) // PAGE
+        return start, first_end, kv, pages, first_off // pages * ROWS_MAX, first_off % pages
+
+    @gluon.jit
+    def _cursor_step(ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
+                     q_empty, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr, RELEASE: gl.constexpr,
+                     NW: gl.constexpr):
+        """Advance a cursor by one work item; a new segment (run x row chunk)
+        bumps ``seg`` (and, with ``RELEASE``, frees the old segment's queries)."""
+        pg += 1
+        if pg == pages:
+            pg = 0
+            chunk += ROWS_MAX
+            if start + chunk > end:
+                start, end, kv, pages = _next_run(ids_ptr, ctx_ptr, end, num_rows, kv_cap, PAGE, NW)
+                chunk = 0
+            if RELEASE:
+                mbarrier.arrive(q_empty.index(seg % 2), count=1)
+            seg += 1
+        return start, end, kv, pages, chunk, pg, seg
+
+    @gluon.jit
+    def _producer(kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows, kv_cap, stride_bt,
+                  n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
+                  q_empty, started, PAGE: gl.constexpr, D: gl.constexpr, ROWS_MAX: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """TMA warp: the run's query rows once per segment, then every page."""
+        _all_started(started)
+        G: gl.constexpr = q_desc.block_type.shape[0]
+        NG: gl.constexpr = ROWS_MAX // G
+        SCALE_COL: gl.constexpr = PAGE * D // 4
+        start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
+                                                        kv_cap, PAGE, ROWS_MAX, 1)
+        seg = 0
+        loaded = -1
+        # Block ids come 32 pages at a time, the next 32 prefetched, so no TMA
+        # issue waits on a dependent block-table load inside a segment.
+        bt_lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        offs_b = gl.arange(0, 32, layout=bt_lay)
+        bt_seg = -1
+        bt_base = 0
+        blocks = gl.zeros([32], gl.int32, bt_lay)
+        blocks_next = gl.zeros([32], gl.int32, bt_lay)
+        for i in range(n_items):
+            if i > 0:
+                start, end, kv, pages, chunk, pg, seg = _cursor_step(
+                    ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
+                    q_empty, PAGE, ROWS_MAX, False, 1)
+            if seg != loaded:
+                qb = seg % 2
+                mbarrier.wait(q_empty.index(qb), ((seg // 2) & 1) ^ 1)
+                mbarrier.expect(q_full.index(qb), NG * q_desc.block_type.nbytes)
+                for g in gl.static_range(NG):
+                    _tma_load(q_desc, [start + chunk + g * G, 0, 0], q_full.index(qb),
+                              q_smem.index(qb * NG + g))
+                loaded = seg
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            if bt_seg != seg:
+                bt_seg = seg
+                bt_base = pg
+                row_bt = bt_ptr + start.to(gl.int64) * stride_bt
+                blocks = gl.load(row_bt + pg + offs_b, mask=pg + offs_b < pages, other=0)
+                blocks_next = gl.load(row_bt + pg + 32 + offs_b, mask=pg + 32 + offs_b < pages,
+                                      other=0)
+            elif pg - bt_base >= 32:
+                bt_base += 32
+                blocks = blocks_next
+                row_bt = bt_ptr + start.to(gl.int64) * stride_bt
+                blocks_next = gl.load(row_bt + bt_base + 32 + offs_b,
+                                      mask=bt_base + 32 + offs_b < pages, other=0)
+            block = gl.sum(gl.where(offs_b == pg - bt_base, blocks, 0), axis=0)
+            mbarrier.expect(full.index(slot), kv_desc.block_type.nbytes + sc_desc.block_type.nbytes)
+            _tma_load(kv_desc, [block, 0, 0], full.index(slot), kv_smem.index(slot))
+            _tma_load(sc_desc, [block, SCALE_COL], full.index(slot), sc_smem.index(slot))
+
+    @gluon.jit
+    def _load_w(w_ptr, stride_w, row_g, end, N: gl.constexpr, H: gl.constexpr,
+                col_layout: gl.constexpr):
+        """Weights of rows ``row_g ..`` in the accumulator's column layout (0 past the run)."""
+        offs_n = gl.arange(0, N, layout=col_layout)
+        w_row = row_g + offs_n // H
+        return gl.load(w_ptr + w_row.to(gl.int64) * stride_w + offs_n % H, mask=w_row <= end,
+                       other=0.0)
+
+    @gluon.jit
+    def _epilogue(acc, w, ctx_ptr, out_ptr, stride_out, row_g, end, kv, scale, cols,
+                  G: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr, DIRECT_STORE: gl.constexpr):
+        """relu(acc) * w summed over each row's heads, times the token scale,
+        stored where the row may look."""
+        sw = gl.maximum(acc, 0.0) * gl.expand_dims(w, 0)
+        logit = gl.sum(gl.reshape(sw, [PAGE, G, H]), axis=2)              # [PAGE, G]
+        if DIRECT_STORE:  # store from the reduction's own layout (no shared-memory shuffle)
+            lay: gl.constexpr = logit.type.layout
+            scale = gl.convert_layout(scale, gl.SliceLayout(1, lay))
+        else:
+            lay: gl.constexpr = gl.BlockedLayout([PAGE * G // 128, 1], [32 // G, G], [4, 1], [0, 1])
+            logit = gl.convert_layout(logit, lay)
+        offs_t = gl.arange(0, PAGE, layout=gl.SliceLayout(1, lay))
+        offs_g = gl.arange(0, G, layout=gl.SliceLayout(0, lay))
+        logit = logit * gl.expand_dims(scale, 1)
+        rows = row_g + offs_g
+        r_ok = rows <= end
+        r_ctx = gl.load(ctx_ptr + rows, mask=r_ok, other=0)
+        r_lim = gl.where(r_ok, gl.minimum(r_ctx, kv), 0)
+        c = cols + offs_t
+        keep = gl.expand_dims(c, 1) < gl.expand_dims(r_lim, 0)
+        ptrs = out_ptr + gl.expand_dims(rows.to(gl.int64) * stride_out, 0) + gl.expand_dims(c, 1)
+        gl.store(ptrs, logit, mask=keep)
+
+    @gluon.jit
+    def _pair(kv_tile, q_smem, qi, zero, wa, wb, ctx_ptr, out_ptr, stride_out, row0, end, kv, scale,
+              cols, G: gl.constexpr, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+              DIRECT_STORE: gl.constexpr):
+        """Row groups ``qi`` and ``qi + 1`` (rows ``row0 ..``) against one page."""
+        N: gl.constexpr = G * H
+        qa = q_smem.index(qi).reshape([N, D]).permute((1, 0))
+        acc0 = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
+        qc = q_smem.index(qi + 1).reshape([N, D]).permute((1, 0))
+        acc1 = warpgroup_mma(kv_tile, qc, zero, use_acc=False, is_async=True)
+        r0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
+        _epilogue(r0, wa, ctx_ptr, out_ptr, stride_out, row0, end, kv, scale, cols, G, H, PAGE,
+                  DIRECT_STORE)
+        r1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
+        _epilogue(r1, wb, ctx_ptr, out_ptr, stride_out, row0 + G, end, kv, scale, cols, G, H, PAGE,
+                  DIRECT_STORE)
+
+    @gluon.jit
+    def _single(kv_tile, q_smem, qi, zero, w, ctx_ptr, out_ptr, stride_out, row0, end, kv, scale,
+                cols, G: gl.constexpr, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+                DIRECT_STORE: gl.constexpr):
+        """Row group ``qi`` (rows ``row0 ..``) against one page."""
+        N: gl.constexpr = G * H
+        qa = q_smem.index(qi).reshape([N, D]).permute((1, 0))
+        acc = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
+        r = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _epilogue(r, w, ctx_ptr, out_ptr, stride_out, row0, end, kv, scale, cols, G, H, PAGE,
+                  DIRECT_STORE)
+
+    @gluon.jit
+    def _consumer(w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w, stride_out,
+                  n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
+                  q_empty, started, WHICH: gl.constexpr, CONSUMERS: gl.constexpr, H: gl.constexpr,
+                  D: gl.constexpr, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr, G: gl.constexpr,
+                  STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr):
+        """A math warpgroup: items WHICH, WHICH + CONSUMERS, ...: wgmma of the
+        page against each row group's queries, epilogue, store."""
+        N: gl.constexpr = G * H
+        NG: gl.constexpr = ROWS_MAX // G
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
+        sc_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0])
+        tok_layout: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([PAGE * G // 128, 1], [32 // G, G], [4, 1], [0, 1]))
+        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        W_REGS: gl.constexpr = NG <= 2
+        zero = gl.zeros([PAGE, N], gl.float32, mma_layout)
+        w0 = gl.zeros([N], gl.float32, col_layout)
+        w1 = gl.zeros([N], gl.float32, col_layout)
+        w_seg = -1
+        _all_started(started)
+        start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
+                                                        kv_cap, PAGE, ROWS_MAX, 4)
+        seg = 0
+        for _w in gl.static_range(WHICH):
+            if WHICH < n_items:
+                start, end, kv, pages, chunk, pg, seg = _cursor_step(
+                    ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
+                    q_empty, PAGE, ROWS_MAX, True, 4)
+        for i in range(WHICH, n_items, CONSUMERS):
+            if i > WHICH:
+                for _c in gl.static_range(CONSUMERS):
+                    start, end, kv, pages, chunk, pg, seg = _cursor_step(
+                        ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
+                        q_empty, PAGE, ROWS_MAX, True, 4)
+            slot = i % STAGES
+            qb = seg % 2
+            mbarrier.wait(q_full.index(qb), (seg // 2) & 1)
+            mbarrier.wait(full.index(slot), (i // STAGES) & 1)
+            kv_tile = kv_smem.index(slot).reshape([PAGE, D])
+            scale = gl.convert_layout(gl.reshape(sc_smem.index(slot).load(sc_layout), [PAGE]), tok_layout)
+            row0 = start + chunk
+            cols = pg * PAGE
+            # Row groups in pairs (the second group's wgmma runs under the first's
+            # epilogue), then a lone last group.  Loops, not branches, around the
+            # wgmmas: Triton 3.6 fails to lower a wgmma under an scf.if here.
+            if W_REGS:  # the segment's weights stay in registers (NG <= 2)
+                if w_seg != seg:
+                    w0 = _load_w(w_ptr, stride_w, row0, end, N, H, col_layout)
+                    if NG == 2:
+                        w1 = _load_w(w_ptr, stride_w, row0 + G, end, N, H, col_layout)
+                    w_seg = seg
+            # Every row group of the segment's buffer, unconditionally: straight-line
+            # wgmmas with fixed buffer indices (rows past the run are computed on
+            # whatever the box holds and never stored).  A wgmma under a runtime
+            # branch does not lower on Triton 3.6, and 0/1-trip loops around them
+            # were seen to fault on the GPU (docs/kernel-notes.md).
+            if NG == 1:
+                _single(kv_tile, q_smem, qb * NG, zero, w0, ctx_ptr, out_ptr, stride_out,
+                        row0, end, kv, scale, cols, G, H, D, PAGE, DIRECT_STORE)
+            elif NG == 2:
+                _pair(kv_tile, q_smem, qb * NG, zero, w0, w1, ctx_ptr, out_ptr, stride_out,
+                      row0, end, kv, scale, cols, G, H, D, PAGE, DIRECT_STORE)
+            else:
+                for p in gl.static_range(NG // 2):
+                    wa = _load_w(w_ptr, stride_w, row0 + 2 * p * G, end, N, H, col_layout)
+                    wb = _load_w(w_ptr, stride_w, row0 + (2 * p + 1) * G, end, N, H, col_layout)
+                    _pair(kv_tile, q_smem, qb * NG + 2 * p, zero, wa, wb, ctx_ptr, out_ptr,
+                          stride_out, row0 + 2 * p * G, end, kv, scale, cols, G, H, D, PAGE,
+                          DIRECT_STORE)
+            fence_async_shared()
+            mbarrier.arrive(empty.index(slot), count=1)
+
+    @gluon.jit
+    def _idle():
+        pass
+
+    @gluon.jit
+    def _all_started(started):
+        """Every worker partition checks in before any does work: a partition
+        that runs ahead could otherwise reuse scratch shared memory still holding
+        another partition's captured arguments (seen on Triton 3.6 as bad
+        pointers in the second math warpgroup)."""
+        mbarrier.arrive(started, count=1)
+        mbarrier.wait(started, 0)
+
+    @gluon.jit(do_not_specialize=PER_STEP_INTS)
+    def _varlen_logits_sm90(
+        kv_desc, sc_desc, q_desc, w_ptr, ctx_ptr, bt_ptr, ids_ptr, out_ptr,
+        num_rows, max_context_len, bt_width, stride_w, stride_bt, stride_out,
+        H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        DIRECT_STORE: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        G: gl.constexpr = q_desc.block_type.shape[0]      # query rows per wgmma
+        NG: gl.constexpr = ROWS_MAX // G                  # row groups per segment
+        gl.static_assert(NG * G == ROWS_MAX)
+        kv_cap = gl.minimum(max_context_len, bt_width * PAGE)
+        n_items, first_end, first_off = _my_share(ids_ptr, ctx_ptr, num_rows, kv_cap, PAGE,
+                                                  ROWS_MAX, BLOCK_R, num_warps)
+        if n_items > 0:
+            kv_smem = gl.allocate_shared_memory(kv_desc.dtype, [STAGES] + kv_desc.block_type.shape,
+                                                kv_desc.layout)
+            sc_smem = gl.allocate_shared_memory(sc_desc.dtype, [STAGES] + sc_desc.block_type.shape,
+                                                sc_desc.layout)
+            q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * NG] + q_desc.block_type.shape,
+                                               q_desc.layout)
+            full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(full.index(s), count=1)
+                mbarrier.init(empty.index(s), count=1)
+            for s in gl.static_range(2):
+                mbarrier.init(q_full.index(s), count=1)
+                mbarrier.init(q_empty.index(s), count=CONSUMERS)
+            started = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(started, count=CONSUMERS + 1)
+            fence_async_shared()
+            # The default partition stays idle: every role runs in a worker
+            # partition (work in the default partition was seen to corrupt the
+            # workers' captured arguments on Triton 3.6).
+            if CONSUMERS == 2:
+                gl.warp_specialize([
+                    (_idle, ()),
+                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
+                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
+                                 full, empty, q_full, q_empty, started, 0, 2, H, D, PAGE, ROWS_MAX, G,
+                                 STAGES, DIRECT_STORE)),
+                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
+                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
+                                 full, empty, q_full, q_empty, started, 1, 2, H, D, PAGE, ROWS_MAX, G,
+                                 STAGES, DIRECT_STORE)),
+                    (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
+                                 kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
+                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES)),
+                ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+            else:
+                gl.warp_specialize([
+                    (_idle, ()),
+                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
+                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
+                                 full, empty, q_full, q_empty, started, 0, 1, H, D, PAGE, ROWS_MAX, G,
+                                 STAGES, DIRECT_STORE)),
+                    (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
+                                 kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
+                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES)),
+                ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# ----------------------------------------------------------------------- host
+
+
+def layouts(heads: int):
+    """Shared-memory layouts of the three TMA boxes (page values, page scales,
+    one query group)."""
+    kv = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+    sc = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    q = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+    return kv, sc, q
+
+
+def rows_per_mma(heads: int) -> int:
+    return MMA_N // heads
+
+
+def descriptors(q, kv_cache):
+    """TMA descriptors over the fused cache (values, scales) and the queries."""
+    rows, _, heads, dim = q.shape
+    blocks, page = kv_cache.shape[0], kv_cache.shape[1]
+    stride_b = kv_cache.stride(0)
+    kv_l, sc_l, q_l = layouts(heads)
+    values = kv_cache.view(torch.float8_e4m3fn)
+    kv_desc = TensorDescriptor(values, [blocks, page, dim], [stride_b, dim, 1], [1, page, dim], kv_l)
+    words = kv_cache.view(torch.float32)  # [blocks, page, 1, (D + 4) / 4]
+    sc_desc = TensorDescriptor(words, [blocks, page * (dim + 4) // 4], [stride_b // 4, 1], [1, page],
+                               sc_l)
+    g = rows_per_mma(heads)
+    q3 = q.view(torch.float8_e4m3fn)
+    q_desc = TensorDescriptor(q3, [rows, heads, dim], [q.stride(0), dim, 1], [g, heads, dim], q_l)
+    return kv_desc, sc_desc, q_desc
+
+
+def unsupported_reason(q, kv_cache) -> str | None:
+    """Why the sm_90 path cannot take these tensors (``None``: it can)."""
+    if _MISSING is not None:
+        return f"Triton {triton.__version__} lacks a Gluon piece ({_MISSING})"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "not an sm_90 GPU"
+    if q.shape[2] not in HEADS or q.shape[3] != DIM or kv_cache.shape[1] != PAGE:
+        return f"shape outside H {HEADS}, D {DIM}, page {PAGE}"
+    if kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
+        return "cache page stride or base not 16-byte aligned (TMA)"
+    if q.stride(0) % 16 or q.data_ptr() % 16:
+        return "query row stride or base not 16-byte aligned (TMA)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def rows_max_for(heads: int, max_run_len: int) -> int:
+    """Query rows held per segment, from the host's longest-run hint: the
+    smallest of 2, 4, 8 (at least one wgmma group) covering it.  Longer runs
+    are split into chunks of this many rows (each chunk re-reads the pages)."""
+    g = rows_per_mma(heads)
+    for rows in (2, 4, 8):
+        if rows >= g and rows >= max_run_len:
+            return rows
+    return 8
+
+
+def variants(heads: int, max_run_lens=(1, 2, 4, 8)) -> list[int]:
+    """``ROWS_MAX`` values a server with these run-length hints compiles."""
+    return sorted({rows_max_for(heads, n) for n in max_run_lens})
+
+
+_ARGS = ("kv_desc", "sc_desc", "q_desc", "w_ptr", "ctx_ptr", "bt_ptr", "ids_ptr", "out_ptr",
+         "num_rows", "max_context_len", "bt_width", "stride_w", "stride_bt", "stride_out")
+
+
+def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
+           rows_max: int = 4, stages: int = STAGES, ctas_per_sm: int = CTAS_PER_SM,
+           consumers: int = CONSUMERS, consumer_regs: int = CONSUMER_REGS, maxnreg: int | None = MAXNREG,
+           direct_store: bool = DIRECT_STORE):
+    """Launch the sm_90 kernel on checked inputs (see the portable launcher);
+    the grid depends on the GPU alone."""
+    from .triton_paged_mqa_logits import launch_bound
+
+    rows, _, heads, dim = q.shape
+    if rows_max % rows_per_mma(heads) or rows_max not in (2, 4, 8):
+        raise ValueError(f"rows_max: expected 2, 4 or 8 and a multiple of {rows_per_mma(heads)} "
+                         f"(query rows per wgmma at H {heads}), got {rows_max}")
+    kv_desc, sc_desc, q_desc = descriptors(q, kv_cache)
+    grid = (_num_sms(q.device.index or 0) * ctas_per_sm,)
+    args = (kv_desc, sc_desc, q_desc, weights, context_lens, block_table, indices, out,
+            rows, max_context_len, block_table.shape[1],
+            weights.stride(0), block_table.stride(0), out.stride(0))
+    constexprs = dict(H=heads, D=dim, PAGE=kv_cache.shape[1], ROWS_MAX=rows_max, STAGES=stages,
+                      CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
+                      DIRECT_STORE=bool(direct_store), BLOCK_R=BLOCK_R, num_warps=4)
+    options = {} if maxnreg is None else {"maxnreg": maxnreg}
+    return launch_bound(_varlen_logits_sm90, grid, args, constexprs, options, set(PER_STEP_INTS),
+                        _ARGS)
+
+
+def schedule_model(indices, context_lens, max_context_len: int, bt_width: int, rows_max: int,
+                   num_programs: int, page: int = PAGE) -> list[list[tuple[int, int, int, int]]]:
+    """Host mirror of the kernel's device-side schedule, for tests: each
+    program's work items as ``(run first row, run last row, row chunk, page)``.
+
+    Items are every page of every row chunk (``rows_max`` rows) of every run;
+    program ``c`` of ``n`` takes items ``[c * T // n, (c + 1) * T // n)`` of
+    the ``T`` in run order.  Same arithmetic as ``_my_share`` / ``_cursor_*``
+    (a run's KV length is its last row's context, clamped to ``[0,
+    min(max_context_len, bt_width * page)]``)."""
+    ids = [int(x) for x in indices]
+    ctx = [int(x) for x in context_lens]
+    cap = min(max_context_len, bt_width * page)
+    runs = []
+    r = 0
+    while r < len(ids):
+        e = r
+        while e + 1 < len(ids) and ids[e + 1] == ids[r]:
+            e += 1
+        kv = min(max(ctx[e], 0), cap)
+        pages = -(-kv // page)
+        for chunk in range(0, e - r + 1, rows_max):
+            for pg in range(pages):
+                runs.append((r, e, chunk, pg))
+        r = e + 1
+    total = len(runs)
+    return [runs[c * total // num_programs:(c + 1) * total // num_programs]
+            for c in range(num_programs)]
