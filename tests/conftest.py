@@ -2,18 +2,64 @@
 
 Without a CUDA GPU the Triton kernels run in Triton's interpreter: the variable
 must be set before ``triton`` is first imported, so it is set here.
+
+Test modules written against one vLLM line (``LINE_TESTS``) are skipped, with
+the reason, before they are imported when another line (or no vLLM) is
+installed, so ``python -m pytest tests`` passes in either environment.
 """
 
 import os
+import pathlib
 
 import pytest
 import torch
+
+from vllm_dsa_varlen.patches import installed_line
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HAS_FP8_GPU = HAS_CUDA and torch.cuda.get_device_capability() >= (8, 9)
+
+
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+VLLM_LINE = installed_line()  # "0.27" | "0.33" | other | None
+
+# vLLM line -> the test modules / folders (first path part under tests/) that need it.
+LINE_TESTS = {
+    "0.27": ("vllm_0_27", "test_builder_equivalence.py", "test_robustness.py"),
+    "0.33": ("vllm_0_33",),
+}
+
+
+def needed_line(path: pathlib.Path) -> str | None:
+    """The vLLM line the test module at ``path`` is written against, if any."""
+    try:
+        first = pathlib.Path(path).resolve().relative_to(TESTS_DIR).parts[0]
+    except (ValueError, IndexError):
+        return None
+    return next((line for line, names in LINE_TESTS.items() if first in names), None)
+
+
+class _OtherLineModule(pytest.Module):
+    """A test module of another vLLM line: collected as one skip, never imported."""
+
+    skip_reason = ""
+
+    def collect(self):
+        pytest.skip(self.skip_reason, allow_module_level=True)
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    line = needed_line(module_path)
+    if line is None or line == VLLM_LINE:
+        return None
+    node = _OtherLineModule.from_parent(parent, path=module_path)
+    node.skip_reason = (f"{pathlib.Path(module_path).name} is written against vLLM {line}.x; "
+                        f"installed: "
+                        f"{'vLLM ' + VLLM_LINE + '.x' if VLLM_LINE else 'no vLLM'}")
+    return node
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,9 +94,10 @@ def plugin_log(monkeypatch):
     import importlib.util
     import logging
 
-    if importlib.util.find_spec("vllm") is not None:  # the builder patch imports vLLM
-        from vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla import indexer as ours
-
+    builder_patch = {"0.27": "vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla.indexer",
+                     "0.33": "vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla.indexer"}
+    if importlib.util.find_spec("vllm") is not None and VLLM_LINE in builder_patch:
+        ours = importlib.import_module(builder_patch[VLLM_LINE])  # imports vLLM
         monkeypatch.setattr(ours, "_logged", set())
     records = []
 

@@ -1,4 +1,10 @@
-"""The patch registry: apply / undo / idempotence, and the plugin entry point."""
+"""The patch registry: lines, apply / undo / idempotence, and the plugin entry point.
+
+Runs against whichever vLLM line is installed (0.27 or 0.33): ``LINE_PATCHES``
+is that line's patch set, and every test applies, undoes and inspects it.
+Version dispatch in ``register()`` is checked for every line without applying
+another line's patches to the installed vLLM.
+"""
 
 import importlib
 import logging
@@ -11,6 +17,11 @@ pytest.importorskip("vllm")
 
 import vllm_dsa_varlen  # noqa: E402
 from vllm_dsa_varlen import config, patches  # noqa: E402
+
+LINE = patches.installed_line()
+if LINE not in patches.LINES:
+    pytest.skip(f"installed vLLM line {LINE} has no patch set", allow_module_level=True)
+LINE_PATCHES = patches.for_line(LINE)
 
 
 @pytest.fixture(autouse=True)
@@ -31,28 +42,66 @@ def _owner(patch):
 def _snapshot():
     """The raw stored value (or absence) of every patched attribute."""
     out = {}
-    for patch in patches.PATCHES:
+    for patch in LINE_PATCHES:
         owner, name = _owner(patch)
         out[patch.key] = vars(owner).get(name, "<absent>")
     return out
 
 
-def test_every_patch_is_documented_and_targets_vllm_0_27_1():
-    keys = [p.key for p in patches.PATCHES]
-    assert len(keys) == len(set(keys)), "a target is patched twice"
+def test_every_patch_is_documented_and_names_its_line():
+    assert set(patches.LINES) == {"0.27", "0.33"}
+    for line, release in patches.LINES.items():
+        assert patches.line_of(release) == line
+        line_patches = patches.for_line(line)
+        assert line_patches, f"line {line} has no patches"
+        keys = [p.key for p in line_patches]
+        assert len(keys) == len(set(keys)), f"line {line}: a target is patched twice"
+        for patch in line_patches:
+            assert patch.upstream == release and patch.line == line, patch
+            # A line's replacements live in that line's package (or are version-free).
+            ours = patch.replacement.partition(":")[0]
+            other = [f"vllm_dsa_varlen.vllm_{a}" for a in ("0_27", "0_33")
+                     if a != line.replace(".", "_")]
+            assert not any(ours.startswith(o) for o in other), patch
+    assert sum(len(patches.for_line(line)) for line in patches.LINES) == len(patches.PATCHES)
     for patch in patches.PATCHES:
         assert patch.reason.strip() and len(patch.reason) > 20, patch.key
-        assert patch.upstream == "0.27.1"
         assert patch.module.startswith("vllm.")
-        owner, name = _owner(patch)  # the target exists in the installed vLLM
-        assert hasattr(owner, name), patch.key
         assert ":" in patch.replacement and patch.replacement.startswith("vllm_dsa_varlen.")
+    for patch in LINE_PATCHES:  # the installed line's targets exist in the installed vLLM
+        owner, name = _owner(patch)
+        assert hasattr(owner, name), patch.key
+        patches._resolve(patch.replacement)  # and its replacement imports
+
+
+def test_line_of_versions():
+    assert patches.line_of("0.33.0") == "0.33"
+    assert patches.line_of("0.27.1.dev12+gabc") == "0.27"
+    assert patches.line_of("1.0") == "1.0"
+    assert patches.line_of("garbage") is None and patches.line_of("7") is None
+    assert patches.for_line("0.28") == () and patches.for_line(None) == ()
+    with pytest.raises(ValueError, match="line"):
+        patches.apply_all(line="0.28")
+
+
+def test_apply_applies_only_the_installed_line():
+    applied = patches.apply_all()
+    assert applied == [p.key for p in LINE_PATCHES]
+    assert {p.line for p in patches.applied()} == {LINE}
+
+
+def test_another_line_cannot_be_applied_on_top():
+    other = next(line for line in patches.LINES if line != LINE)
+    patches.apply_all()
+    with pytest.raises(RuntimeError, match="undo_all"):
+        patches.apply_all(line=other)
+    assert {p.line for p in patches.applied()} == {LINE}
 
 
 def test_apply_replaces_everything_and_undo_restores_exactly():
     before = _snapshot()
     applied = patches.apply_all()
-    assert applied == [p.key for p in patches.PATCHES]
+    assert applied == [p.key for p in LINE_PATCHES]
     during = _snapshot()
     for key in before:
         assert during[key] is not before[key], f"{key} was not replaced"
@@ -88,10 +137,11 @@ def test_wrapping_patches_call_the_original(monkeypatch):
 def test_failed_apply_rolls_back(monkeypatch):
     before = _snapshot()
     broken = patches.Patch("vllm.utils.deep_gemm", "no_such_function_here",
-                           "vllm_dsa_varlen.vllm_0_27.utils.deep_gemm:fp8_fp4_paged_mqa_logits",
-                           "a patch whose target does not exist, to test rollback")
+                           "vllm_dsa_varlen.config:read_mode",
+                           "a patch whose target does not exist, to test rollback",
+                           upstream=patches.LINES[LINE])
     with pytest.raises(AttributeError, match="no_such_function_here"):
-        patches.apply_all(patches.PATCHES[:3] + (broken,))
+        patches.apply_all(LINE_PATCHES[:3] + (broken,))
     assert patches.applied() == []
     assert _snapshot() == before
 
@@ -103,7 +153,8 @@ def test_undo_restores_an_attribute_that_was_inherited(monkeypatch):
     cls = ix.DeepseekV32IndexerMetadataBuilder
     assert "get_cudagraph_support" in vars(cls) and "_init_reorder_batch_threshold" not in vars(cls)
     patch = patches.Patch(ix.__name__, "DeepseekV32IndexerMetadataBuilder._init_reorder_batch_threshold",
-                          "vllm_dsa_varlen.config:read_mode", "inherited-attribute test patch")
+                          "vllm_dsa_varlen.config:read_mode", "inherited-attribute test patch",
+                          upstream=patches.LINES[LINE])
     patches.apply_all((patch,))
     assert "_init_reorder_batch_threshold" in vars(cls)
     patches.undo_all()
@@ -115,13 +166,13 @@ def test_register_applies_once_and_is_safe_to_repeat(monkeypatch):
     monkeypatch.delenv(config.BACKEND_ENV, raising=False)
     vllm_dsa_varlen.register()
     state = _snapshot()
-    assert len(patches.applied()) == len(patches.PATCHES)
+    assert len(patches.applied()) == len(LINE_PATCHES)
     vllm_dsa_varlen.register()
     vllm_dsa_varlen.register()
-    assert _snapshot() == state and len(patches.applied()) == len(patches.PATCHES)
+    assert _snapshot() == state and len(patches.applied()) == len(LINE_PATCHES)
 
 
-@pytest.mark.parametrize("version", ["0.28.0", "0.26.2", "1.0.0", "garbage"])
+@pytest.mark.parametrize("version", ["0.28.0", "0.26.2", "0.32.1", "0.34.0", "1.0.0", "garbage"])
 def test_register_on_another_vllm_warns_and_patches_nothing(monkeypatch, plugin_log, version):
     import vllm
 
@@ -134,14 +185,28 @@ def test_register_on_another_vllm_warns_and_patches_nothing(monkeypatch, plugin_
     assert warnings and version in warnings[0].getMessage()
 
 
-@pytest.mark.parametrize("version", ["0.27.1", "0.27.0", "0.27.1.dev12+gabc", "0.27.2rc1"])
-def test_register_accepts_the_0_27_series(monkeypatch, version):
+@pytest.mark.parametrize("version,line", [
+    ("0.27.1", "0.27"), ("0.27.0", "0.27"), ("0.27.1.dev12+gabc", "0.27"), ("0.27.2rc1", "0.27"),
+    ("0.33.0", "0.33"), ("0.33.1", "0.33"), ("0.33.0rc2", "0.33"), ("0.33.1.dev3+gdef", "0.33"),
+])
+def test_register_dispatches_on_the_vllm_line(monkeypatch, version, line):
+    """register() asks for the patches of the running vLLM's line (recorded,
+    so another line's patches never touch the installed vLLM)."""
     import vllm
 
+    asked = []
     monkeypatch.delenv(config.MODE_ENV, raising=False)
     monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.setattr(patches, "apply_all", lambda **kw: asked.append(kw))
     vllm_dsa_varlen.register()
-    assert len(patches.applied()) == len(patches.PATCHES)
+    assert asked == [dict(line=line, defer_unimported=True)]
+    assert patches.for_line(line)
+
+
+def test_register_applies_the_installed_lines_patches(monkeypatch):
+    monkeypatch.delenv(config.MODE_ENV, raising=False)
+    vllm_dsa_varlen.register()
+    assert [p.key for p in patches.applied() + patches.pending()] == [p.key for p in LINE_PATCHES]
 
 
 def test_register_off_patches_nothing(monkeypatch, plugin_log):
@@ -168,26 +233,32 @@ import os, sys
 import vllm_dsa_varlen
 from vllm_dsa_varlen import patches
 
-targets = {p.module for p in patches.PATCHES}
+line_patches = patches.for_line(patches.installed_line())
+targets = {p.module for p in line_patches}
 vllm_dsa_varlen.register()
 vllm_dsa_varlen.register()
 assert not targets & set(sys.modules), targets & set(sys.modules)  # nothing imported early
-assert patches.applied() == [] and len(patches.pending()) == len(patches.PATCHES)
+assert patches.applied() == [] and len(patches.pending()) == len(line_patches)
 
 # vLLM may set this after the plugins were loaded (VllmConfig does for DeepSeek V4);
 # the indexer op's decorator reads it when its module is imported.
 os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
 import vllm.model_executor.layers.sparse_attn_indexer as sai
-from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as ours
-assert sai.fp8_fp4_paged_mqa_logits is ours.fp8_fp4_paged_mqa_logits
+stock_call = patches.original(sai.__name__, "fp8_fp4_paged_mqa_logits")
+sai_patch = next(p for p in line_patches
+                 if p.module == sai.__name__ and p.attribute == "fp8_fp4_paged_mqa_logits")
+assert sai.fp8_fp4_paged_mqa_logits is patches.replacement_of(sai_patch)
+assert sai.fp8_fp4_paged_mqa_logits is not stock_call
 assert hasattr(sai.sparse_attn_indexer, "__wrapped__"), "eager-break decorator bypassed"
 import vllm.v1.attention.backends.mla.indexer as ix
 assert ix.DeepseekV32IndexerMetadataBuilder.build.__wrapped__ is not None
-assert patches.pending() == [] and len(patches.applied()) == len(patches.PATCHES)
+for name in {p.module for p in line_patches}:
+    __import__(name)
+assert patches.pending() == [] and len(patches.applied()) == len(line_patches)
 assert not any(type(f).__name__ == "_PatchOnImport" for f in sys.meta_path)
 assert sai.__loader__.get_source("vllm.model_executor.layers.sparse_attn_indexer")
 patches.undo_all()
-assert sai.fp8_fp4_paged_mqa_logits is not ours.fp8_fp4_paged_mqa_logits
+assert sai.fp8_fp4_paged_mqa_logits is stock_call
 print("ok")
 """
 
@@ -206,13 +277,13 @@ def test_register_defers_patches_until_their_module_is_imported():
 
 
 def test_deferred_and_eager_application_do_not_double_apply():
-    patches.apply_all(patches.PATCHES[:2])
+    patches.apply_all(LINE_PATCHES[:2])
     state = _snapshot()
     assert patches.apply_all(defer_unimported=True)  # the rest: their modules are imported
     assert patches.pending() == []
-    for patch in patches.PATCHES[:2]:
+    for patch in LINE_PATCHES[:2]:
         assert _snapshot()[patch.key] is state[patch.key]
-    assert len(patches.applied()) == len(patches.PATCHES)
+    assert len(patches.applied()) == len(LINE_PATCHES)
 
 
 def test_importing_the_package_does_not_import_vllm():
@@ -250,7 +321,8 @@ def test_vllm_plugin_loader_runs_register():
         pytest.skip("package not installed (run scripts/setup.sh): no entry point to load")
     code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
             "from vllm_dsa_varlen import patches; "
-            "assert len(patches.pending()) + len(patches.applied()) == len(patches.PATCHES); "
+            "n = len(patches.for_line(patches.installed_line())); "
+            "assert len(patches.pending()) + len(patches.applied()) == n; "
             "import vllm.v1.attention.backends.mla.indexer as ix; "
             "assert hasattr(ix.DeepseekV32IndexerMetadataBuilder.build, '__wrapped__'); print('ok')")
     env = {k: v for k, v in os.environ.items() if k not in (config.MODE_ENV, config.BACKEND_ENV)}

@@ -1,18 +1,23 @@
-"""Varlen sparse-attention-indexer decode for vLLM 0.27.1 (DeepSeek V3.2 / V4), as a plugin.
+"""Varlen sparse-attention-indexer decode for vLLM (DeepSeek V3.2 / V4, GLM), as a plugin.
 
 vLLM calls :func:`register` (entry point ``vllm.general_plugins`` ->
-``vllm_dsa_varlen:register``) in every process it starts.  Importing this
+``vllm_dsa_varlen:register``) in every process it starts.  It recognises the
+installed vLLM's line and applies that line's patch set
+(:mod:`vllm_dsa_varlen.patches`): ``vllm_0_27/`` for 0.27.x, ``vllm_0_33/``
+for 0.33.x; any other vLLM is left stock, with a log line.  Importing this
 package is cheap and imports nothing from vLLM; the kernels (``ops``), the row
-planner (``plan``) and the configuration (``config``) work without vLLM.
+planner (``plan``), the decisions (``config``, ``policy``) work without vLLM.
 """
 
 from __future__ import annotations
 
 import logging
 
-__all__ = ["register", "SUPPORTED_VLLM"]
+__all__ = ["register", "SUPPORTED_LINES"]
 
-SUPPORTED_VLLM = (0, 27)  # major, minor of the vLLM the patches were written for
+# vLLM lines (major, minor) with a patch set; the release each was read from
+# is in ``patches.LINES``.
+SUPPORTED_LINES = ((0, 27), (0, 33))
 
 logger = logging.getLogger("vllm.dsa_varlen")
 
@@ -26,12 +31,13 @@ def _vllm_series(version: str) -> tuple[int, int] | None:
 
 
 def register() -> None:
-    """Plugin entry point: apply the patch registry (idempotent; target modules
-    not imported yet are patched when they are).
+    """Plugin entry point: apply the installed vLLM line's patch set
+    (idempotent; target modules not imported yet are patched when they are).
 
     Does nothing but log when ``VLLM_DSA_VARLEN=off`` or when the installed
-    vLLM is not 0.27.x (stock behaviour).  Raises ``ValueError`` for an
-    invalid ``VLLM_DSA_VARLEN`` / ``VLLM_DSA_VARLEN_BACKEND`` value."""
+    vLLM is neither 0.27.x nor 0.33.x (stock behaviour).  Raises
+    ``ValueError`` for an invalid ``VLLM_DSA_VARLEN`` /
+    ``VLLM_DSA_VARLEN_BACKEND`` value."""
     from . import config
 
     mode = config.read_mode()
@@ -42,12 +48,17 @@ def register() -> None:
     import vllm
 
     version = getattr(vllm, "__version__", "unknown")
-    if _vllm_series(version) != SUPPORTED_VLLM:
-        logger.warning("vllm-dsa-varlen: written for vLLM %d.%d.x, found %s; not patching "
-                       "(stock behaviour)", *SUPPORTED_VLLM, version)
+    series = _vllm_series(version)
+    if series not in SUPPORTED_LINES:
+        logger.warning("vllm-dsa-varlen: has patches for vLLM %s, found %s; not patching "
+                       "(stock behaviour)",
+                       " and ".join(f"{a}.{b}.x" for a, b in SUPPORTED_LINES), version)
         return
     from . import patches
 
+    line = f"{series[0]}.{series[1]}"
+    logger.debug("vllm-dsa-varlen: vLLM %s: applying the %s line's patches (read from %s)",
+                 version, line, patches.LINES[line])
     # Modules not imported yet are patched right after their first import, so
     # loading the plugin imports no vLLM module early (see patches' docstring).
-    patches.apply_all(defer_unimported=True)
+    patches.apply_all(line=line, defer_unimported=True)

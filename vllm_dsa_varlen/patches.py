@@ -1,10 +1,13 @@
-"""The one registry of every monkey-patch this plugin makes to vLLM 0.27.1.
+"""The one registry of every monkey-patch this plugin makes to vLLM, per vLLM line.
 
 No vLLM file is edited: the plugin replaces attributes (module globals and
 class attributes) at run time, and every such replacement is a :class:`Patch`
 record in :data:`PATCHES` -- the list *is* the documentation of what the plugin
-changes and why.  :func:`apply_all` applies them (idempotent), :func:`undo_all`
-puts the originals back exactly (also restoring "was not there" by deleting),
+changes and why.  Each patch names the vLLM release its target was read from
+(``upstream``); patches are grouped by *line* (``"0.27"``, ``"0.33"``: major.minor,
+:data:`LINES`), and only the installed line's patches are ever applied.
+:func:`apply_all` applies a line's patches (idempotent), :func:`undo_all` puts
+the originals back exactly (also restoring "was not there" by deleting),
 :func:`applied` lists what is in force.
 
 A patch names its replacement by dotted path (``"package.module:name"``) so
@@ -19,8 +22,9 @@ plugins were loaded).  With ``wraps=True`` the named object is a factory
 called once with the original attribute, returning the replacement (used to
 wrap stock methods without looking the original up on every call).
 
-Order matters where one patch's replacement reads another's target: the
-``vllm.utils.deep_gemm`` wrappers come first, the builder patches last.
+Order matters where one patch's replacement reads another's target: within a
+line, the ``vllm.utils.deep_gemm`` wrappers and the kernel-call dispatch come
+first, the builder patches last.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from typing import Any, Callable
 
 logger = logging.getLogger("vllm.dsa_varlen")
 
-UPSTREAM = "0.27.1"
+# vLLM line (major.minor) -> the release its patches were read from.
+LINES: dict[str, str] = {"0.27": "0.27.1", "0.33": "0.33.0"}
+UPSTREAM = LINES["0.27"]  # the first line's release (kept for older callers)
 
 _MISSING = object()
 
@@ -51,7 +57,8 @@ class Patch:
     ``replacement``: ``"package.module:name"`` of the replacement (or of a
     factory ``original -> replacement`` when ``wraps``).
     ``reason``: why the patch exists (required, non-empty).
-    ``upstream``: the vLLM version the patched code was read from.
+    ``upstream``: the vLLM release the patched code was read from; its
+    major.minor is the patch's :attr:`line`.
     """
 
     module: str
@@ -65,6 +72,37 @@ class Patch:
     def key(self) -> str:
         return f"{self.module}:{self.attribute}"
 
+    @property
+    def line(self) -> str | None:
+        """``"0.27"`` for ``upstream == "0.27.1"`` (``None`` if unparsable)."""
+        return line_of(self.upstream)
+
+
+def line_of(version: str) -> str | None:
+    """The line (``"major.minor"``) of a vLLM version string such as
+    ``"0.33.0"`` or ``"0.27.1.dev12+gabc"``; ``None`` when it has none."""
+    parts = str(version).split(".")
+    try:
+        return f"{int(parts[0])}.{int(parts[1])}"
+    except (IndexError, ValueError):
+        return None
+
+
+def installed_line() -> str | None:
+    """The line of the installed vLLM (from package metadata, without
+    importing vLLM); ``None`` when vLLM is not installed."""
+    import importlib.metadata as md
+
+    try:
+        return line_of(md.version("vllm"))
+    except md.PackageNotFoundError:
+        return None
+
+
+def for_line(line: str | None) -> tuple["Patch", ...]:
+    """The patches of ``line`` in registry order (empty for a line without any)."""
+    return tuple(p for p in PATCHES if line is not None and p.line == line)
+
 
 _DG = "vllm.utils.deep_gemm"
 _SAI = "vllm.model_executor.layers.sparse_attn_indexer"
@@ -72,8 +110,13 @@ _IX = "vllm.v1.attention.backends.mla.indexer"
 _OUR_DG = "vllm_dsa_varlen.vllm_0_27.utils.deep_gemm"
 _OUR_SAI = "vllm_dsa_varlen.vllm_0_27.model_executor.layers.sparse_attn_indexer"
 _OUR_IX = "vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla.indexer"
+_GLM5N = "vllm.models.glm5next.nvidia.sparse_indexer"
+_OUR_SAI_33 = "vllm_dsa_varlen.vllm_0_33.model_executor.layers.sparse_attn_indexer"
+_OUR_IX_33 = "vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla.indexer"
+_V033 = LINES["0.33"]
 
 PATCHES: tuple[Patch, ...] = (
+    # ---- vLLM 0.27 line (read from 0.27.1) ------------------------------------------
     Patch(_DG, "get_paged_mqa_logits_metadata", f"{_OUR_DG}:get_paged_mqa_logits_metadata",
           "accept the varlen run ids (`indices`) and forward them to DeepGEMM only "
           "when set; without them the call is exactly stock's"),
@@ -118,6 +161,39 @@ PATCHES: tuple[Patch, ...] = (
           "build for the metadata hook, then hand the run ids to the decode metadata "
           "and to the kernel call (via a per-step schedule view)",
           wraps=True),
+    # ---- vLLM 0.33 line (read from 0.33.0) ------------------------------------------
+    # SM100 + DeepGEMM: upstream varlen, untouched.  Hopper and other fp8 GPUs:
+    # per-step Triton varlen (policy.varlen_wins).
+    Patch(_SAI, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI_33}:wrap_paged_mqa_logits",
+          "the indexer op looks this module global up per call: a decode step whose "
+          "schedule tensor carries run ids (a Triton varlen step) goes to the Triton "
+          "varlen kernel; every other call is stock's, `indices` passed through",
+          upstream=_V033, wraps=True),
+    Patch(_GLM5N, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI_33}:wrap_paged_mqa_logits",
+          "GLM-5-Next's indexer op (NVIDIA) has its own copy of the decode call on the "
+          "same builder's metadata: the same dispatch, so its varlen steps reach the "
+          "Triton kernel instead of DeepGEMM with ids it cannot take on SM90",
+          upstream=_V033, wraps=True),
+    Patch(_IX, "DeepseekV32IndexerMetadataBuilder.__init__", f"{_OUR_IX_33}:wrap_init",
+          "decide once whether the Triton varlen kernel serves this builder (SM100 with "
+          "DeepGEMM: upstream varlen, left alone) and log the path in one line",
+          upstream=_V033, wraps=True),
+    Patch(_IX, "DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors",
+          f"{_OUR_IX_33}:wrap_prepare_decode_tensors",
+          "during a planned build, plan one-token rows with plan.plan_decode_rows into "
+          "stock's buffers and the run ids into stock's decode_indices_buffer",
+          upstream=_V033, wraps=True),
+    Patch(_IX, "DeepseekV32IndexerMetadataBuilder.update_draft_decode_metadata",
+          f"{_OUR_IX_33}:wrap_update_draft_decode_metadata",
+          "a drafter reuses a step's metadata one token per request: for a varlen step, "
+          "remake DeepGEMM's schedule without the ids (SM90 takes none) and reset the ids "
+          "to one run per row",
+          upstream=_V033, wraps=True),
+    Patch(_IX, "DeepseekV32IndexerMetadataBuilder.build", f"{_OUR_IX_33}:wrap_build",
+          "classify each step from host facts (what stock runs: native, flattened or "
+          "split) and ask policy.varlen_wins; varlen: flatten without the uniform split "
+          "and hand the run ids to the decode metadata and the kernel call",
+          upstream=_V033, wraps=True),
 )
 
 
@@ -187,15 +263,30 @@ def _apply_module_patches(patches: list[Patch]) -> list[str]:
     return done
 
 
-def apply_all(patches: tuple[Patch, ...] | None = None, *,
+def apply_all(patches: tuple[Patch, ...] | None = None, *, line: str | None = None,
               defer_unimported: bool = False) -> list[str]:
-    """Apply every patch not yet applied (idempotent).  Returns the keys applied
-    by this call.  On failure the patches applied by this call are undone.
+    """Apply every patch of a line not yet applied (idempotent).  Returns the
+    keys applied by this call.  On failure the patches applied by this call are
+    undone.
 
+    ``patches``: explicit patches (default: :func:`for_line` of ``line``).
+    ``line``: ``"0.27"`` | ``"0.33"`` (default: the installed vLLM's line).
     ``defer_unimported``: a patch whose target module is not imported yet is
     applied right after that module's first import instead of importing it now."""
+    if patches is None:
+        line = installed_line() if line is None else line
+        if line not in LINES:
+            raise ValueError(f"line: no patches for vLLM line {line!r} "
+                             f"(known: {', '.join(LINES)})")
+        patches = for_line(line)
     with _lock:
-        todo = [p for p in (PATCHES if patches is None else patches) if p.key not in _applied]
+        in_force = {e.patch.line for e in _applied.values()}
+        in_force |= {p.line for bucket in _pending.values() for p in bucket}
+        if len(in_force | {p.line for p in patches}) > 1:
+            raise RuntimeError(
+                f"patches of vLLM line(s) {sorted(in_force)} are in force; undo_all() before "
+                f"applying line(s) {sorted({p.line for p in patches})}")
+        todo = [p for p in patches if p.key not in _applied]
         now = [p for p in todo if not defer_unimported or p.module in sys.modules]
         later = [p for p in todo if p not in now]
         done = _apply_module_patches(now)
@@ -333,7 +424,8 @@ def replacement_of(patch: Patch) -> Callable[..., Any] | Any:
 
 
 def describe() -> str:
-    """The registry as a Markdown table (module, attribute, upstream, reason)."""
+    """The registry as a Markdown table (module, attribute, upstream, reason),
+    every line's patches in registry order."""
     lines = ["| module | attribute | upstream | reason |", "|---|---|---|---|"]
     lines += [f"| `{p.module}` | `{p.attribute}` | {p.upstream} | {p.reason} |" for p in PATCHES]
     return "\n".join(lines)

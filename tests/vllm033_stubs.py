@@ -1,0 +1,176 @@
+"""Drive vLLM 0.33.0's indexer metadata builder on a CPU machine.
+
+* :func:`fake_gpu` makes ``current_platform`` answer like a CUDA GPU of a given
+  capability (instance attributes shadow the platform's classmethods), with or
+  without DeepGEMM.
+* :func:`make_builder` builds a real ``DeepseekV32IndexerMetadataBuilder``
+  from a small config stub (scheduler, parallel, speculative -- with adaptive
+  verification on or off --, attention and model sections) with
+  ``num_compute_units`` patched; DeepSeek V4 compression through the cache
+  spec's ``tokens_per_state``, DCP through the parallel section.
+* :func:`decode_batch` makes vLLM's own ``CommonAttentionMetadata`` for a
+  decode batch (graph padding: zero-length requests and extra tokens).
+* :class:`HopperDeepGemm`: the DeepGEMM test double (``tests/fake_deep_gemm.py``)
+  as vLLM 0.33's vendored DeepGEMM 2.8.1 behaves on SM90: native ``next_n``
+  1, 2 or 4 (4 as 2-CTA clusters: the schedule is sized ``num_sms // 2``), run
+  ids refused.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import torch
+from fake_deep_gemm import FakeDeepGemm, schedule_fingerprint
+
+NUM_SMS = 8
+
+# Some vLLM modules branch on the platform at import time (CUDA-only imports):
+# import every patch target and replacement now, before any test fakes a GPU.
+for _name in ("vllm.utils.deep_gemm", "vllm.model_executor.layers.sparse_attn_indexer",
+              "vllm.v1.attention.backends.mla.indexer",
+              "vllm.models.glm5next.nvidia.sparse_indexer",
+              "vllm_dsa_varlen.vllm_0_33.model_executor.layers.sparse_attn_indexer",
+              "vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla.indexer"):
+    importlib.import_module(_name)
+
+
+def fake_gpu(monkeypatch, capability: tuple[int, int] | None, *, deepgemm_installed: bool = True,
+             triton: bool = True) -> None:
+    """``current_platform`` becomes CUDA with ``capability`` (``None``: not CUDA)."""
+    import vllm.triton_utils
+    import vllm.v1.attention.backends.mla.indexer as ix
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    cuda = capability is not None
+    cap = DeviceCapability(*capability) if cuda else None
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: cuda)
+    monkeypatch.setattr(current_platform, "get_device_capability", lambda device_id=0: cap)
+    monkeypatch.setattr(current_platform, "is_device_capability_family",
+                        lambda c, device_id=0: cuda and cap.major == c // 10)
+    monkeypatch.setattr(current_platform, "is_device_capability",
+                        lambda c, device_id=0: cuda and (
+                            tuple(cap) == c if isinstance(c, tuple) else cap.to_int() == c))
+    monkeypatch.setattr(current_platform, "has_device_capability",
+                        lambda c, device_id=0: cuda and (
+                            tuple(cap) >= c if isinstance(c, tuple) else cap.to_int() >= c))
+    monkeypatch.setattr(ix, "has_deep_gemm", lambda: cuda and deepgemm_installed)
+    monkeypatch.setattr(vllm.triton_utils, "HAS_TRITON", triton)
+
+
+def make_config(*, next_n: int, max_tokens: int = 256, max_seqs: int = 64, fp4: bool = False,
+                max_model_len: int = 4096, index_heads: int = 32, adaptive: bool = False,
+                dcp: int = 1):
+    spec = None
+    if next_n > 1:
+        spec = SimpleNamespace(num_speculative_tokens=next_n - 1,
+                               enable_adaptive_verification=adaptive)
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=dcp,
+                                        prefill_context_parallel_size=1,
+                                        tensor_parallel_size=1,
+                                        cp_kv_cache_interleave_size=1),
+        speculative_config=spec,
+        num_speculative_tokens=next_n - 1,
+        attention_config=SimpleNamespace(
+            resolve_indexer_kv_dtype=lambda default: "mxfp4" if fp4 else "fp8",
+            sparse_mla_prefill_workspace_factor=5, indexer_tp_shard_min_rows=0),
+        model_config=SimpleNamespace(max_model_len=max_model_len, architectures=[],
+                                     hf_config=SimpleNamespace(index_n_heads=index_heads,
+                                                               model_type="deepseek_v32")),
+        compilation_config=SimpleNamespace(cudagraph_mode=None),
+    )
+
+
+def make_builder(monkeypatch, *, next_n: int, width: int = 64, page: int = 64,
+                 compress_ratio: int = 1, fp4: bool = False, **config_kwargs):
+    """A real ``DeepseekV32IndexerMetadataBuilder`` on the CPU (whatever the
+    class's ``__init__`` currently is: patched or stock).  ``page``: indexer
+    cache entries per block (the kernels' page); a block holds ``page *
+    compress_ratio`` tokens."""
+    import vllm.v1.attention.backends.mla.indexer as ix
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    monkeypatch.setattr(ix, "num_compute_units", lambda device_index=None: NUM_SMS)
+    head_size = 68 if fp4 else 132
+    spec = MLAAttentionSpec(block_size=page * compress_ratio, num_kv_heads=1,
+                            head_size=head_size, dtype=torch.uint8,
+                            tokens_per_state=compress_ratio)
+    cfg = make_config(next_n=next_n, fp4=fp4, **config_kwargs)
+    return ix.DeepseekV32IndexerMetadataBuilder(spec, ["layers.0.indexer.k_cache"], cfg,
+                                                torch.device("cpu"), block_table_width=width)
+
+
+def decode_batch(decode_lens: list[int], seq_lens: list[int], block_table: torch.Tensor, *,
+                 num_tokens: int | None = None):
+    """vLLM's ``CommonAttentionMetadata`` for a decode-only batch.
+
+    Requests with ``decode_lens == 0`` are graph padding (give them
+    ``seq_lens == 0``); ``num_tokens`` larger than ``sum(decode_lens)`` pads
+    the token count as a CUDA-graph-padded batch has."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    lens = torch.tensor(decode_lens, dtype=torch.int32)
+    qsl = torch.zeros(len(decode_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(lens, 0)
+    total = int(qsl[-1])
+    num_tokens = total if num_tokens is None else num_tokens
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=seq,
+        num_reqs=len(decode_lens),
+        num_actual_tokens=num_tokens,
+        max_query_len=max(decode_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=block_table,
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seq.clone(),
+        is_prefilling=torch.zeros(len(decode_lens), dtype=torch.bool),
+    )
+
+
+class HopperDeepGemm(FakeDeepGemm):
+    """The DeepGEMM double as vLLM 0.33.0's vendored DeepGEMM 2.8.1 on SM90:
+    the 2.8 API (no ``clean_logits``, fp32 logits on SM90), native ``next_n``
+    in {1, 2, 4}, ``next_n == 4`` scheduled over ``num_sms // 2`` 2-CTA
+    clusters (the schedule has ``num_sms // 2 + 1`` rows), run ids refused
+    ("varlen is SM100 only")."""
+
+    def __init__(self, num_sms: int = NUM_SMS):
+        super().__init__("2.8", 90, num_sms=num_sms)
+        self.full_sms = num_sms
+
+    def _check_context_lens(self, context_lens) -> tuple[int, int]:
+        assert context_lens.dim() == 2, f"context_lens: 2-D expected, got {context_lens.dim()}-D"
+        assert context_lens.dtype == torch.int32, f"context_lens: {context_lens.dtype}"
+        assert context_lens.is_contiguous(), "context_lens: not contiguous"
+        batch, next_n = context_lens.shape
+        assert next_n in (1, 2, 4), f"context_lens: next_n {next_n} not in (1, 2, 4) on SM90"
+        return batch, next_n
+
+    def _slots(self, next_n: int) -> int:
+        return self.full_sms // 2 if next_n == 4 else self.full_sms
+
+    def _metadata(self, context_lens, block_kv, num_sms, indices=None):
+        batch, next_n = self._check_context_lens(context_lens)
+        assert num_sms == self._slots(next_n), \
+            f"num_sms: {num_sms} scheduler slots for next_n={next_n}, want {self._slots(next_n)}"
+        return super()._metadata(context_lens, block_kv, num_sms, indices)
+
+    def _paged(self, q, kv_cache, weights, context_lens, block_table, schedule_meta,
+               max_context_len, clean_logits=False, indices=None):
+        self.num_sms = self._slots(q[0].shape[1])
+        try:
+            return super()._paged(q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                                  max_context_len, clean_logits, indices)
+        finally:
+            self.num_sms = self.full_sms
+
+
+__all__ = ["NUM_SMS", "fake_gpu", "make_config", "make_builder", "decode_batch",
+           "HopperDeepGemm", "schedule_fingerprint"]

@@ -1,0 +1,101 @@
+"""The kernel-call dispatch in vLLM 0.33.0's indexer op (and GLM-5-Next's copy of it):
+untagged calls are exactly stock's, tagged varlen steps reach the real Triton kernel
+(interpreter on the CPU) and equal the reference; bad varlen calls fail loudly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vllm.model_executor.layers.sparse_attn_indexer as sai  # noqa: E402
+import vllm.models.glm5next.nvidia.sparse_indexer as glm  # noqa: E402
+import vllm.utils.deep_gemm as vdg  # noqa: E402
+from vllm033_stubs import HopperDeepGemm, fake_gpu  # noqa: E402
+
+from vllm_dsa_varlen import patches  # noqa: E402
+from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, quantize_kv_fp8, valid_mask  # noqa: E402
+from vllm_dsa_varlen.plan import plan_decode_rows  # noqa: E402
+from vllm_dsa_varlen.varlen_ids import attach_varlen_ids  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("clean_plugin")
+
+HEADS, DIM, PAGE = 32, 128, 64  # the Triton kernel's supported shapes
+
+
+def _step(gen, lens, seqs, num_blocks=12, width=8):
+    """A varlen decode step: q fp8 [R, 1, H, D], weights [R, H], per-row context
+    lengths [R, 1], block-table rows, ids (planned by plan.py), KV cache."""
+    kv = quantize_kv_fp8(torch.randn((num_blocks, PAGE, DIM), generator=gen))
+    bt = torch.randint(0, num_blocks, (len(lens), width), generator=gen, dtype=torch.int32)
+    qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(lens), 0)
+    rows = plan_decode_rows(torch.tensor(seqs, dtype=torch.int32), qsl, bt,
+                            num_rows=sum(lens), num_tokens=sum(lens))
+    q = torch.randn((rows.num_rows, 1, HEADS, DIM), generator=gen).to(torch.float8_e4m3fn)
+    w = torch.randn((rows.num_rows, HEADS), generator=gen) / HEADS
+    return q, w, rows.context_lens.unsqueeze(-1), rows.block_table, rows.indices, kv
+
+
+@pytest.mark.parametrize("module", [sai, glm], ids=["sparse_attn_indexer", "glm5next"])
+def test_untagged_calls_are_stocks_exactly(monkeypatch, module):
+    """Without a tag the call reaches stock's wrapper with stock's arguments,
+    ``indices`` included (upstream's own SM100 varlen passes them)."""
+    stock = module.fp8_fp4_paged_mqa_logits
+    patches.apply_all(line="0.33")
+    assert module.fp8_fp4_paged_mqa_logits is not stock
+    assert module.fp8_fp4_paged_mqa_logits.__wrapped__ is stock
+    seen = []
+    sentinel = torch.empty(0)
+    monkeypatch.setattr(vdg, "_lazy_init", lambda: None)
+    monkeypatch.setattr(vdg, "_fp8_fp4_paged_mqa_logits_impl",
+                        lambda *a, **k: (seen.append((a, k)), sentinel)[1])
+    args = [torch.zeros(2, 1, HEADS, DIM), None], torch.zeros(1), torch.zeros(2, HEADS), \
+        torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32), \
+        torch.zeros(9, 2, dtype=torch.int32)
+    ids = torch.arange(2, dtype=torch.int32)
+    for indices in (None, ids):
+        out = module.fp8_fp4_paged_mqa_logits(tuple(args[0]), *args[1:], max_model_len=77,
+                                              indices=indices)
+        assert out is sentinel
+        call_args, call_kwargs = seen[-1]
+        assert all(a is b for a, b in zip(call_args[1:6], args[1:6])) and call_args[6] == 77
+        assert call_kwargs == ({} if indices is None else {"indices": ids})
+
+
+@pytest.mark.parametrize("lens,seqs", [([3, 1, 4], [130, 70, 200]), ([2, 2], [64, 129]),
+                                        ([1], [5])])
+def test_tagged_step_runs_the_triton_kernel(monkeypatch, lens, seqs):
+    """A tagged step goes to the real Triton varlen kernel (interpreter on the
+    CPU), never to DeepGEMM, and equals the reference on every valid position."""
+    fake_gpu(monkeypatch, (9, 0))
+    dg = HopperDeepGemm().install(monkeypatch)
+    patches.apply_all(line="0.33")
+    gen = torch.Generator().manual_seed(sum(seqs))
+    q, w, ctx, bt, ids, kv = _step(gen, lens, seqs)
+    schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "triton",
+                                 max(lens))
+    max_len = max(seqs) + 13
+    logits = sai.fp8_fp4_paged_mqa_logits((q, None), kv, w, ctx, bt, schedule,
+                                          max_model_len=max_len, indices=ids)
+    assert dg.calls == []
+    want = paged_mqa_logits_ref(q, kv, w, ctx, bt, max_len, ids)
+    mask = valid_mask(ctx, max_len, ids)
+    assert logits.shape == (sum(lens), max_len) and logits.dtype == torch.float32
+    torch.testing.assert_close(logits[mask], want[mask], rtol=2e-3, atol=2e-3)
+
+
+def test_bad_varlen_calls_fail_loudly(monkeypatch):
+    fake_gpu(monkeypatch, (9, 0))
+    patches.apply_all(line="0.33")
+    gen = torch.Generator().manual_seed(1)
+    q, w, ctx, bt, ids, kv = _step(gen, [2, 3], [90, 100])
+    schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "triton", 3)
+    call = sai.fp8_fp4_paged_mqa_logits
+    with pytest.raises(RuntimeError, match="FP8 indexer cache only"):
+        call((q, torch.ones(q.shape[:-1], dtype=torch.int32)), kv, w, ctx, bt, schedule,
+             max_model_len=128, indices=ids)
+    with pytest.raises(RuntimeError, match=r"\[R, 1, H, D\]"):
+        call((q.reshape(1, 5, HEADS, DIM), None), kv, w, ctx, bt, schedule, max_model_len=128,
+             indices=ids)
+    with pytest.raises(RuntimeError, match="not the run ids"):
+        call((q, None), kv, w, ctx, bt, schedule, max_model_len=128, indices=ids.clone())

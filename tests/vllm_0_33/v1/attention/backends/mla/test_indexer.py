@@ -1,0 +1,368 @@
+"""The patched DeepseekV32IndexerMetadataBuilder of vLLM 0.33.0, driven through its own build():
+the builder-level decision and its log line, the per-step classification against
+stock's real build, graph safety (stable buffers, no device reads, key-determined
+choices), adaptive verification, and ``VLLM_DSA_VARLEN=off``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import vllm.v1.attention.backends.mla.indexer as ix  # noqa: E402
+from vllm033_stubs import HopperDeepGemm, decode_batch, fake_gpu, make_builder  # noqa: E402
+
+from vllm_dsa_varlen import config, patches, policy  # noqa: E402
+from vllm_dsa_varlen.varlen_ids import varlen_ids_of  # noqa: E402
+from vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla import indexer as ours  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("clean_plugin")
+
+WIDTH = 64
+ALL_WIN = (policy.Rule("native"), policy.Rule("flattened"), policy.Rule("split"))
+
+
+def _hopper(monkeypatch, **kw):
+    fake_gpu(monkeypatch, (9, 0), **kw)
+    return HopperDeepGemm().install(monkeypatch)
+
+
+def _all_win(monkeypatch):
+    monkeypatch.setattr(ours, "varlen_wins", lambda f, s: policy.varlen_wins(f, s, ALL_WIN))
+
+
+def _table(gen, rows):
+    return torch.randint(0, 1000, (rows, WIDTH), generator=gen, dtype=torch.int32)
+
+
+# ------------------------------------------------------------------ the decision (pure)
+
+BASE = dict(is_cuda=True, capability=(9, 0), upstream_varlen=False, triton_ok=True, next_n=4,
+            fp4_cache=False, flattening=False)
+
+DECISIONS = [
+    # (overrides, use_varlen, warning, words in the reason)
+    ({}, True, False, ["sm_90", "next_n=4", "native [B, 4]", "per step"]),
+    (dict(next_n=3, flattening=True), True, False, ["flattens every step"]),
+    (dict(next_n=2), True, False, ["native [B, 2]"]),
+    (dict(next_n=1), False, False, ["next_n == 1"]),
+    (dict(next_n=1, backend="triton"), False, True, ["triton but next_n == 1"]),
+    (dict(mode="off"), False, False, ["VLLM_DSA_VARLEN=off"]),
+    (dict(is_cuda=False, capability=None), False, False, ["not a CUDA platform"]),
+    (dict(capability=None), False, False, ["capability unknown"]),
+    (dict(capability=(10, 0), upstream_varlen=True), False, False, ["upstream varlen", "sm_100"]),
+    (dict(capability=(10, 0), upstream_varlen=True, backend="triton"), False, True,
+     ["ignored", "upstream varlen"]),
+    (dict(capability=(10, 0)), True, False, ["sm_100"]),  # SM100 without DeepGEMM
+    (dict(backend="deepgemm"), False, True, ["deepgemm but", "SM100"]),
+    (dict(fp4_cache=True), False, False, ["MXFP4"]),
+    (dict(capability=(8, 0)), False, False, ["no fp8"]),
+    (dict(capability=(8, 9)), True, False, ["sm_89"]),
+    (dict(capability=(12, 0)), True, False, ["sm_120"]),
+    (dict(triton_ok=False), False, False, ["Triton varlen kernel is unavailable"]),
+    (dict(triton_ok=False, backend="triton"), False, True, ["triton but"]),
+]
+
+
+@pytest.mark.parametrize("overrides,want,warning,words", DECISIONS)
+def test_choose_decode_path_table(overrides, want, warning, words):
+    path = ours.choose_decode_path(**{**BASE, **overrides})
+    assert path.use_varlen is want and path.warning is warning
+    assert path.backend == ("triton" if want else None)
+    for word in words:
+        assert word in path.describe(), (word, path.describe())
+
+
+def test_choose_decode_path_rejects_bad_next_n():
+    with pytest.raises(ValueError, match="next_n"):
+        ours.choose_decode_path(**{**BASE, "next_n": 0})
+
+
+# ------------------------------------------------------------------ init and the log line
+
+@pytest.mark.parametrize("cap,deepgemm,next_n,env,want,words", [
+    ((9, 0), True, 4, {}, True, ["varlen (triton)", "sm_90", "next_n=4"]),
+    ((9, 0), True, 3, {}, True, ["varlen (triton)", "flattens"]),
+    ((9, 0), True, 1, {}, False, ["stock", "next_n == 1"]),
+    ((10, 0), True, 4, {}, False, ["stock", "upstream varlen"]),
+    ((9, 0), True, 4, {config.MODE_ENV: "off"}, False, ["stock", "off"]),
+    ((9, 0), True, 4, {config.BACKEND_ENV: "deepgemm"}, False, ["stock", "deepgemm but"]),
+])
+def test_init_decides_the_path_and_logs_it_once(monkeypatch, plugin_log, cap, deepgemm, next_n,
+                                                env, want, words):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    fake_gpu(monkeypatch, cap, deepgemm_installed=deepgemm)
+    patches.apply_all(line="0.33")
+    builder = make_builder(monkeypatch, next_n=next_n)
+    make_builder(monkeypatch, next_n=next_n)  # a second builder of the same kind: no new line
+    assert builder.use_varlen is want
+    assert builder.supports_varlen is (cap == (10, 0) and deepgemm)
+    lines = [r.getMessage() for r in plugin_log if "decode path" in r.getMessage()]
+    assert len(lines) == 1, lines
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    level = logging.WARNING if builder.decode_path.warning else logging.INFO
+    assert [r.levelno for r in plugin_log if "decode path" in r.getMessage()] == [level]
+
+
+def test_triton_serves_checks_the_cache(monkeypatch):
+    fake_gpu(monkeypatch, (9, 0))
+    patches.apply_all(line="0.33")
+    assert make_builder(monkeypatch, next_n=4).use_varlen
+    assert not make_builder(monkeypatch, next_n=4, page=32).use_varlen  # kernel pages are 64
+    assert not make_builder(monkeypatch, next_n=4, index_heads=16).use_varlen
+    fake_gpu(monkeypatch, (9, 0), triton=False)
+    assert not make_builder(monkeypatch, next_n=4).use_varlen
+
+
+# ------------------------------------------------------------------ per-step classification
+
+def _stub_stock_triton(monkeypatch):
+    """Stock's own Triton helpers (flatten prep, prefill chunk metadata) cannot
+    run on the CPU: torch stand-ins, enough to see which path stock took."""
+    def prepare_uniform(seq_lens, out_seq_lens, block_table, out_block_table, decode_lens,
+                        num_tokens, max_len):
+        n = max_len
+        rows = torch.arange(num_tokens)
+        out_seq_lens[:num_tokens] = seq_lens[rows // n] - n + rows % n + 1
+        out_block_table[:num_tokens] = block_table[rows // n]
+        decode_lens[:num_tokens] = 1
+
+    monkeypatch.setattr(ix, "_PREPARE_UNIFORM_DECODE_KERNEL", prepare_uniform)
+    monkeypatch.setattr(ix, "build_prefill_chunk_metadata", lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("next_n,adaptive", [(2, False), (4, False), (3, False), (5, False),
+                                             (4, True)])
+def test_classification_matches_stocks_build(monkeypatch, next_n, adaptive):
+    """``classify_step``'s idea of stock's path is what stock's build does: split
+    (decodes cut off to the prefill path), native ([B, n] context lengths) or
+    flattened (one row per token), over random steps."""
+    _hopper(monkeypatch)
+    _stub_stock_triton(monkeypatch)
+    patches.apply_all(line="0.33")
+    monkeypatch.setenv(config.MODE_ENV, "off")
+    stock = make_builder(monkeypatch, next_n=next_n, adaptive=adaptive)
+    monkeypatch.delenv(config.MODE_ENV)
+    builder = make_builder(monkeypatch, next_n=next_n, adaptive=adaptive)
+    gen = torch.Generator().manual_seed(next_n)
+    seen = set()
+    for _ in range(60):
+        num = int(torch.randint(1, 6, (1,), generator=gen))
+        if bool(torch.rand(1, generator=gen) < 0.4):
+            lens = [int(torch.randint(1, next_n + 1, (1,), generator=gen))] * num
+        else:
+            lens = torch.randint(1, next_n + 1, (num,), generator=gen).tolist()
+        seqs = [n + int(torch.randint(0, 500, (1,), generator=gen)) for n in lens]
+        cm = decode_batch(lens, seqs, _table(gen, num))
+        choice = ours.classify_step(builder, cm)
+        md = stock.build(0, cm)
+        if md.num_decodes < num:
+            kind = "split"
+        elif md.decode.seq_lens.shape[0] == sum(lens) and max(lens) > 1:
+            kind = "flattened"
+        else:
+            kind = "native"
+        if max(lens) == 1 and choice.stock == "flattened":
+            kind = "flattened"  # one row per request either way
+        assert choice.stock == kind, (lens, choice)
+        assert choice.facts.rows == sum(lens) and choice.facts.max_run == max(lens)
+        assert choice.facts.uniform is (min(lens) == max(lens))
+        seen.add(kind)
+    assert seen >= ({"flattened"} if (next_n in (3, 5) or adaptive) else {"split", "native"})
+
+
+@pytest.mark.parametrize("next_n", [2, 4])
+def test_native_choice_is_fixed_by_the_graph_key(monkeypatch, next_n):
+    """A step whose stock path is native may replay a FULL graph of its uniform
+    key (padded tokens, requests): whatever the table says, the choice is the
+    same for every batch of that key -- real or padding requests, any context."""
+    fake_gpu(monkeypatch, (9, 0))
+    patches.apply_all(line="0.33")
+    builder = make_builder(monkeypatch, next_n=next_n)
+    seen = []
+    table = (policy.Rule("native", min_rows=3 * next_n),)
+    monkeypatch.setattr(ours, "varlen_wins", lambda f, s: (seen.append(f), policy.varlen_wins(
+        f, s, table))[1])
+    gen = torch.Generator().manual_seed(7)
+    for reqs in (3, 4):  # two graph keys
+        choices = set()
+        for real in range(1, reqs + 1):
+            lens = [next_n] * real + [0] * (reqs - real)
+            seqs = [int(torch.randint(next_n, 5000, (1,), generator=gen)) for _ in range(real)]
+            cm = decode_batch(lens, seqs + [0] * (reqs - real), _table(gen, reqs),
+                              num_tokens=reqs * next_n)
+            choice = ours.classify_step(builder, cm)
+            assert choice.stock == "native" and choice.facts.max_context == 0
+            choices.add(choice.varlen)
+        assert len(choices) == 1
+    assert {f.rows for f in seen} == {3 * next_n, 4 * next_n}
+
+
+# ------------------------------------------------------------------ graph safety
+
+@pytest.mark.parametrize("next_n", [2, 3, 4])
+def test_buffers_are_stable_across_steps(monkeypatch, next_n):
+    _hopper(monkeypatch)
+    _all_win(monkeypatch)
+    patches.apply_all(line="0.33")
+    builder = make_builder(monkeypatch, next_n=next_n)
+    gen = torch.Generator().manual_seed(3)
+    ptrs = set()
+    for lens in ([next_n] * 4, [1, next_n, 2, 1], [1, 1, 1], [next_n, next_n, 0]):
+        lens = [min(n, next_n) for n in lens]
+        seqs = [0 if n == 0 else 100 + 31 * i for i, n in enumerate(lens)]
+        md = builder.build(0, decode_batch(lens, seqs, _table(gen, len(lens))))
+        dec = md.decode
+        assert dec.indices.data_ptr() == builder.decode_indices_buffer.data_ptr()
+        assert dec.seq_lens.data_ptr() == builder.decode_seq_lens_buffer.data_ptr()
+        assert dec.block_table.data_ptr() == builder.expanded_block_table_buffer.data_ptr()
+        assert dec.schedule_metadata.data_ptr() == builder.scheduler_metadata_buffer.data_ptr()
+        tag = varlen_ids_of(dec.schedule_metadata)
+        assert tag.ids is dec.indices and tag.max_run_len == max(lens)
+        ptrs.add(dec.indices.data_ptr())
+    assert len(ptrs) == 1
+
+
+def _meta_batch(lens, seqs):
+    cm = decode_batch(lens, seqs, torch.zeros((len(lens), WIDTH), dtype=torch.int32))
+    for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping"):
+        setattr(cm, name, getattr(cm, name).to("meta"))
+    return cm
+
+
+@pytest.mark.parametrize("next_n,adaptive", [(2, False), (3, False), (4, False), (4, True)])
+def test_build_reads_no_device_memory(monkeypatch, next_n, adaptive):
+    """The whole patched build of decode steps -- uniform, variable, plain,
+    graph-padded -- runs with every device tensor on the ``meta`` device, which
+    has no data: any host read of device memory (``.item()``, ``.tolist()``,
+    a data-dependent shape) would raise.  So the step is planned with device
+    ops only and a CUDA graph can capture it."""
+    import vllm.utils.deep_gemm as vdg
+
+    fake_gpu(monkeypatch, (9, 0))
+    _all_win(monkeypatch)
+    monkeypatch.setattr(vdg, "_get_paged_mqa_logits_metadata_impl",
+                        lambda cl, bs, n, **kw: torch.zeros((n + 1, 2), dtype=torch.int32,
+                                                            device=cl.device))
+    monkeypatch.setattr(ix, "num_compute_units", lambda device_index=None: 8)
+    patches.apply_all(line="0.33")
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    import vllm033_stubs
+
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=132, dtype=torch.uint8)
+    builder = ix.DeepseekV32IndexerMetadataBuilder(
+        spec, ["layers.0.indexer.k_cache"], vllm033_stubs.make_config(next_n=next_n,
+                                                                     adaptive=adaptive),
+        torch.device("meta"), block_table_width=WIDTH)
+    with pytest.raises(Exception):  # the detector works: meta tensors cannot be read
+        builder.decode_seq_lens_buffer[0].item()
+    for lens in ([next_n] * 3, [1, 2, 1], [1, 1, 1], [next_n, next_n, 0]):
+        md = builder.build(0, _meta_batch(lens, [0 if n == 0 else 300 for n in lens]))
+        assert builder.last_step_choice.varlen and md.decode.indices.device.type == "meta"
+        assert md.decode.seq_lens.shape == (sum(lens), 1)
+
+
+# ------------------------------------------------------------------ adaptive verification
+
+def test_adaptive_verification_rows_follow_the_device_offsets(monkeypatch):
+    """Under adaptive verification the host's per-request lengths are upper
+    bounds (drafts are trimmed on the device, the token total is exact): rows
+    are planned from the device's query offsets."""
+    _hopper(monkeypatch)
+    _all_win(monkeypatch)
+    patches.apply_all(line="0.33")
+    builder = make_builder(monkeypatch, next_n=4, adaptive=True)
+    gen = torch.Generator().manual_seed(11)
+    host_lens, device_lens = [3, 3, 3, 3], [4, 1, 3, 4]
+    seqs = [200, 150, 90, 300]
+    bt = _table(gen, 4)
+    cm = decode_batch(host_lens, seqs, bt)
+    qsl = torch.zeros(5, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(device_lens), 0)
+    cm.query_start_loc = qsl
+    # vLLM's seq_lens count each request's device tokens.
+    md = builder.build(0, cm)
+    dec = md.decode
+    want_ctx = [s - n + j + 1 for n, s in zip(device_lens, seqs) for j in range(n)]
+    want_req = [b for b, n in enumerate(device_lens) for _ in range(n)]
+    assert dec.seq_lens[:, 0].tolist() == want_ctx
+    assert dec.indices.tolist() == want_req
+    assert torch.equal(dec.block_table, bt[torch.tensor(want_req)])
+
+
+# ------------------------------------------------------------------ off and stock steps
+
+def test_off_and_stock_steps_equal_unpatched_stock(monkeypatch):
+    """``VLLM_DSA_VARLEN=off`` builders, and steps the policy leaves to stock
+    (native ones under the measured table), produce exactly unpatched stock's
+    metadata."""
+    _hopper(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    steps = [([4, 4, 4], [100, 230, 57]), ([1, 1, 1, 1], [9, 80, 70, 300]),
+             ([4, 4, 0], [77, 300, 0]), ([2, 2], [50, 60])]
+    tables = [_table(gen, len(lens)) for lens, _ in steps]
+
+    def run():
+        builder = make_builder(monkeypatch, next_n=4)
+        out = []
+        for (lens, seqs), bt in zip(steps, tables):
+            md = builder.build(0, decode_batch(lens, seqs, bt, num_tokens=len(lens) * max(lens)))
+            d = md.decode
+            out.append((d.seq_lens.clone(), d.block_table.clone(), d.decode_lens.clone(),
+                        d.requires_padding, d.schedule_metadata.clone(), d.indices,
+                        varlen_ids_of(d.schedule_metadata)))
+        return out
+
+    stock = run()
+    patches.apply_all(line="0.33")
+    monkeypatch.setenv(config.MODE_ENV, "off")
+    off = run()
+    monkeypatch.delenv(config.MODE_ENV)
+    measured = run()
+    for got in (off, measured):
+        for a, b in zip(stock, got):
+            for x, y in zip(a[:5], b[:5]):
+                assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y)
+            assert b[5] is None and b[6] is None
+
+
+def test_register_off_leaves_0_33_unpatched(monkeypatch, plugin_log):
+    import vllm_dsa_varlen
+
+    monkeypatch.setenv(config.MODE_ENV, "off")
+    stock_build = ix.DeepseekV32IndexerMetadataBuilder.build
+    vllm_dsa_varlen.register()
+    assert patches.applied() == [] and patches.pending() == []
+    assert ix.DeepseekV32IndexerMetadataBuilder.build is stock_build
+    assert any("off" in r.getMessage() for r in plugin_log)
+
+
+def test_draft_update_of_a_varlen_step(monkeypatch):
+    """A drafter's later steps reuse a plain step's metadata (stock's
+    ``update_draft_decode_metadata``): a varlen step's metadata is updated
+    without handing its ids to DeepGEMM (the SM90 double refuses ids), the
+    schedule is DeepGEMM's for the new rows, and the ids are one run per row."""
+    from fake_deep_gemm import schedule_fingerprint
+
+    dg = _hopper(monkeypatch)
+    _all_win(monkeypatch)
+    patches.apply_all(line="0.33")
+    builder = make_builder(monkeypatch, next_n=4)
+    gen = torch.Generator().manual_seed(2)
+    bt = _table(gen, 3)
+    md = builder.build(0, decode_batch([1, 1, 1], [40, 90, 61], bt))
+    assert builder.last_step_choice.varlen
+    builder.decode_indices_buffer[:3] = torch.tensor([5, 5, 5], dtype=torch.int32)  # stale
+    md.seq_lens = torch.tensor([41, 91, 62], dtype=torch.int32)
+    builder.update_draft_decode_metadata(md)
+    dec = md.decode
+    assert dec.indices.tolist() == [0, 1, 2]
+    assert dec.seq_lens[:, 0].tolist() == [41, 91, 62]
+    tag = varlen_ids_of(dec.schedule_metadata)
+    assert tag is not None and tag.ids is dec.indices and tag.max_run_len == 1
+    assert torch.equal(dec.schedule_metadata, schedule_fingerprint(dec.seq_lens, None, 8))
+    assert all(c.bound.get("indices") is None for c in dg.calls)

@@ -1,0 +1,89 @@
+"""Varlen kernel dispatch inside vLLM 0.33.0's sparse-attention indexer op.
+
+Wraps the module global ``fp8_fp4_paged_mqa_logits`` of
+``vllm.model_executor.layers.sparse_attn_indexer`` (and of GLM-5-Next's copy
+of the op, ``vllm.models.glm5next.nvidia.sparse_indexer``; see
+:mod:`vllm_dsa_varlen.patches`).  The registered custom op captured the
+function ``sparse_attn_indexer``, which looks this global up per call; its
+decode branch calls::
+
+    fp8_fp4_paged_mqa_logits((q, q_scale), kv_cache, weights[:R], seq_lens,
+                             decode_metadata.block_table,
+                             decode_metadata.schedule_metadata,
+                             max_model_len=..., indices=decode_metadata.indices)
+
+After a varlen build ``decode_lens`` is all ones and ``requires_padding`` is
+False, so stock reshapes the decode queries to ``[R, 1, H, D]`` and
+``seq_lens`` is ``[R, 1]``: the arguments already are the varlen layout.
+
+* schedule tagged ``triton`` (:mod:`vllm_dsa_varlen.varlen_ids`): the Triton
+  varlen kernel :func:`vllm_dsa_varlen.ops.triton_paged_mqa_logits.varlen_paged_mqa_logits`
+  with the tag's ids (FP8 cache only; anything else raises);
+* no tag: exactly stock's call (``indices`` passed through: upstream's own
+  SM100 varlen is untouched).
+
+The kernel is looked up per call (a module attribute), so a GPU-specific fast
+path added behind that function is used here without change.
+
+DeepSeek V4.1's latency-specialized decode makes its own DeepGEMM calls with
+``decode.indices``; it needs the MXFP4 indexer cache (SM100), which the
+builder never serves with varlen, so it never sees a Triton varlen step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from vllm_dsa_varlen.varlen_ids import varlen_ids_of
+
+
+def triton_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.Tensor,
+                  weights: torch.Tensor, context_lens: torch.Tensor,
+                  block_tables: torch.Tensor, ids: torch.Tensor, max_model_len: int,
+                  max_run_len: int) -> torch.Tensor:
+    """The Triton varlen kernel on the indexer op's arguments, float32
+    ``[R, max_model_len]``.  ``q``: ``(fp8 [R, 1, H, D], None)``."""
+    q_values, q_scale = q
+    if q_scale is not None or q_values.dtype != torch.float8_e4m3fn:
+        raise RuntimeError(
+            "vllm-dsa-varlen: the Triton varlen backend serves the FP8 indexer cache only; "
+            f"this step has {'MXFP4 (scaled) ' if q_scale is not None else ''}queries of "
+            f"dtype {q_values.dtype}")
+    from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+
+    return tk.varlen_paged_mqa_logits(q_values, kv_cache, weights, context_lens, block_tables,
+                                      ids, max_model_len, max_run_len=max_run_len)
+
+
+def wrap_paged_mqa_logits(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Factory: the dispatching replacement of the op module's
+    ``fp8_fp4_paged_mqa_logits`` around stock's ``original``."""
+
+    @functools.wraps(original)
+    def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables,
+                                 schedule_metadata, max_model_len, indices=None):
+        """Paged MQA logits for the indexer's decode step (see the module
+        docstring).  ``q``: ``(values [B, next_n, H, D], scales or None)``;
+        ``context_lens`` int32 ``[B, next_n]``; a varlen step has ``next_n ==
+        1`` and its run ids tagged on ``schedule_metadata``."""
+        tag = varlen_ids_of(schedule_metadata)
+        if tag is None:
+            return original(q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+                            max_model_len=max_model_len, indices=indices)
+        rows = q[0].shape[0]
+        if q[0].dim() != 4 or q[0].shape[1] != 1 or rows > tag.ids.shape[0]:
+            raise RuntimeError(
+                f"vllm-dsa-varlen: varlen decode expects queries [R, 1, H, D] with R <= "
+                f"{tag.ids.shape[0]} run ids, got {tuple(q[0].shape)}")
+        if indices is not None and indices.data_ptr() != tag.ids.data_ptr():
+            raise RuntimeError("vllm-dsa-varlen: the decode metadata's indices are not the "
+                               "run ids its schedule carries")
+        # Stock feeds a single dummy row when a decode batch has no tokens.
+        ids = tag.ids if rows == tag.ids.shape[0] else tag.ids[:rows]
+        return triton_logits(q, kv_cache, weights, context_lens[:rows], block_tables, ids,
+                             max_model_len, tag.max_run_len)
+
+    return fp8_fp4_paged_mqa_logits

@@ -1,0 +1,458 @@
+"""Varlen decode for vLLM 0.33.0's ``DeepseekV32IndexerMetadataBuilder`` (Hopper and
+other fp8 GPUs without a DeepGEMM varlen kernel).
+
+What stock 0.33.0 does with a decode step (``vllm/v1/attention/backends/mla/indexer.py``):
+
+* SM100 with DeepGEMM (``_supports_varlen_paged_mqa_logits``): varlen already,
+  ids built on the device, ``DecodeMetadata.indices`` handed to the kernel.
+  **Left alone** (logged).
+* Otherwise, per builder, ``use_flattening`` (``_use_flattening``): next_n
+  without a native kernel (SM90: not 1, 2 or 4) or adaptive verification ->
+  every step flattened to one row per token without ids, each row re-reading
+  its request's KV.  Else the native ``[B, next_n]`` kernel with
+  ``require_uniform``: the requests of a non-uniform step after the first
+  length mismatch are split off to the prefill path.
+
+Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
+:mod:`vllm_dsa_varlen.patches`):
+
+* ``DeepseekV32IndexerMetadataBuilder.__init__`` (wrapped): decide once whether
+  the Triton varlen kernel can serve this builder (:func:`choose_decode_path`)
+  and log the path in one line.
+* ``DeepseekV32IndexerMetadataBuilder.build`` (wrapped): classify the step from
+  host-known facts (:func:`classify_step`: what stock would run, and
+  :func:`vllm_dsa_varlen.policy.varlen_wins`), then
+
+  - varlen: run stock's build with ``use_flattening`` set for this build, so
+    the step is split with ``require_uniform=False`` (variable steps stay
+    decodes) and takes the flatten branch; hand the run ids to the decode
+    metadata (``indices``) and to the kernel call (a fresh view of the
+    schedule tensor tagged by :mod:`vllm_dsa_varlen.varlen_ids`);
+  - stock's path is flattened anyway (same rows as varlen): rows and ids are
+    planned as for varlen, only no ids reach the kernel call, so a CUDA graph
+    captured with either kernel replays correctly on any batch of its key;
+  - otherwise: stock's build, untouched.
+
+* ``DeepseekV32IndexerMetadataBuilder.update_draft_decode_metadata``
+  (wrapped): a drafter's later steps (one token per request) reuse a step's
+  metadata; for a varlen step stock would hand the ids to DeepGEMM's
+  scheduler, which takes none on SM90: the schedule is remade without them
+  (the Triton kernel needs none) and the ids are reset to one run per row.
+* ``DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors`` (wrapped):
+  during a planned build, rows are planned by :func:`vllm_dsa_varlen.plan.plan_decode_rows`
+  straight into stock's buffers (``decode_seq_lens_buffer``,
+  ``expanded_block_table_buffer``) and the ids into stock's
+  ``decode_indices_buffer``; rows ``R = num_decode_tokens``, one token each.
+  Stock then applies DCP localisation and DeepSeek V4's ``//= compress_ratio``
+  in place and makes DeepGEMM's schedule for the flattened rows, exactly as in
+  its flatten branch.
+
+CUDA graphs (0.33's key: padded token count, request count derived from it,
+and the uniform-decode flag): a step whose stock path is native could be
+replayed from a FULL graph of a uniform key, and native and varlen lay the
+metadata out differently, so for such steps the decision uses only facts
+fixed by the key (padded rows and requests, the run length; no context
+length).  Non-uniform steps never replay a FULL graph on a native builder
+(stock reports ``UNIFORM_BATCH``), and on a flattening builder both kernels
+read the same metadata.  Nothing here reads device memory: no sync.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from vllm.platforms import current_platform
+from vllm.v1.attention.backends.mla import indexer as _ix
+
+from vllm_dsa_varlen.config import (
+    BACKEND_ENV,
+    MIN_FP8_CAPABILITY,
+    MODE_ENV,
+    DecodePath,
+    read_backend,
+    read_mode,
+)
+from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
+from vllm_dsa_varlen.policy import StepFacts, varlen_wins
+from vllm_dsa_varlen.varlen_ids import attach_varlen_ids, varlen_ids_of
+
+logger = logging.getLogger("vllm.dsa_varlen")
+_logged: set[str] = set()
+
+
+# --------------------------------------------------------------------------------------
+# The builder-level decision (pure)
+# --------------------------------------------------------------------------------------
+
+def _stock(reason: str, warning: bool = False) -> DecodePath:
+    return DecodePath(False, None, reason, warning)
+
+
+def choose_decode_path(
+    *,
+    is_cuda: bool,
+    capability: tuple[int, int] | None,
+    upstream_varlen: bool,
+    triton_ok: bool,
+    next_n: int,
+    fp4_cache: bool,
+    flattening: bool,
+    mode: str = "auto",
+    backend: str = "auto",
+) -> DecodePath:
+    """Whether the Triton varlen kernel serves a vLLM 0.33 builder (pure).
+
+    ``upstream_varlen``: vLLM runs DeepGEMM varlen itself (SM100 + DeepGEMM).
+    ``flattening``: stock flattens every step (``_use_flattening``).
+    Rules, in order: ``mode == "off"`` -> stock.  Not CUDA / capability
+    unknown -> stock.  Upstream varlen -> stock (a forced backend warns: it is
+    upstream's).  ``backend == "deepgemm"`` -> stock with a warning (vLLM 0.33
+    drives DeepGEMM varlen itself, on SM100 only).  MXFP4 cache, < sm_89, the
+    Triton kernel unusable -> stock.  ``next_n == 1`` -> stock (one row per
+    request: varlen saves nothing).  Otherwise varlen (Triton), chosen per
+    step by :func:`vllm_dsa_varlen.policy.varlen_wins`.
+    """
+    if next_n < 1:
+        raise ValueError(f"next_n: expected >= 1, got {next_n}")
+    if mode == "off":
+        return _stock(f"{MODE_ENV}=off")
+    if not is_cuda:
+        return _stock("not a CUDA platform")
+    if capability is None:
+        return _stock("CUDA device capability unknown")
+    cap = f"sm_{capability[0]}{capability[1]}"
+    if upstream_varlen:
+        msg = (f"upstream varlen: vLLM 0.33 runs DeepGEMM's varlen kernel itself on {cap} "
+               "(run ids built on the device); left as is")
+        if backend != "auto":
+            return _stock(f"{BACKEND_ENV}={backend} ignored, {msg}", warning=True)
+        return _stock(msg)
+    if backend == "deepgemm":
+        return _stock(f"{BACKEND_ENV}=deepgemm but vLLM 0.33 drives DeepGEMM varlen itself, "
+                      f"on SM100 with DeepGEMM only (device is {cap})", warning=True)
+    forced = backend == "triton"
+    refusal = None
+    if fp4_cache:
+        refusal = "the MXFP4 indexer cache is served by DeepGEMM on SM100 only (never Triton)"
+    elif tuple(capability) < MIN_FP8_CAPABILITY:
+        refusal = f"{cap} has no fp8 support (Triton varlen needs >= sm_89)"
+    elif not triton_ok:
+        refusal = "the Triton varlen kernel is unavailable or does not support this cache"
+    elif next_n == 1:
+        refusal = "next_n == 1: one row per request, varlen would save nothing"
+    if refusal is not None:
+        return _stock(f"{BACKEND_ENV}=triton but {refusal}" if forced else refusal,
+                      warning=forced)
+    stock = ("stock flattens every step (one row per token, KV re-read per token)"
+             if flattening else
+             f"stock runs DeepGEMM's native [B, {next_n}] kernel on uniform steps and splits "
+             "non-uniform ones to the prefill path")
+    return DecodePath(True, "triton",
+                      f"{cap}, FP8 cache, next_n={next_n}: {stock}; per step the Triton "
+                      "varlen kernel where measured at least as fast (policy.MEASURED), "
+                      "else stock's path")
+
+
+# --------------------------------------------------------------------------------------
+# __init__
+# --------------------------------------------------------------------------------------
+
+def _capability() -> tuple[int, int] | None:
+    cap = current_platform.get_device_capability()
+    if cap is None:
+        return None
+    return (int(cap[0]), int(cap[1]))
+
+
+def _index_heads(builder: Any) -> int | None:
+    model_config = getattr(builder.vllm_config, "model_config", None)
+    heads = getattr(getattr(model_config, "hf_config", None), "index_n_heads", None)
+    return heads if isinstance(heads, int) else None
+
+
+def _triton_serves(builder: Any) -> bool:
+    """Whether the Triton varlen kernel supports this builder's cache (pages of
+    ``num_states`` entries of ``head_size`` bytes) and index head count."""
+    try:
+        from vllm.triton_utils import HAS_TRITON
+
+        from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+    except Exception:  # noqa: BLE001 - Triton missing or broken: no Triton path
+        return False
+    if not HAS_TRITON:
+        return False
+    spec = builder.kv_cache_spec
+    page = getattr(spec, "num_states", None)
+    head_size = getattr(spec, "head_size", None)
+    if page not in tk.SUPPORTED_PAGES or head_size is None or head_size - 4 not in tk.SUPPORTED_DIMS:
+        return False
+    heads = _index_heads(builder)
+    return heads is None or heads in tk.SUPPORTED_HEADS
+
+
+def decide_decode_path(builder: Any) -> DecodePath:
+    """Gather the facts for :func:`choose_decode_path` from ``builder`` and the platform."""
+    mode, backend = read_mode(), read_backend()
+    is_cuda = bool(current_platform.is_cuda())
+    on = mode != "off" and is_cuda
+    return choose_decode_path(
+        is_cuda=is_cuda,
+        capability=_capability() if is_cuda else None,
+        upstream_varlen=bool(builder.supports_varlen),
+        triton_ok=on and _triton_serves(builder),
+        next_n=builder.num_speculative_tokens + 1,
+        fp4_cache=bool(builder.indexer_uses_fp4),
+        flattening=bool(builder.use_flattening),
+        mode=mode,
+        backend=backend,
+    )
+
+
+def _log_path(path: DecodePath) -> None:
+    msg = f"vllm-dsa-varlen: DSA indexer decode path: {path.describe()}"
+    if msg not in _logged:
+        _logged.add(msg)
+        logger.log(logging.WARNING if path.warning else logging.INFO, msg)
+
+
+def _setup_varlen(builder: Any) -> None:
+    path = decide_decode_path(builder)
+    builder.decode_path = path
+    builder.use_varlen = path.use_varlen
+    builder.varlen_backend = path.backend
+    builder._varlen_planning = False
+    builder._varlen_step_ids = None
+    builder._varlen_common = None
+    builder.last_step_choice = None
+    _log_path(path)
+    if not path.use_varlen:
+        return
+    # Rows are planned straight into stock's buffers (stock post-processes the
+    # context lengths in place); the ids go to stock's own id buffer.
+    builder.varlen_rows = DecodeRowBuffers(
+        indices=builder.decode_indices_buffer,
+        context_lens=builder.decode_seq_lens_buffer,
+        block_table=builder.expanded_block_table_buffer,
+        arange=builder.arange_buffer,
+    )
+    if builder.decode_indices_buffer.data_ptr() % 8:
+        raise RuntimeError("decode_indices_buffer: run ids need an 8-byte aligned start")
+
+
+def wrap_init(original: Callable[..., None]) -> Callable[..., None]:
+    """``__init__`` replacement: stock init, then :func:`_setup_varlen`."""
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        _setup_varlen(self)
+
+    return __init__
+
+
+# --------------------------------------------------------------------------------------
+# Per step: what stock would run, and whether varlen runs instead
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepChoice:
+    """A decode step's classification.
+
+    ``facts``: what :func:`vllm_dsa_varlen.policy.varlen_wins` was asked about;
+    ``stock``: what stock 0.33.0 runs for the step (``"native"`` |
+    ``"flattened"`` | ``"split"``); ``varlen``: the Triton varlen kernel runs
+    it; ``plan``: the build lays out varlen rows and ids (whenever varlen runs
+    or stock's layout is flattened anyway)."""
+
+    facts: StepFacts
+    stock: str
+    varlen: bool
+    plan: bool
+
+
+def _split(builder: Any, cm: Any, require_uniform: bool) -> tuple[int, int]:
+    """(decode requests, decode tokens) as stock's split counts them."""
+    num_decodes, _, num_decode_tokens, _ = _ix.split_decodes_and_prefills(
+        cm, decode_threshold=builder.decode_threshold, require_uniform=require_uniform,
+        treat_short_extends_as_decodes=not builder.use_pcp)
+    return num_decodes, num_decode_tokens
+
+
+def classify_step(builder: Any, cm: Any) -> StepChoice | None:
+    """Classify the decode part of a step from host-known facts (CPU query
+    offsets, counts); ``None`` when the step has no decode.
+
+    0-token (graph-padding) requests do not make a step non-uniform (stock's
+    split treats them the same way).  Facts are
+    :meth:`~vllm_dsa_varlen.policy.StepFacts.from_decode_lens` of the step
+    (padding requests are not requests; rows include padding rows), except for
+    a native step, which is described by its CUDA-graph key (see the module
+    docstring)."""
+    if cm.num_actual_tokens == 0:
+        return None
+    num_decodes, rows = _split(builder, cm, require_uniform=False)
+    if num_decodes == 0:
+        return None
+    qsl = cm.query_start_loc_cpu[: num_decodes + 1].numpy()
+    lens = np.diff(qsl)
+    max_run = int(lens.max())
+    if max_run == 0:  # only graph-padding requests: nothing to choose
+        return None
+    uniform = bool(np.all((lens == max_run) | (lens == 0)))
+    next_n = builder.num_speculative_tokens + 1
+    if builder.use_flattening:
+        stock = "flattened"
+    elif not uniform and _split(builder, cm, require_uniform=True)[0] < num_decodes:
+        stock = "split"
+    elif max_run <= 1 or (max_run <= next_n and _ix._supports_native_decode(max_run)):
+        stock = "native"
+    else:
+        stock = "flattened"
+    if stock == "native":
+        # A native step may replay a FULL graph of a uniform key: decide from
+        # the key's facts only -- padded rows and requests (0-token padding
+        # requests counted, as the key's request count does), no context length.
+        facts = StepFacts(rows=rows, requests=min(num_decodes, rows), max_run=max_run,
+                          uniform=uniform, max_context=0)
+    else:
+        facts = StepFacts.from_decode_lens(lens.tolist(), rows=rows,
+                                           max_context=max(0, int(cm.max_seq_len)))
+    varlen = varlen_wins(facts, stock)
+    return StepChoice(facts, stock, varlen, plan=varlen or stock == "flattened")
+
+
+# --------------------------------------------------------------------------------------
+# _prepare_decode_tensors
+# --------------------------------------------------------------------------------------
+
+def _adaptive(builder: Any) -> bool:
+    spec = builder.vllm_config.speculative_config
+    return bool(spec is not None and getattr(spec, "enable_adaptive_verification", False))
+
+
+def _plan_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                      decode_lens_cpu: torch.Tensor, num_decodes: int, num_decode_tokens: int,
+                      max_decode_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
+    """Plan ``R = num_decode_tokens`` one-token rows into the builder's buffers.
+
+    Under adaptive verification the host's per-request lengths are upper
+    bounds (the device trims drafts), so the rows are always planned from the
+    device offsets (variable path; the host's token total is exact)."""
+    qsl = builder._varlen_common.query_start_loc[: num_decodes + 1]
+    uniform = (max_decode_len >= 1 and not _adaptive(builder)
+               and int(decode_lens_cpu.min()) == max_decode_len
+               and num_decodes * max_decode_len == num_decode_tokens)
+    if uniform:
+        rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=num_decode_tokens,
+                                uniform_len=max_decode_len, out=builder.varlen_rows)
+    else:
+        rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=num_decode_tokens,
+                                num_tokens=int(decode_lens_cpu.sum()), out=builder.varlen_rows)
+    builder.decode_seq_lens_buffer[rows.num_rows:].zero_()
+    one_token_each = builder.decode_lens_buffer[: rows.num_rows]
+    one_token_each.fill_(1)
+    builder._varlen_step_ids = rows.indices
+    return rows.context_lens, rows.block_table, one_token_each, rows.num_rows, False
+
+
+def wrap_prepare_decode_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``_prepare_decode_tensors`` replacement.  During a planned build:
+    ``(int32 [R], int32 [R, W], int32 [R] of 1, R, False)`` planned by
+    :func:`plan_decode_rows`; otherwise stock's, untouched."""
+
+    @functools.wraps(original)
+    def _prepare_decode_tensors(self, seq_lens, block_table, decode_lens, decode_lens_cpu,
+                                query_start_loc, num_decodes, num_decode_tokens, use_native,
+                                next_n, max_decode_len):
+        if not getattr(self, "_varlen_planning", False):
+            return original(
+                self, seq_lens=seq_lens, block_table=block_table, decode_lens=decode_lens,
+                decode_lens_cpu=decode_lens_cpu, query_start_loc=query_start_loc,
+                num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
+                use_native=use_native, next_n=next_n, max_decode_len=max_decode_len)
+        return _plan_varlen_rows(self, seq_lens, block_table, decode_lens_cpu, num_decodes,
+                                 num_decode_tokens, max_decode_len)
+
+    return _prepare_decode_tensors
+
+
+# --------------------------------------------------------------------------------------
+# build
+# --------------------------------------------------------------------------------------
+
+def _hand_over_ids(builder: Any, metadata: Any, choice: StepChoice) -> None:
+    """Varlen: the step's ids to the decode metadata and, on a tagged view of
+    the schedule tensor, to the kernel call.  Stock's flattened path: no ids."""
+    ids, builder._varlen_step_ids = builder._varlen_step_ids, None
+    decode = metadata.decode
+    if decode is None or ids is None:
+        return
+    if ids.shape[0] != decode.seq_lens.shape[0]:
+        raise RuntimeError(f"varlen build: {ids.shape[0]} run ids for "
+                           f"{decode.seq_lens.shape[0]} decode rows")
+    if not choice.varlen:
+        decode.indices = None
+        return
+    decode.schedule_metadata = attach_varlen_ids(decode.schedule_metadata, ids,
+                                                 builder.varlen_backend,
+                                                 max(1, choice.facts.max_run))
+    decode.indices = ids
+
+
+def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``build`` replacement (see the module docstring).  Not varlen: stock, untouched."""
+
+    @functools.wraps(original)
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        if not getattr(self, "use_varlen", False):
+            return original(self, common_prefix_len, common_attn_metadata, fast_build)
+        choice = classify_step(self, common_attn_metadata)
+        self.last_step_choice = choice
+        if choice is None or not choice.plan:
+            return original(self, common_prefix_len, common_attn_metadata, fast_build)
+        flattening = self.use_flattening
+        self.use_flattening = True
+        self._varlen_planning = True
+        self._varlen_step_ids = None
+        self._varlen_common = common_attn_metadata
+        try:
+            metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
+        finally:
+            self.use_flattening = flattening
+            self._varlen_planning = False
+            self._varlen_common = None
+        _hand_over_ids(self, metadata, choice)
+        return metadata
+
+    return build
+
+
+def wrap_update_draft_decode_metadata(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``update_draft_decode_metadata`` replacement: a varlen step's metadata is
+    updated by stock without its ids (DeepGEMM on SM90 takes none), then the
+    ids become one run per row again.  Other metadata: stock, untouched."""
+
+    @functools.wraps(original)
+    def update_draft_decode_metadata(self, metadata):
+        decode = metadata.decode
+        tag = None if decode is None else varlen_ids_of(decode.schedule_metadata)
+        if tag is None:
+            return original(self, metadata)
+        ids = decode.indices
+        decode.indices = None
+        try:
+            original(self, metadata)
+        finally:
+            decode.indices = ids
+        if ids is not None:
+            ids.copy_(self.arange_buffer[: ids.shape[0]])
+        decode.schedule_metadata = attach_varlen_ids(decode.schedule_metadata, tag.ids,
+                                                     tag.backend, 1)
+        return None
+
+    return update_draft_decode_metadata
