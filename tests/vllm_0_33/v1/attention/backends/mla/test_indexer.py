@@ -117,6 +117,24 @@ def test_triton_serves_checks_the_cache(monkeypatch):
     assert not make_builder(monkeypatch, next_n=4).use_varlen
 
 
+@pytest.mark.parametrize("cap,next_n,compiles", [((9, 0), 4, True), ((9, 0), 3, True),
+                                                  ((9, 0), 1, False), ((10, 0), 4, False)])
+def test_builder_precompiles_the_kernels_at_creation(monkeypatch, cap, next_n, compiles):
+    """A builder that may launch the project's kernel compiles it when it is made
+    (this cache's shape, run-length hints up to next_n); one left stock does not."""
+    from vllm_dsa_varlen import warmup
+
+    fake_gpu(monkeypatch, cap)
+    calls = []
+    monkeypatch.setattr(warmup, "precompile_for",
+                        lambda cfg, spec, device, max_run_len: calls.append(
+                            (spec.head_size, str(device), max_run_len)))
+    patches.apply_all(line="0.33")
+    builder = make_builder(monkeypatch, next_n=next_n)
+    assert builder.use_varlen is compiles
+    assert calls == ([(132, "cpu", next_n)] if compiles else [])
+
+
 # ------------------------------------------------------------------ per-step classification
 
 def _stub_stock_triton(monkeypatch):

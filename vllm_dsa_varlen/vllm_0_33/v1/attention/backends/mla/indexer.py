@@ -69,6 +69,7 @@ import torch
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.mla import indexer as _ix
 
+from vllm_dsa_varlen import warmup
 from vllm_dsa_varlen.config import (
     BACKEND_ENV,
     MIN_FP8_CAPABILITY,
@@ -242,6 +243,11 @@ def _setup_varlen(builder: Any) -> None:
     )
     if builder.decode_indices_buffer.data_ptr() % 8:
         raise RuntimeError("decode_indices_buffer: run ids need an 8-byte aligned start")
+    if path.backend == "triton":
+        # Every kernel variant a step can launch, compiled now (logged with the
+        # time it took) so no decode step waits on a JIT compile.
+        warmup.precompile_for(builder.vllm_config, builder.kv_cache_spec, builder.device,
+                              builder.num_speculative_tokens + 1)
 
 
 def wrap_init(original: Callable[..., None]) -> Callable[..., None]:
