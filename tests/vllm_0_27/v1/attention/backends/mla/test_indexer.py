@@ -543,20 +543,25 @@ def test_varlen_rows_match_stock_flatten_branch(monkeypatch, backend, seed, comp
     _assert_same(got, want, skip=("decode.schedule_metadata",))
 
 
-@pytest.mark.parametrize("backend,next_n,compiles", [("triton", 4, True), ("triton", 3, True),
-                                                     ("deepgemm", 4, False)])
-def test_builder_precompiles_the_triton_kernels_at_creation(monkeypatch, backend, next_n,
+@pytest.mark.parametrize("backend,next_n,ratio,compiles", [
+    ("triton", 4, 1, True), ("triton", 3, 1, True), ("triton", 3, 4, True),
+    ("deepgemm", 4, 1, False)])
+def test_builder_precompiles_the_triton_kernels_at_creation(monkeypatch, backend, next_n, ratio,
                                                             compiles):
-    """A Triton-backed builder compiles the kernels when it is made (with this
-    cache's shape and run-length hints up to next_n); a DeepGEMM one does not."""
+    """A Triton-backed builder compiles the kernels when it is made (with the
+    cache's kernel page -- 64 entries also for DeepSeek V4's compressed cache --
+    and run-length hints up to next_n); a DeepGEMM one does not."""
     from vllm_dsa_varlen import warmup
 
     _setup(monkeypatch, backend)
+    if ratio > 1:
+        _no_triton_slot_mapping(monkeypatch)
     calls = []
-    monkeypatch.setattr(warmup, "precompile_for",
-                        lambda cfg, spec, device, max_run_len: calls.append(
-                            (spec.head_size, spec.block_size, str(device), max_run_len)))
+    monkeypatch.setattr(warmup, "precompile_for", lambda **kw: calls.append(kw))
     patches.apply_all()
-    builder = make_builder(monkeypatch, next_n=next_n)
+    builder = make_builder(monkeypatch, next_n=next_n, block_size=64 * ratio,
+                           compress_ratio=ratio)
     assert builder.varlen_backend == backend
-    assert calls == ([(132, 64, "cpu", next_n)] if compiles else [])
+    assert calls == ([dict(heads=builder.vllm_config.model_config.hf_config.index_n_heads,
+                           head_size=132, page=64, device=torch.device("cpu"),
+                           max_run_len=next_n)] if compiles else [])

@@ -117,22 +117,24 @@ def test_triton_serves_checks_the_cache(monkeypatch):
     assert not make_builder(monkeypatch, next_n=4).use_varlen
 
 
-@pytest.mark.parametrize("cap,next_n,compiles", [((9, 0), 4, True), ((9, 0), 3, True),
-                                                  ((9, 0), 1, False), ((10, 0), 4, False)])
-def test_builder_precompiles_the_kernels_at_creation(monkeypatch, cap, next_n, compiles):
+@pytest.mark.parametrize("cap,next_n,ratio,compiles", [
+    ((9, 0), 4, 1, True), ((9, 0), 3, 1, True), ((9, 0), 3, 4, True), ((9, 0), 1, 1, False),
+    ((10, 0), 4, 1, False)])
+def test_builder_precompiles_the_kernels_at_creation(monkeypatch, cap, next_n, ratio, compiles):
     """A builder that may launch the project's kernel compiles it when it is made
-    (this cache's shape, run-length hints up to next_n); one left stock does not."""
+    (the cache's kernel page -- 64 entries also for DeepSeek V4's compressed
+    cache -- and run-length hints up to next_n); one left stock does not."""
     from vllm_dsa_varlen import warmup
 
     fake_gpu(monkeypatch, cap)
     calls = []
-    monkeypatch.setattr(warmup, "precompile_for",
-                        lambda cfg, spec, device, max_run_len: calls.append(
-                            (spec.head_size, str(device), max_run_len)))
+    monkeypatch.setattr(warmup, "precompile_for", lambda **kw: calls.append(kw))
     patches.apply_all(line="0.33")
-    builder = make_builder(monkeypatch, next_n=next_n)
+    builder = make_builder(monkeypatch, next_n=next_n, compress_ratio=ratio)
     assert builder.use_varlen is compiles
-    assert calls == ([(132, "cpu", next_n)] if compiles else [])
+    assert calls == ([dict(heads=ours._index_heads(builder), head_size=132, page=64,
+                           device=torch.device("cpu"), max_run_len=next_n)]
+                     if compiles else [])
 
 
 # ------------------------------------------------------------------ per-step classification

@@ -115,14 +115,26 @@ def _triton_serves(vllm_config: Any, kv_cache_spec: Any) -> bool:
         return False
     if not HAS_TRITON:
         return False
-    page = getattr(kv_cache_spec, "storage_block_size", getattr(kv_cache_spec, "block_size", None))
+    page = _kernel_page(kv_cache_spec)
     head_size = getattr(kv_cache_spec, "head_size", None)
     if (page not in tk.SUPPORTED_PAGES or head_size is None
             or head_size - 4 not in tk.SUPPORTED_DIMS):
         return False
+    heads = _index_heads(vllm_config)
+    return heads is None or heads in tk.SUPPORTED_HEADS
+
+
+def _kernel_page(kv_cache_spec: Any) -> int | None:
+    """Indexer-cache entries per block, as the kernel sees them (DeepSeek V4's
+    compressed cache: ``storage_block_size``)."""
+    return getattr(kv_cache_spec, "storage_block_size", getattr(kv_cache_spec, "block_size", None))
+
+
+def _index_heads(vllm_config: Any) -> int | None:
+    """The model's indexer head count, when its config names one."""
     model_config = getattr(vllm_config, "model_config", None)
     heads = getattr(getattr(model_config, "hf_config", None), "index_n_heads", None)
-    return not isinstance(heads, int) or heads in tk.SUPPORTED_HEADS
+    return heads if isinstance(heads, int) else None
 
 
 def decide_decode_path_for(vllm_config: Any, kv_cache_spec: Any) -> DecodePath:
@@ -212,8 +224,10 @@ def _setup_varlen(builder: Any) -> None:
     if path.backend == "triton":
         # Every kernel variant a step can launch, compiled now (logged with the
         # time it took) so no decode step waits on a JIT compile.
-        warmup.precompile_for(builder.vllm_config, builder.kv_cache_spec, builder.device,
-                              builder.num_speculative_tokens + 1)
+        warmup.precompile_for(heads=_index_heads(builder.vllm_config),
+                              head_size=builder.kv_cache_spec.head_size,
+                              page=_kernel_page(builder.kv_cache_spec), device=builder.device,
+                              max_run_len=builder.num_speculative_tokens + 1)
 
 
 def wrap_init(original: Callable[..., None]) -> Callable[..., None]:

@@ -246,8 +246,10 @@ def _setup_varlen(builder: Any) -> None:
     if path.backend == "triton":
         # Every kernel variant a step can launch, compiled now (logged with the
         # time it took) so no decode step waits on a JIT compile.
-        warmup.precompile_for(builder.vllm_config, builder.kv_cache_spec, builder.device,
-                              builder.num_speculative_tokens + 1)
+        warmup.precompile_for(heads=_index_heads(builder),
+                              head_size=builder.kv_cache_spec.head_size,
+                              page=builder.kv_cache_spec.num_states, device=builder.device,
+                              max_run_len=builder.num_speculative_tokens + 1)
 
 
 def wrap_init(original: Callable[..., None]) -> Callable[..., None]:
