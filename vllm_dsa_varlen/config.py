@@ -126,6 +126,20 @@ class DecodePath:
         return f"{path}: {self.reason}"
 
 
+def platform_refusal(*, mode: str, is_cuda: bool,
+                     capability: tuple[int, int] | None) -> str | None:
+    """Why stock is kept before any kernel is considered (every vLLM line's
+    first rules), or ``None``: ``VLLM_DSA_VARLEN=off``, not CUDA, or the device
+    capability unknown."""
+    if mode == "off":
+        return f"{MODE_ENV}=off"
+    if not is_cuda:
+        return "not a CUDA platform"
+    if capability is None:
+        return "CUDA device capability unknown"
+    return None
+
+
 def _stock(reason: str, warning: bool = False) -> DecodePath:
     return DecodePath(False, None, reason, warning)
 
@@ -169,12 +183,9 @@ def choose_decode_path(
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if next_n < 1:
         raise ValueError(f"next_n: expected >= 1, got {next_n}")
-    if mode == "off":
-        return _stock(f"{MODE_ENV}=off")
-    if not is_cuda:
-        return _stock("not a CUDA platform")
-    if capability is None:
-        return _stock("CUDA device capability unknown")
+    refusal = platform_refusal(mode=mode, is_cuda=is_cuda, capability=capability)
+    if refusal is not None:
+        return _stock(refusal)
     capability = (int(capability[0]), int(capability[1]))
     cap = _fmt_cap(capability)
     sm10x = capability[0] == SM100_MAJOR

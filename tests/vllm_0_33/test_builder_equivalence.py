@@ -40,7 +40,6 @@ from hypothesis import strategies as st
 
 import vllm.model_executor.layers.sparse_attn_indexer as sai  # noqa: E402
 import vllm.v1.attention.backends.mla.indexer as ix  # noqa: E402
-import vllm033_stubs  # noqa: E402
 from test_equivalence import assert_same_topk  # noqa: E402
 from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E402
 from vllm033_stubs import HopperDeepGemm, decode_batch, fake_gpu, make_builder  # noqa: E402

@@ -73,8 +73,8 @@ from vllm_dsa_varlen import warmup
 from vllm_dsa_varlen.config import (
     BACKEND_ENV,
     MIN_FP8_CAPABILITY,
-    MODE_ENV,
     DecodePath,
+    platform_refusal,
     read_backend,
     read_mode,
 )
@@ -120,12 +120,9 @@ def choose_decode_path(
     """
     if next_n < 1:
         raise ValueError(f"next_n: expected >= 1, got {next_n}")
-    if mode == "off":
-        return _stock(f"{MODE_ENV}=off")
-    if not is_cuda:
-        return _stock("not a CUDA platform")
-    if capability is None:
-        return _stock("CUDA device capability unknown")
+    refusal = platform_refusal(mode=mode, is_cuda=is_cuda, capability=capability)
+    if refusal is not None:
+        return _stock(refusal)
     cap = f"sm_{capability[0]}{capability[1]}"
     if upstream_varlen:
         msg = (f"upstream varlen: vLLM 0.33 runs DeepGEMM's varlen kernel itself on {cap} "
