@@ -246,6 +246,33 @@ def vdg_paths(torch, step, dg, num_sms):
     return paths
 
 
+def sm90_call(torch, step, params):
+    """A call of the sm_90 kernel with explicit launch parameters (``params``,
+    as :func:`..ops.gluon_paged_mqa_logits.launch` takes them) into a buffer of
+    its own, poisoned once (every valid element is checked after the first call)."""
+    from .ops import gluon_paged_mqa_logits as gk
+
+    rows = step.rows
+    out = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
+    hint = int(step.decode_lens.max())
+    kwargs = {"rows_max": gk.rows_max_for(step.q.shape[2], hint), **params}
+
+    def call():
+        gk.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
+                  rows.block_table, rows.indices, step.max_context_len, out, **kwargs)
+        return out
+    return call
+
+
+def sm90_variant_paths(torch, step, spec):
+    """Extra sm_90 paths, one per launch parameter set of ``spec`` (``k=v,..;..``)."""
+    out = {}
+    for params in triton_variants(spec):
+        label = "gluon-sm90 " + ",".join(f"{k}={v}" for k, v in params.items())
+        out[label] = Path(sm90_call(torch, step, params), step.rows.num_rows, 0, 1.0, dict(params))
+    return out
+
+
 def case_paths(torch, case, args, dg, num_sms):
     """Build ``case``'s decode step and every path to time on it."""
     from .ops import gluon_paged_mqa_logits as gk
@@ -265,6 +292,8 @@ def case_paths(torch, case, args, dg, num_sms):
                 step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
                 step.max_context_len, max_run_len=hint, kernel="sm90"), rows.num_rows, 0, 1.0,
                 dict(rows_max=gk.rows_max_for(step.q.shape[2], hint)))
+            if getattr(args, "sm90_variants", None):
+                paths.update(sm90_variant_paths(torch, step, args.sm90_variants))
         return step, paths
     for params in triton_variants(args.variants):
         label = ("triton-portable" if hopper else "triton-varlen") + ("" if not params else " " + ",".join(
@@ -496,6 +525,8 @@ def main(argv=None):
     parser.add_argument("--cases", nargs="*", help="substrings of case names to run")
     parser.add_argument("--variants", help="Triton kernel parameter sets, e.g. "
                         "'rows_per_dot=2,pages_per_split=8;rows_per_dot=4,num_warps=8'")
+    parser.add_argument("--sm90-variants", help="sm_90 launch parameter sets to time beside the "
+                        "default (with --peer gluon), e.g. 'consumers=2;stages=8'")
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time (ms)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, nargs="*", help="custom cases: batch sizes")

@@ -285,6 +285,26 @@ def test_sm90_matches_reference_small(name, hint):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("knobs", [dict(consumers=1), dict(consumers=2), dict(consumers=4),
+                                   dict(consumers=4, direct_store=False), dict(stages=3)])
+@pytest.mark.parametrize("name", list(SMALL))
+def test_sm90_launch_knobs_match_reference(name, knobs):
+    """Every math-warpgroup count and store path (each shares a page's row
+    groups out differently), with each ``ROWS_MAX`` these runs reach."""
+    lens, seqs, pad, heads = SMALL[name]
+    step = make_decode_step(lens, seqs, heads=heads, padding_rows=pad,
+                            max_context_len=max(seqs) + 11, seed=len(name), device="cuda")
+    rows = step.rows
+    for rows_max in sorted({gk.rows_max_for(heads, n) for n in (1, 4, 8)}):
+        out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
+        gk.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
+                  rows.block_table, rows.indices, step.max_context_len, out[: rows.num_rows],
+                  rows_max=rows_max, **knobs)
+        _check(step, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", [(64, 4, 8192, None, 64), (64, 4, 8192, 0.7, 64),
                                   (32, 2, 16384, None, 64), (96, 3, 4096, 0.5, 32),
                                   (8, 8, 20000, 0.8, 64), (1, 4, 8192, None, 64)])

@@ -37,14 +37,14 @@ def compile_gluon_sm90(heads: int, rows_max: int, stages: int | None = None, con
         "DIRECT_STORE": "constexpr",
         "BLOCK_R": "constexpr", "num_warps": "constexpr",
     }
+    consumers = consumers or gk.CONSUMERS
+    regs, launch_regs = gk.registers(consumers)
     consts = {"H": heads, "D": dim, "PAGE": page, "ROWS_MAX": rows_max,
-              "STAGES": stages or gk.STAGES, "CONSUMERS": consumers or gk.CONSUMERS,
-              "CONSUMER_REGS": consumer_regs or gk.CONSUMER_REGS,
+              "STAGES": stages or gk.STAGES, "CONSUMERS": consumers,
+              "CONSUMER_REGS": consumer_regs or regs,
               "DIRECT_STORE": gk.DIRECT_STORE if direct_store is None else direct_store,
               "BLOCK_R": gk.BLOCK_R, "num_warps": 4}
-    options = {"num_warps": 4}
-    if maxnreg is not None:
-        options["maxnreg"] = maxnreg
+    options = {"num_warps": 4, "maxnreg": maxnreg or launch_regs}
     src = GluonASTSource(gk._varlen_logits_sm90, sig, consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
@@ -94,7 +94,7 @@ def main() -> int:
         try:
             if job[0] == "sm90":
                 row["rows_max"] = job[2]
-                k = compile_gluon_sm90(job[1], job[2], maxnreg=gk.MAXNREG)
+                k = compile_gluon_sm90(job[1], job[2])
             else:
                 row["arch"], row["pairs"] = job[2], job[3]["PAIRS"]
                 k = compile_portable(job[2], **job[3])

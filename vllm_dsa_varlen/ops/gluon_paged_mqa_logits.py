@@ -66,10 +66,14 @@ MMA_N = 128          # query rows x heads per wgmma
 BLOCK_R = 1024       # rows scanned per step of the schedule pass
 CTAS_PER_SM = 1
 STAGES = 6
-CONSUMERS = 2
-CONSUMER_REGS = 232
-MAXNREG = 128
-DIRECT_STORE = False
+CONSUMERS = 4
+DIRECT_STORE = True
+# Registers per thread by math warpgroups: (each math warpgroup's, after
+# setmaxnreg; the launch's, for every warp).  The launch value times the CTA's
+# threads (idle default warpgroup + math warpgroups + the TMA warp) must fit the
+# 64 K register file; the math warpgroups' share is what is left once the
+# default warpgroup and the TMA warp give theirs back (24 each).
+REGISTERS = {1: (232, 128), 2: (232, 168), 4: (112, 96)}
 
 
 def available() -> str | None:
@@ -201,10 +205,14 @@ if _MISSING is None:
 
     @gluon.jit
     def _cursor_step(ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                     q_empty, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr, RELEASE: gl.constexpr,
-                     NW: gl.constexpr):
+                     q_full, q_empty, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr,
+                     RELEASE: gl.constexpr, NW: gl.constexpr):
         """Advance a cursor by one work item; a new segment (run x row chunk)
-        bumps ``seg`` (and, with ``RELEASE``, frees the old segment's queries)."""
+        bumps ``seg``.  With ``RELEASE`` (math warpgroups) the old segment's
+        query buffer is released, after waiting for it to have been loaded:
+        a warpgroup may step over whole segments it has no item of, and
+        releasing only loaded buffers keeps every warpgroup's arrivals in
+        segment order on each buffer's barriers (one phase per segment)."""
         pg += 1
         if pg == pages:
             pg = 0
@@ -213,6 +221,7 @@ if _MISSING is None:
                 start, end, kv, pages = _next_run(ids_ptr, ctx_ptr, end, num_rows, kv_cap, PAGE, NW)
                 chunk = 0
             if RELEASE:
+                mbarrier.wait(q_full.index(seg % 2), (seg // 2) & 1)
                 mbarrier.arrive(q_empty.index(seg % 2), count=1)
             seg += 1
         return start, end, kv, pages, chunk, pg, seg
@@ -221,19 +230,20 @@ if _MISSING is None:
     def _producer(kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows, kv_cap, stride_bt,
                   n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
                   q_empty, started, PAGE: gl.constexpr, D: gl.constexpr, ROWS_MAX: gl.constexpr,
-                  STAGES: gl.constexpr):
-        """TMA warp: the run's query rows once per segment, then every page."""
+                  STAGES: gl.constexpr, NW: gl.constexpr):
+        """TMA partition (``NW`` warps; one thread issues): the run's query rows
+        once per segment, then every page."""
         _all_started(started)
         G: gl.constexpr = q_desc.block_type.shape[0]
         NG: gl.constexpr = ROWS_MAX // G
         SCALE_COL: gl.constexpr = PAGE * D // 4
         start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
-                                                        kv_cap, PAGE, ROWS_MAX, 1)
+                                                        kv_cap, PAGE, ROWS_MAX, NW)
         seg = 0
         loaded = -1
         # Block ids come 32 pages at a time, the next 32 prefetched, so no TMA
         # issue waits on a dependent block-table load inside a segment.
-        bt_lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        bt_lay: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         offs_b = gl.arange(0, 32, layout=bt_lay)
         bt_seg = -1
         bt_base = 0
@@ -243,7 +253,7 @@ if _MISSING is None:
             if i > 0:
                 start, end, kv, pages, chunk, pg, seg = _cursor_step(
                     ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                    q_empty, PAGE, ROWS_MAX, False, 1)
+                    q_full, q_empty, PAGE, ROWS_MAX, False, NW)
             if seg != loaded:
                 qb = seg % 2
                 mbarrier.wait(q_empty.index(qb), ((seg // 2) & 1) ^ 1)
@@ -282,58 +292,30 @@ if _MISSING is None:
                        other=0.0)
 
     @gluon.jit
-    def _epilogue(acc, w, ctx_ptr, out_ptr, stride_out, row_g, end, kv, scale, cols,
-                  G: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr, DIRECT_STORE: gl.constexpr):
-        """relu(acc) * w summed over each row's heads, times the token scale,
-        stored where the row may look."""
+    def _row_limits(ctx_ptr, row_g, end, kv, G: gl.constexpr, layout: gl.constexpr):
+        """How far each of the ``G`` rows ``row_g ..`` may look (0 past the run),
+        in ``layout`` (a 1-D slice of the store layout)."""
+        rows = row_g + gl.arange(0, G, layout=layout)
+        ok = rows <= end
+        return gl.where(ok, gl.minimum(gl.load(ctx_ptr + rows, mask=ok, other=0), kv), 0)
+
+    @gluon.jit
+    def _epilogue(acc, w, r_lim, sc_tile, out_ptr, stride_out, row_g, cols, G: gl.constexpr,
+                  H: gl.constexpr, PAGE: gl.constexpr, out_layout: gl.constexpr):
+        """relu(acc) * w summed over each row's heads, times the token scale
+        (read from the page's shared-memory scales in the store layout), stored
+        where each row may look (``r_lim``, in the store layout's row slice)."""
         sw = gl.maximum(acc, 0.0) * gl.expand_dims(w, 0)
-        logit = gl.sum(gl.reshape(sw, [PAGE, G, H]), axis=2)              # [PAGE, G]
-        if DIRECT_STORE:  # store from the reduction's own layout (no shared-memory shuffle)
-            lay: gl.constexpr = logit.type.layout
-            scale = gl.convert_layout(scale, gl.SliceLayout(1, lay))
-        else:
-            lay: gl.constexpr = gl.BlockedLayout([PAGE * G // 128, 1], [32 // G, G], [4, 1], [0, 1])
-            logit = gl.convert_layout(logit, lay)
-        offs_t = gl.arange(0, PAGE, layout=gl.SliceLayout(1, lay))
-        offs_g = gl.arange(0, G, layout=gl.SliceLayout(0, lay))
+        logit = gl.convert_layout(gl.sum(gl.reshape(sw, [PAGE, G, H]), axis=2), out_layout)
+        scale = sc_tile.load(gl.SliceLayout(1, out_layout))
+        offs_t = gl.arange(0, PAGE, layout=gl.SliceLayout(1, out_layout))
+        offs_g = gl.arange(0, G, layout=gl.SliceLayout(0, out_layout))
         logit = logit * gl.expand_dims(scale, 1)
-        rows = row_g + offs_g
-        r_ok = rows <= end
-        r_ctx = gl.load(ctx_ptr + rows, mask=r_ok, other=0)
-        r_lim = gl.where(r_ok, gl.minimum(r_ctx, kv), 0)
         c = cols + offs_t
         keep = gl.expand_dims(c, 1) < gl.expand_dims(r_lim, 0)
-        ptrs = out_ptr + gl.expand_dims(rows.to(gl.int64) * stride_out, 0) + gl.expand_dims(c, 1)
+        rows = (row_g + offs_g).to(gl.int64)
+        ptrs = out_ptr + gl.expand_dims(rows * stride_out, 0) + gl.expand_dims(c, 1)
         gl.store(ptrs, logit, mask=keep)
-
-    @gluon.jit
-    def _pair(kv_tile, q_smem, qi, zero, wa, wb, ctx_ptr, out_ptr, stride_out, row0, end, kv, scale,
-              cols, G: gl.constexpr, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
-              DIRECT_STORE: gl.constexpr):
-        """Row groups ``qi`` and ``qi + 1`` (rows ``row0 ..``) against one page."""
-        N: gl.constexpr = G * H
-        qa = q_smem.index(qi).reshape([N, D]).permute((1, 0))
-        acc0 = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
-        qc = q_smem.index(qi + 1).reshape([N, D]).permute((1, 0))
-        acc1 = warpgroup_mma(kv_tile, qc, zero, use_acc=False, is_async=True)
-        r0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
-        _epilogue(r0, wa, ctx_ptr, out_ptr, stride_out, row0, end, kv, scale, cols, G, H, PAGE,
-                  DIRECT_STORE)
-        r1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
-        _epilogue(r1, wb, ctx_ptr, out_ptr, stride_out, row0 + G, end, kv, scale, cols, G, H, PAGE,
-                  DIRECT_STORE)
-
-    @gluon.jit
-    def _single(kv_tile, q_smem, qi, zero, w, ctx_ptr, out_ptr, stride_out, row0, end, kv, scale,
-                cols, G: gl.constexpr, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
-                DIRECT_STORE: gl.constexpr):
-        """Row group ``qi`` (rows ``row0 ..``) against one page."""
-        N: gl.constexpr = G * H
-        qa = q_smem.index(qi).reshape([N, D]).permute((1, 0))
-        acc = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
-        r = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _epilogue(r, w, ctx_ptr, out_ptr, stride_out, row0, end, kv, scale, cols, G, H, PAGE,
-                  DIRECT_STORE)
 
     @gluon.jit
     def _consumer(w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w, stride_out,
@@ -341,76 +323,91 @@ if _MISSING is None:
                   q_empty, started, WHICH: gl.constexpr, CONSUMERS: gl.constexpr, H: gl.constexpr,
                   D: gl.constexpr, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr, G: gl.constexpr,
                   STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr):
-        """A math warpgroup: items WHICH, WHICH + CONSUMERS, ...: wgmma of the
-        page against each row group's queries, epilogue, store."""
+        """Math warpgroup ``WHICH`` of ``CONSUMERS``: one wgmma accumulator at a
+        time (one row group of ``G`` rows against one page), its epilogue, its store.
+
+        The ``NG`` row groups of an item (a page of a segment) are shared out
+        among ``CPI = min(NG, CONSUMERS)`` warpgroups, ``GPC = NG / CPI`` groups
+        each; the other warpgroups take the next items, so ``IPR = CONSUMERS /
+        CPI`` items are in work at a time and a page is released when its
+        ``CPI`` warpgroups are done with it."""
         N: gl.constexpr = G * H
         NG: gl.constexpr = ROWS_MAX // G
+        CPI: gl.constexpr = NG if NG < CONSUMERS else CONSUMERS
+        GPC: gl.constexpr = NG // CPI
+        IPR: gl.constexpr = CONSUMERS // CPI
+        gl.static_assert(IPR <= STAGES, "a warpgroup must never be a ring lap ahead")
+        FIRST: gl.constexpr = WHICH // CPI
+        G0: gl.constexpr = (WHICH % CPI) * GPC
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
-        sc_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0])
-        tok_layout: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([PAGE * G // 128, 1], [32 // G, G], [4, 1], [0, 1]))
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        W_REGS: gl.constexpr = NG <= 2
         zero = gl.zeros([PAGE, N], gl.float32, mma_layout)
-        w0 = gl.zeros([N], gl.float32, col_layout)
-        w1 = gl.zeros([N], gl.float32, col_layout)
+        if DIRECT_STORE:  # store from the head-sum's own layout (no shared-memory shuffle)
+            out_layout: gl.constexpr = gl.sum(gl.reshape(zero, [PAGE, G, H]), axis=2).type.layout
+        else:
+            out_layout: gl.constexpr = gl.BlockedLayout([PAGE * G // 128, 1], [32 // G, G], [4, 1],
+                                                        [0, 1])
+        row_layout: gl.constexpr = gl.SliceLayout(0, out_layout)
+        w = gl.zeros([N], gl.float32, col_layout)
+        r_lim = gl.zeros([G], gl.int32, row_layout)
         w_seg = -1
         _all_started(started)
         start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
                                                         kv_cap, PAGE, ROWS_MAX, 4)
         seg = 0
-        for _w in gl.static_range(WHICH):
-            if WHICH < n_items:
+        pos = 0  # the item the cursor is at
+        for _w in gl.static_range(FIRST):
+            if FIRST < n_items:
                 start, end, kv, pages, chunk, pg, seg = _cursor_step(
                     ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                    q_empty, PAGE, ROWS_MAX, True, 4)
-        for i in range(WHICH, n_items, CONSUMERS):
-            if i > WHICH:
-                for _c in gl.static_range(CONSUMERS):
+                    q_full, q_empty, PAGE, ROWS_MAX, True, 4)
+                pos = FIRST
+        for i in range(FIRST, n_items, IPR):
+            if i > FIRST:
+                for _c in gl.static_range(IPR):
                     start, end, kv, pages, chunk, pg, seg = _cursor_step(
                         ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                        q_empty, PAGE, ROWS_MAX, True, 4)
+                        q_full, q_empty, PAGE, ROWS_MAX, True, 4)
+                pos = i
             slot = i % STAGES
             qb = seg % 2
+            row0 = start + chunk
+            cols = pg * PAGE
+            if GPC == 1:  # this warpgroup's rows, weights and row limits, once per segment
+                if w_seg != seg:
+                    w = _load_w(w_ptr, stride_w, row0 + G0 * G, end, N, H, col_layout)
+                    r_lim = _row_limits(ctx_ptr, row0 + G0 * G, end, kv, G, row_layout)
+                    w_seg = seg
             mbarrier.wait(q_full.index(qb), (seg // 2) & 1)
             mbarrier.wait(full.index(slot), (i // STAGES) & 1)
             kv_tile = kv_smem.index(slot).reshape([PAGE, D])
-            scale = gl.convert_layout(gl.reshape(sc_smem.index(slot).load(sc_layout), [PAGE]), tok_layout)
-            row0 = start + chunk
-            cols = pg * PAGE
-            # Row groups in pairs (the second group's wgmma runs under the first's
-            # epilogue), then a lone last group.  Loops, not branches, around the
-            # wgmmas: Triton 3.6 fails to lower a wgmma under an scf.if here.
-            if W_REGS:  # the segment's weights stay in registers (NG <= 2)
-                if w_seg != seg:
-                    w0 = _load_w(w_ptr, stride_w, row0, end, N, H, col_layout)
-                    if NG == 2:
-                        w1 = _load_w(w_ptr, stride_w, row0 + G, end, N, H, col_layout)
-                    w_seg = seg
-            # Every row group of the segment's buffer, unconditionally: straight-line
-            # wgmmas with fixed buffer indices (rows past the run are computed on
-            # whatever the box holds and never stored).  A wgmma under a runtime
-            # branch does not lower on Triton 3.6, and 0/1-trip loops around them
-            # were seen to fault on the GPU (docs/kernel-notes.md).
-            if NG == 1:
-                _single(kv_tile, q_smem, qb * NG, zero, w0, ctx_ptr, out_ptr, stride_out,
-                        row0, end, kv, scale, cols, G, H, D, PAGE, DIRECT_STORE)
-            elif NG == 2:
-                _pair(kv_tile, q_smem, qb * NG, zero, w0, w1, ctx_ptr, out_ptr, stride_out,
-                      row0, end, kv, scale, cols, G, H, D, PAGE, DIRECT_STORE)
-            else:
-                for p in gl.static_range(NG // 2):
-                    wa = _load_w(w_ptr, stride_w, row0 + 2 * p * G, end, N, H, col_layout)
-                    wb = _load_w(w_ptr, stride_w, row0 + (2 * p + 1) * G, end, N, H, col_layout)
-                    _pair(kv_tile, q_smem, qb * NG + 2 * p, zero, wa, wb, ctx_ptr, out_ptr,
-                          stride_out, row0 + 2 * p * G, end, kv, scale, cols, G, H, D, PAGE,
-                          DIRECT_STORE)
-            fence_async_shared()
+            sc_tile = sc_smem.index(slot).reshape([PAGE])
+            # Straight-line wgmmas with fixed buffer indices: a wgmma under a
+            # runtime branch does not lower on Triton 3.6 (docs/kernel-notes.md);
+            # a group with no rows of the run is computed and not stored.
+            for k in gl.static_range(GPC):
+                row_g = row0 + (G0 + k) * G
+                if GPC > 1:
+                    w = _load_w(w_ptr, stride_w, row_g, end, N, H, col_layout)
+                    r_lim = _row_limits(ctx_ptr, row_g, end, kv, G, row_layout)
+                qg = q_smem.index(qb * NG + G0 + k).reshape([N, D]).permute((1, 0))
+                acc = warpgroup_mma(kv_tile, qg, zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if row_g <= end:
+                    _epilogue(acc, w, r_lim, sc_tile, out_ptr, stride_out, row_g, cols, G, H,
+                              PAGE, out_layout)
+            # Every read of the slot (wgmma, scale loads) is complete here; the
+            # arrive orders them before the producer's next TMA into it.
             mbarrier.arrive(empty.index(slot), count=1)
-
-    @gluon.jit
-    def _idle():
-        pass
+        # Walk the cursor to the last item, releasing the query buffer of every
+        # segment passed: the producer reuses a buffer only once every math
+        # warpgroup has released it, also one whose last item came earlier.
+        while pos + 1 < n_items:
+            start, end, kv, pages, chunk, pg, seg = _cursor_step(
+                ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
+                q_full, q_empty, PAGE, ROWS_MAX, True, 4)
+            pos += 1
 
     @gluon.jit
     def _all_started(started):
@@ -446,21 +443,48 @@ if _MISSING is None:
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            CPI: gl.constexpr = NG if NG < CONSUMERS else CONSUMERS  # math warpgroups per page
             for s in gl.static_range(STAGES):
                 mbarrier.init(full.index(s), count=1)
-                mbarrier.init(empty.index(s), count=1)
+                mbarrier.init(empty.index(s), count=CPI)
             for s in gl.static_range(2):
                 mbarrier.init(q_full.index(s), count=1)
                 mbarrier.init(q_empty.index(s), count=CONSUMERS)
             started = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             mbarrier.init(started, count=CONSUMERS + 1)
             fence_async_shared()
-            # The default partition stays idle: every role runs in a worker
-            # partition (work in the default partition was seen to corrupt the
-            # workers' captured arguments on Triton 3.6).
-            if CONSUMERS == 2:
+            # The default partition (num_warps warps) is the TMA producer; each
+            # math warpgroup is a worker partition.  No partition touches shared
+            # memory before all have started (``_all_started``).
+            if CONSUMERS == 4:
                 gl.warp_specialize([
-                    (_idle, ()),
+                    (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
+                                 kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
+                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES,
+                                 num_warps)),
+                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
+                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
+                                 full, empty, q_full, q_empty, started, 0, 4, H, D, PAGE, ROWS_MAX, G,
+                                 STAGES, DIRECT_STORE)),
+                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
+                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
+                                 full, empty, q_full, q_empty, started, 1, 4, H, D, PAGE, ROWS_MAX, G,
+                                 STAGES, DIRECT_STORE)),
+                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
+                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
+                                 full, empty, q_full, q_empty, started, 2, 4, H, D, PAGE, ROWS_MAX, G,
+                                 STAGES, DIRECT_STORE)),
+                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
+                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
+                                 full, empty, q_full, q_empty, started, 3, 4, H, D, PAGE, ROWS_MAX, G,
+                                 STAGES, DIRECT_STORE)),
+                ], [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+            elif CONSUMERS == 2:
+                gl.warp_specialize([
+                    (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
+                                 kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
+                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES,
+                                 num_warps)),
                     (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
                                  stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
                                  full, empty, q_full, q_empty, started, 0, 2, H, D, PAGE, ROWS_MAX, G,
@@ -469,21 +493,19 @@ if _MISSING is None:
                                  stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
                                  full, empty, q_full, q_empty, started, 1, 2, H, D, PAGE, ROWS_MAX, G,
                                  STAGES, DIRECT_STORE)),
+                ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+            else:
+                gl.static_assert(CONSUMERS == 1, "CONSUMERS: 1, 2 or 4")
+                gl.warp_specialize([
                     (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
                                  kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
-                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES)),
-                ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
-            else:
-                gl.warp_specialize([
-                    (_idle, ()),
+                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES,
+                                 num_warps)),
                     (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
                                  stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
                                  full, empty, q_full, q_empty, started, 0, 1, H, D, PAGE, ROWS_MAX, G,
                                  STAGES, DIRECT_STORE)),
-                    (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
-                                 kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
-                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES)),
-                ], [4, 1], [CONSUMER_REGS, 24])
+                ], [4], [CONSUMER_REGS])
 
 
 # ----------------------------------------------------------------------- host
@@ -559,10 +581,17 @@ _ARGS = ("kv_desc", "sc_desc", "q_desc", "w_ptr", "ctx_ptr", "bt_ptr", "ids_ptr"
          "num_rows", "max_context_len", "bt_width", "stride_w", "stride_bt", "stride_out")
 
 
+def registers(consumers: int) -> tuple[int, int]:
+    """(math warpgroup registers, launch registers) for ``consumers`` math warpgroups."""
+    if consumers not in REGISTERS:
+        raise ValueError(f"consumers: expected one of {sorted(REGISTERS)}, got {consumers}")
+    return REGISTERS[consumers]
+
+
 def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
            rows_max: int = 4, stages: int = STAGES, ctas_per_sm: int = CTAS_PER_SM,
-           consumers: int = CONSUMERS, consumer_regs: int = CONSUMER_REGS, maxnreg: int | None = MAXNREG,
-           direct_store: bool = DIRECT_STORE):
+           consumers: int = CONSUMERS, consumer_regs: int | None = None,
+           maxnreg: int | None = None, direct_store: bool = DIRECT_STORE):
     """Launch the sm_90 kernel on checked inputs (see the portable launcher);
     the grid depends on the GPU alone."""
     from .triton_paged_mqa_logits import launch_bound
@@ -571,6 +600,9 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     if rows_max % rows_per_mma(heads) or rows_max not in (2, 4, 8):
         raise ValueError(f"rows_max: expected 2, 4 or 8 and a multiple of {rows_per_mma(heads)} "
                          f"(query rows per wgmma at H {heads}), got {rows_max}")
+    regs, launch_regs = registers(consumers)
+    consumer_regs = consumer_regs or regs
+    maxnreg = maxnreg or launch_regs
     kv_desc, sc_desc, q_desc = descriptors(q, kv_cache)
     grid = (_num_sms(q.device.index or 0) * ctas_per_sm,)
     args = (kv_desc, sc_desc, q_desc, weights, context_lens, block_table, indices, out,
@@ -579,7 +611,7 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     constexprs = dict(H=heads, D=dim, PAGE=kv_cache.shape[1], ROWS_MAX=rows_max, STAGES=stages,
                       CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
                       DIRECT_STORE=bool(direct_store), BLOCK_R=BLOCK_R, num_warps=4)
-    options = {} if maxnreg is None else {"maxnreg": maxnreg}
+    options = {"maxnreg": maxnreg}
     return launch_bound(_varlen_logits_sm90, grid, args, constexprs, options, set(PER_STEP_INTS),
                         _ARGS)
 
