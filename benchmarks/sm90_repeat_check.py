@@ -3,7 +3,7 @@
 launch-parameter set, every run compared bitwise with the first and with the
 reference; prints, per set, how many runs differed and where.
 
-    python3 benchmarks/sm90_repeat_check.py --sets "consumers=4;consumers=2" --repeats 50
+    python3 benchmarks/sm90_repeat_check.py --sets "consumers=1;stages=3" --repeats 50
 
 A run that differs from the first points at a race (the kernel writes each
 output element from exactly one place, so repeated runs must be identical).

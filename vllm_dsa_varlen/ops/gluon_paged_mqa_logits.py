@@ -28,7 +28,11 @@ Structure (one launch, graph safe, no host sync):
   heads on N (= 128), A (the page) and B (the queries, K-major) from shared
   memory.
 * **Epilogue in registers**: ``relu(acc) * w`` summed over each row's heads,
-  times the token's scale, stored where the row may look.
+  times the token's scale (read from shared memory in the store layout),
+  stored from the head-sum's own layout where the row may look; each row's
+  limit (and, for up to two row groups, the weights) is loaded once per
+  segment, so a page costs no global load and no warpgroup barrier besides
+  the one releasing its slot.
 
 Nothing here runs on the CPU interpreter: correctness is tested on the GPU,
 compilation for sm_90 on the CPU (``python -m vllm_dsa_varlen.ops.compile_check``).
@@ -66,14 +70,14 @@ MMA_N = 128          # query rows x heads per wgmma
 BLOCK_R = 1024       # rows scanned per step of the schedule pass
 CTAS_PER_SM = 1
 STAGES = 6
-CONSUMERS = 4
+CONSUMERS = 2
 DIRECT_STORE = True
 # Registers per thread by math warpgroups: (each math warpgroup's, after
 # setmaxnreg; the launch's, for every warp).  The launch value times the CTA's
 # threads (idle default warpgroup + math warpgroups + the TMA warp) must fit the
 # 64 K register file; the math warpgroups' share is what is left once the
 # default warpgroup and the TMA warp give theirs back (24 each).
-REGISTERS = {1: (232, 128), 2: (232, 168), 4: (112, 96)}
+REGISTERS = {1: (232, 128), 2: (232, 128)}
 
 
 def available() -> str | None:
@@ -318,27 +322,49 @@ if _MISSING is None:
         gl.store(ptrs, logit, mask=keep)
 
     @gluon.jit
+    def _group(kv_tile, q_smem, qi, zero, w, r_lim, sc_tile, out_ptr, stride_out, row_g, end, cols,
+               G: gl.constexpr, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+               out_layout: gl.constexpr):
+        """One row group (query buffer ``qi``, rows ``row_g ..``) against one page."""
+        N: gl.constexpr = G * H
+        qg = q_smem.index(qi).reshape([N, D]).permute((1, 0))
+        acc = warpgroup_mma(kv_tile, qg, zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if row_g <= end:
+            _epilogue(acc, w, r_lim, sc_tile, out_ptr, stride_out, row_g, cols, G, H, PAGE,
+                      out_layout)
+
+    @gluon.jit
+    def _pair(kv_tile, q_smem, qi, zero, wa, wb, ra, rb, sc_tile, out_ptr, stride_out, row_g, end,
+              cols, G: gl.constexpr, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+              out_layout: gl.constexpr):
+        """Row groups ``qi`` and ``qi + 1`` (rows ``row_g ..``) against one page:
+        the second wgmma runs under the first group's epilogue."""
+        N: gl.constexpr = G * H
+        qa = q_smem.index(qi).reshape([N, D]).permute((1, 0))
+        acc0 = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
+        qc = q_smem.index(qi + 1).reshape([N, D]).permute((1, 0))
+        acc1 = warpgroup_mma(kv_tile, qc, zero, use_acc=False, is_async=True)
+        r0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
+        _epilogue(r0, wa, ra, sc_tile, out_ptr, stride_out, row_g, cols, G, H, PAGE, out_layout)
+        r1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
+        if row_g + G <= end:
+            _epilogue(r1, wb, rb, sc_tile, out_ptr, stride_out, row_g + G, cols, G, H, PAGE,
+                      out_layout)
+
+    @gluon.jit
     def _consumer(w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w, stride_out,
                   n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
                   q_empty, started, WHICH: gl.constexpr, CONSUMERS: gl.constexpr, H: gl.constexpr,
                   D: gl.constexpr, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr, G: gl.constexpr,
                   STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr):
-        """Math warpgroup ``WHICH`` of ``CONSUMERS``: one wgmma accumulator at a
-        time (one row group of ``G`` rows against one page), its epilogue, its store.
-
-        The ``NG`` row groups of an item (a page of a segment) are shared out
-        among ``CPI = min(NG, CONSUMERS)`` warpgroups, ``GPC = NG / CPI`` groups
-        each; the other warpgroups take the next items, so ``IPR = CONSUMERS /
-        CPI`` items are in work at a time and a page is released when its
-        ``CPI`` warpgroups are done with it."""
+        """Math warpgroup ``WHICH`` of ``CONSUMERS``: items ``WHICH``, ``WHICH +
+        CONSUMERS``, ...; for each, every row group of the segment against the
+        page (wgmma, epilogue, store).  With up to two row groups per segment
+        their weights and row limits stay in registers for the whole segment."""
         N: gl.constexpr = G * H
         NG: gl.constexpr = ROWS_MAX // G
-        CPI: gl.constexpr = NG if NG < CONSUMERS else CONSUMERS
-        GPC: gl.constexpr = NG // CPI
-        IPR: gl.constexpr = CONSUMERS // CPI
-        gl.static_assert(IPR <= STAGES, "a warpgroup must never be a ring lap ahead")
-        FIRST: gl.constexpr = WHICH // CPI
-        G0: gl.constexpr = (WHICH % CPI) * GPC
+        gl.static_assert(CONSUMERS <= STAGES, "a warpgroup must never be a ring lap ahead")
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
@@ -349,23 +375,27 @@ if _MISSING is None:
             out_layout: gl.constexpr = gl.BlockedLayout([PAGE * G // 128, 1], [32 // G, G], [4, 1],
                                                         [0, 1])
         row_layout: gl.constexpr = gl.SliceLayout(0, out_layout)
-        w = gl.zeros([N], gl.float32, col_layout)
-        r_lim = gl.zeros([G], gl.int32, row_layout)
+        w0 = gl.zeros([N], gl.float32, col_layout)
+        w1 = gl.zeros([N], gl.float32, col_layout)
+        r0 = gl.zeros([G], gl.int32, row_layout)
+        r1 = gl.zeros([G], gl.int32, row_layout)
+        r2 = gl.zeros([G], gl.int32, row_layout)
+        r3 = gl.zeros([G], gl.int32, row_layout)
         w_seg = -1
         _all_started(started)
         start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
                                                         kv_cap, PAGE, ROWS_MAX, 4)
         seg = 0
         pos = 0  # the item the cursor is at
-        for _w in gl.static_range(FIRST):
-            if FIRST < n_items:
+        for _w in gl.static_range(WHICH):
+            if WHICH < n_items:
                 start, end, kv, pages, chunk, pg, seg = _cursor_step(
                     ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
                     q_full, q_empty, PAGE, ROWS_MAX, True, 4)
-                pos = FIRST
-        for i in range(FIRST, n_items, IPR):
-            if i > FIRST:
-                for _c in gl.static_range(IPR):
+                pos = WHICH
+        for i in range(WHICH, n_items, CONSUMERS):
+            if i > WHICH:
+                for _c in gl.static_range(CONSUMERS):
                     start, end, kv, pages, chunk, pg, seg = _cursor_step(
                         ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
                         q_full, q_empty, PAGE, ROWS_MAX, True, 4)
@@ -374,29 +404,42 @@ if _MISSING is None:
             qb = seg % 2
             row0 = start + chunk
             cols = pg * PAGE
-            if GPC == 1:  # this warpgroup's rows, weights and row limits, once per segment
-                if w_seg != seg:
-                    w = _load_w(w_ptr, stride_w, row0 + G0 * G, end, N, H, col_layout)
-                    r_lim = _row_limits(ctx_ptr, row0 + G0 * G, end, kv, G, row_layout)
-                    w_seg = seg
+            if w_seg != seg:  # row limits (and, up to two row groups, weights) once per segment
+                r0 = _row_limits(ctx_ptr, row0, end, kv, G, row_layout)
+                if NG >= 2:
+                    r1 = _row_limits(ctx_ptr, row0 + G, end, kv, G, row_layout)
+                if NG == 4:
+                    r2 = _row_limits(ctx_ptr, row0 + 2 * G, end, kv, G, row_layout)
+                    r3 = _row_limits(ctx_ptr, row0 + 3 * G, end, kv, G, row_layout)
+                if NG <= 2:
+                    w0 = _load_w(w_ptr, stride_w, row0, end, N, H, col_layout)
+                    if NG == 2:
+                        w1 = _load_w(w_ptr, stride_w, row0 + G, end, N, H, col_layout)
+                w_seg = seg
             mbarrier.wait(q_full.index(qb), (seg // 2) & 1)
             mbarrier.wait(full.index(slot), (i // STAGES) & 1)
             kv_tile = kv_smem.index(slot).reshape([PAGE, D])
             sc_tile = sc_smem.index(slot).reshape([PAGE])
-            # Straight-line wgmmas with fixed buffer indices: a wgmma under a
-            # runtime branch does not lower on Triton 3.6 (docs/kernel-notes.md);
-            # a group with no rows of the run is computed and not stored.
-            for k in gl.static_range(GPC):
-                row_g = row0 + (G0 + k) * G
-                if GPC > 1:
-                    w = _load_w(w_ptr, stride_w, row_g, end, N, H, col_layout)
-                    r_lim = _row_limits(ctx_ptr, row_g, end, kv, G, row_layout)
-                qg = q_smem.index(qb * NG + G0 + k).reshape([N, D]).permute((1, 0))
-                acc = warpgroup_mma(kv_tile, qg, zero, use_acc=False, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                if row_g <= end:
-                    _epilogue(acc, w, r_lim, sc_tile, out_ptr, stride_out, row_g, cols, G, H,
-                              PAGE, out_layout)
+            # Every row group of the segment's buffer, as straight-line wgmmas
+            # with fixed buffer indices: a wgmma under a runtime branch does not
+            # lower on Triton 3.6 (docs/kernel-notes.md); a group holding no row
+            # of the run is computed and not stored.
+            if NG == 1:
+                _group(kv_tile, q_smem, qb, zero, w0, r0, sc_tile, out_ptr, stride_out, row0, end,
+                       cols, G, H, D, PAGE, out_layout)
+            elif NG == 2:
+                _pair(kv_tile, q_smem, qb * 2, zero, w0, w1, r0, r1, sc_tile, out_ptr, stride_out,
+                      row0, end, cols, G, H, D, PAGE, out_layout)
+            else:  # four row groups: two pairs, weights per page (no room to keep them)
+                gl.static_assert(NG == 4, "ROWS_MAX: at most four row groups")
+                wa = _load_w(w_ptr, stride_w, row0, end, N, H, col_layout)
+                wb = _load_w(w_ptr, stride_w, row0 + G, end, N, H, col_layout)
+                _pair(kv_tile, q_smem, qb * NG, zero, wa, wb, r0, r1, sc_tile, out_ptr, stride_out,
+                      row0, end, cols, G, H, D, PAGE, out_layout)
+                wa = _load_w(w_ptr, stride_w, row0 + 2 * G, end, N, H, col_layout)
+                wb = _load_w(w_ptr, stride_w, row0 + 3 * G, end, N, H, col_layout)
+                _pair(kv_tile, q_smem, qb * NG + 2, zero, wa, wb, r2, r3, sc_tile, out_ptr,
+                      stride_out, row0 + 2 * G, end, cols, G, H, D, PAGE, out_layout)
             # Every read of the slot (wgmma, scale loads) is complete here; the
             # arrive orders them before the producer's next TMA into it.
             mbarrier.arrive(empty.index(slot), count=1)
@@ -408,6 +451,10 @@ if _MISSING is None:
                 ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
                 q_full, q_empty, PAGE, ROWS_MAX, True, 4)
             pos += 1
+
+    @gluon.jit
+    def _idle():
+        pass
 
     @gluon.jit
     def _all_started(started):
@@ -443,48 +490,22 @@ if _MISSING is None:
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            CPI: gl.constexpr = NG if NG < CONSUMERS else CONSUMERS  # math warpgroups per page
             for s in gl.static_range(STAGES):
                 mbarrier.init(full.index(s), count=1)
-                mbarrier.init(empty.index(s), count=CPI)
+                mbarrier.init(empty.index(s), count=1)
             for s in gl.static_range(2):
                 mbarrier.init(q_full.index(s), count=1)
                 mbarrier.init(q_empty.index(s), count=CONSUMERS)
             started = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             mbarrier.init(started, count=CONSUMERS + 1)
             fence_async_shared()
-            # The default partition (num_warps warps) is the TMA producer; each
-            # math warpgroup is a worker partition.  No partition touches shared
-            # memory before all have started (``_all_started``).
-            if CONSUMERS == 4:
+            # The default partition stays idle: every role runs in a worker
+            # partition (work in the default partition was seen to corrupt the
+            # workers' captured arguments on Triton 3.6, and a producer there
+            # faulted with four math warpgroups: docs/kernel-notes.md).
+            if CONSUMERS == 2:
                 gl.warp_specialize([
-                    (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
-                                 kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
-                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES,
-                                 num_warps)),
-                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
-                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
-                                 full, empty, q_full, q_empty, started, 0, 4, H, D, PAGE, ROWS_MAX, G,
-                                 STAGES, DIRECT_STORE)),
-                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
-                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
-                                 full, empty, q_full, q_empty, started, 1, 4, H, D, PAGE, ROWS_MAX, G,
-                                 STAGES, DIRECT_STORE)),
-                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
-                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
-                                 full, empty, q_full, q_empty, started, 2, 4, H, D, PAGE, ROWS_MAX, G,
-                                 STAGES, DIRECT_STORE)),
-                    (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
-                                 stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
-                                 full, empty, q_full, q_empty, started, 3, 4, H, D, PAGE, ROWS_MAX, G,
-                                 STAGES, DIRECT_STORE)),
-                ], [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
-            elif CONSUMERS == 2:
-                gl.warp_specialize([
-                    (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
-                                 kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
-                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES,
-                                 num_warps)),
+                    (_idle, ()),
                     (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
                                  stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
                                  full, empty, q_full, q_empty, started, 0, 2, H, D, PAGE, ROWS_MAX, G,
@@ -493,19 +514,24 @@ if _MISSING is None:
                                  stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
                                  full, empty, q_full, q_empty, started, 1, 2, H, D, PAGE, ROWS_MAX, G,
                                  STAGES, DIRECT_STORE)),
-                ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
-            else:
-                gl.static_assert(CONSUMERS == 1, "CONSUMERS: 1, 2 or 4")
-                gl.warp_specialize([
                     (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
                                  kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
                                  q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES,
-                                 num_warps)),
+                                 1)),
+                ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+            else:
+                gl.static_assert(CONSUMERS == 1, "CONSUMERS: 1 or 2")
+                gl.warp_specialize([
+                    (_idle, ()),
                     (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
                                  stride_out, n_items, first_end, first_off, kv_smem, sc_smem, q_smem,
                                  full, empty, q_full, q_empty, started, 0, 1, H, D, PAGE, ROWS_MAX, G,
                                  STAGES, DIRECT_STORE)),
-                ], [4], [CONSUMER_REGS])
+                    (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
+                                 kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
+                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES,
+                                 1)),
+                ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # ----------------------------------------------------------------------- host
