@@ -122,17 +122,17 @@ MEASURED: tuple[Rule, ...] = (
                        "not timed)"),
     # Stock flattening re-reads each request's KV once per token.
     Rule("flattened", min_run=2, max_run_le=2, min_rows=128, uniform=True,
-         note="uniform 2 tokens, >= 128 rows: 1.25x (B64 L32K) and 1.30x (B256 L4K) "
+         note="uniform 2 tokens, >= 128 rows: 1.28x (B64 L32K) and 1.32x (B256 L4K) "
               "DeepGEMM flattened"),
     Rule("flattened", min_run=3, max_run_le=4, min_rows=64, uniform=True,
-         note="uniform 3-4 tokens, >= 64 rows: 1.04x (B16 L16K) to 1.71x (B256 L8K) "
+         note="uniform 3-4 tokens, >= 64 rows: 1.04x (B16 L16K) to 1.74x (B256 L8K) "
               "DeepGEMM flattened; B1 (4 rows) measured slower"),
     Rule("flattened", min_run=8, max_run_le=8, min_requests=64, uniform=True,
-         note="uniform 8 tokens, B64 L8K: 1.09x DeepGEMM flattened"),
+         note="uniform 8 tokens, B64 L8K: 1.16x DeepGEMM flattened"),
     Rule("flattened", min_run=4, max_run_le=4, min_requests=64, min_context=32768,
          uniform=False,
-         note="variable 1..4 tokens, B64 at 32K contexts: 1.08x DeepGEMM flattened; "
-              "at 8K contexts B64 measured slower (0.84x)"),
+         note="variable 1..4 tokens, B64 at 32K contexts: 1.07x DeepGEMM flattened; "
+              "at 8K contexts B64 measured slower (0.86x)"),
 )
 
 

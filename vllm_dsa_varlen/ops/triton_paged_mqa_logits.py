@@ -364,7 +364,7 @@ _PORTABLE_ARGS = ("q_ptr", "kv_ptr", "w_ptr", "ctx_ptr", "bt_ptr", "ids_ptr", "o
 
 KERNEL_ENV = "VLLM_DSA_VARLEN_KERNEL"  # "auto" (default), "portable" or "sm90"
 HOPPER_AUTO = True  # "auto" takes the sm_90 Gluon kernel on Hopper where it measured faster
-# Where "auto" takes the sm_90 kernel (H200, docs/results/hopper/call8): runs of up to 4
+# Where "auto" takes the sm_90 kernel (H200, docs/results/h200-v6): runs of up to 4
 # tokens (hint) and at least 32 rows.  Longer runs hold 8 query rows per segment and
 # measured slower than the portable kernel (6, 8, 1..8 tokens); a handful of rows
 # (B1) is launch-latency bound and the portable kernel measured 1 µs faster.
@@ -384,8 +384,8 @@ def auto_takes_sm90(rows: int, max_run_len: int, capturing: bool = True) -> bool
     longest run is ``max_run_len`` (host-known, so the choice is graph safe).
 
     ``capturing``: the call is being captured into a CUDA graph.  An eager call
-    of the sm_90 kernel costs about 50-200 µs of host time (measured in two H200
-    runs; its TMA descriptors are encoded per launch), more than the portable
+    of the sm_90 kernel costs about 50-250 µs of host time (measured in three
+    H200 runs; its TMA descriptors are encoded per launch), more than the portable
     kernel's whole eager call on small steps (BENCHMARKS.md, eager table), and
     the launcher cannot see a step's KV length without a host sync, so eager
     calls take the portable kernel; a graph replay pays no host time."""
