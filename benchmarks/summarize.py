@@ -11,7 +11,8 @@ import sys
 
 COLUMNS = [("gluon-sm90", "sm_90 Gluon"), ("triton-portable", "portable Triton"),
            ("deepgemm-flat", "DG 2.8.2 flat"), ("deepgemm-native", "DG 2.8.2 native2"),
-           ("vdg281-flat", "vLLM-0.33 DG flat"), ("vdg281-native", "vLLM-0.33 DG native")]
+           ("vdg281-flat", "vLLM-0.33 DG flat"), ("vdg281-native", "vLLM-0.33 DG native"),
+           ("vdg281-split", "vLLM-0.33 split")]
 
 
 def load(paths):
@@ -22,7 +23,10 @@ def load(paths):
         for r in data["results"]:
             if r["case"] not in order:
                 order.append(r["case"])
-            key = next((k for k, _ in COLUMNS if r["path"].startswith(k)), r["path"])
+            # exact names (launch-knob variants such as "gluon-sm90 stages=8" get no
+            # column); "vdg281-native" carries next_n as a suffix
+            key = next((k for k, _ in COLUMNS if r["path"] == k or (
+                k == "vdg281-native" and r["path"].startswith(k))), r["path"])
             rows.setdefault(r["case"], {})[key] = r
             if r.get("floor_us"):
                 floors.setdefault(r["case"], (r["floor_us"], r["mem_floor_us"], r["compute_floor_us"]))

@@ -190,6 +190,7 @@ class Path:
     kv_reads: float
     params: dict = field(default_factory=dict)
     row_of: object = None
+    result: object = None  # after fn(): the logits in the varlen layout, when fn's own are not
 
 
 def deepgemm_paths(torch, step, dg, num_sms):
@@ -243,7 +244,63 @@ def vdg_paths(torch, step, dg, num_sms):
             (pad["q"], None), step.kv_cache, pad["weights"], pad["context_lens"],
             step.block_table, meta_n, step.max_context_len), total, total - rows.num_rows, 1.0,
             row_of=pad["row_of"])
+    if not uniform and longest <= 4:  # next_n = 4 is native: stock splits such steps
+        paths["vdg281-split"] = stock_split_path(torch, step, dg, num_sms)
     return paths
+
+
+def stock_split_path(torch, step, dg, num_sms):
+    """Stock vLLM 0.33's path for a variable step when its decode kernel needs
+    uniform lengths (``workloads.DecodeStep.stock_split``): the native kernel
+    on the uniform leading requests (``next_n`` 1, 2, 4; a 3-token prefix
+    flattened, an approximation: how 0.33 runs it was not traced),
+    then the prefill path on the rest — their KV gathered out of the paged
+    cache (``torch.index_select`` standing in for vLLM's gather kernel), scored
+    by DeepGEMM's non-paged ``fp8_fp4_mqa_logits`` into compressed rows.  The
+    top-k that follows in vLLM is timed on no path here."""
+    split = step.stock_split()
+    rows = step.rows
+    n, reqs, r0 = split["next_n"], split["decode_reqs"], split["decode_rows"]
+    dim = step.q.shape[-1]
+    byte_rows = step.kv_cache.view(torch.uint8).reshape(-1, dim)
+    words = step.kv_cache.view(torch.uint8).reshape(-1).view(torch.float32)
+    k_buf = torch.empty((split["value_rows"].numel(), dim), dtype=torch.uint8, device="cuda")
+    s_buf = torch.empty(split["scale_words"].numel(), dtype=torch.float32, device="cuda")
+    native = n in (1, 2, 4)
+    if native:
+        ctx = split["context_lens"]
+        meta = dg.get_paged_mqa_logits_metadata(ctx, 64, num_sms // 2 if n == 4 else num_sms)
+        q, w, bt = split["q"], split["weights"], split["block_table"]
+    else:  # a 3-token prefix: flattened, one row per token
+        ctx = split["context_lens"].reshape(-1, 1).contiguous()
+        meta = dg.get_paged_mqa_logits_metadata(ctx, 64, num_sms)
+        q = split["q"].reshape(-1, 1, *split["q"].shape[2:])
+        w, bt = split["weights"], rows.block_table[:r0]
+    out = {}
+
+    def call():
+        out["decode"] = dg.fp8_fp4_paged_mqa_logits((q, None), step.kv_cache, w, ctx, bt, meta,
+                                                    step.max_context_len)
+        torch.index_select(byte_rows, 0, split["value_rows"], out=k_buf)
+        torch.index_select(words, 0, split["scale_words"], out=s_buf)
+        out["tail"] = dg.fp8_fp4_mqa_logits(
+            (split["tail_q"], None), (k_buf.view(torch.float8_e4m3fn), s_buf),
+            split["tail_weights"], split["ks"], split["ke"], split["max_seqlen_k"])
+        return out["tail"]
+
+    def result():
+        logits = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
+        logits[:r0] = out["decode"].reshape(r0, -1)[:, : step.max_context_len].float()
+        width = min(split["max_seqlen_k"], step.max_context_len)
+        logits[r0:, :width] = out["tail"][:, :width].float()
+        return logits
+
+    num_reqs = step.seq_lens.numel()
+    # KV reads per request: once (native) or once per token (flattened) on the
+    # prefix; on the tail, the gather's read and the scoring's.
+    kv_reads = (reqs * (1 if native else n) + 2 * (num_reqs - reqs)) / num_reqs
+    return Path(call, rows.num_rows, 0, kv_reads, dict(decode_reqs=reqs, next_n=n),
+                result=result)
 
 
 def sm90_call(torch, step, params):
@@ -408,6 +465,8 @@ def run_gpu(args):
                 path.params.update(regs=getattr(compiled, "n_regs", None),
                                    spills=getattr(compiled, "n_spills", None))
                 note = f" regs={path.params['regs']} spills={path.params['spills']}"
+            if path.result is not None:
+                out = path.result()
             if path.row_of is not None:
                 out = out[path.row_of]
             err = check_close(torch, out[:, : step.max_context_len], ref, mask)

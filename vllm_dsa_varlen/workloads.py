@@ -76,6 +76,72 @@ class DecodeStep:
             "row_of": row_of,
         }
 
+    def stock_split(self) -> dict | None:
+        """The step as stock vLLM 0.33 splits it when its decode path needs a
+        uniform query length (``split_decodes_and_prefills(require_uniform=
+        True)``): the leading requests whose length equals the first's stay
+        decodes; every request from the first mismatch on goes to the prefill
+        path, which gathers its KV out of the paged cache into contiguous
+        buffers and scores each token against its own request's span.
+
+        ``None`` for a uniform step (nothing is split).  Otherwise:
+        ``decode_reqs`` / ``decode_rows`` (the uniform prefix and its rows,
+        ``next_n`` tokens each; ``q [decode_reqs, next_n, H, D]``,
+        ``weights``, ``context_lens [decode_reqs, next_n]``, ``block_table``);
+        the tail: ``tail_q [T, H, D]``, ``tail_weights [T, H]``,
+        ``value_rows`` / ``scale_words`` (indices of each gathered token's 128
+        value bytes in the cache viewed as ``[blocks * page * (D + 4) / D, D]``
+        bytes and of its scale in the cache viewed as flat fp32), ``ks`` / ``ke``
+        (int32 ``[T]``: each token's span in the gathered buffer) and
+        ``max_seqlen_k`` (the longest span, the compressed logits' width)."""
+        lens = self.decode_lens.tolist()
+        first = lens[0]
+        split = next((i for i, n in enumerate(lens) if n != first), None)
+        if split is None:
+            return None
+        qsl = self.query_start_loc.tolist()
+        rows0 = qsl[split]
+        heads, dim = self.q.shape[2], self.q.shape[3]
+        page = self.kv_cache.shape[1]
+        if self.kv_cache.shape[-1] != dim + 4 or (page * (dim + 4)) % dim:
+            raise ValueError("kv_cache: expected the fused fp8 layout (D values + one fp32 scale "
+                             "per token, a page a whole number of D-byte rows)")
+        rows_per_page = page * (dim + 4) // dim
+        rows = self.rows
+        ctx = rows.context_lens.long().clamp_min(0)
+        kv_lens = (self.seq_lens.long() // self.compress_ratio).tolist()
+        tail_reqs = range(split, len(lens))
+        value_rows, scale_words, ks, ke = [], [], [], []
+        offset = 0
+        bt = self.block_table.long().cpu()
+        for r in tail_reqs:
+            n_kv = kv_lens[r]
+            pos = torch.arange(n_kv)
+            blocks = bt[r, pos // page] if n_kv else pos
+            value_rows.append(blocks * rows_per_page + pos % page)
+            scale_words.append(blocks * (page * (dim + 4) // 4) + page * dim // 4 + pos % page)
+            for t in range(qsl[r], qsl[r + 1]):
+                ks.append(offset)
+                ke.append(offset + min(int(ctx[t]), n_kv))
+            offset += n_kv
+        device = self.q.device
+        return {
+            "decode_reqs": split,
+            "decode_rows": rows0,
+            "next_n": first,
+            "q": self.q[:rows0, 0].reshape(split, first, heads, dim),
+            "weights": self.weights[:rows0],
+            "context_lens": ctx[:rows0].to(torch.int32).reshape(split, first).contiguous(),
+            "block_table": self.block_table[:split],
+            "tail_q": self.q[rows0:rows.num_rows, 0],
+            "tail_weights": self.weights[rows0:rows.num_rows],
+            "value_rows": torch.cat(value_rows).to(device),
+            "scale_words": torch.cat(scale_words).to(device),
+            "ks": torch.tensor(ks, dtype=torch.int32, device=device),
+            "ke": torch.tensor(ke, dtype=torch.int32, device=device),
+            "max_seqlen_k": max(kv_lens[r] for r in tail_reqs),
+        }
+
 
 def accepted_lengths(num_reqs: int, max_tokens: int, acceptance: float | None,
                      generator: torch.Generator) -> torch.Tensor:

@@ -1,0 +1,70 @@
+"""workloads.DecodeStep.stock_split: stock vLLM 0.33's uniform-prefix split of a
+variable decode step, with the tail's KV gathered out of the paged cache.  On
+fresh random steps, the gathered buffers scored per token must reproduce the
+paged reference on every valid position of the tail rows, and the prefix must
+be the step's own rows in the native ``[B, next_n]`` layout."""
+
+import os
+
+import pytest
+import torch
+
+from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref
+from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
+
+
+def _gathered_logits(split, kv_cache):
+    """Scores of each tail token against its span of the gathered buffers
+    (the prefill path's non-paged MQA logits, compressed: column 0 = the
+    span's first token)."""
+    dim = split["tail_q"].shape[-1]
+    byte_rows = kv_cache.view(torch.uint8).reshape(-1, dim)
+    words = kv_cache.view(torch.uint8).reshape(-1).view(torch.float32)
+    k = byte_rows[split["value_rows"]].view(torch.float8_e4m3fn).float()
+    scale = words[split["scale_words"]]
+    q = split["tail_q"].float()
+    out = torch.full((q.shape[0], split["max_seqlen_k"]), float("nan"))
+    for i in range(q.shape[0]):
+        lo, hi = int(split["ks"][i]), int(split["ke"][i])
+        s = torch.relu(q[i] @ k[lo:hi].T)                      # [H, span]
+        out[i, : hi - lo] = (s * split["tail_weights"][i][:, None]).sum(0) * scale[lo:hi]
+    return out
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_tail_gather_reproduces_the_paged_logits(trial):
+    seed = int.from_bytes(os.urandom(4), "little")
+    step = random_decode_step(6, 4, 200 + 37 * trial, variable=True, heads=32, seed=seed)
+    split = step.stock_split()
+    if split is None:  # a uniform draw: nothing to split
+        assert int(step.decode_lens.min()) == int(step.decode_lens.max())
+        return
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
+                               step.max_context_len, indices=rows.indices)
+    got = _gathered_logits(split, step.kv_cache)
+    r0 = split["decode_rows"]
+    for i in range(got.shape[0]):
+        n = int(ctx[r0 + i].clamp_min(0))
+        assert int(split["ke"][i] - split["ks"][i]) == n
+        torch.testing.assert_close(got[i, :n], ref[r0 + i, :n].float(), rtol=1e-4, atol=1e-4)
+
+
+def test_prefix_is_the_uniform_leading_requests_in_native_layout():
+    lens = [2, 2, 2, 1, 2, 4]
+    step = make_decode_step(lens, [90, 130, 70, 40, 200, 66], heads=32, seed=5)
+    split = step.stock_split()
+    assert split["decode_reqs"] == 3 and split["decode_rows"] == 6 and split["next_n"] == 2
+    rows = step.rows
+    assert torch.equal(split["q"].reshape(6, 32, 128).view(torch.uint8),
+                       step.q[:6, 0].view(torch.uint8))
+    assert torch.equal(split["context_lens"].reshape(-1), rows.context_lens[:6])
+    assert torch.equal(split["block_table"], step.block_table[:3])
+    assert split["tail_q"].shape[0] == rows.num_rows - 6
+    assert split["max_seqlen_k"] == 200
+
+
+def test_uniform_step_is_not_split():
+    step = make_decode_step([3, 3, 3], [50, 80, 120], heads=32, seed=1)
+    assert step.stock_split() is None
