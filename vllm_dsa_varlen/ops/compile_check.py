@@ -86,15 +86,17 @@ def main() -> int:
     print(json.dumps(report), flush=True)
     jobs = []
     if gk.available() is None:
-        jobs += [("sm90", h, r) for h in gk.HEADS for r in gk.variants(h, range(1, 17))]
+        jobs += [("sm90", h, r, {}) for h in gk.HEADS for r in gk.variants(h, range(1, 17))]
+        # the launch knobs (one math warpgroup; the shared-memory store path)
+        jobs += [("sm90", 64, 4, {"consumers": 1}), ("sm90", 64, 4, {"direct_store": False})]
     jobs += [("portable", h, arch, v) for h in (32, 64) for arch in (89, 90, 100, 120)
              for v in tk.portable_variants(h)]
     for job in jobs:
         row = {"kernel": job[0], "heads": job[1]}
         try:
             if job[0] == "sm90":
-                row["rows_max"] = job[2]
-                k = compile_gluon_sm90(job[1], job[2])
+                row["rows_max"], row["knobs"] = job[2], job[3]
+                k = compile_gluon_sm90(job[1], job[2], **job[3])
             else:
                 row["arch"], row["pairs"] = job[2], job[3]["PAIRS"]
                 k = compile_portable(job[2], **job[3])
