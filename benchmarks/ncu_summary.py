@@ -9,6 +9,7 @@ that say where a kernel's time goes.
 from __future__ import annotations
 
 import csv
+import os
 import sys
 
 SECTIONS = ("GPU Speed Of Light Throughput", "Compute Workload Analysis", "Memory Workload Analysis",
@@ -35,7 +36,8 @@ def main(paths):
     table = {}
     for path in paths:
         for label, metrics in read(path).items():
-            table[f"{path.rsplit('/', 1)[-1].split('-')[0]} {label}"] = metrics
+            stem = os.path.basename(path).removesuffix(".csv").removesuffix("-details")
+            table[f"{stem} {label}"] = metrics
     labels = list(table)
     keys = []
     for metrics in table.values():

@@ -8,6 +8,8 @@ import io
 import os
 import random
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -35,9 +37,10 @@ def _details_csv(rng, kernels, sections):
     return buf.getvalue(), want
 
 
-def test_reads_every_kept_section_per_kernel(tmp_path):
+@pytest.mark.parametrize("seed", range(3))
+def test_reads_every_kept_section_per_kernel(tmp_path, seed):
     mod = _module()
-    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    rng = random.Random(seed)
     kernels = [f"kern_{rng.randrange(10**6)}_{i}" for i in range(rng.randint(1, 3))]
     kept = rng.sample(mod.SECTIONS, 2)
     text, want = _details_csv(rng, kernels, kept + ["Source Counters"])
@@ -51,3 +54,17 @@ def test_reads_every_kept_section_per_kernel(tmp_path):
             assert got[label][(section, metric)] == value
         else:
             assert (section, metric) not in got[label]
+
+
+def test_columns_are_named_by_file(tmp_path, capsys):
+    """Two reports whose names share a prefix keep separate columns."""
+    mod = _module()
+    rng = random.Random(7)
+    paths = []
+    for name in ("ncu1-v5-details.csv", "ncu1-vdg-details.csv"):
+        text, _ = _details_csv(rng, ["kern"], [mod.SECTIONS[0]])
+        (tmp_path / name).write_text(text)
+        paths.append(str(tmp_path / name))
+    mod.main(paths)
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "ncu1-v5 0:kern" in head and "ncu1-vdg 0:kern" in head

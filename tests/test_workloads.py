@@ -4,8 +4,6 @@ fresh random steps, the gathered buffers scored per token must reproduce the
 paged reference on every valid position of the tail rows, and the prefix must
 be the step's own rows in the native ``[B, next_n]`` layout."""
 
-import os
-
 import pytest
 import torch
 
@@ -31,10 +29,7 @@ def _gathered_logits(split, kv_cache):
     return out
 
 
-@pytest.mark.parametrize("trial", range(4))
-def test_tail_gather_reproduces_the_paged_logits(trial):
-    seed = int.from_bytes(os.urandom(4), "little")
-    step = random_decode_step(6, 4, 200 + 37 * trial, variable=True, heads=32, seed=seed)
+def _check_tail(step):
     split = step.stock_split()
     if split is None:  # a uniform draw: nothing to split
         assert int(step.decode_lens.min()) == int(step.decode_lens.max())
@@ -49,6 +44,24 @@ def test_tail_gather_reproduces_the_paged_logits(trial):
         n = int(ctx[r0 + i].clamp_min(0))
         assert int(split["ke"][i] - split["ks"][i]) == n
         torch.testing.assert_close(got[i, :n], ref[r0 + i, :n].float(), rtol=1e-4, atol=1e-4)
+    qsl = step.query_start_loc
+    assert got.shape[0] == int(qsl[-1]) - r0  # the tail's own tokens, no padding rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tail_gather_reproduces_the_paged_logits(seed):
+    _check_tail(random_decode_step(6, 4, 200 + 37 * seed, variable=True, heads=32,
+                                   seed=100 + seed))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tail_gather_with_padding_rows_and_a_compressed_cache(seed):
+    """Graph-padding rows after the tokens, and DeepSeek V4's compressed cache
+    (KV length = sequence length / 4)."""
+    _check_tail(make_decode_step([2, 1, 3, 2], [300, 170, 410, 90], heads=32, padding_rows=3,
+                                 seed=200 + seed))
+    _check_tail(make_decode_step([1, 3, 2], [800, 650, 900], heads=32, compress_ratio=4,
+                                 seed=300 + seed))
 
 
 def test_prefix_is_the_uniform_leading_requests_in_native_layout():
@@ -68,3 +81,5 @@ def test_prefix_is_the_uniform_leading_requests_in_native_layout():
 def test_uniform_step_is_not_split():
     step = make_decode_step([3, 3, 3], [50, 80, 120], heads=32, seed=1)
     assert step.stock_split() is None
+    # 0-token (graph-padding) requests do not break uniformity, as in stock
+    assert make_decode_step([2, 2, 0], [50, 80, 0], heads=32, seed=2).stock_split() is None

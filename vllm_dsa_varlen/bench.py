@@ -292,7 +292,8 @@ def stock_split_path(torch, step, dg, num_sms):
         logits = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
         logits[:r0] = out["decode"].reshape(r0, -1)[:, : step.max_context_len].float()
         width = min(split["max_seqlen_k"], step.max_context_len)
-        logits[r0:, :width] = out["tail"][:, :width].float()
+        tail = out["tail"].shape[0]  # graph-padding rows past the tail stay unwritten
+        logits[r0:r0 + tail, :width] = out["tail"][:, :width].float()
         return logits
 
     num_reqs = step.seq_lens.numel()

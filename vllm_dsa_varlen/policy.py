@@ -44,22 +44,29 @@ STOCK_KINDS: tuple[str, ...] = ("native", "flattened", "split")
 class StepFacts:
     """Host-known facts of one decode step.
 
-    ``rows``: query rows (tokens) of the decode part; ``requests``: decode
-    requests; ``max_run``: the longest request in tokens; ``uniform``: every
-    request has ``max_run`` tokens; ``max_context``: the longest KV length
-    (host-known in vLLM's common metadata; 0 when unknown)."""
+    ``rows``: query rows of the decode part (graph-padding rows included);
+    ``requests``: decode requests; ``max_run``: the longest request in
+    tokens; ``uniform``: every request has ``max_run`` tokens;
+    ``max_context``: the longest KV length (host-known in vLLM's common
+    metadata; 0 when unknown); ``tokens``: the requests' own tokens (padding
+    rows excluded; ``None``: as many as ``rows``)."""
 
     rows: int
     requests: int
     max_run: int
     uniform: bool
     max_context: int = 0
+    tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("rows", "requests", "max_run", "max_context"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+        if self.tokens is not None and (not isinstance(self.tokens, int)
+                                        or not 0 <= self.tokens <= self.rows):
+            raise ValueError(f"tokens: expected an int in 0..rows ({self.rows}), "
+                             f"got {self.tokens!r}")
         if self.requests > self.rows:
             raise ValueError(f"requests: {self.requests} requests cannot fill {self.rows} rows")
         if self.requests and not 1 <= self.max_run <= self.rows:
@@ -80,7 +87,12 @@ class StepFacts:
         max_run = max(real, default=0)
         return cls(rows=sum(lens) if rows is None else int(rows), requests=len(real),
                    max_run=max_run, uniform=all(n == max_run for n in real),
-                   max_context=int(max_context))
+                   max_context=int(max_context), tokens=sum(lens))
+
+    @property
+    def real_tokens(self) -> int:
+        """The requests' own tokens (``rows`` when not given)."""
+        return self.rows if self.tokens is None else self.tokens
 
 
 @dataclass(frozen=True)
@@ -88,9 +100,10 @@ class Rule:
     """Varlen measured at least as fast as ``stock`` on steps with
     ``min_run <= max_run <= max_run_le``, ``rows >= min_rows``,
     ``requests >= min_requests``, ``max_context >= min_context``,
-    ``rows >= min_rows_per_request * requests`` (the mean run: flattening
-    costs grow with rows, varlen's with requests) and, when ``uniform`` is
-    set, that uniformity (``None``: unbounded / either)."""
+    ``tokens >= min_tokens_per_request * requests`` (the mean run, padding
+    rows excluded: flattening costs grow with tokens, varlen's with requests)
+    and, when ``uniform`` is set, that uniformity (``None``: unbounded /
+    either)."""
 
     stock: str
     min_run: int = 1
@@ -98,7 +111,7 @@ class Rule:
     min_rows: int = 0
     min_requests: int = 0
     min_context: int = 0
-    min_rows_per_request: float = 0.0
+    min_tokens_per_request: float = 0.0
     uniform: bool | None = None
     note: str = ""
 
@@ -107,7 +120,7 @@ class Rule:
                 and (self.max_run_le is None or step.max_run <= self.max_run_le)
                 and step.rows >= self.min_rows and step.requests >= self.min_requests
                 and step.max_context >= self.min_context
-                and step.rows >= self.min_rows_per_request * step.requests
+                and step.real_tokens >= self.min_tokens_per_request * step.requests
                 and (self.uniform is None or step.uniform == self.uniform))
 
 
@@ -139,8 +152,8 @@ MEASURED: tuple[Rule, ...] = (
     Rule("flattened", min_run=8, max_run_le=8, min_requests=64, uniform=True,
          note="uniform 8 tokens, B64 L8K: 1.16x DeepGEMM flattened"),
     Rule("flattened", min_run=4, max_run_le=4, min_requests=64, min_context=32768,
-         min_rows_per_request=2.5, uniform=False,
-         note="variable steps up to 4 tokens at 32K contexts with >= 2.5 tokens per "
+         min_tokens_per_request=2.6, uniform=False,
+         note="variable steps up to 4 tokens at 32K contexts with >= 2.6 tokens per "
               "request: B64 1..4 (2.67) 1.07x, B128 acceptance 0.7 (2.61) 1.10x DeepGEMM "
               "flattened; B64 acceptance 0.7 (2.28) measured slower (0.87x), as did B64 "
               "at 8K contexts (0.86x)"),

@@ -84,11 +84,13 @@ class DecodeStep:
         path, which gathers its KV out of the paged cache into contiguous
         buffers and scores each token against its own request's span.
 
-        ``None`` for a uniform step (nothing is split).  Otherwise:
+        ``None`` for a uniform step (nothing is split; 0-token padding
+        requests count as uniform, as in stock).  Otherwise:
         ``decode_reqs`` / ``decode_rows`` (the uniform prefix and its rows,
         ``next_n`` tokens each; ``q [decode_reqs, next_n, H, D]``,
         ``weights``, ``context_lens [decode_reqs, next_n]``, ``block_table``);
-        the tail: ``tail_q [T, H, D]``, ``tail_weights [T, H]``,
+        the tail (its ``T`` tokens; graph-padding rows are left out):
+        ``tail_q [T, H, D]``, ``tail_weights [T, H]``,
         ``value_rows`` / ``scale_words`` (indices of each gathered token's 128
         value bytes in the cache viewed as ``[blocks * page * (D + 4) / D, D]``
         bytes and of its scale in the cache viewed as flat fp32), ``ks`` / ``ke``
@@ -96,11 +98,12 @@ class DecodeStep:
         ``max_seqlen_k`` (the longest span, the compressed logits' width)."""
         lens = self.decode_lens.tolist()
         first = lens[0]
-        split = next((i for i, n in enumerate(lens) if n != first), None)
+        # 0-token (graph-padding) requests never break uniformity, as in stock
+        split = next((i for i, n in enumerate(lens) if n not in (first, 0)), None)
         if split is None:
             return None
         qsl = self.query_start_loc.tolist()
-        rows0 = qsl[split]
+        rows0, tokens = qsl[split], qsl[-1]  # rows past ``tokens`` are graph padding
         heads, dim = self.q.shape[2], self.q.shape[3]
         page = self.kv_cache.shape[1]
         if self.kv_cache.shape[-1] != dim + 4 or (page * (dim + 4)) % dim:
@@ -133,8 +136,8 @@ class DecodeStep:
             "weights": self.weights[:rows0],
             "context_lens": ctx[:rows0].to(torch.int32).reshape(split, first).contiguous(),
             "block_table": self.block_table[:split],
-            "tail_q": self.q[rows0:rows.num_rows, 0],
-            "tail_weights": self.weights[rows0:rows.num_rows],
+            "tail_q": self.q[rows0:tokens, 0],
+            "tail_weights": self.weights[rows0:tokens],
             "value_rows": torch.cat(value_rows).to(device),
             "scale_words": torch.cat(scale_words).to(device),
             "ks": torch.tensor(ks, dtype=torch.int32, device=device),

@@ -31,8 +31,9 @@ Structure (one launch, graph safe, no host sync):
   times the token's scale (read from shared memory in the store layout),
   stored from the head-sum's own layout where the row may look; each row's
   limit (and, for up to two row groups, the weights) is loaded once per
-  segment, so a page costs no global load and no warpgroup barrier besides
-  the one releasing its slot.
+  segment, so with up to two row groups a page costs no global load (four
+  groups reload their weights per page) and no warpgroup barrier besides the
+  one releasing its slot.
 
 Nothing here runs on the CPU interpreter: correctness is tested on the GPU,
 compilation for sm_90 on the CPU (``python -m vllm_dsa_varlen.ops.compile_check``).
@@ -619,7 +620,10 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
            consumers: int = CONSUMERS, consumer_regs: int | None = None,
            maxnreg: int | None = None, direct_store: bool = DIRECT_STORE):
     """Launch the sm_90 kernel on checked inputs (see the portable launcher);
-    the grid depends on the GPU alone."""
+    the grid depends on the GPU alone.  ``consumer_regs`` / ``maxnreg``
+    (math-warpgroup and launch registers): ``None`` takes :data:`REGISTERS`
+    for ``consumers``; a launch without a register cap is not offered (the
+    partitions' setmaxnreg needs one)."""
     from .triton_paged_mqa_logits import launch_bound
 
     rows, _, heads, dim = q.shape
