@@ -235,20 +235,19 @@ if _MISSING is None:
     def _producer(kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows, kv_cap, stride_bt,
                   n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
                   q_empty, started, PAGE: gl.constexpr, D: gl.constexpr, ROWS_MAX: gl.constexpr,
-                  STAGES: gl.constexpr, NW: gl.constexpr):
-        """TMA partition (``NW`` warps; one thread issues): the run's query rows
-        once per segment, then every page."""
+                  STAGES: gl.constexpr):
+        """TMA warp: the run's query rows once per segment, then every page."""
         _all_started(started)
         G: gl.constexpr = q_desc.block_type.shape[0]
         NG: gl.constexpr = ROWS_MAX // G
         SCALE_COL: gl.constexpr = PAGE * D // 4
         start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
-                                                        kv_cap, PAGE, ROWS_MAX, NW)
+                                                        kv_cap, PAGE, ROWS_MAX, 1)
         seg = 0
         loaded = -1
         # Block ids come 32 pages at a time, the next 32 prefetched, so no TMA
         # issue waits on a dependent block-table load inside a segment.
-        bt_lay: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        bt_lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         offs_b = gl.arange(0, 32, layout=bt_lay)
         bt_seg = -1
         bt_base = 0
@@ -258,7 +257,7 @@ if _MISSING is None:
             if i > 0:
                 start, end, kv, pages, chunk, pg, seg = _cursor_step(
                     ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                    q_full, q_empty, PAGE, ROWS_MAX, False, NW)
+                    q_full, q_empty, PAGE, ROWS_MAX, False, 1)
             if seg != loaded:
                 qb = seg % 2
                 mbarrier.wait(q_empty.index(qb), ((seg // 2) & 1) ^ 1)
@@ -517,8 +516,7 @@ if _MISSING is None:
                                  STAGES, DIRECT_STORE)),
                     (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
                                  kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
-                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES,
-                                 1)),
+                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES)),
                 ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
             else:
                 gl.static_assert(CONSUMERS == 1, "CONSUMERS: 1 or 2")
@@ -530,8 +528,7 @@ if _MISSING is None:
                                  STAGES, DIRECT_STORE)),
                     (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
                                  kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
-                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES,
-                                 1)),
+                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES)),
                 ], [4, 1], [CONSUMER_REGS, 24])
 
 
