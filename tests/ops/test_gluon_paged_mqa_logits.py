@@ -288,11 +288,13 @@ def test_sm90_matches_reference_small(name, hint):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("knobs", [dict(consumers=1), dict(consumers=2), dict(direct_store=False),
-                                   dict(stages=3)])
+                                   dict(consumers=1, stages=3), dict(stages=4), dict(wide=False),
+                                   dict(wide=True), dict(wide=True, stages=2)])
 @pytest.mark.parametrize("name", list(SMALL))
 def test_sm90_launch_knobs_match_reference(name, knobs):
-    """Each math-warpgroup count, store path and a shallow ring, with each
-    ``ROWS_MAX`` these runs reach."""
+    """Each math-warpgroup count, store path and a shallow ring, and each
+    structure (the wide one holds at most two row groups: longer runs are
+    chunked), with each ``ROWS_MAX`` these runs reach."""
     lens, seqs, pad, heads = SMALL[name]
     step = make_decode_step(lens, seqs, heads=heads, padding_rows=pad,
                             max_context_len=max(seqs) + 11, seed=len(name), device="cuda")

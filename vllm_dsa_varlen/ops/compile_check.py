@@ -18,9 +18,13 @@ def _mangle(arg) -> str:
 
 def compile_gluon_sm90(heads: int, rows_max: int, stages: int | None = None, consumers: int | None = None,
                        consumer_regs: int | None = None, maxnreg: int | None = None,
-                       direct_store: bool | None = None, arch: int = 90):
-    """The sm_90 Gluon kernel for ``heads`` and ``rows_max``, built for ``sm_<arch>``."""
+                       direct_store: bool | None = None, arch: int = 90,
+                       wide: bool | None = None):
+    """The sm_90 Gluon kernel for ``heads`` and ``rows_max``, built for ``sm_<arch>``
+    (``wide``: the wide structure; default :data:`gluon_paged_mqa_logits.WIDE`)."""
     from . import gluon_paged_mqa_logits as gk
+
+    wide = gk.WIDE if wide is None else wide
     from triton.experimental.gluon._runtime import GluonASTSource
 
     rows, blocks, dim, page = 8, 4, gk.DIM, gk.PAGE
@@ -45,6 +49,16 @@ def compile_gluon_sm90(heads: int, rows_max: int, stages: int | None = None, con
               "DIRECT_STORE": gk.DIRECT_STORE if direct_store is None else direct_store,
               "BLOCK_R": gk.BLOCK_R, "num_warps": 4}
     options = {"num_warps": 4, "maxnreg": maxnreg or launch_regs}
+    if wide:
+        regs, launch_regs = gk.WIDE_REGISTERS
+        for k in ("CONSUMERS", "DIRECT_STORE"):
+            sig.pop(k)
+            consts.pop(k)
+        consts.update(ROWS_MAX=gk.wide_rows_max(heads, rows_max), STAGES=stages or gk.WIDE_STAGES,
+                      CONSUMER_REGS=consumer_regs or regs)
+        options["maxnreg"] = maxnreg or launch_regs
+        src = GluonASTSource(gk._varlen_logits_sm90_wide, sig, consts)
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     src = GluonASTSource(gk._varlen_logits_sm90, sig, consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 

@@ -79,6 +79,12 @@ DIRECT_STORE = True
 # 64 K register file; the math warpgroups' share is what is left once the
 # default warpgroup and the TMA warp give theirs back (24 each).
 REGISTERS = {1: (232, 128), 2: (232, 128)}
+# The wide structure (``wide=True``): 20 warps (the producer's warpgroup and two
+# math partitions of two warpgroups) at the launch's 96 registers fill 60 K of
+# the register file; the producer gives back to 24, so each math warp may take 112.
+WIDE = False
+WIDE_REGISTERS = (112, 96)
+WIDE_STAGES = 6
 
 
 def available() -> str | None:
@@ -364,7 +370,7 @@ if _MISSING is None:
         their weights and row limits stay in registers for the whole segment."""
         N: gl.constexpr = G * H
         NG: gl.constexpr = ROWS_MAX // G
-        gl.static_assert(CONSUMERS <= STAGES, "a warpgroup must never be a ring lap ahead")
+        gl.static_assert(STAGES % CONSUMERS == 0, "STAGES: a multiple of CONSUMERS (see launch)")
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
@@ -451,6 +457,199 @@ if _MISSING is None:
                 ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
                 q_full, q_empty, PAGE, ROWS_MAX, True, 4)
             pos += 1
+
+    @gluon.jit
+    def _wide_producer(kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows, kv_cap,
+                       stride_bt, n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full,
+                       empty, q_full, q_empty, started, PAGE: gl.constexpr, D: gl.constexpr,
+                       ROWS_MAX: gl.constexpr, PR: gl.constexpr, STAGES: gl.constexpr,
+                       NW: gl.constexpr):
+        """TMA partition of the wide kernel (the default partition, ``NW`` warps;
+        one thread issues): the run's query rows once per segment, then the
+        ``PR`` pages of every item into ring slot ``PR * (i % STAGES) + j``.  A
+        segment's last item may hold fewer pages: its missing pages repeat the
+        segment's last page (read, computed, never stored)."""
+        _all_started(started)
+        G: gl.constexpr = q_desc.block_type.shape[0]
+        NG: gl.constexpr = ROWS_MAX // G
+        SCALE_COL: gl.constexpr = PAGE * D // 4
+        ITEM: gl.constexpr = PR * PAGE
+        start, end, kv, items, chunk, it = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
+                                                        kv_cap, ITEM, ROWS_MAX, NW)
+        seg = 0
+        loaded = -1
+        # Block ids come 32 pages at a time, the next 32 prefetched (one per
+        # lane; every warp holds the whole window).
+        bt_lay: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        offs_b = gl.arange(0, 32, layout=bt_lay)
+        bt_seg = -1
+        bt_base = 0
+        blocks = gl.zeros([32], gl.int32, bt_lay)
+        blocks_next = gl.zeros([32], gl.int32, bt_lay)
+        for i in range(n_items):
+            if i > 0:
+                start, end, kv, items, chunk, it, seg = _cursor_step(
+                    ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, items, chunk, it, seg,
+                    q_full, q_empty, ITEM, ROWS_MAX, False, NW)
+            if seg != loaded:
+                qb = seg % 2
+                mbarrier.wait(q_empty.index(qb), ((seg // 2) & 1) ^ 1)
+                mbarrier.expect(q_full.index(qb), NG * q_desc.block_type.nbytes)
+                for g in gl.static_range(NG):
+                    _tma_load(q_desc, [start + chunk + g * G, 0, 0], q_full.index(qb),
+                              q_smem.index(qb).slice(g * G, G))
+                loaded = seg
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            pages = (kv + PAGE - 1) // PAGE
+            p0 = it * PR
+            if bt_seg != seg:
+                bt_seg = seg
+                bt_base = p0
+                row_bt = bt_ptr + start.to(gl.int64) * stride_bt
+                blocks = gl.load(row_bt + p0 + offs_b, mask=p0 + offs_b < pages, other=0)
+                blocks_next = gl.load(row_bt + p0 + 32 + offs_b, mask=p0 + 32 + offs_b < pages,
+                                      other=0)
+            elif p0 - bt_base >= 32:
+                bt_base += 32
+                blocks = blocks_next
+                row_bt = bt_ptr + start.to(gl.int64) * stride_bt
+                blocks_next = gl.load(row_bt + bt_base + 32 + offs_b,
+                                      mask=bt_base + 32 + offs_b < pages, other=0)
+            mbarrier.expect(full.index(slot),
+                            PR * (kv_desc.block_type.nbytes + sc_desc.block_type.nbytes))
+            for j in gl.static_range(PR):
+                pj = gl.minimum(p0 + j, pages - 1)
+                block = gl.sum(gl.where(offs_b == pj - bt_base, blocks, 0), axis=0)
+                _tma_load(kv_desc, [block, 0, 0], full.index(slot),
+                          kv_smem.index(slot).slice(j, 1))
+                _tma_load(sc_desc, [block, SCALE_COL], full.index(slot),
+                          sc_smem.index(slot).slice(j, 1))
+
+    @gluon.jit
+    def _wide_consumer(w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w, stride_out,
+                       n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty,
+                       q_full, q_empty, started, WHICH: gl.constexpr, CONSUMERS: gl.constexpr,
+                       H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+                       ROWS_MAX: gl.constexpr, G: gl.constexpr, PR: gl.constexpr,
+                       STAGES: gl.constexpr):
+        """Math partition ``WHICH`` of ``CONSUMERS`` in the wide kernel: two
+        warpgroups, items ``WHICH``, ``WHICH + CONSUMERS``, ...  An item is
+        ``PR`` pages x ``NG`` row groups (``PR * NG == 2``) as one
+        ``[PR * 64, NG * 128]`` wgmma tile, split so that each warpgroup holds
+        one 64 x 128 accumulator (one page against one row group): the two
+        run side by side, and each sums its own heads."""
+        NG: gl.constexpr = ROWS_MAX // G
+        M: gl.constexpr = PR * PAGE
+        N: gl.constexpr = NG * G * H
+        ITEM: gl.constexpr = PR * PAGE
+        gl.static_assert(PR * NG == 2, "wide kernel: two warpgroups per item")
+        gl.static_assert(STAGES % CONSUMERS == 0, "STAGES: a multiple of CONSUMERS (see launch)")
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4 * PR, NG], instr_shape=[16, G * H, 32])
+        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        zero = gl.zeros([M, N], gl.float32, mma_layout)
+        out_layout: gl.constexpr = gl.sum(gl.reshape(zero, [M, ROWS_MAX, H]), axis=2).type.layout
+        row_layout: gl.constexpr = gl.SliceLayout(0, out_layout)
+        w = gl.zeros([N], gl.float32, col_layout)
+        r_lim = gl.zeros([ROWS_MAX], gl.int32, row_layout)
+        w_seg = -1
+        _all_started(started)
+        start, end, kv, items, chunk, it = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
+                                                        kv_cap, ITEM, ROWS_MAX, 4 * PR * NG)
+        seg = 0
+        pos = 0  # the item the cursor is at
+        for _w in gl.static_range(WHICH):
+            if WHICH < n_items:
+                start, end, kv, items, chunk, it, seg = _cursor_step(
+                    ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, items, chunk, it, seg,
+                    q_full, q_empty, ITEM, ROWS_MAX, True, 4 * PR * NG)
+                pos = WHICH
+        for i in range(WHICH, n_items, CONSUMERS):
+            if i > WHICH:
+                for _c in gl.static_range(CONSUMERS):
+                    start, end, kv, items, chunk, it, seg = _cursor_step(
+                        ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, items, chunk, it,
+                        seg, q_full, q_empty, ITEM, ROWS_MAX, True, 4 * PR * NG)
+                pos = i
+            slot = i % STAGES
+            qb = seg % 2
+            row0 = start + chunk
+            if w_seg != seg:  # row limits and weights once per segment
+                r_lim = _row_limits(ctx_ptr, row0, end, kv, ROWS_MAX, row_layout)
+                w = _load_w(w_ptr, stride_w, row0, end, N, H, col_layout)
+                w_seg = seg
+            mbarrier.wait(q_full.index(qb), (seg // 2) & 1)
+            mbarrier.wait(full.index(slot), (i // STAGES) & 1)
+            a_tile = kv_smem.index(slot).reshape([M, D])
+            sc_tile = sc_smem.index(slot).reshape([M])
+            b_tile = q_smem.index(qb).reshape([N, D]).permute((1, 0))
+            acc = warpgroup_mma(a_tile, b_tile, zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _epilogue(acc, w, r_lim, sc_tile, out_ptr, stride_out, row0, it * M, ROWS_MAX, H, M,
+                      out_layout)
+            # Every read of the slot (wgmma, scale loads) is complete here.
+            mbarrier.arrive(empty.index(slot), count=1)
+        while pos + 1 < n_items:
+            start, end, kv, items, chunk, it, seg = _cursor_step(
+                ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, items, chunk, it, seg,
+                q_full, q_empty, ITEM, ROWS_MAX, True, 4 * PR * NG)
+            pos += 1
+
+    @gluon.jit(do_not_specialize=PER_STEP_INTS)
+    def _varlen_logits_sm90_wide(
+        kv_desc, sc_desc, q_desc, w_ptr, ctx_ptr, bt_ptr, ids_ptr, out_ptr,
+        num_rows, max_context_len, bt_width, stride_w, stride_bt, stride_out,
+        H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, BLOCK_R: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """The wide structure: the TMA producer in the default partition
+        (``num_warps`` warps), two math partitions of two warpgroups each (one
+        64 x 128 accumulator per warpgroup); an item is ``PR = 2 / NG`` pages of
+        one row chunk (``NG``: row groups of ``ROWS_MAX``, 1 or 2)."""
+        G: gl.constexpr = q_desc.block_type.shape[0]
+        NG: gl.constexpr = ROWS_MAX // G
+        gl.static_assert(NG * G == ROWS_MAX)
+        gl.static_assert(NG <= 2, "wide kernel: at most two row groups per segment")
+        PR: gl.constexpr = 2 // NG
+        kv_cap = gl.minimum(max_context_len, bt_width * PAGE)
+        n_items, first_end, first_off = _my_share(ids_ptr, ctx_ptr, num_rows, kv_cap, PR * PAGE,
+                                                  ROWS_MAX, BLOCK_R, num_warps)
+        if n_items > 0:
+            # A ring slot is one item: PR pages, read as one [PR * PAGE, D] tile
+            # (the wgmma's A operand), and their scales as one [PR * PAGE] vector.
+            kv_smem = gl.allocate_shared_memory(kv_desc.dtype, [STAGES, PR, PAGE, D],
+                                                kv_desc.layout)
+            sc_smem = gl.allocate_shared_memory(sc_desc.dtype, [STAGES, PR, PAGE], sc_desc.layout)
+            q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS_MAX, H, D], q_desc.layout)
+            full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(full.index(s), count=1)
+                mbarrier.init(empty.index(s), count=1)
+            for s in gl.static_range(2):
+                mbarrier.init(q_full.index(s), count=1)
+                mbarrier.init(q_empty.index(s), count=2)
+            started = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(started, count=3)
+            fence_async_shared()
+            gl.warp_specialize([
+                (_wide_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
+                                  kv_cap, stride_bt, n_items, first_end, first_off, kv_smem,
+                                  sc_smem, q_smem, full, empty, q_full, q_empty, started, PAGE, D,
+                                  ROWS_MAX, PR, STAGES, num_warps)),
+                (_wide_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
+                                  stride_out, n_items, first_end, first_off, kv_smem, sc_smem,
+                                  q_smem, full, empty, q_full, q_empty, started, 0, 2, H, D, PAGE,
+                                  ROWS_MAX, G, PR, STAGES)),
+                (_wide_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
+                                  stride_out, n_items, first_end, first_off, kv_smem, sc_smem,
+                                  q_smem, full, empty, q_full, q_empty, started, 1, 2, H, D, PAGE,
+                                  ROWS_MAX, G, PR, STAGES)),
+            ], [4 * PR * NG, 4 * PR * NG], [CONSUMER_REGS, CONSUMER_REGS])
 
     @gluon.jit
     def _idle():
@@ -612,21 +811,53 @@ def registers(consumers: int) -> tuple[int, int]:
     return REGISTERS[consumers]
 
 
+def wide_rows_max(heads: int, rows_max: int) -> int:
+    """``rows_max`` as the wide structure holds it: at most two row groups per
+    segment (longer runs are split into chunks of this many rows)."""
+    return min(rows_max, 2 * rows_per_mma(heads))
+
+
 def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
-           rows_max: int = 4, stages: int = STAGES, ctas_per_sm: int = CTAS_PER_SM,
+           rows_max: int = 4, stages: int | None = None, ctas_per_sm: int = CTAS_PER_SM,
            consumers: int = CONSUMERS, consumer_regs: int | None = None,
-           maxnreg: int | None = None, direct_store: bool = DIRECT_STORE):
+           maxnreg: int | None = None, direct_store: bool = DIRECT_STORE,
+           wide: bool | None = None):
     """Launch the sm_90 kernel on checked inputs (see the portable launcher);
     the grid depends on the GPU alone.  ``consumer_regs`` / ``maxnreg``
     (math-warpgroup and launch registers): ``None`` takes :data:`REGISTERS`
-    for ``consumers``; a launch without a register cap is not offered (the
-    partitions' setmaxnreg needs one)."""
+    for ``consumers`` (:data:`WIDE_REGISTERS` for the wide structure); a launch
+    without a register cap is not offered (the partitions' setmaxnreg needs
+    one).  ``wide`` (default :data:`WIDE`): the wide structure, which holds at
+    most two row groups per segment (:func:`wide_rows_max`) and ignores
+    ``consumers`` and ``direct_store``."""
     from .triton_paged_mqa_logits import launch_bound
 
     rows, _, heads, dim = q.shape
     if rows_max % rows_per_mma(heads) or rows_max not in (2, 4, 8):
         raise ValueError(f"rows_max: expected 2, 4 or 8 and a multiple of {rows_per_mma(heads)} "
                          f"(query rows per wgmma at H {heads}), got {rows_max}")
+    wide = WIDE if wide is None else bool(wide)
+    stages = stages or (WIDE_STAGES if wide else STAGES)
+    if stages % (2 if wide else consumers):
+        # Item i + stages reuses item i's slot; its wait on the slot's full
+        # barrier is a parity wait, which passes one phase early unless item
+        # i's own phase has completed.  The consumer that took item i has waited
+        # for it; another consumer may not have (TMA completions are unordered),
+        # so a slot's items must all go to one consumer.
+        raise ValueError(f"stages: expected a multiple of the math partitions "
+                         f"({2 if wide else consumers}), got {stages}")
+    if wide:
+        regs, launch_regs = WIDE_REGISTERS
+        kv_desc, sc_desc, q_desc = descriptors(q, kv_cache)
+        grid = (_num_sms(q.device.index or 0) * ctas_per_sm,)
+        args = (kv_desc, sc_desc, q_desc, weights, context_lens, block_table, indices, out,
+                rows, max_context_len, block_table.shape[1],
+                weights.stride(0), block_table.stride(0), out.stride(0))
+        constexprs = dict(H=heads, D=dim, PAGE=kv_cache.shape[1],
+                          ROWS_MAX=wide_rows_max(heads, rows_max), STAGES=stages,
+                          CONSUMER_REGS=consumer_regs or regs, BLOCK_R=BLOCK_R, num_warps=4)
+        return launch_bound(_varlen_logits_sm90_wide, grid, args, constexprs,
+                            {"maxnreg": maxnreg or launch_regs}, set(PER_STEP_INTS), _ARGS)
     regs, launch_regs = registers(consumers)
     consumer_regs = consumer_regs or regs
     maxnreg = maxnreg or launch_regs
