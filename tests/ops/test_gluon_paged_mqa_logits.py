@@ -289,8 +289,7 @@ def test_sm90_matches_reference_small(name, hint):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("knobs", [dict(consumers=1), dict(consumers=2), dict(direct_store=False),
                                    dict(consumers=1, stages=3), dict(stages=4), dict(wide=False),
-                                   dict(wide=True), dict(wide=True, stages=2), dict(rolling=True),
-                                   dict(rolling=True, stages=4)])
+                                   dict(wide=True), dict(wide=True, stages=2)])
 @pytest.mark.parametrize("name", list(SMALL))
 def test_sm90_launch_knobs_match_reference(name, knobs):
     """Each math-warpgroup count, store path and a shallow ring, and each

@@ -19,7 +19,7 @@ def _mangle(arg) -> str:
 def compile_gluon_sm90(heads: int, rows_max: int, stages: int | None = None, consumers: int | None = None,
                        consumer_regs: int | None = None, maxnreg: int | None = None,
                        direct_store: bool | None = None, arch: int = 90,
-                       wide: bool | None = None, rolling: bool | None = None):
+                       wide: bool | None = None):
     """The sm_90 Gluon kernel for ``heads`` and ``rows_max``, built for ``sm_<arch>``
     (``wide``: the wide structure; default :data:`gluon_paged_mqa_logits.WIDE`)."""
     from . import gluon_paged_mqa_logits as gk
@@ -38,7 +38,7 @@ def compile_gluon_sm90(heads: int, rows_max: int, stages: int | None = None, con
         "stride_bt": "i32", "stride_out": "i32",
         "H": "constexpr", "D": "constexpr", "PAGE": "constexpr", "ROWS_MAX": "constexpr",
         "STAGES": "constexpr", "CONSUMERS": "constexpr", "CONSUMER_REGS": "constexpr",
-        "DIRECT_STORE": "constexpr", "ROLLING": "constexpr",
+        "DIRECT_STORE": "constexpr",
         "BLOCK_R": "constexpr", "num_warps": "constexpr",
     }
     consumers = consumers or gk.CONSUMERS
@@ -47,13 +47,11 @@ def compile_gluon_sm90(heads: int, rows_max: int, stages: int | None = None, con
               "STAGES": stages or gk.STAGES, "CONSUMERS": consumers,
               "CONSUMER_REGS": consumer_regs or regs,
               "DIRECT_STORE": gk.DIRECT_STORE if direct_store is None else direct_store,
-              "ROLLING": (gk.ROLLING if rolling is None else rolling)
-              and gk.takes_rolling(heads, rows_max, consumers),
               "BLOCK_R": gk.BLOCK_R, "num_warps": 4}
     options = {"num_warps": 4, "maxnreg": maxnreg or launch_regs}
     if wide:
         regs, launch_regs = gk.WIDE_REGISTERS
-        for k in ("CONSUMERS", "DIRECT_STORE", "ROLLING"):
+        for k in ("CONSUMERS", "DIRECT_STORE"):
             sig.pop(k)
             consts.pop(k)
         consts.update(ROWS_MAX=gk.wide_rows_max(heads, rows_max), STAGES=stages or gk.WIDE_STAGES,

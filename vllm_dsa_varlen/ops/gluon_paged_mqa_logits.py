@@ -83,7 +83,6 @@ REGISTERS = {1: (232, 128), 2: (232, 128)}
 # math partitions of two warpgroups) at the launch's 96 registers fill 60 K of
 # the register file; the producer gives back to 24, so each math warp may take 112.
 WIDE = False
-ROLLING = False
 WIDE_REGISTERS = (112, 96)
 WIDE_STAGES = 6
 
@@ -316,15 +315,9 @@ if _MISSING is None:
         """relu(acc) * w summed over each row's heads, times the token scale
         (read from the page's shared-memory scales in the store layout), stored
         where each row may look (``r_lim``, in the store layout's row slice)."""
-        _epilogue_scaled(acc, w, r_lim, sc_tile.load(gl.SliceLayout(1, out_layout)), out_ptr,
-                         stride_out, row_g, cols, G, H, PAGE, out_layout)
-
-    @gluon.jit
-    def _epilogue_scaled(acc, w, r_lim, scale, out_ptr, stride_out, row_g, cols, G: gl.constexpr,
-                         H: gl.constexpr, PAGE: gl.constexpr, out_layout: gl.constexpr):
-        """:func:`_epilogue` with the page's scales already in registers."""
         sw = gl.maximum(acc, 0.0) * gl.expand_dims(w, 0)
         logit = gl.convert_layout(gl.sum(gl.reshape(sw, [PAGE, G, H]), axis=2), out_layout)
+        scale = sc_tile.load(gl.SliceLayout(1, out_layout))
         offs_t = gl.arange(0, PAGE, layout=gl.SliceLayout(1, out_layout))
         offs_g = gl.arange(0, G, layout=gl.SliceLayout(0, out_layout))
         logit = logit * gl.expand_dims(scale, 1)
@@ -459,123 +452,6 @@ if _MISSING is None:
         # Walk the cursor to the last item, releasing the query buffer of every
         # segment passed: the producer reuses a buffer only once every math
         # warpgroup has released it, also one whose last item came earlier.
-        while pos + 1 < n_items:
-            start, end, kv, pages, chunk, pg, seg = _cursor_step(
-                ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                q_full, q_empty, PAGE, ROWS_MAX, True, 4)
-            pos += 1
-
-    @gluon.jit
-    def _consumer_rolling(w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w, stride_out,
-                          n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty,
-                          q_full, q_empty, started, WHICH: gl.constexpr, CONSUMERS: gl.constexpr,
-                          H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
-                          ROWS_MAX: gl.constexpr, G: gl.constexpr, STAGES: gl.constexpr):
-        """Math warpgroup ``WHICH`` of ``CONSUMERS`` for two row groups per
-        segment, in a rolling order that keeps one of its own wgmmas in flight
-        under each epilogue: for its item ``i`` (previous own item ``p``)
-
-            wait (p, g1); release p's slot; step the cursor to i;
-            issue (i, g0); epilogue (p, g1); issue (i, g1);
-            wait (i, g0); epilogue (i, g0)
-
-        with the same two accumulators as the straight order (which only
-        overlaps ``(i, g1)`` with the epilogue of ``(i, g0)``).  Every wgmma is
-        issued unconditionally (a wgmma under a runtime branch does not lower on
-        Triton 3.6); a slot is released once both its wgmmas completed and its
-        scales sit in registers, and a query buffer (released by the cursor
-        step) once no wgmma of its segment is in flight."""
-        N: gl.constexpr = G * H
-        gl.static_assert(ROWS_MAX == 2 * G, "rolling order: two row groups per segment")
-        gl.static_assert(STAGES % CONSUMERS == 0, "STAGES: a multiple of CONSUMERS (see launch)")
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32])
-        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        zero = gl.zeros([PAGE, N], gl.float32, mma_layout)
-        out_layout: gl.constexpr = gl.sum(gl.reshape(zero, [PAGE, G, H]), axis=2).type.layout
-        row_layout: gl.constexpr = gl.SliceLayout(0, out_layout)
-        sc_layout: gl.constexpr = gl.SliceLayout(1, out_layout)
-        w0 = gl.zeros([N], gl.float32, col_layout)
-        w1 = gl.zeros([N], gl.float32, col_layout)
-        r0 = gl.zeros([G], gl.int32, row_layout)
-        r1 = gl.zeros([G], gl.int32, row_layout)
-        scale = gl.zeros([PAGE], gl.float32, sc_layout)
-        w0_seg = -1
-        w1_seg = -1
-        p_slot = 0
-        p_row = 0
-        p_end = -1
-        p_cols = 0
-        _all_started(started)
-        start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
-                                                        kv_cap, PAGE, ROWS_MAX, 4)
-        seg = 0
-        pos = 0
-        for _w in gl.static_range(WHICH):
-            if WHICH < n_items:
-                start, end, kv, pages, chunk, pg, seg = _cursor_step(
-                    ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                    q_full, q_empty, PAGE, ROWS_MAX, True, 4)
-                pos = WHICH
-        # The loop carries (p, g1) in flight.  Before the first item it is a
-        # throwaway wgmma on ring slot 0 (its contents do not matter; nothing of
-        # it is stored), so the wait below always follows a wgmma: with the
-        # carried accumulator waited at the end of the body instead, ptxas could
-        # not see the wait and serialized the next wgmma.
-        acc1 = warpgroup_mma(kv_smem.index(0).reshape([PAGE, D]),
-                             q_smem.index(1).reshape([N, D]).permute((1, 0)), zero,
-                             use_acc=False, is_async=True)
-        for i in range(WHICH, n_items, CONSUMERS):
-            done1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
-            # (p, g1) complete: p's slot is free (its scales are in registers).
-            if i > WHICH:
-                mbarrier.arrive(empty.index(p_slot), count=1)
-                for _c in gl.static_range(CONSUMERS):
-                    start, end, kv, pages, chunk, pg, seg = _cursor_step(
-                        ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg,
-                        seg, q_full, q_empty, PAGE, ROWS_MAX, True, 4)
-                pos = i
-            slot = i % STAGES
-            qb = seg % 2
-            row0 = start + chunk
-            # Weights and row limits change only where no wgmma is in flight (a
-            # branch between a wgmma and its wait makes ptxas serialize it): the
-            # first group's here, the second's at the end of the iteration,
-            # after (p, g1)'s epilogue has used the old ones.
-            if w0_seg != seg:
-                r0 = _row_limits(ctx_ptr, row0, end, kv, G, row_layout)
-                w0 = _load_w(w_ptr, stride_w, row0, end, N, H, col_layout)
-                w0_seg = seg
-            mbarrier.wait(q_full.index(qb), (seg // 2) & 1)
-            mbarrier.wait(full.index(slot), (i // STAGES) & 1)
-            kv_tile = kv_smem.index(slot).reshape([PAGE, D])
-            qa = q_smem.index(qb * 2).reshape([N, D]).permute((1, 0))
-            acc0 = warpgroup_mma(kv_tile, qa, zero, use_acc=False, is_async=True)
-            # Unconditional (a branch here makes ptxas serialize the wgmma above):
-            # before the first item r1 is all zero, and a group holding no row
-            # of its run has zero limits, so nothing is stored then.
-            _epilogue_scaled(done1, w1, r1, scale, out_ptr, stride_out, p_row + G, p_cols, G, H,
-                             PAGE, out_layout)
-            qc = q_smem.index(qb * 2 + 1).reshape([N, D]).permute((1, 0))
-            acc1 = warpgroup_mma(kv_tile, qc, zero, use_acc=False, is_async=True)
-            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
-            scale = sc_smem.index(slot).reshape([PAGE]).load(sc_layout)
-            _epilogue_scaled(acc0, w0, r0, scale, out_ptr, stride_out, row0, pg * PAGE, G, H,
-                             PAGE, out_layout)
-            p_slot = slot
-            p_row = row0
-            p_end = end
-            p_cols = pg * PAGE
-            if w1_seg != seg:
-                r1 = _row_limits(ctx_ptr, row0 + G, end, kv, G, row_layout)
-                w1 = _load_w(w_ptr, stride_w, row0 + G, end, N, H, col_layout)
-                w1_seg = seg
-        done1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
-        if WHICH < n_items:
-            mbarrier.arrive(empty.index(p_slot), count=1)
-            if p_row + G <= p_end:
-                _epilogue_scaled(done1, w1, r1, scale, out_ptr, stride_out, p_row + G, p_cols, G,
-                                 H, PAGE, out_layout)
         while pos + 1 < n_items:
             start, end, kv, pages, chunk, pg, seg = _cursor_step(
                 ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
@@ -794,8 +670,7 @@ if _MISSING is None:
         num_rows, max_context_len, bt_width, stride_w, stride_bt, stride_out,
         H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr,
         STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        DIRECT_STORE: gl.constexpr, ROLLING: gl.constexpr, BLOCK_R: gl.constexpr,
-        num_warps: gl.constexpr,
+        DIRECT_STORE: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr,
     ):
         G: gl.constexpr = q_desc.block_type.shape[0]      # query rows per wgmma
         NG: gl.constexpr = ROWS_MAX // G                  # row groups per segment
@@ -827,23 +702,7 @@ if _MISSING is None:
             # partition (work in the default partition was seen to corrupt the
             # workers' captured arguments on Triton 3.6, and a producer there
             # faulted with four math warpgroups: docs/kernel-notes.md).
-            if ROLLING:
-                gl.static_assert(CONSUMERS == 2, "rolling order: two math warpgroups")
-                gl.warp_specialize([
-                    (_idle, ()),
-                    (_consumer_rolling, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap,
-                                         stride_w, stride_out, n_items, first_end, first_off,
-                                         kv_smem, sc_smem, q_smem, full, empty, q_full, q_empty,
-                                         started, 0, 2, H, D, PAGE, ROWS_MAX, G, STAGES)),
-                    (_consumer_rolling, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap,
-                                         stride_w, stride_out, n_items, first_end, first_off,
-                                         kv_smem, sc_smem, q_smem, full, empty, q_full, q_empty,
-                                         started, 1, 2, H, D, PAGE, ROWS_MAX, G, STAGES)),
-                    (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
-                                 kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
-                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES)),
-                ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
-            elif CONSUMERS == 2:
+            if CONSUMERS == 2:
                 gl.warp_specialize([
                     (_idle, ()),
                     (_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
@@ -952,12 +811,6 @@ def registers(consumers: int) -> tuple[int, int]:
     return REGISTERS[consumers]
 
 
-def takes_rolling(heads: int, rows_max: int, consumers: int = CONSUMERS) -> bool:
-    """Whether the rolling order applies: two row groups per segment, two math
-    warpgroups (elsewhere ``rolling`` is ignored)."""
-    return rows_max == 2 * rows_per_mma(heads) and consumers == 2
-
-
 def wide_rows_max(heads: int, rows_max: int) -> int:
     """``rows_max`` as the wide structure holds it: at most two row groups per
     segment (longer runs are split into chunks of this many rows)."""
@@ -968,7 +821,7 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
            rows_max: int = 4, stages: int | None = None, ctas_per_sm: int = CTAS_PER_SM,
            consumers: int = CONSUMERS, consumer_regs: int | None = None,
            maxnreg: int | None = None, direct_store: bool = DIRECT_STORE,
-           wide: bool | None = None, rolling: bool | None = None):
+           wide: bool | None = None):
     """Launch the sm_90 kernel on checked inputs (see the portable launcher);
     the grid depends on the GPU alone.  ``consumer_regs`` / ``maxnreg``
     (math-warpgroup and launch registers): ``None`` takes :data:`REGISTERS`
@@ -1013,12 +866,9 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     args = (kv_desc, sc_desc, q_desc, weights, context_lens, block_table, indices, out,
             rows, max_context_len, block_table.shape[1],
             weights.stride(0), block_table.stride(0), out.stride(0))
-    rolling = (ROLLING if rolling is None else bool(rolling)) and takes_rolling(heads, rows_max,
-                                                                                consumers)
     constexprs = dict(H=heads, D=dim, PAGE=kv_cache.shape[1], ROWS_MAX=rows_max, STAGES=stages,
                       CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
-                      DIRECT_STORE=bool(direct_store), ROLLING=rolling, BLOCK_R=BLOCK_R,
-                      num_warps=4)
+                      DIRECT_STORE=bool(direct_store), BLOCK_R=BLOCK_R, num_warps=4)
     options = {"maxnreg": maxnreg}
     return launch_bound(_varlen_logits_sm90, grid, args, constexprs, options, set(PER_STEP_INTS),
                         _ARGS)
