@@ -58,10 +58,13 @@ def test_every_variant_compiles(compiled_variants):
     sm90 = [r for r in rows if r["kernel"] == "sm90"]
     assert {(r["heads"], r["rows_max"]) for r in sm90 if not r["knobs"]} == {
         (32, 4), (32, 8), (64, 2), (64, 4), (64, 8)}
-    assert [r["knobs"] for r in sm90 if r["knobs"]] == [{"consumers": 1}, {"direct_store": False}]
+    assert [r["knobs"] for r in sm90 if r["knobs"]] == [
+        {"consumers": 1}, {"direct_store": False}, {"wide": True}, {"wide": False}]
     for r in sm90:
         assert r["wgmma"] and r["tma"] and r["setmaxnreg"] and not r["local"], r
         assert r["shared"] <= 227 * 1024
+        wide = r["knobs"].get("wide", gk.takes_wide(r["heads"], r["rows_max"]))
+        assert r["name"] == ("_varlen_logits_sm90_wide" if wide else "_varlen_logits_sm90"), r
 
 
 def test_per_step_integers_are_not_specialised():
@@ -71,7 +74,8 @@ def test_per_step_integers_are_not_specialised():
     assert "tiles_per_split" in tk.PER_STEP_INTS
     assert {"num_rows", "max_context_len", "bt_width", "stride_bt"} <= set(gk.PER_STEP_INTS)
     if gk.available() is None:
-        for fn, names in ((gk._varlen_logits_sm90, gk.PER_STEP_INTS),):
+        for fn, names in ((gk._varlen_logits_sm90, gk.PER_STEP_INTS),
+                          (gk._varlen_logits_sm90_wide, gk.PER_STEP_INTS)):
             params = {p.name: p for p in fn.params}
             assert all(params[n].do_not_specialize for n in names)
 
@@ -113,6 +117,57 @@ def test_schedule_covers_every_item_once_and_splits_evenly(seed):
         if share:
             i = order.index(share[0])
             assert order[i:i + len(share)] == share
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_schedule_of_two_page_items(seed):
+    """The wide structure's items are two pages of a row chunk (``page=128`` in
+    the host mirror): every run's pages are covered once, a run's last item
+    holding one page when its page count is odd."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    lens = torch.randint(1, 7, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist()
+    ids = _step_ids(lens)
+    ctx = torch.randint(0, 2000, (len(ids),), generator=gen).tolist()
+    programs = int(torch.randint(1, 200, (1,), generator=gen))
+    shares = gk.schedule_model(ids, ctx, 1500, 30, 2, programs, page=128)
+    items = [it for share in shares for it in share]
+    assert len(items) == len(set(items))
+    pages = set()
+    start = 0
+    for n in lens:
+        end = start + n - 1
+        kv = min(ctx[end], 1500)
+        for c in range(0, n, 2):
+            got = [p for (s, e, cc, p) in items if s == start and cc == c]
+            assert sorted(got) == list(range(-(-kv // 128)))
+            pages |= {(start, c, pg) for item in got for pg in (2 * item, 2 * item + 1)
+                      if pg < -(-kv // 64)}
+        start = end + 1
+    sizes = [len(sh) for sh in shares]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_structure_follows_the_row_groups_per_segment():
+    """Two row groups per segment take the two-warpgroup structure; one group
+    (2-token steps at 64 heads, up to 4 tokens at 32) and chunked longer runs
+    take the wide one, which holds at most two groups."""
+    assert [gk.takes_wide(64, r) for r in (2, 4, 8)] == [True, False, True]
+    assert [gk.takes_wide(32, r) for r in (4, 8)] == [True, False]
+    assert [gk.wide_rows_max(64, r) for r in (2, 4, 8)] == [2, 4, 4]
+    assert [gk.wide_rows_max(32, r) for r in (4, 8)] == [4, 8]
+
+
+@pytest.mark.parametrize("knobs", [dict(stages=3), dict(wide=True, stages=5),
+                                   dict(consumers=2, stages=7)])
+def test_ring_depth_must_divide_among_the_math_partitions(knobs):
+    """A slot's next item must go to the consumer that took its last one (a
+    parity wait passes one phase early otherwise): refused before any launch."""
+    step = make_decode_step([2, 2], [70, 20], heads=64)
+    rows = step.rows
+    out = torch.empty(rows.num_rows, step.max_context_len)
+    with pytest.raises(ValueError, match="stages"):
+        gk.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
+                  rows.block_table, rows.indices, step.max_context_len, out, rows_max=4, **knobs)
 
 
 def test_rows_max_follows_the_hint_and_the_wgmma_group():
@@ -232,7 +287,8 @@ def test_no_compile_after_precompile_for_new_step_sizes():
     heads = 64
     took = precompile(heads=heads, device="cuda")
     assert took > 0
-    fns = [tk._varlen_paged_mqa_logits_kernel] + ([gk._varlen_logits_sm90] if HOPPER else [])
+    fns = [tk._varlen_paged_mqa_logits_kernel] + (
+        [gk._varlen_logits_sm90, gk._varlen_logits_sm90_wide] if HOPPER else [])
     before = [_compiled(f) for f in fns]
     for i, (reqs, tokens, ctx_len, width_pad) in enumerate(
             [(3, 1, 300, 0), (17, 2, 5000, 3), (33, 3, 2000, 1), (5, 4, 9000, 7), (2, 8, 100, 2),
@@ -287,9 +343,11 @@ def test_sm90_matches_reference_small(name, hint):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("knobs", [dict(consumers=1), dict(consumers=2), dict(direct_store=False),
-                                   dict(consumers=1, stages=3), dict(stages=4), dict(wide=False),
-                                   dict(wide=True), dict(wide=True, stages=2)])
+@pytest.mark.parametrize("knobs", [dict(consumers=1, wide=False), dict(consumers=2, wide=False),
+                                   dict(direct_store=False, wide=False),
+                                   dict(consumers=1, stages=3, wide=False),
+                                   dict(stages=4, wide=False), dict(wide=False), dict(wide=True),
+                                   dict(wide=True, stages=2)])
 @pytest.mark.parametrize("name", list(SMALL))
 def test_sm90_launch_knobs_match_reference(name, knobs):
     """Each math-warpgroup count, store path and a shallow ring, and each

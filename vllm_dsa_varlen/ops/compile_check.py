@@ -21,10 +21,11 @@ def compile_gluon_sm90(heads: int, rows_max: int, stages: int | None = None, con
                        direct_store: bool | None = None, arch: int = 90,
                        wide: bool | None = None):
     """The sm_90 Gluon kernel for ``heads`` and ``rows_max``, built for ``sm_<arch>``
-    (``wide``: the wide structure; default :data:`gluon_paged_mqa_logits.WIDE`)."""
+    (``wide``: the wide structure; default as the launch picks it,
+    :func:`gluon_paged_mqa_logits.takes_wide`)."""
     from . import gluon_paged_mqa_logits as gk
 
-    wide = gk.WIDE if wide is None else wide
+    wide = gk.takes_wide(heads, rows_max) if wide is None else wide
     from triton.experimental.gluon._runtime import GluonASTSource
 
     rows, blocks, dim, page = 8, 4, gk.DIM, gk.PAGE
@@ -101,8 +102,10 @@ def main() -> int:
     jobs = []
     if gk.available() is None:
         jobs += [("sm90", h, r, {}) for h in gk.HEADS for r in gk.variants(h, range(1, 17))]
-        # the launch knobs (one math warpgroup; the shared-memory store path)
-        jobs += [("sm90", 64, 4, {"consumers": 1}), ("sm90", 64, 4, {"direct_store": False})]
+        # the launch knobs (one math warpgroup; the shared-memory store path;
+        # each structure where the launch takes the other)
+        jobs += [("sm90", 64, 4, {"consumers": 1}), ("sm90", 64, 4, {"direct_store": False}),
+                 ("sm90", 64, 4, {"wide": True}), ("sm90", 64, 2, {"wide": False})]
     jobs += [("portable", h, arch, v) for h in (32, 64) for arch in (89, 90, 100, 120)
              for v in tk.portable_variants(h)]
     for job in jobs:
@@ -115,7 +118,8 @@ def main() -> int:
                 row["arch"], row["pairs"] = job[2], job[3]["PAIRS"]
                 k = compile_portable(job[2], **job[3])
             ptx = k.asm["ptx"]
-            row.update(ok=True, shared=k.metadata.shared, wgmma="wgmma.mma_async" in ptx,
+            row.update(ok=True, shared=k.metadata.shared, name=k.name,
+                       wgmma="wgmma.mma_async" in ptx,
                        tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx,
                        local=".local" in ptx)
         except Exception as exc:  # noqa: BLE001 - report every failure, then fail

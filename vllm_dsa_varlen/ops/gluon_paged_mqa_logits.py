@@ -79,10 +79,9 @@ DIRECT_STORE = True
 # 64 K register file; the math warpgroups' share is what is left once the
 # default warpgroup and the TMA warp give theirs back (24 each).
 REGISTERS = {1: (232, 128), 2: (232, 128)}
-# The wide structure (``wide=True``): 20 warps (the producer's warpgroup and two
-# math partitions of two warpgroups) at the launch's 96 registers fill 60 K of
-# the register file; the producer gives back to 24, so each math warp may take 112.
-WIDE = False
+# The wide structure: 20 warps (the producer's warpgroup and two math partitions
+# of two warpgroups) at the launch's 96 registers fill 60 K of the register
+# file; the producer gives back to 24, so each math warp may take 112.
 WIDE_REGISTERS = (112, 96)
 WIDE_STAGES = 6
 
@@ -811,6 +810,15 @@ def registers(consumers: int) -> tuple[int, int]:
     return REGISTERS[consumers]
 
 
+def takes_wide(heads: int, rows_max: int) -> bool:
+    """The structure the launch takes by default (H200, docs/kernel-notes.md):
+    the wide one wherever a segment does not hold exactly two row groups (one
+    group, as in 2-token steps at 64 heads, or runs chunked from more than two
+    groups), the two-warpgroup one for two row groups per segment, where the
+    wide one measured ~10 % slower."""
+    return rows_max // rows_per_mma(heads) != 2
+
+
 def wide_rows_max(heads: int, rows_max: int) -> int:
     """``rows_max`` as the wide structure holds it: at most two row groups per
     segment (longer runs are split into chunks of this many rows)."""
@@ -827,16 +835,16 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     (math-warpgroup and launch registers): ``None`` takes :data:`REGISTERS`
     for ``consumers`` (:data:`WIDE_REGISTERS` for the wide structure); a launch
     without a register cap is not offered (the partitions' setmaxnreg needs
-    one).  ``wide`` (default :data:`WIDE`): the wide structure, which holds at
-    most two row groups per segment (:func:`wide_rows_max`) and ignores
-    ``consumers`` and ``direct_store``."""
+    one).  ``wide`` (default :func:`takes_wide`): the wide structure, which
+    holds at most two row groups per segment (:func:`wide_rows_max`) and
+    ignores ``consumers`` and ``direct_store``."""
     from .triton_paged_mqa_logits import launch_bound
 
     rows, _, heads, dim = q.shape
     if rows_max % rows_per_mma(heads) or rows_max not in (2, 4, 8):
         raise ValueError(f"rows_max: expected 2, 4 or 8 and a multiple of {rows_per_mma(heads)} "
                          f"(query rows per wgmma at H {heads}), got {rows_max}")
-    wide = WIDE if wide is None else bool(wide)
+    wide = takes_wide(heads, rows_max) if wide is None else bool(wide)
     stages = stages or (WIDE_STAGES if wide else STAGES)
     if stages % (2 if wide else consumers):
         # Item i + stages reuses item i's slot; its wait on the slot's full
