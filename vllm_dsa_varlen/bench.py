@@ -349,7 +349,8 @@ def case_paths(torch, case, args, dg, num_sms):
             paths["gluon-sm90"] = Path(lambda: varlen_paged_mqa_logits(
                 step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
                 step.max_context_len, max_run_len=hint, kernel="sm90"), rows.num_rows, 0, 1.0,
-                dict(rows_max=gk.rows_max_for(step.q.shape[2], hint)))
+                dict(rows_max=gk.rows_max_for(step.q.shape[2], hint),
+                     wide=gk.takes_wide(step.q.shape[2], gk.rows_max_for(step.q.shape[2], hint))))
             if getattr(args, "sm90_variants", None):
                 paths.update(sm90_variant_paths(torch, step, args.sm90_variants))
         return step, paths
@@ -364,7 +365,8 @@ def case_paths(torch, case, args, dg, num_sms):
         paths["gluon-sm90"] = Path(lambda: varlen_paged_mqa_logits(
             step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
             step.max_context_len, max_run_len=hint, kernel="sm90"), rows.num_rows, 0, 1.0,
-            dict(rows_max=gk.rows_max_for(step.q.shape[2], hint)))
+            dict(rows_max=gk.rows_max_for(step.q.shape[2], hint),
+                 wide=gk.takes_wide(step.q.shape[2], gk.rows_max_for(step.q.shape[2], hint))))
     if dg is not None:
         paths.update(deepgemm_paths(torch, step, dg, num_sms))
     return step, paths
