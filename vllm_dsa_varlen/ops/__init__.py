@@ -57,7 +57,7 @@ def precompile(*, heads: int, dim: int = 128, page: int = 64, device=None,
         kernels = [kernel]
     for which in kernels:
         runs = [n for n in sorted(set(max_run_lens))
-                if which != "sm90" or kernel == "sm90" or n <= tk.HOPPER_MAX_RUN_LEN]
+                if which != "sm90" or kernel == "sm90" or tk.hopper_run_len(n)]
         for n in runs:
             _compile_one(varlen_paged_mqa_logits, kv_cache, heads, dim, page, n, which, device)
     torch.cuda.synchronize(device)

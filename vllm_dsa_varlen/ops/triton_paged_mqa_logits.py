@@ -364,12 +364,21 @@ _PORTABLE_ARGS = ("q_ptr", "kv_ptr", "w_ptr", "ctx_ptr", "bt_ptr", "ids_ptr", "o
 
 KERNEL_ENV = "VLLM_DSA_VARLEN_KERNEL"  # "auto" (default), "portable" or "sm90"
 HOPPER_AUTO = True  # "auto" takes the sm_90 Gluon kernel on Hopper where it measured faster
-# Where "auto" takes the sm_90 kernel (H200, docs/results/h200-v6): runs of up to 4
-# tokens (hint) and at least 32 rows.  Longer runs hold 8 query rows per segment and
-# measured slower than the portable kernel (6, 8, 1..8 tokens); a handful of rows
-# (B1) is launch-latency bound and the portable kernel measured 1 µs faster.
+# Where "auto" takes the sm_90 kernel (H200, docs/results/h200-v7): runs of up to 4
+# tokens (hint), or a hint of exactly 8, and at least 32 rows.  A hint of 8 splits
+# runs into chunks of 4 rows (the wide structure), which measured faster than the
+# portable kernel on 8-token and 1..8-token steps (97.4 vs 103.3, 76.2 vs 85.6 µs)
+# but slower on 6-token ones (97.2 vs 93.3: a 2-row chunk pays for 4), so other
+# hints above 4 keep the portable kernel.  A handful of rows (B1) is launch-latency
+# bound and the portable kernel measured 1 µs faster.
 HOPPER_MAX_RUN_LEN = 4
+HOPPER_RUN_LENS_ABOVE = (8,)
 HOPPER_MIN_ROWS = 32
+
+
+def hopper_run_len(max_run_len: int) -> bool:
+    """Whether "auto" may take the sm_90 kernel for this longest-run hint."""
+    return max_run_len <= HOPPER_MAX_RUN_LEN or max_run_len in HOPPER_RUN_LENS_ABOVE
 _logged: set = set()
 
 
@@ -389,7 +398,7 @@ def auto_takes_sm90(rows: int, max_run_len: int, capturing: bool = True) -> bool
     kernel's whole eager call on small steps (BENCHMARKS.md, eager table), and
     the launcher cannot see a step's KV length without a host sync, so eager
     calls take the portable kernel; a graph replay pays no host time."""
-    return (HOPPER_AUTO and capturing and max_run_len <= HOPPER_MAX_RUN_LEN
+    return (HOPPER_AUTO and capturing and hopper_run_len(max_run_len)
             and rows >= HOPPER_MIN_ROWS)
 
 
