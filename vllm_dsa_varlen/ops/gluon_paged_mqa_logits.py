@@ -15,8 +15,22 @@ Structure (one launch, graph safe, no host sync):
   may be split between programs; each output element is written by exactly
   one program, so results are bitwise repeatable).  :func:`schedule_model` is
   the same arithmetic on the host, for tests.
-* **Warp specialisation**: a TMA warp, two math warpgroups taking alternate
-  items (setmaxnreg 232 / 24), an idle default partition.
+* **Warp specialisation**, two structures (:func:`takes_wide` picks one per
+  launch, from the row groups a segment holds):
+
+  - *two-warpgroup* (two row groups per segment): a TMA warp, two math
+    warpgroups taking alternate items (setmaxnreg 232 / 24), an idle default
+    partition; each warpgroup runs both groups of its page, the second
+    wgmma under the first group's epilogue;
+  - *wide* (one row group per segment, or runs chunked from more): the TMA
+    producer in the default partition, two math partitions of two
+    warpgroups each (112 registers) taking alternate items; an item is
+    ``2 / NG`` pages x ``NG`` groups as one wgmma tile in which every
+    warpgroup holds one 64 x 128 accumulator.
+
+  A ring slot's items all go to one math partition (``STAGES`` a multiple of
+  their count): the slot's full barrier is waited on by parity, which only
+  the consumer of the slot's previous item can do safely.
 * **TMA** into a ``STAGES``-deep shared-memory ring with full/empty
   mbarriers: a page's fp8 values through a 3-D descriptor over the fused cache
   viewed as ``[blocks, page, D]`` (page id as coordinate, the cache's own page
@@ -854,32 +868,27 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
         # so a slot's items must all go to one consumer.
         raise ValueError(f"stages: expected a multiple of the math partitions "
                          f"({2 if wide else consumers}), got {stages}")
-    if wide:
-        regs, launch_regs = WIDE_REGISTERS
-        kv_desc, sc_desc, q_desc = descriptors(q, kv_cache)
-        grid = (_num_sms(q.device.index or 0) * ctas_per_sm,)
-        args = (kv_desc, sc_desc, q_desc, weights, context_lens, block_table, indices, out,
-                rows, max_context_len, block_table.shape[1],
-                weights.stride(0), block_table.stride(0), out.stride(0))
-        constexprs = dict(H=heads, D=dim, PAGE=kv_cache.shape[1],
-                          ROWS_MAX=wide_rows_max(heads, rows_max), STAGES=stages,
-                          CONSUMER_REGS=consumer_regs or regs, BLOCK_R=BLOCK_R, num_warps=4)
-        return launch_bound(_varlen_logits_sm90_wide, grid, args, constexprs,
-                            {"maxnreg": maxnreg or launch_regs}, set(PER_STEP_INTS), _ARGS)
-    regs, launch_regs = registers(consumers)
-    consumer_regs = consumer_regs or regs
-    maxnreg = maxnreg or launch_regs
+    regs, launch_regs = WIDE_REGISTERS if wide else registers(consumers)
     kv_desc, sc_desc, q_desc = descriptors(q, kv_cache)
     grid = (_num_sms(q.device.index or 0) * ctas_per_sm,)
     args = (kv_desc, sc_desc, q_desc, weights, context_lens, block_table, indices, out,
             rows, max_context_len, block_table.shape[1],
             weights.stride(0), block_table.stride(0), out.stride(0))
-    constexprs = dict(H=heads, D=dim, PAGE=kv_cache.shape[1], ROWS_MAX=rows_max, STAGES=stages,
-                      CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
-                      DIRECT_STORE=bool(direct_store), BLOCK_R=BLOCK_R, num_warps=4)
-    options = {"maxnreg": maxnreg}
-    return launch_bound(_varlen_logits_sm90, grid, args, constexprs, options, set(PER_STEP_INTS),
-                        _ARGS)
+    constexprs = dict(H=heads, D=dim, PAGE=kv_cache.shape[1], STAGES=stages,
+                      CONSUMER_REGS=consumer_regs or regs, BLOCK_R=BLOCK_R, num_warps=4)
+    if wide:
+        kernel = _varlen_logits_sm90_wide
+        constexprs.update(ROWS_MAX=wide_rows_max(heads, rows_max))
+    else:
+        kernel = _varlen_logits_sm90
+        constexprs.update(ROWS_MAX=rows_max, CONSUMERS=consumers,
+                          DIRECT_STORE=bool(direct_store))
+    # Launches bind constexprs by position after the runtime arguments: the
+    # kernel's own parameter order.
+    names = [a.name for a in kernel.params if a.is_constexpr]
+    constexprs = {n: constexprs[n] for n in names}
+    return launch_bound(kernel, grid, args, constexprs, {"maxnreg": maxnreg or launch_regs},
+                        set(PER_STEP_INTS), _ARGS)
 
 
 def schedule_model(indices, context_lens, max_context_len: int, bt_width: int, rows_max: int,
