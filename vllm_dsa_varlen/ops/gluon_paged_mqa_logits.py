@@ -251,6 +251,29 @@ if _MISSING is None:
         return start, end, kv, pages, chunk, pg, seg
 
     @gluon.jit
+    def _bt_window(bt_ptr, stride_bt, start, p0, pages, seg, bt_seg, bt_base, blocks, blocks_next,
+                   offs_b):
+        """Block ids of the segment's pages around page ``p0``, 32 at a time
+        (``blocks``, from page ``bt_base``) with the next 32 prefetched, so no
+        TMA issue waits on a dependent block-table load inside a segment;
+        reloaded when the segment (``seg``) changes.  Returns the new
+        ``(bt_seg, bt_base, blocks, blocks_next)``."""
+        if bt_seg != seg:
+            bt_seg = seg
+            bt_base = p0
+            row_bt = bt_ptr + start.to(gl.int64) * stride_bt
+            blocks = gl.load(row_bt + p0 + offs_b, mask=p0 + offs_b < pages, other=0)
+            blocks_next = gl.load(row_bt + p0 + 32 + offs_b, mask=p0 + 32 + offs_b < pages,
+                                  other=0)
+        elif p0 - bt_base >= 32:
+            bt_base += 32
+            blocks = blocks_next
+            row_bt = bt_ptr + start.to(gl.int64) * stride_bt
+            blocks_next = gl.load(row_bt + bt_base + 32 + offs_b,
+                                  mask=bt_base + 32 + offs_b < pages, other=0)
+        return bt_seg, bt_base, blocks, blocks_next
+
+    @gluon.jit
     def _producer(kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows, kv_cap, stride_bt,
                   n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
                   q_empty, started, PAGE: gl.constexpr, D: gl.constexpr, ROWS_MAX: gl.constexpr,
@@ -264,9 +287,7 @@ if _MISSING is None:
                                                         kv_cap, PAGE, ROWS_MAX, 1)
         seg = 0
         loaded = -1
-        # Block ids come 32 pages at a time, the next 32 prefetched, so no TMA
-        # issue waits on a dependent block-table load inside a segment.
-        bt_lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        bt_lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # block ids, one per lane
         offs_b = gl.arange(0, 32, layout=bt_lay)
         bt_seg = -1
         bt_base = 0
@@ -287,19 +308,9 @@ if _MISSING is None:
                 loaded = seg
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            if bt_seg != seg:
-                bt_seg = seg
-                bt_base = pg
-                row_bt = bt_ptr + start.to(gl.int64) * stride_bt
-                blocks = gl.load(row_bt + pg + offs_b, mask=pg + offs_b < pages, other=0)
-                blocks_next = gl.load(row_bt + pg + 32 + offs_b, mask=pg + 32 + offs_b < pages,
-                                      other=0)
-            elif pg - bt_base >= 32:
-                bt_base += 32
-                blocks = blocks_next
-                row_bt = bt_ptr + start.to(gl.int64) * stride_bt
-                blocks_next = gl.load(row_bt + bt_base + 32 + offs_b,
-                                      mask=bt_base + 32 + offs_b < pages, other=0)
+            bt_seg, bt_base, blocks, blocks_next = _bt_window(
+                bt_ptr, stride_bt, start, pg, pages, seg, bt_seg, bt_base, blocks, blocks_next,
+                offs_b)
             block = gl.sum(gl.where(offs_b == pg - bt_base, blocks, 0), axis=0)
             mbarrier.expect(full.index(slot), kv_desc.block_type.nbytes + sc_desc.block_type.nbytes)
             _tma_load(kv_desc, [block, 0, 0], full.index(slot), kv_smem.index(slot))
@@ -491,8 +502,7 @@ if _MISSING is None:
                                                         kv_cap, ITEM, ROWS_MAX, NW)
         seg = 0
         loaded = -1
-        # Block ids come 32 pages at a time, the next 32 prefetched (one per
-        # lane; every warp holds the whole window).
+        # Block ids, one per lane (every warp holds the whole window).
         bt_lay: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         offs_b = gl.arange(0, 32, layout=bt_lay)
         bt_seg = -1
@@ -516,19 +526,9 @@ if _MISSING is None:
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             pages = (kv + PAGE - 1) // PAGE
             p0 = it * PR
-            if bt_seg != seg:
-                bt_seg = seg
-                bt_base = p0
-                row_bt = bt_ptr + start.to(gl.int64) * stride_bt
-                blocks = gl.load(row_bt + p0 + offs_b, mask=p0 + offs_b < pages, other=0)
-                blocks_next = gl.load(row_bt + p0 + 32 + offs_b, mask=p0 + 32 + offs_b < pages,
-                                      other=0)
-            elif p0 - bt_base >= 32:
-                bt_base += 32
-                blocks = blocks_next
-                row_bt = bt_ptr + start.to(gl.int64) * stride_bt
-                blocks_next = gl.load(row_bt + bt_base + 32 + offs_b,
-                                      mask=bt_base + 32 + offs_b < pages, other=0)
+            bt_seg, bt_base, blocks, blocks_next = _bt_window(
+                bt_ptr, stride_bt, start, p0, pages, seg, bt_seg, bt_base, blocks, blocks_next,
+                offs_b)
             mbarrier.expect(full.index(slot),
                             PR * (kv_desc.block_type.nbytes + sc_desc.block_type.nbytes))
             for j in gl.static_range(PR):
