@@ -11,7 +11,7 @@ Copies (:func:`ablated_source`):
 * ``noepi`` — the epilogue (relu, weights, head sum, scale, store) replaced by
   a store under a branch never taken, so the wgmma and its wait stay;
 * ``nomma`` — the wide structure's math partitions only wait for each ring slot
-  and release it (no wgmma, no epilogue): the producer / TMA pipeline alone.
+  and release it (no wgmma, no epilogue): the producer / TMA pipeline alone;
 """
 
 from __future__ import annotations
@@ -79,11 +79,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="*", default=["64,4,32768", "64,2,32768"],
                    help="requests,tokens,mean context")
+    p.add_argument("--variants", nargs="*", default=None, help="name:wide pairs, e.g. real:0 noepi:1")
     p.add_argument("--rep-ms", type=int, default=40)
     args = p.parse_args(argv)
     mods = {n: load_variant(n) for n in VARIANTS}
     runs = [("real", dict(wide=False)), ("real", dict(wide=True)), ("noepi", dict(wide=False)),
             ("noepi", dict(wide=True)), ("nomma", dict(wide=True))]
+    if args.variants:
+        runs = [(v.split(":")[0], dict(wide=bool(int(v.split(":")[1])))) for v in args.variants]
     for case in args.cases:
         reqs, tokens, ctx = (int(x) for x in case.split(","))
         step = random_decode_step(reqs, tokens, ctx, heads=64, seed=0, device="cuda")
@@ -94,11 +97,14 @@ def main(argv=None) -> int:
         rows_max = mods["real"].rows_max_for(64, tokens)
         for name, kw in runs:
             mod = mods[name]
+            # planned once per step, as serving does (not timed)
+            sched = mod.plan(rows.indices, rows.context_lens.view(-1, 1), step.max_context_len,
+                             rows.block_table.shape[1], 64, rows_max, **kw)
 
-            def call(mod=mod, kw=kw):
+            def call(mod=mod, kw=kw, sched=sched):
                 mod.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
                            rows.block_table, rows.indices, step.max_context_len, out,
-                           rows_max=rows_max, **kw)
+                           rows_max=rows_max, schedule=sched, **kw)
             call()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())

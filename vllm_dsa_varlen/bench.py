@@ -314,6 +314,9 @@ def sm90_call(torch, step, params):
     out = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
     hint = int(step.decode_lens.max())
     kwargs = {"rows_max": gk.rows_max_for(step.q.shape[2], hint), **params}
+    kwargs["schedule"] = gk.plan(rows.indices, rows.context_lens.view(-1, 1), step.max_context_len,
+                                 rows.block_table.shape[1], step.q.shape[2], kwargs["rows_max"],
+                                 wide=params.get("wide"))
 
     def call():
         gk.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
@@ -346,9 +349,14 @@ def case_paths(torch, case, args, dg, num_sms):
     hopper = gk.unsupported_reason(step.q, step.kv_cache) is None
     if args.peer == "gluon":
         if hopper:
+            # planned once per step (serving plans in the step's first layer), as
+            # DeepGEMM's schedule metadata is computed outside its timed call
+            sched = gk.plan(rows.indices, ctx2d, step.max_context_len, rows.block_table.shape[1],
+                            step.q.shape[2], gk.rows_max_for(step.q.shape[2], hint))
             paths["gluon-sm90"] = Path(lambda: varlen_paged_mqa_logits(
                 step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
-                step.max_context_len, max_run_len=hint, kernel="sm90"), rows.num_rows, 0, 1.0,
+                step.max_context_len, max_run_len=hint, kernel="sm90", schedule=sched),
+                rows.num_rows, 0, 1.0,
                 dict(rows_max=gk.rows_max_for(step.q.shape[2], hint),
                      wide=gk.takes_wide(step.q.shape[2], gk.rows_max_for(step.q.shape[2], hint))))
             if getattr(args, "sm90_variants", None):
@@ -362,9 +370,12 @@ def case_paths(torch, case, args, dg, num_sms):
             step.max_context_len, max_run_len=hint, kernel="portable", **p), rows.num_rows, 0, 1.0,
             dict(params))
     if hopper and not args.no_gluon:
+        sched = gk.plan(rows.indices, ctx2d, step.max_context_len, rows.block_table.shape[1],
+                        step.q.shape[2], gk.rows_max_for(step.q.shape[2], hint))
         paths["gluon-sm90"] = Path(lambda: varlen_paged_mqa_logits(
             step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
-            step.max_context_len, max_run_len=hint, kernel="sm90"), rows.num_rows, 0, 1.0,
+            step.max_context_len, max_run_len=hint, kernel="sm90", schedule=sched),
+            rows.num_rows, 0, 1.0,
             dict(rows_max=gk.rows_max_for(step.q.shape[2], hint),
                  wide=gk.takes_wide(step.q.shape[2], gk.rows_max_for(step.q.shape[2], hint))))
     if dg is not None:

@@ -10,7 +10,9 @@ tag off the tensor it is handed.
 
 * No global "last step" state: the tag lives on the step's own tensor object,
   so metadata of another step, group or builder can never pick it up.
-* Per-layer host cost: one attribute lookup on a tensor.
+* Per-layer host cost: one attribute lookup on a tensor (and, for the sm_90
+  kernel, one dict lookup for the step's planned schedule, which the tag's
+  ``schedules`` dict holds from the step's first layer on).
 * Stock steps (and anything else that reaches the kernel call) carry no tag
   and take the stock path.
 
@@ -30,11 +32,14 @@ BACKENDS = ("deepgemm", "triton")
 class VarlenTag(NamedTuple):
     """``ids``: int32 ``[R]`` run ids; ``backend``: ``"deepgemm"`` | ``"triton"``;
     ``max_run_len``: the step's longest run as the host knows it (a sizing hint
-    for the Triton kernel; correctness never depends on it)."""
+    for the Triton kernel; correctness never depends on it); ``schedules``: the
+    step's planned kernel schedules, filled by the first layer's call and read
+    by the others (``varlen_paged_mqa_logits(schedule_cache=...)``)."""
 
     ids: torch.Tensor
     backend: str
     max_run_len: int = 1
+    schedules: dict | None = None
 
 
 def attach_varlen_ids(schedule: torch.Tensor, ids: torch.Tensor, backend: str,
@@ -53,7 +58,7 @@ def attach_varlen_ids(schedule: torch.Tensor, ids: torch.Tensor, backend: str,
     if not isinstance(max_run_len, int) or max_run_len < 1:
         raise ValueError(f"max_run_len: expected an int >= 1, got {max_run_len!r}")
     view = schedule.view(schedule.shape)
-    setattr(view, _ATTR, VarlenTag(ids, backend, max_run_len))
+    setattr(view, _ATTR, VarlenTag(ids, backend, max_run_len, {}))
     return view
 
 

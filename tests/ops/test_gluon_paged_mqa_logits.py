@@ -56,6 +56,8 @@ def test_every_variant_compiles(compiled_variants):
     if head["gluon"] != "ok":
         pytest.skip(f"this Triton has no usable Gluon: {head['gluon']}")
     sm90 = [r for r in rows if r["kernel"] == "sm90"]
+    plans = {(r["heads"], r["rows_max"]) for r in rows if r["kernel"] == "plan"}
+    assert plans == {(32, 4), (32, 8), (64, 2), (64, 4), (64, 8)}
     assert {(r["heads"], r["rows_max"]) for r in sm90 if not r["knobs"]} == {
         (32, 4), (32, 8), (64, 2), (64, 4), (64, 8)}
     assert [r["knobs"] for r in sm90 if r["knobs"]] == [
@@ -75,7 +77,8 @@ def test_per_step_integers_are_not_specialised():
     assert {"num_rows", "max_context_len", "bt_width", "stride_bt"} <= set(gk.PER_STEP_INTS)
     if gk.available() is None:
         for fn, names in ((gk._varlen_logits_sm90, gk.PER_STEP_INTS),
-                          (gk._varlen_logits_sm90_wide, gk.PER_STEP_INTS)):
+                          (gk._varlen_logits_sm90_wide, gk.PER_STEP_INTS),
+                          (gk._plan_sm90, ("num_rows", "max_context_len", "bt_width"))):
             params = {p.name: p for p in fn.params}
             assert all(params[n].do_not_specialize for n in names)
 
@@ -168,6 +171,39 @@ def test_ring_depth_must_divide_among_the_math_partitions(knobs):
     with pytest.raises(ValueError, match="stages"):
         gk.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
                   rows.block_table, rows.indices, step.max_context_len, out, rows_max=4, **knobs)
+
+
+def test_schedule_key_separates_what_a_plan_depends_on():
+    """A per-step cache hands a planned schedule only to calls it was planned
+    for: same tensors, integers and structure, and the same side of a CUDA
+    graph capture."""
+    ids = torch.zeros(8, dtype=torch.int32)
+    ctx = torch.zeros((8, 1), dtype=torch.int32)
+    key = gk.schedule_key(ids, ctx, 700, 9, 64, 4, False)
+    assert key == gk.schedule_key(ids, ctx, 700, 9, 64, 4, False)
+    others = [gk.schedule_key(ids, ctx, 700, 9, 64, 4, True),     # inside a capture
+              gk.schedule_key(ids, ctx, 701, 9, 64, 4, False),
+              gk.schedule_key(ids, ctx, 700, 10, 64, 4, False),
+              gk.schedule_key(ids, ctx, 700, 9, 64, 2, False),    # the wide structure
+              gk.schedule_key(ids, ctx, 700, 9, 32, 4, False),
+              gk.schedule_key(ids.clone(), ctx, 700, 9, 64, 4, False),
+              gk.schedule_key(ids, ctx.clone(), 700, 9, 64, 4, False),
+              gk.schedule_key(ids[:6], ctx, 700, 9, 64, 4, False)]
+    assert all(k != key for k in others)
+
+
+def test_bad_schedule_is_refused(monkeypatch):
+    step = make_decode_step([2, 2], [70, 20], heads=64)
+    rows = step.rows
+    out = torch.empty(rows.num_rows, step.max_context_len)
+    monkeypatch.setattr(gk, "_num_sms", lambda index: 4)
+    for bad in (torch.zeros((3, gk.SCHED_WORDS), dtype=torch.int32),
+                torch.zeros((4, gk.SCHED_WORDS), dtype=torch.int64),
+                torch.zeros((4, 2), dtype=torch.int32)):
+        with pytest.raises(ValueError, match="schedule"):
+            gk.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
+                      rows.block_table, rows.indices, step.max_context_len, out, rows_max=4,
+                      schedule=bad)
 
 
 def test_rows_max_follows_the_hint_and_the_wgmma_group():
@@ -291,7 +327,7 @@ def test_no_compile_after_precompile_for_new_step_sizes():
     took = precompile(heads=heads, device="cuda")
     assert took > 0
     fns = [tk._varlen_paged_mqa_logits_kernel] + (
-        [gk._varlen_logits_sm90, gk._varlen_logits_sm90_wide] if HOPPER else [])
+        [gk._varlen_logits_sm90, gk._varlen_logits_sm90_wide, gk._plan_sm90] if HOPPER else [])
     before = [_compiled(f) for f in fns]
     for i, (reqs, tokens, ctx_len, width_pad) in enumerate(
             [(3, 1, 300, 0), (17, 2, 5000, 3), (33, 3, 2000, 1), (5, 4, 9000, 7), (2, 8, 100, 2),
@@ -390,6 +426,33 @@ def test_sm90_serving_sizes_repeatable(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("heads,hint", [(64, 2), (64, 4), (64, 8), (32, 4), (32, 8)])
+def test_sm90_plan_matches_the_host_schedule(heads, hint):
+    """The planned schedule (one launch) gives every program the share the
+    host model gives it: item count, last row of its first run, offset in it."""
+    gen = torch.Generator().manual_seed(heads + hint)
+    lens = torch.randint(1, 9, (40,), generator=gen).tolist()
+    ids = _step_ids(lens)
+    ctx = torch.randint(-2, 3000, (len(ids),), generator=gen).tolist()
+    max_len, width = 2500, 40
+    rows_max = gk.rows_max_for(heads, hint)
+    wide, held, pr = gk._structure(heads, rows_max, None)
+    ids_t = torch.tensor(ids, dtype=torch.int32, device="cuda")
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device="cuda").view(-1, 1)
+    got = gk.plan(ids_t, ctx_t, max_len, width, heads, rows_max).cpu()
+    shares = gk.schedule_model(ids, ctx, max_len, width, held, got.shape[0], page=64 * pr)
+    for c, share in enumerate(shares):
+        if not share:
+            assert int(got[c, 0]) == 0
+            continue
+        first, last, chunk, item = share[0]
+        kv = min(max(ctx[last], 0), max_len, width * 64)
+        items = -(-kv // (64 * pr))
+        assert got[c, :3].tolist() == [len(share), last, chunk // held * items + item], c
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 def test_sm90_graph_replay_with_new_contents_and_compositions():
     num_reqs, tokens, max_len = 24, 4, 6000
     steps = [random_decode_step(num_reqs, tokens, 4000, acceptance=a, variable=v, heads=64, seed=s,
@@ -415,9 +478,9 @@ def test_sm90_graph_replay_with_new_contents_and_compositions():
         ids[:n] = step.rows.indices
         kv[: step.kv_cache.shape[0]].copy_(step.kv_cache)
 
-    def call(dst):
+    def call(dst, cache=None):
         tk.varlen_paged_mqa_logits(q, kv, w, ctx, bt, ids, max_len, out=dst, max_run_len=tokens,
-                                   kernel="sm90")
+                                   kernel="sm90", schedule_cache=cache)
 
     load(steps[0])
     side = torch.cuda.Stream()
@@ -425,19 +488,28 @@ def test_sm90_graph_replay_with_new_contents_and_compositions():
     with torch.cuda.stream(side):
         call(out)
     torch.cuda.current_stream().wait_stream(side)
+    # Two "layers" in one graph sharing a step's schedule cache, as the builder's
+    # tag makes them: the first plans inside the capture, the second reads it.
+    cache = {}
+    second = torch.empty_like(out)
+    call(out, cache)                      # eager: planned outside any capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        call(out)
+        call(out, cache)
+        call(second, cache)
+    assert len(cache) == 2                # one plan outside, one inside the capture
     for step in steps[1:] + steps[:1]:
         load(step)
         out.fill_(POISON)
+        second.fill_(POISON)
         graph.replay()
         eager = torch.full_like(out, POISON)
         call(eager)
         torch.cuda.synchronize()
         mask = valid_mask(ctx, max_len, ids)
         assert torch.equal(out[mask], eager[mask])
-        assert torch.isnan(out[~mask]).all()
+        assert torch.equal(second[mask], eager[mask])
+        assert torch.isnan(out[~mask]).all() and torch.isnan(second[~mask]).all()
         n = step.num_rows
         ref = paged_mqa_logits_ref(q[:n], kv, w[:n], ctx[:n], bt[:n], max_len, indices=ids[:n])
         m = mask[:n]

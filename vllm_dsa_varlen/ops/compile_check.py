@@ -35,12 +35,12 @@ def compile_gluon_sm90(heads: int, rows_max: int, stages: int | None = None, con
     sig = {
         "kv_desc": _mangle(kv_desc), "sc_desc": _mangle(sc_desc), "q_desc": _mangle(q_desc),
         "w_ptr": "*fp32", "ctx_ptr": "*i32", "bt_ptr": "*i32", "ids_ptr": "*i32", "out_ptr": "*fp32",
+        "sched_ptr": "*i32",
         "num_rows": "i32", "max_context_len": "i32", "bt_width": "i32", "stride_w": "i32",
         "stride_bt": "i32", "stride_out": "i32",
         "H": "constexpr", "D": "constexpr", "PAGE": "constexpr", "ROWS_MAX": "constexpr",
         "STAGES": "constexpr", "CONSUMERS": "constexpr", "CONSUMER_REGS": "constexpr",
-        "DIRECT_STORE": "constexpr",
-        "BLOCK_R": "constexpr", "num_warps": "constexpr",
+        "DIRECT_STORE": "constexpr", "num_warps": "constexpr",
     }
     consumers = consumers or gk.CONSUMERS
     regs, launch_regs = gk.registers(consumers)
@@ -48,7 +48,7 @@ def compile_gluon_sm90(heads: int, rows_max: int, stages: int | None = None, con
               "STAGES": stages or gk.STAGES, "CONSUMERS": consumers,
               "CONSUMER_REGS": consumer_regs or regs,
               "DIRECT_STORE": gk.DIRECT_STORE if direct_store is None else direct_store,
-              "BLOCK_R": gk.BLOCK_R, "num_warps": 4}
+              "num_warps": 4}
     options = {"num_warps": 4, "maxnreg": maxnreg or launch_regs}
     if wide:
         regs, launch_regs = gk.WIDE_REGISTERS
@@ -62,6 +62,21 @@ def compile_gluon_sm90(heads: int, rows_max: int, stages: int | None = None, con
         return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     src = GluonASTSource(gk._varlen_logits_sm90, sig, consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_plan_sm90(heads: int, rows_max: int, arch: int = 90):
+    """The sm_90 kernel's schedule planner (:func:`gluon_paged_mqa_logits.plan`)
+    for the structure a launch with ``heads`` and ``rows_max`` takes."""
+    from . import gluon_paged_mqa_logits as gk
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    _, held, pr = gk._structure(heads, rows_max, None)
+    sig = {"ids_ptr": "*i32", "ctx_ptr": "*i32", "sched_ptr": "*i32", "num_rows": "i32",
+           "max_context_len": "i32", "bt_width": "i32", "PAGE": "constexpr", "PR": "constexpr",
+           "ROWS_MAX": "constexpr", "BLOCK_R": "constexpr", "num_warps": "constexpr"}
+    consts = {"PAGE": gk.PAGE, "PR": pr, "ROWS_MAX": held, "BLOCK_R": gk.BLOCK_R, "num_warps": 4}
+    src = GluonASTSource(gk._plan_sm90, sig, consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 
 def compile_portable(arch: int, H: int, ROWS: int = 2, TILE_PAGES: int = 1, PER_ROW: bool = False,
@@ -106,6 +121,8 @@ def main() -> int:
         # each structure where the launch takes the other)
         jobs += [("sm90", 64, 4, {"consumers": 1}), ("sm90", 64, 4, {"direct_store": False}),
                  ("sm90", 64, 4, {"wide": True}), ("sm90", 64, 2, {"wide": False})]
+        # the schedule planner, once per (heads, rows_max) a launch can take
+        jobs += [("plan", h, r, {}) for h in gk.HEADS for r in gk.variants(h, range(1, 17))]
     jobs += [("portable", h, arch, v) for h in (32, 64) for arch in (89, 90, 100, 120)
              for v in tk.portable_variants(h)]
     for job in jobs:
@@ -114,6 +131,9 @@ def main() -> int:
             if job[0] == "sm90":
                 row["rows_max"], row["knobs"] = job[2], job[3]
                 k = compile_gluon_sm90(job[1], job[2], **job[3])
+            elif job[0] == "plan":
+                row["rows_max"] = job[2]
+                k = compile_plan_sm90(job[1], job[2])
             else:
                 row["arch"], row["pairs"] = job[2], job[3]["PAIRS"]
                 k = compile_portable(job[2], **job[3])

@@ -83,6 +83,7 @@ DIM = 128
 PAGE = 64
 MMA_N = 128          # query rows x heads per wgmma
 BLOCK_R = 1024       # rows scanned per step of the schedule pass
+SCHED_WORDS = 4      # int32 words per program in a planned schedule (3 used)
 CTAS_PER_SM = 1
 STAGES = 6
 CONSUMERS = 2
@@ -106,6 +107,7 @@ def available() -> str | None:
 
 
 if _MISSING is None:
+    _SCHED_WORDS = gl.constexpr(SCHED_WORDS)
 
     @gluon.jit
     def _add(a, b):
@@ -206,6 +208,28 @@ if _MISSING is None:
                 carry += gl.sum(items, axis=0)
                 first = gl.max(rf, axis=0)
         return hi - lo, first_end, first_off
+
+    @gluon.jit
+    def _planned_share(sched_ptr):
+        """This program's share as :func:`_plan_sm90` wrote it."""
+        base = sched_ptr + gl.program_id(0) * _SCHED_WORDS
+        return gl.load(base), gl.load(base + 1), gl.load(base + 2)
+
+    @gluon.jit(do_not_specialize=("num_rows", "max_context_len", "bt_width"))
+    def _plan_sm90(ids_ptr, ctx_ptr, sched_ptr, num_rows, max_context_len, bt_width,
+                   PAGE: gl.constexpr, PR: gl.constexpr, ROWS_MAX: gl.constexpr,
+                   BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
+        """The step's schedule, once per step: program ``c`` of the main
+        kernel's grid gets its share (count, last row of its first run, item
+        offset in that run; items of ``PR`` pages x ``ROWS_MAX`` rows) in
+        ``sched_ptr[c, 0:3]``.  Launched on the main kernel's grid."""
+        kv_cap = gl.minimum(max_context_len, bt_width * PAGE)
+        n_items, first_end, first_off = _my_share(ids_ptr, ctx_ptr, num_rows, kv_cap, PR * PAGE,
+                                                  ROWS_MAX, BLOCK_R, num_warps)
+        base = sched_ptr + gl.program_id(0) * _SCHED_WORDS
+        gl.store(base, n_items)
+        gl.store(base + 1, first_end)
+        gl.store(base + 2, first_off)
 
     @gluon.jit
     def _cursor_init(ids_ptr, ctx_ptr, first_end, first_off, kv_cap, PAGE: gl.constexpr,
@@ -611,11 +635,10 @@ if _MISSING is None:
 
     @gluon.jit(do_not_specialize=PER_STEP_INTS)
     def _varlen_logits_sm90_wide(
-        kv_desc, sc_desc, q_desc, w_ptr, ctx_ptr, bt_ptr, ids_ptr, out_ptr,
+        kv_desc, sc_desc, q_desc, w_ptr, ctx_ptr, bt_ptr, ids_ptr, out_ptr, sched_ptr,
         num_rows, max_context_len, bt_width, stride_w, stride_bt, stride_out,
         H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr,
-        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, BLOCK_R: gl.constexpr,
-        num_warps: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """The wide structure: the TMA producer in the default partition
         (``num_warps`` warps), two math partitions of two warpgroups each (one
@@ -627,8 +650,7 @@ if _MISSING is None:
         gl.static_assert(NG <= 2, "wide kernel: at most two row groups per segment")
         PR: gl.constexpr = 2 // NG
         kv_cap = gl.minimum(max_context_len, bt_width * PAGE)
-        n_items, first_end, first_off = _my_share(ids_ptr, ctx_ptr, num_rows, kv_cap, PR * PAGE,
-                                                  ROWS_MAX, BLOCK_R, num_warps)
+        n_items, first_end, first_off = _planned_share(sched_ptr)
         if n_items > 0:
             # A ring slot is one item: PR pages, read as one [PR * PAGE, D] tile
             # (the wgmma's A operand), and their scales as one [PR * PAGE] vector.
@@ -679,18 +701,17 @@ if _MISSING is None:
 
     @gluon.jit(do_not_specialize=PER_STEP_INTS)
     def _varlen_logits_sm90(
-        kv_desc, sc_desc, q_desc, w_ptr, ctx_ptr, bt_ptr, ids_ptr, out_ptr,
+        kv_desc, sc_desc, q_desc, w_ptr, ctx_ptr, bt_ptr, ids_ptr, out_ptr, sched_ptr,
         num_rows, max_context_len, bt_width, stride_w, stride_bt, stride_out,
         H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr,
         STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        DIRECT_STORE: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr,
+        DIRECT_STORE: gl.constexpr, num_warps: gl.constexpr,
     ):
         G: gl.constexpr = q_desc.block_type.shape[0]      # query rows per wgmma
         NG: gl.constexpr = ROWS_MAX // G                  # row groups per segment
         gl.static_assert(NG * G == ROWS_MAX)
         kv_cap = gl.minimum(max_context_len, bt_width * PAGE)
-        n_items, first_end, first_off = _my_share(ids_ptr, ctx_ptr, num_rows, kv_cap, PAGE,
-                                                  ROWS_MAX, BLOCK_R, num_warps)
+        n_items, first_end, first_off = _planned_share(sched_ptr)
         if n_items > 0:
             kv_smem = gl.allocate_shared_memory(kv_desc.dtype, [STAGES] + kv_desc.block_type.shape,
                                                 kv_desc.layout)
@@ -814,7 +835,9 @@ def variants(heads: int, max_run_lens=(1, 2, 4, 8)) -> list[int]:
 
 
 _ARGS = ("kv_desc", "sc_desc", "q_desc", "w_ptr", "ctx_ptr", "bt_ptr", "ids_ptr", "out_ptr",
-         "num_rows", "max_context_len", "bt_width", "stride_w", "stride_bt", "stride_out")
+         "sched_ptr", "num_rows", "max_context_len", "bt_width", "stride_w", "stride_bt",
+         "stride_out")
+_PLAN_ARGS = ("ids_ptr", "ctx_ptr", "sched_ptr", "num_rows", "max_context_len", "bt_width")
 
 
 def registers(consumers: int) -> tuple[int, int]:
@@ -839,11 +862,52 @@ def wide_rows_max(heads: int, rows_max: int) -> int:
     return min(rows_max, 2 * rows_per_mma(heads))
 
 
+def _structure(heads: int, rows_max: int, wide: bool | None) -> tuple[bool, int, int]:
+    """(wide, rows held per segment, pages per item) of a launch."""
+    wide = takes_wide(heads, rows_max) if wide is None else bool(wide)
+    if not wide:
+        return False, rows_max, 1
+    held = wide_rows_max(heads, rows_max)
+    return True, held, 2 // (held // rows_per_mma(heads))
+
+
+def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int, rows_max: int,
+         *, wide: bool | None = None, ctas_per_sm: int = CTAS_PER_SM):
+    """The step's schedule for :func:`launch` (int32 ``[programs, SCHED_WORDS]``,
+    one small launch on the main kernel's grid): every launch of the step with
+    the same ids, context lengths, ``max_context_len``, block-table width,
+    heads, ``rows_max`` and structure can take it (``launch(schedule=...)``)
+    instead of scheduling in every program of every call.  Graph safe: written
+    by the GPU, read by the GPU."""
+    from .triton_paged_mqa_logits import launch_bound
+
+    wide, held, pr = _structure(heads, rows_max, wide)
+    programs = _num_sms(indices.device.index or 0) * ctas_per_sm
+    sched = torch.empty((programs, SCHED_WORDS), dtype=torch.int32, device=indices.device)
+    args = (indices, context_lens, sched, indices.shape[0], max_context_len, bt_width)
+    constexprs = dict(PAGE=PAGE, PR=pr, ROWS_MAX=held, BLOCK_R=BLOCK_R, num_warps=4)
+    launch_bound(_plan_sm90, (programs,), args, constexprs, {},
+                 {"num_rows", "max_context_len", "bt_width"}, _PLAN_ARGS)
+    return sched
+
+
+def schedule_key(indices, context_lens, max_context_len: int, bt_width: int, heads: int,
+                 rows_max: int, capturing: bool) -> tuple:
+    """What a planned schedule depends on, for a per-step cache: the step's
+    tensors (by address: their contents are the step's), the integers, the
+    structure, and whether a CUDA graph is being captured (a schedule planned
+    outside a capture is not replayed by it, and one planned inside is only
+    refreshed by the graph's replays)."""
+    wide, held, pr = _structure(heads, rows_max, None)
+    return (indices.data_ptr(), indices.shape[0], context_lens.data_ptr(), max_context_len,
+            bt_width, wide, held, pr, heads, capturing)
+
+
 def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
            rows_max: int = 4, stages: int | None = None, ctas_per_sm: int = CTAS_PER_SM,
            consumers: int = CONSUMERS, consumer_regs: int | None = None,
            maxnreg: int | None = None, direct_store: bool = DIRECT_STORE,
-           wide: bool | None = None):
+           wide: bool | None = None, schedule=None):
     """Launch the sm_90 kernel on checked inputs (see the portable launcher);
     the grid depends on the GPU alone.  ``consumer_regs`` / ``maxnreg``
     (math-warpgroup and launch registers): ``None`` takes :data:`REGISTERS`
@@ -851,14 +915,15 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     without a register cap is not offered (the partitions' setmaxnreg needs
     one).  ``wide`` (default :func:`takes_wide`): the wide structure, which
     holds at most two row groups per segment (:func:`wide_rows_max`) and
-    ignores ``consumers`` and ``direct_store``."""
+    ignores ``consumers`` and ``direct_store``.  ``schedule``: the step's
+    :func:`plan` (made here, one more launch, when not given)."""
     from .triton_paged_mqa_logits import launch_bound
 
     rows, _, heads, dim = q.shape
     if rows_max % rows_per_mma(heads) or rows_max not in (2, 4, 8):
         raise ValueError(f"rows_max: expected 2, 4 or 8 and a multiple of {rows_per_mma(heads)} "
                          f"(query rows per wgmma at H {heads}), got {rows_max}")
-    wide = takes_wide(heads, rows_max) if wide is None else bool(wide)
+    wide, held, _ = _structure(heads, rows_max, wide)
     stages = stages or (WIDE_STAGES if wide else STAGES)
     if stages % (2 if wide else consumers):
         # Item i + stages reuses item i's slot; its wait on the slot's full
@@ -869,20 +934,26 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
         raise ValueError(f"stages: expected a multiple of the math partitions "
                          f"({2 if wide else consumers}), got {stages}")
     regs, launch_regs = WIDE_REGISTERS if wide else registers(consumers)
-    kv_desc, sc_desc, q_desc = descriptors(q, kv_cache)
     grid = (_num_sms(q.device.index or 0) * ctas_per_sm,)
-    args = (kv_desc, sc_desc, q_desc, weights, context_lens, block_table, indices, out,
+    if schedule is None:
+        schedule = plan(indices, context_lens, max_context_len, block_table.shape[1], heads,
+                        rows_max, wide=wide, ctas_per_sm=ctas_per_sm)
+    elif (schedule.dtype != torch.int32 or tuple(schedule.shape) != (grid[0], SCHED_WORDS)
+          or schedule.device != q.device):
+        raise ValueError(f"schedule: expected int32 [{grid[0]}, {SCHED_WORDS}] on {q.device} "
+                         f"(plan()), got {schedule.dtype} {tuple(schedule.shape)} on "
+                         f"{schedule.device}")
+    kv_desc, sc_desc, q_desc = descriptors(q, kv_cache)
+    args = (kv_desc, sc_desc, q_desc, weights, context_lens, block_table, indices, out, schedule,
             rows, max_context_len, block_table.shape[1],
             weights.stride(0), block_table.stride(0), out.stride(0))
     constexprs = dict(H=heads, D=dim, PAGE=kv_cache.shape[1], STAGES=stages,
-                      CONSUMER_REGS=consumer_regs or regs, BLOCK_R=BLOCK_R, num_warps=4)
+                      CONSUMER_REGS=consumer_regs or regs, num_warps=4, ROWS_MAX=held)
     if wide:
         kernel = _varlen_logits_sm90_wide
-        constexprs.update(ROWS_MAX=wide_rows_max(heads, rows_max))
     else:
         kernel = _varlen_logits_sm90
-        constexprs.update(ROWS_MAX=rows_max, CONSUMERS=consumers,
-                          DIRECT_STORE=bool(direct_store))
+        constexprs.update(CONSUMERS=consumers, DIRECT_STORE=bool(direct_store))
     # Launches bind constexprs by position after the runtime arguments: the
     # kernel's own parameter order.
     names = [a.name for a in kernel.params if a.is_constexpr]

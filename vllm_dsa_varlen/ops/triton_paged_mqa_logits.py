@@ -444,6 +444,8 @@ def varlen_paged_mqa_logits(
     kernel: str | None = None,
     out: torch.Tensor | None = None,
     validate_contents: bool = False,
+    schedule_cache: dict | None = None,
+    schedule: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen paged MQA logits, float32 ``[R, max_context_len]`` (see module doc).
 
@@ -462,6 +464,15 @@ def varlen_paged_mqa_logits(
     ``tiles_per_split`` (default :func:`default_split`), ``num_warps``,
     ``num_stages``.  ``out``: optional float32 ``[R, >= max_context_len]``.
     ``validate_contents``: also run the data-dependent checks (host sync).
+    ``schedule_cache``: a dict that lives as long as the decode step (the
+    builder's per-step tag carries one): the sm_90 kernel's schedule is planned
+    by the step's first call and read by every later one (every layer) instead
+    of being recomputed in every call; without it each sm_90 call plans its own
+    (one more launch).  ``schedule``: the step's sm_90 schedule planned by the
+    caller (:func:`.gluon_paged_mqa_logits.plan` with this call's ids, context
+    lengths, ``max_context_len``, block-table width, heads and
+    ``rows_max_for(heads, max_run_len)``), as DeepGEMM takes its schedule
+    metadata; used when the sm_90 kernel runs.
     """
     rows, heads, dim, page = checked_layout(
         q, kv_cache, weights, context_lens, block_table, indices, max_context_len)
@@ -481,8 +492,16 @@ def varlen_paged_mqa_logits(
              or tiles_per_split is not None or num_warps != 4 or num_stages != 3)
     gk = None if knobs and kernel != "sm90" else hopper_kernel_for(q, kv_cache, kernel, max_run_len)
     if gk is not None:
+        rows_max = gk.rows_max_for(heads, max_run_len)
+        if schedule is None and schedule_cache is not None:
+            key = gk.schedule_key(indices, context_lens, max_context_len, block_table.shape[1],
+                                  heads, rows_max, torch.cuda.is_current_stream_capturing())
+            schedule = schedule_cache.get(key)
+            if schedule is None:
+                schedule = schedule_cache[key] = gk.plan(
+                    indices, context_lens, max_context_len, block_table.shape[1], heads, rows_max)
         LAST_COMPILED[0] = gk.launch(q, kv_cache, weights, context_lens, block_table, indices,
-                                     max_context_len, out, rows_max=gk.rows_max_for(heads, max_run_len))
+                                     max_context_len, out, rows_max=rows_max, schedule=schedule)
         return out
     if rows_per_dot is None:
         rows_per_dot = 2

@@ -22,7 +22,7 @@ import vllm_dsa_varlen.ops.triton_paged_mqa_logits as triton_kernel  # noqa: E40
 from vllm_dsa_varlen import config, patches, policy  # noqa: E402
 from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as ours  # noqa: E402
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref  # noqa: E402
-from vllm_dsa_varlen.varlen_ids import attach_varlen_ids  # noqa: E402
+from vllm_dsa_varlen.varlen_ids import attach_varlen_ids, varlen_ids_of  # noqa: E402
 from vllm_dsa_varlen.workloads import make_decode_step  # noqa: E402
 
 PREFIX = "model.layers.0.self_attn.indexer.k_cache"
@@ -140,6 +140,9 @@ def test_decode_topk_equals_the_padded_path(monkeypatch, backend, seed):
     else:
         assert len(seen) == 1 and seen[0][5] is ids
         assert seen_kwargs[0]["max_run_len"] == int(step.decode_lens.max())
+        # the step's schedule cache: the tag's own dict, shared by every layer's call
+        tag = varlen_ids_of(md.decode.schedule_metadata)
+        assert isinstance(tag.schedules, dict) and seen_kwargs[0]["schedule_cache"] is tag.schedules
         assert dg.calls_to("fp8_fp4_paged_mqa_logits") == []
         q_values = seen[0][0]
     assert q_values.shape == (step.num_rows, 1, HEADS, DIM)  # rows = R, next_n = 1

@@ -34,7 +34,7 @@ from vllm_dsa_varlen.varlen_ids import varlen_ids_of
 
 
 def _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids, max_model_len,
-                   clean_logits, max_run_len):
+                   clean_logits, max_run_len, schedules=None):
     q_values, q_scale = q
     if q_scale is not None or q_values.dtype != torch.float8_e4m3fn:
         raise RuntimeError(
@@ -44,7 +44,8 @@ def _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids, max_mo
     from vllm_dsa_varlen.ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
 
     logits = varlen_paged_mqa_logits(q_values, kv_cache, weights, context_lens, block_tables,
-                                     ids, max_model_len, max_run_len=max_run_len)
+                                     ids, max_model_len, max_run_len=max_run_len,
+                                     schedule_cache=schedules)
     if clean_logits:
         mask_beyond(logits, context_lens)
     return logits
@@ -82,4 +83,4 @@ def fp8_fp4_paged_mqa_logits(
                                                schedule_metadata, max_model_len, clean_logits,
                                                indices=ids)
     return _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
-                          max_model_len, clean_logits, tag.max_run_len)
+                          max_model_len, clean_logits, tag.max_run_len, tag.schedules)

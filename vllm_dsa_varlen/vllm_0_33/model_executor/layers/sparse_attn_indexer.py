@@ -43,9 +43,10 @@ from vllm_dsa_varlen.varlen_ids import varlen_ids_of
 def triton_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.Tensor,
                   weights: torch.Tensor, context_lens: torch.Tensor,
                   block_tables: torch.Tensor, ids: torch.Tensor, max_model_len: int,
-                  max_run_len: int) -> torch.Tensor:
+                  max_run_len: int, schedules: dict | None = None) -> torch.Tensor:
     """The Triton varlen kernel on the indexer op's arguments, float32
-    ``[R, max_model_len]``.  ``q``: ``(fp8 [R, 1, H, D], None)``."""
+    ``[R, max_model_len]``.  ``q``: ``(fp8 [R, 1, H, D], None)``;
+    ``schedules``: the step's tag's schedule cache (planned by the first layer)."""
     q_values, q_scale = q
     if q_scale is not None or q_values.dtype != torch.float8_e4m3fn:
         raise RuntimeError(
@@ -55,7 +56,8 @@ def triton_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.T
     from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
 
     return tk.varlen_paged_mqa_logits(q_values, kv_cache, weights, context_lens, block_tables,
-                                      ids, max_model_len, max_run_len=max_run_len)
+                                      ids, max_model_len, max_run_len=max_run_len,
+                                      schedule_cache=schedules)
 
 
 def wrap_paged_mqa_logits(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -84,6 +86,6 @@ def wrap_paged_mqa_logits(original: Callable[..., Any]) -> Callable[..., Any]:
         # Stock feeds a single dummy row when a decode batch has no tokens.
         ids = tag.ids if rows == tag.ids.shape[0] else tag.ids[:rows]
         return triton_logits(q, kv_cache, weights, context_lens[:rows], block_tables, ids,
-                             max_model_len, tag.max_run_len)
+                             max_model_len, tag.max_run_len, tag.schedules)
 
     return fp8_fp4_paged_mqa_logits
