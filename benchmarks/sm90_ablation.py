@@ -70,6 +70,20 @@ def load_variant(name: str):
     return mod
 
 
+def _graph_us(torch, do_bench, fn, rep_ms: int) -> float:
+    """Median µs of ``fn`` captured in a CUDA graph and replayed (L2 flushed)."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+
+
 def main(argv=None) -> int:
     import torch
     from triton.testing import do_bench
@@ -95,6 +109,13 @@ def main(argv=None) -> int:
                     torch.ones(1, dtype=torch.bool, device="cuda")])] + 63) // 64).sum())
         out = torch.empty(rows.num_rows, step.max_context_len, device="cuda")
         rows_max = mods["real"].rows_max_for(64, tokens)
+        real = mods["real"]
+        for wide in (False, True):  # the once-per-step plan on its own
+            plan = lambda wide=wide: real.plan(rows.indices, rows.context_lens.view(-1, 1),
+                                               step.max_context_len, rows.block_table.shape[1],
+                                               64, rows_max, wide=wide)
+            print(f"B{reqs} L{ctx} {tokens}tok  plan   {str(dict(wide=wide)):16s} "
+                  f"{_graph_us(torch, do_bench, plan, args.rep_ms):8.1f} us", flush=True)
         for name, kw in runs:
             mod = mods[name]
             # planned once per step, as serving does (not timed)
@@ -105,16 +126,7 @@ def main(argv=None) -> int:
                 mod.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
                            rows.block_table, rows.indices, step.max_context_len, out,
                            rows_max=rows_max, schedule=sched, **kw)
-            call()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                call()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                call()
-            us = do_bench(graph.replay, warmup=25, rep=args.rep_ms, return_mode="median") * 1e3
+            us = _graph_us(torch, do_bench, call, args.rep_ms)
             sms = torch.cuda.get_device_properties(0).multi_processor_count
             print(f"B{reqs} L{ctx} {tokens}tok  {name:6s} {str(kw):16s} {us:8.1f} us  "
                   f"{us * 1e-6 / (pages / sms) * 1.7e9:6.0f} cycles per page at 1.7 GHz", flush=True)
