@@ -144,20 +144,20 @@ MEASURED: tuple[Rule, ...] = (
                        "8-10x slower (B64/B128, 8K/32K, 1..4 and acceptance 0.7)"),
     # Stock flattening re-reads each request's KV once per token.
     Rule("flattened", min_run=2, max_run_le=2, min_rows=128, uniform=True,
-         note="uniform 2 tokens, >= 128 rows: 1.37x (B64 L32K) and 1.43x (B256 L4K) "
+         note="uniform 2 tokens, >= 128 rows: 1.41x (B64 L32K) and 1.49x (B256 L4K) "
               "DeepGEMM flattened"),
     Rule("flattened", min_run=3, max_run_le=4, min_rows=64, uniform=True,
-         note="uniform 3-4 tokens, >= 64 rows: 1.04x (B16 L16K) to 1.72x (B256 L8K) "
+         note="uniform 3-4 tokens, >= 64 rows: 1.16x (B16 L16K) to 1.74x (B256 L8K) "
               "DeepGEMM flattened; B1 (4 rows) measured slower"),
     Rule("flattened", min_run=8, max_run_le=8, min_requests=64, uniform=True,
          note="uniform 8 tokens, B64 L8K: 1.16x DeepGEMM flattened (sm_90 kernel; the "
-              "portable one also measured 1.10x)"),
+              "portable one 1.07x)"),
     Rule("flattened", min_run=4, max_run_le=4, min_requests=64, min_context=32768,
          min_tokens_per_request=2.6, uniform=False,
          note="variable steps up to 4 tokens at 32K contexts with >= 2.6 tokens per "
-              "request: B64 1..4 (2.67) 1.08x, B128 acceptance 0.7 (2.61) 1.10x DeepGEMM "
+              "request: B64 1..4 (2.67) 1.10x, B128 acceptance 0.7 (2.61) 1.10x DeepGEMM "
               "flattened; B64 acceptance 0.7 (2.28) measured slower (0.87x), as did B64 "
-              "at 8K contexts (0.86x)"),
+              "at 8K contexts (0.93x)"),
 )
 
 

@@ -8,13 +8,15 @@ takes this kernel on sm_90 where it measured faster (``auto_takes_sm90``).
 Structure (one launch, graph safe, no host sync):
 
 * **Persistent grid**: ``CTAS_PER_SM`` programs per SM, whatever the batch.
-* **Device-side schedule**: every program scans the run ids and context
+* **Device-side schedule, planned once per step** (:func:`plan`, one small
+  launch on the same grid): every program scans the run ids and context
   lengths (a prefix sum of each run's work items: pages x chunks of
-  ``ROWS_MAX`` query rows), takes an even share ``[c * T / n, (c + 1) * T / n)``
-  of the ``T`` items of the step, and walks the runs that share covers (a run
-  may be split between programs; each output element is written by exactly
-  one program, so results are bitwise repeatable).  :func:`schedule_model` is
-  the same arithmetic on the host, for tests.
+  ``ROWS_MAX`` query rows) and stores its even share ``[c * T / n, (c + 1) *
+  T / n)`` of the ``T`` items of the step; every launch of the step reads its
+  three words and walks the runs that share covers (a run may be split
+  between programs; each output element is written by exactly one program, so
+  results are bitwise repeatable).  :func:`schedule_model` is the same
+  arithmetic on the host, for tests.
 * **Warp specialisation**, two structures (:func:`takes_wide` picks one per
   launch, from the row groups a segment holds):
 

@@ -364,16 +364,16 @@ _PORTABLE_ARGS = ("q_ptr", "kv_ptr", "w_ptr", "ctx_ptr", "bt_ptr", "ids_ptr", "o
 
 KERNEL_ENV = "VLLM_DSA_VARLEN_KERNEL"  # "auto" (default), "portable" or "sm90"
 HOPPER_AUTO = True  # "auto" takes the sm_90 Gluon kernel on Hopper where it measured faster
-# Where "auto" takes the sm_90 kernel (H200, docs/results/h200-v7): runs of up to 4
-# tokens (hint), or a hint of exactly 8, and at least 32 rows.  A hint of 8 splits
+# Where "auto" takes the sm_90 kernel (H200, docs/results/h200-v7b): runs of up to
+# 4 tokens (hint), or a hint of exactly 8, at any row count.  A hint of 8 splits
 # runs into chunks of 4 rows (the wide structure), which measured faster than the
-# portable kernel on 8-token and 1..8-token steps (97.4 vs 103.3, 76.2 vs 85.6 µs)
-# but slower on 6-token ones (97.2 vs 93.3: a 2-row chunk pays for 4), so other
-# hints above 4 keep the portable kernel.  A handful of rows (B1) is launch-latency
-# bound and the portable kernel measured 1 µs faster.
+# portable kernel on 8-token and 1..8-token steps (96.0 vs 104.0, 73.7 vs 86.7 µs)
+# but not on 6-token ones (95.0 vs 94.1: a 2-row chunk pays for 4), so other hints
+# above 4 keep the portable kernel.  With its schedule planned once per step the
+# sm_90 kernel is also the faster one on a handful of rows (B1: 9.4 vs 11.5 µs).
 HOPPER_MAX_RUN_LEN = 4
 HOPPER_RUN_LENS_ABOVE = (8,)
-HOPPER_MIN_ROWS = 32
+HOPPER_MIN_ROWS = 1
 
 
 def hopper_run_len(max_run_len: int) -> bool:
