@@ -93,14 +93,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="*", default=["64,4,32768", "64,2,32768"],
                    help="requests,tokens,mean context")
-    p.add_argument("--variants", nargs="*", default=None, help="name:wide pairs, e.g. real:0 noepi:1")
+    p.add_argument("--variants", nargs="*", default=None,
+                   help="name:wide[:stages], e.g. real:0 noepi:1 nomma:1:12")
     p.add_argument("--rep-ms", type=int, default=40)
     args = p.parse_args(argv)
     mods = {n: load_variant(n) for n in VARIANTS}
     runs = [("real", dict(wide=False)), ("real", dict(wide=True)), ("noepi", dict(wide=False)),
             ("noepi", dict(wide=True)), ("nomma", dict(wide=True))]
     if args.variants:
-        runs = [(v.split(":")[0], dict(wide=bool(int(v.split(":")[1])))) for v in args.variants]
+        runs = []
+        for v in args.variants:
+            name, wide, *stages = v.split(":")
+            runs.append((name, dict(wide=bool(int(wide)), **({"stages": int(stages[0])}
+                                                               if stages else {}))))
     for case in args.cases:
         reqs, tokens, ctx = (int(x) for x in case.split(","))
         step = random_decode_step(reqs, tokens, ctx, heads=64, seed=0, device="cuda")
@@ -120,7 +125,7 @@ def main(argv=None) -> int:
             mod = mods[name]
             # planned once per step, as serving does (not timed)
             sched = mod.plan(rows.indices, rows.context_lens.view(-1, 1), step.max_context_len,
-                             rows.block_table.shape[1], 64, rows_max, **kw)
+                             rows.block_table.shape[1], 64, rows_max, wide=kw.get("wide"))
 
             def call(mod=mod, kw=kw, sched=sched):
                 mod.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
