@@ -92,24 +92,29 @@ def _step_ids(lens):
     return ids
 
 
+@pytest.mark.parametrize("pages_per_item", [1, 2])  # the wide structure's two-page items
 @pytest.mark.parametrize("seed", range(6))
-def test_schedule_covers_every_item_once_and_splits_evenly(seed):
-    gen = torch.Generator().manual_seed(seed)
+def test_schedule_covers_every_item_once_and_splits_evenly(seed, pages_per_item):
+    gen = torch.Generator().manual_seed(seed + 100 * pages_per_item)
+    item = 64 * pages_per_item
     lens = torch.randint(1, 11, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()
     ids = _step_ids(lens)
     ctx = torch.randint(-3, 900, (len(ids),), generator=gen).tolist()
     max_len, width, rows_max = 700, 9, [2, 4, 8][seed % 3]
     programs = int(torch.randint(1, 300, (1,), generator=gen))
-    shares = gk.schedule_model(ids, ctx, max_len, width, rows_max, programs)
+    shares = gk.schedule_model(ids, ctx, max_len, width, rows_max, programs,
+                               pages_per_item=pages_per_item)
     items = [it for share in shares for it in share]
     assert len(items) == len(set(items))
-    # every run's every page, once per row chunk, with the run's KV clamped
+    # every run's every item, once per row chunk, with the run's KV clamped to
+    # the block table's pages (a run's last two-page item holds one page when
+    # its page count is odd)
     want = set()
     start = 0
     for n in lens:
         end = start + n - 1
         kv = min(max(ctx[end], 0), max_len, width * 64)
-        want |= {(start, end, c, p) for c in range(0, n, rows_max) for p in range(-(-kv // 64))}
+        want |= {(start, end, c, p) for c in range(0, n, rows_max) for p in range(-(-kv // item))}
         start = end + 1
     assert set(items) == want
     sizes = [len(s) for s in shares]
@@ -120,34 +125,6 @@ def test_schedule_covers_every_item_once_and_splits_evenly(seed):
         if share:
             i = order.index(share[0])
             assert order[i:i + len(share)] == share
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_schedule_of_two_page_items(seed):
-    """The wide structure's items are two pages of a row chunk (``page=128`` in
-    the host mirror): every run's pages are covered once, a run's last item
-    holding one page when its page count is odd."""
-    gen = torch.Generator().manual_seed(100 + seed)
-    lens = torch.randint(1, 7, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist()
-    ids = _step_ids(lens)
-    ctx = torch.randint(0, 2000, (len(ids),), generator=gen).tolist()
-    programs = int(torch.randint(1, 200, (1,), generator=gen))
-    shares = gk.schedule_model(ids, ctx, 1500, 30, 2, programs, page=128)
-    items = [it for share in shares for it in share]
-    assert len(items) == len(set(items))
-    pages = set()
-    start = 0
-    for n in lens:
-        end = start + n - 1
-        kv = min(ctx[end], 1500)
-        for c in range(0, n, 2):
-            got = [p for (s, e, cc, p) in items if s == start and cc == c]
-            assert sorted(got) == list(range(-(-kv // 128)))
-            pages |= {(start, c, pg) for item in got for pg in (2 * item, 2 * item + 1)
-                      if pg < -(-kv // 64)}
-        start = end + 1
-    sizes = [len(sh) for sh in shares]
-    assert max(sizes) - min(sizes) <= 1
 
 
 def test_structure_follows_the_row_groups_per_segment():
@@ -440,7 +417,7 @@ def test_sm90_plan_matches_the_host_schedule(heads, hint):
     ids_t = torch.tensor(ids, dtype=torch.int32, device="cuda")
     ctx_t = torch.tensor(ctx, dtype=torch.int32, device="cuda").view(-1, 1)
     got = gk.plan(ids_t, ctx_t, max_len, width, heads, rows_max).cpu()
-    shares = gk.schedule_model(ids, ctx, max_len, width, held, got.shape[0], page=64 * pr)
+    shares = gk.schedule_model(ids, ctx, max_len, width, held, got.shape[0], pages_per_item=pr)
     for c, share in enumerate(shares):
         if not share:
             assert int(got[c, 0]) == 0

@@ -20,15 +20,17 @@ def compile_gluon_sm90(heads: int, rows_max: int, stages: int | None = None, con
                        consumer_regs: int | None = None, maxnreg: int | None = None,
                        direct_store: bool | None = None, arch: int = 90,
                        wide: bool | None = None):
-    """The sm_90 Gluon kernel for ``heads`` and ``rows_max``, built for ``sm_<arch>``
-    (``wide``: the wide structure; default as the launch picks it,
-    :func:`gluon_paged_mqa_logits.takes_wide`)."""
+    """The sm_90 Gluon kernel for ``heads`` and ``rows_max`` as a launch with
+    these parameters compiles it (:func:`gluon_paged_mqa_logits.kernel_config`;
+    ``None`` takes the launch's defaults), built for ``sm_<arch>``."""
     from . import gluon_paged_mqa_logits as gk
-
-    wide = gk.takes_wide(heads, rows_max) if wide is None else wide
     from triton.experimental.gluon._runtime import GluonASTSource
 
     rows, blocks, dim, page = 8, 4, gk.DIM, gk.PAGE
+    _, kernel, consts, options = gk.kernel_config(
+        heads, rows_max, dim=dim, page=page, stages=stages, consumers=consumers or gk.CONSUMERS,
+        consumer_regs=consumer_regs, maxnreg=maxnreg,
+        direct_store=gk.DIRECT_STORE if direct_store is None else direct_store, wide=wide)
     q = torch.empty((rows, 1, heads, dim), dtype=torch.float8_e4m3fn)
     kv = torch.empty((blocks, page, 1, dim + 4), dtype=torch.uint8)
     kv_desc, sc_desc, q_desc = gk.descriptors(q, kv)
@@ -38,30 +40,11 @@ def compile_gluon_sm90(heads: int, rows_max: int, stages: int | None = None, con
         "sched_ptr": "*i32",
         "num_rows": "i32", "max_context_len": "i32", "bt_width": "i32", "stride_w": "i32",
         "stride_bt": "i32", "stride_out": "i32",
-        "H": "constexpr", "D": "constexpr", "PAGE": "constexpr", "ROWS_MAX": "constexpr",
-        "STAGES": "constexpr", "CONSUMERS": "constexpr", "CONSUMER_REGS": "constexpr",
-        "DIRECT_STORE": "constexpr", "num_warps": "constexpr",
     }
-    consumers = consumers or gk.CONSUMERS
-    regs, launch_regs = gk.registers(consumers)
-    consts = {"H": heads, "D": dim, "PAGE": page, "ROWS_MAX": rows_max,
-              "STAGES": stages or gk.STAGES, "CONSUMERS": consumers,
-              "CONSUMER_REGS": consumer_regs or regs,
-              "DIRECT_STORE": gk.DIRECT_STORE if direct_store is None else direct_store,
-              "num_warps": 4}
-    options = {"num_warps": 4, "maxnreg": maxnreg or launch_regs}
-    if wide:
-        regs, launch_regs = gk.WIDE_REGISTERS
-        for k in ("CONSUMERS", "DIRECT_STORE"):
-            sig.pop(k)
-            consts.pop(k)
-        consts.update(ROWS_MAX=gk.wide_rows_max(heads, rows_max), STAGES=stages or gk.WIDE_STAGES,
-                      CONSUMER_REGS=consumer_regs or regs)
-        options["maxnreg"] = maxnreg or launch_regs
-        src = GluonASTSource(gk._varlen_logits_sm90_wide, sig, consts)
-        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-    src = GluonASTSource(gk._varlen_logits_sm90, sig, consts)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    sig.update({name: "constexpr" for name in consts})
+    src = GluonASTSource(kernel, sig, consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": 4, **options})
 
 
 def compile_plan_sm90(heads: int, rows_max: int, arch: int = 90):
@@ -70,11 +53,10 @@ def compile_plan_sm90(heads: int, rows_max: int, arch: int = 90):
     from . import gluon_paged_mqa_logits as gk
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    _, held, pr = gk._structure(heads, rows_max, None)
+    consts = gk.plan_constexprs(heads, rows_max)
     sig = {"ids_ptr": "*i32", "ctx_ptr": "*i32", "sched_ptr": "*i32", "num_rows": "i32",
-           "max_context_len": "i32", "bt_width": "i32", "PAGE": "constexpr", "PR": "constexpr",
-           "ROWS_MAX": "constexpr", "BLOCK_R": "constexpr", "num_warps": "constexpr"}
-    consts = {"PAGE": gk.PAGE, "PR": pr, "ROWS_MAX": held, "BLOCK_R": gk.BLOCK_R, "num_warps": 4}
+           "max_context_len": "i32", "bt_width": "i32"}
+    sig.update({name: "constexpr" for name in consts})
     src = GluonASTSource(gk._plan_sm90, sig, consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 

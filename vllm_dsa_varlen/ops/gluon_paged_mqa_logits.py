@@ -300,49 +300,6 @@ if _MISSING is None:
         return bt_seg, bt_base, blocks, blocks_next
 
     @gluon.jit
-    def _producer(kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows, kv_cap, stride_bt,
-                  n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
-                  q_empty, started, PAGE: gl.constexpr, D: gl.constexpr, ROWS_MAX: gl.constexpr,
-                  STAGES: gl.constexpr):
-        """TMA warp: the run's query rows once per segment, then every page."""
-        _all_started(started)
-        G: gl.constexpr = q_desc.block_type.shape[0]
-        NG: gl.constexpr = ROWS_MAX // G
-        SCALE_COL: gl.constexpr = PAGE * D // 4
-        start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
-                                                        kv_cap, PAGE, ROWS_MAX, 1)
-        seg = 0
-        loaded = -1
-        bt_lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # block ids, one per lane
-        offs_b = gl.arange(0, 32, layout=bt_lay)
-        bt_seg = -1
-        bt_base = 0
-        blocks = gl.zeros([32], gl.int32, bt_lay)
-        blocks_next = gl.zeros([32], gl.int32, bt_lay)
-        for i in range(n_items):
-            if i > 0:
-                start, end, kv, pages, chunk, pg, seg = _cursor_step(
-                    ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                    q_full, q_empty, PAGE, ROWS_MAX, False, 1)
-            if seg != loaded:
-                qb = seg % 2
-                mbarrier.wait(q_empty.index(qb), ((seg // 2) & 1) ^ 1)
-                mbarrier.expect(q_full.index(qb), NG * q_desc.block_type.nbytes)
-                for g in gl.static_range(NG):
-                    _tma_load(q_desc, [start + chunk + g * G, 0, 0], q_full.index(qb),
-                              q_smem.index(qb * NG + g))
-                loaded = seg
-            slot = i % STAGES
-            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            bt_seg, bt_base, blocks, blocks_next = _bt_window(
-                bt_ptr, stride_bt, start, pg, pages, seg, bt_seg, bt_base, blocks, blocks_next,
-                offs_b)
-            block = gl.sum(gl.where(offs_b == pg - bt_base, blocks, 0), axis=0)
-            mbarrier.expect(full.index(slot), kv_desc.block_type.nbytes + sc_desc.block_type.nbytes)
-            _tma_load(kv_desc, [block, 0, 0], full.index(slot), kv_smem.index(slot))
-            _tma_load(sc_desc, [block, SCALE_COL], full.index(slot), sc_smem.index(slot))
-
-    @gluon.jit
     def _load_w(w_ptr, stride_w, row_g, end, N: gl.constexpr, H: gl.constexpr,
                 col_layout: gl.constexpr):
         """Weights of rows ``row_g ..`` in the accumulator's column layout (0 past the run)."""
@@ -509,16 +466,16 @@ if _MISSING is None:
             pos += 1
 
     @gluon.jit
-    def _wide_producer(kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows, kv_cap,
-                       stride_bt, n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full,
-                       empty, q_full, q_empty, started, PAGE: gl.constexpr, D: gl.constexpr,
-                       ROWS_MAX: gl.constexpr, PR: gl.constexpr, STAGES: gl.constexpr,
-                       NW: gl.constexpr):
-        """TMA partition of the wide kernel (the default partition, ``NW`` warps;
-        one thread issues): the run's query rows once per segment, then the
-        ``PR`` pages of every item into ring slot ``PR * (i % STAGES) + j``.  A
-        segment's last item may hold fewer pages: its missing pages repeat the
-        segment's last page (read, computed, never stored)."""
+    def _producer(kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows, kv_cap, stride_bt,
+                  n_items, first_end, first_off, kv_smem, sc_smem, q_smem, full, empty, q_full,
+                  q_empty, started, PAGE: gl.constexpr, D: gl.constexpr, ROWS_MAX: gl.constexpr,
+                  PR: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr, WIDE: gl.constexpr):
+        """TMA partition (``NW`` warps; one thread issues): the run's query rows
+        once per segment, then the ``PR`` pages of every item into its ring
+        slot.  ``WIDE``: the wide kernel's shared-memory layout (a segment's
+        query rows as one ``[ROWS_MAX, H, D]`` buffer, a slot as ``PR`` pages);
+        a segment's last item may then hold fewer pages, and its missing pages
+        repeat the segment's last page (read, computed, never stored)."""
         _all_started(started)
         G: gl.constexpr = q_desc.block_type.shape[0]
         NG: gl.constexpr = ROWS_MAX // G
@@ -545,12 +502,19 @@ if _MISSING is None:
                 mbarrier.wait(q_empty.index(qb), ((seg // 2) & 1) ^ 1)
                 mbarrier.expect(q_full.index(qb), NG * q_desc.block_type.nbytes)
                 for g in gl.static_range(NG):
-                    _tma_load(q_desc, [start + chunk + g * G, 0, 0], q_full.index(qb),
-                              q_smem.index(qb).slice(g * G, G))
+                    if WIDE:
+                        q_dst = q_smem.index(qb).slice(g * G, G)
+                    else:
+                        q_dst = q_smem.index(qb * NG + g)
+                    _tma_load(q_desc, [start + chunk + g * G, 0, 0], q_full.index(qb), q_dst)
                 loaded = seg
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            pages = (kv + PAGE - 1) // PAGE
+            if WIDE:
+                pages = (kv + PAGE - 1) // PAGE
+            else:
+                gl.static_assert(PR == 1)
+                pages = items
             p0 = it * PR
             bt_seg, bt_base, blocks, blocks_next = _bt_window(
                 bt_ptr, stride_bt, start, p0, pages, seg, bt_seg, bt_base, blocks, blocks_next,
@@ -558,12 +522,17 @@ if _MISSING is None:
             mbarrier.expect(full.index(slot),
                             PR * (kv_desc.block_type.nbytes + sc_desc.block_type.nbytes))
             for j in gl.static_range(PR):
-                pj = gl.minimum(p0 + j, pages - 1)
+                if WIDE:
+                    pj = gl.minimum(p0 + j, pages - 1)
+                    kv_dst = kv_smem.index(slot).slice(j, 1)
+                    sc_dst = sc_smem.index(slot).slice(j, 1)
+                else:
+                    pj = p0
+                    kv_dst = kv_smem.index(slot)
+                    sc_dst = sc_smem.index(slot)
                 block = gl.sum(gl.where(offs_b == pj - bt_base, blocks, 0), axis=0)
-                _tma_load(kv_desc, [block, 0, 0], full.index(slot),
-                          kv_smem.index(slot).slice(j, 1))
-                _tma_load(sc_desc, [block, SCALE_COL], full.index(slot),
-                          sc_smem.index(slot).slice(j, 1))
+                _tma_load(kv_desc, [block, 0, 0], full.index(slot), kv_dst)
+                _tma_load(sc_desc, [block, SCALE_COL], full.index(slot), sc_dst)
 
     @gluon.jit
     def _wide_consumer(w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w, stride_out,
@@ -579,9 +548,8 @@ if _MISSING is None:
         one 64 x 128 accumulator (one page against one row group): the two
         run side by side, and each sums its own heads."""
         NG: gl.constexpr = ROWS_MAX // G
-        M: gl.constexpr = PR * PAGE
+        M: gl.constexpr = PR * PAGE      # tokens per item (the tile's M)
         N: gl.constexpr = NG * G * H
-        ITEM: gl.constexpr = PR * PAGE
         gl.static_assert(PR * NG == 2, "wide kernel: two warpgroups per item")
         gl.static_assert(STAGES % CONSUMERS == 0, "STAGES: a multiple of CONSUMERS (see launch)")
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -595,21 +563,21 @@ if _MISSING is None:
         w_seg = -1
         _all_started(started)
         start, end, kv, items, chunk, it = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
-                                                        kv_cap, ITEM, ROWS_MAX, 4 * PR * NG)
+                                                        kv_cap, M, ROWS_MAX, 4 * PR * NG)
         seg = 0
         pos = 0  # the item the cursor is at
         for _w in gl.static_range(WHICH):
             if WHICH < n_items:
                 start, end, kv, items, chunk, it, seg = _cursor_step(
                     ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, items, chunk, it, seg,
-                    q_full, q_empty, ITEM, ROWS_MAX, True, 4 * PR * NG)
+                    q_full, q_empty, M, ROWS_MAX, True, 4 * PR * NG)
                 pos = WHICH
         for i in range(WHICH, n_items, CONSUMERS):
             if i > WHICH:
                 for _c in gl.static_range(CONSUMERS):
                     start, end, kv, items, chunk, it, seg = _cursor_step(
                         ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, items, chunk, it,
-                        seg, q_full, q_empty, ITEM, ROWS_MAX, True, 4 * PR * NG)
+                        seg, q_full, q_empty, M, ROWS_MAX, True, 4 * PR * NG)
                 pos = i
             slot = i % STAGES
             qb = seg % 2
@@ -632,7 +600,7 @@ if _MISSING is None:
         while pos + 1 < n_items:
             start, end, kv, items, chunk, it, seg = _cursor_step(
                 ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, items, chunk, it, seg,
-                q_full, q_empty, ITEM, ROWS_MAX, True, 4 * PR * NG)
+                q_full, q_empty, M, ROWS_MAX, True, 4 * PR * NG)
             pos += 1
 
     @gluon.jit(do_not_specialize=PER_STEP_INTS)
@@ -674,10 +642,10 @@ if _MISSING is None:
             mbarrier.init(started, count=3)
             fence_async_shared()
             gl.warp_specialize([
-                (_wide_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
-                                  kv_cap, stride_bt, n_items, first_end, first_off, kv_smem,
-                                  sc_smem, q_smem, full, empty, q_full, q_empty, started, PAGE, D,
-                                  ROWS_MAX, PR, STAGES, num_warps)),
+                (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
+                             kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
+                             q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX,
+                             PR, STAGES, num_warps, True)),
                 (_wide_consumer, (w_ptr, ctx_ptr, ids_ptr, out_ptr, num_rows, kv_cap, stride_w,
                                   stride_out, n_items, first_end, first_off, kv_smem, sc_smem,
                                   q_smem, full, empty, q_full, q_empty, started, 0, 2, H, D, PAGE,
@@ -751,7 +719,8 @@ if _MISSING is None:
                                  STAGES, DIRECT_STORE)),
                     (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
                                  kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
-                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES)),
+                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, 1,
+                                 STAGES, 1, False)),
                 ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
             else:
                 gl.static_assert(CONSUMERS == 1, "CONSUMERS: 1 or 2")
@@ -763,7 +732,8 @@ if _MISSING is None:
                                  STAGES, DIRECT_STORE)),
                     (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
                                  kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
-                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, STAGES)),
+                                 q_smem, full, empty, q_full, q_empty, started, PAGE, D, ROWS_MAX, 1,
+                                 STAGES, 1, False)),
                 ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -883,14 +853,19 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int,
     by the GPU, read by the GPU."""
     from .triton_paged_mqa_logits import launch_bound
 
-    wide, held, pr = _structure(heads, rows_max, wide)
     programs = _num_sms(indices.device.index or 0) * ctas_per_sm
     sched = torch.empty((programs, SCHED_WORDS), dtype=torch.int32, device=indices.device)
     args = (indices, context_lens, sched, indices.shape[0], max_context_len, bt_width)
-    constexprs = dict(PAGE=PAGE, PR=pr, ROWS_MAX=held, BLOCK_R=BLOCK_R, num_warps=4)
-    launch_bound(_plan_sm90, (programs,), args, constexprs, {},
+    launch_bound(_plan_sm90, (programs,), args, plan_constexprs(heads, rows_max, wide), {},
                  {"num_rows", "max_context_len", "bt_width"}, _PLAN_ARGS)
     return sched
+
+
+def plan_constexprs(heads: int, rows_max: int, wide: bool | None = None) -> dict:
+    """The planner's compile-time parameters for a launch's structure (in its
+    parameter order), as :func:`plan` launches it and the compile check builds it."""
+    _, held, pr = _structure(heads, rows_max, wide)
+    return dict(PAGE=PAGE, PR=pr, ROWS_MAX=held, BLOCK_R=BLOCK_R, num_warps=4)
 
 
 def schedule_key(indices, context_lens, max_context_len: int, bt_width: int, heads: int,
@@ -903,6 +878,42 @@ def schedule_key(indices, context_lens, max_context_len: int, bt_width: int, hea
     wide, held, pr = _structure(heads, rows_max, None)
     return (indices.data_ptr(), indices.shape[0], context_lens.data_ptr(), max_context_len,
             bt_width, wide, held, pr, heads, capturing)
+
+
+def kernel_config(heads: int, rows_max: int, *, dim: int = DIM, page: int = PAGE,
+                  stages: int | None = None, consumers: int = CONSUMERS,
+                  consumer_regs: int | None = None, maxnreg: int | None = None,
+                  direct_store: bool = DIRECT_STORE, wide: bool | None = None):
+    """What a launch with these parameters compiles: ``(wide, kernel,
+    constexprs in the kernel's parameter order, options)`` — the one source for
+    :func:`launch` and the compile check.  Parameters as :func:`launch` takes
+    them; refuses a ``rows_max`` or ring depth the kernels cannot take."""
+    if rows_max % rows_per_mma(heads) or rows_max not in (2, 4, 8):
+        raise ValueError(f"rows_max: expected 2, 4 or 8 and a multiple of {rows_per_mma(heads)} "
+                         f"(query rows per wgmma at H {heads}), got {rows_max}")
+    wide, held, _ = _structure(heads, rows_max, wide)
+    stages = stages or (WIDE_STAGES if wide else STAGES)
+    if stages % (2 if wide else consumers):
+        # Item i + stages reuses item i's slot; its wait on the slot's full
+        # barrier is a parity wait, which passes one phase early unless item
+        # i's own phase has completed.  The consumer that took item i has waited
+        # for it; another consumer may not have (TMA completions are unordered),
+        # so a slot's items must all go to one consumer.
+        raise ValueError(f"stages: expected a multiple of the math partitions "
+                         f"({2 if wide else consumers}), got {stages}")
+    regs, launch_regs = WIDE_REGISTERS if wide else registers(consumers)
+    constexprs = dict(H=heads, D=dim, PAGE=page, STAGES=stages,
+                      CONSUMER_REGS=consumer_regs or regs, num_warps=4, ROWS_MAX=held)
+    if wide:
+        kernel = _varlen_logits_sm90_wide
+    else:
+        kernel = _varlen_logits_sm90
+        constexprs.update(CONSUMERS=consumers, DIRECT_STORE=bool(direct_store))
+    # Launches bind constexprs by position after the runtime arguments: the
+    # kernel's own parameter order.
+    names = [a.name for a in kernel.params if a.is_constexpr]
+    return (wide, kernel, {n: constexprs[n] for n in names},
+            {"maxnreg": maxnreg or launch_regs})
 
 
 def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
@@ -922,20 +933,9 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     from .triton_paged_mqa_logits import launch_bound
 
     rows, _, heads, dim = q.shape
-    if rows_max % rows_per_mma(heads) or rows_max not in (2, 4, 8):
-        raise ValueError(f"rows_max: expected 2, 4 or 8 and a multiple of {rows_per_mma(heads)} "
-                         f"(query rows per wgmma at H {heads}), got {rows_max}")
-    wide, held, _ = _structure(heads, rows_max, wide)
-    stages = stages or (WIDE_STAGES if wide else STAGES)
-    if stages % (2 if wide else consumers):
-        # Item i + stages reuses item i's slot; its wait on the slot's full
-        # barrier is a parity wait, which passes one phase early unless item
-        # i's own phase has completed.  The consumer that took item i has waited
-        # for it; another consumer may not have (TMA completions are unordered),
-        # so a slot's items must all go to one consumer.
-        raise ValueError(f"stages: expected a multiple of the math partitions "
-                         f"({2 if wide else consumers}), got {stages}")
-    regs, launch_regs = WIDE_REGISTERS if wide else registers(consumers)
+    wide, kernel, constexprs, options = kernel_config(
+        heads, rows_max, dim=dim, page=kv_cache.shape[1], stages=stages, consumers=consumers,
+        consumer_regs=consumer_regs, maxnreg=maxnreg, direct_store=direct_store, wide=wide)
     grid = (_num_sms(q.device.index or 0) * ctas_per_sm,)
     if schedule is None:
         schedule = plan(indices, context_lens, max_context_len, block_table.shape[1], heads,
@@ -949,34 +949,25 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     args = (kv_desc, sc_desc, q_desc, weights, context_lens, block_table, indices, out, schedule,
             rows, max_context_len, block_table.shape[1],
             weights.stride(0), block_table.stride(0), out.stride(0))
-    constexprs = dict(H=heads, D=dim, PAGE=kv_cache.shape[1], STAGES=stages,
-                      CONSUMER_REGS=consumer_regs or regs, num_warps=4, ROWS_MAX=held)
-    if wide:
-        kernel = _varlen_logits_sm90_wide
-    else:
-        kernel = _varlen_logits_sm90
-        constexprs.update(CONSUMERS=consumers, DIRECT_STORE=bool(direct_store))
-    # Launches bind constexprs by position after the runtime arguments: the
-    # kernel's own parameter order.
-    names = [a.name for a in kernel.params if a.is_constexpr]
-    constexprs = {n: constexprs[n] for n in names}
-    return launch_bound(kernel, grid, args, constexprs, {"maxnreg": maxnreg or launch_regs},
-                        set(PER_STEP_INTS), _ARGS)
+    return launch_bound(kernel, grid, args, constexprs, options, set(PER_STEP_INTS), _ARGS)
 
 
 def schedule_model(indices, context_lens, max_context_len: int, bt_width: int, rows_max: int,
-                   num_programs: int, page: int = PAGE) -> list[list[tuple[int, int, int, int]]]:
+                   num_programs: int, page: int = PAGE,
+                   pages_per_item: int = 1) -> list[list[tuple[int, int, int, int]]]:
     """Host mirror of the kernel's device-side schedule, for tests: each
-    program's work items as ``(run first row, run last row, row chunk, page)``.
+    program's work items as ``(run first row, run last row, row chunk, item)``.
 
-    Items are every page of every row chunk (``rows_max`` rows) of every run;
-    program ``c`` of ``n`` takes items ``[c * T // n, (c + 1) * T // n)`` of
-    the ``T`` in run order.  Same arithmetic as ``_my_share`` / ``_cursor_*``
-    (a run's KV length is its last row's context, clamped to ``[0,
-    min(max_context_len, bt_width * page)]``)."""
+    Items are every ``pages_per_item`` pages (the wide structure's ``PR``; a
+    run's last item may hold fewer) of every row chunk (``rows_max`` rows) of
+    every run; program ``c`` of ``n`` takes items ``[c * T // n, (c + 1) * T //
+    n)`` of the ``T`` in run order.  Same arithmetic as ``_plan_sm90`` /
+    ``_cursor_*`` (a run's KV length is its last row's context, clamped to
+    ``[0, min(max_context_len, bt_width * page)]``)."""
     ids = [int(x) for x in indices]
     ctx = [int(x) for x in context_lens]
     cap = min(max_context_len, bt_width * page)
+    item = page * pages_per_item
     runs = []
     r = 0
     while r < len(ids):
@@ -984,10 +975,10 @@ def schedule_model(indices, context_lens, max_context_len: int, bt_width: int, r
         while e + 1 < len(ids) and ids[e + 1] == ids[r]:
             e += 1
         kv = min(max(ctx[e], 0), cap)
-        pages = -(-kv // page)
+        items = -(-kv // item)
         for chunk in range(0, e - r + 1, rows_max):
-            for pg in range(pages):
-                runs.append((r, e, chunk, pg))
+            for it in range(items):
+                runs.append((r, e, chunk, it))
         r = e + 1
     total = len(runs)
     return [runs[c * total // num_programs:(c + 1) * total // num_programs]
