@@ -325,6 +325,27 @@ def sm90_call(torch, step, params):
     return call
 
 
+def sm90_default_path(step):
+    """The sm_90 kernel as the launcher runs it (``kernel="sm90"``), its
+    schedule planned once for the step outside the timed call — as serving
+    plans in a step's first layer, and as the DeepGEMM paths compute their
+    schedule metadata outside theirs."""
+    from .ops import gluon_paged_mqa_logits as gk
+    from .ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
+
+    rows = step.rows
+    ctx2d = rows.context_lens.view(-1, 1)
+    hint = int(step.decode_lens.max())
+    heads = step.q.shape[2]
+    rows_max = gk.rows_max_for(heads, hint)
+    sched = gk.plan(rows.indices, ctx2d, step.max_context_len, rows.block_table.shape[1], heads,
+                    rows_max)
+    return Path(lambda: varlen_paged_mqa_logits(
+        step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
+        step.max_context_len, max_run_len=hint, kernel="sm90", schedule=sched),
+        rows.num_rows, 0, 1.0, dict(rows_max=rows_max, wide=gk.takes_wide(heads, rows_max)))
+
+
 def sm90_variant_paths(torch, step, spec):
     """Extra sm_90 paths, one per launch parameter set of ``spec`` (``k=v,..;..``)."""
     out = {}
@@ -349,16 +370,7 @@ def case_paths(torch, case, args, dg, num_sms):
     hopper = gk.unsupported_reason(step.q, step.kv_cache) is None
     if args.peer == "gluon":
         if hopper:
-            # planned once per step (serving plans in the step's first layer), as
-            # DeepGEMM's schedule metadata is computed outside its timed call
-            sched = gk.plan(rows.indices, ctx2d, step.max_context_len, rows.block_table.shape[1],
-                            step.q.shape[2], gk.rows_max_for(step.q.shape[2], hint))
-            paths["gluon-sm90"] = Path(lambda: varlen_paged_mqa_logits(
-                step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
-                step.max_context_len, max_run_len=hint, kernel="sm90", schedule=sched),
-                rows.num_rows, 0, 1.0,
-                dict(rows_max=gk.rows_max_for(step.q.shape[2], hint),
-                     wide=gk.takes_wide(step.q.shape[2], gk.rows_max_for(step.q.shape[2], hint))))
+            paths["gluon-sm90"] = sm90_default_path(step)
             if getattr(args, "sm90_variants", None):
                 paths.update(sm90_variant_paths(torch, step, args.sm90_variants))
         return step, paths
@@ -370,14 +382,7 @@ def case_paths(torch, case, args, dg, num_sms):
             step.max_context_len, max_run_len=hint, kernel="portable", **p), rows.num_rows, 0, 1.0,
             dict(params))
     if hopper and not args.no_gluon:
-        sched = gk.plan(rows.indices, ctx2d, step.max_context_len, rows.block_table.shape[1],
-                        step.q.shape[2], gk.rows_max_for(step.q.shape[2], hint))
-        paths["gluon-sm90"] = Path(lambda: varlen_paged_mqa_logits(
-            step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
-            step.max_context_len, max_run_len=hint, kernel="sm90", schedule=sched),
-            rows.num_rows, 0, 1.0,
-            dict(rows_max=gk.rows_max_for(step.q.shape[2], hint),
-                 wide=gk.takes_wide(step.q.shape[2], gk.rows_max_for(step.q.shape[2], hint))))
+        paths["gluon-sm90"] = sm90_default_path(step)
     if dg is not None:
         paths.update(deepgemm_paths(torch, step, dg, num_sms))
     return step, paths
