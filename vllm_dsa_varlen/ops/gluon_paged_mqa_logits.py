@@ -628,19 +628,7 @@ if _MISSING is None:
                                                 kv_desc.layout)
             sc_smem = gl.allocate_shared_memory(sc_desc.dtype, [STAGES, PR, PAGE], sc_desc.layout)
             q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS_MAX, H, D], q_desc.layout)
-            full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(STAGES):
-                mbarrier.init(full.index(s), count=1)
-                mbarrier.init(empty.index(s), count=1)
-            for s in gl.static_range(2):
-                mbarrier.init(q_full.index(s), count=1)
-                mbarrier.init(q_empty.index(s), count=2)
-            started = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(started, count=3)
-            fence_async_shared()
+            full, empty, q_full, q_empty, started = _barriers(STAGES, 2)
             gl.warp_specialize([
                 (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows,
                              kv_cap, stride_bt, n_items, first_end, first_off, kv_smem, sc_smem,
@@ -655,6 +643,27 @@ if _MISSING is None:
                                   q_smem, full, empty, q_full, q_empty, started, 1, 2, H, D, PAGE,
                                   ROWS_MAX, G, PR, STAGES)),
             ], [4 * PR * NG, 4 * PR * NG], [CONSUMER_REGS, CONSUMER_REGS])
+
+    @gluon.jit
+    def _barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+        """The ring's full/empty mbarriers (one arrival each: the TMA bytes, or
+        the one math partition that took the slot's item), the query double
+        buffer's (each released by every math partition), and the start
+        barrier (every worker partition checks in), initialised and fenced."""
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(full.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        for s in gl.static_range(2):
+            mbarrier.init(q_full.index(s), count=1)
+            mbarrier.init(q_empty.index(s), count=CONSUMERS)
+        started = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(started, count=CONSUMERS + 1)
+        fence_async_shared()
+        return full, empty, q_full, q_empty, started
 
     @gluon.jit
     def _idle():
@@ -689,19 +698,7 @@ if _MISSING is None:
                                                 sc_desc.layout)
             q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * NG] + q_desc.block_type.shape,
                                                q_desc.layout)
-            full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(STAGES):
-                mbarrier.init(full.index(s), count=1)
-                mbarrier.init(empty.index(s), count=1)
-            for s in gl.static_range(2):
-                mbarrier.init(q_full.index(s), count=1)
-                mbarrier.init(q_empty.index(s), count=CONSUMERS)
-            started = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(started, count=CONSUMERS + 1)
-            fence_async_shared()
+            full, empty, q_full, q_empty, started = _barriers(STAGES, CONSUMERS)
             # The default partition stays idle: every role runs in a worker
             # partition (work in the default partition was seen to corrupt the
             # workers' captured arguments on Triton 3.6, and a producer there
