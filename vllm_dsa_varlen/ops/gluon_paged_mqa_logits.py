@@ -277,6 +277,39 @@ if _MISSING is None:
         return start, end, kv, pages, chunk, pg, seg
 
     @gluon.jit
+    def _consumer_cursor(ids_ptr, ctx_ptr, num_rows, kv_cap, n_items, first_end, first_off,
+                         q_full, q_empty, WHICH: gl.constexpr, PAGE: gl.constexpr,
+                         ROWS_MAX: gl.constexpr, NW: gl.constexpr):
+        """Math partition ``WHICH``'s cursor at its first item (releasing the
+        query buffers of segments stepped over): ``(start, end, kv, pages,
+        chunk, pg, seg, pos)``, ``pos`` the item it is at."""
+        start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
+                                                        kv_cap, PAGE, ROWS_MAX, NW)
+        seg = 0
+        pos = 0
+        for _w in gl.static_range(WHICH):
+            if WHICH < n_items:
+                start, end, kv, pages, chunk, pg, seg = _cursor_step(
+                    ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
+                    q_full, q_empty, PAGE, ROWS_MAX, True, NW)
+                pos = WHICH
+        return start, end, kv, pages, chunk, pg, seg, pos
+
+    @gluon.jit
+    def _cursor_finish(ids_ptr, ctx_ptr, num_rows, kv_cap, n_items, start, end, kv, pages, chunk,
+                       pg, seg, pos, q_full, q_empty, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr,
+                       NW: gl.constexpr):
+        """Walk a math partition's cursor from item ``pos`` to the last item,
+        releasing the query buffer of every segment passed: the producer reuses
+        a buffer only once every math partition has released it, also one whose
+        last item came earlier."""
+        while pos + 1 < n_items:
+            start, end, kv, pages, chunk, pg, seg = _cursor_step(
+                ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
+                q_full, q_empty, PAGE, ROWS_MAX, True, NW)
+            pos += 1
+
+    @gluon.jit
     def _bt_window(bt_ptr, stride_bt, start, p0, pages, seg, bt_seg, bt_base, blocks, blocks_next,
                    offs_b):
         """Block ids of the segment's pages around page ``p0``, 32 at a time
@@ -396,16 +429,9 @@ if _MISSING is None:
         r3 = gl.zeros([G], gl.int32, row_layout)
         w_seg = -1
         _all_started(started)
-        start, end, kv, pages, chunk, pg = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
-                                                        kv_cap, PAGE, ROWS_MAX, 4)
-        seg = 0
-        pos = 0  # the item the cursor is at
-        for _w in gl.static_range(WHICH):
-            if WHICH < n_items:
-                start, end, kv, pages, chunk, pg, seg = _cursor_step(
-                    ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                    q_full, q_empty, PAGE, ROWS_MAX, True, 4)
-                pos = WHICH
+        start, end, kv, pages, chunk, pg, seg, pos = _consumer_cursor(
+            ids_ptr, ctx_ptr, num_rows, kv_cap, n_items, first_end, first_off, q_full, q_empty,
+            WHICH, PAGE, ROWS_MAX, 4)
         for i in range(WHICH, n_items, CONSUMERS):
             if i > WHICH:
                 for _c in gl.static_range(CONSUMERS):
@@ -456,14 +482,8 @@ if _MISSING is None:
             # Every read of the slot (wgmma, scale loads) is complete here; the
             # arrive orders them before the producer's next TMA into it.
             mbarrier.arrive(empty.index(slot), count=1)
-        # Walk the cursor to the last item, releasing the query buffer of every
-        # segment passed: the producer reuses a buffer only once every math
-        # warpgroup has released it, also one whose last item came earlier.
-        while pos + 1 < n_items:
-            start, end, kv, pages, chunk, pg, seg = _cursor_step(
-                ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                q_full, q_empty, PAGE, ROWS_MAX, True, 4)
-            pos += 1
+        _cursor_finish(ids_ptr, ctx_ptr, num_rows, kv_cap, n_items, start, end, kv, pages, chunk,
+                       pg, seg, pos, q_full, q_empty, PAGE, ROWS_MAX, 4)
 
     @gluon.jit
     def _producer(kv_desc, sc_desc, q_desc, bt_ptr, ids_ptr, ctx_ptr, num_rows, kv_cap, stride_bt,
@@ -562,16 +582,9 @@ if _MISSING is None:
         r_lim = gl.zeros([ROWS_MAX], gl.int32, row_layout)
         w_seg = -1
         _all_started(started)
-        start, end, kv, items, chunk, it = _cursor_init(ids_ptr, ctx_ptr, first_end, first_off,
-                                                        kv_cap, M, ROWS_MAX, 4 * PR * NG)
-        seg = 0
-        pos = 0  # the item the cursor is at
-        for _w in gl.static_range(WHICH):
-            if WHICH < n_items:
-                start, end, kv, items, chunk, it, seg = _cursor_step(
-                    ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, items, chunk, it, seg,
-                    q_full, q_empty, M, ROWS_MAX, True, 4 * PR * NG)
-                pos = WHICH
+        start, end, kv, items, chunk, it, seg, pos = _consumer_cursor(
+            ids_ptr, ctx_ptr, num_rows, kv_cap, n_items, first_end, first_off, q_full, q_empty,
+            WHICH, M, ROWS_MAX, 4 * PR * NG)
         for i in range(WHICH, n_items, CONSUMERS):
             if i > WHICH:
                 for _c in gl.static_range(CONSUMERS):
@@ -597,11 +610,8 @@ if _MISSING is None:
                       out_layout)
             # Every read of the slot (wgmma, scale loads) is complete here.
             mbarrier.arrive(empty.index(slot), count=1)
-        while pos + 1 < n_items:
-            start, end, kv, items, chunk, it, seg = _cursor_step(
-                ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, items, chunk, it, seg,
-                q_full, q_empty, M, ROWS_MAX, True, 4 * PR * NG)
-            pos += 1
+        _cursor_finish(ids_ptr, ctx_ptr, num_rows, kv_cap, n_items, start, end, kv, items, chunk,
+                       it, seg, pos, q_full, q_empty, M, ROWS_MAX, 4 * PR * NG)
 
     @gluon.jit(do_not_specialize=PER_STEP_INTS)
     def _varlen_logits_sm90_wide(
