@@ -9,7 +9,8 @@ to the floor, and the eager time.
 import json
 import sys
 
-COLUMNS = [("gluon-sm90", "sm_90 Gluon"), ("triton-portable", "portable Triton"),
+COLUMNS = [("cuda-sm90", "sm_90 CUDA"), ("gluon-sm90", "sm_90 Gluon"),
+           ("triton-portable", "portable Triton"),
            ("deepgemm-flat", "DG 2.8.2 flat"), ("deepgemm-native", "DG 2.8.2 native2"),
            ("vdg281-flat", "vLLM-0.33 DG flat"), ("vdg281-native", "vLLM-0.33 DG native"),
            ("vdg281-split", "vLLM-0.33 split")]
@@ -51,11 +52,11 @@ def main(paths):
             cells.append(f"{r['us']:.1f}{tag}{ratio}")
         print("| " + " | ".join(cells) + " |")
     print()
-    print("| case | " + " | ".join(f"{n} eager" for _, n in COLUMNS[:4]) + " |")
-    print("|" + "---|" * (1 + 4))
+    print("| case | " + " | ".join(f"{n} eager" for _, n in COLUMNS[:5]) + " |")
+    print("|" + "---|" * (1 + 5))
     for case in order:
         cells = [case]
-        for key, _ in COLUMNS[:4]:
+        for key, _ in COLUMNS[:5]:
             r = rows[case].get(key)
             cells.append("–" if r is None or r.get("eager_us") is None else
                          f"{r['eager_us']:.1f} (graph {r['us']:.1f})")

@@ -6,8 +6,10 @@ project's own plan, and each available path is timed on the same step:
 
 * ``triton-portable`` — this project's portable Triton kernel: one row per
   token + run ids (``triton-varlen`` on a GPU without an sm_90 kernel);
-* ``gluon-sm90``      — this project's Hopper kernel (Triton Gluon), the one
-  the launcher takes on sm_90;
+* ``cuda-sm90``       — this project's Hopper kernel in CUDA C++ (NVRTC), the
+  one the launcher takes on sm_90 for 64 heads;
+* ``gluon-sm90``      — this project's Hopper kernel in Triton Gluon (the
+  launcher's sm_90 kernel where the CUDA one cannot run);
 * ``deepgemm-flat``   — DeepGEMM ``next_n = 1`` on the flattened rows (what
   vLLM 0.27.1 does on Hopper with MTP >= 2: every row re-reads its KV);
 * ``deepgemm-native`` — DeepGEMM ``[B, next_n]`` padded (SM90: next_n <= 2);
@@ -325,8 +327,24 @@ def sm90_call(torch, step, params):
     return call
 
 
+def cuda_default_path(step):
+    """The CUDA sm_90 kernel as the launcher runs it (``kernel="sm90_cuda"``),
+    its schedule planned once for the step outside the timed call."""
+    from .ops import cuda_paged_mqa_logits as ck
+    from .ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
+
+    rows = step.rows
+    ctx2d = rows.context_lens.view(-1, 1)
+    hint = int(step.decode_lens.max())
+    sched = ck.plan(rows.indices, ctx2d, step.max_context_len, rows.block_table.shape[1])
+    return Path(lambda: varlen_paged_mqa_logits(
+        step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
+        step.max_context_len, max_run_len=hint, kernel="sm90_cuda", schedule=sched),
+        rows.num_rows, 0, 1.0, dict(rows_max=ck.ROWS_MAX))
+
+
 def sm90_default_path(step):
-    """The sm_90 kernel as the launcher runs it (``kernel="sm90"``), its
+    """The Gluon sm_90 kernel as the launcher runs it (``kernel="sm90_gluon"``), its
     schedule planned once for the step outside the timed call — as serving
     plans in a step's first layer, and as the DeepGEMM paths compute their
     schedule metadata outside theirs."""
@@ -342,7 +360,7 @@ def sm90_default_path(step):
                     rows_max)
     return Path(lambda: varlen_paged_mqa_logits(
         step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
-        step.max_context_len, max_run_len=hint, kernel="sm90", schedule=sched),
+        step.max_context_len, max_run_len=hint, kernel="sm90_gluon", schedule=sched),
         rows.num_rows, 0, 1.0, dict(rows_max=rows_max, wide=gk.takes_wide(heads, rows_max)))
 
 
@@ -370,6 +388,13 @@ def case_paths(torch, case, args, dg, num_sms):
     hopper = gk.unsupported_reason(step.q, step.kv_cache) is None
     if args.peer == "gluon":
         if hopper:
+            from .ops import cuda_paged_mqa_logits as ck
+
+            why = ck.unsupported_reason(step.q, step.kv_cache, step.weights)
+            if why is None:
+                paths["cuda-sm90"] = cuda_default_path(step)
+            else:
+                print(f"cuda-sm90: not timed ({why})", flush=True)
             paths["gluon-sm90"] = sm90_default_path(step)
             if getattr(args, "sm90_variants", None):
                 paths.update(sm90_variant_paths(torch, step, args.sm90_variants))
@@ -382,6 +407,10 @@ def case_paths(torch, case, args, dg, num_sms):
             step.max_context_len, max_run_len=hint, kernel="portable", **p), rows.num_rows, 0, 1.0,
             dict(params))
     if hopper and not args.no_gluon:
+        from .ops import cuda_paged_mqa_logits as ck
+
+        if ck.unsupported_reason(step.q, step.kv_cache, step.weights) is None:
+            paths["cuda-sm90"] = cuda_default_path(step)
         paths["gluon-sm90"] = sm90_default_path(step)
     if dg is not None:
         paths.update(deepgemm_paths(torch, step, dg, num_sms))

@@ -35,6 +35,9 @@
 #ifndef CONSTW    // weights as constants instead of shared-memory loads
 #define CONSTW 0
 #endif
+#ifndef REGW      // the warpgroup's one row group's weights held in registers per segment (GMAX == SPLIT)
+#define REGW 0
+#endif
 #ifndef SPLIT     // math warpgroups per ring: 2 = a pair shares each page, one takes even groups, one odd
 #define SPLIT 1
 #endif
@@ -197,6 +200,19 @@ varlen_logits_rings(const void* __restrict__ kv_map, const void* __restrict__ q_
       lim[g] = (r < s.n_rows) ? min(__ldg(ctx + s.first_row + r), s.kv_len) : 0;
     }
     bar_wait(&q_full[b], (k >> 1) & 1);
+#if REGW
+    static_assert(GMAX == SPLIT, "REGW: one row group per math warpgroup");
+    float wr[32];  // this lane's weights of group `mine`, in the accumulator's column order
+    {
+      const float* src = w_buf + (b * GMAX + mine) * 2 * HEADS + 2 * (lane & 3);
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        const float2 v2 = *reinterpret_cast<const float2*>(src + 8 * n);
+        wr[2 * n] = v2.x;
+        wr[2 * n + 1] = v2.y;
+      }
+    }
+#endif
     const int last_mine = groups - 1 - (((groups - 1 - mine) % SPLIT) + SPLIT) % SPLIT;
     for (int p = s.page_lo + (((ring - s.item_base) % RINGS) + RINGS) % RINGS;
          p < s.page_hi; p += RINGS, ++j) {
@@ -237,6 +253,8 @@ varlen_logits_rings(const void* __restrict__ kv_map, const void* __restrict__ q_
           for (int n = 0; n < 16; ++n) {
 #if CONSTW
             const float2 wv = make_float2(0.5f + n, 0.25f - n);
+#elif REGW
+            const float2 wv = make_float2(wr[2 * n], wr[2 * n + 1]);
 #else
             const float2 wv = *reinterpret_cast<const float2*>(wg_ + 8 * n);
 #endif

@@ -24,6 +24,9 @@ from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 POISON = float("nan")
+# "sm90": the launcher's sm_90 path (the CUDA kernel at 64 heads where NVRTC
+# loads, the Gluon one otherwise); "sm90_gluon": the Gluon kernel at every size.
+SM90_KERNELS = ["sm90", "sm90_gluon"]
 
 
 # ---------------------------------------------------------------- compiles (CPU)
@@ -348,13 +351,14 @@ SMALL = {
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
 @pytest.mark.parametrize("hint", [1, 4, 8])
 @pytest.mark.parametrize("name", list(SMALL))
-def test_sm90_matches_reference_small(name, hint):
+def test_sm90_matches_reference_small(name, hint, kernel):
     lens, seqs, pad, heads = SMALL[name]
     step = make_decode_step(lens, seqs, heads=heads, padding_rows=pad,
                             max_context_len=max(seqs) + 11, seed=len(name) + hint, device="cuda")
-    _check(step, _run(step, kernel="sm90", max_run_len=hint))
+    _check(step, _run(step, kernel=kernel, max_run_len=hint))
 
 
 @pytest.mark.gpu
@@ -386,17 +390,18 @@ def test_sm90_launch_knobs_match_reference(name, knobs):
 @pytest.mark.parametrize("case", [(64, 4, 8192, None, 64), (64, 4, 8192, 0.7, 64),
                                   (32, 2, 16384, None, 64), (96, 3, 4096, 0.5, 32),
                                   (8, 8, 20000, 0.8, 64), (1, 4, 8192, None, 64)])
-def test_sm90_serving_sizes_repeatable(case):
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
+def test_sm90_serving_sizes_repeatable(case, kernel):
     num_reqs, tokens, context, acceptance, heads = case
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     step = random_decode_step(num_reqs, tokens, context, acceptance=acceptance, heads=heads,
                               seed=seed, device="cuda")
     hint = int(step.decode_lens.max())
-    first = _run(step, kernel="sm90", max_run_len=hint)
+    first = _run(step, kernel=kernel, max_run_len=hint)
     mask = _check(step, first)
     r = step.num_rows
     for _ in range(20):
-        again = _run(step, kernel="sm90", max_run_len=hint)
+        again = _run(step, kernel=kernel, max_run_len=hint)
         assert torch.equal(again[:r, : step.max_context_len][mask],
                            first[:r, : step.max_context_len][mask]), "not bitwise repeatable"
 
@@ -430,7 +435,8 @@ def test_sm90_plan_matches_the_host_schedule(heads, hint):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_sm90_graph_replay_with_new_contents_and_compositions():
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
+def test_sm90_graph_replay_with_new_contents_and_compositions(kernel):
     num_reqs, tokens, max_len = 24, 4, 6000
     steps = [random_decode_step(num_reqs, tokens, 4000, acceptance=a, variable=v, heads=64, seed=s,
                                 device="cuda", max_context_len=max_len, extra_blocks=40)
@@ -457,7 +463,7 @@ def test_sm90_graph_replay_with_new_contents_and_compositions():
 
     def call(dst, cache=None):
         tk.varlen_paged_mqa_logits(q, kv, w, ctx, bt, ids, max_len, out=dst, max_run_len=tokens,
-                                   kernel="sm90", schedule_cache=cache)
+                                   kernel=kernel, schedule_cache=cache)
 
     load(steps[0])
     side = torch.cuda.Stream()

@@ -253,7 +253,10 @@ def test_cuda_graph_replay_with_new_contents():
         graph.replay()
         torch.cuda.synchronize()
         eager = torch.full_like(out, POISON)
-        varlen_paged_mqa_logits(q, kv, w, ctx, bt, ids, max_len, out=eager)
+        # eagerly with the kernel the capture took ("auto" takes an sm_90 kernel
+        # only inside a capture; kernels sum the heads in different orders)
+        varlen_paged_mqa_logits(q, kv, w, ctx, bt, ids, max_len, out=eager,
+                                kernel=_captured_kernel(q, kv, 4))
         mask = valid_mask(ctx, max_len, ids)
         assert torch.equal(out[mask], eager[mask])
         n = step.num_rows
@@ -261,6 +264,16 @@ def test_cuda_graph_replay_with_new_contents():
         m = mask[:n]
         err = (out[:n][m] - ref[m]).norm() / ref[m].norm()
         assert err < 1e-3
+
+
+def _captured_kernel(q, kv, hint):
+    """The kernel "auto" takes inside a CUDA-graph capture, to run eagerly."""
+    import vllm_dsa_varlen.ops.triton_paged_mqa_logits as tk
+
+    if torch.cuda.get_device_capability(q.device) == (9, 0) and tk.auto_takes_sm90(
+            q.shape[0], hint) and tk.hopper_kernel_for(q, kv, "sm90", hint) is not None:
+        return "sm90"
+    return "portable"
 
 
 @pytest.mark.gpu
@@ -286,8 +299,10 @@ def test_uniform_plan_and_kernel_captured_together():
     def run(dst):
         rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=rows_cap,
                                 uniform_len=tokens, out=bufs)
+        kernel = None if torch.cuda.is_current_stream_capturing() else _captured_kernel(
+            q, kv, tokens)
         varlen_paged_mqa_logits(q, kv, w, rows.context_lens.view(-1, 1), rows.block_table,
-                                rows.indices, max_len, out=dst, max_run_len=tokens)
+                                rows.indices, max_len, out=dst, max_run_len=tokens, kernel=kernel)
 
     def load(step, padding_reqs):
         seq_lens.copy_(step.seq_lens)

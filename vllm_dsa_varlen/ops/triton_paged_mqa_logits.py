@@ -362,7 +362,13 @@ _PORTABLE_ARGS = ("q_ptr", "kv_ptr", "w_ptr", "ctx_ptr", "bt_ptr", "ids_ptr", "o
 
 # ------------------------------------------------------------ sm_90 dispatch
 
-KERNEL_ENV = "VLLM_DSA_VARLEN_KERNEL"  # "auto" (default), "portable" or "sm90"
+KERNEL_ENV = "VLLM_DSA_VARLEN_KERNEL"  # "auto" (default), "portable", "sm90", "sm90_cuda", "sm90_gluon"
+KERNELS = ("auto", "portable", "sm90", "sm90_cuda", "sm90_gluon")
+# The sm_90 path takes the CUDA C++ kernel (ops/cuda_paged_mqa_logits.py) where
+# it can run (64 heads, NVRTC present) and the Gluon kernel elsewhere on sm_90:
+# the CUDA kernel measured faster than the Gluon one on every step
+# (BENCHMARKS.md, docs/kernel-notes.md calls 31-34).
+CUDA_SM90 = True
 HOPPER_AUTO = True  # "auto" takes the sm_90 Gluon kernel on Hopper where it measured faster
 # Where "auto" takes the sm_90 kernel (H200, docs/results/h200-v7b): runs of up to
 # 4 tokens (hint), or a hint of exactly 8, at any row count.  A hint of 8 splits
@@ -402,23 +408,38 @@ def auto_takes_sm90(rows: int, max_run_len: int, capturing: bool = True) -> bool
             and rows >= HOPPER_MIN_ROWS)
 
 
-def hopper_kernel_for(q, kv_cache, kernel: str | None, max_run_len: int = 4):
-    """The sm_90 module when this call should take the Gluon kernel, else ``None``
-    (the portable kernel).  ``kernel``: "auto", "portable" or "sm90"."""
+def hopper_kernel_for(q, kv_cache, kernel: str | None, max_run_len: int = 4, weights=None):
+    """The sm_90 module (:mod:`.cuda_paged_mqa_logits` or
+    :mod:`.gluon_paged_mqa_logits`, both with ``rows_max_for``, ``plan``,
+    ``schedule_key`` and ``launch``) when this call should take an sm_90
+    kernel, else ``None`` (the portable kernel).  ``kernel``: one of
+    :data:`KERNELS`; "sm90" takes the CUDA kernel where it can run, else the
+    Gluon one; "sm90_cuda" / "sm90_gluon" force one."""
     kernel = kernel or os.environ.get(KERNEL_ENV, "auto")
-    if kernel not in ("auto", "portable", "sm90"):
-        _fail("kernel", '"auto", "portable" or "sm90"', kernel)
+    if kernel not in KERNELS:
+        _fail("kernel", " or ".join(f'"{k}"' for k in KERNELS), kernel)
     if kernel == "portable" or (kernel == "auto" and (
             not q.is_cuda or not auto_takes_sm90(q.shape[0], max_run_len,
                                                  torch.cuda.is_current_stream_capturing()))):
         return None
+    if kernel == "sm90_cuda" or (kernel in ("auto", "sm90") and CUDA_SM90):
+        from . import cuda_paged_mqa_logits as ck
+
+        why = ck.unsupported_reason(q, kv_cache, weights)
+        if why is None:
+            return ck
+        if kernel == "sm90_cuda":
+            raise RuntimeError(f"kernel='sm90_cuda' requested but the CUDA sm_90 kernel cannot "
+                               f"run: {why}")
+        if q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0):
+            _log_once(f"vllm-dsa-varlen: Gluon sm_90 kernel, not the CUDA one ({why})")
     from . import gluon_paged_mqa_logits as gk
 
     why = gk.unsupported_reason(q, kv_cache)
     if why is None:
         return gk
-    if kernel == "sm90":
-        raise RuntimeError(f"kernel='sm90' requested but the sm_90 kernel cannot run: {why}")
+    if kernel in ("sm90", "sm90_gluon"):
+        raise RuntimeError(f"kernel='{kernel}' requested but the sm_90 kernel cannot run: {why}")
     if torch.cuda.get_device_capability(q.device)[0] == 9:
         _log_once(f"vllm-dsa-varlen: portable Triton kernel on this Hopper GPU ({why})")
     return None
@@ -452,9 +473,11 @@ def varlen_paged_mqa_logits(
     ``max_run_len``: a hint (the host knows the longest request's token count)
     used to size the work split; any run length is handled correctly.
     ``kernel``: "auto" (default; env ``VLLM_DSA_VARLEN_KERNEL``) takes the sm_90
-    Gluon kernel (:mod:`.gluon_paged_mqa_logits`) on Hopper and this portable
-    kernel elsewhere or when a portable tuning knob is given; "portable" and
-    "sm90" force one.
+    CUDA kernel (:mod:`.cuda_paged_mqa_logits`; the Gluon one,
+    :mod:`.gluon_paged_mqa_logits`, where it cannot run) on Hopper inside CUDA
+    graphs and this portable kernel elsewhere or when a portable tuning knob is
+    given; "portable", "sm90" (CUDA, else Gluon), "sm90_cuda" and
+    "sm90_gluon" force one.
     Tuning knobs of the portable kernel: ``rows_per_dot`` (rows stacked per
     ``tl.dot``, default 2),
     ``groups`` (row groups held at once: runs of up to ``groups *
@@ -469,10 +492,10 @@ def varlen_paged_mqa_logits(
     by the step's first call and read by every later one (every layer) instead
     of being recomputed in every call; without it each sm_90 call plans its own
     (one more launch).  ``schedule``: the step's sm_90 schedule planned by the
-    caller (:func:`.gluon_paged_mqa_logits.plan` with this call's ids, context
-    lengths, ``max_context_len``, block-table width, heads and
-    ``rows_max_for(heads, max_run_len)``), as DeepGEMM takes its schedule
-    metadata; used when the sm_90 kernel runs.
+    caller (the ``plan`` of the sm_90 module :func:`hopper_kernel_for` picks,
+    with this call's ids, context lengths, ``max_context_len``, block-table
+    width, heads and ``rows_max_for(heads, max_run_len)``), as DeepGEMM takes
+    its schedule metadata; used when an sm_90 kernel runs.
     """
     rows, heads, dim, page = checked_layout(
         q, kv_cache, weights, context_lens, block_table, indices, max_context_len)
@@ -490,7 +513,8 @@ def varlen_paged_mqa_logits(
         return out
     knobs = (rows_per_dot is not None or groups is not None or per_row or tile_pages != 1
              or tiles_per_split is not None or num_warps != 4 or num_stages != 3)
-    gk = None if knobs and kernel != "sm90" else hopper_kernel_for(q, kv_cache, kernel, max_run_len)
+    gk = (None if knobs and kernel not in ("sm90", "sm90_cuda", "sm90_gluon")
+          else hopper_kernel_for(q, kv_cache, kernel, max_run_len, weights))
     if gk is not None:
         rows_max = gk.rows_max_for(heads, max_run_len)
         if schedule is None and schedule_cache is not None:

@@ -1,0 +1,242 @@
+"""The CUDA C++ sm_90 kernel (ops/cuda_paged_mqa_logits.py): its schedule
+against a host model and its NVRTC build on the CPU; its logits against the
+torch reference on an sm_90 GPU (poisoned outputs, repeats, CUDA-graph replay
+with new contents)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
+from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
+
+POISON = float("nan")
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+NVRTC = None
+try:
+    ck._nvrtc()
+except OSError as exc:  # pragma: no cover - depends on the environment
+    NVRTC = str(exc)
+
+
+def _random_step(seed: int):
+    rnd = random.Random(seed)
+    ids, ctx = [], []
+    for req in range(rnd.randint(1, 40)):
+        n = rnd.randint(1, 9)
+        kv = rnd.choice([0, 1, 63, 64, 65, rnd.randint(0, 3000)])
+        for j in range(n):
+            ids.append(req * 3 + 7)
+            ctx.append(max(0, kv - (n - 1 - j)) if rnd.random() < 0.8 else rnd.randint(-2, 3000))
+    return (torch.tensor(ids, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32).view(-1, 1),
+            rnd.choice([64, 500, 3000, 5000]), rnd.choice([1, 8, 64]), rnd.choice([1, 3, 7, 132]))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_plan_walks_the_host_schedule(seed):
+    """Each CTA's items, as the kernel walks the plan, are the host model's:
+    every (chunk, page) of the step once, in order, shares within one item."""
+    ids, ctx, max_len, width, programs = _random_step(seed)
+    table, ctas = ck.plan(ids, ctx, max_len, width, programs=programs)
+    assert table.dtype == ctas.dtype == torch.int32
+    assert tuple(table.shape) == (ids.shape[0], ck.TABLE_WORDS)
+    assert tuple(ctas.shape) == (programs, ck.CTA_WORDS)
+    got = ck.plan_items(table, ctas)
+    assert got == ck.schedule_model(ids, ctx.view(-1), max_len, width, programs)
+    sizes = [len(g) for g in got]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_plan_refuses_other_chunk_sizes():
+    ids, ctx, max_len, width, _ = _random_step(0)
+    with pytest.raises(ValueError, match="rows_max"):
+        ck.plan(ids, ctx, max_len, width, rows_max=8)
+
+
+@pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
+def test_nvrtc_builds_the_kernel_for_sm90a_without_spills():
+    """The CUDA source compiles for sm_90a with the NVRTC this environment has
+    (no GPU needed), to one kernel with no local memory."""
+    cubin, log = ck.compile_cubin(extra=("--ptxas-options=-v",))
+    assert cubin[:4] == b"\x7fELF"
+    assert "varlen_logits_sm90" in log
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
+    assert ck.SMEM_BYTES <= 227 * 1024
+
+
+def test_cpu_tensors_are_refused_and_named_kernels_checked():
+    step = make_decode_step([2, 1], [70, 20], heads=64)
+    assert ck.unsupported_reason(step.q, step.kv_cache) == "not an sm_90 GPU"
+    args = (step.q, step.kv_cache, step.weights, step.rows.context_lens.view(-1, 1),
+            step.rows.block_table, step.rows.indices, step.max_context_len)
+    with pytest.raises(RuntimeError, match="sm90_cuda"):
+        tk.varlen_paged_mqa_logits(*args, kernel="sm90_cuda")
+    with pytest.raises(ValueError, match="sm90_gluon"):
+        tk.varlen_paged_mqa_logits(*args, kernel="sm100")
+
+
+# ---------------------------------------------------------------- GPU (sm_90)
+
+def _run(step, **kw):
+    rows = step.rows
+    out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
+    tk.varlen_paged_mqa_logits(step.q, step.kv_cache, step.weights,
+                               rows.context_lens.view(-1, 1), rows.block_table, rows.indices,
+                               step.max_context_len, out=out[: rows.num_rows], **kw)
+    return out
+
+
+def _check(step, out, rel_tol=1e-3):
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
+                               step.max_context_len, indices=rows.indices)
+    mask = valid_mask(ctx, step.max_context_len, rows.indices)
+    got = out[: rows.num_rows, : step.max_context_len]
+    assert torch.isfinite(got[mask]).all(), "a valid position was not written"
+    assert torch.isnan(got[~mask]).all(), "a position past the row's context was written"
+    assert torch.isnan(out[:, step.max_context_len:]).all(), "written past max_context_len"
+    assert torch.isnan(out[rows.num_rows:]).all(), "rows past R were written"
+    if mask.any():
+        err = (got[mask] - ref[mask]).norm() / ref[mask].norm().clamp_min(1e-30)
+        assert err < rel_tol, f"relative error {err:.2e}"
+    return mask
+
+
+SMALL = {
+    "runs_1_to_9": ([1, 2, 3, 4, 5, 6, 7, 8, 9], [65, 130, 3, 64, 200, 129, 70, 191, 500]),
+    "shorter_than_a_page": ([1, 1, 3, 2], [1, 63, 5, 64]),
+    "shorter_than_the_run": ([4, 8, 3], [2, 5, 1]),
+    "one_row": ([1], [1000]),
+    "long_runs": ([12, 16], [700, 3000]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("name", list(SMALL))
+@pytest.mark.parametrize("padding", [0, 3])
+def test_matches_reference_small(name, padding):
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    lens, seqs = SMALL[name]
+    step = make_decode_step(lens, seqs, heads=64, padding_rows=padding,
+                            max_context_len=max(seqs) + 11, seed=len(name) + padding,
+                            device="cuda")
+    _check(step, _run(step, kernel="sm90_cuda", max_run_len=max(lens)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", [(64, 4, 8192, None), (64, 4, 8192, 0.6), (32, 2, 16384, None),
+                                  (96, 3, 4096, 0.5), (8, 8, 20000, 0.8), (1, 4, 8192, None),
+                                  (200, 1, 3000, None)])
+def test_serving_sizes_match_and_repeat_bitwise(case):
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    num_reqs, tokens, context, acceptance = case
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    step = random_decode_step(num_reqs, tokens, context, acceptance=acceptance, heads=64,
+                              seed=seed, device="cuda")
+    first = _run(step, kernel="sm90_cuda", max_run_len=tokens)
+    mask = _check(step, first)
+    r = step.num_rows
+    for _ in range(20):
+        again = _run(step, kernel="sm90_cuda", max_run_len=tokens)
+        assert torch.equal(again[:r, : step.max_context_len][mask],
+                           first[:r, : step.max_context_len][mask]), "not bitwise repeatable"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_graph_replay_with_new_contents_and_compositions():
+    """Two "layers" captured with one step's schedule cache (planned inside the
+    capture), replayed on new ids, lengths, block tables and queries: equal to
+    eager calls of the same kernel and to the reference; "auto" in a capture
+    takes this kernel."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    num_reqs, tokens, max_len = 24, 4, 6000
+    steps = [random_decode_step(num_reqs, tokens, 4000, acceptance=a, variable=v, heads=64, seed=s,
+                                device="cuda", max_context_len=max_len, extra_blocks=40)
+             for s, a, v in ((1, None, False), (2, 0.6, False), (3, None, True), (4, 0.3, False))]
+    cap = num_reqs * tokens
+    width = max(s.rows.block_table.shape[1] for s in steps)
+    q = torch.zeros((cap, 1, 64, 128), dtype=torch.float8_e4m3fn, device="cuda")
+    w = torch.zeros((cap, 64), device="cuda")
+    ctx = torch.zeros((cap, 1), dtype=torch.int32, device="cuda")
+    bt = torch.zeros((cap, width), dtype=torch.int32, device="cuda")
+    ids = torch.zeros(cap, dtype=torch.int32, device="cuda")
+    kv = torch.zeros((max(s.kv_cache.shape[0] for s in steps), *steps[0].kv_cache.shape[1:]),
+                     dtype=torch.uint8, device="cuda")
+    out = torch.empty((cap, max_len), device="cuda")
+    second = torch.empty_like(out)
+
+    def load(step):
+        n = step.num_rows
+        q.zero_(); w.zero_(); ctx.zero_(); bt.zero_()
+        q[:n] = step.q; w[:n] = step.weights; ctx[:n, 0] = step.rows.context_lens
+        bt[:n, : step.rows.block_table.shape[1]] = step.rows.block_table
+        ids.copy_(torch.arange(cap, device="cuda", dtype=torch.int32) + 10**6)
+        ids[:n] = step.rows.indices
+        kv[: step.kv_cache.shape[0]].copy_(step.kv_cache)
+
+    def call(dst, cache=None, kernel="auto"):
+        tk.varlen_paged_mqa_logits(q, kv, w, ctx, bt, ids, max_len, out=dst, max_run_len=tokens,
+                                   kernel=kernel, schedule_cache=cache)
+
+    load(steps[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call(out, kernel="sm90_cuda")
+    torch.cuda.current_stream().wait_stream(side)
+    cache = {}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert tk.hopper_kernel_for(q, kv, "auto", tokens, w) is ck
+        call(out, cache)
+        call(second, cache)
+    assert len(cache) == 1 and next(iter(cache))[0] == "cuda"
+    for step in steps[1:] + steps[:1]:
+        load(step)
+        out.fill_(POISON)
+        second.fill_(POISON)
+        graph.replay()
+        eager = torch.full_like(out, POISON)
+        call(eager, kernel="sm90_cuda")
+        torch.cuda.synchronize()
+        mask = valid_mask(ctx, max_len, ids)
+        assert torch.equal(out[mask], eager[mask])
+        assert torch.equal(second[mask], eager[mask])
+        assert torch.isnan(out[~mask]).all() and torch.isnan(second[~mask]).all()
+        n = step.num_rows
+        ref = paged_mqa_logits_ref(q[:n], kv, w[:n], ctx[:n], bt[:n], max_len, indices=ids[:n])
+        m = mask[:n]
+        assert (out[:n][m] - ref[m]).norm() / ref[m].norm() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_bad_schedule_and_weights_are_refused():
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    step = make_decode_step([2, 3], [90, 140], heads=64, device="cuda")
+    rows = step.rows
+    out = torch.empty(rows.num_rows, step.max_context_len, device="cuda")
+    args = (step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1), rows.block_table,
+            rows.indices, step.max_context_len, out)
+    table, ctas = ck.plan(rows.indices, rows.context_lens, step.max_context_len,
+                          rows.block_table.shape[1])
+    with pytest.raises(ValueError, match="schedule"):
+        ck.launch(*args, schedule=(table[:-1], ctas))
+    wide = torch.zeros(rows.num_rows, 128, device="cuda")[:, :64]
+    wide.copy_(step.weights)
+    with pytest.raises(ValueError, match="weights"):
+        ck.launch(step.q, step.kv_cache, wide, *args[3:], schedule=(table, ctas))
+    assert "weights" in ck.unsupported_reason(step.q, step.kv_cache, wide)

@@ -1,0 +1,242 @@
+// sm_90 (Hopper) varlen paged MQA logits: four independent math warpgroups,
+// a TMA ring each, one copy of the math code.  Loaded by
+// vllm_dsa_varlen/ops/cuda_paged_mqa_logits.py (NVRTC, sm_90a), which documents
+// the inputs; the torch reference (ops/reference.py) defines the semantics.
+//
+// CTA: one producer warpgroup (warp r's lane 0 feeds ring r; warp 0's also
+// loads each segment's queries and weights into a double buffer) and four math
+// warpgroups.  A CTA's items (pages of its segments, in order) go to math
+// warpgroup i % 4; each keeps one 64 x 128 fp32 accumulator (tokens on M, two
+// query rows x 64 heads on N) and runs the segment's row groups one after the
+// other: wgmma, then relu * weight summed over each row's heads (in the thread,
+// then across the 4 lanes of a quad), times the token's scale, stored where the
+// row may look.  Segments come from the planner (a run's chunk of <= 4 rows and
+// a range of its pages): int32 [R, 8] rows (first row, rows, KV length, first
+// item, items, block-table row), the CTA's first segment and item range.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned char u8;
+
+#define GMAX 2
+#define STAGES 3
+#define MATH_REGS 104
+#define PRODUCER_REGS 40
+#define NUM_MATH 4
+#define THREADS (128 * (NUM_MATH + 1))
+#define PAGE 64
+#define DIM 128
+#define HEADS 64
+#define PAGE_BYTES (PAGE * DIM)
+#define Q_GROUP_BYTES (2 * HEADS * DIM)
+#define DEV __device__ __forceinline__
+
+struct __align__(64) TmaMap { u64 bytes[16]; };
+
+DEV u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+DEV void bar_init(u64* bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count));
+}
+DEV void bar_expect(u64* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+DEV void bar_arrive(u64* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
+DEV void bar_wait(u64* bar, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+DEV void tma_3d(void* dst, const TmaMap* map, int c0, int c1, int c2, u64* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];"
+      :: "r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+      : "memory");
+}
+DEV void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+// K-major operand in 128-byte-swizzled rows of 128 bytes (8-row atoms of 1 KB).
+DEV u64 sw128_desc(const void* p) {
+  u64 d = (smem_addr(p) & 0x3FFFF) >> 4;
+  d |= u64(1) << 16;
+  d |= u64(1024 >> 4) << 32;
+  d |= u64(1) << 62;
+  return d;
+}
+DEV void mma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+DEV void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+DEV void mma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+DEV void mma_64x128x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+struct Seg { int first_row, n_rows, kv_len, page_lo, page_hi, item_base, bt_row; };
+
+// Segment k of this CTA's item range [lo, hi), its fields warp-uniform (the
+// wgmma is .sync.aligned: the compiler must see uniform control flow).
+DEV Seg load_seg(const int* table, int k, int lo, int hi) {
+  const int4 a = __ldg(reinterpret_cast<const int4*>(table + 8 * k));
+  const int4 b = __ldg(reinterpret_cast<const int4*>(table + 8 * k) + 1);
+  const int off = __shfl_sync(0xffffffffu, a.w, 0), items = __shfl_sync(0xffffffffu, b.x, 0);
+  Seg s;
+  s.first_row = __shfl_sync(0xffffffffu, a.x, 0);
+  s.n_rows = __shfl_sync(0xffffffffu, a.y, 0);
+  s.kv_len = __shfl_sync(0xffffffffu, a.z, 0);
+  s.bt_row = __shfl_sync(0xffffffffu, b.y, 0);
+  s.page_lo = max(lo - off, 0);
+  s.page_hi = min(hi - off, items);
+  s.item_base = off + s.page_lo - lo;
+  if (off >= hi) s.page_hi = -1;  // past the CTA's range: the walk ends
+  return s;
+}
+
+// A segment's first page (in [page_lo, page_hi)) that goes to ring r.
+DEV int first_page(const Seg& s, int r) {
+  return s.page_lo + (((r - s.item_base) % NUM_MATH) + NUM_MATH) % NUM_MATH;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant__ TmaMap q_map,
+                   const u8* __restrict__ kv, long long stride_block,
+                   const float* __restrict__ w, int stride_w,
+                   const int* __restrict__ ctx, const int* __restrict__ bt, int stride_bt,
+                   float* __restrict__ out, long long stride_out,
+                   const int* __restrict__ table, const int* __restrict__ ctas, int num_segs) {
+  extern __shared__ __align__(1024) u8 smem_raw[];
+  // 1 KB alignment for the swizzled tiles, by pointer arithmetic on the shared
+  // array (a round trip through an integer loses the address space)
+  u8* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  u8* kv_ring = smem;                                             // [NUM_MATH][STAGES][PAGE_BYTES]
+  u8* q_buf = kv_ring + NUM_MATH * STAGES * PAGE_BYTES;           // [2][GMAX][Q_GROUP_BYTES]
+  float* sc_ring = reinterpret_cast<float*>(q_buf + 2 * GMAX * Q_GROUP_BYTES);  // [NUM_MATH][STAGES][PAGE]
+  float* w_buf = sc_ring + NUM_MATH * STAGES * PAGE;              // [2][2 * GMAX][HEADS]
+  u64* full = reinterpret_cast<u64*>(w_buf + 2 * 2 * GMAX * HEADS);
+  u64* empty = full + NUM_MATH * STAGES;
+  u64* q_full = empty + NUM_MATH * STAGES;
+  u64* q_empty = q_full + 2;
+
+  const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  const int warp = __shfl_sync(0xffffffffu, (threadIdx.x / 32) % 4, 0), lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < NUM_MATH * STAGES; ++i) { bar_init(&full[i], 1); bar_init(&empty[i], 4); }
+    for (int i = 0; i < 2; ++i) { bar_init(&q_full[i], 1); bar_init(&q_empty[i], 4 * NUM_MATH); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int4 cta = __ldg(reinterpret_cast<const int4*>(ctas) + blockIdx.x);
+  const int seg0 = __shfl_sync(0xffffffffu, cta.x, 0);
+  const int lo = __shfl_sync(0xffffffffu, cta.y, 0), hi = __shfl_sync(0xffffffffu, cta.z, 0);
+
+  if (wg == 0) {  // producers
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(PRODUCER_REGS));
+    if (lane != 0) return;
+    const int ring = warp;
+    int j = 0;
+    for (int k = 0; seg0 + k < num_segs; ++k) {
+      const Seg s = load_seg(table, seg0 + k, lo, hi);
+      if (s.page_hi < 0) break;
+      if (ring == 0) {
+        const int b = k & 1, groups = (s.n_rows + 1) / 2;
+        bar_wait(&q_empty[b], ((k >> 1) & 1) ^ 1);
+        bar_expect(&q_full[b], groups * Q_GROUP_BYTES + s.n_rows * HEADS * 4);
+        for (int g = 0; g < groups; ++g)
+          tma_3d(q_buf + (b * GMAX + g) * Q_GROUP_BYTES, &q_map, 0, 0, s.first_row + 2 * g,
+                 &q_full[b]);
+        bulk_copy(w_buf + b * 2 * GMAX * HEADS, w + (long long)s.first_row * stride_w,
+                  s.n_rows * HEADS * 4, &q_full[b]);
+      }
+      const int* bt_row = bt + (long long)s.bt_row * stride_bt;
+      for (int p = first_page(s, ring); p < s.page_hi; p += NUM_MATH, ++j) {
+        const int block = __ldg(bt_row + p);
+        const int slot = ring * STAGES + j % STAGES;
+        bar_wait(&empty[slot], ((j / STAGES) & 1) ^ 1);
+        bar_expect(&full[slot], PAGE_BYTES + PAGE * 4);
+        tma_3d(kv_ring + slot * PAGE_BYTES, &kv_map, 0, 0, block, &full[slot]);
+        bulk_copy(sc_ring + slot * PAGE, kv + block * stride_block + PAGE_BYTES, PAGE * 4,
+                  &full[slot]);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(MATH_REGS));
+  const int ring = wg - 1;
+  const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;   // the (token, row) this lane stores
+  const int tok = warp * 16 + (lane >> 2) + 8 * t_hi;   // token in the page
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  int j = 0;
+  for (int k = 0; seg0 + k < num_segs; ++k) {
+    const Seg s = load_seg(table, seg0 + k, lo, hi);
+    if (s.page_hi < 0) break;
+    const int b = k & 1, groups = (s.n_rows + 1) / 2;
+    int lim[GMAX];  // this lane's row's last visible token + 1, per group
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      const int r = 2 * g + q_hi;
+      lim[g] = (r < s.n_rows) ? min(__ldg(ctx + s.first_row + r), s.kv_len) : 0;
+    }
+    bar_wait(&q_full[b], (k >> 1) & 1);
+    for (int p = first_page(s, ring); p < s.page_hi; p += NUM_MATH, ++j) {
+      const int slot = ring * STAGES + j % STAGES;
+      bar_wait(&full[slot], (j / STAGES) & 1);
+      const float scale = sc_ring[slot * PAGE + tok];
+      const u8* page = kv_ring + slot * PAGE_BYTES;
+      const int pos = p * PAGE + tok;
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        if (g < groups) {
+          const u8* qg = q_buf + (b * GMAX + g) * Q_GROUP_BYTES;
+          mma_fence();
+#pragma unroll
+          for (int kk = 0; kk < DIM / 32; ++kk)
+            mma_64x128x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
+          mma_commit();
+          mma_wait();
+          if (g == groups - 1) {  // every read of the slot is done: hand it back
+            __syncwarp();
+            if (lane == 0) bar_arrive(&empty[slot]);
+          }
+          const float* wq = w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3);
+          float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;   // s[token half][row]
+#pragma unroll
+          for (int n = 0; n < 16; ++n) {
+            const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * n);
+            const float a0 = fmaxf(acc[4 * n + 0], 0.f), a1 = fmaxf(acc[4 * n + 1], 0.f);
+            const float a2 = fmaxf(acc[4 * n + 2], 0.f), a3 = fmaxf(acc[4 * n + 3], 0.f);
+            if (n < 8) { s00 = fmaf(a0, wv.x, s00); s00 = fmaf(a1, wv.y, s00);
+                         s10 = fmaf(a2, wv.x, s10); s10 = fmaf(a3, wv.y, s10); }
+            else       { s01 = fmaf(a0, wv.x, s01); s01 = fmaf(a1, wv.y, s01);
+                         s11 = fmaf(a2, wv.x, s11); s11 = fmaf(a3, wv.y, s11); }
+          }
+          // sum over the quad's 4 lanes, each lane ending with its (token, row)
+          float k0 = t_hi ? s10 : s00, k1 = t_hi ? s11 : s01;
+          const float o0 = t_hi ? s00 : s10, o1 = t_hi ? s01 : s11;
+          k0 += __shfl_xor_sync(0xffffffffu, o0, 1);
+          k1 += __shfl_xor_sync(0xffffffffu, o1, 1);
+          float v = q_hi ? k1 : k0;
+          v += __shfl_xor_sync(0xffffffffu, q_hi ? k0 : k1, 2);
+          if (pos < lim[g])
+            out[(long long)(s.first_row + 2 * g + q_hi) * stride_out + pos] = v * scale;
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) bar_arrive(&q_empty[b]);
+  }
+}

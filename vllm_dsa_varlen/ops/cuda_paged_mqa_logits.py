@@ -1,0 +1,396 @@
+"""Hopper (sm_90) varlen paged MQA logits in CUDA C++ (``cuda/sm90_varlen_logits.cu``).
+
+Same inputs, outputs and semantics as
+:func:`vllm_dsa_varlen.ops.triton_paged_mqa_logits.varlen_paged_mqa_logits`;
+the launcher there takes it on sm_90 for 64 heads (``hopper_kernel_for``) and
+the Gluon kernel (:mod:`.gluon_paged_mqa_logits`) where this one cannot run.
+
+Why CUDA C++ and not Gluon (docs/kernel-notes.md, calls 31-33): the structure
+that sets DeepGEMM's pace — four math warpgroups that move independently, each
+with its own ring and its own arrive, running one copy of the math code — is
+not expressible in Gluon (Triton 3.6-3.9): warpgroups sharing a partition move
+in lockstep, warpgroups in partitions of their own are separate code copies.
+In CUDA it measured 10-20 % faster than the Gluon kernel on every step.
+
+The kernel is compiled once per process by NVRTC (``sm_90a``; the library
+PyTorch's CUDA wheels install, or a CUDA toolkit's) and loaded through the
+driver API (ctypes): no host compiler, no build step.  Launches are plain
+``cuLaunchKernel`` calls on PyTorch's current stream, so they are captured into
+CUDA graphs like any kernel; the TMA descriptors are ``__grid_constant__``
+parameters (copied at launch or capture), encoded once per tensor layout.
+
+Schedule (:func:`plan`, torch operations on the GPU, no host sync, once per
+step): each run is split into chunks of up to 4 rows (two wgmma row groups);
+a chunk's items are its run's pages; CTA ``c`` of ``n`` takes items ``[c * T //
+n, (c + 1) * T // n)`` of the ``T`` in row order (each output element written
+by one CTA: bitwise repeatable).  :func:`schedule_model` is the host mirror.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import logging
+import os
+import threading
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "sm90_varlen_logits.cu")
+KERNEL_NAME = b"varlen_logits_sm90"
+ARCH = "sm_90a"
+HEADS = 64
+DIM = 128
+PAGE = 64
+ROWS_MAX = 4          # rows per chunk (two row groups of two rows)
+GMAX = 2
+STAGES = 3
+MATH = 4
+THREADS = 128 * (MATH + 1)
+TABLE_WORDS = 8       # int32 per segment row of the plan
+CTA_WORDS = 4         # int32 per CTA: first segment, item range [lo, hi)
+SMEM_BYTES = (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
+              + MATH * STAGES * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * MATH * STAGES + 4) * 8)
+PER_STEP_INTS = ("max_context_len", "bt_width")  # never compiled in: one cubin serves all
+
+_lock = threading.Lock()
+
+
+# ------------------------------------------------------------- NVRTC, driver
+
+def _nvrtc_candidates() -> list[str]:
+    names = []
+    env = os.environ.get("VLLM_DSA_VARLEN_NVRTC")
+    if env:
+        names.append(env)
+    roots = [os.path.dirname(os.path.dirname(torch.__file__))]
+    for root in roots:
+        for pat in ("nvidia/cu13/lib/libnvrtc.so.*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*",
+                    "nvidia/cu12/lib/libnvrtc.so.*"):
+            names += sorted(p for p in glob.glob(os.path.join(root, pat))
+                            if "builtins" not in p and ".alt." not in p)
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    names += sorted(glob.glob(os.path.join(cuda_home, "lib64", "libnvrtc.so*")))
+    names += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc():
+    """The NVRTC library (ctypes), or the reasons none loads."""
+    errors = []
+    for name in _nvrtc_candidates():
+        try:
+            lib = ctypes.CDLL(name)
+            lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+            return lib
+        except OSError as exc:
+            errors.append(f"{name}: {exc}")
+    raise OSError("no NVRTC library loads (set VLLM_DSA_VARLEN_NVRTC to one): "
+                  + "; ".join(errors[-3:]))
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    return lib
+
+
+def _ck(res: int, what: str) -> None:
+    if res != 0:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(res, ctypes.byref(name))
+        raise RuntimeError(f"{what}: CUDA driver error {res} ({name.value})")
+
+
+def source() -> str:
+    with open(SOURCE) as f:
+        return f.read()
+
+
+def compile_cubin(arch: str = ARCH, extra: tuple = ()) -> tuple[bytes, str]:
+    """Compile the kernel with NVRTC (no GPU needed); returns (cubin, log).
+    Raises ``RuntimeError`` with NVRTC's log on a compile error."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    src = source().encode()
+    res = lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"sm90_varlen_logits.cu", 0, None, None)
+    if res:
+        raise RuntimeError(f"nvrtcCreateProgram: {lib.nvrtcGetErrorString(res).decode()}")
+    try:
+        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17",
+                *[o.encode() for o in extra]]
+        arr = (ctypes.c_char_p * len(opts))(*opts)
+        res = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        text = log.value.decode(errors="replace")
+        if res:
+            raise RuntimeError(f"NVRTC failed to compile {SOURCE} for {arch}: "
+                               f"{lib.nvrtcGetErrorString(res).decode()}\n{text}")
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        _ck_nvrtc(lib, lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return cubin.raw, text
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _ck_nvrtc(lib, res, what):
+    if res:
+        raise RuntimeError(f"{what}: {lib.nvrtcGetErrorString(res).decode()}")
+
+
+def available() -> str | None:
+    """``None`` when NVRTC and the driver load, else why not."""
+    try:
+        _nvrtc()
+        _driver()
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
+class _Loaded:
+    """The kernel loaded in one device's primary context."""
+
+    def __init__(self, device: torch.device):
+        cubin, _ = compile_cubin()
+        with torch.cuda.device(device):
+            torch.cuda.init()
+            torch.empty(1, device=device)  # the primary context is current
+            self.module = ctypes.c_void_p()
+            _ck(_driver().cuModuleLoadData(ctypes.byref(self.module), cubin), "cuModuleLoadData")
+            self.fn = ctypes.c_void_p()
+            _ck(_driver().cuModuleGetFunction(ctypes.byref(self.fn), self.module, KERNEL_NAME),
+                "cuModuleGetFunction")
+            _ck(_driver().cuFuncSetAttribute(self.fn, 8, SMEM_BYTES),
+                "cuFuncSetAttribute(max dynamic shared memory)")
+
+
+_LOADED: dict = {}
+
+
+def load(device) -> _Loaded:
+    """Compile (NVRTC) and load the kernel for ``device`` once per process.
+    Done by ``precompile`` at start-up, so no decode step waits on it."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    got = _LOADED.get(index)
+    if got is None:
+        with _lock:
+            got = _LOADED.get(index)
+            if got is None:
+                got = _LOADED[index] = _Loaded(torch.device("cuda", index))
+    return got
+
+
+# ----------------------------------------------------------------- TMA maps
+
+class _TmaMap(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_uint64 * 16)]
+    _pack_ = 8
+
+
+_MAPS: dict = {}
+_MAPS_LIMIT = 256
+
+
+def _encode(base: int, dims, strides, box) -> _TmaMap:
+    """A 128-byte-swizzled uint8 TMA descriptor (driver ``cuTensorMapEncodeTiled``)."""
+    raw = (ctypes.c_uint8 * (128 + 64))()
+    addr = (ctypes.addressof(raw) + 63) & ~63
+    rank = len(dims)
+    d = (ctypes.c_uint64 * rank)(*dims)
+    s = (ctypes.c_uint64 * (rank - 1))(*strides)
+    b = (ctypes.c_uint32 * rank)(*box)
+    e = (ctypes.c_uint32 * rank)(*([1] * rank))
+    # uint8, no interleave, 128-byte swizzle, 128-byte L2 promotion, zero fill
+    _ck(_driver().cuTensorMapEncodeTiled(ctypes.c_void_p(addr), 0, rank, ctypes.c_void_p(base),
+                                         d, s, b, e, 0, 3, 2, 0), "cuTensorMapEncodeTiled")
+    out = _TmaMap()
+    ctypes.memmove(ctypes.addressof(out), addr, 128)
+    return out
+
+
+def _map(kind: str, base: int, dims, strides, box) -> _TmaMap:
+    key = (kind, base, tuple(dims), tuple(strides))
+    got = _MAPS.get(key)
+    if got is None:
+        if len(_MAPS) >= _MAPS_LIMIT:
+            _MAPS.clear()
+        got = _MAPS[key] = _encode(base, dims, strides, box)
+    return got
+
+
+# ----------------------------------------------------------------- checks
+
+def unsupported_reason(q, kv_cache, weights=None) -> str | None:
+    """Why this kernel cannot take these tensors (``None``: it can)."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "not an sm_90 GPU"
+    if q.shape[2] != HEADS or q.shape[3] != DIM or kv_cache.shape[1] != PAGE:
+        return f"shape outside H {HEADS}, D {DIM}, page {PAGE}"
+    if kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
+        return "cache page stride or base not 16-byte aligned (TMA)"
+    if q.stride(0) % 16 or q.data_ptr() % 16 or q.stride(2) != DIM or q.stride(3) != 1:
+        return "queries not [R, 1, H, D] with 16-byte aligned rows and contiguous heads (TMA)"
+    if weights is not None and (weights.stride(1) != 1 or weights.stride(0) != HEADS
+                                or weights.data_ptr() % 16):
+        return "weights not contiguous [R, H] rows (one bulk copy per chunk)"
+    why = available()
+    if why is not None:
+        return why
+    return None
+
+
+def rows_max_for(heads: int, max_run_len: int) -> int:
+    """Rows per chunk (fixed: the kernel holds two row groups of two rows)."""
+    return ROWS_MAX
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# --------------------------------------------------------------- schedule
+
+def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int = HEADS,
+         rows_max: int = ROWS_MAX, *, programs: int | None = None):
+    """The step's schedule (torch operations on the device; no host sync, graph
+    safe): ``(table int32 [R, 8], ctas int32 [programs, 4])``.
+
+    ``table`` rows, chunks with work first (in row order), then the rest:
+    (first row, rows, KV length, first item, items, block-table row, 0, 0);
+    ``ctas``: (first segment, item range lo, hi, 0).  A run's KV length is its
+    last row's context length clamped to ``[0, min(max_context_len, bt_width *
+    page)]``; its block-table row is its first row."""
+    if rows_max != ROWS_MAX:
+        raise ValueError(f"rows_max: this kernel holds {ROWS_MAX} rows per chunk, got {rows_max}")
+    dev = indices.device
+    if programs is None:
+        programs = _num_sms(dev.index or 0)
+    ids = indices.view(-1)
+    ctx = context_lens.reshape(-1).to(torch.int32)
+    rows = ids.shape[0]
+    r = torch.arange(rows, device=dev, dtype=torch.int32)
+    change = ids[1:] != ids[:-1]
+    one = torch.ones(1, dtype=torch.bool, device=dev)
+    starts = torch.cat([one, change])
+    ends = torch.cat([change, one])
+    first = torch.cummax(torch.where(starts, r, 0), 0).values
+    last = torch.flip(torch.cummin(torch.flip(torch.where(ends, r, rows), (0,)), 0).values, (0,))
+    cap = min(int(max_context_len), int(bt_width) * PAGE)
+    kv = ctx[last.long()].clamp(0, cap)
+    pages = (kv + PAGE - 1) // PAGE
+    chunk = ((r - first) % rows_max) == 0
+    n_rows = torch.minimum(last - r + 1, torch.full_like(r, rows_max))
+    work = chunk & (pages > 0)
+    items = torch.where(work, pages, 0)
+    ends_at = torch.cumsum(items, 0, dtype=torch.int64)
+    total = ends_at[-1:]
+    off = (ends_at - items).to(torch.int32)
+    order = torch.argsort(torch.where(work, r, r + rows), stable=True)
+    zero = torch.zeros_like(r)
+    table = torch.stack([r, n_rows, kv, off, items, first, zero, zero], 1)[order]
+    # rows without work: first item past every range, no items (walks stop there)
+    table[:, 3] = torch.where(work[order], table[:, 3], total.to(torch.int32).expand(rows))
+    off_end = table[:, 3].to(torch.int64) + table[:, 4]
+    c = torch.arange(programs, device=dev, dtype=torch.int64)
+    lo = c * total // programs
+    hi = (c + 1) * total // programs
+    seg0 = torch.searchsorted(off_end, lo, right=True)
+    ctas = torch.stack([seg0, lo, hi, torch.zeros_like(lo)], 1).to(torch.int32)
+    return table.contiguous(), ctas.contiguous()
+
+
+def schedule_key(indices, context_lens, max_context_len: int, bt_width: int, heads: int,
+                 rows_max: int, capturing: bool) -> tuple:
+    """What a planned schedule depends on (see the Gluon module's ``schedule_key``)."""
+    return ("cuda", indices.data_ptr(), indices.shape[0], context_lens.data_ptr(),
+            max_context_len, bt_width, rows_max, heads, capturing)
+
+
+def schedule_model(indices, context_lens, max_context_len: int, bt_width: int,
+                   num_programs: int) -> list[list[tuple[int, int, int]]]:
+    """Host mirror of :func:`plan`, for tests: each CTA's items as ``(chunk
+    first row, chunk rows, page)`` in the order the CTA numbers them."""
+    ids = [int(x) for x in indices]
+    ctx = [int(x) for x in context_lens]
+    cap = min(max_context_len, bt_width * PAGE)
+    items = []
+    r = 0
+    while r < len(ids):
+        e = r
+        while e + 1 < len(ids) and ids[e + 1] == ids[r]:
+            e += 1
+        kv = min(max(ctx[e], 0), cap)
+        for c in range(r, e + 1, ROWS_MAX):
+            items += [(c, min(ROWS_MAX, e - c + 1), p) for p in range(-(-kv // PAGE))]
+        r = e + 1
+    t = len(items)
+    return [items[c * t // num_programs:(c + 1) * t // num_programs] for c in range(num_programs)]
+
+
+def plan_items(table, ctas) -> list[list[tuple[int, int, int]]]:
+    """Each CTA's items as the kernel walks a plan (host, for tests)."""
+    table = table.cpu().tolist()
+    out = []
+    for seg0, lo, hi, _ in ctas.cpu().tolist():
+        got = []
+        for k in range(seg0, len(table)):
+            first, n, _, off, items, _, _, _ = table[k]
+            if off >= hi:
+                break
+            got += [(first, n, p) for p in range(max(lo - off, 0), min(hi - off, items))]
+        out.append(got)
+    return out
+
+
+# ------------------------------------------------------------------- launch
+
+def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
+           rows_max: int = ROWS_MAX, schedule=None):
+    """Launch on checked inputs (the portable launcher checks them); ``schedule``:
+    the step's :func:`plan` (made here when not given)."""
+    rows = q.shape[0]
+    dev = q.device
+    kern = load(dev)
+    if schedule is None:
+        schedule = plan(indices, context_lens, max_context_len, block_table.shape[1])
+    table, ctas = schedule
+    programs = _num_sms(dev.index or 0)
+    if (table.dtype != torch.int32 or tuple(table.shape) != (rows, TABLE_WORDS)
+            or ctas.dtype != torch.int32 or tuple(ctas.shape) != (programs, CTA_WORDS)):
+        raise ValueError(f"schedule: expected (int32 [{rows}, {TABLE_WORDS}], int32 "
+                         f"[{programs}, {CTA_WORDS}]) from plan(), got "
+                         f"{[(t.dtype, tuple(t.shape)) for t in schedule]}")
+    if weights.stride(1) != 1 or weights.stride(0) != HEADS or weights.data_ptr() % 16:
+        raise ValueError(f"weights: expected contiguous fp32 [R, {HEADS}] (16-byte aligned), got "
+                         f"strides {weights.stride()}")
+    blocks = kv_cache.shape[0]
+    kv_map = _map("kv", kv_cache.data_ptr(), [DIM, PAGE, blocks], [DIM, kv_cache.stride(0)],
+                  [DIM, PAGE, 1])
+    q_map = _map("q", q.data_ptr(), [DIM, HEADS, rows], [DIM, q.stride(0)], [DIM, HEADS, 2])
+    ctx = context_lens.reshape(-1)
+    if ctx.stride(0) != 1:
+        ctx = ctx.contiguous()
+    vals = [kv_map, q_map, ctypes.c_uint64(kv_cache.data_ptr()), ctypes.c_int64(kv_cache.stride(0)),
+            ctypes.c_uint64(weights.data_ptr()), ctypes.c_int32(weights.stride(0)),
+            ctypes.c_uint64(ctx.data_ptr()), ctypes.c_uint64(block_table.data_ptr()),
+            ctypes.c_int32(block_table.stride(0)), ctypes.c_uint64(out.data_ptr()),
+            ctypes.c_int64(out.stride(0)), ctypes.c_uint64(table.data_ptr()),
+            ctypes.c_uint64(ctas.data_ptr()), ctypes.c_int32(rows)]
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
+                                             for v in vals])
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    with torch.cuda.device(dev):
+        _ck(_driver().cuLaunchKernel(kern.fn, programs, 1, 1, THREADS, 1, 1, SMEM_BYTES,
+                                     ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+    return kern
