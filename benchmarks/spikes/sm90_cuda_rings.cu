@@ -35,6 +35,19 @@
 #ifndef CONSTW    // weights as constants instead of shared-memory loads
 #define CONSTW 0
 #endif
+#ifndef W128      // weights re-laid per segment (per warpgroup, lane-contiguous): 8 LDS.128 per group-page
+#define W128 0
+#endif
+#ifndef WSCALAR   // timing only: one weight register per lane for every head (no loads)
+#define WSCALAR 0
+#endif
+#ifndef PRELOAD   // the group's weights loaded from shared memory while its wgmma runs
+#define PRELOAD 0
+#endif
+#ifndef WAITFENCE // wgmma wait without a memory clobber; accumulator ordered by register fences
+#define WAITFENCE 0
+#endif
+#define WPAD 36   // W128: floats per lane-set (144 B: the 4 lane-sets' 16-byte reads in distinct banks)
 #ifndef REGW      // the warpgroup's one row group's weights held in registers per segment (GMAX == SPLIT)
 #define REGW 0
 #endif
@@ -93,7 +106,15 @@ DEV uint64_t sw128_desc(const void* p) {
 }
 DEV void mma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 DEV void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+#if WAITFENCE
+DEV void mma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;"); }
+#else
 DEV void mma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+#endif
+DEV void acc_fence(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i]));
+}
 DEV void mma_64x128x32(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -132,7 +153,8 @@ varlen_logits_rings(const void* __restrict__ kv_map, const void* __restrict__ q_
   uint8_t* q_buf = kv_ring + RINGS * STAGES * PAGE_BYTES;           // [2][GMAX][Q_GROUP_BYTES]
   float* sc_ring = reinterpret_cast<float*>(q_buf + 2 * GMAX * Q_GROUP_BYTES);  // [NUM_MATH][STAGES][PAGE]
   float* w_buf = sc_ring + RINGS * STAGES * PAGE;                   // [2][2 * GMAX][HEADS]
-  uint64_t* full = reinterpret_cast<uint64_t*>(w_buf + 2 * 2 * GMAX * HEADS);
+  float* w_perm = w_buf + 2 * 2 * GMAX * HEADS;                     // [NUM_MATH][2][GMAX][4][WPAD]
+  uint64_t* full = reinterpret_cast<uint64_t*>(w_perm + NUM_MATH * 2 * GMAX * 4 * WPAD);
   uint64_t* empty = full + RINGS * STAGES;
   uint64_t* q_full = empty + RINGS * STAGES;
   uint64_t* q_empty = q_full + 2;
@@ -200,6 +222,17 @@ varlen_logits_rings(const void* __restrict__ kv_map, const void* __restrict__ q_
       lim[g] = (r < s.n_rows) ? min(__ldg(ctx + s.first_row + r), s.kv_len) : 0;
     }
     bar_wait(&q_full[b], (k >> 1) & 1);
+#if W128
+    float* wp = w_perm + ((wg - 1) * 2 + b) * GMAX * 4 * WPAD;
+    for (int i = threadIdx.x % 128; i < GMAX * 128; i += 128) {
+      const int g = i / 128, t = (i / 32) % 4, jj = i % 32, n = jj / 2, e = jj % 2;
+      wp[(g * 4 + t) * WPAD + jj] = w_buf[(b * GMAX + g) * 2 * HEADS + 8 * n + 2 * t + e];
+    }
+    asm volatile("bar.sync %0, 128;" :: "r"(wg) : "memory");
+#endif
+#if WSCALAR
+    const float wsc = w_buf[b * GMAX * 2 * HEADS + (lane & 3)];
+#endif
 #if REGW
     static_assert(GMAX == SPLIT, "REGW: one row group per math warpgroup");
     float wr[32];  // this lane's weights of group `mine`, in the accumulator's column order
@@ -234,7 +267,16 @@ varlen_logits_rings(const void* __restrict__ kv_map, const void* __restrict__ q_
           for (int kk = 0; kk < DIM / 32; ++kk)
             mma_64x128x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
           mma_commit();
+#if PRELOAD
+          float2 wpre[16];
+          {
+            const float* wsrc = w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3);
+#pragma unroll
+            for (int n = 0; n < 16; ++n) wpre[n] = *reinterpret_cast<const float2*>(wsrc + 8 * n);
+          }
+#endif
           mma_wait();
+          acc_fence(acc);
           if (g == last_mine) {  // every read of the slot is done: hand it back
             __syncwarp();
             if (lane == 0) bar_arrive(&empty[slot]);
@@ -249,10 +291,25 @@ varlen_logits_rings(const void* __restrict__ kv_map, const void* __restrict__ q_
 #else
           const float* wg_ = w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3);
           float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;   // s[token half][row]
+#if W128
+          float4 w4;
+#endif
 #pragma unroll
           for (int n = 0; n < 16; ++n) {
 #if CONSTW
             const float2 wv = make_float2(0.5f + n, 0.25f - n);
+#elif PRELOAD
+            const float2 wv = wpre[n];
+#elif WSCALAR
+            const float2 wv = make_float2(wsc, wsc);
+#elif W128
+            float2 wv;
+            if (n % 2 == 0) {
+              w4 = *reinterpret_cast<const float4*>(wp + (g * 4 + (lane & 3)) * WPAD + 2 * n);
+              wv = make_float2(w4.x, w4.y);
+            } else {
+              wv = make_float2(w4.z, w4.w);
+            }
 #elif REGW
             const float2 wv = make_float2(wr[2 * n], wr[2 * n + 1]);
 #else

@@ -61,7 +61,7 @@ def build(gmax: int, stages: int, flags: str = "") -> tuple[str, str]:
 def smem_bytes(gmax: int, stages: int, split: int = 1) -> int:
     rings = MATH // split
     return (1024 + rings * stages * PAGE * DIM + 2 * gmax * 2 * HEADS * DIM + rings * stages * PAGE * 4
-            + 2 * 2 * gmax * HEADS * 4 + (2 * rings * stages + 4) * 8)
+            + 2 * 2 * gmax * HEADS * 4 + MATH * 2 * gmax * 4 * 36 * 4 + (2 * rings * stages + 4) * 8)
 
 
 class Kernel:
