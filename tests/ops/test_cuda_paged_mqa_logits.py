@@ -37,19 +37,27 @@ def _random_step(seed: int):
             rnd.choice([64, 500, 3000, 5000]), rnd.choice([1, 8, 64]), rnd.choice([1, 3, 7, 132]))
 
 
+@pytest.mark.parametrize("cost", [ck.COST, (1, 0), (3, 7)])
 @pytest.mark.parametrize("seed", range(60))
-def test_plan_walks_the_host_schedule(seed):
+def test_plan_walks_the_host_schedule(seed, cost):
     """Each CTA's items, as the kernel walks the plan, are the host model's:
-    every (chunk, page) of the step once, in order, shares within one item."""
+    every (chunk, page) of the step once, in order; the CTAs' shares of the
+    step's cost differ by less than two items' cost (by at most one item in
+    count when every page costs the same)."""
     ids, ctx, max_len, width, programs = _random_step(seed)
-    table, ctas = ck.plan(ids, ctx, max_len, width, programs=programs)
+    table, ctas = ck.plan(ids, ctx, max_len, width, programs=programs, cost=cost)
     assert table.dtype == ctas.dtype == torch.int32
     assert tuple(table.shape) == (ids.shape[0], ck.TABLE_WORDS)
     assert tuple(ctas.shape) == (programs, ck.CTA_WORDS)
     got = ck.plan_items(table, ctas)
-    assert got == ck.schedule_model(ids, ctx.view(-1), max_len, width, programs)
-    sizes = [len(g) for g in got]
-    assert max(sizes) - min(sizes) <= 1
+    assert got == ck.schedule_model(ids, ctx.view(-1), max_len, width, programs, cost=cost)
+    flat = [item for share in got for item in share]
+    assert len(flat) == len(set(flat))
+    costs = [sum(cost[0] + cost[1] * n for _, n, _ in share) for share in got]
+    assert max(costs) - min(costs) < 2 * (cost[0] + cost[1] * ck.ROWS_MAX)
+    if cost[1] == 0:
+        sizes = [len(share) for share in got]
+        assert max(sizes) - min(sizes) <= 1
 
 
 def test_plan_refuses_other_chunk_sizes():
@@ -200,6 +208,8 @@ def test_graph_replay_with_new_contents_and_compositions():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         assert tk.hopper_kernel_for(q, kv, "auto", tokens, w) is ck
+        for hint in (1, 5, 6, 7, 16):  # every hint: measured faster than both others
+            assert tk.hopper_kernel_for(q, kv, "auto", hint, w) is ck
         call(out, cache)
         call(second, cache)
     assert len(cache) == 1 and next(iter(cache))[0] == "cuda"

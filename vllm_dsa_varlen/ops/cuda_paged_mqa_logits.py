@@ -55,6 +55,11 @@ CTA_WORDS = 4         # int32 per CTA: first segment, item range [lo, hi)
 SMEM_BYTES = (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
               + MATH * STAGES * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * MATH * STAGES + 4) * 8)
 PER_STEP_INTS = ("max_context_len", "bt_width")  # never compiled in: one cubin serves all
+# A page's cost for the schedule's balance, c0 + c1 * (the chunk's rows): the
+# CTAs' shares are equal in cost, not in pages, so a CTA that draws long runs
+# (two row groups per page) does not finish last.  From the H200 (calls 31-36,
+# docs/kernel-notes.md): ~610 cycles per page with two rows, ~960 with four.
+COST = (5, 2)
 
 _lock = threading.Lock()
 
@@ -159,8 +164,8 @@ def available() -> str | None:
 class _Loaded:
     """The kernel loaded in one device's primary context."""
 
-    def __init__(self, device: torch.device):
-        cubin, _ = compile_cubin()
+    def __init__(self, device: torch.device, defines: tuple = ()):
+        cubin, _ = compile_cubin(extra=tuple(f"-D{d}" for d in defines))
         with torch.cuda.device(device):
             torch.cuda.init()
             torch.empty(1, device=device)  # the primary context is current
@@ -176,17 +181,20 @@ class _Loaded:
 _LOADED: dict = {}
 
 
-def load(device) -> _Loaded:
+def load(device, defines: tuple = ()) -> _Loaded:
     """Compile (NVRTC) and load the kernel for ``device`` once per process.
-    Done by ``precompile`` at start-up, so no decode step waits on it."""
+    Done by ``precompile`` at start-up, so no decode step waits on it.
+    ``defines``: ``NAME=value`` macros of the source (measured variants, e.g.
+    ``MATH_REGS=112``; the default build takes none)."""
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    got = _LOADED.get(index)
+    key = (index, tuple(defines))
+    got = _LOADED.get(key)
     if got is None:
         with _lock:
-            got = _LOADED.get(index)
+            got = _LOADED.get(key)
             if got is None:
-                got = _LOADED[index] = _Loaded(torch.device("cuda", index))
+                got = _LOADED[key] = _Loaded(torch.device("cuda", index), tuple(defines))
     return got
 
 
@@ -262,14 +270,17 @@ def _num_sms(index: int) -> int:
 # --------------------------------------------------------------- schedule
 
 def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int = HEADS,
-         rows_max: int = ROWS_MAX, *, programs: int | None = None):
+         rows_max: int = ROWS_MAX, *, programs: int | None = None, cost=COST):
     """The step's schedule (torch operations on the device; no host sync, graph
     safe): ``(table int32 [R, 8], ctas int32 [programs, 4])``.
 
     ``table`` rows, chunks with work first (in row order), then the rest:
     (first row, rows, KV length, first item, items, block-table row, 0, 0);
-    ``ctas``: (first segment, item range lo, hi, 0).  A run's KV length is its
-    last row's context length clamped to ``[0, min(max_context_len, bt_width *
+    ``ctas``: (first segment, item range lo, hi, 0): CTA ``c`` of ``n`` takes
+    the items whose cost (``cost`` = (c0, c1): c0 + c1 * the chunk's rows per
+    page) ends past ``c * C // n`` and starts before ``(c + 1) * C // n`` of
+    the step's total ``C`` (:data:`COST`).  A run's KV length is its last
+    row's context length clamped to ``[0, min(max_context_len, bt_width *
     page)]``; its block-table row is its first row."""
     if rows_max != ROWS_MAX:
         raise ValueError(f"rows_max: this kernel holds {ROWS_MAX} rows per chunk, got {rows_max}")
@@ -302,9 +313,18 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     # rows without work: first item past every range, no items (walks stop there)
     table[:, 3] = torch.where(work[order], table[:, 3], total.to(torch.int32).expand(rows))
     off_end = table[:, 3].to(torch.int64) + table[:, 4]
-    c = torch.arange(programs, device=dev, dtype=torch.int64)
-    lo = c * total // programs
-    hi = (c + 1) * total // programs
+    # CTA boundaries: equal shares of the step's cost, each at an item boundary
+    unit = torch.where(work, cost[0] + cost[1] * n_rows, 0).to(torch.int64)[order]
+    seg_cost = unit * table[:, 4]
+    cost_end = torch.cumsum(seg_cost, 0)
+    cost_off = cost_end - seg_cost
+    c = torch.arange(programs + 1, device=dev, dtype=torch.int64)
+    x = c * cost_end[-1:] // programs
+    s = torch.searchsorted(cost_end, x, right=True).clamp_max(rows - 1)
+    inside = (x - cost_off[s]) // unit[s].clamp_min(1)  # the first item whose cost ends past x
+    bound = torch.where(x >= cost_end[-1:], total,
+                        table[s, 3].to(torch.int64) + torch.minimum(inside, table[s, 4]))
+    lo, hi = bound[:-1], bound[1:]
     seg0 = torch.searchsorted(off_end, lo, right=True)
     ctas = torch.stack([seg0, lo, hi, torch.zeros_like(lo)], 1).to(torch.int32)
     return table.contiguous(), ctas.contiguous()
@@ -318,7 +338,7 @@ def schedule_key(indices, context_lens, max_context_len: int, bt_width: int, hea
 
 
 def schedule_model(indices, context_lens, max_context_len: int, bt_width: int,
-                   num_programs: int) -> list[list[tuple[int, int, int]]]:
+                   num_programs: int, cost=COST) -> list[list[tuple[int, int, int]]]:
     """Host mirror of :func:`plan`, for tests: each CTA's items as ``(chunk
     first row, chunk rows, page)`` in the order the CTA numbers them."""
     ids = [int(x) for x in indices]
@@ -334,8 +354,17 @@ def schedule_model(indices, context_lens, max_context_len: int, bt_width: int,
         for c in range(r, e + 1, ROWS_MAX):
             items += [(c, min(ROWS_MAX, e - c + 1), p) for p in range(-(-kv // PAGE))]
         r = e + 1
-    t = len(items)
-    return [items[c * t // num_programs:(c + 1) * t // num_programs] for c in range(num_programs)]
+    # item i takes cost [ends[i] - unit_i, ends[i]); CTA c's first item is the
+    # first whose cost ends past c * C // n
+    ends, acc = [], 0
+    for _, n, _ in items:
+        acc += cost[0] + cost[1] * n
+        ends.append(acc)
+    bounds = []
+    for c in range(num_programs + 1):
+        x = c * acc // num_programs
+        bounds.append(next((i for i, e in enumerate(ends) if e > x), len(items)))
+    return [items[bounds[c]:bounds[c + 1]] for c in range(num_programs)]
 
 
 def plan_items(table, ctas) -> list[list[tuple[int, int, int]]]:
@@ -356,12 +385,13 @@ def plan_items(table, ctas) -> list[list[tuple[int, int, int]]]:
 # ------------------------------------------------------------------- launch
 
 def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
-           rows_max: int = ROWS_MAX, schedule=None):
+           rows_max: int = ROWS_MAX, schedule=None, defines: tuple = ()):
     """Launch on checked inputs (the portable launcher checks them); ``schedule``:
-    the step's :func:`plan` (made here when not given)."""
+    the step's :func:`plan` (made here when not given); ``defines``: a
+    measured variant's macros (:func:`load`)."""
     rows = q.shape[0]
     dev = q.device
-    kern = load(dev)
+    kern = load(dev, defines)
     if schedule is None:
         schedule = plan(indices, context_lens, max_context_len, block_table.shape[1])
     table, ctas = schedule

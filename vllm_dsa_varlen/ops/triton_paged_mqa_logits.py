@@ -366,8 +366,10 @@ KERNEL_ENV = "VLLM_DSA_VARLEN_KERNEL"  # "auto" (default), "portable", "sm90", "
 KERNELS = ("auto", "portable", "sm90", "sm90_cuda", "sm90_gluon")
 # The sm_90 path takes the CUDA C++ kernel (ops/cuda_paged_mqa_logits.py) where
 # it can run (64 heads, NVRTC present) and the Gluon kernel elsewhere on sm_90:
-# the CUDA kernel measured faster than the Gluon one on every step
-# (BENCHMARKS.md, docs/kernel-notes.md calls 31-34).
+# the CUDA kernel measured faster than the Gluon one and than the portable one
+# on every step, at every run length (BENCHMARKS.md, docs/kernel-notes.md calls
+# 31-39), so inside a capture "auto" takes it whatever the longest-run hint;
+# the Gluon kernel keeps its own rule (auto_takes_sm90).
 CUDA_SM90 = True
 HOPPER_AUTO = True  # "auto" takes the sm_90 Gluon kernel on Hopper where it measured faster
 # Where "auto" takes the sm_90 kernel (H200, docs/results/h200-v7b): runs of up to
@@ -418,9 +420,8 @@ def hopper_kernel_for(q, kv_cache, kernel: str | None, max_run_len: int = 4, wei
     kernel = kernel or os.environ.get(KERNEL_ENV, "auto")
     if kernel not in KERNELS:
         _fail("kernel", " or ".join(f'"{k}"' for k in KERNELS), kernel)
-    if kernel == "portable" or (kernel == "auto" and (
-            not q.is_cuda or not auto_takes_sm90(q.shape[0], max_run_len,
-                                                 torch.cuda.is_current_stream_capturing()))):
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if kernel == "portable" or (kernel == "auto" and not (HOPPER_AUTO and capturing)):
         return None
     if kernel == "sm90_cuda" or (kernel in ("auto", "sm90") and CUDA_SM90):
         from . import cuda_paged_mqa_logits as ck
@@ -433,6 +434,8 @@ def hopper_kernel_for(q, kv_cache, kernel: str | None, max_run_len: int = 4, wei
                                f"run: {why}")
         if q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0):
             _log_once(f"vllm-dsa-varlen: Gluon sm_90 kernel, not the CUDA one ({why})")
+    if kernel == "auto" and not auto_takes_sm90(q.shape[0], max_run_len, capturing):
+        return None
     from . import gluon_paged_mqa_logits as gk
 
     why = gk.unsupported_reason(q, kv_cache)

@@ -20,8 +20,12 @@ typedef unsigned char u8;
 
 #define GMAX 2
 #define STAGES 3
+#ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
 #define MATH_REGS 104
+#endif
+#ifndef PRODUCER_REGS
 #define PRODUCER_REGS 40
+#endif
 #define NUM_MATH 4
 #define THREADS (128 * (NUM_MATH + 1))
 #define PAGE 64
@@ -215,7 +219,7 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
           const float* wq = w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3);
           float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;   // s[token half][row]
 #pragma unroll
-          for (int n = 0; n < 16; ++n) {
+          for (int n = 0; n < 16; ++n) {  // columns 8n + 2 * (lane & 3) + {0, 1}: row n / 8
             const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * n);
             const float a0 = fmaxf(acc[4 * n + 0], 0.f), a1 = fmaxf(acc[4 * n + 1], 0.f);
             const float a2 = fmaxf(acc[4 * n + 2], 0.f), a3 = fmaxf(acc[4 * n + 3], 0.f);
