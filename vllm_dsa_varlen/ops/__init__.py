@@ -3,8 +3,10 @@
 * :mod:`.reference` — the torch reference, the source of truth for tests;
 * :mod:`.triton_paged_mqa_logits` — the launcher and the portable Triton kernel
   (any fp8 GPU and the CPU interpreter);
-* :mod:`.gluon_paged_mqa_logits` — the sm_90 (Hopper) Gluon kernel the
-  launcher takes on Hopper;
+* :mod:`.cuda_paged_mqa_logits` — the sm_90 (Hopper) CUDA C++ kernel
+  (NVRTC, driver API) the launcher takes on Hopper at 64 heads;
+* :mod:`.gluon_paged_mqa_logits` — the sm_90 Gluon kernel, where the CUDA one
+  cannot run (32 heads, no NVRTC);
 * :func:`precompile` — compile every variant a server uses, up front.
 """
 
@@ -48,10 +50,13 @@ def precompile(*, heads: int, dim: int = 128, page: int = 64, device=None,
     # kernel inside a CUDA-graph capture (triton_paged_mqa_logits.auto_takes_sm90),
     # so both are compiled where the sm_90 kernel can serve this cache.
     if kernel is None or kernel == "auto":
+        from . import cuda_paged_mqa_logits as ck
         from . import gluon_paged_mqa_logits as gk
 
         probe = torch.zeros((1, 1, heads, dim), device=device).to(torch.float8_e4m3fn)
-        sm90 = tk.HOPPER_AUTO and gk.unsupported_reason(probe, kv_cache) is None
+        sm90 = tk.HOPPER_AUTO and (
+            gk.unsupported_reason(probe, kv_cache) is None
+            or (tk.CUDA_SM90 and ck.unsupported_reason(probe, kv_cache) is None))
         kernels = ["portable"] + (["sm90"] if sm90 else [])
     else:
         kernels = [kernel]
