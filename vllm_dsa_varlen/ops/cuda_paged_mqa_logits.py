@@ -52,8 +52,15 @@ MATH = 4
 THREADS = 128 * (MATH + 1)
 TABLE_WORDS = 8       # int32 per segment row of the plan
 CTA_WORDS = 4         # int32 per CTA: first segment, item range [lo, hi)
-SMEM_BYTES = (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
-              + MATH * STAGES * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * MATH * STAGES + 4) * 8)
+
+
+def smem_bytes(defines: tuple = ()) -> int:
+    """Dynamic shared memory of a build (no measured variant changes it)."""
+    return (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
+            + MATH * STAGES * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * MATH * STAGES + 4) * 8)
+
+
+SMEM_BYTES = smem_bytes()
 PER_STEP_INTS = ("max_context_len", "bt_width")  # never compiled in: one cubin serves all
 # A page's cost for the schedule's balance, c0 + c1 * (the chunk's rows): the
 # CTAs' shares are equal in cost, not in pages, so a CTA that draws long runs
@@ -174,7 +181,8 @@ class _Loaded:
             self.fn = ctypes.c_void_p()
             _ck(_driver().cuModuleGetFunction(ctypes.byref(self.fn), self.module, KERNEL_NAME),
                 "cuModuleGetFunction")
-            _ck(_driver().cuFuncSetAttribute(self.fn, 8, SMEM_BYTES),
+            self.smem = smem_bytes(defines)
+            _ck(_driver().cuFuncSetAttribute(self.fn, 8, self.smem),
                 "cuFuncSetAttribute(max dynamic shared memory)")
 
 
@@ -421,6 +429,6 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
                                              for v in vals])
     stream = torch.cuda.current_stream(dev).cuda_stream
     with torch.cuda.device(dev):
-        _ck(_driver().cuLaunchKernel(kern.fn, programs, 1, 1, THREADS, 1, 1, SMEM_BYTES,
+        _ck(_driver().cuLaunchKernel(kern.fn, programs, 1, 1, THREADS, 1, 1, kern.smem,
                                      ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
     return kern
