@@ -29,16 +29,9 @@ def parse_variant(text: str):
 
 
 def _graph_us(torch, do_bench, fn, rep_ms):
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+    from vllm_dsa_varlen.bench import graph_replay_us
+
+    return graph_replay_us(torch, do_bench, fn, rep_ms)
 
 
 def main(argv=None) -> int:

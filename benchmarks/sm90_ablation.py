@@ -70,18 +70,10 @@ def load_variant(name: str):
     return mod
 
 
-def _graph_us(torch, do_bench, fn, rep_ms: int) -> float:
-    """Median µs of ``fn`` captured in a CUDA graph and replayed (L2 flushed)."""
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+def _graph_us(torch, do_bench, fn, rep_ms):
+    from vllm_dsa_varlen.bench import graph_replay_us
+
+    return graph_replay_us(torch, do_bench, fn, rep_ms)
 
 
 def main(argv=None) -> int:

@@ -306,6 +306,22 @@ def stock_split_path(torch, step, dg, num_sms):
                 result=result)
 
 
+def graph_replay_us(torch, do_bench, fn, rep_ms: int) -> float:
+    """Median µs of ``fn`` captured in a CUDA graph and replayed (``do_bench``
+    flushes the L2 before every run); ``fn`` runs once eagerly and once on a
+    side stream first (compiles, allocator warm-up), as capture needs."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+
+
 def sm90_call(torch, step, params):
     """A call of the sm_90 kernel with explicit launch parameters (``params``,
     as :func:`..ops.gluon_paged_mqa_logits.launch` takes them) into a buffer of

@@ -22,8 +22,9 @@ from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
 from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
 
+from logits_checks import POISON, check_poisoned, launcher_args, run_poisoned
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-POISON = float("nan")
 # "sm90": the launcher's sm_90 path (the CUDA kernel at 64 heads where NVRTC
 # loads, the Gluon one otherwise); "sm90_gluon": the Gluon kernel at every size.
 SM90_KERNELS = ["sm90", "sm90_gluon"]
@@ -194,10 +195,9 @@ def test_rows_max_follows_the_hint_and_the_wgmma_group():
 
 # ---------------------------------------------------------------- launcher (CPU)
 
-def _args(step):
-    rows = step.rows
-    return (step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1), rows.block_table,
-            rows.indices, step.max_context_len)
+_args = launcher_args
+_run = run_poisoned
+_check = check_poisoned
 
 
 def test_cpu_tensors_take_the_portable_kernel_and_sm90_is_refused():
@@ -268,30 +268,6 @@ def test_precompile_needs_a_gpu():
 
 
 # ---------------------------------------------------------------- GPU (sm_90)
-
-def _run(step, **kw):
-    rows = step.rows
-    out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
-    tk.varlen_paged_mqa_logits(*_args(step), out=out[: rows.num_rows], **kw)
-    return out
-
-
-def _check(step, out, rel_tol=1e-3):
-    rows = step.rows
-    ctx = rows.context_lens.view(-1, 1)
-    ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
-                               step.max_context_len, indices=rows.indices)
-    mask = valid_mask(ctx, step.max_context_len, rows.indices)
-    got = out[: rows.num_rows, : step.max_context_len]
-    assert torch.isfinite(got[mask]).all(), "a valid position was not written"
-    assert torch.isnan(got[~mask]).all(), "a position past the row's context was written"
-    assert torch.isnan(out[:, step.max_context_len:]).all(), "written past max_context_len"
-    assert torch.isnan(out[rows.num_rows:]).all(), "rows past R were written"
-    if mask.any():
-        err = (got[mask] - ref[mask]).norm() / ref[mask].norm().clamp_min(1e-30)
-        assert err < rel_tol, f"relative error {err:.2e}"
-    return mask
-
 
 def _compiled(fn):
     return sum(len(c[0]) for c in fn.device_caches.values())
@@ -389,7 +365,8 @@ def test_sm90_launch_knobs_match_reference(name, knobs):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", [(64, 4, 8192, None, 64), (64, 4, 8192, 0.7, 64),
                                   (32, 2, 16384, None, 64), (96, 3, 4096, 0.5, 32),
-                                  (8, 8, 20000, 0.8, 64), (1, 4, 8192, None, 64)])
+                                  (8, 8, 20000, 0.8, 64), (1, 4, 8192, None, 64),
+                                  (200, 1, 3000, None, 64)])
 @pytest.mark.parametrize("kernel", SM90_KERNELS)
 def test_sm90_serving_sizes_repeatable(case, kernel):
     num_reqs, tokens, context, acceptance, heads = case

@@ -61,7 +61,6 @@ def smem_bytes(defines: tuple = ()) -> int:
 
 
 SMEM_BYTES = smem_bytes()
-PER_STEP_INTS = ("max_context_len", "bt_width")  # never compiled in: one cubin serves all
 # A page's cost for the schedule's balance, c0 + c1 * (the chunk's rows): the
 # CTAs' shares are equal in cost, not in pages, so a CTA that draws long runs
 # (two row groups per page) does not finish last.  From the H200 (calls 31-36,
@@ -292,6 +291,8 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     page)]``; its block-table row is its first row."""
     if rows_max != ROWS_MAX:
         raise ValueError(f"rows_max: this kernel holds {ROWS_MAX} rows per chunk, got {rows_max}")
+    if heads != HEADS:
+        raise ValueError(f"heads: this kernel serves {HEADS} heads, got {heads}")
     dev = indices.device
     if programs is None:
         programs = _num_sms(dev.index or 0)
@@ -349,19 +350,12 @@ def schedule_model(indices, context_lens, max_context_len: int, bt_width: int,
                    num_programs: int, cost=COST) -> list[list[tuple[int, int, int]]]:
     """Host mirror of :func:`plan`, for tests: each CTA's items as ``(chunk
     first row, chunk rows, page)`` in the order the CTA numbers them."""
-    ids = [int(x) for x in indices]
-    ctx = [int(x) for x in context_lens]
-    cap = min(max_context_len, bt_width * PAGE)
+    from .reference import run_spans
+
     items = []
-    r = 0
-    while r < len(ids):
-        e = r
-        while e + 1 < len(ids) and ids[e + 1] == ids[r]:
-            e += 1
-        kv = min(max(ctx[e], 0), cap)
+    for r, e, kv in run_spans(indices, context_lens, min(max_context_len, bt_width * PAGE)):
         for c in range(r, e + 1, ROWS_MAX):
             items += [(c, min(ROWS_MAX, e - c + 1), p) for p in range(-(-kv // PAGE))]
-        r = e + 1
     # item i takes cost [ends[i] - unit_i, ends[i]); CTA c's first item is the
     # first whose cost ends past c * C // n
     ends, acc = [], 0

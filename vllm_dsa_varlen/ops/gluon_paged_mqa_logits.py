@@ -971,22 +971,15 @@ def schedule_model(indices, context_lens, max_context_len: int, bt_width: int, r
     n)`` of the ``T`` in run order.  Same arithmetic as ``_plan_sm90`` /
     ``_cursor_*`` (a run's KV length is its last row's context, clamped to
     ``[0, min(max_context_len, bt_width * page)]``)."""
-    ids = [int(x) for x in indices]
-    ctx = [int(x) for x in context_lens]
-    cap = min(max_context_len, bt_width * page)
+    from .reference import run_spans
+
     item = page * pages_per_item
     runs = []
-    r = 0
-    while r < len(ids):
-        e = r
-        while e + 1 < len(ids) and ids[e + 1] == ids[r]:
-            e += 1
-        kv = min(max(ctx[e], 0), cap)
+    for r, e, kv in run_spans(indices, context_lens, min(max_context_len, bt_width * page)):
         items = -(-kv // item)
         for chunk in range(0, e - r + 1, rows_max):
             for it in range(items):
                 runs.append((r, e, chunk, it))
-        r = e + 1
     total = len(runs)
     return [runs[c * total // num_programs:(c + 1) * total // num_programs]
             for c in range(num_programs)]

@@ -104,6 +104,23 @@ def paged_mqa_logits_ref(
     return out
 
 
+def run_spans(indices, context_lens, cap: int) -> list[tuple[int, int, int]]:
+    """Host walk of a varlen step's runs, for schedule models and tests: each
+    run's ``(first row, last row, KV length)``, the KV length being its last
+    row's context length clamped to ``[0, cap]``."""
+    ids = [int(x) for x in indices]
+    ctx = [int(x) for x in context_lens]
+    spans = []
+    r = 0
+    while r < len(ids):
+        e = r
+        while e + 1 < len(ids) and ids[e + 1] == ids[r]:
+            e += 1
+        spans.append((r, e, min(max(ctx[e], 0), cap)))
+        r = e + 1
+    return spans
+
+
 def valid_mask(context_lens: torch.Tensor, max_context_len: int,
                indices: torch.Tensor | None = None) -> torch.Tensor:
     """Bool ``[rows, max_context_len]``: positions a kernel must write.

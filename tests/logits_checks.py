@@ -1,0 +1,45 @@
+"""Shared checks of a varlen logits call against the torch reference (the
+sm_90 kernels' GPU tests): poisoned outputs, every valid position written and
+close to the reference, nothing written elsewhere."""
+
+import torch
+
+from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
+
+POISON = float("nan")
+
+
+def launcher_args(step):
+    """The launcher's positional arguments for a :class:`DecodeStep`."""
+    rows = step.rows
+    return (step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1), rows.block_table,
+            rows.indices, step.max_context_len)
+
+
+def run_poisoned(step, **kw):
+    """The launcher's logits in a poisoned buffer 2 rows and 40 columns larger
+    than ``[R, max_context_len]`` (what lies outside must stay poisoned)."""
+    rows = step.rows
+    out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
+    tk.varlen_paged_mqa_logits(*launcher_args(step), out=out[: rows.num_rows], **kw)
+    return out
+
+
+def check_poisoned(step, out, rel_tol=1e-3):
+    """Assert ``out`` (from :func:`run_poisoned`) against the reference; returns
+    the valid-position mask."""
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
+                               step.max_context_len, indices=rows.indices)
+    mask = valid_mask(ctx, step.max_context_len, rows.indices)
+    got = out[: rows.num_rows, : step.max_context_len]
+    assert torch.isfinite(got[mask]).all(), "a valid position was not written"
+    assert torch.isnan(got[~mask]).all(), "a position past the row's context was written"
+    assert torch.isnan(out[:, step.max_context_len:]).all(), "written past max_context_len"
+    assert torch.isnan(out[rows.num_rows:]).all(), "rows past R were written"
+    if mask.any():
+        err = (got[mask] - ref[mask]).norm() / ref[mask].norm().clamp_min(1e-30)
+        assert err < rel_tol, f"relative error {err:.2e}"
+    return mask
