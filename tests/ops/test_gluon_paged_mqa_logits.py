@@ -279,12 +279,18 @@ def test_no_compile_after_precompile_for_new_step_sizes():
     widths compile nothing (the kernels' own caches do not grow), eager (the
     portable kernel) or captured into a CUDA graph (where "auto" may take the
     sm_90 kernel)."""
+    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+
     heads = 64
     took = precompile(heads=heads, device="cuda")
     assert took > 0
     fns = [tk._varlen_paged_mqa_logits_kernel] + (
         [gk._varlen_logits_sm90, gk._varlen_logits_sm90_wide, gk._plan_sm90] if HOPPER else [])
     before = [_compiled(f) for f in fns]
+    cuda_builds = dict(ck._LOADED)  # the CUDA kernel: NVRTC builds loaded by precompile
+    if HOPPER and ck.available() is None:
+        assert cuda_builds, "precompile did not build the CUDA sm_90 kernel"
+
     for i, (reqs, tokens, ctx_len, width_pad) in enumerate(
             [(3, 1, 300, 0), (17, 2, 5000, 3), (33, 3, 2000, 1), (5, 4, 9000, 7), (2, 8, 100, 2),
              (129, 1, 70, 5)]):
@@ -312,6 +318,7 @@ def test_no_compile_after_precompile_for_new_step_sizes():
         torch.cuda.synchronize()
         assert (captured[mask] - ref[mask]).norm() / ref[mask].norm() < 1e-3
     assert [_compiled(f) for f in fns] == before
+    assert ck._LOADED == cuda_builds
 
 
 SMALL = {
