@@ -1,5 +1,8 @@
 """The per-step choice :func:`vllm_dsa_varlen.policy.varlen_wins` and its step facts.
 
+Rules measured with the CUDA sm_90 kernel only (``kernel="cuda_sm90"``) apply
+only when the caller names that kernel (the builder's graph-time kernel).
+
 The expectations below are written from the measured table as BENCHMARKS.md
 states it (varlen at least as fast as DeepGEMM flattened on uniform 2-token
 steps from 128 rows, uniform 3-4-token steps from 64 rows, uniform 8-token
@@ -66,6 +69,8 @@ def test_measured_table_as_benchmarks_states_it(seed):
     num = rng.choice([1, 2, 8, 63, 64, 65, 128, 256])
     top = rng.choice([1, 2, 3, 4, 6, 8])
     lens = [top] * num if rng.random() < 0.5 else [rng.randint(1, top) for _ in range(num)]
+    if rng.random() < 0.3:  # longer runs on average (variable steps up to 8: >= 4.5 per request)
+        lens = [rng.randint(max(1, top - 2), top) for _ in range(num)]
     step = StepFacts.from_decode_lens(lens, max_context=rng.choice([0, 8192, 32767, 32768,
                                                                     1 << 17]))
     uniform = len(set(lens)) == 1
@@ -77,8 +82,20 @@ def test_measured_table_as_benchmarks_states_it(seed):
             or (not uniform and top == 4 and num >= 64 and step.max_context >= 32768
                 and sum(lens) >= 2.6 * num))
     assert varlen_wins(step, "flattened") == want
+    for kernel in ("portable", "gluon_sm90"):
+        assert varlen_wins(step, "flattened", kernel=kernel) == want
+    # with the CUDA sm_90 kernel (call 39) also: uniform 6 tokens from 64 requests,
+    # variable steps up to 4 tokens from 8K contexts, up to 8 tokens with >= 4.5
+    # tokens per request from 8K contexts
+    want_cuda = (want or (uniform and top == 6 and num >= 64)
+                 or (not uniform and top == 4 and num >= 64 and step.max_context >= 8192
+                     and sum(lens) >= 2.6 * num)
+                 or (not uniform and top == 8 and num >= 64 and step.max_context >= 8192
+                     and sum(lens) >= 4.5 * num))
+    assert varlen_wins(step, "flattened", kernel="cuda_sm90") == want_cuda
     # stock's native [B, next_n] kernel: never measured slower than varlen -> keep it
     assert not varlen_wins(step, "native")
+    assert not varlen_wins(step, "native", kernel="cuda_sm90")
     # stock would split: the tail would run as prefill -> varlen keeps them decodes
     assert varlen_wins(step, "split")
 
@@ -136,3 +153,20 @@ def test_mean_run_bound_counts_tokens_not_padding_rows():
 def test_tokens_fact_is_checked():
     with pytest.raises(ValueError, match="tokens"):
         StepFacts(rows=4, requests=2, max_run=2, uniform=True, tokens=5)
+
+
+def test_kernel_gated_rules_need_the_callers_kernel():
+    six = StepFacts.from_decode_lens([6] * 64, max_context=8000)
+    assert not varlen_wins(six, "flattened")
+    assert varlen_wins(six, "flattened", kernel="cuda_sm90")
+    table = (Rule("flattened", min_run=2, kernel="gluon_sm90", note="test"),)
+    assert varlen_wins(six, "flattened", table, kernel="gluon_sm90")
+    assert not varlen_wins(six, "flattened", table, kernel="cuda_sm90")
+    assert not varlen_wins(six, "flattened", table)
+
+
+def test_graph_kernel_on_the_cpu_is_the_portable_one():
+    from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+
+    assert tk.graph_kernel("cpu", 64) == "portable"
+    assert tk.graph_kernel("cpu", None, 128, 64) == "portable"

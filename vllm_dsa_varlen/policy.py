@@ -29,6 +29,10 @@ What stock runs for a step (``StockKind``):
 :data:`MEASURED` is the table the decision follows (BENCHMARKS.md holds the
 measurements behind it), looked up at call time.  A step matches a rule when
 every bound holds; the varlen kernel is used only where a rule says it won.
+A rule may name the kernel it was measured with (``kernel``): it then applies
+only when the caller says that kernel is the one a captured step runs
+(:func:`vllm_dsa_varlen.ops.triton_paged_mqa_logits.graph_kernel`, a fact of
+the builder: GPU, index heads, cache geometry, NVRTC).
 """
 
 from __future__ import annotations
@@ -103,7 +107,8 @@ class Rule:
     ``tokens >= min_tokens_per_request * requests`` (the mean run, padding
     rows excluded: flattening costs grow with tokens, varlen's with requests)
     and, when ``uniform`` is set, that uniformity (``None``: unbounded /
-    either)."""
+    either); ``kernel``: the varlen kernel it was measured with, when only
+    that one won (``None``: every kernel that serves a captured step)."""
 
     stock: str
     min_run: int = 1
@@ -113,10 +118,12 @@ class Rule:
     min_context: int = 0
     min_tokens_per_request: float = 0.0
     uniform: bool | None = None
+    kernel: str | None = None
     note: str = ""
 
-    def matches(self, step: StepFacts) -> bool:
-        return (step.max_run >= self.min_run
+    def matches(self, step: StepFacts, kernel: str | None = None) -> bool:
+        return ((self.kernel is None or self.kernel == kernel)
+                and step.max_run >= self.min_run
                 and (self.max_run_le is None or step.max_run <= self.max_run_le)
                 and step.rows >= self.min_rows and step.requests >= self.min_requests
                 and step.max_context >= self.min_context
@@ -158,16 +165,33 @@ MEASURED: tuple[Rule, ...] = (
               "request: B64 1..4 (2.67) 1.10x, B128 acceptance 0.7 (2.61) 1.10x DeepGEMM "
               "flattened; B64 acceptance 0.7 (2.28) measured slower (0.87x), as did B64 "
               "at 8K contexts (0.93x)"),
+    # Steps only the CUDA sm_90 kernel (v8, call 39) won; the Gluon and
+    # portable kernels tied or lost them.
+    Rule("flattened", min_run=6, max_run_le=6, min_requests=64, uniform=True, kernel="cuda_sm90",
+         note="uniform 6 tokens, B64 L8K: 1.46x DeepGEMM flattened (CUDA sm_90 kernel; Gluon "
+              "0.99x, portable 1.00x)"),
+    Rule("flattened", min_run=4, max_run_le=4, min_requests=64, min_context=8192,
+         min_tokens_per_request=2.6, uniform=False, kernel="cuda_sm90",
+         note="variable steps up to 4 tokens at >= 8K contexts with >= 2.6 tokens per request: "
+              "B64 L8K 1..4 1.11x, B128 L8K 1..4 1.35x, B64 L32K 1..4 1.33x DeepGEMM flattened "
+              "(CUDA sm_90 kernel; at 8K the Gluon and portable kernels lost, 0.93x / 0.71x)"),
+    Rule("flattened", min_run=8, max_run_le=8, min_requests=64, min_context=8192,
+         min_tokens_per_request=4.5, uniform=False, kernel="cuda_sm90",
+         note="variable steps up to 8 tokens, B64 L8K 1..8 (4.67 tokens per request): 1.11x "
+              "DeepGEMM flattened (CUDA sm_90 kernel; Gluon 0.87x, portable 0.74x)"),
 )
 
 
-def varlen_wins(step: StepFacts, stock: str, table: tuple[Rule, ...] | None = None) -> bool:
+def varlen_wins(step: StepFacts, stock: str, table: tuple[Rule, ...] | None = None,
+                kernel: str | None = None) -> bool:
     """Whether the varlen kernel is used for ``step`` instead of ``stock``'s path.
 
-    ``table``: the rules (default :data:`MEASURED`, looked up at call time)."""
+    ``table``: the rules (default :data:`MEASURED`, looked up at call time);
+    ``kernel``: the varlen kernel a captured step runs (``graph_kernel``), for
+    the rules measured with one kernel only (``None``: those never match)."""
     if stock not in STOCK_KINDS:
         raise ValueError(f"stock: expected one of {STOCK_KINDS}, got {stock!r}")
     if step.rows == 0:
         return False
     rules = MEASURED if table is None else table
-    return any(rule.stock == stock and rule.matches(step) for rule in rules)
+    return any(rule.stock == stock and rule.matches(step, kernel) for rule in rules)

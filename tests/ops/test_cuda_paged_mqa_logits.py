@@ -194,3 +194,13 @@ def test_no_host_sync_in_plan_and_launch():
                                step.max_context_len, indices=rows.indices)
     mask = valid_mask(ctx, step.max_context_len, rows.indices)
     assert (out[mask] - ref[mask]).norm() / ref[mask].norm() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_graph_kernel_names_what_auto_takes_in_a_capture():
+    """The builder-level fact the per-step policy reads: the CUDA kernel at 64
+    heads (where NVRTC loads), the Gluon one at 32, no claim for unknown heads."""
+    assert tk.graph_kernel("cuda", 64) == ("cuda_sm90" if NVRTC is None else "gluon_sm90")
+    assert tk.graph_kernel("cuda", 32) == "gluon_sm90"
+    assert tk.graph_kernel("cuda", None) == "portable"

@@ -243,7 +243,7 @@ def test_builder_varlen_equals_upstream_path(world, batch):
         dg = world.fake(mp, layout)
         mp.setattr(triton_kernel, "varlen_paged_mqa_logits", _reference_kernel)
         if batch["table"] == "all_win":
-            mp.setattr(ours, "varlen_wins", lambda f, s: policy.varlen_wins(f, s, ALL_WIN))
+            mp.setattr(ours, "varlen_wins", lambda f, s, kernel=None: policy.varlen_wins(f, s, ALL_WIN, kernel))
         builder = world.builder(mp, batch["next_n"], batch["adaptive"], layout)
         gen = torch.Generator().manual_seed(batch["seed"])
         block_table = torch.randint(0, NUM_BLOCKS, (len(lens), WIDTH), generator=gen,
@@ -330,7 +330,7 @@ def test_varlen_equals_stock_run_on_native_steps(world, next_n, lens, table):
             world.fake(mp, "dense")
             mp.setattr(triton_kernel, "varlen_paged_mqa_logits", _reference_kernel)
             if table == "all_win":
-                mp.setattr(ours, "varlen_wins", lambda f, s: policy.varlen_wins(f, s, ALL_WIN))
+                mp.setattr(ours, "varlen_wins", lambda f, s, kernel=None: policy.varlen_wins(f, s, ALL_WIN, kernel))
             builder = world.builder(mp, next_n, False, "dense", mode)
             md = builder.build(0, decode_batch(lens, seqs, block_table))
             if mode == "auto":

@@ -410,6 +410,26 @@ def auto_takes_sm90(rows: int, max_run_len: int, capturing: bool = True) -> bool
             and rows >= HOPPER_MIN_ROWS)
 
 
+def graph_kernel(device, heads: int | None, dim: int = 128, page: int = 64) -> str:
+    """The kernel "auto" takes inside a CUDA-graph capture for an indexer cache of
+    this geometry on ``device`` (a builder-level fact, for the per-step policy):
+    "cuda_sm90", "gluon_sm90" or "portable".  ``heads=None`` (unknown) never
+    claims the CUDA kernel, which serves 64 heads only."""
+    device = torch.device(device)
+    if (not HOPPER_AUTO or device.type != "cuda" or not torch.cuda.is_available()
+            or torch.cuda.get_device_capability(device) != (9, 0)):
+        return "portable"
+    from . import cuda_paged_mqa_logits as ck
+    from . import gluon_paged_mqa_logits as gk
+
+    if (CUDA_SM90 and (heads, dim, page) == (ck.HEADS, ck.DIM, ck.PAGE)
+            and ck.available() is None):
+        return "cuda_sm90"
+    if gk.available() is None and heads in gk.HEADS and dim == gk.DIM and page == gk.PAGE:
+        return "gluon_sm90"
+    return "portable"
+
+
 def hopper_kernel_for(q, kv_cache, kernel: str | None, max_run_len: int = 4, weights=None):
     """The sm_90 module (:mod:`.cuda_paged_mqa_logits` or
     :mod:`.gluon_paged_mqa_logits`, both with ``rows_max_for``, ``plan``,

@@ -29,7 +29,7 @@ def _hopper(monkeypatch, **kw):
 
 
 def _all_win(monkeypatch):
-    monkeypatch.setattr(ours, "varlen_wins", lambda f, s: policy.varlen_wins(f, s, ALL_WIN))
+    monkeypatch.setattr(ours, "varlen_wins", lambda f, s, kernel=None: policy.varlen_wins(f, s, ALL_WIN, kernel))
 
 
 def _table(gen, rows):
@@ -204,8 +204,8 @@ def test_native_choice_is_fixed_by_the_graph_key(monkeypatch, next_n):
     builder = make_builder(monkeypatch, next_n=next_n)
     seen = []
     table = (policy.Rule("native", min_rows=3 * next_n),)
-    monkeypatch.setattr(ours, "varlen_wins", lambda f, s: (seen.append(f), policy.varlen_wins(
-        f, s, table))[1])
+    monkeypatch.setattr(ours, "varlen_wins", lambda f, s, kernel=None: (
+        seen.append(f), policy.varlen_wins(f, s, table, kernel))[1])
     gen = torch.Generator().manual_seed(7)
     for reqs in (3, 4):  # two graph keys
         choices = set()
@@ -386,3 +386,28 @@ def test_draft_update_of_a_varlen_step(monkeypatch):
     assert tag is not None and tag.ids is dec.indices and tag.max_run_len == 1
     assert torch.equal(dec.schedule_metadata, schedule_fingerprint(dec.seq_lens, None, 8))
     assert all(c.bound.get("indices") is None for c in dg.calls)
+
+
+@pytest.mark.parametrize("graph_kernel", ["cuda_sm90", "portable"])
+def test_kernel_gated_rules_follow_the_builders_graph_kernel(monkeypatch, graph_kernel):
+    """A step stock flattens (6 tokens: no native kernel) takes varlen under a
+    rule measured with the CUDA sm_90 kernel only when the builder's graph-time
+    kernel (``tk.graph_kernel``, asked with its cache geometry) is that one."""
+    from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+
+    _hopper(monkeypatch)
+    monkeypatch.setattr(policy, "MEASURED", (policy.Rule(
+        "flattened", min_run=6, max_run_le=6, min_requests=2, uniform=True, kernel="cuda_sm90",
+        note="test table"),))
+    asked = []
+    monkeypatch.setattr(tk, "graph_kernel", lambda device, heads, dim, page: (
+        asked.append((dim, page)), graph_kernel)[1])
+    patches.apply_all(line="0.33")
+    builder = make_builder(monkeypatch, next_n=6)
+    gen = torch.Generator().manual_seed(3)
+    builder.build(0, decode_batch([6, 6, 6], [900, 1500, 70], _table(gen, 3)))
+    choice = builder.last_step_choice
+    assert choice.stock == "flattened"
+    assert choice.varlen is (graph_kernel == "cuda_sm90")
+    assert asked and set(asked) == {(builder.kv_cache_spec.head_size - 4,
+                                     builder.kv_cache_spec.num_states)}

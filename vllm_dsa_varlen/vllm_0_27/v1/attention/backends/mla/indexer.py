@@ -435,7 +435,8 @@ def _split_step_takes_varlen(builder: Any, common: Any) -> bool:
                  treat_short_extends_as_decodes=short_extends)
     if ours[0] == stock[0]:
         return False
-    return policy.varlen_wins(step_facts(common, ours[0], ours[2]), "split")
+    return policy.varlen_wins(step_facts(common, ours[0], ours[2]), "split",
+                              kernel=_graph_kernel(builder))
 
 
 def _kernel_takes_varlen(builder: Any, common: Any, metadata: Any) -> bool:
@@ -443,7 +444,19 @@ def _kernel_takes_varlen(builder: Any, common: Any, metadata: Any) -> bool:
     if builder.decode_path.per_step != "flattened":
         return True
     return policy.varlen_wins(
-        step_facts(common, metadata.num_decodes, metadata.num_decode_tokens), "flattened")
+        step_facts(common, metadata.num_decodes, metadata.num_decode_tokens), "flattened",
+        kernel=_graph_kernel(builder))
+
+
+def _graph_kernel(builder: Any) -> str:
+    """The varlen kernel a captured decode step of this builder runs (the GPU,
+    index heads and cache geometry decide; see ``tk.graph_kernel``): the
+    policy's rules measured with one kernel apply only when it runs."""
+    from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+
+    spec = builder.kv_cache_spec
+    return tk.graph_kernel(builder.device, _index_heads(builder.vllm_config), spec.head_size - 4,
+                           _kernel_page(spec))
 
 
 def _hand_over_ids(builder: Any, metadata: Any, common: Any) -> None:

@@ -173,6 +173,17 @@ def _index_heads(builder: Any) -> int | None:
     return heads if isinstance(heads, int) else None
 
 
+def _graph_kernel(builder: Any) -> str:
+    """The varlen kernel a captured decode step of this builder runs (the GPU,
+    index heads and cache geometry decide; see ``tk.graph_kernel``): the
+    policy's rules measured with one kernel apply only when it runs."""
+    from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+
+    spec = builder.kv_cache_spec
+    return tk.graph_kernel(builder.device, _index_heads(builder), spec.head_size - 4,
+                           spec.num_states)
+
+
 def _triton_serves(builder: Any) -> bool:
     """Whether the Triton varlen kernel supports this builder's cache (pages of
     ``num_states`` entries of ``head_size`` bytes) and index head count."""
@@ -327,7 +338,7 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
     else:
         facts = StepFacts.from_decode_lens(lens.tolist(), rows=rows,
                                            max_context=max(0, int(cm.max_seq_len)))
-    varlen = varlen_wins(facts, stock)
+    varlen = varlen_wins(facts, stock, kernel=_graph_kernel(builder))
     return StepChoice(facts, stock, varlen, plan=varlen or stock == "flattened")
 
 
