@@ -5,12 +5,12 @@ Same inputs, outputs and semantics as
 the launcher there takes it on sm_90 for 64 heads (``hopper_kernel_for``) and
 the Gluon kernel (:mod:`.gluon_paged_mqa_logits`) where this one cannot run.
 
-Why CUDA C++ and not Gluon (docs/kernel-notes.md, calls 31-33): the structure
+Why CUDA C++ and not Gluon (docs/kernel-notes.md, calls 31-39): the structure
 that sets DeepGEMM's pace — four math warpgroups that move independently, each
 with its own ring and its own arrive, running one copy of the math code — is
 not expressible in Gluon (Triton 3.6-3.9): warpgroups sharing a partition move
 in lockstep, warpgroups in partitions of their own are separate code copies.
-In CUDA it measured 10-20 % faster than the Gluon kernel on every step.
+In CUDA it measured 4-33 % faster than the Gluon kernel on every step (call 39).
 
 The kernel is compiled once per process by NVRTC (``sm_90a``; the library
 PyTorch's CUDA wheels install, or a CUDA toolkit's) and loaded through the
@@ -21,9 +21,11 @@ parameters (copied at launch or capture), encoded once per tensor layout.
 
 Schedule (:func:`plan`, torch operations on the GPU, no host sync, once per
 step): each run is split into chunks of up to 4 rows (two wgmma row groups);
-a chunk's items are its run's pages; CTA ``c`` of ``n`` takes items ``[c * T //
-n, (c + 1) * T // n)`` of the ``T`` in row order (each output element written
-by one CTA: bitwise repeatable).  :func:`schedule_model` is the host mirror.
+a chunk's items are its run's pages, each costing ``c0 + c1 * rows`` of its
+chunk (:data:`COST`); CTA ``c`` of ``n`` takes the items, in row order, whose
+cost ends past ``c * C // n`` and starts before ``(c + 1) * C // n`` of the
+step's total ``C`` (each output element written by one CTA: bitwise
+repeatable).  :func:`schedule_model` is the host mirror.
 """
 
 from __future__ import annotations
