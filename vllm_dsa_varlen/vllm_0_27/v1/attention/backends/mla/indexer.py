@@ -207,6 +207,9 @@ def _setup_varlen(builder: Any) -> None:
     _log_path(path)
     if not path.use_varlen:
         return
+    # The varlen kernel a captured step runs: a fact of the builder, asked once
+    # (the per-step policy's kernel-gated rules read it).
+    builder.varlen_graph_kernel = _graph_kernel(builder)
     if path.per_step != "split":
         builder.use_flattening = True
     max_rows = builder.decode_seq_lens_buffer.shape[0]
@@ -436,7 +439,7 @@ def _split_step_takes_varlen(builder: Any, common: Any) -> bool:
     if ours[0] == stock[0]:
         return False
     return policy.varlen_wins(step_facts(common, ours[0], ours[2]), "split",
-                              kernel=_graph_kernel(builder))
+                              kernel=builder.varlen_graph_kernel)
 
 
 def _kernel_takes_varlen(builder: Any, common: Any, metadata: Any) -> bool:
@@ -445,7 +448,7 @@ def _kernel_takes_varlen(builder: Any, common: Any, metadata: Any) -> bool:
         return True
     return policy.varlen_wins(
         step_facts(common, metadata.num_decodes, metadata.num_decode_tokens), "flattened",
-        kernel=_graph_kernel(builder))
+        kernel=builder.varlen_graph_kernel)
 
 
 def _graph_kernel(builder: Any) -> str:

@@ -241,6 +241,9 @@ def _setup_varlen(builder: Any) -> None:
     _log_path(path)
     if not path.use_varlen:
         return
+    # The varlen kernel a captured step runs: a fact of the builder, asked once
+    # (the per-step policy's kernel-gated rules read it).
+    builder.varlen_graph_kernel = _graph_kernel(builder)
     # Rows are planned straight into stock's buffers (stock post-processes the
     # context lengths in place); the ids go to stock's own id buffer.
     builder.varlen_rows = DecodeRowBuffers(
@@ -338,7 +341,7 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
     else:
         facts = StepFacts.from_decode_lens(lens.tolist(), rows=rows,
                                            max_context=max(0, int(cm.max_seq_len)))
-    varlen = varlen_wins(facts, stock, kernel=_graph_kernel(builder))
+    varlen = varlen_wins(facts, stock, kernel=builder.varlen_graph_kernel)
     return StepChoice(facts, stock, varlen, plan=varlen or stock == "flattened")
 
 
