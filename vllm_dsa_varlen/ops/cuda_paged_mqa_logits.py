@@ -39,6 +39,8 @@ import threading
 
 import torch
 
+from .triton_paged_mqa_logits import _num_sms  # SMs of a device: the launcher's own
+
 logger = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "sm90_varlen_logits.cu")
@@ -54,15 +56,10 @@ MATH = 4
 THREADS = 128 * (MATH + 1)
 TABLE_WORDS = 8       # int32 per segment row of the plan
 CTA_WORDS = 4         # int32 per CTA: first segment, item range [lo, hi)
-
-
-def smem_bytes(defines: tuple = ()) -> int:
-    """Dynamic shared memory of a build (no measured variant changes it)."""
-    return (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
-            + MATH * STAGES * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * MATH * STAGES + 4) * 8)
-
-
-SMEM_BYTES = smem_bytes()
+# Dynamic shared memory (every build): 1 KB of alignment slack, the page rings,
+# the double-buffered queries, the rings' scales, the weights, the mbarriers.
+SMEM_BYTES = (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
+              + MATH * STAGES * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * MATH * STAGES + 4) * 8)
 # A page's cost for the schedule's balance, c0 + c1 * (the chunk's rows): the
 # CTAs' shares are equal in cost, not in pages, so a CTA that draws long runs
 # (two row groups per page) does not finish last.  From the H200 (calls 31-36,
@@ -182,8 +179,7 @@ class _Loaded:
             self.fn = ctypes.c_void_p()
             _ck(_driver().cuModuleGetFunction(ctypes.byref(self.fn), self.module, KERNEL_NAME),
                 "cuModuleGetFunction")
-            self.smem = smem_bytes(defines)
-            _ck(_driver().cuFuncSetAttribute(self.fn, 8, self.smem),
+            _ck(_driver().cuFuncSetAttribute(self.fn, 8, SMEM_BYTES),
                 "cuFuncSetAttribute(max dynamic shared memory)")
 
 
@@ -257,8 +253,7 @@ def unsupported_reason(q, kv_cache, weights=None) -> str | None:
         return "cache page stride or base not 16-byte aligned (TMA)"
     if q.stride(0) % 16 or q.data_ptr() % 16 or q.stride(2) != DIM or q.stride(3) != 1:
         return "queries not [R, 1, H, D] with 16-byte aligned rows and contiguous heads (TMA)"
-    if weights is not None and (weights.stride(1) != 1 or weights.stride(0) != HEADS
-                                or weights.data_ptr() % 16):
+    if weights is not None and not _weights_fit(weights):
         return "weights not contiguous [R, H] rows (one bulk copy per chunk)"
     why = available()
     if why is not None:
@@ -266,14 +261,14 @@ def unsupported_reason(q, kv_cache, weights=None) -> str | None:
     return None
 
 
+def _weights_fit(weights) -> bool:
+    """A chunk's weights are one bulk copy: contiguous 16-byte aligned ``[R, H]`` rows."""
+    return weights.stride(1) == 1 and weights.stride(0) == HEADS and weights.data_ptr() % 16 == 0
+
+
 def rows_max_for(heads: int, max_run_len: int) -> int:
     """Rows per chunk (fixed: the kernel holds two row groups of two rows)."""
     return ROWS_MAX
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # --------------------------------------------------------------- schedule
@@ -297,7 +292,7 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
         raise ValueError(f"heads: this kernel serves {HEADS} heads, got {heads}")
     dev = indices.device
     if programs is None:
-        programs = _num_sms(dev.index or 0)
+        programs = _num_sms(dev)
     ids = indices.view(-1)
     ctx = context_lens.reshape(-1).to(torch.int32)
     rows = ids.shape[0]
@@ -399,13 +394,13 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     if schedule is None:
         schedule = plan(indices, context_lens, max_context_len, block_table.shape[1])
     table, ctas = schedule
-    programs = _num_sms(dev.index or 0)
+    programs = _num_sms(dev)
     if (table.dtype != torch.int32 or tuple(table.shape) != (rows, TABLE_WORDS)
             or ctas.dtype != torch.int32 or tuple(ctas.shape) != (programs, CTA_WORDS)):
         raise ValueError(f"schedule: expected (int32 [{rows}, {TABLE_WORDS}], int32 "
                          f"[{programs}, {CTA_WORDS}]) from plan(), got "
                          f"{[(t.dtype, tuple(t.shape)) for t in schedule]}")
-    if weights.stride(1) != 1 or weights.stride(0) != HEADS or weights.data_ptr() % 16:
+    if not _weights_fit(weights):
         raise ValueError(f"weights: expected contiguous fp32 [R, {HEADS}] (16-byte aligned), got "
                          f"strides {weights.stride()}")
     blocks = kv_cache.shape[0]
@@ -425,6 +420,6 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
                                              for v in vals])
     stream = torch.cuda.current_stream(dev).cuda_stream
     with torch.cuda.device(dev):
-        _ck(_driver().cuLaunchKernel(kern.fn, programs, 1, 1, THREADS, 1, 1, kern.smem,
+        _ck(_driver().cuLaunchKernel(kern.fn, programs, 1, 1, THREADS, 1, 1, SMEM_BYTES,
                                      ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
     return kern
