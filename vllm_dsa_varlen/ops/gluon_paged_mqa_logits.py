@@ -296,6 +296,21 @@ if _MISSING is None:
         return start, end, kv, pages, chunk, pg, seg, pos
 
     @gluon.jit
+    def _next_item(ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg, pos,
+                   q_full, q_empty, i, WHICH: gl.constexpr, CONSUMERS: gl.constexpr,
+                   PAGE: gl.constexpr, ROWS_MAX: gl.constexpr, NW: gl.constexpr):
+        """A math partition's cursor moved on to its item ``i`` (``CONSUMERS``
+        items after its previous one; at its first item, ``WHICH``, it is there
+        already), releasing the query buffers of the segments it passes."""
+        if i > WHICH:
+            for _c in gl.static_range(CONSUMERS):
+                start, end, kv, pages, chunk, pg, seg = _cursor_step(
+                    ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
+                    q_full, q_empty, PAGE, ROWS_MAX, True, NW)
+            pos = i
+        return start, end, kv, pages, chunk, pg, seg, pos
+
+    @gluon.jit
     def _cursor_finish(ids_ptr, ctx_ptr, num_rows, kv_cap, n_items, start, end, kv, pages, chunk,
                        pg, seg, pos, q_full, q_empty, PAGE: gl.constexpr, ROWS_MAX: gl.constexpr,
                        NW: gl.constexpr):
@@ -433,12 +448,9 @@ if _MISSING is None:
             ids_ptr, ctx_ptr, num_rows, kv_cap, n_items, first_end, first_off, q_full, q_empty,
             WHICH, PAGE, ROWS_MAX, 4)
         for i in range(WHICH, n_items, CONSUMERS):
-            if i > WHICH:
-                for _c in gl.static_range(CONSUMERS):
-                    start, end, kv, pages, chunk, pg, seg = _cursor_step(
-                        ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg,
-                        q_full, q_empty, PAGE, ROWS_MAX, True, 4)
-                pos = i
+            start, end, kv, pages, chunk, pg, seg, pos = _next_item(
+                ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, pages, chunk, pg, seg, pos,
+                q_full, q_empty, i, WHICH, CONSUMERS, PAGE, ROWS_MAX, 4)
             slot = i % STAGES
             qb = seg % 2
             row0 = start + chunk
@@ -586,12 +598,9 @@ if _MISSING is None:
             ids_ptr, ctx_ptr, num_rows, kv_cap, n_items, first_end, first_off, q_full, q_empty,
             WHICH, M, ROWS_MAX, 4 * PR * NG)
         for i in range(WHICH, n_items, CONSUMERS):
-            if i > WHICH:
-                for _c in gl.static_range(CONSUMERS):
-                    start, end, kv, items, chunk, it, seg = _cursor_step(
-                        ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, items, chunk, it,
-                        seg, q_full, q_empty, M, ROWS_MAX, True, 4 * PR * NG)
-                pos = i
+            start, end, kv, items, chunk, it, seg, pos = _next_item(
+                ids_ptr, ctx_ptr, num_rows, kv_cap, start, end, kv, items, chunk, it, seg, pos,
+                q_full, q_empty, i, WHICH, CONSUMERS, M, ROWS_MAX, 4 * PR * NG)
             slot = i % STAGES
             qb = seg % 2
             row0 = start + chunk
