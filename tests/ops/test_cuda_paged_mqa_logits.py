@@ -37,7 +37,7 @@ def _random_step(seed: int):
             rnd.choice([64, 500, 3000, 5000]), rnd.choice([1, 8, 64]), rnd.choice([1, 3, 7, 132]))
 
 
-@pytest.mark.parametrize("cost", [ck.COST, (1, 0), (3, 7)])
+@pytest.mark.parametrize("cost", [ck.COST, (1, 0), (3, 7), (3, 0, 4), (0, 1, 5)])
 @pytest.mark.parametrize("seed", range(60))
 def test_plan_walks_the_host_schedule(seed, cost):
     """Each CTA's items, as the kernel walks the plan, are the host model's:
@@ -53,11 +53,19 @@ def test_plan_walks_the_host_schedule(seed, cost):
     assert got == ck.schedule_model(ids, ctx.view(-1), max_len, width, programs, cost=cost)
     flat = [item for share in got for item in share]
     assert len(flat) == len(set(flat))
-    costs = [sum(cost[0] + cost[1] * n for _, n, _ in share) for share in got]
-    assert max(costs) - min(costs) < 2 * (cost[0] + cost[1] * ck.ROWS_MAX)
-    if cost[1] == 0:
+    costs = [sum(ck.page_cost(cost, n) for _, n, _ in share) for share in got]
+    assert max(costs) - min(costs) < 2 * ck.page_cost(cost, ck.ROWS_MAX)
+    if cost[1:] in ((0,), (0, 0)):
         sizes = [len(share) for share in got]
         assert max(sizes) - min(sizes) <= 1
+
+
+def test_page_cost_counts_rows_and_row_groups():
+    assert [ck.page_cost((5, 2), n) for n in (1, 2, 3, 4)] == [7, 9, 11, 13]
+    assert [ck.page_cost((3, 0, 4), n) for n in (1, 2, 3, 4)] == [7, 7, 11, 11]
+    for bad in [(1,), (1, 2, 3, 4), (0, 0), (-1, 2), (1.5, 2)]:
+        with pytest.raises(ValueError, match="cost"):
+            ck.page_cost(bad, 2)
 
 
 def test_plan_refuses_other_chunk_sizes():

@@ -320,7 +320,8 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     table[:, 3] = torch.where(work[order], table[:, 3], total.to(torch.int32).expand(rows))
     off_end = table[:, 3].to(torch.int64) + table[:, 4]
     # CTA boundaries: equal shares of the step's cost, each at an item boundary
-    unit = torch.where(work, cost[0] + cost[1] * n_rows, 0).to(torch.int64)[order]
+    c0, c1, c2 = _cost3(cost)
+    unit = torch.where(work, c0 + c1 * n_rows + c2 * ((n_rows + 1) // 2), 0).to(torch.int64)[order]
     seg_cost = unit * table[:, 4]
     cost_end = torch.cumsum(seg_cost, 0)
     cost_off = cost_end - seg_cost
@@ -334,6 +335,20 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     seg0 = torch.searchsorted(off_end, lo, right=True)
     ctas = torch.stack([seg0, lo, hi, torch.zeros_like(lo)], 1).to(torch.int32)
     return table.contiguous(), ctas.contiguous()
+
+
+def _cost3(cost) -> tuple[int, int, int]:
+    if len(cost) not in (2, 3) or any(int(c) != c or c < 0 for c in cost) or not any(cost):
+        raise ValueError(f"cost: expected (c0, c1) or (c0, c1, c2), non-negative integers "
+                         f"not all zero, got {cost}")
+    return (int(cost[0]), int(cost[1]), int(cost[2]) if len(cost) == 3 else 0)
+
+
+def page_cost(cost, rows: int) -> int:
+    """A page's cost in the schedule's balance for a chunk of ``rows`` rows:
+    ``c0 + c1 * rows + c2 * row groups`` (``cost`` = (c0, c1) or (c0, c1, c2))."""
+    c0, c1, c2 = _cost3(cost)
+    return c0 + c1 * rows + c2 * ((rows + 1) // 2)
 
 
 def schedule_key(indices, context_lens, max_context_len: int, bt_width: int, heads: int,
@@ -357,7 +372,7 @@ def schedule_model(indices, context_lens, max_context_len: int, bt_width: int,
     # first whose cost ends past c * C // n
     ends, acc = [], 0
     for _, n, _ in items:
-        acc += cost[0] + cost[1] * n
+        acc += page_cost(cost, n)
         ends.append(acc)
     bounds = []
     for c in range(num_programs + 1):

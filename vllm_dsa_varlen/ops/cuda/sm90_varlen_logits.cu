@@ -21,6 +21,13 @@ typedef unsigned char u8;
 #ifndef EVICT_FIRST  // pages loaded with an L2 evict-first hint (measured variant, calls 41-42:
 #define EVICT_FIRST 0    // -4 % on B256 L4K 2 tokens, +1-5 % on large 4-token steps; off)
 #endif
+#ifndef ABS_RELU     // measured variant: the relu folded into FFMAs, (w|a| + wa) / 2, for every
+                     // term (1) or every other (2)
+#define ABS_RELU 0
+#endif
+#ifndef SKIP_PAD     // measured variant: a half group's epilogue skips its absent row
+#define SKIP_PAD 0
+#endif
 #define GMAX 2
 #define STAGES 3
 #ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
@@ -236,16 +243,35 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
           }
           const float* wq = w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3);
           float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;   // s[token half][row]
+#if ABS_RELU  // w * relu(a) = (w * a + w * |a|) / 2: FFMAs only (|a| is an operand modifier)
+          float l00 = 0.f, l01 = 0.f, l10 = 0.f, l11 = 0.f, m00 = 0.f, m01 = 0.f, m10 = 0.f, m11 = 0.f;
+#define TERM(a, w, S, L, M, odd)                                                   \
+          if (ABS_RELU == 1 || (odd)) { L = fmaf(a, w, L); M = fmaf(fabsf(a), w, M); } \
+          else S = fmaf(fmaxf(a, 0.f), w, S);
+#else
+#define TERM(a, w, S, L, M, odd) S = fmaf(fmaxf(a, 0.f), w, S);
+#endif
+#if SKIP_PAD
+          const int n_end = (2 * g + 1 < s.n_rows) ? 16 : 8;  // a chunk's odd last row: one row
+#else
+          const int n_end = 16;
+#endif
 #pragma unroll
           for (int n = 0; n < 16; ++n) {  // columns 8n + 2 * (lane & 3) + {0, 1}: row n / 8
+            if (n >= n_end) break;
             const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * n);
-            const float a0 = fmaxf(acc[4 * n + 0], 0.f), a1 = fmaxf(acc[4 * n + 1], 0.f);
-            const float a2 = fmaxf(acc[4 * n + 2], 0.f), a3 = fmaxf(acc[4 * n + 3], 0.f);
-            if (n < 8) { s00 = fmaf(a0, wv.x, s00); s00 = fmaf(a1, wv.y, s00);
-                         s10 = fmaf(a2, wv.x, s10); s10 = fmaf(a3, wv.y, s10); }
-            else       { s01 = fmaf(a0, wv.x, s01); s01 = fmaf(a1, wv.y, s01);
-                         s11 = fmaf(a2, wv.x, s11); s11 = fmaf(a3, wv.y, s11); }
+            const float a0 = acc[4 * n + 0], a1 = acc[4 * n + 1];
+            const float a2 = acc[4 * n + 2], a3 = acc[4 * n + 3];
+            if (n < 8) { TERM(a0, wv.x, s00, l00, m00, 0) TERM(a1, wv.y, s00, l00, m00, 1)
+                         TERM(a2, wv.x, s10, l10, m10, 0) TERM(a3, wv.y, s10, l10, m10, 1) }
+            else       { TERM(a0, wv.x, s01, l01, m01, 0) TERM(a1, wv.y, s01, l01, m01, 1)
+                         TERM(a2, wv.x, s11, l11, m11, 0) TERM(a3, wv.y, s11, l11, m11, 1) }
           }
+#undef TERM
+#if ABS_RELU
+          s00 += 0.5f * (l00 + m00); s01 += 0.5f * (l01 + m01);
+          s10 += 0.5f * (l10 + m10); s11 += 0.5f * (l11 + m11);
+#endif
           // sum over the quad's 4 lanes, each lane ending with its (token, row)
           float k0 = t_hi ? s10 : s00, k1 = t_hi ? s11 : s01;
           const float o0 = t_hi ? s00 : s10, o1 = t_hi ? s01 : s11;
