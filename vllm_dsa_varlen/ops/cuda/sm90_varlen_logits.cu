@@ -21,13 +21,9 @@ typedef unsigned char u8;
 #ifndef EVICT_FIRST  // pages loaded with an L2 evict-first hint (measured variant, calls 41-42:
 #define EVICT_FIRST 0    // -4 % on B256 L4K 2 tokens, +1-5 % on large 4-token steps; off)
 #endif
-#ifndef ABS_RELU     // measured variant: the relu folded into FFMAs, (w|a| + wa) / 2, for every
-                     // term (1) or every other (2)
-#define ABS_RELU 0
-#endif
-#ifndef SKIP_PAD     // measured variant: a half group's epilogue skips its absent row
-#define SKIP_PAD 0
-#endif
+#ifndef SKIP_PAD     // measured variants for a chunk's odd last row (a half group): its
+#define SKIP_PAD 0   // epilogue skips the absent row in one code copy (1) or in a second copy
+#endif               // (2), or a second copy also runs the m64n64 wgmma (3)
 #define GMAX 2
 #define STAGES 3
 #ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
@@ -107,6 +103,17 @@ DEV void mma_64x128x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// The first 32 accumulator registers hold columns 0..63 (row 2g of a group)
+// in both shapes, so a half group runs this one into them.
+DEV void mma_64x64x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
 struct Seg { int first_row, n_rows, kv_len, page_lo, page_hi, item_base, bt_row; };
 
 // Segment k of this CTA's item range [lo, hi), its fields warp-uniform (the
@@ -130,6 +137,49 @@ DEV Seg load_seg(const int* table, int k, int lo, int hi) {
 // A segment's first page (in [page_lo, page_hi)) that goes to ring r.
 DEV int first_page(const Seg& s, int r) {
   return s.page_lo + (((r - s.item_base) % NUM_MATH) + NUM_MATH) % NUM_MATH;
+}
+
+// One row group of one page: the wgmma chain into acc, the slot handed back
+// (slot_empty) when this is the page's last group (release), then relu * weight summed over
+// each row's heads, in the thread (its n_end / 8 rows' 16 columns each), then
+// across the quad; returns this lane's (token, row) logit before the scale.
+// HALF: only row 2g is present, and its wgmma is m64n64.
+template <bool HALF>
+DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const float* wq,
+                      u64* slot_empty, bool release, int lane, int n_end) {
+  const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
+  mma_fence();
+#pragma unroll
+  for (int kk = 0; kk < DIM / 32; ++kk) {
+    if (HALF) mma_64x64x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
+    else mma_64x128x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
+  }
+  mma_commit();
+  mma_wait();
+  if (release) {  // every read of the slot is done: hand it back
+    __syncwarp();
+    if (lane == 0) bar_arrive(slot_empty);
+  }
+  float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;   // s[token half][row]
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {  // columns 8n + 2 * (lane & 3) + {0, 1}: row n / 8
+    if (n >= n_end) break;
+    const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * n);
+    const float a0 = fmaxf(acc[4 * n + 0], 0.f), a1 = fmaxf(acc[4 * n + 1], 0.f);
+    const float a2 = fmaxf(acc[4 * n + 2], 0.f), a3 = fmaxf(acc[4 * n + 3], 0.f);
+    if (n < 8) { s00 = fmaf(a0, wv.x, s00); s00 = fmaf(a1, wv.y, s00);
+                 s10 = fmaf(a2, wv.x, s10); s10 = fmaf(a3, wv.y, s10); }
+    else       { s01 = fmaf(a0, wv.x, s01); s01 = fmaf(a1, wv.y, s01);
+                 s11 = fmaf(a2, wv.x, s11); s11 = fmaf(a3, wv.y, s11); }
+  }
+  // sum over the quad's 4 lanes, each lane ending with its (token, row)
+  float k0 = t_hi ? s10 : s00, k1 = t_hi ? s11 : s01;
+  const float o0 = t_hi ? s00 : s10, o1 = t_hi ? s01 : s11;
+  k0 += __shfl_xor_sync(0xffffffffu, o0, 1);
+  k1 += __shfl_xor_sync(0xffffffffu, o1, 1);
+  float v = q_hi ? k1 : k0;
+  v += __shfl_xor_sync(0xffffffffu, q_hi ? k0 : k1, 2);
+  return v;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -231,54 +281,17 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       for (int g = 0; g < GMAX; ++g) {
         if (g < groups) {
           const u8* qg = q_buf + (b * GMAX + g) * Q_GROUP_BYTES;
-          mma_fence();
-#pragma unroll
-          for (int kk = 0; kk < DIM / 32; ++kk)
-            mma_64x128x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
-          mma_commit();
-          mma_wait();
-          if (g == groups - 1) {  // every read of the slot is done: hand it back
-            __syncwarp();
-            if (lane == 0) bar_arrive(&empty[slot]);
-          }
           const float* wq = w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3);
-          float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;   // s[token half][row]
-#if ABS_RELU  // w * relu(a) = (w * a + w * |a|) / 2: FFMAs only (|a| is an operand modifier)
-          float l00 = 0.f, l01 = 0.f, l10 = 0.f, l11 = 0.f, m00 = 0.f, m01 = 0.f, m10 = 0.f, m11 = 0.f;
-#define TERM(a, w, S, L, M, odd)                                                   \
-          if (ABS_RELU == 1 || (odd)) { L = fmaf(a, w, L); M = fmaf(fabsf(a), w, M); } \
-          else S = fmaf(fmaxf(a, 0.f), w, S);
+#if SKIP_PAD == 0
+          const float v = group_logit<false>(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 16);
+#elif SKIP_PAD == 1
+          const float v = group_logit<false>(acc, page, qg, wq, &empty[slot], g == groups - 1, lane,
+                                             2 * g + 1 < s.n_rows ? 16 : 8);
 #else
-#define TERM(a, w, S, L, M, odd) S = fmaf(fmaxf(a, 0.f), w, S);
+          const float v = 2 * g + 1 < s.n_rows
+              ? group_logit<false>(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 16)
+              : group_logit<SKIP_PAD == 3>(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 8);
 #endif
-#if SKIP_PAD
-          const int n_end = (2 * g + 1 < s.n_rows) ? 16 : 8;  // a chunk's odd last row: one row
-#else
-          const int n_end = 16;
-#endif
-#pragma unroll
-          for (int n = 0; n < 16; ++n) {  // columns 8n + 2 * (lane & 3) + {0, 1}: row n / 8
-            if (n >= n_end) break;
-            const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * n);
-            const float a0 = acc[4 * n + 0], a1 = acc[4 * n + 1];
-            const float a2 = acc[4 * n + 2], a3 = acc[4 * n + 3];
-            if (n < 8) { TERM(a0, wv.x, s00, l00, m00, 0) TERM(a1, wv.y, s00, l00, m00, 1)
-                         TERM(a2, wv.x, s10, l10, m10, 0) TERM(a3, wv.y, s10, l10, m10, 1) }
-            else       { TERM(a0, wv.x, s01, l01, m01, 0) TERM(a1, wv.y, s01, l01, m01, 1)
-                         TERM(a2, wv.x, s11, l11, m11, 0) TERM(a3, wv.y, s11, l11, m11, 1) }
-          }
-#undef TERM
-#if ABS_RELU
-          s00 += 0.5f * (l00 + m00); s01 += 0.5f * (l01 + m01);
-          s10 += 0.5f * (l10 + m10); s11 += 0.5f * (l11 + m11);
-#endif
-          // sum over the quad's 4 lanes, each lane ending with its (token, row)
-          float k0 = t_hi ? s10 : s00, k1 = t_hi ? s11 : s01;
-          const float o0 = t_hi ? s00 : s10, o1 = t_hi ? s01 : s11;
-          k0 += __shfl_xor_sync(0xffffffffu, o0, 1);
-          k1 += __shfl_xor_sync(0xffffffffu, o1, 1);
-          float v = q_hi ? k1 : k0;
-          v += __shfl_xor_sync(0xffffffffu, q_hi ? k0 : k1, 2);
           if (pos < lim[g])
             out[(long long)(s.first_row + 2 * g + q_hi) * stride_out + pos] = v * scale;
         }
