@@ -97,7 +97,9 @@ GPU_CASES = [
     Case("B64 L32K 1..4tok", 64, 32768, 4, variable=True),
     Case("B64 L8K 1..4tok", 64, 8192, 4, variable=True),
     Case("B128 L8K 1..4tok", 128, 8192, 4, variable=True),
+    Case("B64 L8K 5tok uniform", 64, 8192, 5),
     Case("B64 L8K 6tok uniform", 64, 8192, 6),
+    Case("B64 L8K 7tok uniform", 64, 8192, 7),
     Case("B64 L8K 8tok uniform", 64, 8192, 8),
     Case("B64 L8K 1..8tok", 64, 8192, 8, variable=True),
 ]

@@ -37,7 +37,7 @@ def _random_step(seed: int):
             rnd.choice([64, 500, 3000, 5000]), rnd.choice([1, 8, 64]), rnd.choice([1, 3, 7, 132]))
 
 
-@pytest.mark.parametrize("cost", [ck.COST, (1, 0), (3, 7), (3, 0, 4), (0, 1, 5)])
+@pytest.mark.parametrize("cost", [ck.COST, (5, 2), (1, 0), (3, 7), (3, 0, 4), (0, 1, 5)])
 @pytest.mark.parametrize("seed", range(60))
 def test_plan_walks_the_host_schedule(seed, cost):
     """Each CTA's items, as the kernel walks the plan, are the host model's:

@@ -21,11 +21,11 @@ parameters (copied at launch or capture), encoded once per tensor layout.
 
 Schedule (:func:`plan`, torch operations on the GPU, no host sync, once per
 step): each run is split into chunks of up to 4 rows (two wgmma row groups);
-a chunk's items are its run's pages, each costing ``c0 + c1 * rows`` of its
-chunk (:data:`COST`); CTA ``c`` of ``n`` takes the items, in row order, whose
-cost ends past ``c * C // n`` and starts before ``(c + 1) * C // n`` of the
-step's total ``C`` (each output element written by one CTA: bitwise
-repeatable).  :func:`schedule_model` is the host mirror.
+a chunk's items are its run's pages, each costing ``c0 + c1 * rows + c2 *
+row groups`` of its chunk (:data:`COST`, :func:`page_cost`); CTA ``c`` of
+``n`` takes the items, in row order, whose cost ends past ``c * C // n`` and
+starts before ``(c + 1) * C // n`` of the step's total ``C`` (each output
+element written by one CTA: bitwise repeatable).  :func:`schedule_model` is the host mirror.
 """
 
 from __future__ import annotations
@@ -60,11 +60,13 @@ CTA_WORDS = 4         # int32 per CTA: first segment, item range [lo, hi)
 # the double-buffered queries, the rings' scales, the weights, the mbarriers.
 SMEM_BYTES = (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
               + MATH * STAGES * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * MATH * STAGES + 4) * 8)
-# A page's cost for the schedule's balance, c0 + c1 * (the chunk's rows): the
-# CTAs' shares are equal in cost, not in pages, so a CTA that draws long runs
-# (two row groups per page) does not finish last.  From the H200 (calls 31-36,
-# docs/kernel-notes.md): ~610 cycles per page with two rows, ~960 with four.
-COST = (5, 2)
+# A page's cost for the schedule's balance, c0 + c1 * rows + c2 * row groups of
+# its chunk (page_cost): the CTAs' shares are equal in cost, not in pages, so a
+# CTA that draws long runs does not finish last.  Each row group runs one full
+# wgmma (a chunk's odd last row too), the epilogue follows the rows; from the
+# H200 (call 48, cycles per page): ~610 with two rows, ~960 with three, ~1040
+# with four.
+COST = (3, 1, 4)
 
 _lock = threading.Lock()
 
@@ -281,9 +283,9 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     ``table`` rows, chunks with work first (in row order), then the rest:
     (first row, rows, KV length, first item, items, block-table row, 0, 0);
     ``ctas``: (first segment, item range lo, hi, 0): CTA ``c`` of ``n`` takes
-    the items whose cost (``cost`` = (c0, c1): c0 + c1 * the chunk's rows per
-    page) ends past ``c * C // n`` and starts before ``(c + 1) * C // n`` of
-    the step's total ``C`` (:data:`COST`).  A run's KV length is its last
+    the items whose cost (:func:`page_cost` of the chunk's rows, per page)
+    ends past ``c * C // n`` and starts before ``(c + 1) * C // n`` of the
+    step's total ``C`` (:data:`COST`).  A run's KV length is its last
     row's context length clamped to ``[0, min(max_context_len, bt_width *
     page)]``; its block-table row is its first row."""
     if rows_max != ROWS_MAX:

@@ -9,8 +9,9 @@
 // warpgroup i % 4; each keeps one 64 x 128 fp32 accumulator (tokens on M, two
 // query rows x 64 heads on N) and runs the segment's row groups one after the
 // other: wgmma, then relu * weight summed over each row's heads (in the thread,
-// then across the 4 lanes of a quad), times the token's scale, stored where the
-// row may look.  Segments come from the planner (a run's chunk of <= 4 rows and
+// then across the 4 lanes of a quad; a chunk's odd last row alone in its group
+// skips the absent row's half), times the token's scale, stored where the row
+// may look.  Segments come from the planner (a run's chunk of <= 4 rows and
 // a range of its pages): int32 [R, 8] rows (first row, rows, KV length, first
 // item, items, block-table row), the CTA's first segment and item range.
 
@@ -21,9 +22,6 @@ typedef unsigned char u8;
 #ifndef EVICT_FIRST  // pages loaded with an L2 evict-first hint (measured variant, calls 41-42:
 #define EVICT_FIRST 0    // -4 % on B256 L4K 2 tokens, +1-5 % on large 4-token steps; off)
 #endif
-#ifndef SKIP_PAD     // measured variants for a chunk's odd last row (a half group): its
-#define SKIP_PAD 0   // epilogue skips the absent row in one code copy (1) or in a second copy
-#endif               // (2), or a second copy also runs the m64n64 wgmma (3)
 #define GMAX 2
 #define STAGES 3
 #ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
@@ -103,17 +101,6 @@ DEV void mma_64x128x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-// The first 32 accumulator registers hold columns 0..63 (row 2g of a group)
-// in both shapes, so a half group runs this one into them.
-DEV void mma_64x64x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
 struct Seg { int first_row, n_rows, kv_len, page_lo, page_hi, item_base, bt_row; };
 
 // Segment k of this CTA's item range [lo, hi), its fields warp-uniform (the
@@ -140,20 +127,17 @@ DEV int first_page(const Seg& s, int r) {
 }
 
 // One row group of one page: the wgmma chain into acc, the slot handed back
-// (slot_empty) when this is the page's last group (release), then relu * weight summed over
-// each row's heads, in the thread (its n_end / 8 rows' 16 columns each), then
-// across the quad; returns this lane's (token, row) logit before the scale.
-// HALF: only row 2g is present, and its wgmma is m64n64.
-template <bool HALF>
+// (slot_empty) when this is the page's last group (release), then relu * weight
+// summed over each row's heads, in the thread (16 columns per row; n_end = 8:
+// row 2g only), then across the quad; returns this lane's (token, row) logit
+// before the scale.
 DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const float* wq,
                       u64* slot_empty, bool release, int lane, int n_end) {
   const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
   mma_fence();
 #pragma unroll
-  for (int kk = 0; kk < DIM / 32; ++kk) {
-    if (HALF) mma_64x64x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
-    else mma_64x128x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
-  }
+  for (int kk = 0; kk < DIM / 32; ++kk)
+    mma_64x128x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
   mma_commit();
   mma_wait();
   if (release) {  // every read of the slot is done: hand it back
@@ -282,16 +266,12 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
         if (g < groups) {
           const u8* qg = q_buf + (b * GMAX + g) * Q_GROUP_BYTES;
           const float* wq = w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3);
-#if SKIP_PAD == 0
-          const float v = group_logit<false>(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 16);
-#elif SKIP_PAD == 1
-          const float v = group_logit<false>(acc, page, qg, wq, &empty[slot], g == groups - 1, lane,
-                                             2 * g + 1 < s.n_rows ? 16 : 8);
-#else
+          // a chunk's odd last row (a half group) runs the full wgmma but only its
+          // row's epilogue, in a code copy of its own (calls 47-48: one copy with
+          // a branch inside the epilogue cost full groups 1-2 %)
           const float v = 2 * g + 1 < s.n_rows
-              ? group_logit<false>(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 16)
-              : group_logit<SKIP_PAD == 3>(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 8);
-#endif
+              ? group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 16)
+              : group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 8);
           if (pos < lim[g])
             out[(long long)(s.first_row + 2 * g + q_hi) * stride_out + pos] = v * scale;
         }
