@@ -76,11 +76,22 @@ def test_plan_refuses_other_chunk_sizes():
         ck.plan(ids, ctx, max_len, width, heads=32)
 
 
+def test_the_build_follows_the_run_length_hint():
+    """Hints up to EVICT_FIRST_MAX_RUN (one row group per page) take the
+    evict-first build, longer ones the default build."""
+    assert ck.EVICT_FIRST_MAX_RUN == 2
+    assert [ck.defines_for(n) for n in (1, 2, 3, 4, 8, 16)] == (
+        [("EVICT_FIRST=1",)] * 2 + [()] * 4)
+
+
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
-def test_nvrtc_builds_the_kernel_for_sm90a_without_spills():
+@pytest.mark.parametrize("hint", [1, 4])
+def test_nvrtc_builds_the_kernel_for_sm90a_without_spills(hint):
     """The CUDA source compiles for sm_90a with the NVRTC this environment has
-    (no GPU needed), to one kernel with no local memory."""
-    cubin, log = ck.compile_cubin(extra=("--ptxas-options=-v",))
+    (no GPU needed), to one kernel with no local memory, in each build the
+    launcher takes."""
+    defines = ck.defines_for(hint)
+    cubin, log = ck.compile_cubin(extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines)))
     assert cubin[:4] == b"\x7fELF"
     assert "varlen_logits_sm90" in log
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
@@ -113,14 +124,19 @@ SMALL = {
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("name", list(SMALL))
 @pytest.mark.parametrize("padding", [0, 3])
-def test_matches_reference_small(name, padding):
+@pytest.mark.parametrize("hint", ["longest", 1, 4])
+def test_matches_reference_small(name, padding, hint):
+    """Every build the launcher takes (the hint picks it: ``defines_for``) on
+    every small step, whatever runs the step really has."""
     if NVRTC is not None:
         pytest.skip(f"no NVRTC: {NVRTC}")
     lens, seqs = SMALL[name]
     step = make_decode_step(lens, seqs, heads=64, padding_rows=padding,
                             max_context_len=max(seqs) + 11, seed=len(name) + padding,
                             device="cuda")
-    check_poisoned(step, run_poisoned(step, kernel="sm90_cuda", max_run_len=max(lens)))
+    hint = max(lens) if hint == "longest" else hint
+    check_poisoned(step, run_poisoned(step, kernel="sm90_cuda", max_run_len=hint))
+    assert (torch.cuda.current_device(), ck.defines_for(hint)) in ck._LOADED
 
 
 @pytest.mark.gpu

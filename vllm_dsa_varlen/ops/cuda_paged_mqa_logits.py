@@ -12,7 +12,10 @@ not expressible in Gluon (Triton 3.6-3.9): warpgroups sharing a partition move
 in lockstep, warpgroups in partitions of their own are separate code copies.
 In CUDA it measured 4-33 % faster than the Gluon kernel on every step (call 39).
 
-The kernel is compiled once per process by NVRTC (``sm_90a``; the library
+Two builds: the default one, and for run-length hints up to 2 (one row group
+per page) one whose page loads carry an L2 evict-first hint
+(:func:`defines_for`; the launcher passes the hint).  The kernel is compiled
+once per process and build by NVRTC (``sm_90a``; the library
 PyTorch's CUDA wheels install, or a CUDA toolkit's) and loaded through the
 driver API (ctypes): no host compiler, no build step.  Launches are plain
 ``cuLaunchKernel`` calls on PyTorch's current stream, so they are captured into
@@ -67,6 +70,14 @@ SMEM_BYTES = (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
 # H200 (call 48, cycles per page): ~610 with two rows, ~960 with three, ~1040
 # with four.
 COST = (3, 1, 4)
+
+# The build by run-length hint (``defines_for``): a step's pages are read once,
+# so with one row group per page (hints <= 2) the page loads carry an L2
+# evict-first hint, which keeps the step's other data (queries, weights, block
+# tables, logits) in L2: 2-token steps 1-8 % faster (call 50); with two groups
+# per page large steps were 1-5 % slower (calls 41-42), so longer hints keep
+# the default build.
+EVICT_FIRST_MAX_RUN = 2
 
 _lock = threading.Lock()
 
@@ -266,6 +277,11 @@ def unsupported_reason(q, kv_cache, weights=None) -> str | None:
 def _weights_fit(weights) -> bool:
     """A chunk's weights are one bulk copy: contiguous 16-byte aligned ``[R, H]`` rows."""
     return weights.stride(1) == 1 and weights.stride(0) == HEADS and weights.data_ptr() % 16 == 0
+
+
+def defines_for(max_run_len: int) -> tuple[str, ...]:
+    """The build the launcher takes for a run-length hint (:data:`EVICT_FIRST_MAX_RUN`)."""
+    return ("EVICT_FIRST=1",) if max_run_len <= EVICT_FIRST_MAX_RUN else ()
 
 
 def rows_max_for(heads: int, max_run_len: int) -> int:

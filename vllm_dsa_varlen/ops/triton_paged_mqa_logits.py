@@ -547,8 +547,11 @@ def varlen_paged_mqa_logits(
             if schedule is None:
                 schedule = schedule_cache[key] = gk.plan(
                     indices, context_lens, max_context_len, block_table.shape[1], heads, rows_max)
+        build = getattr(gk, "defines_for", None)  # the CUDA kernel: a build per hint
+        extra = {} if build is None else {"defines": build(max_run_len)}
         LAST_COMPILED[0] = gk.launch(q, kv_cache, weights, context_lens, block_table, indices,
-                                     max_context_len, out, rows_max=rows_max, schedule=schedule)
+                                     max_context_len, out, rows_max=rows_max, schedule=schedule,
+                                     **extra)
         return out
     if rows_per_dot is None:
         rows_per_dot = 2

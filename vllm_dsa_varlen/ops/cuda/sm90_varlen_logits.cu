@@ -19,8 +19,8 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned char u8;
 
-#ifndef EVICT_FIRST  // pages loaded with an L2 evict-first hint (measured variant, calls 41-42:
-#define EVICT_FIRST 0    // -4 % on B256 L4K 2 tokens, +1-5 % on large 4-token steps; off)
+#ifndef EVICT_FIRST  // pages loaded with an L2 evict-first hint: the launcher's build for
+#define EVICT_FIRST 0    // run-length hints <= 2 (cuda_paged_mqa_logits.defines_for, call 50)
 #endif
 #define GMAX 2
 #define STAGES 3
