@@ -22,9 +22,6 @@ typedef unsigned char u8;
 #ifndef EVICT_FIRST  // pages loaded with an L2 evict-first hint: the launcher's build for
 #define EVICT_FIRST 0    // run-length hints <= 2 (cuda_paged_mqa_logits.defines_for, call 50)
 #endif
-#ifndef WAIT_HINT    // measured variant: try_wait's suspend-time hint (ns; 0: none)
-#define WAIT_HINT 0
-#endif
 #define GMAX 2
 #define STAGES 3
 #ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
@@ -59,19 +56,11 @@ DEV void bar_arrive(u64* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
 }
 DEV void bar_wait(u64* bar, u32 parity) {
-#if WAIT_HINT
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
-      "@!done bra WAIT;\n}\n" :: "r"(smem_addr(bar)), "r"(parity), "n"(WAIT_HINT) : "memory");
-#else
   asm volatile(
       "{\n.reg .pred done;\n"
       "WAIT:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
-#endif
 }
 DEV void tma_3d(void* dst, const TmaMap* map, int c0, int c1, int c2, u64* bar) {
   asm volatile(
