@@ -135,17 +135,17 @@ class Rule:
 # "Per-step facts for the policy").  Each "flattened" rule covers only steps
 # like the measured rows where varlen was at least as fast as DeepGEMM
 # flattened; the "split" rule was timed against an emulation of stock's
-# split path (see its note).  No rule
-# beats stock's native kernel: DeepGEMM native next_n = 2 and (vLLM 0.33)
-# next_n = 4 measured faster on every step of up to 4 tokens.  Where no rule
-# matches, stock is kept.
+# split path (see its note).  No rule replaces stock's native kernel: against
+# DeepGEMM native next_n = 2 and (vLLM 0.33) next_n = 4 varlen's margins are
+# within the spread between device calls, or against it (small batches).
+# Where no rule matches, stock is kept.
 MEASURED: tuple[Rule, ...] = (
     # A non-uniform step that stock splits to the prefill path: the prefill
     # path gathers the tail requests' KV into a workspace (reading and writing
     # it once more), scores it and runs outside a full CUDA graph; varlen keeps
     # them as decodes.  Timed against an emulation of that path (DeepGEMM's
     # native kernel on the uniform prefix, a torch gather, DeepGEMM's
-    # non-paged MQA logits on the tail in one chunk): 8-10x slower than varlen
+    # non-paged MQA logits on the tail in one chunk): 8-13x slower than varlen
     # on every variable step measured (BENCHMARKS.md).
     Rule("split", note="variable steps stay decodes: stock's split path, emulated, measured "
                        "8-10x slower (B64/B128, 8K/32K, 1..4 and acceptance 0.7)"),
@@ -165,20 +165,20 @@ MEASURED: tuple[Rule, ...] = (
               "request: B64 1..4 (2.67) 1.10x, B128 acceptance 0.7 (2.61) 1.10x DeepGEMM "
               "flattened; B64 acceptance 0.7 (2.28) measured slower (0.87x), as did B64 "
               "at 8K contexts (0.93x)"),
-    # Steps only the CUDA sm_90 kernel won (v8: calls 39 and 49, the figures
-    # call 49's); the Gluon and portable kernels tied or lost them.
+    # Steps only the CUDA sm_90 kernel won (v8: calls 39, 49 and 53, the
+    # figures call 53's); the Gluon and portable kernels tied or lost them.
     Rule("flattened", min_run=5, max_run_le=7, min_requests=64, uniform=True, kernel="cuda_sm90",
-         note="uniform 5, 6 or 7 tokens, B64 L8K: 1.15x, 1.54x, 1.32x DeepGEMM flattened (CUDA "
-              "sm_90 kernel; Gluon 0.73x, 0.99x, 1.02x; portable 0.75x, 1.02x, 0.95x)"),
+         note="uniform 5, 6 or 7 tokens, B64 L8K: 1.16x, 1.55x, 1.30x DeepGEMM flattened (CUDA "
+              "sm_90 kernel; Gluon 0.73x, 1.00x, 1.00x; portable 0.73x, 1.01x, 0.92x)"),
     Rule("flattened", min_run=4, max_run_le=4, min_requests=64, min_context=8192,
          min_tokens_per_request=2.6, uniform=False, kernel="cuda_sm90",
          note="variable steps up to 4 tokens at >= 8K contexts with >= 2.6 tokens per request: "
-              "B64 L8K 1..4 1.24x, B128 L8K 1..4 1.58x, B64 L32K 1..4 1.49x DeepGEMM flattened "
-              "(CUDA sm_90 kernel; at 8K the Gluon and portable kernels lost, 0.94x / 0.71x)"),
+              "B64 L8K 1..4 1.22x, B128 L8K 1..4 1.57x, B64 L32K 1..4 1.41x DeepGEMM flattened "
+              "(CUDA sm_90 kernel; at 8K the Gluon and portable kernels lost, 0.93x / 0.70x)"),
     Rule("flattened", min_run=8, max_run_le=8, min_requests=64, min_context=8192,
          min_tokens_per_request=4.5, uniform=False, kernel="cuda_sm90",
-         note="variable steps up to 8 tokens, B64 L8K 1..8 (4.67 tokens per request): 1.20x "
-              "DeepGEMM flattened (CUDA sm_90 kernel; Gluon 0.86x, portable 0.72x)"),
+         note="variable steps up to 8 tokens, B64 L8K 1..8 (4.67 tokens per request): 1.19x "
+              "DeepGEMM flattened (CUDA sm_90 kernel; Gluon 0.84x, portable 0.71x)"),
 )
 
 
