@@ -51,9 +51,6 @@ def test_plan_walks_the_host_schedule(seed, cost):
     assert tuple(ctas.shape) == (programs, ck.CTA_WORDS)
     got = ck.plan_items(table, ctas)
     assert got == ck.schedule_model(ids, ctx.view(-1), max_len, width, programs, cost=cost)
-    # each CTA's row carries a copy of its first segment's table row
-    first = ctas[:, 0].long().clamp(max=ids.shape[0] - 1)
-    assert torch.equal(ctas[:, 4:], table[first])
     flat = [item for share in got for item in share]
     assert len(flat) == len(set(flat))
     costs = [sum(ck.page_cost(cost, n) for _, n, _ in share) for share in got]

@@ -58,8 +58,7 @@ STAGES = 3
 MATH = 4
 THREADS = 128 * (MATH + 1)
 TABLE_WORDS = 8       # int32 per segment row of the plan
-CTA_WORDS = 12        # int32 per CTA: first segment, item range [lo, hi), 0, the first
-                      # segment's table row (so a CTA's first segment is one load away)
+CTA_WORDS = 4         # int32 per CTA: first segment, item range [lo, hi)
 # Dynamic shared memory (every build): 1 KB of alignment slack, the page rings,
 # the double-buffered queries, the rings' scales, the weights, the mbarriers.
 SMEM_BYTES = (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
@@ -295,12 +294,11 @@ def rows_max_for(heads: int, max_run_len: int) -> int:
 def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int = HEADS,
          rows_max: int = ROWS_MAX, *, programs: int | None = None, cost=COST):
     """The step's schedule (torch operations on the device; no host sync, graph
-    safe): ``(table int32 [R, 8], ctas int32 [programs, 12])``.
+    safe): ``(table int32 [R, 8], ctas int32 [programs, 4])``.
 
     ``table`` rows, chunks with work first (in row order), then the rest:
     (first row, rows, KV length, first item, items, block-table row, 0, 0);
-    ``ctas``: (first segment, item range lo, hi, 0, then a copy of the first
-    segment's table row, read with the range): CTA ``c`` of ``n`` takes
+    ``ctas``: (first segment, item range lo, hi, 0): CTA ``c`` of ``n`` takes
     the items whose cost (:func:`page_cost` of the chunk's rows, per page)
     ends past ``c * C // n`` and starts before ``(c + 1) * C // n`` of the
     step's total ``C`` (:data:`COST`).  A run's KV length is its last
@@ -353,8 +351,7 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
                         table[s, 3].to(torch.int64) + torch.minimum(inside, table[s, 4]))
     lo, hi = bound[:-1], bound[1:]
     seg0 = torch.searchsorted(off_end, lo, right=True)
-    head = torch.stack([seg0, lo, hi, torch.zeros_like(lo)], 1).to(torch.int32)
-    ctas = torch.cat([head, table[seg0.clamp_max(rows - 1)]], 1)
+    ctas = torch.stack([seg0, lo, hi, torch.zeros_like(lo)], 1).to(torch.int32)
     return table.contiguous(), ctas.contiguous()
 
 
@@ -406,7 +403,7 @@ def plan_items(table, ctas) -> list[list[tuple[int, int, int]]]:
     """Each CTA's items as the kernel walks a plan (host, for tests)."""
     table = table.cpu().tolist()
     out = []
-    for seg0, lo, hi, *_ in ctas.cpu().tolist():
+    for seg0, lo, hi, _ in ctas.cpu().tolist():
         got = []
         for k in range(seg0, len(table)):
             first, n, _, off, items, _, _, _ = table[k]

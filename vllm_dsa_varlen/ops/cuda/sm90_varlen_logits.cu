@@ -22,11 +22,6 @@ typedef unsigned char u8;
 #ifndef EVICT_FIRST  // pages loaded with an L2 evict-first hint: the launcher's build for
 #define EVICT_FIRST 0    // run-length hints <= 2 (cuda_paged_mqa_logits.defines_for, call 50)
 #endif
-#ifndef FIRST_SEG_COPY  // measured variant: the CTA's first segment read from its ctas row
-#define FIRST_SEG_COPY 0
-#endif
-#define TABLE_WORDS 8   // int32 per plan row (cuda_paged_mqa_logits.TABLE_WORDS)
-#define CTA_WORDS 12    // int32 per CTA: first segment, item range, 0, first segment's row
 #define GMAX 2
 #define STAGES 3
 #ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
@@ -108,13 +103,11 @@ DEV void mma_64x128x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
 
 struct Seg { int first_row, n_rows, kv_len, page_lo, page_hi, item_base, bt_row; };
 
-// A segment of this CTA's item range [lo, hi) from its plan row (the table's,
-// or for the CTA's first segment the copy in its ctas row), its fields
-// warp-uniform (the wgmma is .sync.aligned: the compiler must see uniform
-// control flow).
-DEV Seg load_seg(const int* row, int lo, int hi) {
-  const int4 a = __ldg(reinterpret_cast<const int4*>(row));
-  const int4 b = __ldg(reinterpret_cast<const int4*>(row) + 1);
+// Segment k of this CTA's item range [lo, hi), its fields warp-uniform (the
+// wgmma is .sync.aligned: the compiler must see uniform control flow).
+DEV Seg load_seg(const int* table, int k, int lo, int hi) {
+  const int4 a = __ldg(reinterpret_cast<const int4*>(table + 8 * k));
+  const int4 b = __ldg(reinterpret_cast<const int4*>(table + 8 * k) + 1);
   const int off = __shfl_sync(0xffffffffu, a.w, 0), items = __shfl_sync(0xffffffffu, b.x, 0);
   Seg s;
   s.first_row = __shfl_sync(0xffffffffu, a.x, 0);
@@ -126,16 +119,6 @@ DEV Seg load_seg(const int* row, int lo, int hi) {
   s.item_base = off + s.page_lo - lo;
   if (off >= hi) s.page_hi = -1;  // past the CTA's range: the walk ends
   return s;
-}
-
-// Segment k's plan row: the first one from the CTA's own row (the copy read
-// with the CTA's range, one dependent load less at the start), the rest from
-// the table.
-DEV const int* seg_row(const int* table, const int* cta_row, int seg0, int k) {
-#if FIRST_SEG_COPY
-  if (k == 0) return cta_row + 4;
-#endif
-  return table + TABLE_WORDS * (seg0 + k);
 }
 
 // A segment's first page (in [page_lo, page_hi)) that goes to ring r.
@@ -211,8 +194,7 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const int* cta_row = ctas + CTA_WORDS * blockIdx.x;
-  const int4 cta = __ldg(reinterpret_cast<const int4*>(cta_row));
+  const int4 cta = __ldg(reinterpret_cast<const int4*>(ctas) + blockIdx.x);
   const int seg0 = __shfl_sync(0xffffffffu, cta.x, 0);
   const int lo = __shfl_sync(0xffffffffu, cta.y, 0), hi = __shfl_sync(0xffffffffu, cta.z, 0);
 
@@ -222,7 +204,7 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
     const int ring = warp;
     int j = 0;
     for (int k = 0; seg0 + k < num_segs; ++k) {
-      const Seg s = load_seg(seg_row(table, cta_row, seg0, k), lo, hi);
+      const Seg s = load_seg(table, seg0 + k, lo, hi);
       if (s.page_hi < 0) break;
       if (ring == 0) {
         const int b = k & 1, groups = (s.n_rows + 1) / 2;
@@ -263,7 +245,7 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
   int j = 0;
   for (int k = 0; seg0 + k < num_segs; ++k) {
-    const Seg s = load_seg(seg_row(table, cta_row, seg0, k), lo, hi);
+    const Seg s = load_seg(table, seg0 + k, lo, hi);
     if (s.page_hi < 0) break;
     const int b = k & 1, groups = (s.n_rows + 1) / 2;
     int lim[GMAX];  // this lane's row's last visible token + 1, per group
