@@ -28,7 +28,8 @@ a chunk's items are its run's pages, each costing ``c0 + c1 * rows + c2 *
 row groups`` of its chunk (:data:`COST`, :func:`page_cost`); CTA ``c`` of
 ``n`` takes the items, in row order, whose cost ends past ``c * C // n`` and
 starts before ``(c + 1) * C // n`` of the step's total ``C`` (each output
-element written by one CTA: bitwise repeatable).  :func:`schedule_model` is the host mirror.
+element written by one CTA: bitwise repeatable).  :func:`schedule_model` is
+the host mirror.
 """
 
 from __future__ import annotations
@@ -338,8 +339,7 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     table[:, 3] = torch.where(work[order], table[:, 3], total.to(torch.int32).expand(rows))
     off_end = table[:, 3].to(torch.int64) + table[:, 4]
     # CTA boundaries: equal shares of the step's cost, each at an item boundary
-    c0, c1, c2 = _cost3(cost)
-    unit = torch.where(work, c0 + c1 * n_rows + c2 * ((n_rows + 1) // 2), 0).to(torch.int64)[order]
+    unit = torch.where(work, page_cost(cost, n_rows), 0).to(torch.int64)[order]
     seg_cost = unit * table[:, 4]
     cost_end = torch.cumsum(seg_cost, 0)
     cost_off = cost_end - seg_cost
@@ -362,9 +362,10 @@ def _cost3(cost) -> tuple[int, int, int]:
     return (int(cost[0]), int(cost[1]), int(cost[2]) if len(cost) == 3 else 0)
 
 
-def page_cost(cost, rows: int) -> int:
+def page_cost(cost, rows):
     """A page's cost in the schedule's balance for a chunk of ``rows`` rows:
-    ``c0 + c1 * rows + c2 * row groups`` (``cost`` = (c0, c1) or (c0, c1, c2))."""
+    ``c0 + c1 * rows + c2 * row groups`` (``cost`` = (c0, c1) or (c0, c1, c2)).
+    ``rows``: an int (the host model) or an integer tensor (:func:`plan`)."""
     c0, c1, c2 = _cost3(cost)
     return c0 + c1 * rows + c2 * ((rows + 1) // 2)
 
