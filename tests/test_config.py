@@ -158,7 +158,8 @@ def test_bad_arguments_raise(bad):
 
 
 @pytest.mark.parametrize("raw,want", [(None, "auto"), ("", "auto"), ("auto", "auto"),
-                                      ("off", "off"), (" OFF ", "off"), ("Auto", "auto")])
+                                      ("off", "off"), (" OFF ", "off"), ("Auto", "auto"),
+                                      ("stock", "stock"), ("Stock ", "stock")])
 def test_read_mode(raw, want):
     env = {} if raw is None else {MODE_ENV: raw}
     assert read_mode(env) == want

@@ -217,6 +217,32 @@ def test_register_off_patches_nothing(monkeypatch, plugin_log):
     assert any("off" in r.getMessage() for r in plugin_log)
 
 
+def test_register_stock_applies_only_the_deepgemm_api_adapters(monkeypatch, plugin_log):
+    """``VLLM_DSA_VARLEN=stock``: the baseline mode applies the line's DeepGEMM
+    API adapters and nothing else (no builder patch), and says so."""
+    monkeypatch.setenv(config.MODE_ENV, "stock")
+    before = _snapshot()
+    vllm_dsa_varlen.register()
+    keys = [p.key for p in patches.applied() + patches.pending()]
+    want = [p.key for p in LINE_PATCHES if p.api]
+    assert keys == want
+    assert all(".indexer:" not in k for k in keys)  # no builder patch
+    after = _snapshot()
+    assert {k for k in before if before[k] is not after[k]} <= set(want)
+    assert any("stock" in r.getMessage() for r in plugin_log)
+    patches.undo_all()
+    assert _snapshot() == before
+
+
+def test_api_patches_are_call_adapters_only():
+    """Only DeepGEMM call sites are marked ``api``: the deep_gemm wrappers and the
+    indexer op's module globals that name them, never a builder or metadata class."""
+    for p in patches.PATCHES:
+        if p.api:
+            assert p.module.endswith(("utils.deep_gemm", "sparse_attn_indexer")), p.key
+            assert "mqa_logits" in p.attribute, p.key
+
+
 def test_register_rejects_bad_settings(monkeypatch):
     monkeypatch.setenv(config.MODE_ENV, "yes")
     with pytest.raises(ValueError, match=config.MODE_ENV):

@@ -35,7 +35,10 @@ def register() -> None:
     (idempotent; target modules not imported yet are patched when they are).
 
     Does nothing but log when ``VLLM_DSA_VARLEN=off`` or when the installed
-    vLLM is neither 0.27.x nor 0.33.x (stock behaviour).  Raises
+    vLLM is neither 0.27.x nor 0.33.x (stock behaviour).  With
+    ``VLLM_DSA_VARLEN=stock`` only the line's DeepGEMM API adapters are applied
+    (stock's decode path, stock's arguments, on a DeepGEMM of another API
+    generation).  Raises
     ``ValueError`` for an invalid ``VLLM_DSA_VARLEN`` /
     ``VLLM_DSA_VARLEN_BACKEND`` value."""
     from . import config
@@ -57,6 +60,14 @@ def register() -> None:
     from . import patches
 
     line = f"{series[0]}.{series[1]}"
+    if mode == "stock":
+        api = patches.for_line(line, api_only=True)
+        logger.info("vllm-dsa-varlen: %s=stock: stock decode path; %s", config.MODE_ENV,
+                    f"only the DeepGEMM API adapters applied ({len(api)} patches)" if api
+                    else "this line needs no DeepGEMM API adapter, vLLM left unpatched")
+        if api:
+            patches.apply_all(api, defer_unimported=True)
+        return
     logger.debug("vllm-dsa-varlen: vLLM %s: applying the %s line's patches (read from %s)",
                  version, line, patches.LINES[line])
     # Modules not imported yet are patched right after their first import, so

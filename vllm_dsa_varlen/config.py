@@ -1,8 +1,12 @@
 """Configuration: two environment variables and one pure decision function.
 
-* ``VLLM_DSA_VARLEN``: ``auto`` (default) or ``off``.  ``off`` leaves every
-  decode step on stock vLLM's path (the plugin also skips patching when it is
-  ``off`` at start-up).
+* ``VLLM_DSA_VARLEN``: ``auto`` (default), ``off`` or ``stock``.  ``off``
+  leaves every decode step on stock vLLM's path (the plugin also skips
+  patching when it is ``off`` at start-up).  ``stock`` is stock vLLM too, with
+  only the DeepGEMM API adapters applied (``patches.Patch.api``): the baseline
+  to compare against where the installed DeepGEMM is not the generation vLLM
+  was built with (e.g. vLLM 0.27.1 beside DeepGEMM 2.8.x, whose calls stock
+  0.27.1 cannot make).
 * ``VLLM_DSA_VARLEN_BACKEND``: ``auto`` (default), ``deepgemm`` or ``triton``.
 
 :func:`choose_decode_path` turns the facts a builder knows (platform, GPU
@@ -25,7 +29,7 @@ from typing import Mapping
 
 MODE_ENV = "VLLM_DSA_VARLEN"
 BACKEND_ENV = "VLLM_DSA_VARLEN_BACKEND"
-MODES = ("auto", "off")
+MODES = ("auto", "off", "stock")
 BACKENDS = ("auto", "deepgemm", "triton")
 
 # fp8 (e4m3) tensor-core support starts with Ada / Hopper.
@@ -47,7 +51,8 @@ def _read(name: str, allowed: tuple[str, ...], environ: Mapping[str, str] | None
 
 
 def read_mode(environ: Mapping[str, str] | None = None) -> str:
-    """``VLLM_DSA_VARLEN`` -> ``"auto"`` | ``"off"`` (unset or empty: ``"auto"``)."""
+    """``VLLM_DSA_VARLEN`` -> ``"auto"`` | ``"off"`` | ``"stock"`` (unset or
+    empty: ``"auto"``)."""
     return _read(MODE_ENV, MODES, environ)
 
 
@@ -130,9 +135,10 @@ def platform_refusal(*, mode: str, is_cuda: bool,
                      capability: tuple[int, int] | None) -> str | None:
     """Why stock is kept before any kernel is considered (every vLLM line's
     first rules), or ``None``: ``VLLM_DSA_VARLEN=off``, not CUDA, or the device
-    capability unknown."""
-    if mode == "off":
-        return f"{MODE_ENV}=off"
+    capability unknown (``stock`` counts as ``off`` here: its builders are
+    stock's)."""
+    if mode in ("off", "stock"):
+        return f"{MODE_ENV}={mode}"
     if not is_cuda:
         return "not a CUDA platform"
     if capability is None:

@@ -59,6 +59,10 @@ class Patch:
     ``reason``: why the patch exists (required, non-empty).
     ``upstream``: the vLLM release the patched code was read from; its
     major.minor is the patch's :attr:`line`.
+    ``api``: the patch only adapts a call to the installed DeepGEMM's API
+    generation (stock's arguments, stock's path); these alone are applied in
+    ``VLLM_DSA_VARLEN=stock`` mode, the baseline where the installed DeepGEMM
+    is not the one vLLM was built with.
     """
 
     module: str
@@ -67,6 +71,7 @@ class Patch:
     reason: str
     upstream: str = UPSTREAM
     wraps: bool = False
+    api: bool = False
 
     @property
     def key(self) -> str:
@@ -99,9 +104,11 @@ def installed_line() -> str | None:
         return None
 
 
-def for_line(line: str | None) -> tuple["Patch", ...]:
-    """The patches of ``line`` in registry order (empty for a line without any)."""
-    return tuple(p for p in PATCHES if line is not None and p.line == line)
+def for_line(line: str | None, *, api_only: bool = False) -> tuple["Patch", ...]:
+    """The patches of ``line`` in registry order (empty for a line without any);
+    ``api_only``: just the DeepGEMM API adapters (``Patch.api``)."""
+    return tuple(p for p in PATCHES
+                 if line is not None and p.line == line and (p.api or not api_only))
 
 
 _DG = "vllm.utils.deep_gemm"
@@ -123,18 +130,20 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_DG, "fp8_fp4_paged_mqa_logits", f"{_OUR_DG}:fp8_fp4_paged_mqa_logits",
           "forward `indices` when set; adapt to DeepGEMM 2.8.x (no `clean_logits`: "
           "drop it and emulate; bf16 weights/logits on SM100: convert) so 0.27.1's "
-          "fp32 top-k kernels keep working"),
+          "fp32 top-k kernels keep working", api=True),
     Patch(_DG, "fp8_fp4_mqa_logits", f"{_OUR_DG}:fp8_fp4_mqa_logits",
           "prefill logits: DeepGEMM 2.8.x has no `clean_logits` and writes "
           "row-compressed logits; adapt so stock's absolute-column top-k still reads "
-          "right (unchanged call on the API 0.27.1 was built with)"),
+          "right (unchanged call on the API 0.27.1 was built with)", api=True),
     Patch(_SAI, "fp8_fp4_mqa_logits", f"{_OUR_DG}:fp8_fp4_mqa_logits",
           "the indexer op imported the prefill wrapper by name; point it at the "
-          "adapted one"),
+          "adapted one", api=True),
     Patch(_SAI, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI}:fp8_fp4_paged_mqa_logits",
           "the registered custom op captured `sparse_attn_indexer` itself but looks "
           "this module global up per call: route varlen decode steps (ids carried "
-          "by the schedule tensor) to DeepGEMM-with-indices or the Triton kernel"),
+          "by the schedule tensor) to DeepGEMM-with-indices or the Triton kernel; untagged "
+          "calls (every call in `stock` mode) are stock's call through the DeepGEMM "
+          "adapter", api=True),
     Patch(_IX, "get_paged_mqa_logits_metadata", f"{_OUR_IX}:get_paged_mqa_logits_metadata",
           "the builder's build() calls this module global: during a varlen build pass "
           "the step's run ids to DeepGEMM's scheduler (Triton needs no schedule)"),

@@ -19,7 +19,7 @@ from vllm_stubs import (  # noqa: E402
     random_block_table,
 )
 
-from vllm_dsa_varlen import config, patches, policy  # noqa: E402
+from vllm_dsa_varlen import config, patches, policy, stats  # noqa: E402
 from vllm_dsa_varlen.varlen_ids import varlen_ids_of  # noqa: E402
 
 WIDTH = 64
@@ -405,6 +405,7 @@ def test_split_hybrid_keeps_uniform_steps_native_and_flattens_the_steps_stock_sp
     patches.apply_all()
     builder = make_builder(monkeypatch, next_n=2)
     assert builder.decode_path.per_step == "split" and not builder.use_flattening
+    stats.reset()
 
     md, _ = _build(builder, [2, 2, 2, 0], [50, 60, 70, 0], pad_tokens=2, seed=0)
     assert md.num_decodes == 4 and md.decode.indices is None
@@ -422,6 +423,16 @@ def test_split_hybrid_keeps_uniform_steps_native_and_flattens_the_steps_stock_sp
         assert md.num_decode_tokens == sum(lens[:decodes]) + pad
         assert varlen_ids_of(md.decode.schedule_metadata).backend == "triton"
         assert not builder.use_flattening  # stock's flag again between steps
+    # the counters saw what the builds did; the builder made before the patches runs
+    # the patched class's build() with no decode path: counted as stock's own steps,
+    # which split all three variable steps
+    counts = stats.snapshot()
+    assert counts["steps"] == {**dict.fromkeys(stats.PATHS, 0), "stock_native": 1,
+                               "split_avoided": 3, "stock_split": 3}
+    # (stock's decode part of a split step is its uniform prefix: not variable)
+    assert counts["variable"] == {**dict.fromkeys(stats.PATHS, 0), "split_avoided": 3}
+    # [2, 1, 50]: the 50-token request prefills; stock sends every split tail to prefill
+    assert counts["mixed"]["split_avoided"] == 1 and counts["mixed"]["stock_split"] == 3
 
 
 @pytest.mark.parametrize("lens_kind,num_reqs", [
@@ -447,10 +458,16 @@ def test_flattened_per_step_kernel_choice(monkeypatch, lens_kind, num_reqs):
     else:
         lens = [4] + torch.randint(1, 5, (num_reqs - 1,), generator=gen).tolist()
     seqs = [n + int(x) for n, x in zip(lens, torch.randint(0, 3000, (num_reqs,), generator=gen))]
+    stats.reset()
     md, bt = _build(builder, lens, seqs, seed=num_reqs)
     facts = policy.StepFacts.from_decode_lens(lens, max_context=max(seqs))
     varlen = policy.varlen_wins(facts, "flattened")
     assert varlen == (num_reqs >= 64 and lens_kind != "plain")  # the test table
+    want = "varlen" if varlen else ("stock_native" if lens_kind == "plain" else "stock_flattened")
+    counts = stats.snapshot()
+    assert counts["steps"] == {**dict.fromkeys(stats.PATHS, 0), want: 1}
+    assert counts["variable"][want] == int(len(set(lens)) > 1)
+    assert sum(counts["mixed"].values()) == 0
     _check_varlen_decode(md, builder, lens, seqs, bt, kernel=varlen)
     call = dg.calls_to("get_paged_mqa_logits_metadata")[-1]
     assert call.kwargs == {} and call.args[0] is md.decode.seq_lens

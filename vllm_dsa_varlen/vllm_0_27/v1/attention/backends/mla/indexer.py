@@ -74,6 +74,7 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla import indexer as _ix
 
 from vllm_dsa_varlen import policy, warmup
+from vllm_dsa_varlen import stats
 from vllm_dsa_varlen.config import DecodePath, choose_decode_path, read_backend, read_mode
 from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg
@@ -424,22 +425,30 @@ def step_facts(common: Any, num_decodes: int, num_decode_tokens: int) -> policy.
         max_context=max(0, int(common.max_seq_len)))
 
 
-def _split_step_takes_varlen(builder: Any, common: Any) -> bool:
-    """``per_step == "split"``: whether this step leaves stock's native path.
-
-    Stock splits with ``require_uniform=True``; a step it would split (fewer
-    decodes than with ``require_uniform=False``) takes varlen when the policy
-    says so.  Host values only."""
+def _decode_splits(builder: Any, common: Any) -> tuple[tuple, tuple]:
+    """Stock's decode/prefill split of a step (``require_uniform=True``, what
+    stock does unless it flattens) and the split without that requirement."""
     split = _ix.split_decodes_and_prefills
     short_extends = not builder.use_pcp
-    stock = split(common, decode_threshold=builder.decode_threshold, require_uniform=True,
-                  treat_short_extends_as_decodes=short_extends)
-    ours = split(common, decode_threshold=builder.decode_threshold, require_uniform=False,
-                 treat_short_extends_as_decodes=short_extends)
+    return tuple(split(common, decode_threshold=builder.decode_threshold, require_uniform=uniform,
+                       treat_short_extends_as_decodes=short_extends)
+                 for uniform in (True, False))
+
+
+def _split_outcome(builder: Any, common: Any) -> str:
+    """``per_step == "split"``: what this step does against stock's native path.
+
+    A step stock would split (fewer decodes with ``require_uniform=True``) takes
+    varlen when the policy says so.  Host values only.  Returns
+    ``"stock_native"`` (stock would not split), ``"split_avoided"`` (varlen) or
+    ``"stock_split"`` (left to stock)."""
+    stock, ours = _decode_splits(builder, common)
     if ours[0] == stock[0]:
-        return False
-    return policy.varlen_wins(step_facts(common, ours[0], ours[2]), "split",
-                              kernel=builder.varlen_graph_kernel)
+        return "stock_native"
+    if policy.varlen_wins(step_facts(common, ours[0], ours[2]), "split",
+                          kernel=builder.varlen_graph_kernel):
+        return "split_avoided"
+    return "stock_split"
 
 
 def _kernel_takes_varlen(builder: Any, common: Any, metadata: Any) -> bool:
@@ -449,6 +458,30 @@ def _kernel_takes_varlen(builder: Any, common: Any, metadata: Any) -> bool:
     return policy.varlen_wins(
         step_facts(common, metadata.num_decodes, metadata.num_decode_tokens), "flattened",
         kernel=builder.varlen_graph_kernel)
+
+
+def _record_step(builder: Any, common: Any, metadata: Any, path: str | None) -> None:
+    """Count a build that has decode requests (:mod:`vllm_dsa_varlen.stats`).
+
+    ``path`` ``None``: stock's own path of a builder the plugin leaves stock
+    (flattened, split, or native).  A stock call on one row per token is
+    "flattened" only where requests carry several tokens (a plain step's rows
+    are stock's native ones); graph-padding requests (no tokens) do not make a
+    step variable."""
+    num_decodes = getattr(metadata, "num_decodes", 0)
+    if not num_decodes:
+        return
+    lens = [n for n in _decode_lens_cpu(common, num_decodes) if n > 0] or [0]
+    if path is None:
+        if getattr(builder, "use_flattening", False):
+            path = "stock_flattened"
+        else:
+            stock, ours = _decode_splits(builder, common)
+            path = "stock_split" if ours[0] != stock[0] else "stock_native"
+    if path == "stock_flattened" and max(lens) <= 1:
+        path = "stock_native"
+    stats.record(path, variable=min(lens) != max(lens),
+                 mixed=getattr(metadata, "num_prefills", 0) > 0)
 
 
 def _graph_kernel(builder: Any) -> str:
@@ -464,34 +497,43 @@ def _graph_kernel(builder: Any) -> str:
 
 def _hand_over_ids(builder: Any, metadata: Any, common: Any) -> None:
     """Give the step's decode metadata its rows, ids and (when the varlen
-    kernel is chosen) a tagged schedule view."""
+    kernel is chosen) a tagged schedule view.  Returns the step's path
+    (``"varlen"`` or ``"stock_flattened"``; ``None`` without decodes)."""
     ids, builder._varlen_step_ids = builder._varlen_step_ids, None
     decode = metadata.decode
     if decode is None or ids is None:
-        return
+        return None
     decode.seq_lens = _final_context_lens(builder, decode.seq_lens)
     if ids.shape[0] != decode.seq_lens.shape[0]:
         raise RuntimeError(f"varlen build: {ids.shape[0]} run ids for "
                            f"{decode.seq_lens.shape[0]} decode rows")
     decode.indices = ids
-    if _kernel_takes_varlen(builder, common, metadata):
-        decode.schedule_metadata = attach_varlen_ids(builder.scheduler_metadata_buffer, ids,
-                                                     builder.varlen_backend,
-                                                     max(1, builder._varlen_step_max_run))
+    if not _kernel_takes_varlen(builder, common, metadata):
+        return "stock_flattened"
+    decode.schedule_metadata = attach_varlen_ids(builder.scheduler_metadata_buffer, ids,
+                                                 builder.varlen_backend,
+                                                 max(1, builder._varlen_step_max_run))
+    return "varlen"
 
 
 def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
     """``build`` replacement: decide the step, stock build inside a
-    varlen-build mark, then :func:`_hand_over_ids`.  Not varlen: stock, untouched."""
+    varlen-build mark, then :func:`_hand_over_ids`.  Not varlen: stock, untouched.
+    Every build with decode requests counts its path (:mod:`vllm_dsa_varlen.stats`)."""
 
     @functools.wraps(original)
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         path = getattr(self, "decode_path", None)
         if path is None or not path.use_varlen:
-            return original(self, common_prefix_len, common_attn_metadata, fast_build)
+            metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
+            _record_step(self, common_attn_metadata, metadata, None)
+            return metadata
         split_mode = path.per_step == "split"
-        if split_mode and not _split_step_takes_varlen(self, common_attn_metadata):
-            return original(self, common_prefix_len, common_attn_metadata, fast_build)
+        outcome = _split_outcome(self, common_attn_metadata) if split_mode else None
+        if split_mode and outcome != "split_avoided":
+            metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
+            _record_step(self, common_attn_metadata, metadata, outcome)
+            return metadata
         self._varlen_step = True
         self._varlen_step_ids = None
         self._varlen_final_ctx = None
@@ -502,7 +544,9 @@ def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
         _building.builder = self
         try:
             metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
-            _hand_over_ids(self, metadata, common_attn_metadata)
+            taken = _hand_over_ids(self, metadata, common_attn_metadata)
+            if taken is not None:
+                _record_step(self, common_attn_metadata, metadata, outcome or taken)
         finally:
             _building.builder = outer
             self._varlen_step = False
