@@ -1,0 +1,505 @@
+#!/usr/bin/env python3
+"""End to end: MTP decode in vLLM's engine, stock vs this plugin, same prompts, greedy.
+
+    python3 benchmarks/e2e_decode.py --out e2e-out                    # the default table
+    python3 benchmarks/e2e_decode.py --out e2e-out --k 3 --batch 64 --prompt 4096 --layers 4
+
+For each MTP depth ``k`` it runs vLLM's offline engine twice, in separate
+processes: ``VLLM_DSA_VARLEN=stock`` (stock vLLM; only the DeepGEMM API
+adapters are applied, so stock runs on a DeepGEMM of another API generation
+than the one it was built with -- say so wherever its figures appear) and the
+plugin (``VLLM_DSA_VARLEN=auto``).  By default the model is a DeepSeek-V3.2
+architecture config written here, dummy weights: the real indexer (64 heads
+x 128, top-k 2048, fp8 cache, page 64) and MLA sizes, narrow layers (hidden
+1024, dense MLPs), DeepSeek V3.2's 61 layers (``--layers``) plus its MTP
+layer, so per-step costs are spread over as many layers as in the real model.
+``--model`` takes any checkpoint instead (``--load-format auto`` for real
+weights).  Prompts are seeded random token ids (request ``i`` has the same
+prompt in every process and case), lengths uniform in ``[0.7 L, 1.3 L]``.
+
+Per (batch B, prompt length L): the prompts are prefilled once (``max_tokens``
+1, prefix caching on), then the measured run generates ``--new-tokens`` per
+request (greedy, ``ignore_eos``) through ``LLMEngine.step()``, each step timed
+on the host (a step returns after its sampled tokens reached the host).  The
+decode phase starts once every request has its first token; its tokens per
+second and time per output token (per request) are reported, with the plugin's
+per-step decode-path counters (:mod:`vllm_dsa_varlen.stats`), JIT compiles
+during the measured phase (Triton, DeepGEMM, NVRTC, torch.compile graphs:
+counted) and the tokens.  After the table, per k: an identity run (the largest
+B at the shortest L, with the top-2 logprobs of every position, so a
+divergence shows its margin) and one profiled window of decode steps (a
+torch-profiler Chrome trace, gzip'd; the indexer's share of the step's GPU
+time and the schedule's per-step cost from the kernels' names).
+
+Output: ``OUT/e2e.json`` (strict JSON), ``OUT/run-<mode>-k<k>.json`` per
+process, ``OUT/trace-<mode>-k<k>.json.gz``, and a table on stdout.  Needs a
+CUDA GPU and vLLM (the 0.27 line; ``scripts/offline-gpu-install.sh`` stages it
+for a host without a package index).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+MODES = {"stock": "stock", "plugin": "auto"}
+
+TINY_CONFIG = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+    "vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2048,
+    "moe_intermediate_size": 256, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": 1000,
+    "moe_layer_freq": 1, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc",
+    "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "kv_lora_rank": 512, "q_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+    "v_head_dim": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
+    "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "rms_norm_eps": 1e-06, "hidden_act": "silu", "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1, "attention_bias": False,
+    "attention_dropout": 0.0, "initializer_range": 0.02, "ep_size": 1,
+}
+
+# Kernel names -> what they are, for the trace summary (first match wins).
+KERNEL_CLASSES = (
+    ("plan", r"varlen_plan|plan_sm90|sm90_plan"),
+    ("logits_varlen", r"varlen_logits_sm90|_varlen_paged_mqa_logits|gluon.*logits"),
+    ("deepgemm_metadata", r"paged_mqa_logits_metadata|smxx_paged_mqa_logits_metadata"),
+    ("logits_deepgemm", r"paged_mqa_logits"),
+    ("prefill_logits", r"mqa_logits"),
+    ("topk", r"topk|top_k"),
+    ("indexer_cache", r"indexer_k_quant|indexer.*cache|cp_gather_indexer"),
+)
+INDEXER = ("plan", "logits_varlen", "deepgemm_metadata", "logits_deepgemm", "topk",
+           "indexer_cache")
+
+
+def write_tiny_config(path: str, layers: int) -> str:
+    os.makedirs(path, exist_ok=True)
+    cfg = dict(TINY_CONFIG, num_hidden_layers=layers)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return path
+
+
+def prompt_ids(i: int, length: int, vocab: int) -> list[int]:
+    """Request ``i``'s prompt at nominal length ``length``: the same in every process."""
+    import random
+
+    rng = random.Random(1000003 * i + length)
+    n = int(length * rng.uniform(0.7, 1.3))
+    return [rng.randrange(2, vocab) for _ in range(n)]
+
+
+def classify(name: str) -> str:
+    for cls, pattern in KERNEL_CLASSES:
+        if re.search(pattern, name):
+            return cls
+    return "other"
+
+
+def summarize_trace(trace_path: str, steps: int) -> dict:
+    """Per-step GPU time by kernel class over a profiled window of ``steps`` steps."""
+    with gzip.open(trace_path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    per_class: dict[str, float] = {}
+    names: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") != "kernel" or "dur" not in e:
+            continue
+        cls = classify(e["name"])
+        per_class[cls] = per_class.get(cls, 0.0) + e["dur"]
+        names[e["name"][:120]] = names.get(e["name"][:120], 0.0) + e["dur"]
+    total = sum(per_class.values())
+    indexer = sum(v for k, v in per_class.items() if k in INDEXER)
+    return {
+        "steps": steps,
+        "gpu_us_per_step": total / steps,
+        "indexer_us_per_step": indexer / steps,
+        "indexer_share": indexer / total if total else None,
+        "plan_us_per_step": per_class.get("plan", 0.0) / steps,
+        "by_class_us_per_step": {k: v / steps for k, v in sorted(per_class.items())},
+        "top_kernels_us_per_step": {k: v / steps for k, v in
+                                    sorted(names.items(), key=lambda kv: -kv[1])[:12]},
+    }
+
+
+# ----------------------------------------------------------------------------- child
+
+def _jit_state(triton_dir: str, dg_dir: str) -> dict:
+    def files(d):
+        return sum(len(fs) for _, _, fs in os.walk(d)) if os.path.isdir(d) else 0
+
+    state = {"triton_cache_files": files(triton_dir), "deepgemm_cache_files": files(dg_dir)}
+    try:
+        from torch._dynamo.utils import counters
+
+        state["dynamo_unique_graphs"] = int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - a torch without the counter
+        state["dynamo_unique_graphs"] = None
+    try:
+        from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+
+        state["nvrtc_builds"] = ck.builds()
+    except Exception:  # noqa: BLE001 - no such counter in this build
+        state["nvrtc_builds"] = None
+    return state
+
+
+def _run_case(engine, prompts, new_tokens, tag, logprobs=None):
+    """Add ``prompts`` and step the engine to completion; per-step host times and
+    token counts, plus every request's tokens (and logprobs when asked)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                            detokenize=False, logprobs=logprobs,
+                            output_kind=RequestOutputKind.DELTA)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": p}, params)
+    tokens = {rid: [] for rid in ids}
+    lps = {rid: [] for rid in ids}
+    cached = {}
+    steps = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        new = 0
+        for o in outs:
+            c = o.outputs[0]
+            tokens[o.request_id].extend(c.token_ids)
+            new += len(c.token_ids)
+            if o.num_cached_tokens is not None:
+                cached[o.request_id] = o.num_cached_tokens
+            if logprobs and c.logprobs:
+                for pos in c.logprobs:
+                    lps[o.request_id].append(sorted(
+                        ((tok, lp.logprob) for tok, lp in pos.items()), key=lambda t: -t[1]))
+        steps.append((dt, new, sum(1 for r in ids if tokens[r])))
+    return ids, tokens, lps, cached, steps
+
+
+def _decode_figures(steps, batch, tokens):
+    """Decode phase: from the step after which every request had its first token."""
+    start = next(i for i, s in enumerate(steps) if s[2] == batch)
+    t = sum(s[0] for s in steps[start + 1:])
+    n = sum(s[1] for s in steps[start + 1:])
+    total = sum(len(v) for v in tokens.values())
+    return {
+        "decode_steps": len(steps) - start - 1, "decode_s": t, "decode_tokens": n,
+        "output_tokens": total,
+        "tokens_per_s": n / t if t else None,
+        "tpot_ms": 1e3 * t / (n / batch) if n else None,
+        "tokens_per_request_step": n / batch / max(1, len(steps) - start - 1),
+        "prefill_steps": start + 1,
+    }
+
+
+def child(args) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    triton_dir = os.path.join(args.out, f"cache-{args.mode}-k{args.k}", "triton")
+    os.environ["TRITON_CACHE_DIR"] = triton_dir
+    import torch
+    from vllm import LLM
+
+    from vllm_dsa_varlen import stats
+
+    lmax = max(args.prompt)
+    max_len = int(1.3 * lmax) + args.new_tokens + args.k + 64
+    max_batch = max(args.batch)
+    spec = {"method": "mtp", "num_speculative_tokens": args.k}
+    if args.attention_backend:
+        spec["attention_backend"] = args.attention_backend
+    compilation = {"max_cudagraph_capture_size": max_batch * (args.k + 1)}
+    if args.graph_mode == "none":
+        compilation.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
+    elif args.graph_mode == "full":
+        compilation.update(cudagraph_mode="FULL")
+    kwargs = dict(model=args.model, load_format=args.load_format, skip_tokenizer_init=True,
+                  max_model_len=max_len, max_num_seqs=max_batch, enable_prefix_caching=True,
+                  max_num_batched_tokens=args.max_batched_tokens,
+                  gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
+                  speculative_config=spec, compilation_config=compilation,
+                  kv_cache_dtype=args.kv_cache_dtype)
+    if args.attention_backend:
+        kwargs["attention_config"] = {"backend": args.attention_backend}
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    init_s = time.perf_counter() - t0
+    engine = llm.llm_engine
+    vocab = engine.model_config.get_vocab_size()
+    dg_dir = os.path.join(os.environ.get("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm")),
+                          "deep_gemm")
+    result = {"mode": args.mode, "k": args.k, "init_s": init_s, "graph_mode": args.graph_mode,
+              "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
+              "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+              "cases": [], "jit": {}}
+    try:
+        import vllm
+
+        result["vllm"] = vllm.__version__
+        cc = engine.vllm_config.compilation_config
+        result["cudagraph_mode"] = str(cc.cudagraph_mode)
+        result["cudagraph_capture_sizes"] = list(cc.cudagraph_capture_sizes or [])
+    except Exception as e:  # noqa: BLE001
+        result["config_error"] = repr(e)
+
+    # warm-up: one short case compiles anything the measured runs need
+    _run_case(engine, [prompt_ids(10**6, 512, vocab)], 16, "warm")
+    stats.reset()
+    jit0 = _jit_state(triton_dir, dg_dir)
+    for length in args.prompt:
+        prompts = [prompt_ids(i, length, vocab) for i in range(max_batch)]
+        _run_case(engine, prompts, 1, f"prefill-L{length}")
+        for batch in args.batch:
+            before = stats.snapshot()
+            ids, tokens, _, cached, steps = _run_case(engine, prompts[:batch], args.new_tokens,
+                                                      f"B{batch}-L{length}")
+            after = stats.snapshot()
+            case = {"batch": batch, "prompt": length,
+                    "prompt_tokens": sum(len(p) for p in prompts[:batch]),
+                    "cached_tokens": sum(cached.values()),
+                    **_decode_figures(steps, batch, tokens),
+                    "paths": {kind: {p: after[kind][p] - before[kind][p] for p in after[kind]}
+                              for kind in after},
+                    "tokens": [tokens[r] for r in ids]}
+            result["cases"].append(case)
+            print(f"[{args.mode} k={args.k}] B{batch} L{length}: "
+                  f"{case['tokens_per_s']:.0f} tok/s, TPOT {case['tpot_ms']:.2f} ms, "
+                  f"paths {case['paths']['steps']}", flush=True)
+    result["jit"] = {"before": jit0, "after": _jit_state(triton_dir, dg_dir)}
+
+    # a mixed window: half the requests decode while the other half prefill
+    # (chunked prefill), the steps where vLLM runs the indexer op outside the
+    # piecewise CUDA graphs
+    length = min(args.prompt)
+    half = max(1, max_batch // 2)
+    before = stats.snapshot()
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.DELTA)
+    for i in range(half):
+        engine.add_request(f"mixed-a{i}", {"prompt_token_ids": prompt_ids(i, length, vocab)},
+                           params)
+    for _ in range(4):
+        engine.step()
+    for i in range(half):
+        engine.add_request(f"mixed-b{i}",
+                           {"prompt_token_ids": prompt_ids(10**5 + i, length, vocab)}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = stats.snapshot()
+    result["mixed_window"] = {"requests": 2 * half, "prompt": length,
+                              "paths": {kind: {p: after[kind][p] - before[kind][p]
+                                               for p in after[kind]} for kind in after}}
+
+    # identity run: top-2 logprobs at every position
+    length = min(args.prompt)
+    prompts = [prompt_ids(i, length, vocab) for i in range(max_batch)]
+    ids, tokens, lps, _, _ = _run_case(engine, prompts, args.new_tokens, "identity", logprobs=2)
+    result["identity"] = {"batch": max_batch, "prompt": length,
+                          "tokens": [tokens[r] for r in ids], "top2": [lps[r] for r in ids]}
+
+    # one profiled window of decode steps at the largest case
+    if args.trace_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        length = max(args.prompt)
+        prompts = [prompt_ids(i, length, vocab) for i in range(max_batch)]
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True,
+                                detokenize=False, output_kind=RequestOutputKind.DELTA)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"trace-{i}", {"prompt_token_ids": p}, params)
+        for _ in range(8):  # past the prefill, into steady decode
+            engine.step()
+        path = os.path.join(args.out, f"trace-{args.mode}-k{args.k}.json")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.trace_steps):
+                engine.step()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+            dst.write(src.read())
+        os.remove(path)
+        while engine.has_unfinished_requests():
+            engine.step()
+        result["trace"] = {"file": os.path.basename(path) + ".gz", "batch": max_batch,
+                           "prompt": length, **summarize_trace(path + ".gz", args.trace_steps)}
+    with open(os.path.join(args.out, f"run-{args.mode}-k{args.k}.json"), "w") as f:
+        json.dump(result, f)
+
+
+# ---------------------------------------------------------------------------- parent
+
+def first_divergence(a: list[list[int]], b: list[list[int]]):
+    for r, (x, y) in enumerate(zip(a, b)):
+        for pos, (u, v) in enumerate(zip(x, y)):
+            if u != v:
+                return {"request": r, "position": pos, "stock": u, "plugin": v}
+        if len(x) != len(y):
+            return {"request": r, "position": min(len(x), len(y)), "stock": None, "plugin": None}
+    return None
+
+
+def compare(stock: dict, plugin: dict) -> dict:
+    """Per case: speed ratio and token identity; the identity run's first divergence
+    with both runs' top-2 logprobs there."""
+    rows = []
+    for s, p in zip(stock["cases"], plugin["cases"]):
+        assert (s["batch"], s["prompt"]) == (p["batch"], p["prompt"])
+        div = first_divergence(s["tokens"], p["tokens"])
+        rows.append({"batch": s["batch"], "prompt": s["prompt"], "k": stock["k"],
+                     "stock_tok_s": s["tokens_per_s"], "plugin_tok_s": p["tokens_per_s"],
+                     "stock_tpot_ms": s["tpot_ms"], "plugin_tpot_ms": p["tpot_ms"],
+                     "speedup": (s["tpot_ms"] / p["tpot_ms"]) if p["tpot_ms"] else None,
+                     "tokens_identical": div is None, "first_divergence": div,
+                     "plugin_paths": p["paths"]["steps"],
+                     "plugin_variable_steps": sum(p["paths"]["variable"].values()),
+                     "plugin_mixed_steps": sum(p["paths"]["mixed"].values())})
+    ident = None
+    if "identity" in stock and "identity" in plugin:
+        div = first_divergence(stock["identity"]["tokens"], plugin["identity"]["tokens"])
+        ident = {"batch": stock["identity"]["batch"], "prompt": stock["identity"]["prompt"],
+                 "requests": len(stock["identity"]["tokens"]),
+                 "tokens_each": len(stock["identity"]["tokens"][0]),
+                 "identical": div is None, "first_divergence": div}
+        if div is not None:
+            r, pos = div["request"], div["position"]
+            ident["stock_top2"] = stock["identity"]["top2"][r][pos:pos + 1]
+            ident["plugin_top2"] = plugin["identity"]["top2"][r][pos:pos + 1]
+    return {"rows": rows, "identity": ident}
+
+
+def table(result: dict) -> str:
+    lines = ["| k | B | L | stock tok/s | plugin tok/s | stock TPOT ms | plugin TPOT ms | gain | "
+             "tokens equal | plugin decode steps by path | indexer share stock / plugin |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k, entry in sorted(result["per_k"].items(), key=lambda kv: int(kv[0])):
+        share = entry.get("indexer_share", {})
+        sh = " / ".join(f"{share[m]:.0%}" if share.get(m) is not None else "-"
+                        for m in ("stock", "plugin"))
+        for r in entry["comparison"]["rows"]:
+            paths = ", ".join(f"{p} {n}" for p, n in r["plugin_paths"].items() if n)
+            lines.append(
+                f"| {k} | {r['batch']} | {r['prompt'] // 1024}K | {r['stock_tok_s']:.0f} | "
+                f"{r['plugin_tok_s']:.0f} | {r['stock_tpot_ms']:.2f} | {r['plugin_tpot_ms']:.2f} | "
+                f"{r['speedup']:.3f}x | {'yes' if r['tokens_identical'] else 'NO'} | {paths} | "
+                f"{sh} |")
+    return "\n".join(lines)
+
+
+def log_facts(path: str) -> dict:
+    """From a run's log: the CUDA-graph capture lines (kind and count) and the
+    plugin's decode-path lines."""
+    with open(path, errors="replace") as f:
+        text = f.read().replace("\r", "\n")
+    captures = {}
+    for m in re.finditer(r"Capturing CUDA graphs \(([^)]*)\)[^\n]*?(\d+)/(\d+)", text):
+        captures[m.group(1)] = int(m.group(3))
+    finished = re.findall(r"Graph capturing finished[^\n]*", text)
+    plugin = sorted(set(re.findall(r"vllm-dsa-varlen: [^\n]*", text)))
+    return {"cuda_graphs_captured": captures, "capture_log": finished[-2:],
+            "plugin_log": plugin[:20]}
+
+
+def parent(args) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    if args.model is None:
+        args.model = write_tiny_config(os.path.join(args.out, "model"), args.layers)
+    result = {"model": args.model, "layers": args.layers, "per_k": {}, "runs": []}
+    for k in args.k:
+        runs = {}
+        for mode in args.modes:
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode,
+                   "--k", str(k), "--model", args.model, "--out", args.out]
+            for name in ("batch", "prompt"):
+                cmd += [f"--{name}", *map(str, getattr(args, name))]
+            for name in ("new_tokens", "layers", "graph_mode", "load_format", "kv_cache_dtype",
+                         "max_batched_tokens", "gpu_memory_utilization", "trace_steps",
+                         "attention_backend"):
+                cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+            env = dict(os.environ, VLLM_DSA_VARLEN=MODES[mode])
+            t0 = time.perf_counter()
+            log = os.path.join(args.out, f"log-{mode}-k{k}.txt")
+            with open(log, "w") as f:
+                rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+            result["runs"].append({"mode": mode, "k": k, "rc": rc,
+                                   "wall_s": time.perf_counter() - t0, "log": log,
+                                   **log_facts(log)})
+            print(f"{mode} k={k}: rc {rc}, {time.perf_counter() - t0:.0f} s", flush=True)
+            path = os.path.join(args.out, f"run-{mode}-k{k}.json")
+            if rc == 0 and os.path.exists(path):
+                with open(path) as f:
+                    runs[mode] = json.load(f)
+        entry = {"init_s": {m: r["init_s"] for m, r in runs.items()},
+                 "cudagraph_mode": {m: r.get("cudagraph_mode") for m, r in runs.items()},
+                 "cudagraph_capture_sizes": {m: r.get("cudagraph_capture_sizes")
+                                             for m, r in runs.items()},
+                 "jit": {m: r["jit"] for m, r in runs.items()},
+                 "trace": {m: {x: y for x, y in r["trace"].items()}
+                           for m, r in runs.items() if "trace" in r},
+                 "indexer_share": {m: r["trace"]["indexer_share"]
+                                   for m, r in runs.items() if "trace" in r}}
+        if "stock" in runs and "plugin" in runs:
+            entry["comparison"] = compare(runs["stock"], runs["plugin"])
+        entry["mixed_window"] = {m: r.get("mixed_window") for m, r in runs.items()}
+        result["per_k"][str(k)] = entry
+    with open(os.path.join(args.out, "e2e.json"), "w") as f:
+        json.dump(result, f, indent=1, allow_nan=False)
+    if all("comparison" in e for e in result["per_k"].values()) and result["per_k"]:
+        print(table(result))
+    for k, e in result["per_k"].items():
+        ident = e.get("comparison", {}).get("identity")
+        if ident:
+            print(f"k={k} identity ({ident['requests']} requests x {ident['tokens_each']} tokens): "
+                  f"{'identical' if ident['identical'] else ident['first_divergence']}")
+    return 0 if all(r["rc"] == 0 for r in result["runs"]) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="MTP decode end to end: stock vs vllm-dsa-varlen")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default=None, help="a model path (default: the tiny config)")
+    ap.add_argument("--layers", type=int, default=61, help="tiny config's layers (default 61)")
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3], help="MTP draft tokens")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--prompt", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--graph-mode", default="default", choices=["default", "full", "none"],
+                    help="default: vLLM's (FULL_AND_PIECEWISE, torch.compile); full: FULL "
+                         "graphs; none: no torch.compile, full decode graphs only")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--attention-backend", default="FLASHMLA_SPARSE")
+    ap.add_argument("--max-batched-tokens", type=int, default=16384)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--trace-steps", type=int, default=3, help="profiled decode steps (0: none)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    return parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

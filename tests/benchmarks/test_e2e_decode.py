@@ -1,0 +1,101 @@
+"""The end-to-end benchmark's host-side logic (no GPU, no engine): prompts,
+the comparison of two runs, the trace summary, the log facts."""
+
+import gzip
+import importlib.util
+import json
+import os
+import random
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "e2e_decode.py")
+_spec = importlib.util.spec_from_file_location("e2e_decode", _PATH)
+e2e = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(e2e)
+
+
+def test_prompts_are_the_same_in_every_process_and_differ_between_requests():
+    a = [e2e.prompt_ids(i, 4096, 4096) for i in range(8)]
+    b = [e2e.prompt_ids(i, 4096, 4096) for i in range(8)]
+    assert a == b
+    assert len({tuple(p) for p in a}) == 8
+    for p in a:
+        assert 0.7 * 4096 <= len(p) <= 1.3 * 4096
+        assert min(p) >= 2 and max(p) < 4096  # no bos / eos ids, inside the vocab
+
+
+def test_tiny_config_has_the_real_indexer_and_the_asked_layers(tmp_path):
+    path = e2e.write_tiny_config(str(tmp_path / "m"), 61)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    assert cfg["num_hidden_layers"] == 61 and cfg["num_nextn_predict_layers"] == 1
+    assert (cfg["index_n_heads"], cfg["index_head_dim"], cfg["index_topk"]) == (64, 128, 2048)
+    assert cfg["first_k_dense_replace"] >= 61  # dense MLPs in every layer
+
+
+def _run(tokens):
+    return {"k": 3, "cases": [{"batch": len(tokens), "prompt": 4096, "tokens_per_s": 100.0,
+                               "tpot_ms": 2.0, "tokens": tokens,
+                               "paths": {k: dict.fromkeys(("varlen",), 0)
+                                         for k in ("steps", "variable", "mixed")}}]}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_first_divergence_finds_the_first_differing_token(seed):
+    rng = random.Random(seed)
+    a = [[rng.randrange(100) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
+    b = [list(x) for x in a]
+    assert e2e.first_divergence(a, b) is None
+    r = rng.randrange(6)
+    pos = rng.randrange(len(a[r]))
+    b[r][pos] = a[r][pos] + 1
+    for later in range(r + 1, 6):  # later requests differ too: the first one is reported
+        b[later][0] += 1
+    assert e2e.first_divergence(a, b) == {"request": r, "position": pos, "stock": a[r][pos],
+                                          "plugin": a[r][pos] + 1}
+    b = [list(x) for x in a]
+    b[r] = b[r][:-1]
+    assert e2e.first_divergence(a, b)["position"] == len(a[r]) - 1
+
+
+def test_compare_reports_speed_and_identity():
+    stock, plugin = _run([[1, 2, 3]]), _run([[1, 2, 4]])
+    plugin["cases"][0]["tpot_ms"] = 1.6
+    row = e2e.compare(stock, plugin)["rows"][0]
+    assert row["speedup"] == pytest.approx(2.0 / 1.6)
+    assert not row["tokens_identical"] and row["first_divergence"]["position"] == 2
+
+
+def test_trace_summary_classifies_kernels_per_step(tmp_path):
+    events = [
+        {"cat": "kernel", "name": "varlen_logits_sm90", "dur": 40.0},
+        {"cat": "kernel", "name": "varlen_plan_sm90", "dur": 6.0},
+        {"cat": "kernel", "name": "void persistent_topk_kernel<...>", "dur": 20.0},
+        {"cat": "kernel", "name": "void deep_gemm::sm90_fp8_paged_mqa_logits<...>", "dur": 30.0},
+        {"cat": "kernel", "name": "ampere_bf16_gemm", "dur": 104.0},
+        {"cat": "cpu_op", "name": "varlen_logits_sm90", "dur": 999.0},  # not a kernel
+    ]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = e2e.summarize_trace(str(path), steps=2)
+    assert s["gpu_us_per_step"] == pytest.approx(100.0)
+    assert s["indexer_us_per_step"] == pytest.approx(48.0)
+    assert s["indexer_share"] == pytest.approx(0.48)
+    assert s["plan_us_per_step"] == pytest.approx(3.0)
+    assert s["by_class_us_per_step"]["logits_deepgemm"] == pytest.approx(15.0)
+
+
+def test_log_facts_reads_captures_and_plugin_lines(tmp_path):
+    log = tmp_path / "log.txt"
+    log.write_text(
+        "INFO vllm-dsa-varlen: DSA indexer decode path: varlen (triton): sm_90\n"
+        "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 10%|#| 5/49\r"
+        "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%|##| 49/49\n"
+        "Capturing CUDA graphs (decode, FULL): 100%|##| 33/33\n"
+        "INFO Graph capturing finished in 12 secs, took 1.2 GiB\n")
+    facts = e2e.log_facts(str(log))
+    assert facts["cuda_graphs_captured"] == {"mixed prefill-decode, PIECEWISE": 49,
+                                             "decode, FULL": 33}
+    assert facts["capture_log"] and "12 secs" in facts["capture_log"][0]
+    assert facts["plugin_log"] == ["vllm-dsa-varlen: DSA indexer decode path: varlen (triton): sm_90"]
