@@ -207,9 +207,26 @@ def _decode_figures(steps, batch, tokens):
 
 
 def child(args) -> None:
+    result: dict = {}
+    path = os.path.join(args.out, f"run-{args.mode}-k{args.k}.json")
+    try:
+        _child(args, result)
+    except BaseException as e:  # keep what was measured; the parent sees rc != 0
+        import traceback
+
+        result["error"] = traceback.format_exc()
+        raise
+    finally:
+        with open(path, "w") as f:
+            json.dump(result, f)
+
+
+def _child(args, result: dict) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    triton_dir = os.path.join(args.out, f"cache-{args.mode}-k{args.k}", "triton")
+    import tempfile
+
+    triton_dir = os.path.join(tempfile.gettempdir(), f"e2e-cache-{args.mode}-k{args.k}", "triton")
     os.environ["TRITON_CACHE_DIR"] = triton_dir
     import torch
     from vllm import LLM
@@ -235,6 +252,8 @@ def child(args) -> None:
                   kv_cache_dtype=args.kv_cache_dtype)
     if args.attention_backend:
         kwargs["attention_config"] = {"backend": args.attention_backend}
+    if args.force_sparse_prefill:
+        kwargs.setdefault("attention_config", {})["sparse_mla_force_mqa"] = True
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     init_s = time.perf_counter() - t0
@@ -242,10 +261,11 @@ def child(args) -> None:
     vocab = engine.model_config.get_vocab_size()
     dg_dir = os.path.join(os.environ.get("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm")),
                           "deep_gemm")
-    result = {"mode": args.mode, "k": args.k, "init_s": init_s, "graph_mode": args.graph_mode,
-              "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
-              "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-              "cases": [], "jit": {}}
+    result.update({"mode": args.mode, "k": args.k, "init_s": init_s,
+                   "graph_mode": args.graph_mode,
+                   "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
+                   "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+                   "cases": [], "jit": {}})
     try:
         import vllm
 
@@ -256,8 +276,8 @@ def child(args) -> None:
     except Exception as e:  # noqa: BLE001
         result["config_error"] = repr(e)
 
-    # warm-up: one short case compiles anything the measured runs need
-    _run_case(engine, [prompt_ids(10**6, 512, vocab)], 16, "warm")
+    # warm-up: one case compiles anything the measured runs need
+    _run_case(engine, [prompt_ids(10**6, min(args.prompt), vocab)], 16, "warm")
     stats.reset()
     jit0 = _jit_state(triton_dir, dg_dir)
     for length in args.prompt:
@@ -342,8 +362,6 @@ def child(args) -> None:
             engine.step()
         result["trace"] = {"file": os.path.basename(path) + ".gz", "batch": max_batch,
                            "prompt": length, **summarize_trace(path + ".gz", args.trace_steps)}
-    with open(os.path.join(args.out, f"run-{args.mode}-k{args.k}.json"), "w") as f:
-        json.dump(result, f)
 
 
 # ---------------------------------------------------------------------------- parent
@@ -432,6 +450,7 @@ def parent(args) -> int:
             for name in ("batch", "prompt"):
                 cmd += [f"--{name}", *map(str, getattr(args, name))]
             for name in ("new_tokens", "layers", "graph_mode", "load_format", "kv_cache_dtype",
+                         "force_sparse_prefill",
                          "max_batched_tokens", "gpu_memory_utilization", "trace_steps",
                          "attention_backend"):
                 cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -445,9 +464,10 @@ def parent(args) -> int:
                                    **log_facts(log)})
             print(f"{mode} k={k}: rc {rc}, {time.perf_counter() - t0:.0f} s", flush=True)
             path = os.path.join(args.out, f"run-{mode}-k{k}.json")
-            if rc == 0 and os.path.exists(path):
+            if os.path.exists(path):
                 with open(path) as f:
                     runs[mode] = json.load(f)
+        runs = {m: r for m, r in runs.items() if "cases" in r}
         entry = {"init_s": {m: r["init_s"] for m, r in runs.items()},
                  "cudagraph_mode": {m: r.get("cudagraph_mode") for m, r in runs.items()},
                  "cudagraph_capture_sizes": {m: r.get("cudagraph_capture_sizes")
@@ -489,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--attention-backend", default="FLASHMLA_SPARSE")
+    ap.add_argument("--force-sparse-prefill", type=int, default=1,
+                    help="1: every prefill through the sparse MLA (MQA) path, as decode; 0: "
+                         "vLLM's default, short prefills through FlashAttention (needs its "
+                         "extension to load)")
     ap.add_argument("--max-batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--trace-steps", type=int, default=3, help="profiled decode steps (0: none)")
@@ -496,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
+        args.k = args.k[0]
         child(args)
         return 0
     return parent(args)

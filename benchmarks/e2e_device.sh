@@ -5,11 +5,7 @@
 #   bash benchmarks/e2e_device.sh .device/offline/call-2 --out "$OUT/e2e" --k 3 ...
 set -euo pipefail
 target=${OFFLINE_GPU:-/tmp/offline-gpu}
-if [ "$1" != "-" ]; then
-  line=$(bash scripts/offline-gpu-install.sh "$1" "$target" | tail -1)
-else
-  line=$(bash scripts/offline-gpu-install.sh /dev/null "$target" 2>/dev/null | tail -1 || true)
-fi
+line=$(bash scripts/offline-gpu-install.sh "$1" "$target" | tail -1)
 shift
 echo "$line"
 case "$line" in complete:*) ;; *) exit 0 ;; esac

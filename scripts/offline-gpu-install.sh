@@ -3,7 +3,7 @@
 # scripts/stage-offline-gpu.py (call-N/: parts of one tar.xz + MANIFEST), and once
 # every part listed in MANIFEST is there (sha256-checked), unpack the installed
 # tree and declare this project's plugin entry point beside it.
-#   bash scripts/offline-gpu-install.sh FOLDER [TARGET]     (TARGET default /tmp/offline-gpu)
+#   bash scripts/offline-gpu-install.sh FOLDER|- [TARGET]   (TARGET default /tmp/offline-gpu)
 # Prints "complete: export PYTHONPATH=TARGET/site" when done, "waiting: ..." otherwise.
 # Re-running with a folder already received is harmless.
 set -euo pipefail
@@ -11,8 +11,11 @@ src=$1
 target=${2:-/tmp/offline-gpu}
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$target/parts"
-cp "$src"/MANIFEST "$target/parts/MANIFEST"
-for f in "$src"/part-*; do cp "$f" "$target/parts/"; done
+if [ "$src" != "-" ]; then  # "-": nothing new, just report (and finish) the install
+  cp "$src"/MANIFEST "$target/parts/MANIFEST"
+  for f in "$src"/part-*; do cp "$f" "$target/parts/"; done
+fi
+[ -f "$target/parts/MANIFEST" ] || { echo "waiting: nothing received yet"; exit 0; }
 cd "$target/parts"
 missing=$(awk '{print $2}' MANIFEST | while read -r p; do [ -f "$p" ] || echo "$p"; done)
 if [ -n "$missing" ]; then

@@ -45,7 +45,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import zipfile
 
@@ -126,8 +125,12 @@ def pack(site: str, out: str, part_mib: int, per_call_mib: int) -> list[str]:
     """``site`` as one tar.xz in parts, grouped into ``call-N`` folders of at
     most ``per_call_mib``; returns the folders."""
     archive = os.path.join(out, "site.tar.xz")
-    with tarfile.open(archive, "w:xz", preset=9) as tar:
-        tar.add(site, arcname="site")
+    with open(archive, "wb") as f:  # xz itself: multi-threaded, unlike Python's lzma
+        tar = subprocess.Popen(["tar", "c", "-C", os.path.dirname(site), "site"],
+                               stdout=subprocess.PIPE)
+        subprocess.run(["xz", "-9", "-T0", "-c"], stdin=tar.stdout, stdout=f, check=True)
+        if tar.wait():
+            sys.exit("tar failed")
     size = os.path.getsize(archive)
     part_bytes = part_mib << 20
     parts = []
