@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: DeepGEMM 2.8.2 (a prebuilt wheel in $DEV when there
-# is one, else built from the staged sdist), the GPU tests, then the benchmark with
-# every peer on the same inputs: this project's kernels (sm_90 Gluon + portable
-# Triton) and DeepGEMM 2.8.2 in one process, vLLM 0.33's DeepGEMM 2.8.1 in a
-# process of its own (the two DeepGEMMs crash when loaded together), merged into
-# one table.  Extra arguments go to both benchmark processes.  Logs, JSON land in $OUT.
+# is one, else built from the staged sdist), the GPU tests, then the benchmark
+# (python3 -m vllm_dsa_varlen.bench) with every peer on the same inputs: the portable
+# Triton kernel and DeepGEMM 2.8.2 in the main process, this project's sm_90 kernels
+# (CUDA, Gluon) in a process of their own, vLLM 0.33's DeepGEMM 2.8.1 in another (the
+# two DeepGEMMs crash when loaded together), merged into one table (bench.json;
+# benchmarks/summarize.py prints it).  Extra arguments go to every benchmark process.
+# Logs, JSON land in $OUT.
 #   DEV=.device (default; ../.device from a copy one level down)  SKIP_TESTS=1  TESTS_LAST=1
 #   RUN_VDG=0  RUN_GLUON=0  GPU_TESTS=...  TEST_TIMEOUT/PEER_TIMEOUT/MAIN_TIMEOUT (seconds)
 set -u
@@ -28,21 +30,21 @@ run_tests() {
 peers=()
 if [ "${RUN_VDG:-1}" = 1 ] && [ -f "$DEV/vllm-deep-gemm-0.33.0.tgz" ]; then
   mkdir -p /tmp/vdg && tar xzf "$DEV/vllm-deep-gemm-0.33.0.tgz" -C /tmp/vdg
-  PYTHONPATH=/tmp/vdg timeout ${PEER_TIMEOUT:-600} python3 benchmarks/benchmark_indexer_decode.py --peer vdg --json "$OUT/bench-vdg.json" "$@" \
+  PYTHONPATH=/tmp/vdg timeout ${PEER_TIMEOUT:-600} python3 -m vllm_dsa_varlen.bench --peer vdg --json "$OUT/bench-vdg.json" "$@" \
     > "$OUT/bench-vdg.log" 2>&1; echo "vdg peer rc=$?"
   [ -f "$OUT/bench-vdg.json" ] && peers+=("$OUT/bench-vdg.json")
 fi
 # The sm_90 kernel in a process of its own too (a fault there cannot take the other paths
 # down); RUN_GLUON=0 times it in the main process instead.
 if [ "${RUN_GLUON:-1}" = 1 ]; then
-  timeout ${PEER_TIMEOUT:-600} python3 benchmarks/benchmark_indexer_decode.py --peer gluon --json "$OUT/bench-gluon.json" "$@" \
+  timeout ${PEER_TIMEOUT:-600} python3 -m vllm_dsa_varlen.bench --peer gluon --json "$OUT/bench-gluon.json" "$@" \
     > "$OUT/bench-gluon.log" 2>&1; echo "gluon peer rc=$?"
   [ -f "$OUT/bench-gluon.json" ] && peers+=("$OUT/bench-gluon.json")
 fi
 merge=()
 [ ${#peers[@]} -gt 0 ] && merge=(--merge "${peers[@]}")
 nogluon=(); [ "${RUN_GLUON:-1}" = 1 ] && nogluon=(--no-gluon)
-timeout ${MAIN_TIMEOUT:-900} python3 benchmarks/benchmark_indexer_decode.py "${nogluon[@]}" --json "$OUT/bench.json" "${merge[@]}" "$@" > "$OUT/bench.log" 2>&1
+timeout ${MAIN_TIMEOUT:-900} python3 -m vllm_dsa_varlen.bench "${nogluon[@]}" --json "$OUT/bench.json" "${merge[@]}" "$@" > "$OUT/bench.log" 2>&1
 echo "main rc=$?"; sed -n '/^case /,$p' "$OUT/bench.log"
 [ "${SKIP_TESTS:-0}" != 1 ] && [ "${TESTS_LAST:-0}" = 1 ] && run_tests
 exit 0

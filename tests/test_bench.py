@@ -1,6 +1,9 @@
-"""The benchmark's CPU mode (the README's main job on a machine without a GPU)."""
+"""The benchmark (`vllm_dsa_varlen/bench.py`): its CPU mode (the README's main job on a
+machine without a GPU), its JSON, and the profiler option."""
 
 import json
+
+import pytest
 
 from vllm_dsa_varlen import bench
 
@@ -56,3 +59,37 @@ def test_cpu_json_is_strict(tmp_path):
 def test_strict_json_replaces_every_non_finite_float():
     value = {"a": float("nan"), "b": [1.0, float("inf"), {"c": float("-inf")}], "d": 2}
     assert bench.strict_json(value) == {"a": None, "b": [1.0, None, {"c": None}], "d": 2}
+
+
+def test_profile_needs_a_gpu():
+    """``--profile`` brackets kernel calls for Nsight Compute; on the CPU it refuses plainly."""
+    with pytest.raises(SystemExit, match="--profile: needs a CUDA GPU"):
+        bench.main(["--cpu", "--profile"])
+
+
+@pytest.mark.gpu
+def test_profile_brackets_one_call_per_kept_path(capsys, monkeypatch):
+    """``--profile`` times nothing and opens the profiler once per (case, kept path),
+    around exactly one call of that path."""
+    import torch
+
+    events = []
+    cudart = torch.cuda.cudart()
+
+    class Recorder:
+        def cudaProfilerStart(self):
+            events.append("start")
+            return cudart.cudaProfilerStart()
+
+        def cudaProfilerStop(self):
+            events.append("stop")
+            return cudart.cudaProfilerStop()
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Recorder())
+    assert bench.main(["--profile", "--cases", "B1 L8K", "B16 L16K", "--paths", "portable"]) == 0
+    printed = capsys.readouterr().out
+    profiled = [line for line in printed.splitlines() if line.startswith("profiling: ")]
+    assert profiled == ["profiling: B1 L8K 4tok uniform | triton-portable",
+                        "profiling: B16 L16K 4tok uniform | triton-portable"]
+    assert events == ["start", "stop"] * 2
+    assert "measured: copy" not in printed  # nothing timed

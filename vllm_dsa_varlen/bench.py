@@ -464,6 +464,34 @@ def trace_pass(torch, cases, args, dg, num_sms):
     print(f"trace written: {args.trace}")
 
 
+def profile_pass(torch, cases, args, dg, num_sms):
+    """One call of every path per case between ``cudaProfilerStart`` and
+    ``cudaProfilerStop``, in an NVTX range ``case | path`` (three untimed calls
+    first), for Nsight Compute started with ``--profile-from-start off``::
+
+        ncu --profile-from-start off --set full -o sm90 python3 -m vllm_dsa_varlen.bench \\
+            --profile --peer gluon --cases "B64 L32K 4tok"
+
+    ``--paths``: keep only paths whose name contains one of these substrings."""
+    for case in cases:
+        step, paths = case_paths(torch, case, args, dg, num_sms)
+        for name, path in paths.items():
+            if args.paths and not any(s in name for s in args.paths):
+                continue
+            for _ in range(3):
+                path.fn()
+            torch.cuda.synchronize()
+            print(f"profiling: {case.name} | {name}", flush=True)
+            torch.cuda.cudart().cudaProfilerStart()
+            torch.cuda.nvtx.range_push(f"{case.name} | {name}")
+            path.fn()
+            torch.cuda.nvtx.range_pop()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+        del step, paths
+        torch.cuda.empty_cache()
+
+
 def triton_variants(spec: str | None):
     """Kernel parameter sets to time: ``default`` or ``k=v,k=v;k=v,...``."""
     if not spec:
@@ -504,10 +532,13 @@ def run_gpu(args):
             raise SystemExit(f"--peer {args.peer}: DeepGEMM not importable ({exc})")
         print(f"DeepGEMM not available ({exc}); timing the Triton kernels only")
         dg, num_sms = None, 0
-    bw, flops_rate = measure_ceilings(torch, do_bench)
-    print(f"measured: copy {bw / 1e12:.2f} TB/s, fp8 matmul {flops_rate / 1e12:.0f} TFLOP/s")
     cases = custom_cases(args) or [
         c for c in GPU_CASES if not args.cases or any(s in c.name for s in args.cases)]
+    if args.profile:  # nothing timed: one call per path for a profiler
+        profile_pass(torch, cases, args, dg, num_sms)
+        return [], {"device": torch.cuda.get_device_name(), "profiled": True}
+    bw, flops_rate = measure_ceilings(torch, do_bench)
+    print(f"measured: copy {bw / 1e12:.2f} TB/s, fp8 matmul {flops_rate / 1e12:.0f} TFLOP/s")
     results = []
     for case in cases:
         step, paths = case_paths(torch, case, args, dg, num_sms)
@@ -671,9 +702,16 @@ def main(argv=None):
     parser.add_argument("--no-gluon", action="store_true",
                         help="leave the sm_90 kernel out (time it with --peer gluon instead)")
     parser.add_argument("--merge", nargs="*", help="JSON files of --peer runs to merge into this run")
+    parser.add_argument("--profile", action="store_true", help="time nothing: one call of every "
+                        "path per case inside cudaProfilerStart/Stop, for Nsight Compute "
+                        "(ncu --profile-from-start off); needs a GPU")
+    parser.add_argument("--paths", nargs="*", help="with --profile: substrings of path names to keep")
     args = parser.parse_args(argv)
     import torch
     gpu = torch.cuda.is_available() and not args.cpu
+    if args.profile and not gpu:
+        raise SystemExit("--profile: needs a CUDA GPU (it brackets one kernel call per path for "
+                         "Nsight Compute)")
     if args.heads is None:
         args.heads = 64 if gpu else 32
     if not gpu:
