@@ -1,11 +1,17 @@
 """The CUDA C++ sm_90 kernel (ops/cuda_paged_mqa_logits.py): its schedule
 against a host model and its NVRTC build on the CPU; its logits against the
 torch reference on an sm_90 GPU (poisoned outputs, repeats, CUDA-graph replay
-with new contents)."""
+with new contents), in both head-sum builds."""
 
 from __future__ import annotations
 
+import collections
+import glob
+import os
 import random
+import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -15,7 +21,7 @@ from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
 from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
 
-from logits_checks import POISON, check_poisoned, launcher_args, run_poisoned
+from logits_checks import POISON, check_poisoned, launcher_args, rel_err, run_poisoned
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 NVRTC = None
 try:
@@ -78,24 +84,123 @@ def test_plan_refuses_other_chunk_sizes():
 
 def test_the_build_follows_the_run_length_hint():
     """Hints up to EVICT_FIRST_MAX_RUN (one row group per page) take the
-    evict-first build, longer ones the default build."""
+    evict-first build, longer ones the default build; the head sum adds its
+    macro."""
     assert ck.EVICT_FIRST_MAX_RUN == 2
-    assert [ck.defines_for(n) for n in (1, 2, 3, 4, 8, 16)] == (
+    assert [ck.defines_for(n, "fp32") for n in (1, 2, 3, 4, 8, 16)] == (
         [("EVICT_FIRST=1",)] * 2 + [()] * 4)
+    assert [ck.defines_for(n, "tf32") for n in (1, 2, 3, 4)] == (
+        [("EVICT_FIRST=1", "HEAD_SUM_TC=1")] * 2 + [("HEAD_SUM_TC=1",)] * 2)
+    with pytest.raises(ValueError, match="head_sum"):
+        ck.defines_for(4, "bf16")
+    assert ck.smem_bytes(()) == ck.SMEM_BYTES
+    assert ck.smem_bytes(("HEAD_SUM_TC=1",)) == ck.SMEM_BYTES + ck.HEAD_SUM_TC_BYTES
+    assert ck.smem_bytes(("EVICT_FIRST=1", "HEAD_SUM_TC=1")) <= 227 * 1024
+
+
+@pytest.fixture
+def head_sum_env(monkeypatch):
+    """Set ``VLLM_DSA_VARLEN_HEAD_SUM`` for one test (the setting is read once
+    per process: the cache is cleared before and after)."""
+    def set_to(value):
+        if value is None:
+            monkeypatch.delenv(ck.HEAD_SUM_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ck.HEAD_SUM_ENV, value)
+        ck.read_head_sum.cache_clear()
+    yield set_to
+    monkeypatch.delenv(ck.HEAD_SUM_ENV, raising=False)
+    ck.read_head_sum.cache_clear()
+
+
+def test_head_sum_env_is_read_once_and_checked(head_sum_env):
+    """VLLM_DSA_VARLEN_HEAD_SUM: unset or empty -> fp32 (the default), case and
+    blanks ignored; read once (a later change is not seen until the cache is
+    cleared); anything else -> ValueError naming the variable."""
+    assert ck.HEAD_SUM_ENV == "VLLM_DSA_VARLEN_HEAD_SUM"
+    for raw, want in [(None, "fp32"), ("", "fp32"), ("fp32", "fp32"), (" TF32 ", "tf32")]:
+        head_sum_env(raw)
+        assert ck.read_head_sum() == want
+        assert ck.defines_for(4) == (("HEAD_SUM_TC=1",) if want == "tf32" else ())
+    os.environ[ck.HEAD_SUM_ENV] = "fp32"  # read once: not seen without a cache clear
+    assert ck.read_head_sum() == "tf32"
+    for bad in ("bf16", "tf", "fp32,tf32"):
+        head_sum_env(bad)
+        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_HEAD_SUM"):
+            ck.read_head_sum()
+        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_HEAD_SUM"):
+            ck.defines_for(4)
+
+
+BUILDS = [(hint, how) for how in ck.HEAD_SUMS for hint in (1, 4)]
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
-@pytest.mark.parametrize("hint", [1, 4])
-def test_nvrtc_builds_the_kernel_for_sm90a_without_spills(hint):
+@pytest.mark.parametrize("hint, how", BUILDS)
+def test_nvrtc_builds_the_kernel_for_sm90a_without_spills(hint, how):
     """The CUDA source compiles for sm_90a with the NVRTC this environment has
     (no GPU needed), to one kernel with no local memory, in each build the
-    launcher takes."""
-    defines = ck.defines_for(hint)
+    launcher takes (both head sums)."""
+    defines = ck.defines_for(hint, how)
     cubin, log = ck.compile_cubin(extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines)))
     assert cubin[:4] == b"\x7fELF"
     assert "varlen_logits_sm90" in log
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
-    assert ck.SMEM_BYTES <= 227 * 1024
+    assert ck.smem_bytes(defines) <= 227 * 1024
+
+
+def _cuobjdump() -> str | None:
+    """A cuobjdump: on PATH, in CUDA_HOME, or the one Triton ships."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    try:
+        import triton
+        bundled = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
+                                         "bin", "cuobjdump"))
+    except ImportError:  # pragma: no cover
+        bundled = []
+    for path in [os.path.join(home, "bin", "cuobjdump"), *bundled]:
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+CUOBJDUMP = _cuobjdump()
+
+
+def _sass_ops(defines) -> collections.Counter:
+    cubin, _ = ck.compile_cubin(extra=tuple(f"-D{d}" for d in defines))
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
+@pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
+                    reason=f"needs NVRTC and cuobjdump (NVRTC: {NVRTC})")
+def test_tensor_core_build_sums_heads_on_the_tensor_cores():
+    """SASS of the HEAD_SUM_TC build: per row group copy (two groups unrolled,
+    each a full and a half copy) 16 / 8 TF32 mma and 64 / 32 relu-and-round
+    conversions, and no float32 FMNMX / FFMA left; the default build has no
+    TF32 mma and its 64 / 32 FMNMX + FFMA per copy."""
+    tc = _sass_ops(ck.defines_for(4, "tf32"))
+    fp = _sass_ops(ck.defines_for(4, "fp32"))
+    assert tc["HMMA.1688.F32.TF32"] == 2 * (16 + 8)
+    assert tc["F2FP.RELU.TF32.F32.PACK_B"] == 2 * (64 + 32)
+    assert tc["FMNMX"] == 0 and tc["FFMA"] == 0
+    assert not any(op.startswith("HMMA") for op in fp)
+    assert fp["FMNMX"] == fp["FFMA"] == 2 * (64 + 32)
+    assert tc["QGMMA.64x128x32.F32.E4M3.E4M3"] == fp["QGMMA.64x128x32.F32.E4M3.E4M3"] == 16
 
 
 def test_cpu_tensors_are_refused_and_named_kernels_checked():

@@ -14,8 +14,13 @@ In CUDA it measured 7-37 % faster than the Gluon kernel on every step (call 53).
 
 Two builds: the default one, and for run-length hints up to 2 (one row group
 per page) one whose page loads carry an L2 evict-first hint
-(:func:`defines_for`; the launcher passes the hint).  The kernel is compiled
-once per process and build by NVRTC (``sm_90a``; the library
+(:func:`defines_for`; the launcher passes the hint).  Each comes with the head
+sum on the CUDA cores in float32 (DeepGEMM's arithmetic, the default) or on
+the tensor cores (``HEAD_SUM_TC``: relu(q . k) rounded to TF32 against the
+weights as two TF32 parts; ``reference.head_sum_tf32`` is its exact
+emulation, :mod:`.head_sum_precision` the study of what it costs the top-k),
+chosen once per process by ``VLLM_DSA_VARLEN_HEAD_SUM`` (:func:`read_head_sum`).
+The kernel is compiled once per process and build by NVRTC (``sm_90a``; the library
 PyTorch's CUDA wheels install, or a CUDA toolkit's) and loaded through the
 driver API (ctypes): no host compiler, no build step.  Launches are plain
 ``cuLaunchKernel`` calls on PyTorch's current stream, so they are captured into
@@ -64,6 +69,9 @@ CTA_WORDS = 4         # int32 per CTA: first segment, item range [lo, hi)
 # the double-buffered queries, the rings' scales, the weights, the mbarriers.
 SMEM_BYTES = (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
               + MATH * STAGES * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * MATH * STAGES + 4) * 8)
+# HEAD_SUM_TC builds: each math warpgroup's double-buffered B fragments of its
+# chunk's weights (8 lane classes x 9 float4 per row group; WT_BYTES in the source).
+HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 # A page's cost for the schedule's balance, c0 + c1 * rows + c2 * row groups of
 # its chunk (page_cost): the CTAs' shares are equal in cost, not in pages, so a
 # CTA that draws long runs does not finish last.  Each row group runs one full
@@ -79,6 +87,11 @@ COST = (3, 1, 4)
 # per page large steps were 1-5 % slower (calls 41-42), so longer hints keep
 # the default build.
 EVICT_FIRST_MAX_RUN = 2
+
+# The head sum (``read_head_sum``): "fp32" on the CUDA cores (the default build,
+# DeepGEMM's arithmetic) or "tf32" on the tensor cores (HEAD_SUM_TC=1).
+HEAD_SUM_ENV = "VLLM_DSA_VARLEN_HEAD_SUM"
+HEAD_SUMS = ("fp32", "tf32")
 
 _lock = threading.Lock()
 
@@ -185,6 +198,7 @@ class _Loaded:
 
     def __init__(self, device: torch.device, defines: tuple = ()):
         cubin, _ = compile_cubin(extra=tuple(f"-D{d}" for d in defines))
+        self.smem = smem_bytes(defines)
         with torch.cuda.device(device):
             torch.cuda.init()
             torch.empty(1, device=device)  # the primary context is current
@@ -193,7 +207,7 @@ class _Loaded:
             self.fn = ctypes.c_void_p()
             _ck(_driver().cuModuleGetFunction(ctypes.byref(self.fn), self.module, KERNEL_NAME),
                 "cuModuleGetFunction")
-            _ck(_driver().cuFuncSetAttribute(self.fn, 8, SMEM_BYTES),
+            _ck(_driver().cuFuncSetAttribute(self.fn, 8, self.smem),
                 "cuFuncSetAttribute(max dynamic shared memory)")
 
 
@@ -280,9 +294,32 @@ def _weights_fit(weights) -> bool:
     return weights.stride(1) == 1 and weights.stride(0) == HEADS and weights.data_ptr() % 16 == 0
 
 
-def defines_for(max_run_len: int) -> tuple[str, ...]:
-    """The build the launcher takes for a run-length hint (:data:`EVICT_FIRST_MAX_RUN`)."""
-    return ("EVICT_FIRST=1",) if max_run_len <= EVICT_FIRST_MAX_RUN else ()
+def defines_for(max_run_len: int, head_sum: str | None = None) -> tuple[str, ...]:
+    """The build the launcher takes for a run-length hint (:data:`EVICT_FIRST_MAX_RUN`)
+    and head sum (``"fp32"`` or ``"tf32"``; default: :func:`read_head_sum`)."""
+    head_sum = read_head_sum() if head_sum is None else head_sum
+    if head_sum not in HEAD_SUMS:
+        raise ValueError(f"head_sum: expected one of {HEAD_SUMS}, got {head_sum!r}")
+    return (("EVICT_FIRST=1",) if max_run_len <= EVICT_FIRST_MAX_RUN else ()) + (
+        ("HEAD_SUM_TC=1",) if head_sum == "tf32" else ())
+
+
+@functools.lru_cache(maxsize=None)
+def read_head_sum() -> str:
+    """``VLLM_DSA_VARLEN_HEAD_SUM`` (read once per process): ``"fp32"`` (unset or
+    empty: the default; DeepGEMM's float32 arithmetic) or ``"tf32"`` (the
+    tensor-core head sum).  ``ValueError`` naming the variable otherwise."""
+    raw = os.environ.get(HEAD_SUM_ENV, "")
+    value = raw.strip().lower() or HEAD_SUMS[0]
+    if value not in HEAD_SUMS:
+        raise ValueError(f"{HEAD_SUM_ENV}={raw!r} is not valid: expected one of "
+                         f"{', '.join(HEAD_SUMS)} (default {HEAD_SUMS[0]})")
+    return value
+
+
+def smem_bytes(defines: tuple = ()) -> int:
+    """Dynamic shared memory of a build (:data:`SMEM_BYTES`, more with ``HEAD_SUM_TC=1``)."""
+    return SMEM_BYTES + (HEAD_SUM_TC_BYTES if "HEAD_SUM_TC=1" in defines else 0)
 
 
 def rows_max_for(heads: int, max_run_len: int) -> int:
@@ -454,6 +491,6 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
                                              for v in vals])
     stream = torch.cuda.current_stream(dev).cuda_stream
     with torch.cuda.device(dev):
-        _ck(_driver().cuLaunchKernel(kern.fn, programs, 1, 1, THREADS, 1, 1, SMEM_BYTES,
+        _ck(_driver().cuLaunchKernel(kern.fn, programs, 1, 1, THREADS, 1, 1, kern.smem,
                                      ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
     return kern

@@ -11,7 +11,8 @@
 // other: wgmma, then relu * weight summed over each row's heads (in the thread,
 // then across the 4 lanes of a quad; a chunk's odd last row alone in its group
 // skips the absent row's half), times the token's scale, stored where the row
-// may look.  Segments come from the planner (a run's chunk of <= 4 rows and
+// may look.  The HEAD_SUM_TC build sums over heads on the tensor cores instead
+// (group_logit_tc).  Segments come from the planner (a run's chunk of <= 4 rows and
 // a range of its pages): int32 [R, 8] rows (first row, rows, KV length, first
 // item, items, block-table row), the CTA's first segment and item range.
 
@@ -21,6 +22,9 @@ typedef unsigned char u8;
 
 #ifndef EVICT_FIRST  // pages loaded with an L2 evict-first hint: the launcher's build for
 #define EVICT_FIRST 0    // run-length hints <= 2 (cuda_paged_mqa_logits.defines_for, call 50)
+#endif
+#ifndef HEAD_SUM_TC  // 1: the head sum on the tensor cores (TF32 mma.sync; group_logit_tc)
+#define HEAD_SUM_TC 0
 #endif
 #define GMAX 2
 #define STAGES 3
@@ -39,6 +43,12 @@ typedef unsigned char u8;
 #define SLOT_BYTES PAGE_BYTES                                  // ring slot (1 KB aligned)
 #define LOAD_BYTES (PAGE_BYTES + PAGE * 4)                      // a page's values + scales
 #define Q_GROUP_BYTES (2 * HEADS * DIM)
+// HEAD_SUM_TC: a row group's weights as the tensor-core head sum's B fragments,
+// per lane class s (8 classes of 8 float4 at a stride of 9 float4: conflict-free
+// 128-bit loads); each math warpgroup keeps its own copy, double-buffered.
+#define WT_CLASS_F4 9
+#define WT_GROUP_BYTES (8 * WT_CLASS_F4 * 16)
+#define WT_BYTES (HEAD_SUM_TC ? NUM_MATH * 2 * GMAX * WT_GROUP_BYTES : 0)
 #define DEV __device__ __forceinline__
 
 struct __align__(64) TmaMap { u64 bytes[16]; };
@@ -166,6 +176,104 @@ DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const floa
   return v;
 }
 
+#if HEAD_SUM_TC
+// ---- the head sum on the tensor cores ------------------------------------
+// After the QK wgmma, warp w's accumulator holds tokens 16w + g and 16w + g + 8
+// (g = lane / 4) and, in each 8-column block n (row n / 8 of the group, heads
+// 8 (n % 8) + 2q, + 1 with q = lane % 4), columns 2q and 2q + 1: acc[4n + {0,
+// 1}] for token g, acc[4n + {2, 3}] for token g + 8.  That is the row layout of
+// mma.m16n8k8's A and C fragments (PTX ISA: a0 (g, q), a1 (g + 8, q), a2 (g,
+// q + 4), a3 (g + 8, q + 4)); column 2q goes to k = q and 2q + 1 to k = q + 4
+// (the sum over heads is order-free, and B's rows follow the same map).  So
+// relu(acc), rounded to TF32 (cvt.rn.relu.tf32.f32: one instruction), is the A
+// operand of 8 m16n8k8 per row with no data movement; B (k8 x n8) holds the
+// block's row's weights in every column, their TF32 high part in even columns
+// and the rest (w - hi, rounded) in odd ones, so the accumulator D of a row's
+// chain holds, for tokens g and g + 8, hi in column 2q and lo in 2q + 1 for
+// every quad lane q: lo + hi is the row's logit (weights to ~22 bits; only
+// relu(q . k) is rounded).  B fragment: b0 = (k q, n g), b1 = (k q + 4, n g);
+// lane (g, q) takes the weights of heads 8j + 2q, + 1, high part when g is
+// even, low part when odd: its class s = 4 (g & 1) + q, 32 floats per group.
+DEV u32 relu_tf32(float x) {
+  u32 r;
+  asm("cvt.rn.relu.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+DEV float round_tf32(float x) {
+  u32 r;
+  asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+}
+DEV void mma_tf32(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, float b0, float b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+// Block n of acc (a row's 8 heads) into D.
+DEV void head_block(float (&d)[4], const float (&acc)[64], int n, float b0, float b1) {
+  mma_tf32(d, relu_tf32(acc[4 * n]), relu_tf32(acc[4 * n + 2]), relu_tf32(acc[4 * n + 1]),
+           relu_tf32(acc[4 * n + 3]), b0, b1);
+}
+
+// A chunk's weights (rows [0, n_rows) of w, HEADS each) as the B fragments of
+// its groups (wt: this warpgroup's buffer of GMAX groups): float4 u of class s
+// holds, for row 2 * group + u / 4 and blocks j = 2 (u % 4), + 1, the pairs
+// (heads 8j + 2q, + 1), high part (s < 4) or low part; rows past n_rows are 0.
+// Each of the warpgroup's threads writes 4 of the <= 512 floats, then the
+// warpgroup meets at its named barrier (id 1 + ring).
+DEV void weights_tf32(u8* wt, const float* w, int n_rows, int ring, int tid) {
+  const int groups = (n_rows + 1) / 2;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int idx = tid + 128 * i;
+    if (idx < groups * 256) {
+      const int gi = idx >> 8, s = (idx >> 5) & 7, u = (idx >> 2) & 7, e = idx & 3;
+      const int row = 2 * gi + (u >> 2);
+      const int head = 8 * (2 * (u & 3) + (e >> 1)) + 2 * (s & 3) + (e & 1);
+      const float x = row < n_rows ? w[row * HEADS + head] : 0.f;
+      const float hi = round_tf32(x);
+      reinterpret_cast<float*>(wt + gi * WT_GROUP_BYTES)[4 * (WT_CLASS_F4 * s + u) + e] =
+          s < 4 ? hi : round_tf32(x - hi);
+    }
+  }
+  asm volatile("bar.sync %0, 128;" :: "r"(1 + ring) : "memory");
+}
+
+// group_logit with the head sum on the tensor cores (above); wt: this lane's
+// class of the group's B fragments; half: the group's second row is absent.
+DEV float group_logit_tc(float (&acc)[64], const u8* page, const u8* qg, const float4* wt,
+                         u64* slot_empty, bool release, int lane, bool half) {
+  const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
+  mma_fence();
+#pragma unroll
+  for (int kk = 0; kk < DIM / 32; ++kk)
+    mma_64x128x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
+  mma_commit();
+  mma_wait();
+  if (release) {  // every read of the slot is done: hand it back
+    __syncwarp();
+    if (lane == 0) bar_arrive(slot_empty);
+  }
+  float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // rows 0, 1
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {  // the two rows' chains interleaved
+    const float4 b = wt[u];
+    head_block(d0, acc, 2 * u, b.x, b.y);
+    head_block(d0, acc, 2 * u + 1, b.z, b.w);
+    if (!half) {
+      const float4 c = wt[4 + u];
+      head_block(d1, acc, 8 + 2 * u, c.x, c.y);
+      head_block(d1, acc, 9 + 2 * u, c.z, c.w);
+    }
+  }
+  // this lane's (token, row): hi + lo
+  const float hi = q_hi ? (t_hi ? d1[2] : d1[0]) : (t_hi ? d0[2] : d0[0]);
+  const float lo = q_hi ? (t_hi ? d1[3] : d1[1]) : (t_hi ? d0[3] : d0[1]);
+  return hi + lo;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant__ TmaMap q_map,
                    const u8* __restrict__ kv, long long stride_block,
@@ -181,7 +289,8 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
   u8* q_buf = kv_ring + NUM_MATH * STAGES * SLOT_BYTES;           // [2][GMAX][Q_GROUP_BYTES]
   float* sc_ring = reinterpret_cast<float*>(q_buf + 2 * GMAX * Q_GROUP_BYTES);  // [NUM_MATH][STAGES][PAGE]
   float* w_buf = sc_ring + NUM_MATH * STAGES * PAGE;              // [2][2 * GMAX][HEADS]
-  u64* full = reinterpret_cast<u64*>(w_buf + 2 * 2 * GMAX * HEADS);
+  u8* wt_buf = reinterpret_cast<u8*>(w_buf + 2 * 2 * GMAX * HEADS);  // [NUM_MATH][2][GMAX] (TC)
+  u64* full = reinterpret_cast<u64*>(wt_buf + WT_BYTES);
   u64* empty = full + NUM_MATH * STAGES;
   u64* q_full = empty + NUM_MATH * STAGES;
   u64* q_empty = q_full + 2;
@@ -255,6 +364,12 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       lim[g] = (r < s.n_rows) ? min(__ldg(ctx + s.first_row + r), s.kv_len) : 0;
     }
     bar_wait(&q_full[b], (k >> 1) & 1);
+#if HEAD_SUM_TC
+    u8* wt_seg = wt_buf + (ring * 2 + b) * GMAX * WT_GROUP_BYTES;
+    weights_tf32(wt_seg, w_buf + b * 2 * GMAX * HEADS, s.n_rows, ring, threadIdx.x % 128);
+    const float4* wt_lane = reinterpret_cast<const float4*>(
+        wt_seg + 16 * WT_CLASS_F4 * (4 * ((lane >> 2) & 1) + (lane & 3)));
+#endif
     for (int p = first_page(s, ring); p < s.page_hi; p += NUM_MATH, ++j) {
       const int slot = ring * STAGES + j % STAGES;
       bar_wait(&full[slot], (j / STAGES) & 1);
@@ -265,13 +380,20 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       for (int g = 0; g < GMAX; ++g) {
         if (g < groups) {
           const u8* qg = q_buf + (b * GMAX + g) * Q_GROUP_BYTES;
-          const float* wq = w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3);
           // a chunk's odd last row (a half group) runs the full wgmma but only its
           // row's epilogue, in a code copy of its own (calls 47-48: one copy with
           // a branch inside the epilogue cost full groups 1-2 %)
+#if HEAD_SUM_TC
+          const float4* wt = wt_lane + g * (WT_GROUP_BYTES / 16);
+          const float v = 2 * g + 1 < s.n_rows
+              ? group_logit_tc(acc, page, qg, wt, &empty[slot], g == groups - 1, lane, false)
+              : group_logit_tc(acc, page, qg, wt, &empty[slot], g == groups - 1, lane, true);
+#else
+          const float* wq = w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3);
           const float v = 2 * g + 1 < s.n_rows
               ? group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 16)
               : group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 8);
+#endif
           if (pos < lim[g])
             out[(long long)(s.first_row + 2 * g + q_hi) * stride_out + pos] = v * scale;
         }
