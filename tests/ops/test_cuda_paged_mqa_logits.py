@@ -333,3 +333,148 @@ def test_graph_kernel_names_what_auto_takes_in_a_capture():
     assert tk.graph_kernel("cuda", 64) == ("cuda_sm90" if NVRTC is None else "gluon_sm90")
     assert tk.graph_kernel("cuda", 32) == "gluon_sm90"
     assert tk.graph_kernel("cuda", None) == "portable"
+
+
+# ------------------------------------------------ GPU (sm_90): the TF32 head sum
+
+def _same_bits(a, b) -> bool:
+    """Equal bit for bit, NaN where the other is NaN."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("name", list(SMALL))
+@pytest.mark.parametrize("padding", [0, 3])
+@pytest.mark.parametrize("hint", ["longest", 1, 4])
+def test_tensor_core_build_matches_reference_small(name, padding, hint, head_sum_env):
+    """VLLM_DSA_VARLEN_HEAD_SUM=tf32 takes the HEAD_SUM_TC build for every hint:
+    on every small step every valid position is written (nothing else), close
+    to its own emulation and to the fp32 reference, the same bits on a repeat."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    lens, seqs = SMALL[name]
+    step = make_decode_step(lens, seqs, heads=64, padding_rows=padding,
+                            max_context_len=max(seqs) + 11, seed=len(name) + padding + 100,
+                            device="cuda")
+    hint = max(lens) if hint == "longest" else hint
+    head_sum_env("tf32")
+    out = run_poisoned(step, kernel="sm90_cuda", max_run_len=hint)
+    check_poisoned(step, out, head_sum="tf32")
+    check_poisoned(step, out, head_sum="fp32")
+    assert (torch.cuda.current_device(), ck.defines_for(hint, "tf32")) in ck._LOADED
+    assert "HEAD_SUM_TC=1" in ck.defines_for(hint, "tf32")
+    assert _same_bits(out, run_poisoned(step, kernel="sm90_cuda", max_run_len=hint))
+
+
+def _integer_step(lens, seqs, seed):
+    """A step whose q . k the fp8 tensor cores add exactly: q integers 8..16, k
+    integers -6..16 (exact in e4m3), scales 1, so q . k are integers below 2**15
+    with up to 15 significant bits (TF32 keeps 11: most are rounded) and the
+    TF32 head sum's rounding is all that separates the builds.  Weights
+    N(0, 1 / 64), not TF32 values (their low part matters)."""
+    step = make_decode_step(lens, seqs, heads=64, seed=seed, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows, blocks = step.num_rows, step.kv_cache.shape[0]
+    step.q = torch.randint(8, 17, (rows, 1, 64, 128), generator=gen, device="cuda").float().to(
+        torch.float8_e4m3fn)
+    k = torch.randint(-6, 17, (blocks, 64 * 128), generator=gen, device="cuda").float()
+    fused = step.kv_cache.view(blocks, -1)
+    fused[:, :64 * 128] = k.to(torch.float8_e4m3fn).view(torch.uint8)
+    fused[:, 64 * 128:] = torch.ones((blocks, 64), device="cuda").view(torch.uint8)
+    step.weights = torch.randn((rows, 64), generator=gen, device="cuda") / 8
+    return step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("lens, seqs", [([4, 3], [2100, 700]), ([1, 2, 8], [1500, 640, 3000])])
+@pytest.mark.parametrize("hint", [1, 4])
+def test_tensor_core_build_is_its_emulation(lens, seqs, hint):
+    """Where q . k is exact (``_integer_step``: the fp32 build equals the fp32
+    reference there), the HEAD_SUM_TC build equals reference(head_sum="tf32")
+    to float32 accumulation error, element by element: relu(q . k) rounded to
+    nearest TF32 (not truncated), the weights to ~22 bits (not one TF32), the
+    A / B / D fragment layouts right for every head, row and token.  The
+    alternatives differ from the emulation by far more than the bound."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    from vllm_dsa_varlen.ops.reference import round_tf32
+
+    step = _integer_step(lens, seqs, seed=sum(seqs) + hint)
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    args = (step.q, step.kv_cache, step.weights, ctx, rows.block_table, step.max_context_len)
+
+    def ref(head_sum, weights=None):
+        a = list(args)
+        if weights is not None:
+            a[2] = weights
+        return paged_mqa_logits_ref(*a, indices=rows.indices, head_sum=head_sum)
+
+    mask = valid_mask(ctx, step.max_context_len, rows.indices)
+    n = rows.num_rows
+    outs = {}
+    for how in ck.HEAD_SUMS:
+        out = torch.full((n + 2, step.max_context_len + 40), POISON, device="cuda")
+        ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                  step.max_context_len, out[:n], defines=ck.defines_for(hint, how))
+        torch.cuda.synchronize()
+        check_poisoned(step, out, head_sum=how)
+        outs[how] = out[:n, : step.max_context_len]
+    assert rel_err(outs["fp32"][mask], ref("fp32")[mask]) < 1e-6, "q . k not exact on this GPU"
+    emu = ref("tf32")[mask].double()
+    scale = ref("fp32", step.weights.abs())[mask].double()  # sum_h relu(q . k) |w|
+    err = (outs["tf32"][mask].double() - emu).abs() / scale
+    bound = 3e-6
+    assert float(err.max()) < bound, f"max error {float(err.max()):.2e} of sum |terms|"
+    # no rounding at all, or the weights as one TF32 value: both far outside the bound
+    for other in (ref("fp32"), ref("tf32", round_tf32(step.weights))):
+        gap = (other[mask].double() - emu).abs() / scale
+        assert float(gap.max()) > 8 * bound
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_tensor_core_build_replays_in_a_graph_on_new_contents():
+    """The HEAD_SUM_TC build captured in a CUDA graph: replays on new q,
+    weights and cache contents (same buffers) match their emulation, twice
+    the same bits."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    step = random_decode_step(12, 4, 1500, heads=64, device="cuda", variable=True, seed=3)
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
+    defines = ck.defines_for(4, "tf32")
+    sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1])
+
+    def call():
+        ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                  step.max_context_len, out[: rows.num_rows], schedule=sched, defines=defines)
+
+    call()  # loaded outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        call()
+    from vllm_dsa_varlen.ops.reference import quantize_kv_fp8
+
+    for seed in (11, 12):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        step.q.copy_(torch.randn(step.q.shape, generator=gen, device="cuda").to(step.q.dtype))
+        step.weights.copy_(torch.randn(step.weights.shape, generator=gen, device="cuda") / 8)
+        blocks = step.kv_cache.shape[0]
+        step.kv_cache.copy_(quantize_kv_fp8(
+            torch.randn((blocks, 64, 128), generator=gen, device="cuda") * 3))
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_poisoned(step, out, head_sum="tf32")
+        first = out.clone()
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _same_bits(first, out)

@@ -190,3 +190,40 @@ def test_deepgemm_tolerances_separate_the_head_sums():
         ref, sim = got[how]
         assert ref < 1e-3 and sim < 5e-6, (how, ref, sim)
     assert got["bf16"][1] > 5e-6
+
+
+def test_paged_step_holds_the_inputs():
+    """paged_step packs requests into the fused paged cache: the torch
+    reference on it gives the study's direct head sum, row by row, over the
+    tokens each (speculative) row sees."""
+    parts = [hp.serving_inputs(rows=3, context=n, seed=i) for i, n in enumerate((2100, 2048))]
+    step = hp.paged_step(parts, device="cpu", seed=1)
+    assert step["context_lens"].view(-1).tolist() == [2098, 2099, 2100, 2046, 2047, 2048]
+    assert step["indices"].tolist() == [0, 0, 0, 1, 1, 1]
+    got = paged_mqa_logits_ref(**step)
+    row = 0
+    for p in parts:
+        want = hp.head_sum(hp.qk_fp32(p.q, p.k), p.w, p.k_scale, "fp32")
+        for j in range(3):
+            c = int(step["context_lens"][row])
+            assert torch.allclose(got[row, :c], want[j, :c], rtol=1e-5, atol=1e-6)
+            assert torch.isinf(got[row, c:]).all()
+            row += 1
+
+
+def test_gpu_study_compares_what_it_names(monkeypatch):
+    """gpu_study's bookkeeping with each build replaced by its torch emulation
+    (CPU): the emulation comparisons keep everything, the tf32-vs-fp32 one
+    what the CPU study measures."""
+    def emulated(step, head_sum, max_run_len):
+        return paged_mqa_logits_ref(**step, head_sum=head_sum)
+
+    monkeypatch.setattr(hp, "_run_build", emulated)
+    got = hp.gpu_study(requests=2, rows=2, context=4096, seeds=1, k=512, device="cpu")
+    assert set(got) == {"tf32 build vs fp32 build", "fp32 build vs reference",
+                        "tf32 build vs reference", "tf32 build vs emulation"}
+    for label in ("fp32 build vs reference", "tf32 build vs emulation"):
+        assert got[label].keep.eq(1).all() and got[label].calc_diff == 0
+    assert got["tf32 build vs fp32 build"].keep.numel() == 4
+    assert 0 < got["tf32 build vs fp32 build"].calc_diff < 1e-6
+

@@ -36,7 +36,10 @@ values up to +-448, optionally power-of-two scales as with ``ue8m0``), the
 query scale folded into the weights as vLLM does (``w * q_scale *
 head_dim**-0.5 * heads**-0.5``); channels of unequal size (log-normal
 spread), as activations have.  Run ``python -m
-vllm_dsa_varlen.ops.head_sum_precision`` for the table.
+vllm_dsa_varlen.ops.head_sum_precision`` for the table; with ``--gpu`` (an
+sm_90 GPU) the same inputs go through both builds of the CUDA kernel
+(:func:`gpu_study`): the TF32 build's top-k against the fp32 build's, each
+against the torch reference, and DeepGEMM's check on the kernel's logits.
 """
 
 from __future__ import annotations
@@ -222,15 +225,150 @@ def deepgemm_check(rows: int = 4, context: int = 8192, hows=HEAD_SUMS, seed: int
             for got in [head_sum(qk, inputs.w, inputs.k_scale, how)]}
 
 
+# ------------------------------------------------------ on the GPU (sm_90)
+
+def paged_step(parts: list[Inputs], *, device="cuda", seed: int = 0, mtp: bool = True) -> dict:
+    """Requests (one :class:`Inputs` each) as one varlen step of the launcher's
+    arguments: ``q [R, 1, H, D]`` e4m3, ``kv_cache`` (the fused fp8 layout, pages
+    in random order), ``weights``, ``context_lens [R, 1]``, ``block_table``,
+    ``indices``, ``max_context_len``.  ``mtp``: a request's row ``j`` of ``n``
+    sees all but its last ``n - 1 - j`` tokens (speculative rows); else every
+    row sees them all."""
+    page = 64
+    _, heads, dim = parts[0].q.shape
+    pages = [-(-p.k.shape[0] // page) for p in parts]
+    perm = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(seed))
+    fused = torch.zeros((sum(pages), page * (dim + 4)), dtype=torch.uint8)
+    table = torch.zeros((sum(p.q.shape[0] for p in parts), max(pages)), dtype=torch.int32)
+    ids, ctx, row, off = [], [], 0, 0
+    for b, (p, n_pages) in enumerate(zip(parts, pages)):
+        blocks = perm[off:off + n_pages]
+        off += n_pages
+        n_tok, n_rows = p.k.shape[0], p.q.shape[0]
+        k = torch.zeros((n_pages * page, dim))
+        k[:n_tok] = p.k
+        sc = torch.zeros(n_pages * page)
+        sc[:n_tok] = p.k_scale
+        fused[blocks, : page * dim] = k.to(torch.float8_e4m3fn).view(torch.uint8).view(n_pages, -1)
+        fused[blocks, page * dim:] = sc.view(n_pages, page).view(torch.uint8)
+        table[row:row + n_rows, :n_pages] = blocks.to(torch.int32)
+        ids += [b] * n_rows
+        ctx += [n_tok - ((n_rows - 1 - j) if mtp else 0) for j in range(n_rows)]
+        row += n_rows
+    dev = torch.device(device)
+    return {
+        "q": torch.cat([p.q for p in parts]).to(torch.float8_e4m3fn)[:, None].to(dev),
+        "kv_cache": fused.view(-1, page, 1, dim + 4).to(dev),
+        "weights": torch.cat([p.w for p in parts]).float().contiguous().to(dev),
+        "context_lens": torch.tensor(ctx, dtype=torch.int32).view(-1, 1).to(dev),
+        "block_table": table.to(dev),
+        "indices": torch.tensor(ids, dtype=torch.int32).to(dev),
+        "max_context_len": max(p.k.shape[0] for p in parts),
+    }
+
+
+def _run_build(step: dict, head_sum: str, max_run_len: int) -> torch.Tensor:
+    """One of the CUDA kernel's builds on ``step`` (poisoned output)."""
+    from . import cuda_paged_mqa_logits as ck
+
+    rows = step["q"].shape[0]
+    out = torch.full((rows, step["max_context_len"]), float("nan"), device=step["q"].device)
+    ck.launch(step["q"], step["kv_cache"], step["weights"], step["context_lens"],
+              step["block_table"], step["indices"], step["max_context_len"], out,
+              defines=ck.defines_for(max_run_len, head_sum))
+    torch.cuda.synchronize()
+    return out
+
+
+def gpu_study(requests: int = 8, rows: int = 4, context: int = 32768, seeds: int = 2,
+              spread: float = 0.5, k: int = TOPK, device="cuda") -> dict[str, Row]:
+    """Serving-like steps (``requests`` requests of ``rows`` rows at ``context``
+    tokens) through both builds: per row, top-``k`` retention and calc_diff of
+    (label -> :class:`Row`): the TF32 build against the fp32 build (the
+    contract's comparison), each build against the torch reference (fp32
+    head sum; the fp8 tensor cores' own accumulation error shows here), the
+    TF32 build against its emulation."""
+    from .reference import paged_mqa_logits_ref
+
+    table: dict[str, Row] = {}
+    for seed in range(seeds):
+        parts = [serving_inputs(rows, context, channel_spread=spread, seed=1000 * seed + i)
+                 for i in range(requests)]
+        step = paged_step(parts, device=device, seed=seed)
+        got = {how: _run_build(step, how, rows) for how in ("fp32", "tf32")}
+        ref = {how: paged_mqa_logits_ref(**step, head_sum=how) for how in ("fp32", "tf32")}
+        ctx = step["context_lens"].view(-1).tolist()
+        pairs = {"tf32 build vs fp32 build": (got["fp32"], got["tf32"]),
+                 "fp32 build vs reference": (ref["fp32"], got["fp32"]),
+                 "tf32 build vs reference": (ref["fp32"], got["tf32"]),
+                 "tf32 build vs emulation": (ref["tf32"], got["tf32"])}
+        for label, (a, b) in pairs.items():
+            keep = torch.cat([topk_retention(a[r:r + 1, :c].cpu(), b[r:r + 1, :c].cpu(), k)
+                              for r, c in enumerate(ctx)])
+            valid = torch.isfinite(a)
+            row = Row(label, keep, calc_diff(b[valid], a[valid]))
+            table[label] = table[label].merged(row) if label in table else row
+    return table
+
+
+def gpu_deepgemm_check(context: int = 8192, rows: int = 2) -> dict[str, tuple[float, float]]:
+    """DeepGEMM's check on the kernel's own logits (its generator, every row
+    seeing the whole context): per build, ``calc_diff`` against its bf16
+    reference and its fp8 simulation (it asserts < 1e-3 and < 5e-6)."""
+    inputs, bf16_ref, simulated = deepgemm_inputs(rows, context)
+    step = paged_step([inputs], mtp=False)
+    out = {}
+    for how in ("fp32", "tf32"):
+        got = _run_build(step, how, rows).cpu()
+        out[how] = (calc_diff(got, bf16_ref), calc_diff(got, simulated))
+    return out
+
+
+def _print_rows(rows: dict[str, Row]) -> None:
+    for label, row in rows.items():
+        below = int((row.keep < CONTRACT_KEEP).sum())
+        hist = torch.bincount(row.misses).tolist()
+        print(f"  {label:26s} {row.keep.numel():5d} {float(row.keep.min()):9.4%} "
+              f"{float(row.keep.mean()):9.4%} {below:8d} {row.calc_diff:9.2e}  "
+              f"{hist if len(hist) <= 8 else '-'}", flush=True)
+
+
+def main_gpu(args) -> int:
+    print(f"sm_90 CUDA kernel, both head-sum builds: {args.requests} requests x {args.rows} rows "
+          f"at {args.context} tokens, {args.seeds} draws, channel spread {args.spreads[0]}; "
+          f"top-{TOPK} per row over the tokens each row sees")
+    print(f"  {'comparison':26s} {'rows':>5s} {'min keep':>9s} {'mean keep':>9s} "
+          f"{'< 99.9 %':>8s} {'calc_diff':>9s}  rows by lost entries (0, 1, 2, ...)")
+    _print_rows(gpu_study(args.requests, args.rows, args.context, args.seeds, args.spreads[0]))
+    print("DeepGEMM's check on the kernel's logits (asserts < 1e-3 vs bf16 ref, < 5e-6 vs fp8 "
+          "simulation):")
+    for context in (8192, 65536):
+        for how, (ref, sim) in gpu_deepgemm_check(context).items():
+            ok = ref < 1e-3 and sim < 5e-6
+            print(f"  L {context:6d} {how} build  vs bf16 ref {ref:.2e}  vs simulation {sim:.2e}  "
+                  f"{'pass' if ok else 'FAIL'}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--rows", type=int, default=None,
+                   help="rows per request (default 8 on the CPU, 4 with --gpu)")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--seeds", type=int, default=4, help="independent draws per setting")
     p.add_argument("--spreads", type=float, nargs="+", default=[0.0, 0.5, 1.0])
     p.add_argument("--pow2", action="store_true", help="power-of-two (ue8m0) fp8 scales")
+    p.add_argument("--gpu", action="store_true",
+                   help="run both builds of the sm_90 CUDA kernel (first spread only)")
+    p.add_argument("--requests", type=int, default=8, help="--gpu: requests per step")
     args = p.parse_args(argv)
+    if args.rows is None:
+        args.rows = 4 if args.gpu else 8
+    if args.gpu:
+        if args.rows > 8 or args.rows < 1:
+            raise ValueError(f"--rows: the GPU study takes 1..8 rows per request, got {args.rows}")
+        return main_gpu(args)
     print(f"top-{TOPK} retention per row against the fp32 head sum, {args.rows} rows x "
           f"{args.context} tokens, H {args.heads}, D 128, {args.seeds} draws per channel spread"
           f"{', power-of-two scales' if args.pow2 else ''}")
