@@ -44,23 +44,28 @@ def _random_step(seed: int):
 
 
 @pytest.mark.parametrize("cost", [ck.COST, (5, 2), (1, 0), (3, 7), (3, 0, 4), (0, 1, 5)])
-@pytest.mark.parametrize("seed", range(60))
-def test_plan_walks_the_host_schedule(seed, cost):
+@pytest.mark.parametrize("seed, heads", [(seed, 64) for seed in range(60)]
+                         + [(seed, 32) for seed in range(60, 90)])
+def test_plan_walks_the_host_schedule(seed, heads, cost):
     """Each CTA's items, as the kernel walks the plan, are the host model's:
     every (chunk, page) of the step once, in order; the CTAs' shares of the
     step's cost differ by less than two items' cost (by at most one item in
-    count when every page costs the same)."""
+    count when every page costs the same).  Chunks of 4 rows at 64 heads, 8
+    at 32."""
     ids, ctx, max_len, width, programs = _random_step(seed)
-    table, ctas = ck.plan(ids, ctx, max_len, width, programs=programs, cost=cost)
+    table, ctas = ck.plan(ids, ctx, max_len, width, heads, programs=programs, cost=cost)
     assert table.dtype == ctas.dtype == torch.int32
     assert tuple(table.shape) == (ids.shape[0], ck.TABLE_WORDS)
     assert tuple(ctas.shape) == (programs, ck.CTA_WORDS)
     got = ck.plan_items(table, ctas)
-    assert got == ck.schedule_model(ids, ctx.view(-1), max_len, width, programs, cost=cost)
+    assert got == ck.schedule_model(ids, ctx.view(-1), max_len, width, programs, cost=cost,
+                                    heads=heads)
+    rows_max, group = ck.rows_max_for(heads, 4), ck.rows_per_group(heads)
+    assert max(n for share in got for _, n, _ in share) <= rows_max
     flat = [item for share in got for item in share]
     assert len(flat) == len(set(flat))
-    costs = [sum(ck.page_cost(cost, n) for _, n, _ in share) for share in got]
-    assert max(costs) - min(costs) < 2 * ck.page_cost(cost, ck.ROWS_MAX)
+    costs = [sum(ck.page_cost(cost, n, group) for _, n, _ in share) for share in got]
+    assert max(costs) - min(costs) < 2 * ck.page_cost(cost, rows_max, group)
     if cost[1:] in ((0,), (0, 0)):
         sizes = [len(share) for share in got]
         assert max(sizes) - min(sizes) <= 1
@@ -69,6 +74,10 @@ def test_plan_walks_the_host_schedule(seed, cost):
 def test_page_cost_counts_rows_and_row_groups():
     assert [ck.page_cost((5, 2), n) for n in (1, 2, 3, 4)] == [7, 9, 11, 13]
     assert [ck.page_cost((3, 0, 4), n) for n in (1, 2, 3, 4)] == [7, 7, 11, 11]
+    assert [ck.page_cost((3, 0, 4), n, 4) for n in (1, 4, 5, 8)] == [7, 7, 11, 11]
+    assert [ck.rows_max_for(h, 4) for h in (64, 32)] == [4, 8]
+    with pytest.raises(ValueError, match="heads"):
+        ck.rows_per_group(16)
     for bad in [(1,), (1, 2, 3, 4), (0, 0), (-1, 2), (1.5, 2)]:
         with pytest.raises(ValueError, match="cost"):
             ck.page_cost(bad, 2)
@@ -78,8 +87,10 @@ def test_plan_refuses_other_chunk_sizes():
     ids, ctx, max_len, width, _ = _random_step(0)
     with pytest.raises(ValueError, match="rows_max"):
         ck.plan(ids, ctx, max_len, width, rows_max=8)
+    with pytest.raises(ValueError, match="rows_max"):
+        ck.plan(ids, ctx, max_len, width, heads=32, rows_max=4)
     with pytest.raises(ValueError, match="heads"):
-        ck.plan(ids, ctx, max_len, width, heads=32)
+        ck.plan(ids, ctx, max_len, width, heads=16)
 
 
 def test_the_build_follows_the_run_length_hint():
@@ -132,16 +143,17 @@ def test_head_sum_env_is_read_once_and_checked(head_sum_env):
             ck.defines_for(4)
 
 
-BUILDS = [(hint, how) for how in ck.HEAD_SUMS for hint in (1, 4)]
+BUILDS = [(hint, how, heads) for heads in ck.HEAD_COUNTS for how in ck.HEAD_SUMS
+          for hint in (1, 4)]
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
-@pytest.mark.parametrize("hint, how", BUILDS)
-def test_nvrtc_builds_the_kernel_for_sm90a_without_spills(hint, how):
+@pytest.mark.parametrize("hint, how, heads", BUILDS)
+def test_nvrtc_builds_the_kernel_for_sm90a_without_spills(hint, how, heads):
     """The CUDA source compiles for sm_90a with the NVRTC this environment has
     (no GPU needed), to one kernel with no local memory, in each build the
-    launcher takes (both head sums)."""
-    defines = ck.defines_for(hint, how)
+    launcher takes (both head sums; 64 heads and launch's 32-head builds)."""
+    defines = ck.defines_for(hint, how) + (() if heads == ck.HEADS else (f"HEADS={heads}",))
     cubin, log = ck.compile_cubin(extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines)))
     assert cubin[:4] == b"\x7fELF"
     assert "varlen_logits_sm90" in log
@@ -184,6 +196,18 @@ def _sass_ops(defines) -> collections.Counter:
         if m:
             ops[m.group(1)] += 1
     return ops
+
+
+@pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
+                    reason=f"needs NVRTC and cuobjdump (NVRTC: {NVRTC})")
+def test_32_head_builds_keep_their_head_sums():
+    """HEADS=32: the tensor-core build has TF32 mma and no float32 FMNMX / FFMA,
+    the default build the reverse; both keep one QK wgmma chain per copy."""
+    tc = _sass_ops(ck.defines_for(4, "tf32") + ("HEADS=32",))
+    fp = _sass_ops(ck.defines_for(4, "fp32") + ("HEADS=32",))
+    assert tc["HMMA.1688.F32.TF32"] >= 2 * 16 and tc["FMNMX"] == tc["FFMA"] == 0
+    assert not any(op.startswith("HMMA") for op in fp) and fp["FFMA"] >= 2 * 64
+    assert tc["QGMMA.64x128x32.F32.E4M3.E4M3"] == fp["QGMMA.64x128x32.F32.E4M3.E4M3"] == 16
 
 
 @pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
@@ -367,41 +391,44 @@ def test_tensor_core_build_matches_reference_small(name, padding, hint, head_sum
     assert _same_bits(out, run_poisoned(step, kernel="sm90_cuda", max_run_len=hint))
 
 
-def _integer_step(lens, seqs, seed):
+def _integer_step(lens, seqs, seed, heads=64):
     """A step whose q . k the fp8 tensor cores add exactly: q integers 8..16, k
     integers -6..16 (exact in e4m3), scales 1, so q . k are integers below 2**15
     with up to 15 significant bits (TF32 keeps 11: most are rounded) and the
     TF32 head sum's rounding is all that separates the builds.  Weights
     N(0, 1 / 64), not TF32 values (their low part matters)."""
-    step = make_decode_step(lens, seqs, heads=64, seed=seed, device="cuda")
+    step = make_decode_step(lens, seqs, heads=heads, seed=seed, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows, blocks = step.num_rows, step.kv_cache.shape[0]
-    step.q = torch.randint(8, 17, (rows, 1, 64, 128), generator=gen, device="cuda").float().to(
+    step.q = torch.randint(8, 17, (rows, 1, heads, 128), generator=gen, device="cuda").float().to(
         torch.float8_e4m3fn)
     k = torch.randint(-6, 17, (blocks, 64 * 128), generator=gen, device="cuda").float()
     fused = step.kv_cache.view(blocks, -1)
     fused[:, :64 * 128] = k.to(torch.float8_e4m3fn).view(torch.uint8)
     fused[:, 64 * 128:] = torch.ones((blocks, 64), device="cuda").view(torch.uint8)
-    step.weights = torch.randn((rows, 64), generator=gen, device="cuda") / 8
+    step.weights = torch.randn((rows, heads), generator=gen, device="cuda") / 8
     return step
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("lens, seqs", [([4, 3], [2100, 700]), ([1, 2, 8], [1500, 640, 3000])])
+@pytest.mark.parametrize("lens, seqs", [([4, 3], [2100, 700]), ([1, 2, 8], [1500, 640, 3000]),
+                                        ([9, 6, 5], [1100, 2000, 300])])
 @pytest.mark.parametrize("hint", [1, 4])
-def test_tensor_core_build_is_its_emulation(lens, seqs, hint):
+@pytest.mark.parametrize("heads", ck.HEAD_COUNTS)
+def test_tensor_core_build_is_its_emulation(lens, seqs, hint, heads):
     """Where q . k is exact (``_integer_step``: the fp32 build equals the fp32
     reference there), the HEAD_SUM_TC build equals reference(head_sum="tf32")
     to float32 accumulation error, element by element: relu(q . k) rounded to
     nearest TF32 (not truncated), the weights to ~22 bits (not one TF32), the
-    A / B / D fragment layouts right for every head, row and token.  The
-    alternatives differ from the emulation by far more than the bound."""
+    A / B / D fragment layouts right for every head, row and token (64 heads,
+    and 32 through launch's HEADS=32 build).  The alternatives differ from the
+    emulation by far more than the bound."""
     if NVRTC is not None:
         pytest.skip(f"no NVRTC: {NVRTC}")
     from vllm_dsa_varlen.ops.reference import round_tf32
 
-    step = _integer_step(lens, seqs, seed=sum(seqs) + hint)
+    step = _integer_step(lens, seqs, seed=sum(seqs) + hint + heads, heads=heads)
     rows = step.rows
     ctx = rows.context_lens.view(-1, 1)
     args = (step.q, step.kv_cache, step.weights, ctx, rows.block_table, step.max_context_len)
@@ -478,3 +505,43 @@ def test_tensor_core_build_replays_in_a_graph_on_new_contents():
         graph.replay()
         torch.cuda.synchronize()
         assert _same_bits(first, out)
+
+
+# ------------------------------------------------ GPU (sm_90): 32 heads (launch only)
+
+def _launch_poisoned(step, hint, how):
+    """``launch`` (32 heads take the HEADS=32 build) into a poisoned buffer 2
+    rows and 40 columns larger than the logits."""
+    rows = step.rows
+    out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
+    ck.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
+              rows.block_table, rows.indices, step.max_context_len, out[: rows.num_rows],
+              defines=ck.defines_for(hint, how))
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("name", list(SMALL))
+@pytest.mark.parametrize("padding", [0, 3])
+@pytest.mark.parametrize("hint", [1, 4])
+@pytest.mark.parametrize("how", ck.HEAD_SUMS)
+def test_32_heads_match_reference_small(name, padding, hint, how):
+    """32 heads (row groups of four rows, chunks of eight; runs of 1..9 rows
+    leave groups with 1..3 absent rows): every valid position written, nothing
+    else, close to the reference (its emulation of the build's head sum and
+    the fp32 one), the same bits on a repeat; the launcher itself still routes
+    32 heads to the Gluon kernel (unsupported_reason)."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    lens, seqs = SMALL[name]
+    step = make_decode_step(lens, seqs, heads=32, padding_rows=padding,
+                            max_context_len=max(seqs) + 11, seed=len(name) + padding + 200,
+                            device="cuda")
+    out = _launch_poisoned(step, hint, how)
+    check_poisoned(step, out, head_sum=how)
+    check_poisoned(step, out, head_sum="fp32")
+    assert (torch.cuda.current_device(), ck.defines_for(hint, how) + ("HEADS=32",)) in ck._LOADED
+    assert _same_bits(out, _launch_poisoned(step, hint, how))
+    assert "shape outside" in ck.unsupported_reason(step.q, step.kv_cache, step.weights)
