@@ -10,6 +10,8 @@ flushed, the plan made outside the timed call) beside the Gluon kernel.
 A variant is ``MACRO=v+MACRO=v`` (or ``default``), optionally ``@c0,c1`` for
 the plan's cost model (:data:`..ops.cuda_paged_mqa_logits.COST` otherwise).
 Cases: ``requests,tokens,context`` (tokens ``-n``: 1..n per request).
+``--heads 32`` runs every check and case at 32 heads (the kernel's HEADS=32
+build, which ``launch`` takes from the queries' shape).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="*", default=["64,4,32768", "64,2,32768", "64,3,32768",
                                                    "64,-4,32768", "128,-4,8192", "64,6,8192"])
     p.add_argument("--rep-ms", type=int, default=30)
+    p.add_argument("--heads", type=int, default=64, choices=(32, 64))
     p.add_argument("--rounds", type=int, default=1,
                    help="time every path this many times, interleaved; report the median")
     args = p.parse_args(argv)
@@ -58,12 +61,12 @@ def main(argv=None) -> int:
     for name, (defines, cost) in variants.items():
         worst = 0.0
         for seed, (lens, seqs) in enumerate(small):
-            step = make_decode_step(lens, seqs, seed=seed, device="cuda")
+            step = make_decode_step(lens, seqs, seed=seed, device="cuda", heads=args.heads)
             rows = step.rows
             ctx = rows.context_lens.view(-1, 1)
             out = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
             sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1],
-                            **({"cost": cost} if cost else {}))
+                            args.heads, **({"cost": cost} if cost else {}))
             ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
                       step.max_context_len, out, schedule=sched, defines=defines)
             ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
@@ -79,22 +82,22 @@ def main(argv=None) -> int:
     for case in args.cases:
         reqs, tokens, context = (int(x) for x in case.split(","))
         step = random_decode_step(reqs, abs(tokens), context, variable=tokens < 0, seed=0,
-                                  device="cuda")
+                                  device="cuda", heads=args.heads)
         rows = step.rows
         ctx = rows.context_lens.view(-1, 1)
         ends = torch.cat([rows.indices[1:] != rows.indices[:-1],
                           torch.ones(1, dtype=torch.bool, device="cuda")])
         pages = int(((rows.context_lens.view(-1)[ends] + 63) // 64).sum())
         out = torch.empty(rows.num_rows, step.max_context_len, device="cuda")
-        rows_max = gk.rows_max_for(64, abs(tokens))
-        gsched = gk.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1], 64,
-                         rows_max)
+        rows_max = gk.rows_max_for(args.heads, abs(tokens))
+        gsched = gk.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1],
+                         args.heads, rows_max)
         calls = {"gluon": lambda: gk.launch(
             step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
             step.max_context_len, out, rows_max=rows_max, schedule=gsched)}
         for name, (defines, cost) in variants.items():
             sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1],
-                            **({"cost": cost} if cost else {}))
+                            args.heads, **({"cost": cost} if cost else {}))
             calls[name] = lambda s=sched, d=defines: ck.launch(
                 step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
                 step.max_context_len, out, schedule=s, defines=d)
@@ -104,7 +107,8 @@ def main(argv=None) -> int:
                 times[k].append(_graph_us(torch, do_bench, fn, args.rep_ms))
         res = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         spread = max((max(v) - min(v)) / min(v) for v in times.values())
-        label = f"B{reqs} L{context} {'1..' + str(-tokens) if tokens < 0 else tokens}tok"
+        label = (f"B{reqs} L{context} {'1..' + str(-tokens) if tokens < 0 else tokens}tok"
+                 + ("" if args.heads == 64 else f" H{args.heads}"))
         print(f"{label:22s} " + "  ".join(f"{k} {us:7.1f}" for k, us in res.items())
               + (f"  (median of {args.rounds}; widest spread {spread:.1%})" if args.rounds > 1
                  else ""), flush=True)

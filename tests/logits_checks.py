@@ -26,13 +26,13 @@ def run_poisoned(step, **kw):
     return out
 
 
-def check_poisoned(step, out, rel_tol=1e-3):
-    """Assert ``out`` (from :func:`run_poisoned`) against the reference; returns
-    the valid-position mask."""
+def check_poisoned(step, out, rel_tol=1e-3, head_sum="fp32"):
+    """Assert ``out`` (from :func:`run_poisoned`) against the reference (its
+    ``head_sum`` emulation); returns the valid-position mask."""
     rows = step.rows
     ctx = rows.context_lens.view(-1, 1)
     ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
-                               step.max_context_len, indices=rows.indices)
+                               step.max_context_len, indices=rows.indices, head_sum=head_sum)
     mask = valid_mask(ctx, step.max_context_len, rows.indices)
     got = out[: rows.num_rows, : step.max_context_len]
     assert torch.isfinite(got[mask]).all(), "a valid position was not written"
@@ -40,6 +40,11 @@ def check_poisoned(step, out, rel_tol=1e-3):
     assert torch.isnan(out[:, step.max_context_len:]).all(), "written past max_context_len"
     assert torch.isnan(out[rows.num_rows:]).all(), "rows past R were written"
     if mask.any():
-        err = (got[mask] - ref[mask]).norm() / ref[mask].norm().clamp_min(1e-30)
+        err = rel_err(got[mask], ref[mask])
         assert err < rel_tol, f"relative error {err:.2e}"
     return mask
+
+
+def rel_err(got, ref) -> float:
+    """Normwise relative error of ``got`` against ``ref``."""
+    return float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))

@@ -1,11 +1,17 @@
 """The CUDA C++ sm_90 kernel (ops/cuda_paged_mqa_logits.py): its schedule
 against a host model and its NVRTC build on the CPU; its logits against the
 torch reference on an sm_90 GPU (poisoned outputs, repeats, CUDA-graph replay
-with new contents)."""
+with new contents), in both head-sum builds."""
 
 from __future__ import annotations
 
+import collections
+import glob
+import os
 import random
+import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -15,7 +21,7 @@ from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
 from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
 
-from logits_checks import POISON, check_poisoned, launcher_args, run_poisoned
+from logits_checks import POISON, check_poisoned, launcher_args, rel_err, run_poisoned
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 NVRTC = None
 try:
@@ -38,23 +44,28 @@ def _random_step(seed: int):
 
 
 @pytest.mark.parametrize("cost", [ck.COST, (5, 2), (1, 0), (3, 7), (3, 0, 4), (0, 1, 5)])
-@pytest.mark.parametrize("seed", range(60))
-def test_plan_walks_the_host_schedule(seed, cost):
+@pytest.mark.parametrize("seed, heads", [(seed, 64) for seed in range(60)]
+                         + [(seed, 32) for seed in range(60, 90)])
+def test_plan_walks_the_host_schedule(seed, heads, cost):
     """Each CTA's items, as the kernel walks the plan, are the host model's:
     every (chunk, page) of the step once, in order; the CTAs' shares of the
     step's cost differ by less than two items' cost (by at most one item in
-    count when every page costs the same)."""
+    count when every page costs the same).  Chunks of 4 rows at 64 heads, 8
+    at 32."""
     ids, ctx, max_len, width, programs = _random_step(seed)
-    table, ctas = ck.plan(ids, ctx, max_len, width, programs=programs, cost=cost)
+    table, ctas = ck.plan(ids, ctx, max_len, width, heads, programs=programs, cost=cost)
     assert table.dtype == ctas.dtype == torch.int32
     assert tuple(table.shape) == (ids.shape[0], ck.TABLE_WORDS)
     assert tuple(ctas.shape) == (programs, ck.CTA_WORDS)
     got = ck.plan_items(table, ctas)
-    assert got == ck.schedule_model(ids, ctx.view(-1), max_len, width, programs, cost=cost)
+    assert got == ck.schedule_model(ids, ctx.view(-1), max_len, width, programs, cost=cost,
+                                    heads=heads)
+    rows_max, group = ck.rows_max_for(heads, 4), ck.rows_per_group(heads)
+    assert max(n for share in got for _, n, _ in share) <= rows_max
     flat = [item for share in got for item in share]
     assert len(flat) == len(set(flat))
-    costs = [sum(ck.page_cost(cost, n) for _, n, _ in share) for share in got]
-    assert max(costs) - min(costs) < 2 * ck.page_cost(cost, ck.ROWS_MAX)
+    costs = [sum(ck.page_cost(cost, n, group) for _, n, _ in share) for share in got]
+    assert max(costs) - min(costs) < 2 * ck.page_cost(cost, rows_max, group)
     if cost[1:] in ((0,), (0, 0)):
         sizes = [len(share) for share in got]
         assert max(sizes) - min(sizes) <= 1
@@ -63,6 +74,10 @@ def test_plan_walks_the_host_schedule(seed, cost):
 def test_page_cost_counts_rows_and_row_groups():
     assert [ck.page_cost((5, 2), n) for n in (1, 2, 3, 4)] == [7, 9, 11, 13]
     assert [ck.page_cost((3, 0, 4), n) for n in (1, 2, 3, 4)] == [7, 7, 11, 11]
+    assert [ck.page_cost((3, 0, 4), n, 4) for n in (1, 4, 5, 8)] == [7, 7, 11, 11]
+    assert [ck.rows_max_for(h, 4) for h in (64, 32)] == [4, 8]
+    with pytest.raises(ValueError, match="heads"):
+        ck.rows_per_group(16)
     for bad in [(1,), (1, 2, 3, 4), (0, 0), (-1, 2), (1.5, 2)]:
         with pytest.raises(ValueError, match="cost"):
             ck.page_cost(bad, 2)
@@ -72,30 +87,144 @@ def test_plan_refuses_other_chunk_sizes():
     ids, ctx, max_len, width, _ = _random_step(0)
     with pytest.raises(ValueError, match="rows_max"):
         ck.plan(ids, ctx, max_len, width, rows_max=8)
+    with pytest.raises(ValueError, match="rows_max"):
+        ck.plan(ids, ctx, max_len, width, heads=32, rows_max=4)
     with pytest.raises(ValueError, match="heads"):
-        ck.plan(ids, ctx, max_len, width, heads=32)
+        ck.plan(ids, ctx, max_len, width, heads=16)
 
 
 def test_the_build_follows_the_run_length_hint():
     """Hints up to EVICT_FIRST_MAX_RUN (one row group per page) take the
-    evict-first build, longer ones the default build."""
+    evict-first build, longer ones the default build; the head sum adds its
+    macro."""
     assert ck.EVICT_FIRST_MAX_RUN == 2
-    assert [ck.defines_for(n) for n in (1, 2, 3, 4, 8, 16)] == (
+    assert [ck.defines_for(n, "fp32") for n in (1, 2, 3, 4, 8, 16)] == (
         [("EVICT_FIRST=1",)] * 2 + [()] * 4)
+    assert [ck.defines_for(n, "tf32") for n in (1, 2, 3, 4)] == (
+        [("EVICT_FIRST=1", "HEAD_SUM_TC=1")] * 2 + [("HEAD_SUM_TC=1",)] * 2)
+    with pytest.raises(ValueError, match="head_sum"):
+        ck.defines_for(4, "bf16")
+    assert ck.smem_bytes(()) == ck.SMEM_BYTES
+    assert ck.smem_bytes(("HEAD_SUM_TC=1",)) == ck.SMEM_BYTES + ck.HEAD_SUM_TC_BYTES
+    assert ck.smem_bytes(("EVICT_FIRST=1", "HEAD_SUM_TC=1")) <= 227 * 1024
+
+
+@pytest.fixture
+def head_sum_env(monkeypatch):
+    """Set ``VLLM_DSA_VARLEN_HEAD_SUM`` for one test (the setting is read once
+    per process: the cache is cleared before and after)."""
+    def set_to(value):
+        if value is None:
+            monkeypatch.delenv(ck.HEAD_SUM_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ck.HEAD_SUM_ENV, value)
+        ck.read_head_sum.cache_clear()
+    yield set_to
+    monkeypatch.delenv(ck.HEAD_SUM_ENV, raising=False)
+    ck.read_head_sum.cache_clear()
+
+
+def test_head_sum_env_is_read_once_and_checked(head_sum_env):
+    """VLLM_DSA_VARLEN_HEAD_SUM: unset or empty -> fp32 (the default), case and
+    blanks ignored; read once (a later change is not seen until the cache is
+    cleared); anything else -> ValueError naming the variable."""
+    assert ck.HEAD_SUM_ENV == "VLLM_DSA_VARLEN_HEAD_SUM"
+    for raw, want in [(None, "fp32"), ("", "fp32"), ("fp32", "fp32"), (" TF32 ", "tf32")]:
+        head_sum_env(raw)
+        assert ck.read_head_sum() == want
+        assert ck.defines_for(4) == (("HEAD_SUM_TC=1",) if want == "tf32" else ())
+    os.environ[ck.HEAD_SUM_ENV] = "fp32"  # read once: not seen without a cache clear
+    assert ck.read_head_sum() == "tf32"
+    for bad in ("bf16", "tf", "fp32,tf32"):
+        head_sum_env(bad)
+        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_HEAD_SUM"):
+            ck.read_head_sum()
+        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_HEAD_SUM"):
+            ck.defines_for(4)
+
+
+BUILDS = [(hint, how, heads) for heads in ck.HEAD_COUNTS for how in ck.HEAD_SUMS
+          for hint in (1, 4)]
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
-@pytest.mark.parametrize("hint", [1, 4])
-def test_nvrtc_builds_the_kernel_for_sm90a_without_spills(hint):
+@pytest.mark.parametrize("hint, how, heads", BUILDS)
+def test_nvrtc_builds_the_kernel_for_sm90a_without_spills(hint, how, heads):
     """The CUDA source compiles for sm_90a with the NVRTC this environment has
     (no GPU needed), to one kernel with no local memory, in each build the
-    launcher takes."""
-    defines = ck.defines_for(hint)
+    launcher takes (both head sums; 64 heads and launch's 32-head builds)."""
+    defines = ck.defines_for(hint, how) + (() if heads == ck.HEADS else (f"HEADS={heads}",))
     cubin, log = ck.compile_cubin(extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines)))
     assert cubin[:4] == b"\x7fELF"
     assert "varlen_logits_sm90" in log
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
-    assert ck.SMEM_BYTES <= 227 * 1024
+    assert ck.smem_bytes(defines) <= 227 * 1024
+
+
+def _cuobjdump() -> str | None:
+    """A cuobjdump: on PATH, in CUDA_HOME, or the one Triton ships."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    try:
+        import triton
+        bundled = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
+                                         "bin", "cuobjdump"))
+    except ImportError:  # pragma: no cover
+        bundled = []
+    for path in [os.path.join(home, "bin", "cuobjdump"), *bundled]:
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+CUOBJDUMP = _cuobjdump()
+
+
+def _sass_ops(defines) -> collections.Counter:
+    cubin, _ = ck.compile_cubin(extra=tuple(f"-D{d}" for d in defines))
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
+@pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
+                    reason=f"needs NVRTC and cuobjdump (NVRTC: {NVRTC})")
+def test_32_head_builds_keep_their_head_sums():
+    """HEADS=32: the tensor-core build has TF32 mma and no float32 FMNMX / FFMA,
+    the default build the reverse; both keep one QK wgmma chain per copy."""
+    tc = _sass_ops(ck.defines_for(4, "tf32") + ("HEADS=32",))
+    fp = _sass_ops(ck.defines_for(4, "fp32") + ("HEADS=32",))
+    assert tc["HMMA.1688.F32.TF32"] >= 2 * 16 and tc["FMNMX"] == tc["FFMA"] == 0
+    assert not any(op.startswith("HMMA") for op in fp) and fp["FFMA"] >= 2 * 64
+    assert tc["QGMMA.64x128x32.F32.E4M3.E4M3"] == fp["QGMMA.64x128x32.F32.E4M3.E4M3"] == 16
+
+
+@pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
+                    reason=f"needs NVRTC and cuobjdump (NVRTC: {NVRTC})")
+def test_tensor_core_build_sums_heads_on_the_tensor_cores():
+    """SASS of the HEAD_SUM_TC build: per row group copy (two groups unrolled,
+    each a full and a half copy) 16 / 8 TF32 mma and 64 / 32 relu-and-round
+    conversions, and no float32 FMNMX / FFMA left; the default build has no
+    TF32 mma and its 64 / 32 FMNMX + FFMA per copy."""
+    tc = _sass_ops(ck.defines_for(4, "tf32"))
+    fp = _sass_ops(ck.defines_for(4, "fp32"))
+    assert tc["HMMA.1688.F32.TF32"] == 2 * (16 + 8)
+    assert tc["F2FP.RELU.TF32.F32.PACK_B"] == 2 * (64 + 32)
+    assert tc["FMNMX"] == 0 and tc["FFMA"] == 0
+    assert not any(op.startswith("HMMA") for op in fp)
+    assert fp["FMNMX"] == fp["FFMA"] == 2 * (64 + 32)
+    assert tc["QGMMA.64x128x32.F32.E4M3.E4M3"] == fp["QGMMA.64x128x32.F32.E4M3.E4M3"] == 16
 
 
 def test_cpu_tensors_are_refused_and_named_kernels_checked():
@@ -228,3 +357,194 @@ def test_graph_kernel_names_what_auto_takes_in_a_capture():
     assert tk.graph_kernel("cuda", 64) == ("cuda_sm90" if NVRTC is None else "gluon_sm90")
     assert tk.graph_kernel("cuda", 32) == "gluon_sm90"
     assert tk.graph_kernel("cuda", None) == "portable"
+
+
+# ------------------------------------------------ GPU (sm_90): the TF32 head sum
+
+def _same_bits(a, b) -> bool:
+    """Equal bit for bit, NaN where the other is NaN."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("name", list(SMALL))
+@pytest.mark.parametrize("padding", [0, 3])
+@pytest.mark.parametrize("hint", ["longest", 1, 4])
+def test_tensor_core_build_matches_reference_small(name, padding, hint, head_sum_env):
+    """VLLM_DSA_VARLEN_HEAD_SUM=tf32 takes the HEAD_SUM_TC build for every hint:
+    on every small step every valid position is written (nothing else), close
+    to its own emulation and to the fp32 reference, the same bits on a repeat."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    lens, seqs = SMALL[name]
+    step = make_decode_step(lens, seqs, heads=64, padding_rows=padding,
+                            max_context_len=max(seqs) + 11, seed=len(name) + padding + 100,
+                            device="cuda")
+    hint = max(lens) if hint == "longest" else hint
+    head_sum_env("tf32")
+    out = run_poisoned(step, kernel="sm90_cuda", max_run_len=hint)
+    check_poisoned(step, out, head_sum="tf32")
+    check_poisoned(step, out, head_sum="fp32")
+    assert (torch.cuda.current_device(), ck.defines_for(hint, "tf32")) in ck._LOADED
+    assert "HEAD_SUM_TC=1" in ck.defines_for(hint, "tf32")
+    assert _same_bits(out, run_poisoned(step, kernel="sm90_cuda", max_run_len=hint))
+
+
+def _integer_step(lens, seqs, seed, heads=64):
+    """A step whose q . k the fp8 tensor cores add exactly: q integers +-(4..8)
+    (one sign per row and head, so relu zeroes about half the heads), k
+    integers -2..8 (exact in e4m3), scales 1, so |q . k| < 2**12 and every
+    partial sum is an integer a 13-bit accumulator holds; ~40 % of q . k reach
+    12 significant bits (TF32 keeps 11: rounded), so the TF32 head sum's
+    rounding is all that separates the builds.  Weights N(0, 1 / 64), not TF32
+    values (their low part matters)."""
+    step = make_decode_step(lens, seqs, heads=heads, seed=seed, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows, blocks = step.num_rows, step.kv_cache.shape[0]
+    mag = torch.randint(4, 9, (rows, 1, heads, 128), generator=gen, device="cuda").float()
+    sign = torch.randint(0, 2, (rows, 1, heads, 1), generator=gen, device="cuda").float() * 2 - 1
+    step.q = (mag * sign).to(torch.float8_e4m3fn)
+    k = torch.randint(-2, 9, (blocks, 64 * 128), generator=gen, device="cuda").float()
+    fused = step.kv_cache.view(blocks, -1)
+    fused[:, :64 * 128] = k.to(torch.float8_e4m3fn).view(torch.uint8)
+    fused[:, 64 * 128:] = torch.ones((blocks, 64), device="cuda").view(torch.uint8)
+    step.weights = torch.randn((rows, heads), generator=gen, device="cuda") / 8
+    return step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("lens, seqs", [([4, 3], [2100, 700]), ([1, 2, 8], [1500, 640, 3000]),
+                                        ([9, 6, 5], [1100, 2000, 300])])
+@pytest.mark.parametrize("hint", [1, 4])
+@pytest.mark.parametrize("heads", ck.HEAD_COUNTS)
+def test_tensor_core_build_is_its_emulation(lens, seqs, hint, heads):
+    """Where q . k is exact (``_integer_step``: the fp32 build equals the fp32
+    reference there), the HEAD_SUM_TC build equals reference(head_sum="tf32")
+    to float32 accumulation error, element by element: relu(q . k) rounded to
+    nearest TF32 (not truncated), the weights to ~22 bits (not one TF32), the
+    A / B / D fragment layouts right for every head, row and token (64 heads,
+    and 32 through launch's HEADS=32 build).  The alternatives differ from the
+    emulation by far more than the bound."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    from vllm_dsa_varlen.ops.reference import round_tf32
+
+    step = _integer_step(lens, seqs, seed=sum(seqs) + hint + heads, heads=heads)
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    args = (step.q, step.kv_cache, step.weights, ctx, rows.block_table, step.max_context_len)
+
+    def ref(head_sum, weights=None):
+        a = list(args)
+        if weights is not None:
+            a[2] = weights
+        return paged_mqa_logits_ref(*a, indices=rows.indices, head_sum=head_sum)
+
+    mask = valid_mask(ctx, step.max_context_len, rows.indices)
+    n = rows.num_rows
+    outs = {}
+    for how in ck.HEAD_SUMS:
+        out = torch.full((n + 2, step.max_context_len + 40), POISON, device="cuda")
+        ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                  step.max_context_len, out[:n], defines=ck.defines_for(hint, how))
+        torch.cuda.synchronize()
+        check_poisoned(step, out, head_sum=how)
+        outs[how] = out[:n, : step.max_context_len]
+    assert rel_err(outs["fp32"][mask], ref("fp32")[mask]) < 1e-6, "q . k not exact on this GPU"
+    emu = ref("tf32")[mask].double()
+    scale = ref("fp32", step.weights.abs())[mask].double()  # sum_h relu(q . k) |w|
+    err = (outs["tf32"][mask].double() - emu).abs() / scale
+    bound = 3e-6
+    assert float(err.max()) < bound, f"max error {float(err.max()):.2e} of sum |terms|"
+    # no rounding at all, or the weights as one TF32 value: both far outside the bound
+    for other in (ref("fp32"), ref("tf32", round_tf32(step.weights))):
+        gap = (other[mask].double() - emu).abs() / scale
+        assert float(gap.max()) > 8 * bound
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_tensor_core_build_replays_in_a_graph_on_new_contents():
+    """The HEAD_SUM_TC build captured in a CUDA graph: replays on new q,
+    weights and cache contents (same buffers) match their emulation, twice
+    the same bits."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    step = random_decode_step(12, 4, 1500, heads=64, device="cuda", variable=True, seed=3)
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
+    defines = ck.defines_for(4, "tf32")
+    sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1])
+
+    def call():
+        ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                  step.max_context_len, out[: rows.num_rows], schedule=sched, defines=defines)
+
+    call()  # loaded outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        call()
+    from vllm_dsa_varlen.ops.reference import quantize_kv_fp8
+
+    for seed in (11, 12):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        step.q.copy_(torch.randn(step.q.shape, generator=gen, device="cuda").to(step.q.dtype))
+        step.weights.copy_(torch.randn(step.weights.shape, generator=gen, device="cuda") / 8)
+        blocks = step.kv_cache.shape[0]
+        step.kv_cache.copy_(quantize_kv_fp8(
+            torch.randn((blocks, 64, 128), generator=gen, device="cuda") * 3))
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_poisoned(step, out, head_sum="tf32")
+        first = out.clone()
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _same_bits(first, out)
+
+
+# ------------------------------------------------ GPU (sm_90): 32 heads (launch only)
+
+def _launch_poisoned(step, hint, how):
+    """``launch`` (32 heads take the HEADS=32 build) into a poisoned buffer 2
+    rows and 40 columns larger than the logits."""
+    rows = step.rows
+    out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
+    ck.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
+              rows.block_table, rows.indices, step.max_context_len, out[: rows.num_rows],
+              defines=ck.defines_for(hint, how))
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("name", list(SMALL))
+@pytest.mark.parametrize("padding", [0, 3])
+@pytest.mark.parametrize("hint", [1, 4])
+@pytest.mark.parametrize("how", ck.HEAD_SUMS)
+def test_32_heads_match_reference_small(name, padding, hint, how):
+    """32 heads (row groups of four rows, chunks of eight; runs of 1..9 rows
+    leave groups with 1..3 absent rows): every valid position written, nothing
+    else, close to the reference (its emulation of the build's head sum and
+    the fp32 one), the same bits on a repeat; the launcher itself still routes
+    32 heads to the Gluon kernel (unsupported_reason)."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    lens, seqs = SMALL[name]
+    step = make_decode_step(lens, seqs, heads=32, padding_rows=padding,
+                            max_context_len=max(seqs) + 11, seed=len(name) + padding + 200,
+                            device="cuda")
+    out = _launch_poisoned(step, hint, how)
+    check_poisoned(step, out, head_sum=how)
+    check_poisoned(step, out, head_sum="fp32")
+    assert (torch.cuda.current_device(), ck.defines_for(hint, how) + ("HEADS=32",)) in ck._LOADED
+    assert _same_bits(out, _launch_poisoned(step, hint, how))
+    assert "shape outside" in ck.unsupported_reason(step.q, step.kv_cache, step.weights)

@@ -14,8 +14,17 @@ In CUDA it measured 7-37 % faster than the Gluon kernel on every step (call 53).
 
 Two builds: the default one, and for run-length hints up to 2 (one row group
 per page) one whose page loads carry an L2 evict-first hint
-(:func:`defines_for`; the launcher passes the hint).  The kernel is compiled
-once per process and build by NVRTC (``sm_90a``; the library
+(:func:`defines_for`; the launcher passes the hint).  Each comes with the head
+sum on the CUDA cores in float32 (DeepGEMM's arithmetic, the default) or on
+the tensor cores (``HEAD_SUM_TC``: relu(q . k) rounded to TF32 against the
+weights as two TF32 parts; ``reference.head_sum_tf32`` is its exact
+emulation, :mod:`.head_sum_precision` the study of what it costs the top-k),
+chosen once per process by ``VLLM_DSA_VARLEN_HEAD_SUM`` (:func:`read_head_sum`).
+Heads: 64 (what the launcher routes here) and 32 (``HEADS=32`` builds,
+taken from ``q``'s shape by :func:`launch`; a row group is then four rows x
+32 heads in the same 64 x 128 wgmma and a chunk eight rows; the launcher keeps
+32 heads on the Gluon kernel until this build is measured: :data:`LAUNCHER_HEADS`).
+The kernel is compiled once per process and build by NVRTC (``sm_90a``; the library
 PyTorch's CUDA wheels install, or a CUDA toolkit's) and loaded through the
 driver API (ctypes): no host compiler, no build step.  Launches are plain
 ``cuLaunchKernel`` calls on PyTorch's current stream, so they are captured into
@@ -50,10 +59,12 @@ logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "sm90_varlen_logits.cu")
 KERNEL_NAME = b"varlen_logits_sm90"
 ARCH = "sm_90a"
-HEADS = 64
+HEADS = 64            # the head count the launcher routes here (LAUNCHER_HEADS)
+HEAD_COUNTS = (32, 64)  # the kernel's builds: a row group is 128 // heads rows
+LAUNCHER_HEADS = (64,)  # where unsupported_reason lets the launcher take it
 DIM = 128
 PAGE = 64
-ROWS_MAX = 4          # rows per chunk (two row groups of two rows)
+ROWS_MAX = 4          # rows per chunk at 64 heads (two row groups of two rows)
 GMAX = 2
 STAGES = 3
 MATH = 4
@@ -64,6 +75,9 @@ CTA_WORDS = 4         # int32 per CTA: first segment, item range [lo, hi)
 # the double-buffered queries, the rings' scales, the weights, the mbarriers.
 SMEM_BYTES = (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
               + MATH * STAGES * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * MATH * STAGES + 4) * 8)
+# HEAD_SUM_TC builds: each math warpgroup's double-buffered B fragments of its
+# chunk's weights (8 lane classes x 9 float4 per row group; WT_BYTES in the source).
+HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 # A page's cost for the schedule's balance, c0 + c1 * rows + c2 * row groups of
 # its chunk (page_cost): the CTAs' shares are equal in cost, not in pages, so a
 # CTA that draws long runs does not finish last.  Each row group runs one full
@@ -79,6 +93,11 @@ COST = (3, 1, 4)
 # per page large steps were 1-5 % slower (calls 41-42), so longer hints keep
 # the default build.
 EVICT_FIRST_MAX_RUN = 2
+
+# The head sum (``read_head_sum``): "fp32" on the CUDA cores (the default build,
+# DeepGEMM's arithmetic) or "tf32" on the tensor cores (HEAD_SUM_TC=1).
+HEAD_SUM_ENV = "VLLM_DSA_VARLEN_HEAD_SUM"
+HEAD_SUMS = ("fp32", "tf32")
 
 _lock = threading.Lock()
 
@@ -185,6 +204,7 @@ class _Loaded:
 
     def __init__(self, device: torch.device, defines: tuple = ()):
         cubin, _ = compile_cubin(extra=tuple(f"-D{d}" for d in defines))
+        self.smem = smem_bytes(defines)
         with torch.cuda.device(device):
             torch.cuda.init()
             torch.empty(1, device=device)  # the primary context is current
@@ -193,7 +213,7 @@ class _Loaded:
             self.fn = ctypes.c_void_p()
             _ck(_driver().cuModuleGetFunction(ctypes.byref(self.fn), self.module, KERNEL_NAME),
                 "cuModuleGetFunction")
-            _ck(_driver().cuFuncSetAttribute(self.fn, 8, SMEM_BYTES),
+            _ck(_driver().cuFuncSetAttribute(self.fn, 8, self.smem),
                 "cuFuncSetAttribute(max dynamic shared memory)")
 
 
@@ -258,16 +278,17 @@ def _map(kind: str, base: int, dims, strides, box) -> _TmaMap:
 # ----------------------------------------------------------------- checks
 
 def unsupported_reason(q, kv_cache, weights=None) -> str | None:
-    """Why this kernel cannot take these tensors (``None``: it can)."""
+    """Why the launcher cannot route these tensors here (``None``: it can);
+    :data:`LAUNCHER_HEADS` only (:func:`launch` also takes 32 heads)."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return "not an sm_90 GPU"
-    if q.shape[2] != HEADS or q.shape[3] != DIM or kv_cache.shape[1] != PAGE:
+    if q.shape[2] not in LAUNCHER_HEADS or q.shape[3] != DIM or kv_cache.shape[1] != PAGE:
         return f"shape outside H {HEADS}, D {DIM}, page {PAGE}"
     if kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
         return "cache page stride or base not 16-byte aligned (TMA)"
     if q.stride(0) % 16 or q.data_ptr() % 16 or q.stride(2) != DIM or q.stride(3) != 1:
         return "queries not [R, 1, H, D] with 16-byte aligned rows and contiguous heads (TMA)"
-    if weights is not None and not _weights_fit(weights):
+    if weights is not None and not _weights_fit(weights, q.shape[2]):
         return "weights not contiguous [R, H] rows (one bulk copy per chunk)"
     why = available()
     if why is not None:
@@ -275,25 +296,56 @@ def unsupported_reason(q, kv_cache, weights=None) -> str | None:
     return None
 
 
-def _weights_fit(weights) -> bool:
+def _weights_fit(weights, heads: int = HEADS) -> bool:
     """A chunk's weights are one bulk copy: contiguous 16-byte aligned ``[R, H]`` rows."""
-    return weights.stride(1) == 1 and weights.stride(0) == HEADS and weights.data_ptr() % 16 == 0
+    return weights.stride(1) == 1 and weights.stride(0) == heads and weights.data_ptr() % 16 == 0
 
 
-def defines_for(max_run_len: int) -> tuple[str, ...]:
-    """The build the launcher takes for a run-length hint (:data:`EVICT_FIRST_MAX_RUN`)."""
-    return ("EVICT_FIRST=1",) if max_run_len <= EVICT_FIRST_MAX_RUN else ()
+def defines_for(max_run_len: int, head_sum: str | None = None) -> tuple[str, ...]:
+    """The build the launcher takes for a run-length hint (:data:`EVICT_FIRST_MAX_RUN`)
+    and head sum (``"fp32"`` or ``"tf32"``; default: :func:`read_head_sum`)."""
+    head_sum = read_head_sum() if head_sum is None else head_sum
+    if head_sum not in HEAD_SUMS:
+        raise ValueError(f"head_sum: expected one of {HEAD_SUMS}, got {head_sum!r}")
+    return (("EVICT_FIRST=1",) if max_run_len <= EVICT_FIRST_MAX_RUN else ()) + (
+        ("HEAD_SUM_TC=1",) if head_sum == "tf32" else ())
+
+
+@functools.lru_cache(maxsize=None)
+def read_head_sum() -> str:
+    """``VLLM_DSA_VARLEN_HEAD_SUM`` (read once per process): ``"fp32"`` (unset or
+    empty: the default; DeepGEMM's float32 arithmetic) or ``"tf32"`` (the
+    tensor-core head sum).  ``ValueError`` naming the variable otherwise."""
+    raw = os.environ.get(HEAD_SUM_ENV, "")
+    value = raw.strip().lower() or HEAD_SUMS[0]
+    if value not in HEAD_SUMS:
+        raise ValueError(f"{HEAD_SUM_ENV}={raw!r} is not valid: expected one of "
+                         f"{', '.join(HEAD_SUMS)} (default {HEAD_SUMS[0]})")
+    return value
+
+
+def smem_bytes(defines: tuple = ()) -> int:
+    """Dynamic shared memory of a build (:data:`SMEM_BYTES`, more with ``HEAD_SUM_TC=1``)."""
+    return SMEM_BYTES + (HEAD_SUM_TC_BYTES if "HEAD_SUM_TC=1" in defines else 0)
+
+
+def rows_per_group(heads: int) -> int:
+    """Rows of a row group: the wgmma's 128 columns are rows x ``heads``."""
+    if heads not in HEAD_COUNTS:
+        raise ValueError(f"heads: this kernel serves {' or '.join(map(str, HEAD_COUNTS))} heads, "
+                         f"got {heads}")
+    return 128 // heads
 
 
 def rows_max_for(heads: int, max_run_len: int) -> int:
-    """Rows per chunk (fixed: the kernel holds two row groups of two rows)."""
-    return ROWS_MAX
+    """Rows per chunk (fixed per head count: the kernel holds two row groups)."""
+    return GMAX * rows_per_group(heads)
 
 
 # --------------------------------------------------------------- schedule
 
 def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int = HEADS,
-         rows_max: int = ROWS_MAX, *, programs: int | None = None, cost=COST):
+         rows_max: int | None = None, *, programs: int | None = None, cost=COST):
     """The step's schedule (torch operations on the device; no host sync, graph
     safe): ``(table int32 [R, 8], ctas int32 [programs, 4])``.
 
@@ -304,11 +356,14 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     ends past ``c * C // n`` and starts before ``(c + 1) * C // n`` of the
     step's total ``C`` (:data:`COST`).  A run's KV length is its last
     row's context length clamped to ``[0, min(max_context_len, bt_width *
-    page)]``; its block-table row is its first row."""
-    if rows_max != ROWS_MAX:
-        raise ValueError(f"rows_max: this kernel holds {ROWS_MAX} rows per chunk, got {rows_max}")
-    if heads != HEADS:
-        raise ValueError(f"heads: this kernel serves {HEADS} heads, got {heads}")
+    page)]``; its block-table row is its first row.  ``rows_max``: the chunk
+    size, :func:`rows_max_for` ``heads`` (the default)."""
+    group = rows_per_group(heads)
+    if rows_max is None:
+        rows_max = GMAX * group
+    if rows_max != GMAX * group:
+        raise ValueError(f"rows_max: at {heads} heads this kernel holds {GMAX * group} rows per "
+                         f"chunk, got {rows_max}")
     dev = indices.device
     if programs is None:
         programs = _num_sms(dev)
@@ -339,7 +394,7 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     table[:, 3] = torch.where(work[order], table[:, 3], total.to(torch.int32).expand(rows))
     off_end = table[:, 3].to(torch.int64) + table[:, 4]
     # CTA boundaries: equal shares of the step's cost, each at an item boundary
-    unit = torch.where(work, page_cost(cost, n_rows), 0).to(torch.int64)[order]
+    unit = torch.where(work, page_cost(cost, n_rows, group), 0).to(torch.int64)[order]
     seg_cost = unit * table[:, 4]
     cost_end = torch.cumsum(seg_cost, 0)
     cost_off = cost_end - seg_cost
@@ -362,12 +417,13 @@ def _cost3(cost) -> tuple[int, int, int]:
     return (int(cost[0]), int(cost[1]), int(cost[2]) if len(cost) == 3 else 0)
 
 
-def page_cost(cost, rows):
+def page_cost(cost, rows, rows_per_group: int = 2):
     """A page's cost in the schedule's balance for a chunk of ``rows`` rows:
-    ``c0 + c1 * rows + c2 * row groups`` (``cost`` = (c0, c1) or (c0, c1, c2)).
+    ``c0 + c1 * rows + c2 * row groups`` (``cost`` = (c0, c1) or (c0, c1, c2);
+    a row group is ``rows_per_group`` rows: 2 at 64 heads, 4 at 32).
     ``rows``: an int (the host model) or an integer tensor (:func:`plan`)."""
     c0, c1, c2 = _cost3(cost)
-    return c0 + c1 * rows + c2 * ((rows + 1) // 2)
+    return c0 + c1 * rows + c2 * ((rows + rows_per_group - 1) // rows_per_group)
 
 
 def schedule_key(indices, context_lens, max_context_len: int, bt_width: int, heads: int,
@@ -378,20 +434,23 @@ def schedule_key(indices, context_lens, max_context_len: int, bt_width: int, hea
 
 
 def schedule_model(indices, context_lens, max_context_len: int, bt_width: int,
-                   num_programs: int, cost=COST) -> list[list[tuple[int, int, int]]]:
+                   num_programs: int, cost=COST, heads: int = HEADS
+                   ) -> list[list[tuple[int, int, int]]]:
     """Host mirror of :func:`plan`, for tests: each CTA's items as ``(chunk
     first row, chunk rows, page)`` in the order the CTA numbers them."""
     from .reference import run_spans
 
+    group = rows_per_group(heads)
+    chunk = GMAX * group
     items = []
     for r, e, kv in run_spans(indices, context_lens, min(max_context_len, bt_width * PAGE)):
-        for c in range(r, e + 1, ROWS_MAX):
-            items += [(c, min(ROWS_MAX, e - c + 1), p) for p in range(-(-kv // PAGE))]
+        for c in range(r, e + 1, chunk):
+            items += [(c, min(chunk, e - c + 1), p) for p in range(-(-kv // PAGE))]
     # item i takes cost [ends[i] - unit_i, ends[i]); CTA c's first item is the
     # first whose cost ends past c * C // n
     ends, acc = [], 0
     for _, n, _ in items:
-        acc += page_cost(cost, n)
+        acc += page_cost(cost, n, group)
         ends.append(acc)
     bounds = []
     for c in range(num_programs + 1):
@@ -418,15 +477,22 @@ def plan_items(table, ctas) -> list[list[tuple[int, int, int]]]:
 # ------------------------------------------------------------------- launch
 
 def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
-           rows_max: int = ROWS_MAX, schedule=None, defines: tuple = ()):
+           rows_max: int | None = None, schedule=None, defines: tuple = ()):
     """Launch on checked inputs (the portable launcher checks them); ``schedule``:
     the step's :func:`plan` (made here when not given); ``defines``: a
-    measured variant's macros (:func:`load`)."""
-    rows = q.shape[0]
+    measured variant's macros (:func:`load`).  32 heads (``q [R, 1, 32, D]``)
+    take the ``HEADS=32`` build of ``defines``."""
+    rows, heads = q.shape[0], q.shape[2]
+    group = rows_per_group(heads)
+    if rows_max is not None and rows_max != GMAX * group:
+        raise ValueError(f"rows_max: at {heads} heads this kernel holds {GMAX * group} rows per "
+                         f"chunk, got {rows_max}")
     dev = q.device
+    if heads != HEADS:
+        defines = tuple(defines) + (f"HEADS={heads}",)
     kern = load(dev, defines)
     if schedule is None:
-        schedule = plan(indices, context_lens, max_context_len, block_table.shape[1])
+        schedule = plan(indices, context_lens, max_context_len, block_table.shape[1], heads)
     table, ctas = schedule
     programs = _num_sms(dev)
     if (table.dtype != torch.int32 or tuple(table.shape) != (rows, TABLE_WORDS)
@@ -434,13 +500,13 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
         raise ValueError(f"schedule: expected (int32 [{rows}, {TABLE_WORDS}], int32 "
                          f"[{programs}, {CTA_WORDS}]) from plan(), got "
                          f"{[(t.dtype, tuple(t.shape)) for t in schedule]}")
-    if not _weights_fit(weights):
-        raise ValueError(f"weights: expected contiguous fp32 [R, {HEADS}] (16-byte aligned), got "
+    if not _weights_fit(weights, heads):
+        raise ValueError(f"weights: expected contiguous fp32 [R, {heads}] (16-byte aligned), got "
                          f"strides {weights.stride()}")
     blocks = kv_cache.shape[0]
     kv_map = _map("kv", kv_cache.data_ptr(), [DIM, PAGE, blocks], [DIM, kv_cache.stride(0)],
                   [DIM, PAGE, 1])
-    q_map = _map("q", q.data_ptr(), [DIM, HEADS, rows], [DIM, q.stride(0)], [DIM, HEADS, 2])
+    q_map = _map("q", q.data_ptr(), [DIM, heads, rows], [DIM, q.stride(0)], [DIM, heads, group])
     ctx = context_lens.reshape(-1)
     if ctx.stride(0) != 1:
         ctx = ctx.contiguous()
@@ -454,6 +520,6 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
                                              for v in vals])
     stream = torch.cuda.current_stream(dev).cuda_stream
     with torch.cuda.device(dev):
-        _ck(_driver().cuLaunchKernel(kern.fn, programs, 1, 1, THREADS, 1, 1, SMEM_BYTES,
+        _ck(_driver().cuLaunchKernel(kern.fn, programs, 1, 1, THREADS, 1, 1, kern.smem,
                                      ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
     return kern

@@ -15,6 +15,14 @@ KV token ``n`` the row may see, ``-inf`` elsewhere.  Two layouts:
 KV cache: the fused fp8 layout ``uint8 [num_blocks, page, 1, D + 4]``: per page,
 ``page * D`` e4m3 values followed by ``page`` fp32 scales.  Nothing here
 imports vLLM.
+
+Head sum: ``head_sum="fp32"`` (default) sums ``relu(q . k) * w`` over heads in
+float32, as DeepGEMM does on the CUDA cores; ``head_sum="tf32"`` is the sm_90
+CUDA kernel's tensor-core head sum (its ``HEAD_SUM_TC`` build,
+:func:`head_sum_tf32`): ``relu(q . k)`` rounded to TF32 (10 stored mantissa
+bits, round to nearest even: :func:`round_tf32`), the weights carried as two
+TF32 parts (``hi = round(w)``, ``lo = round(w - hi)``), the products exact,
+each part's sum float32, their sum times the token's scale.
 """
 
 from __future__ import annotations
@@ -22,6 +30,34 @@ from __future__ import annotations
 import torch
 
 FP8_MAX = 448.0
+HEAD_SUMS = ("fp32", "tf32")
+
+# TF32 keeps float32's sign and 8 exponent bits and the top 10 of its 23
+# mantissa bits; the low 13 bits of the 32-bit word are dropped.
+_TF32_DROP = 13
+
+
+def truncate_tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the TF32 value toward zero (the low 13 mantissa bits cleared):
+    what the tensor core takes from a float32 register it was given unconverted."""
+    bits = x.float().contiguous().view(torch.int32)
+    return (bits & ~((1 << _TF32_DROP) - 1)).view(torch.float32)
+
+
+def round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the nearest TF32 value, ties to even (PTX ``cvt.rn.tf32.f32``;
+    a finite value past TF32's largest rounds to infinity).  NaN stays NaN."""
+    x = x.float().contiguous()
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    odd = (bits >> _TF32_DROP) & 1
+    bits = (bits + ((1 << (_TF32_DROP - 1)) - 1) + odd) & (0xFFFFFFFF & ~((1 << _TF32_DROP) - 1))
+    out = bits.to(torch.int32).view(torch.float32)  # int64 -> int32 keeps the low 32 bits
+    return torch.where(torch.isnan(x), x, out)
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the nearest bfloat16 value (ties to even), as float32."""
+    return x.float().to(torch.bfloat16).float()
 
 
 def split_fused_kv(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,13 +86,36 @@ def quantize_kv_fp8(k: torch.Tensor) -> torch.Tensor:
     return fused.view(blocks, page, 1, dim + 4)
 
 
-def _row_logits(q_rows, weights_rows, values, scales, bt_row, kv_len, page, dtype):
+def split_tf32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` float32 as two TF32 values ``(hi, lo)``, ``hi = round(w)``,
+    ``lo = round(w - hi)`` (:func:`round_tf32`): ``hi + lo`` is ``w`` to ~22 bits."""
+    hi = round_tf32(w.float())
+    return hi, round_tf32(w.float() - hi)
+
+
+def head_sum_tf32(qk: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``sum_h relu(qk[..., h, n]) * w[..., h]`` as the tensor-core head sum
+    computes it: ``relu(qk)`` rounded to TF32 (:func:`round_tf32`), ``w`` as
+    TF32 ``hi + lo`` (:func:`split_tf32`), the products exact (TF32 x TF32 fits
+    float32), each part summed (float64, rounded once to float32, as the
+    tensor core's float32 accumulation nearly is), then ``hi + lo`` in float32.
+    ``qk [..., H, N]`` float32, ``w [..., H]``; returns float32 ``[..., N]``."""
+    a = round_tf32(qk.float().relu()).double()
+    hi, lo = split_tf32(w)
+    return ((a * hi.double()[..., None]).sum(dim=-2).float()
+            + (a * lo.double()[..., None]).sum(dim=-2).float())
+
+
+def _row_logits(q_rows, weights_rows, values, scales, bt_row, kv_len, page, dtype,
+                head_sum="fp32"):
     """Logits ``[n_rows, kv_len]`` of rows sharing one request's KV."""
     num_pages = (kv_len + page - 1) // page
     blocks = bt_row[:num_pages].long()
     k = values[blocks].to(dtype).reshape(num_pages * page, -1)[:kv_len]
     s = scales[blocks].to(dtype).reshape(-1)[:kv_len]
     qk = torch.einsum("rhd,nd->rhn", q_rows.to(dtype), k)
+    if head_sum == "tf32":
+        return head_sum_tf32(qk, weights_rows) * s.float()[None, :]
     return (qk.relu() * weights_rows.to(dtype)[:, :, None]).sum(dim=1) * s[None, :]
 
 
@@ -69,9 +128,16 @@ def paged_mqa_logits_ref(
     max_context_len: int,
     indices: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    head_sum: str = "fp32",
 ) -> torch.Tensor:
     """Reference logits, float32 ``[rows, max_context_len]``; ``-inf`` where a
-    row sees no token.  See the module docstring for both layouts."""
+    row sees no token.  See the module docstring for both layouts and for
+    ``head_sum`` (``"fp32"`` or ``"tf32"``; ``"tf32"`` needs the float32
+    ``compute_dtype``)."""
+    if head_sum not in HEAD_SUMS:
+        raise ValueError(f"head_sum: expected one of {HEAD_SUMS}, got {head_sum!r}")
+    if head_sum == "tf32" and compute_dtype != torch.float32:
+        raise ValueError(f"compute_dtype: the tf32 head sum takes float32 q . k, got {compute_dtype}")
     values, scales = split_fused_kv(kv_cache)
     page = values.shape[1]
     batch, next_n, heads, _ = q.shape
@@ -96,7 +162,7 @@ def paged_mqa_logits_ref(
         if kv_len == 0:
             continue
         logits = _row_logits(q_rows[start:end], w_rows[start:end], values, scales,
-                             block_table[bt_index], kv_len, page, compute_dtype)
+                             block_table[bt_index], kv_len, page, compute_dtype, head_sum)
         cols = torch.arange(kv_len, device=q.device)
         row_ctx = torch.tensor(ctx[start:end], device=q.device).clamp(max=kv_len)
         out[start:end, :kv_len] = torch.where(

@@ -6,14 +6,16 @@
 // CTA: one producer warpgroup (warp r's lane 0 feeds ring r; warp 0's also
 // loads each segment's queries and weights into a double buffer) and four math
 // warpgroups.  A CTA's items (pages of its segments, in order) go to math
-// warpgroup i % 4; each keeps one 64 x 128 fp32 accumulator (tokens on M, two
-// query rows x 64 heads on N) and runs the segment's row groups one after the
-// other: wgmma, then relu * weight summed over each row's heads (in the thread,
-// then across the 4 lanes of a quad; a chunk's odd last row alone in its group
-// skips the absent row's half), times the token's scale, stored where the row
-// may look.  Segments come from the planner (a run's chunk of <= 4 rows and
-// a range of its pages): int32 [R, 8] rows (first row, rows, KV length, first
-// item, items, block-table row), the CTA's first segment and item range.
+// warpgroup i % 4; each keeps one 64 x 128 fp32 accumulator (tokens on M, a row
+// group on N: two query rows x 64 heads, or four x 32 with HEADS=32) and runs
+// the segment's row groups one after the other: wgmma, then relu * weight
+// summed over each row's heads (in the thread, then across the 4 lanes of a
+// quad; a chunk's last group with absent rows skips their part), times the
+// token's scale, stored where the row may look.  The HEAD_SUM_TC build sums
+// over heads on the tensor cores instead (group_logit_tc).  Segments come from
+// the planner (a run's chunk of <= 2 row groups and a range of its pages):
+// int32 [R, 8] rows (first row, rows, KV length, first item, items, block-table
+// row), the CTA's first segment and item range.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -21,6 +23,9 @@ typedef unsigned char u8;
 
 #ifndef EVICT_FIRST  // pages loaded with an L2 evict-first hint: the launcher's build for
 #define EVICT_FIRST 0    // run-length hints <= 2 (cuda_paged_mqa_logits.defines_for, call 50)
+#endif
+#ifndef HEAD_SUM_TC  // 1: the head sum on the tensor cores (TF32 mma.sync; group_logit_tc)
+#define HEAD_SUM_TC 0
 #endif
 #define GMAX 2
 #define STAGES 3
@@ -34,11 +39,22 @@ typedef unsigned char u8;
 #define THREADS (128 * (NUM_MATH + 1))
 #define PAGE 64
 #define DIM 128
+#ifndef HEADS       // 64 or 32 query heads: a row group is RG rows x HEADS heads = 128 columns
 #define HEADS 64
+#endif
+#define RG (128 / HEADS)   // rows per row group
+#define HB (HEADS / 8)     // 8-column blocks per row
+#define ROWS_MAX (GMAX * RG)
 #define PAGE_BYTES (PAGE * DIM)
 #define SLOT_BYTES PAGE_BYTES                                  // ring slot (1 KB aligned)
 #define LOAD_BYTES (PAGE_BYTES + PAGE * 4)                      // a page's values + scales
-#define Q_GROUP_BYTES (2 * HEADS * DIM)
+#define Q_GROUP_BYTES (RG * HEADS * DIM)
+// HEAD_SUM_TC: a row group's weights as the tensor-core head sum's B fragments,
+// per lane class s (8 classes of 8 float4 at a stride of 9 float4: conflict-free
+// 128-bit loads); each math warpgroup keeps its own copy, double-buffered.
+#define WT_CLASS_F4 9
+#define WT_GROUP_BYTES (8 * WT_CLASS_F4 * 16)
+#define WT_BYTES (HEAD_SUM_TC ? NUM_MATH * 2 * GMAX * WT_GROUP_BYTES : 0)
 #define DEV __device__ __forceinline__
 
 struct __align__(64) TmaMap { u64 bytes[16]; };
@@ -127,13 +143,9 @@ DEV int first_page(const Seg& s, int r) {
 }
 
 // One row group of one page: the wgmma chain into acc, the slot handed back
-// (slot_empty) when this is the page's last group (release), then relu * weight
-// summed over each row's heads, in the thread (16 columns per row; n_end = 8:
-// row 2g only), then across the quad; returns this lane's (token, row) logit
-// before the scale.
-DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const float* wq,
-                      u64* slot_empty, bool release, int lane, int n_end) {
-  const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
+// (slot_empty) when this is the page's last group (release).
+DEV void qk_group(float (&acc)[64], const u8* page, const u8* qg, u64* slot_empty, bool release,
+                  int lane) {
   mma_fence();
 #pragma unroll
   for (int kk = 0; kk < DIM / 32; ++kk)
@@ -144,6 +156,16 @@ DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const floa
     __syncwarp();
     if (lane == 0) bar_arrive(slot_empty);
   }
+}
+
+// One row group of one page (two rows x 64 heads): qk_group, then relu *
+// weight summed over each row's heads, in the thread (16 columns per row;
+// n_end = 8: row 2g only), then across the quad; returns this lane's (token,
+// row) logit before the scale.
+DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const float* wq,
+                      u64* slot_empty, bool release, int lane, int n_end) {
+  const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
+  qk_group(acc, page, qg, slot_empty, release, lane);
   float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;   // s[token half][row]
 #pragma unroll
   for (int n = 0; n < 16; ++n) {  // columns 8n + 2 * (lane & 3) + {0, 1}: row n / 8
@@ -166,6 +188,164 @@ DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const floa
   return v;
 }
 
+#if RG == 4
+// group_logit for a row group of four rows x 32 heads: a lane's 16 columns per
+// token are 4 per row (block n: row n / 4); each lane ends with row q = lane % 4
+// of its tokens g and g + 8 (.x, .y), summed across the quad (6 shuffles).
+// present: the group's rows that exist (4 in the full copy).
+DEV float2 group_logit4(float (&acc)[64], const u8* page, const u8* qg, const float* wq,
+                        u64* slot_empty, bool release, int lane, int present) {
+  qk_group(acc, page, qg, slot_empty, release, lane);
+  float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // [token half][row]
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {  // columns 8n + 2 * (lane & 3) + {0, 1}: row n / 4
+    if (n >= HB * present) break;
+    const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * n);
+    const float a0 = fmaxf(acc[4 * n + 0], 0.f), a1 = fmaxf(acc[4 * n + 1], 0.f);
+    const float a2 = fmaxf(acc[4 * n + 2], 0.f), a3 = fmaxf(acc[4 * n + 3], 0.f);
+    s[0][n / HB] = fmaf(a0, wv.x, s[0][n / HB]);
+    s[0][n / HB] = fmaf(a1, wv.y, s[0][n / HB]);
+    s[1][n / HB] = fmaf(a2, wv.x, s[1][n / HB]);
+    s[1][n / HB] = fmaf(a3, wv.y, s[1][n / HB]);
+  }
+  // across the quad: lanes l and l ^ 2 split rows {0, 1} / {2, 3}, then l and
+  // l ^ 1 split those two, so lane q keeps row q
+  const int hi = (lane >> 1) & 1, lo = lane & 1;
+  float k[2][2], v[2];
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      k[t][j] = (hi ? s[t][2 + j] : s[t][j])
+                + __shfl_xor_sync(0xffffffffu, hi ? s[t][j] : s[t][2 + j], 2);
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+    v[t] = (lo ? k[t][1] : k[t][0]) + __shfl_xor_sync(0xffffffffu, lo ? k[t][0] : k[t][1], 1);
+  return make_float2(v[0], v[1]);
+}
+#endif
+
+#if HEAD_SUM_TC
+// ---- the head sum on the tensor cores ------------------------------------
+// After the QK wgmma, warp w's accumulator holds tokens 16w + g and 16w + g + 8
+// (g = lane / 4) and, in each 8-column block n (row n / 8 of the group, heads
+// 8 (n % 8) + 2q, + 1 with q = lane % 4), columns 2q and 2q + 1: acc[4n + {0,
+// 1}] for token g, acc[4n + {2, 3}] for token g + 8.  That is the row layout of
+// mma.m16n8k8's A and C fragments (PTX ISA: a0 (g, q), a1 (g + 8, q), a2 (g,
+// q + 4), a3 (g + 8, q + 4)); column 2q goes to k = q and 2q + 1 to k = q + 4
+// (the sum over heads is order-free, and B's rows follow the same map).  So
+// relu(acc), rounded to TF32 (cvt.rn.relu.tf32.f32: one instruction), is the A
+// operand of 8 m16n8k8 per row with no data movement; B (k8 x n8) holds the
+// block's row's weights in every column, their TF32 high part in even columns
+// and the rest (w - hi, rounded) in odd ones, so the accumulator D of a row's
+// chain holds, for tokens g and g + 8, hi in column 2q and lo in 2q + 1 for
+// every quad lane q: lo + hi is the row's logit (weights to ~22 bits; only
+// relu(q . k) is rounded).  B fragment: b0 = (k q, n g), b1 = (k q + 4, n g);
+// lane (g, q) takes the weights of heads 8j + 2q, + 1, high part when g is
+// even, low part when odd: its class s = 4 (g & 1) + q, 32 floats per group.
+DEV u32 relu_tf32(float x) {
+  u32 r;
+  asm("cvt.rn.relu.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+DEV float round_tf32(float x) {
+  u32 r;
+  asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+}
+DEV void mma_tf32(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, float b0, float b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+// Block n of acc (a row's 8 heads) into D.
+DEV void head_block(float (&d)[4], const float (&acc)[64], int n, float b0, float b1) {
+  mma_tf32(d, relu_tf32(acc[4 * n]), relu_tf32(acc[4 * n + 2]), relu_tf32(acc[4 * n + 1]),
+           relu_tf32(acc[4 * n + 3]), b0, b1);
+}
+
+// A chunk's weights (rows [0, n_rows) of w, HEADS each) as the B fragments of
+// its groups (wt: this warpgroup's buffer of GMAX groups): float4 u of class s
+// holds blocks n = 2u, 2u + 1 of the group (row RG * group + n / HB, heads
+// 8 (n % HB) + 2q, + 1), high part (s < 4) or low part; rows past n_rows are 0.
+// Each of the warpgroup's threads writes 4 of the <= 512 floats, then the
+// warpgroup meets at its named barrier (id 1 + ring).
+DEV void weights_tf32(u8* wt, const float* w, int n_rows, int ring, int tid) {
+  const int groups = (n_rows + RG - 1) / RG;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int idx = tid + 128 * i;
+    if (idx < groups * 256) {
+      const int gi = idx >> 8, s = (idx >> 5) & 7, u = (idx >> 2) & 7, e = idx & 3;
+      const int n = 2 * u + (e >> 1);  // the block in the group
+      const int row = RG * gi + n / HB;
+      const int head = 8 * (n % HB) + 2 * (s & 3) + (e & 1);
+      const float x = row < n_rows ? w[row * HEADS + head] : 0.f;
+      const float hi = round_tf32(x);
+      reinterpret_cast<float*>(wt + gi * WT_GROUP_BYTES)[4 * (WT_CLASS_F4 * s + u) + e] =
+          s < 4 ? hi : round_tf32(x - hi);
+    }
+  }
+  asm volatile("bar.sync %0, 128;" :: "r"(1 + ring) : "memory");
+}
+
+// group_logit with the head sum on the tensor cores (above); wt: this lane's
+// class of the group's B fragments; half: the group's second row is absent.
+DEV float group_logit_tc(float (&acc)[64], const u8* page, const u8* qg, const float4* wt,
+                         u64* slot_empty, bool release, int lane, bool half) {
+  const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
+  qk_group(acc, page, qg, slot_empty, release, lane);
+  float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // rows 0, 1
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {  // the two rows' chains interleaved
+    const float4 b = wt[u];
+    head_block(d0, acc, 2 * u, b.x, b.y);
+    head_block(d0, acc, 2 * u + 1, b.z, b.w);
+    if (!half) {
+      const float4 c = wt[4 + u];
+      head_block(d1, acc, 8 + 2 * u, c.x, c.y);
+      head_block(d1, acc, 9 + 2 * u, c.z, c.w);
+    }
+  }
+  // this lane's (token, row): hi + lo
+  const float hi = q_hi ? (t_hi ? d1[2] : d1[0]) : (t_hi ? d0[2] : d0[0]);
+  const float lo = q_hi ? (t_hi ? d1[3] : d1[1]) : (t_hi ? d0[3] : d0[1]);
+  return hi + lo;
+}
+
+#if RG == 4
+// group_logit4 with the head sum on the tensor cores: row r's chain is blocks
+// 4r .. 4r + 3 (float4s 2r, 2r + 1 of the lane's class); lane q takes row q of
+// its tokens g (.x) and g + 8 (.y).  present: the group's rows that exist.
+DEV float2 group_logit4_tc(float (&acc)[64], const u8* page, const u8* qg, const float4* wt,
+                           u64* slot_empty, bool release, int lane, int present) {
+  qk_group(acc, page, qg, slot_empty, release, lane);
+  float d[4][4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    d[r][0] = d[r][1] = d[r][2] = d[r][3] = 0.f;
+    if (r < present) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float4 b = wt[2 * r + h];
+        head_block(d[r], acc, 4 * r + 2 * h, b.x, b.y);
+        head_block(d[r], acc, 4 * r + 2 * h + 1, b.z, b.w);
+      }
+    }
+  }
+  const int q = lane & 3;
+  float v0 = d[0][0] + d[0][1], v1 = d[0][2] + d[0][3];  // hi + lo of tokens g, g + 8
+#pragma unroll
+  for (int r = 1; r < 4; ++r) {
+    v0 = q == r ? d[r][0] + d[r][1] : v0;
+    v1 = q == r ? d[r][2] + d[r][3] : v1;
+  }
+  return make_float2(v0, v1);
+}
+#endif
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant__ TmaMap q_map,
                    const u8* __restrict__ kv, long long stride_block,
@@ -180,8 +360,9 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
   u8* kv_ring = smem;                                             // [NUM_MATH][STAGES][SLOT_BYTES]
   u8* q_buf = kv_ring + NUM_MATH * STAGES * SLOT_BYTES;           // [2][GMAX][Q_GROUP_BYTES]
   float* sc_ring = reinterpret_cast<float*>(q_buf + 2 * GMAX * Q_GROUP_BYTES);  // [NUM_MATH][STAGES][PAGE]
-  float* w_buf = sc_ring + NUM_MATH * STAGES * PAGE;              // [2][2 * GMAX][HEADS]
-  u64* full = reinterpret_cast<u64*>(w_buf + 2 * 2 * GMAX * HEADS);
+  float* w_buf = sc_ring + NUM_MATH * STAGES * PAGE;              // [2][ROWS_MAX][HEADS]
+  u8* wt_buf = reinterpret_cast<u8*>(w_buf + 2 * ROWS_MAX * HEADS);  // [NUM_MATH][2][GMAX] (TC)
+  u64* full = reinterpret_cast<u64*>(wt_buf + WT_BYTES);
   u64* empty = full + NUM_MATH * STAGES;
   u64* q_full = empty + NUM_MATH * STAGES;
   u64* q_empty = q_full + 2;
@@ -207,13 +388,13 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       const Seg s = load_seg(table, seg0 + k, lo, hi);
       if (s.page_hi < 0) break;
       if (ring == 0) {
-        const int b = k & 1, groups = (s.n_rows + 1) / 2;
+        const int b = k & 1, groups = (s.n_rows + RG - 1) / RG;
         bar_wait(&q_empty[b], ((k >> 1) & 1) ^ 1);
         bar_expect(&q_full[b], groups * Q_GROUP_BYTES + s.n_rows * HEADS * 4);
         for (int g = 0; g < groups; ++g)
-          tma_3d(q_buf + (b * GMAX + g) * Q_GROUP_BYTES, &q_map, 0, 0, s.first_row + 2 * g,
+          tma_3d(q_buf + (b * GMAX + g) * Q_GROUP_BYTES, &q_map, 0, 0, s.first_row + RG * g,
                  &q_full[b]);
-        bulk_copy(w_buf + b * 2 * GMAX * HEADS, w + (long long)s.first_row * stride_w,
+        bulk_copy(w_buf + b * ROWS_MAX * HEADS, w + (long long)s.first_row * stride_w,
                   s.n_rows * HEADS * 4, &q_full[b]);
       }
       const int* bt_row = bt + (long long)s.bt_row * stride_bt;
@@ -238,8 +419,13 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(MATH_REGS));
   const int ring = wg - 1;
+#if RG == 2
   const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;   // the (token, row) this lane stores
   const int tok = warp * 16 + (lane >> 2) + 8 * t_hi;   // token in the page
+#else
+  const int q_hi = lane & 3;                            // the row of a group this lane stores,
+  const int tok = warp * 16 + (lane >> 2);              // for tokens tok and tok + 8
+#endif
   float acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
@@ -247,33 +433,69 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
   for (int k = 0; seg0 + k < num_segs; ++k) {
     const Seg s = load_seg(table, seg0 + k, lo, hi);
     if (s.page_hi < 0) break;
-    const int b = k & 1, groups = (s.n_rows + 1) / 2;
+    const int b = k & 1, groups = (s.n_rows + RG - 1) / RG;
     int lim[GMAX];  // this lane's row's last visible token + 1, per group
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
-      const int r = 2 * g + q_hi;
+      const int r = RG * g + q_hi;
       lim[g] = (r < s.n_rows) ? min(__ldg(ctx + s.first_row + r), s.kv_len) : 0;
     }
     bar_wait(&q_full[b], (k >> 1) & 1);
+#if HEAD_SUM_TC
+    u8* wt_seg = wt_buf + (ring * 2 + b) * GMAX * WT_GROUP_BYTES;
+    weights_tf32(wt_seg, w_buf + b * ROWS_MAX * HEADS, s.n_rows, ring, threadIdx.x % 128);
+    const float4* wt_lane = reinterpret_cast<const float4*>(
+        wt_seg + 16 * WT_CLASS_F4 * (4 * ((lane >> 2) & 1) + (lane & 3)));
+#endif
     for (int p = first_page(s, ring); p < s.page_hi; p += NUM_MATH, ++j) {
       const int slot = ring * STAGES + j % STAGES;
       bar_wait(&full[slot], (j / STAGES) & 1);
       const u8* page = kv_ring + slot * SLOT_BYTES;
+#if RG == 2
       const float scale = sc_ring[slot * PAGE + tok];
+#else
+      const float scale0 = sc_ring[slot * PAGE + tok], scale1 = sc_ring[slot * PAGE + tok + 8];
+#endif
       const int pos = p * PAGE + tok;
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
         if (g < groups) {
           const u8* qg = q_buf + (b * GMAX + g) * Q_GROUP_BYTES;
-          const float* wq = w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3);
+#if RG == 2
           // a chunk's odd last row (a half group) runs the full wgmma but only its
           // row's epilogue, in a code copy of its own (calls 47-48: one copy with
           // a branch inside the epilogue cost full groups 1-2 %)
+#if HEAD_SUM_TC
+          const float4* wt = wt_lane + g * (WT_GROUP_BYTES / 16);
+          const float v = 2 * g + 1 < s.n_rows
+              ? group_logit_tc(acc, page, qg, wt, &empty[slot], g == groups - 1, lane, false)
+              : group_logit_tc(acc, page, qg, wt, &empty[slot], g == groups - 1, lane, true);
+#else
+          const float* wq = w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3);
           const float v = 2 * g + 1 < s.n_rows
               ? group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 16)
               : group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 8);
+#endif
           if (pos < lim[g])
             out[(long long)(s.first_row + 2 * g + q_hi) * stride_out + pos] = v * scale;
+#else
+          // a chunk's last group with absent rows: a code copy of its own
+          const int present = min(s.n_rows - RG * g, RG);
+#if HEAD_SUM_TC
+          const float4* wt = wt_lane + g * (WT_GROUP_BYTES / 16);
+          const float2 v = present == RG
+              ? group_logit4_tc(acc, page, qg, wt, &empty[slot], g == groups - 1, lane, RG)
+              : group_logit4_tc(acc, page, qg, wt, &empty[slot], g == groups - 1, lane, present);
+#else
+          const float* wq = w_buf + (b * ROWS_MAX + RG * g) * HEADS + 2 * (lane & 3);
+          const float2 v = present == RG
+              ? group_logit4(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, RG)
+              : group_logit4(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, present);
+#endif
+          float* o = out + (long long)(s.first_row + RG * g + q_hi) * stride_out;
+          if (pos < lim[g]) o[pos] = v.x * scale0;
+          if (pos + 8 < lim[g]) o[pos + 8] = v.y * scale1;
+#endif
         }
       }
     }

@@ -1,0 +1,229 @@
+"""The head sum's emulations (ops/reference.py) against an independent
+formulation of the rounding rules, and the precision study's measures
+(ops/head_sum_precision.py), on the CPU."""
+
+from __future__ import annotations
+
+import math
+import struct
+from fractions import Fraction
+
+import pytest
+import torch
+
+from vllm_dsa_varlen.ops import head_sum_precision as hp
+from vllm_dsa_varlen.ops.reference import (
+    head_sum_tf32, paged_mqa_logits_ref, quantize_kv_fp8, round_bf16, round_tf32, split_tf32,
+    truncate_tf32)
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def _tf32_nearest(x: float) -> float:
+    """Round a finite float32 value to 11 significant bits, ties to even,
+    written from the definition with exact rationals (no bit tricks)."""
+    if x == 0 or math.isinf(x) or math.isnan(x):
+        return x
+    _, e = math.frexp(x)                     # x = f * 2**e, 0.5 <= |f| < 1
+    ulp = Fraction(2) ** max(e - 11, -136)  # 11 significant bits (subnormals: 2**-136)
+    q = Fraction(x) / ulp
+    n = math.floor(q)
+    rem = q - n
+    if rem > Fraction(1, 2) or (rem == Fraction(1, 2) and n % 2 == 1):
+        n += 1
+    out = float(n * ulp)
+    return out if abs(out) <= 3.4028234663852886e38 else math.copysign(math.inf, x)
+
+
+def _samples(n=4000, seed=0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    mag = torch.exp2(torch.randint(-30, 30, (n,), generator=gen).float())
+    x = (torch.rand(n, generator=gen) * 2 - 1) * mag
+    # values exactly halfway between two TF32 neighbours, and the largest float32
+    ties = torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11, -(1 + 2 ** -11), 3 * 2 ** -12 + 2 ** -23,
+                         1.5 + 2 ** -12, 3.4028234663852886e38, 2.0 ** -126, 0.0, -0.0])
+    return torch.cat([x, ties])
+
+
+def test_round_tf32_is_nearest_ties_to_even():
+    x = _samples()
+    got = round_tf32(x)
+    for a, b in zip(x.tolist(), got.tolist()):
+        assert b == _tf32_nearest(a) or (b == a == 0), (a, b, _tf32_nearest(a))
+    assert (got.view(torch.int32) & 0x1FFF).eq(0).all()
+    # spelled-out ties: to the even neighbour
+    assert round_tf32(torch.tensor([1 + 2 ** -11])).item() == 1.0
+    assert round_tf32(torch.tensor([1 + 3 * 2 ** -11])).item() == 1 + 2 ** -9
+    assert round_tf32(torch.tensor([3.4028234663852886e38])).item() == math.inf
+    assert math.isnan(round_tf32(torch.tensor([math.nan])).item())
+
+
+def test_truncate_tf32_is_toward_zero():
+    x = _samples(seed=1)
+    got = truncate_tf32(x)
+    for a, b in zip(x.tolist(), got.tolist()):
+        assert _bits(b) == _bits(a) & 0xFFFFE000
+        assert abs(b) <= abs(a) and (b == 0 or math.copysign(1, a) == math.copysign(1, b))
+        if a != 0:
+            assert abs(a - b) < abs(a) * 2 ** -10
+
+
+def test_round_bf16_keeps_8_bits_nearest():
+    x = _samples(seed=2)
+    x = x[x.abs() < 1e38]  # bf16 rounds float32's largest values to infinity
+    got = round_bf16(x)
+    assert (got.view(torch.int32) & 0xFFFF).eq(0).all()
+    err = (got.double() - x.double()).abs()
+    assert (err <= x.double().abs() * 2 ** -8 + 1e-45).all()
+
+
+def test_split_tf32_carries_22_bits():
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(5000, generator=gen) * torch.exp2(torch.randint(-20, 5, (5000,), generator=gen))
+    hi, lo = split_tf32(w)
+    for part in (hi, lo):
+        assert (part.view(torch.int32) & 0x1FFF).eq(0).all()
+    assert torch.equal(hi, round_tf32(w))
+    err = (hi.double() + lo.double() - w.double()).abs()
+    assert (err <= w.double().abs() * 2 ** -21).all()
+    assert (err > 0).any()  # not the identity: 24 bits do not fit 22
+
+
+def test_head_sum_tf32_matches_a_scalar_loop():
+    """head_sum_tf32 against a loop of exact rationals: relu, the nearest TF32
+    of each operand part, exact products, each part's sum rounded to float32."""
+    gen = torch.Generator().manual_seed(5)
+    qk = torch.randn(3, 6, 5, generator=gen) * 1000
+    w = torch.randn(3, 6, generator=gen)
+    got = head_sum_tf32(qk, w)
+    f32 = lambda v: struct.unpack("<f", struct.pack("<f", float(v)))[0]  # noqa: E731
+    for r in range(3):
+        for n in range(5):
+            hi_sum = lo_sum = Fraction(0)
+            for h in range(6):
+                a = Fraction(_tf32_nearest(max(qk[r, h, n].item(), 0.0)))
+                wh = w[r, h].item()
+                hi = _tf32_nearest(wh)
+                lo = _tf32_nearest(f32(wh - hi))
+                hi_sum += a * Fraction(hi)
+                lo_sum += a * Fraction(lo)
+            want = f32(f32(float(hi_sum)) + f32(float(lo_sum)))
+            assert got[r, n].item() == want
+
+
+def test_reference_takes_the_tf32_head_sum():
+    """paged_mqa_logits_ref(head_sum="tf32"): the fp32 reference's positions,
+    values within TF32's rounding of it, yet not equal to it; bad values
+    refused."""
+    gen = torch.Generator().manual_seed(6)
+    heads, dim, page, blocks = 64, 128, 64, 6
+    kv = quantize_kv_fp8(torch.randn((blocks, page, dim), generator=gen))
+    q = torch.randn((3, 1, heads, dim), generator=gen).to(torch.float8_e4m3fn)
+    w = torch.randn((3, heads), generator=gen)
+    ids = torch.tensor([0, 0, 1], dtype=torch.int32)
+    ctx = torch.tensor([[200], [201], [90]], dtype=torch.int32)
+    bt = torch.randperm(blocks, generator=gen)[:4].int().repeat(3, 1)
+    fp32 = paged_mqa_logits_ref(q, kv, w, ctx, bt, 256, indices=ids)
+    tf32 = paged_mqa_logits_ref(q, kv, w, ctx, bt, 256, indices=ids, head_sum="tf32")
+    fin = torch.isfinite(fp32)
+    assert torch.equal(fin, torch.isfinite(tf32))
+    err = (tf32[fin] - fp32[fin]).norm() / fp32[fin].norm()
+    assert 1e-6 < err < 2e-3
+    with pytest.raises(ValueError, match="head_sum"):
+        paged_mqa_logits_ref(q, kv, w, ctx, bt, 256, indices=ids, head_sum="bf16")
+    with pytest.raises(ValueError, match="compute_dtype"):
+        paged_mqa_logits_ref(q, kv, w, ctx, bt, 256, indices=ids, head_sum="tf32",
+                             compute_dtype=torch.float64)
+
+
+# ---------------------------------------------------------------- the study
+
+def test_retention_and_calc_diff_measure_what_they_say():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 5000, generator=gen)
+    assert hp.topk_retention(x, x, 100).tolist() == [1.0] * 3
+    y = x.clone()
+    top = torch.topk(x[1], 100).indices
+    y[1, top[0]] = -10  # one of row 1's top-100 falls out
+    assert hp.topk_retention(x, y, 100).tolist() == [1.0, 0.99, 1.0]
+    assert hp.calc_diff(x, x) == pytest.approx(0.0, abs=1e-15)
+    assert hp.calc_diff(x, -x) == pytest.approx(2.0)
+    assert hp.calc_diff(x, 1.01 * x) == pytest.approx(0.01 ** 2 / (1 + 1.01 ** 2), rel=1e-4)
+
+
+def test_serving_inputs_have_serving_ranges():
+    inp = hp.serving_inputs(rows=3, context=4096, seed=1)
+    assert inp.q.abs().amax(dim=-1).eq(448).all()  # each (row, head) vector reaches +-448
+    assert inp.k.abs().amax(dim=-1).eq(448).all()
+    assert torch.equal(inp.q, inp.q.to(torch.float8_e4m3fn).float())
+    # the query scale is folded into the weights (w * q_scale / sqrt(D * H))
+    q_scale = inp.q_ref.abs().amax(dim=-1) / 448
+    assert torch.allclose(inp.w, inp.w_ref * q_scale, rtol=1e-5)
+    pow2 = hp.serving_inputs(rows=2, context=4096, seed=1, pow2_scales=True)
+    assert (pow2.k.abs().amax(dim=-1) <= 448).all()
+    assert torch.equal(torch.log2(pow2.k_scale), torch.log2(pow2.k_scale).round())
+    with pytest.raises(ValueError, match="context"):
+        hp.serving_inputs(rows=1, context=100)
+
+
+def test_study_orders_the_head_sums_by_their_rounding():
+    """On serving-like inputs (8K tokens, top-2048): the fp32 path keeps
+    everything against itself; the kernel's tf32 sum (weights to 22 bits) is
+    closer to fp32 than both operands in TF32, truncation further, bf16
+    furthest; fp64 differs from fp32 only by float32's own rounding."""
+    rows = {r.how: r for r in hp.study(hp.serving_inputs(rows=4, context=8192, seed=2))}
+    assert rows["fp32"].keep.eq(1).all() and rows["fp32"].calc_diff == 0
+    assert rows["fp64"].calc_diff < 1e-12
+    order = [rows[h].calc_diff for h in ("tf32", "tf32_round", "tf32_trunc", "bf16")]
+    assert order == sorted(order) and order[0] > 0, order
+    assert rows["bf16"].keep.mean() < rows["tf32"].keep.mean()
+    assert rows["tf32"].keep.min() >= 0.99
+
+
+def test_deepgemm_tolerances_separate_the_head_sums():
+    """DeepGEMM's own check (its generator, its two references): the fp32 and
+    tf32 head sums pass it; the bf16 one does not (so the check is not blind)."""
+    got = hp.deepgemm_check(rows=2, context=4096)
+    for how in ("fp32", "tf32", "tf32_round"):
+        ref, sim = got[how]
+        assert ref < 1e-3 and sim < 5e-6, (how, ref, sim)
+    assert got["bf16"][1] > 5e-6
+
+
+def test_paged_step_holds_the_inputs():
+    """paged_step packs requests into the fused paged cache: the torch
+    reference on it gives the study's direct head sum, row by row, over the
+    tokens each (speculative) row sees."""
+    parts = [hp.serving_inputs(rows=3, context=n, seed=i) for i, n in enumerate((2100, 2048))]
+    step = hp.paged_step(parts, device="cpu", seed=1)
+    assert step["context_lens"].view(-1).tolist() == [2098, 2099, 2100, 2046, 2047, 2048]
+    assert step["indices"].tolist() == [0, 0, 0, 1, 1, 1]
+    got = paged_mqa_logits_ref(**step)
+    row = 0
+    for p in parts:
+        want = hp.head_sum(hp.qk_fp32(p.q, p.k), p.w, p.k_scale, "fp32")
+        for j in range(3):
+            c = int(step["context_lens"][row])
+            assert torch.allclose(got[row, :c], want[j, :c], rtol=1e-5, atol=1e-6)
+            assert torch.isinf(got[row, c:]).all()
+            row += 1
+
+
+def test_gpu_study_compares_what_it_names(monkeypatch):
+    """gpu_study's bookkeeping with each build replaced by its torch emulation
+    (CPU): the emulation comparisons keep everything, the tf32-vs-fp32 one
+    what the CPU study measures."""
+    def emulated(step, head_sum, max_run_len):
+        return paged_mqa_logits_ref(**step, head_sum=head_sum)
+
+    monkeypatch.setattr(hp, "_run_build", emulated)
+    got = hp.gpu_study(requests=2, rows=2, context=4096, seeds=1, k=512, device="cpu")
+    assert set(got) == {"tf32 build vs fp32 build", "fp32 build vs reference",
+                        "tf32 build vs reference", "tf32 build vs emulation"}
+    for label in ("fp32 build vs reference", "tf32 build vs emulation"):
+        assert got[label].keep.eq(1).all() and got[label].calc_diff == 0
+    assert got["tf32 build vs fp32 build"].keep.numel() == 4
+    assert 0 < got["tf32 build vs fp32 build"].calc_diff < 1e-6
+
