@@ -22,8 +22,9 @@ driver API (ctypes): no host compiler, no build step.  Launches are plain
 CUDA graphs like any kernel; the TMA descriptors are ``__grid_constant__``
 parameters (copied at launch or capture), encoded once per tensor layout.
 
-Schedule (:func:`plan`, torch operations on the GPU, no host sync, once per
-step): each run is split into chunks of up to 4 rows (two wgmma row groups);
+Schedule (:func:`plan`, once per step, no host sync: on the GPU one launch
+of the planner kernel, :mod:`.cuda_plan`; its definition :func:`plan_torch`,
+torch operations): each run is split into chunks of up to 4 rows (two wgmma row groups);
 a chunk's items are its run's pages, each costing ``c0 + c1 * rows + c2 *
 row groups`` of its chunk (:data:`COST`, :func:`page_cost`); CTA ``c`` of
 ``n`` takes the items, in row order, whose cost ends past ``c * C // n`` and
@@ -130,18 +131,20 @@ def _ck(res: int, what: str) -> None:
         raise RuntimeError(f"{what}: CUDA driver error {res} ({name.value})")
 
 
-def source() -> str:
-    with open(SOURCE) as f:
+def source(path: str = SOURCE) -> str:
+    with open(path) as f:
         return f.read()
 
 
-def compile_cubin(arch: str = ARCH, extra: tuple = ()) -> tuple[bytes, str]:
-    """Compile the kernel with NVRTC (no GPU needed); returns (cubin, log).
-    Raises ``RuntimeError`` with NVRTC's log on a compile error."""
+def compile_cubin(arch: str = ARCH, extra: tuple = (), path: str = SOURCE) -> tuple[bytes, str]:
+    """Compile the kernel (or the CUDA source at ``path``) with NVRTC (no GPU
+    needed); returns (cubin, log).  Raises ``RuntimeError`` with NVRTC's log
+    on a compile error."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
-    src = source().encode()
-    res = lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"sm90_varlen_logits.cu", 0, None, None)
+    src = source(path).encode()
+    res = lib.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(path).encode(), 0,
+                                 None, None)
     if res:
         raise RuntimeError(f"nvrtcCreateProgram: {lib.nvrtcGetErrorString(res).decode()}")
     try:
@@ -155,7 +158,7 @@ def compile_cubin(arch: str = ARCH, extra: tuple = ()) -> tuple[bytes, str]:
         lib.nvrtcGetProgramLog(prog, log)
         text = log.value.decode(errors="replace")
         if res:
-            raise RuntimeError(f"NVRTC failed to compile {SOURCE} for {arch}: "
+            raise RuntimeError(f"NVRTC failed to compile {path} for {arch}: "
                                f"{lib.nvrtcGetErrorString(res).decode()}\n{text}")
         lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
         cubin = ctypes.create_string_buffer(size.value)
@@ -294,8 +297,34 @@ def rows_max_for(heads: int, max_run_len: int) -> int:
 
 def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int = HEADS,
          rows_max: int = ROWS_MAX, *, programs: int | None = None, cost=COST):
-    """The step's schedule (torch operations on the device; no host sync, graph
-    safe): ``(table int32 [R, 8], ctas int32 [programs, 4])``.
+    """The step's schedule: ``(table int32 [R, 8], ctas int32 [programs, 4])``
+    as :func:`plan_torch` defines it.  On the GPU (int32 run ids, NVRTC
+    present) one launch of the planner kernel (:func:`.cuda_plan.plan_device`,
+    a few µs), else :func:`plan_torch`.  No host sync, graph safe."""
+    _check_structure(heads, rows_max)
+    if indices.is_cuda and indices.dtype == torch.int32 and available() is None:
+        from .cuda_plan import MAX_PROGRAMS, plan_device
+
+        if programs is None or programs <= MAX_PROGRAMS:
+            return plan_device(indices, context_lens, max_context_len, bt_width,
+                               programs=programs, cost=cost)
+    return plan_torch(indices, context_lens, max_context_len, bt_width, heads, rows_max,
+                      programs=programs, cost=cost)
+
+
+def _check_structure(heads: int, rows_max: int) -> None:
+    if rows_max != ROWS_MAX:
+        raise ValueError(f"rows_max: this kernel holds {ROWS_MAX} rows per chunk, got {rows_max}")
+    if heads != HEADS:
+        raise ValueError(f"heads: this kernel serves {HEADS} heads, got {heads}")
+
+
+def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads: int = HEADS,
+               rows_max: int = ROWS_MAX, *, programs: int | None = None, cost=COST):
+    """The step's schedule from torch operations on the tensors' device (some
+    forty small ones; no host sync, graph safe; the definition
+    :func:`.cuda_plan.plan_device` matches bit for bit): ``(table int32 [R,
+    8], ctas int32 [programs, 4])``.
 
     ``table`` rows, chunks with work first (in row order), then the rest:
     (first row, rows, KV length, first item, items, block-table row, 0, 0);
@@ -305,10 +334,7 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     step's total ``C`` (:data:`COST`).  A run's KV length is its last
     row's context length clamped to ``[0, min(max_context_len, bt_width *
     page)]``; its block-table row is its first row."""
-    if rows_max != ROWS_MAX:
-        raise ValueError(f"rows_max: this kernel holds {ROWS_MAX} rows per chunk, got {rows_max}")
-    if heads != HEADS:
-        raise ValueError(f"heads: this kernel serves {HEADS} heads, got {heads}")
+    _check_structure(heads, rows_max)
     dev = indices.device
     if programs is None:
         programs = _num_sms(dev)
