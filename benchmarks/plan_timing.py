@@ -9,7 +9,8 @@ Each path is captured in a CUDA graph and timed two ways: one replay per
 timed call (``do_bench``: L2 flushed before each, CUDA events around it: the
 step's latency for the op, with the graph launch) and 20 copies in one graph
 replayed back to back (µs per copy: the GPU time a step pays when the op sits
-among others).  Every planner output is checked bit for bit against
+among others).  A one-element ``add_`` timed the same way gives the floor of
+both methods.  Every planner output is checked bit for bit against
 ``plan_torch`` first.
 
     python3 benchmarks/plan_timing.py [--rounds 5] [--cases 64,4,32768 64,-4,8192 ...] [--json f]
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 CASES = ["64,4,32768", "64,4,8192", "128,4,8192", "256,4,8192", "8,4,131072", "16,4,16384",
          "1,4,8192", "64,2,32768", "256,2,4096", "64,3,32768", "64,-4,32768", "128,-4,8192",
-         "64,6,8192", "64,8,8192", "1024,8,4096", "2048,4,2048"]
+         "64,6,8192", "64,8,8192", "1000,8,4096", "1024,8,4096", "2048,4,2048"]
 COPIES = 20
 
 
@@ -106,7 +107,11 @@ def main(argv=None) -> int:
           f"DeepGEMM: {dg_name or 'not importable'}")
     cp.load("cuda")
 
-    cases = []
+    z = torch.zeros(1, device="cuda")
+    floor = {"floor": (graph_of(torch, lambda: z.add_(1), 1),
+                       graph_of(torch, lambda: z.add_(1), COPIES))}
+    cases = [dict(case="floor (add_)", rows=0, same=True, graphs=floor,
+                  times={"floor": ([], [])})]
     for text in args.cases:
         reqs, tokens, context = (int(x) for x in text.split(","))
         rows, max_len, width, native = step_rows(torch, reqs, tokens, context)
@@ -152,13 +157,17 @@ def main(argv=None) -> int:
 
     results = []
     names = ["plan_torch", "planner", "dg_meta_flat", "dg_meta_native"]
+    shown = [n for n in names if any(n in c["times"] and c["times"][n][0] for c in cases)]
     head = f"{'case':16} {'rows':>5} {'same':>4} " + " ".join(
-        f"{n + ' replay':>22} {n + ' /copy':>19}" for n in names)
+        f"{n + ' replay':>22} {n + ' /copy':>19}" for n in shown)
     lines = []
-    for case in cases:
+    flat, fper = cases[0]["times"]["floor"]
+    floor_line = (f"floor (one-element add_): replay {statistics.median(flat):.1f} "
+                  f"[{min(flat):.1f}-{max(flat):.1f}], /copy {statistics.median(fper):.2f}")
+    for case in cases[1:]:
         row = dict(case=case["case"], rows=case["rows"], bitwise_equal=case["same"])
         cells = []
-        for n in names:
+        for n in shown:
             if n not in case["times"] or not case["times"][n][0]:
                 cells.append(f"{'-':>22} {'-':>19}")
                 continue
@@ -172,12 +181,14 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), sms=sms, deepgemm=dg_name,
-                           rounds=args.rounds, copies=COPIES, results=results), f, indent=1)
+                           rounds=args.rounds, copies=COPIES, results=results,
+                           floor=dict(replay_us=flat, per_copy_us=fper)), f, indent=1)
     print(f"\nµs, median over {args.rounds} rounds [min-max of the rounds]; replay = one graph "
           f"replay, L2 flushed; /copy = {COPIES} copies in one graph, per copy")
+    print(floor_line)
     print(head)
     print("\n".join(lines))
-    return 0 if all(c["same"] for c in cases) else 1
+    return 0 if all(c["same"] for c in cases) else 1  # the floor row is always "same"
 
 
 if __name__ == "__main__":

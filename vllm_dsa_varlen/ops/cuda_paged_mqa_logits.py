@@ -24,13 +24,13 @@ parameters (copied at launch or capture), encoded once per tensor layout.
 
 Schedule (:func:`plan`, once per step, no host sync: on the GPU one launch
 of the planner kernel, :mod:`.cuda_plan`; its definition :func:`plan_torch`,
-torch operations): each run is split into chunks of up to 4 rows (two wgmma row groups);
-a chunk's items are its run's pages, each costing ``c0 + c1 * rows + c2 *
-row groups`` of its chunk (:data:`COST`, :func:`page_cost`); CTA ``c`` of
-``n`` takes the items, in row order, whose cost ends past ``c * C // n`` and
-starts before ``(c + 1) * C // n`` of the step's total ``C`` (each output
-element written by one CTA: bitwise repeatable).  :func:`schedule_model` is
-the host mirror.
+torch operations): each run is split into chunks of up to 4 rows (two wgmma
+row groups); a chunk's items are its run's pages, each costing ``c0 + c1 *
+rows + c2 * row groups`` of its chunk (:data:`COST`, :func:`page_cost`); CTA
+``c`` of ``n`` takes the items, in row order, whose cost ends past ``c * C //
+n`` and starts before ``(c + 1) * C // n`` of the step's total ``C`` (each
+output element written by one CTA: bitwise repeatable).
+:func:`schedule_model` is the host mirror.
 """
 
 from __future__ import annotations
@@ -303,9 +303,9 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     a few µs), else :func:`plan_torch`.  No host sync, graph safe."""
     _check_structure(heads, rows_max)
     if indices.is_cuda and indices.dtype == torch.int32 and available() is None:
-        from .cuda_plan import MAX_PROGRAMS, plan_device
+        from .cuda_plan import MAX_PROGRAMS, MAX_ROWS, plan_device
 
-        if programs is None or programs <= MAX_PROGRAMS:
+        if (programs is None or programs <= MAX_PROGRAMS) and indices.numel() <= MAX_ROWS:
             return plan_device(indices, context_lens, max_context_len, bt_width,
                                programs=programs, cost=cost)
     return plan_torch(indices, context_lens, max_context_len, bt_width, heads, rows_max,

@@ -4,12 +4,14 @@
 :func:`vllm_dsa_varlen.ops.cuda_paged_mqa_logits.plan_torch` builds from some
 forty small torch operations — the same ``table`` and ``ctas``, bit for bit —
 from one launch of one CTA of 1024 threads: block-wide scans over the step's
-rows (each thread a contiguous share of them), so any row count is one launch
-with a fixed grid and fixed shared memory.  Graph safe (nothing about the
-launch depends on tensor contents), no host sync, into preallocated outputs
-when given.  Compiled by NVRTC and loaded through the driver like the logits
-kernel, once per process and device (:func:`load`; ``precompile`` does it at
-start-up through the launcher).
+rows (each thread a contiguous share of them), so any row count up to
+:data:`MAX_ROWS` is one launch.  Graph safe: the grid is fixed and the shared
+memory a function of the row count (:func:`stage_bytes`), nothing depends on
+tensor contents; no host sync; into preallocated outputs when given.  The
+launcher precomputes what the kernel would otherwise divide for (a page's cost
+per chunk size, :func:`magic` numbers).  Compiled by NVRTC and loaded through
+the driver like the logits kernel, once per process and device (:func:`load`;
+``precompile`` reaches it through the launcher's first plan).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "sm90_
 KERNEL_NAME = b"plan_sm90"
 THREADS = 1024
 MAX_PROGRAMS = THREADS   # one thread per CTA of the logits kernel in the last step
+STAGE_ROWS = 8192        # steps of up to this many rows are staged in shared memory
+TABLE_ROWS = 4096        # steps of up to this many rows build the table in shared memory
+MAX_ROWS = THREADS * 32  # rows per thread: one bit each in a 32-bit mask
 _INT32_MAX = 2**31 - 1
 
 _lock = threading.Lock()
@@ -51,6 +56,28 @@ class _Loaded:
             self.fn = ctypes.c_void_p()
             ck._ck(drv.cuModuleGetFunction(ctypes.byref(self.fn), self.module, KERNEL_NAME),
                    "cuModuleGetFunction")
+            most = max(stage_bytes(TABLE_ROWS), stage_bytes(STAGE_ROWS))
+            ck._ck(drv.cuFuncSetAttribute(self.fn, 8, most),
+                   "cuFuncSetAttribute(max dynamic shared memory)")
+
+
+def stage_bytes(rows: int) -> int:
+    """Dynamic shared memory of a step of ``rows`` rows (the kernel's layout):
+    its ids and context lengths (one padding word per 32) when it has up to
+    :data:`STAGE_ROWS`, and its table (one padding 16-byte slot per 8) when
+    up to :data:`TABLE_ROWS`; none above (global memory).  A function of the
+    shape alone: graph safe."""
+    if rows > STAGE_ROWS:
+        return 0
+    words = (2 * (rows + rows // 32 + 1) + 3) & ~3
+    last = 2 * rows - 1  # the table's last 16-byte chunk
+    slots = last + (last >> 3) + 1 if rows and rows <= TABLE_ROWS else 0
+    return 4 * words + 16 * slots
+
+
+def magic(d: int) -> int:
+    """floor((2^64 - 1) / d): the kernel divides by ``d`` with a multiply."""
+    return (2**64 - 1) // d
 
 
 def load(device) -> _Loaded:
@@ -92,19 +119,20 @@ def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
                 programs: int | None = None, cost=ck.COST, out=None):
     """The step's schedule (``table int32 [R, 8]``, ``ctas int32 [programs,
     4]``; layout in :func:`cuda_paged_mqa_logits.plan_torch`) from one launch
-    on the current stream.  ``indices``, ``context_lens``: the rows' run ids (int32)
-    and context lengths (int32; other integers are converted, one more op) on
-    the GPU;
-    ``programs``: the logits kernel's grid (default: the device's SMs, at most
-    :data:`MAX_PROGRAMS`); ``cost``: :data:`cuda_paged_mqa_logits.COST`'s form;
-    ``out``: the two output tensors (e.g. :func:`allocate`'s), written in
-    place."""
+    on the current stream.  ``indices``, ``context_lens``: the rows' run ids
+    (int32) and context lengths (int32; other integers are converted, one more
+    op) on the GPU, at most :data:`MAX_ROWS` rows; ``programs``: the logits
+    kernel's grid (default: the device's SMs, at most :data:`MAX_PROGRAMS`);
+    ``cost``: :data:`cuda_paged_mqa_logits.COST`'s form; ``out``: the two
+    output tensors (e.g. :func:`allocate`'s), written in place."""
     if not indices.is_cuda:
         _fail("indices", "a CUDA tensor", indices.device)
     dev = indices.device
     rows = indices.numel()
     if indices.dtype != torch.int32:
         _fail("indices", "int32 run ids", indices.dtype)
+    if rows > MAX_ROWS:
+        _fail("indices", f"at most {MAX_ROWS} rows", rows)
     ids = _int32_rows(indices, "indices", rows)
     ctx = _int32_rows(context_lens, "context_lens", rows)
     if ctx.device != dev:
@@ -117,7 +145,7 @@ def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
         _fail("max_context_len", ">= 0", max_context_len)
     if bt_width < 0:
         _fail("bt_width", ">= 0", bt_width)
-    c0, c1, c2 = ck._cost3(cost)
+    units = [ck.page_cost(cost, n) for n in range(1, ck.ROWS_MAX + 1)]
     cap = min(int(max_context_len), int(bt_width) * ck.PAGE, _INT32_MAX)
     if out is None:
         table, ctas = allocate(rows, programs, dev)
@@ -132,13 +160,14 @@ def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
     kern = load(dev)
     vals = [ctypes.c_uint64(ids.data_ptr()), ctypes.c_uint64(ctx.data_ptr()),
             ctypes.c_int32(rows), ctypes.c_int32(cap), ctypes.c_int32(programs),
-            ctypes.c_int64(c0), ctypes.c_int64(c1), ctypes.c_int64(c2),
+            *[ctypes.c_int64(u) for u in units], ctypes.c_uint64(magic(programs)),
+            *[ctypes.c_uint64(magic(u)) for u in units],
             ctypes.c_uint64(table.data_ptr()), ctypes.c_uint64(ctas.data_ptr())]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
                                              for v in vals])
     stream = torch.cuda.current_stream(dev).cuda_stream
     with torch.cuda.device(dev):
-        ck._ck(ck._driver().cuLaunchKernel(kern.fn, 1, 1, 1, THREADS, 1, 1, 0,
+        ck._ck(ck._driver().cuLaunchKernel(kern.fn, 1, 1, 1, THREADS, 1, 1, stage_bytes(rows),
                                            ctypes.c_void_p(stream), params, None),
                "cuLaunchKernel")
     return table, ctas
