@@ -31,14 +31,15 @@ driver API (ctypes): no host compiler, no build step.  Launches are plain
 CUDA graphs like any kernel; the TMA descriptors are ``__grid_constant__``
 parameters (copied at launch or capture), encoded once per tensor layout.
 
-Schedule (:func:`plan`, torch operations on the GPU, no host sync, once per
-step): each run is split into chunks of up to 4 rows (two wgmma row groups);
-a chunk's items are its run's pages, each costing ``c0 + c1 * rows + c2 *
-row groups`` of its chunk (:data:`COST`, :func:`page_cost`); CTA ``c`` of
-``n`` takes the items, in row order, whose cost ends past ``c * C // n`` and
-starts before ``(c + 1) * C // n`` of the step's total ``C`` (each output
-element written by one CTA: bitwise repeatable).  :func:`schedule_model` is
-the host mirror.
+Schedule (:func:`plan`, once per step, no host sync: on the GPU one launch
+of the planner kernel, :mod:`.cuda_plan`; its definition :func:`plan_torch`,
+torch operations): each run is split into chunks of up to 4 rows (two wgmma
+row groups); a chunk's items are its run's pages, each costing ``c0 + c1 *
+rows + c2 * row groups`` of its chunk (:data:`COST`, :func:`page_cost`); CTA
+``c`` of ``n`` takes the items, in row order, whose cost ends past ``c * C //
+n`` and starts before ``(c + 1) * C // n`` of the step's total ``C`` (each
+output element written by one CTA: bitwise repeatable).
+:func:`schedule_model` is the host mirror.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "sm90_
 KERNEL_NAME = b"varlen_logits_sm90"
 ARCH = "sm_90a"
 HEADS = 64            # the head count the launcher routes here (LAUNCHER_HEADS)
+# plan() takes the one-launch planner kernel (.cuda_plan) where it can serve.
+# Off until the H200 has run tests/ops/test_cuda_plan.py on this version of the
+# planner (an earlier version matched plan_torch bit for bit there); the
+# planner itself is callable and tested either way.
+PLAN_KERNEL = False
 HEAD_COUNTS = (32, 64)  # the kernel's builds: a row group is 128 // heads rows
 LAUNCHER_HEADS = (64,)  # where unsupported_reason lets the launcher take it
 DIM = 128
@@ -149,18 +155,20 @@ def _ck(res: int, what: str) -> None:
         raise RuntimeError(f"{what}: CUDA driver error {res} ({name.value})")
 
 
-def source() -> str:
-    with open(SOURCE) as f:
+def source(path: str = SOURCE) -> str:
+    with open(path) as f:
         return f.read()
 
 
-def compile_cubin(arch: str = ARCH, extra: tuple = ()) -> tuple[bytes, str]:
-    """Compile the kernel with NVRTC (no GPU needed); returns (cubin, log).
-    Raises ``RuntimeError`` with NVRTC's log on a compile error."""
+def compile_cubin(arch: str = ARCH, extra: tuple = (), path: str = SOURCE) -> tuple[bytes, str]:
+    """Compile the kernel (or the CUDA source at ``path``) with NVRTC (no GPU
+    needed); returns (cubin, log).  Raises ``RuntimeError`` with NVRTC's log
+    on a compile error."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
-    src = source().encode()
-    res = lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"sm90_varlen_logits.cu", 0, None, None)
+    src = source(path).encode()
+    res = lib.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(path).encode(), 0,
+                                 None, None)
     if res:
         raise RuntimeError(f"nvrtcCreateProgram: {lib.nvrtcGetErrorString(res).decode()}")
     try:
@@ -174,7 +182,7 @@ def compile_cubin(arch: str = ARCH, extra: tuple = ()) -> tuple[bytes, str]:
         lib.nvrtcGetProgramLog(prog, log)
         text = log.value.decode(errors="replace")
         if res:
-            raise RuntimeError(f"NVRTC failed to compile {SOURCE} for {arch}: "
+            raise RuntimeError(f"NVRTC failed to compile {path} for {arch}: "
                                f"{lib.nvrtcGetErrorString(res).decode()}\n{text}")
         lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
         cubin = ctypes.create_string_buffer(size.value)
@@ -346,8 +354,38 @@ def rows_max_for(heads: int, max_run_len: int) -> int:
 
 def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int = HEADS,
          rows_max: int | None = None, *, programs: int | None = None, cost=COST):
-    """The step's schedule (torch operations on the device; no host sync, graph
-    safe): ``(table int32 [R, 8], ctas int32 [programs, 4])``.
+    """The step's schedule: ``(table int32 [R, 8], ctas int32 [programs, 4])``
+    as :func:`plan_torch` defines it.  With :data:`PLAN_KERNEL` on the GPU
+    (64 heads, int32 run ids, NVRTC present) one launch of the planner kernel
+    (:func:`.cuda_plan.plan_device`), else :func:`plan_torch`.  No host sync,
+    graph safe."""
+    rows_max = _check_structure(heads, rows_max)
+    if (PLAN_KERNEL and heads == HEADS and indices.is_cuda and indices.dtype == torch.int32
+            and available() is None):
+        from .cuda_plan import MAX_PROGRAMS, MAX_ROWS, plan_device
+
+        if (programs is None or programs <= MAX_PROGRAMS) and indices.numel() <= MAX_ROWS:
+            return plan_device(indices, context_lens, max_context_len, bt_width,
+                               programs=programs, cost=cost)
+    return plan_torch(indices, context_lens, max_context_len, bt_width, heads, rows_max,
+                      programs=programs, cost=cost)
+
+
+def _check_structure(heads: int, rows_max: int | None) -> int:
+    """The chunk size for ``heads`` (``rows_max`` checked against it)."""
+    want = GMAX * rows_per_group(heads)
+    if rows_max is not None and rows_max != want:
+        raise ValueError(f"rows_max: at {heads} heads this kernel holds {want} rows per "
+                         f"chunk, got {rows_max}")
+    return want
+
+
+def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads: int = HEADS,
+               rows_max: int | None = None, *, programs: int | None = None, cost=COST):
+    """The step's schedule from torch operations on the tensors' device (some
+    forty small ones; no host sync, graph safe; the definition
+    :func:`.cuda_plan.plan_device` matches bit for bit): ``(table int32 [R,
+    8], ctas int32 [programs, 4])``.
 
     ``table`` rows, chunks with work first (in row order), then the rest:
     (first row, rows, KV length, first item, items, block-table row, 0, 0);
@@ -358,12 +396,8 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     row's context length clamped to ``[0, min(max_context_len, bt_width *
     page)]``; its block-table row is its first row.  ``rows_max``: the chunk
     size, :func:`rows_max_for` ``heads`` (the default)."""
+    rows_max = _check_structure(heads, rows_max)
     group = rows_per_group(heads)
-    if rows_max is None:
-        rows_max = GMAX * group
-    if rows_max != GMAX * group:
-        raise ValueError(f"rows_max: at {heads} heads this kernel holds {GMAX * group} rows per "
-                         f"chunk, got {rows_max}")
     dev = indices.device
     if programs is None:
         programs = _num_sms(dev)

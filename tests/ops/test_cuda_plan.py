@@ -1,0 +1,520 @@
+"""The one-launch schedule planner (ops/cuda_plan.py, cuda/sm90_plan.cu)
+against the torch plan it replaces (``cuda_paged_mqa_logits.plan_torch``):
+on the CPU a host model of the kernel's algorithm (its thread shares, scans,
+division-found CTA starts) and its NVRTC build; on an sm_90 GPU the kernel
+itself, bit for bit, on many random steps (uniform, variable, graph-padded,
+single rows, very long runs, up to 9000 rows), inside CUDA-graph replays with
+new contents and without host syncs, and the logits kernel's output through
+its schedule against the torch reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+from vllm_dsa_varlen.ops import cuda_plan as cp
+from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
+
+from logits_checks import check_poisoned, launcher_args, run_poisoned
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(autouse=True)
+def planner_on(monkeypatch):
+    """plan() takes the planner kernel where it can serve (the tests here are
+    about that path, whatever the module's default)."""
+    monkeypatch.setattr(ck, "PLAN_KERNEL", True)
+NVRTC = None
+try:
+    ck._nvrtc()
+except OSError as exc:  # pragma: no cover - depends on the environment
+    NVRTC = str(exc)
+
+
+# ------------------------------------------------------------- random steps
+
+def random_rows(seed: int, max_rows: int = 600):
+    """A step's ``(ids, ctx, max_context_len, bt_width, programs)`` (int32
+    CPU tensors, ints) of one of several shapes: uniform runs, variable runs,
+    graph padding (rows with context 0 and ids of their own), single rows,
+    very long runs, ids that repeat after other runs, odd context lengths
+    (negative, past the cap, shorter than the run)."""
+    rnd = random.Random(seed)
+    kind = rnd.choice(["uniform", "variable", "padded", "single", "long", "mixed"])
+    ids, ctx = [], []
+    budget = rnd.randint(1, max_rows)
+    req = rnd.randint(0, 50)
+    base = rnd.choice([1, 64, 3000, 40000])
+    n_uniform = rnd.randint(1, 8)
+    while len(ids) < budget:
+        if kind == "uniform":
+            n = n_uniform
+        elif kind == "single":
+            n = 1
+        elif kind == "long":
+            n = rnd.choice([1, 5, rnd.randint(100, 3000)])
+        else:
+            n = rnd.randint(1, 9)
+        kv = max(0, int(base * rnd.uniform(0.7, 1.3))) if rnd.random() < 0.9 else rnd.choice(
+            [0, 1, 63, 64, 65])
+        rid = req if not (kind == "mixed" and ids and rnd.random() < 0.2) else rnd.choice(ids)
+        for j in range(n):
+            ids.append(rid)
+            c = max(0, kv - (n - 1 - j))
+            if kind == "mixed" and rnd.random() < 0.1:
+                c = rnd.randint(-5, 5 * base)
+            ctx.append(c)
+        req += rnd.randint(1, 3)
+    if kind == "padded":
+        for _ in range(rnd.randint(1, 40)):
+            req += 1
+            ids.append(req)
+            ctx.append(0)
+    width = rnd.choice([1, 8, -(-2 * base // 64), 2100])
+    max_len = rnd.choice([64, 2 * base, 131072])
+    programs = rnd.choice([1, 3, 7, 132, 132, 1024])
+    return (torch.tensor(ids, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32),
+            max_len, width, programs)
+
+
+def steps(count: int, max_rows: int = 600):
+    return [random_rows(seed, max_rows) for seed in range(count)]
+
+
+# ----------------------------------------------------- host model of the kernel
+
+def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024):
+    """The planner kernel's algorithm on the host, step by step as
+    sm90_plan.cu runs it (``threads`` threads, thread t owning rows [t K, t K
+    + K)): ``(table, ctas)`` as lists of rows."""
+    ids, ctx = [int(x) for x in ids], [int(x) for x in ctx]
+    rows = len(ids)
+    cap = min(max_len, width * ck.PAGE, 2**31 - 1)
+    c0, c1, c2 = ck._cost3(cost)
+    per = -(-rows // threads)
+    spans = [(min(t * per, rows), min(t * per + per, rows)) for t in range(threads)]
+
+    def start(r):
+        return r == 0 or ids[r] != ids[r - 1]
+
+    def end(r):
+        return r == rows - 1 or ids[r] != ids[r + 1]
+
+    # 1. the last run start and the first run end per thread; exclusive scans
+    starts = [max([r for r in range(a, b) if start(r)], default=-1) for a, b in spans]
+    ends = [min([r for r in range(a, b) if end(r)], default=rows) for a, b in spans]
+    carry_first = [max([-1] + starts[:t]) for t in range(threads)]
+    carry_last = [min([rows] + ends[t + 1:]) for t in range(threads)]
+
+    def walk(t):
+        """The thread's rows: (r, first, kv, n_rows, items, unit)."""
+        a, b = spans[t]
+        first, last = carry_first[t], -1
+        for r in range(a, b):
+            if start(r):
+                first = r
+            if last < r:
+                last = r
+                while last < b and not end(last):
+                    last += 1
+                if last == b:
+                    last = carry_last[t]
+            kv = min(max(ctx[last], 0), cap)
+            n = min(last - r + 1, ck.ROWS_MAX)
+            work = (r - first) % ck.ROWS_MAX == 0 and kv > 0
+            items = -(-kv // ck.PAGE) if work else 0
+            unit = c0 + c1 * n + c2 * ((n + 1) // 2) if work else 0
+            yield r, first, kv, n, items, unit
+
+    # 2. per-thread sums, exclusive scans, totals
+    sums = []
+    for t in range(threads):
+        got = list(walk(t))
+        sums.append((sum(w[4] for w in got), sum(w[4] > 0 for w in got),
+                     sum(w[4] * w[5] for w in got)))
+    before = [tuple(sum(s[k] for s in sums[:t]) for k in range(3)) for t in range(threads)]
+    total_items, with_work, cost_total = (sum(s[k] for s in sums) for k in range(3))
+
+    # 3. table rows; the chunk holding CTA c's start tags c
+    def ceil_div(a, b):
+        return -(-a // b)
+
+    table = [None] * rows
+    tags = [None] * programs
+    for t in range(threads):
+        item, seg, seg_cost = before[t]
+        thread_tags = cost_total > 0 and (ceil_div(seg_cost * programs, cost_total)
+                                          < ceil_div((seg_cost + sums[t][2]) * programs,
+                                                     cost_total))
+        for r, first, kv, n, items, unit in walk(t):
+            work = items > 0
+            pos = seg if work else with_work + (r - seg)
+            off = item if work else total_items
+            table[pos] = [r, n, kv, off, items, first, 0, 0]
+            if work:
+                end_cost = seg_cost + unit * items
+                if thread_tags:
+                    c = ceil_div(seg_cost * programs, cost_total)
+                    if c < ceil_div(end_cost * programs, cost_total):
+                        tags[c] = (pos, off, seg_cost, unit)
+                item += items
+                seg_cost = end_cost
+                seg += 1
+
+    # 4. each CTA: the last tag at or before it
+    los, seg0s, tag = [], [], None
+    for c in range(programs):
+        tag = tags[c] or tag
+        if cost_total == 0:
+            los.append(total_items)
+            seg0s.append(rows)
+        else:
+            pos, off, seg_cost, unit = tag
+            los.append(off + (c * cost_total // programs - seg_cost) // unit)
+            seg0s.append(pos)
+    ctas = [[seg0s[c], los[c], los[c + 1] if c + 1 < programs else total_items, 0]
+            for c in range(programs)]
+    return table, ctas
+
+
+@pytest.mark.parametrize("threads", [1024, 1, 3, 8, 32])
+@pytest.mark.parametrize("seed", range(40))
+def test_kernel_model_matches_plan_torch(seed, threads):
+    """The planner's algorithm (every thread count: one row per thread, many
+    rows per thread, runs across threads' shares) gives plan_torch's table
+    and ctas exactly, for every cost form."""
+    ids, ctx, max_len, width, programs = random_rows(seed, max_rows=300)
+    cost = [ck.COST, (5, 2), (1, 0), (0, 1, 5), (3, 7, 1)][seed % 5]
+    table, ctas = ck.plan_torch(ids, ctx.view(-1, 1), max_len, width, programs=programs,
+                                cost=cost)
+    got_table, got_ctas = kernel_model(ids, ctx, max_len, width, programs, cost, threads)
+    assert got_table == table.tolist()
+    assert got_ctas == ctas.tolist()
+
+
+def test_kernel_model_on_a_step_with_no_pages():
+    ids = torch.tensor([3, 3, 4, 9, 9, 9], dtype=torch.int32)
+    ctx = torch.zeros(6, dtype=torch.int32)
+    table, ctas = ck.plan_torch(ids, ctx, 128, 2, programs=5)
+    assert kernel_model(ids, ctx, 128, 2, 5, threads=4) == (table.tolist(), ctas.tolist())
+    assert ctas.tolist() == [[6, 0, 0, 0]] * 5
+
+
+@pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
+@pytest.mark.parametrize("defines", [(), ("PLAN_TIMING=1",)])
+def test_nvrtc_builds_the_planner_for_sm90a_without_spills(defines):
+    """The planner (and its measured variant) compiles for sm_90a to one
+    kernel with no local memory, in the registers a 1024-thread CTA has (64
+    per thread); its static shared memory and the most dynamic shared memory
+    any row count asks for fit an SM (227 KB)."""
+    cubin, log = cp.compile_cubin(extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines)))
+    assert cubin[:4] == b"\x7fELF"
+    assert "plan_sm90" in log
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
+    regs = int(log.split(" registers")[0].rsplit(" ", 1)[-1])
+    assert regs <= 64, log
+    static = int(log.split(" bytes smem")[0].rsplit(" ", 1)[-1])
+    most = max(cp.stage_bytes(r) for r in (1, 1000, cp.TABLE_ROWS, cp.TABLE_ROWS + 1,
+                                           cp.STAGE_ROWS, cp.STAGE_ROWS + 1))
+    assert most == max(cp.stage_bytes(cp.TABLE_ROWS), cp.stage_bytes(cp.STAGE_ROWS))
+    assert static + most <= 227 * 1024, (static, most)
+
+
+def test_shared_memory_layout_holds_every_row():
+    """stage_bytes covers the kernel's layout: ids and context lengths at
+    pad(i) (one padding word per 32), the table's 16-byte chunks at slot(q)
+    (one padding slot per 8) after them, 16-byte aligned; nothing above
+    STAGE_ROWS rows (global memory)."""
+    for rows in [0, 1, 2, 31, 32, 33, 1000, 1024, 1025, 4095, 4096, 4097, 8191, 8192]:
+        pad = rows + rows // 32 + 1            # words per array (pad(rows - 1) < pad(rows) + 1)
+        words = (2 * pad + 3) & ~3
+        need = 4 * words
+        if 0 < rows <= cp.TABLE_ROWS:
+            last = 2 * rows - 1
+            need += 16 * (last + (last >> 3) + 1)
+            assert len({q + (q >> 3) for q in range(2 * rows)}) == 2 * rows
+        assert cp.stage_bytes(rows) == need
+    assert cp.stage_bytes(cp.STAGE_ROWS + 1) == 0
+
+
+def _div_by(a: int, d: int) -> int:
+    """The kernel's div_by: high word of a * magic, raised while too small."""
+    q = (a * cp.magic(d)) >> 64
+    steps = 0
+    while (q + 1) * d <= a:
+        q += 1
+        steps += 1
+    assert steps <= 2
+    return q
+
+
+def test_division_by_multiply_is_exact():
+    """div_by (CTA boundaries, a share's first item): exact, at most two
+    correction steps, for the divisors it meets (CTA counts, a page's cost)."""
+    rnd = random.Random(5)
+    divisors = [1, 2, 3, 7, 11, 13, 15, 23, 132, 1023, 1024]
+    divisors += [rnd.randint(1, 2**31) for _ in range(20)]
+    for d in divisors:
+        values = [0, 1, d - 1, d, d + 1, 2**40, 2**62 + 12345]
+        for a in values + [rnd.randint(0, 2**62) for _ in range(200)]:
+            assert _div_by(a, d) == a // d, (a, d)
+
+
+def test_first_cta_estimate_is_made_exact():
+    """first_cta_at: ceilf(a * P / C) in float32, then integer checks, equals
+    ceil(a * P / C) (the least c with c * C >= a * P) with at most one step."""
+    import numpy as np
+
+    rnd = random.Random(7)
+    for _ in range(3000):
+        programs = rnd.choice([1, 7, 132, 1024])
+        cost = rnd.choice([1, 15, rnd.randint(1, 10**6), rnd.randint(1, 2**45)])
+        a = rnd.choice([0, cost, rnd.randint(0, cost)])
+        ratio = np.float32(programs) / np.float32(cost)
+        c = int(np.ceil(np.float32(a) * ratio))
+        steps = 0
+        while c > 0 and (c - 1) * cost >= a * programs:
+            c -= 1
+            steps += 1
+        while c * cost < a * programs:
+            c += 1
+            steps += 1
+        assert c == -(-a * programs // cost)
+        assert steps <= 1
+
+
+def test_plan_device_refuses_bad_inputs():
+    ids = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="indices"):
+        cp.plan_device(ids, ids, 64, 1)
+
+
+# ---------------------------------------------------------------- GPU (sm_90)
+
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")]
+
+
+def _skip_without_nvrtc():
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+
+
+def _both(ids, ctx, max_len, width, programs, cost=ck.COST):
+    want = ck.plan_torch(ids.cuda(), ctx.cuda(), max_len, width, programs=programs, cost=cost)
+    got = cp.plan_device(ids.cuda(), ctx.cuda(), max_len, width, programs=programs, cost=cost)
+    return want, got
+
+
+def _assert_same(want, got, what=""):
+    for name, w, g in zip(("table", "ctas"), want, got):
+        assert g.dtype == torch.int32 and g.shape == w.shape, (what, name)
+        assert torch.equal(g, w), (what, name, (g != w).nonzero()[:5].tolist())
+
+
+@pytest.mark.parametrize("seed", range(300))
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_planner_matches_plan_torch_bitwise(seed):
+    _skip_without_nvrtc()
+    ids, ctx, max_len, width, programs = random_rows(seed, max_rows=[600, 3000, 9000][seed % 3])
+    cost = [ck.COST, (5, 2), (1, 0), (0, 1, 5)][seed % 4]
+    want, got = _both(ids, ctx, max_len, width, programs, cost)
+    _assert_same(want, got, seed)
+
+
+SERVING = [  # (requests, tokens per request, context), uniform and variable, as the benchmark's
+    (1, 4, 8192), (8, 4, 131072), (16, 4, 16384), (64, 4, 32768), (64, 2, 32768), (64, 4, 8192),
+    (128, 4, 8192), (256, 4, 8192), (256, 2, 4096), (64, 8, 8192), (256, 8, 8192),
+    (1024, 8, 4096), (2048, 4, 2048)]
+
+
+@pytest.mark.parametrize("variable", [False, True])
+@pytest.mark.parametrize("case", SERVING, ids=lambda c: f"B{c[0]}x{c[1]}L{c[2]}")
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_planner_matches_plan_torch_on_serving_steps(case, variable):
+    """Serving-shaped rows (plan_decode_rows), graph padding of 7 rows,
+    with the launcher's defaults (the device's SMs)."""
+    _skip_without_nvrtc()
+    reqs, tokens, ctx_len = case
+    gen = torch.Generator().manual_seed(reqs + tokens)
+    lens = (torch.randint(1, tokens + 1, (reqs,), generator=gen) if variable
+            else torch.full((reqs,), tokens)).to(torch.int32)
+    seqs = (ctx_len * (0.7 + 0.6 * torch.rand(reqs, generator=gen))).to(torch.int32)
+    seqs = torch.maximum(seqs, lens)
+    from vllm_dsa_varlen.plan import plan_decode_rows
+
+    qsl = torch.zeros(reqs + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(lens, 0)
+    width = -(-int(seqs.max()) // ck.PAGE)
+    bt = torch.zeros((reqs, width), dtype=torch.int32, device="cuda")
+    tokens_total = int(qsl[-1])
+    rows = plan_decode_rows(seqs.cuda(), qsl.cuda(), bt, num_rows=tokens_total + 7,
+                            num_tokens=tokens_total)
+    max_len = int(seqs.max())
+    want = ck.plan_torch(rows.indices, rows.context_lens.view(-1, 1), max_len, width)
+    got = ck.plan(rows.indices, rows.context_lens.view(-1, 1), max_len, width)
+    _assert_same(want, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_planner_edge_steps():
+    """One row; one run of 9000 rows; 9000 single rows; 8192 rows (the most
+    staged in shared memory) and 8193 (read from global memory); 4096 rows
+    (the most whose table is built in shared memory) and 4097; 1025 (two
+    rows per thread); no pages at all; every CTA count the kernel takes;
+    outputs written in place."""
+    _skip_without_nvrtc()
+    cases = [
+        ([5], [1000], 131072, 2048, 132),
+        ([5], [0], 131072, 2048, 132),
+        ([7] * 9000, list(range(1, 9001)), 131072, 2048, 132),
+        ([r // 3 for r in range(8192)], [(r * 37) % 5000 for r in range(8192)], 4096, 64, 132),
+        ([r // 5 for r in range(8193)], [(r * 37) % 5000 for r in range(8193)], 4096, 64, 132),
+        ([r // 2 for r in range(4096)], [(r * 53) % 9000 for r in range(4096)], 8192, 128, 132),
+        ([r // 2 for r in range(4097)], [(r * 53) % 9000 for r in range(4097)], 8192, 128, 132),
+        ([r // 7 for r in range(1025)], [3000] * 1025, 4096, 64, 132),
+        (list(range(9000)), [64 * (r % 7) + r % 3 for r in range(9000)], 512, 8, 132),
+        ([1, 1, 2, 2, 2, 1, 1], [0, 0, 0, 0, 0, 0, 0], 64, 1, 1024),
+        ([2, 2, 2, 2, 2], [300, 301, 302, 303, 304], 4096, 64, 1),
+        ([2, 2, 2, 2, 2], [300, 301, 302, 303, 304], 4096, 64, 1024),
+    ]
+    for ids, ctx, max_len, width, programs in cases:
+        ids_t = torch.tensor(ids, dtype=torch.int32)
+        ctx_t = torch.tensor(ctx, dtype=torch.int32)
+        want, got = _both(ids_t, ctx_t, max_len, width, programs)
+        _assert_same(want, got, (len(ids), programs))
+        out = tuple(torch.full_like(t, -7) for t in want)
+        back = cp.plan_device(ids_t.cuda(), ctx_t.cuda(), max_len, width, programs=programs,
+                              out=out)
+        assert all(a is b for a, b in zip(back, out))
+        _assert_same(want, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync():
+    """Captured once into preallocated outputs; replays on new ids and
+    context lengths (same row count) give each step's plan_torch exactly;
+    neither the capture nor the launches sync with the host."""
+    _skip_without_nvrtc()
+    rows, programs = 2500, 132
+    ids_buf = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    ctx_buf = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    out = cp.allocate(rows, programs, "cuda")
+    cp.load("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            cp.plan_device(ids_buf, ctx_buf, 131072, 2048, programs=programs, out=out)
+            ck.plan(ids_buf, ctx_buf, 131072, 2048, programs=programs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        cp.plan_device(ids_buf, ctx_buf, 131072, 2048, programs=programs, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    checked = 0
+    for seed in range(40):
+        ids, ctx, _, _, _ = random_rows(seed + 1000, max_rows=rows)
+        if ids.shape[0] < rows:  # pad as a graph pads: own ids, context 0
+            pad = rows - ids.shape[0]
+            ids = torch.cat([ids, int(ids.max()) + 1 + torch.arange(pad, dtype=torch.int32)])
+            ctx = torch.cat([ctx, torch.zeros(pad, dtype=torch.int32)])
+        ids, ctx = ids[:rows], ctx[:rows]
+        ids_buf.copy_(ids)
+        ctx_buf.copy_(ctx)
+        for t in out:
+            t.fill_(-7)
+        graph.replay()
+        want = ck.plan_torch(ids_buf, ctx_buf, 131072, 2048, programs=programs)
+        _assert_same(want, out, seed)
+        checked += 1
+    assert checked == 40
+
+
+@pytest.mark.parametrize("name,lens,seqs", [
+    ("uniform", [4] * 40, None), ("variable", [1, 2, 3, 4, 3, 1, 4, 2] * 5, None),
+    ("long_runs", [12, 16, 9], [700, 3000, 5000]), ("one_row", [1], [4000])])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_logits_through_the_planner_match_the_reference(name, lens, seqs):
+    """The logits kernel reading the planner's schedule (the launcher's
+    default plan on the GPU) writes every valid position, close to the
+    reference, and nothing else (poisoned output)."""
+    _skip_without_nvrtc()
+    gen = random.Random(len(name))
+    seqs = seqs or [gen.randint(200, 9000) for _ in lens]
+    step = make_decode_step(lens, seqs, heads=64, padding_rows=3,
+                            max_context_len=max(seqs) + 11, seed=len(lens), device="cuda")
+    rows = step.rows
+    sched = cp.plan_device(rows.indices, rows.context_lens, step.max_context_len,
+                           rows.block_table.shape[1])
+    _assert_same(ck.plan_torch(rows.indices, rows.context_lens, step.max_context_len,
+                               rows.block_table.shape[1]), sched)
+    check_poisoned(step, run_poisoned(step, kernel="sm90_cuda", max_run_len=max(lens),
+                                      schedule=sched))
+    # and the launcher planning by itself (ck.plan -> the planner)
+    check_poisoned(step, run_poisoned(step, kernel="sm90_cuda", max_run_len=max(lens)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_logits_in_a_graph_with_the_planner_inside():
+    """Planner + logits captured together, replayed after the step's contents
+    change in place (new runs over the same rows, new context lengths, block
+    tables, queries and weights): the logits match the reference each time."""
+    _skip_without_nvrtc()
+    from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+
+    step = random_decode_step(32, 4, 3000, heads=64, device="cuda", variable=True, seed=1)
+    rows = step.rows
+    args = launcher_args(step)
+    out = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
+    orig_bt = rows.block_table.clone()
+    orig_ctx = rows.context_lens.cpu().tolist()
+
+    def call():
+        sched = ck.plan(rows.indices, rows.context_lens.view(-1, 1), step.max_context_len,
+                        rows.block_table.shape[1])
+        tk.varlen_paged_mqa_logits(*args, out=out, kernel="sm90_cuda", schedule=sched)
+
+    call()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    rnd = random.Random(3)
+    for trial in range(4):
+        ids, ctx, firsts, r = [], [], [], 0
+        while r < rows.num_rows:
+            n = min(rnd.randint(1, 6), rows.num_rows - r)
+            kv = rnd.randint(0, orig_ctx[r]) if trial % 2 else orig_ctx[r]
+            for j in range(n):
+                ids.append(2 * r + trial)
+                ctx.append(max(0, kv - (n - 1 - j)))
+                firsts.append(r)
+            r += n
+        rows.indices.copy_(torch.tensor(ids, dtype=torch.int32))
+        rows.context_lens.copy_(torch.tensor(ctx, dtype=torch.int32))
+        rows.block_table.copy_(orig_bt[torch.tensor(firsts, device="cuda")])
+        step.q.copy_(torch.randn(step.q.shape, device="cuda").to(step.q.dtype))
+        step.weights.copy_(torch.randn_like(step.weights) / 8)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        padded = torch.full((out.shape[0] + 2, out.shape[1] + 40), float("nan"), device="cuda")
+        padded[: out.shape[0], : out.shape[1]] = out
+        check_poisoned(step, padded)
