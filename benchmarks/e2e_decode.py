@@ -155,6 +155,19 @@ def _jit_state(triton_dir: str, dg_dir: str) -> dict:
     return state
 
 
+def host_probe_us(n: int = 20000) -> float:
+    """Host speed of this process: microseconds per tiny CPU torch op (C++
+    dispatch plus the Python call), so a slower host between two processes is
+    told apart from slower code in one of them."""
+    import torch
+
+    a = torch.ones(4)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        torch.add(a, a)
+    return 1e6 * (time.perf_counter() - t0) / n
+
+
 def _run_case(engine, prompts, new_tokens, tag, logprobs=None):
     """Add ``prompts`` and step the engine to completion; per-step host times and
     token counts, plus every request's tokens (and logprobs when asked)."""
@@ -208,7 +221,7 @@ def _decode_figures(steps, batch, tokens):
 
 def child(args) -> None:
     result: dict = {}
-    path = os.path.join(args.out, f"run-{args.mode}-k{args.k}.json")
+    path = os.path.join(args.out, f"run-{args.mode}-k{args.k}{_rep(args.repeat)}.json")
     try:
         _child(args, result)
     except BaseException as e:  # keep what was measured; the parent sees rc != 0
@@ -276,13 +289,19 @@ def _child(args, result: dict) -> None:
     except Exception as e:  # noqa: BLE001
         result["config_error"] = repr(e)
 
-    # warm-up: one case compiles anything the measured runs need
-    _run_case(engine, [prompt_ids(10**6, min(args.prompt), vocab)], 16, "warm")
+    result["host_probe_us"] = {"start": host_probe_us()}
+    # warm-up pass: every case once, unmeasured (prefills the prompts into the
+    # prefix cache and compiles whatever a case's shapes need: JIT compiles
+    # seen during the measured pass are counted below)
+    for length in args.prompt:
+        prompts = [prompt_ids(i, length, vocab) for i in range(max_batch)]
+        _run_case(engine, prompts, 1, f"prefill-L{length}")
+        for batch in args.batch:
+            _run_case(engine, prompts[:batch], args.warm_tokens, f"warm-B{batch}-L{length}")
     stats.reset()
     jit0 = _jit_state(triton_dir, dg_dir)
     for length in args.prompt:
         prompts = [prompt_ids(i, length, vocab) for i in range(max_batch)]
-        _run_case(engine, prompts, 1, f"prefill-L{length}")
         for batch in args.batch:
             before = stats.snapshot()
             ids, tokens, _, cached, steps = _run_case(engine, prompts[:batch], args.new_tokens,
@@ -300,6 +319,7 @@ def _child(args, result: dict) -> None:
                   f"{case['tokens_per_s']:.0f} tok/s, TPOT {case['tpot_ms']:.2f} ms, "
                   f"paths {case['paths']['steps']}", flush=True)
     result["jit"] = {"before": jit0, "after": _jit_state(triton_dir, dg_dir)}
+    result["host_probe_us"]["after_cases"] = host_probe_us()
 
     # a mixed window: half the requests decode while the other half prefill
     # (chunked prefill), the steps where vLLM runs the indexer op outside the
@@ -349,7 +369,7 @@ def _child(args, result: dict) -> None:
             engine.add_request(f"trace-{i}", {"prompt_token_ids": p}, params)
         for _ in range(8):  # past the prefill, into steady decode
             engine.step()
-        path = os.path.join(args.out, f"trace-{args.mode}-k{args.k}.json")
+        path = os.path.join(args.out, f"trace-{args.mode}-k{args.k}{_rep(args.repeat)}.json")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.trace_steps):
                 engine.step()
@@ -365,6 +385,10 @@ def _child(args, result: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- parent
+
+def _rep(i: int) -> str:
+    return f"-r{i}" if i else ""
+
 
 def first_divergence(a: list[list[int]], b: list[list[int]]):
     for r, (x, y) in enumerate(zip(a, b)):
@@ -413,13 +437,18 @@ def table(result: dict) -> str:
         share = entry.get("indexer_share", {})
         sh = " / ".join(f"{share[m]:.0%}" if share.get(m) is not None else "-"
                         for m in ("stock", "plugin"))
+        spread = {(x["batch"], x["prompt"]): x for x in entry.get("repeats", [])}
         for r in entry["comparison"]["rows"]:
             paths = ", ".join(f"{p} {n}" for p, n in r["plugin_paths"].items() if n)
+            gain = f"{r['speedup']:.3f}x"
+            rep = spread.get((r["batch"], r["prompt"]))
+            if rep and len(rep["tpot_ms"]) > 1:
+                gain = (f"{rep['gain_median']:.3f}x ({rep['gain_min']:.3f}-{rep['gain_max']:.3f}, "
+                        f"{len(rep['tpot_ms'])} pairs)")
             lines.append(
                 f"| {k} | {r['batch']} | {r['prompt'] // 1024}K | {r['stock_tok_s']:.0f} | "
                 f"{r['plugin_tok_s']:.0f} | {r['stock_tpot_ms']:.2f} | {r['plugin_tpot_ms']:.2f} | "
-                f"{r['speedup']:.3f}x | {'yes' if r['tokens_identical'] else 'NO'} | {paths} | "
-                f"{sh} |")
+                f"{gain} | {'yes' if r['tokens_identical'] else 'NO'} | {paths} | {sh} |")
     return "\n".join(lines)
 
 
@@ -437,37 +466,72 @@ def log_facts(path: str) -> dict:
             "plugin_log": plugin[:20]}
 
 
+def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict | None:
+    """One engine process; its result (``None`` if it wrote none)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode,
+           "--k", str(k), "--model", args.model, "--out", args.out, "--repeat", str(rep)]
+    for name in ("batch", "prompt"):
+        cmd += [f"--{name}", *map(str, getattr(args, name))]
+    for name in ("new_tokens", "warm_tokens", "layers", "graph_mode", "load_format",
+                 "kv_cache_dtype", "force_sparse_prefill", "max_batched_tokens",
+                 "gpu_memory_utilization", "trace_steps", "attention_backend"):
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    env = dict(os.environ, VLLM_DSA_VARLEN=MODES[mode])
+    t0 = time.perf_counter()
+    log = os.path.join(args.out, f"log-{mode}-k{k}{_rep(rep)}.txt")
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    result["runs"].append({"mode": mode, "k": k, "repeat": rep, "rc": rc,
+                           "wall_s": time.perf_counter() - t0, "log": log, **log_facts(log)})
+    print(f"{mode} k={k} repeat {rep}: rc {rc}, {time.perf_counter() - t0:.0f} s", flush=True)
+    path = os.path.join(args.out, f"run-{mode}-k{k}{_rep(rep)}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def repeat_spread(repeats: list[dict]) -> list[dict]:
+    """Per case: each repeat's TPOT for both modes and the plugin's gain
+    (stock / plugin TPOT) per repeat, with its median and range."""
+    import statistics
+
+    out = []
+    pairs = [(r["stock"], r["plugin"]) for r in repeats
+             if r.get("stock") and r.get("plugin") and "cases" in r["stock"]
+             and "cases" in r["plugin"]]
+    if not pairs:
+        return out
+    for i, case in enumerate(pairs[0][0]["cases"]):
+        gains, tpots = [], []
+        for s, p in pairs:
+            if i < len(s["cases"]) and i < len(p["cases"]) and p["cases"][i]["tpot_ms"]:
+                tpots.append((s["cases"][i]["tpot_ms"], p["cases"][i]["tpot_ms"]))
+                gains.append(s["cases"][i]["tpot_ms"] / p["cases"][i]["tpot_ms"])
+        out.append({"batch": case["batch"], "prompt": case["prompt"], "tpot_ms": tpots,
+                    "gain_median": statistics.median(gains) if gains else None,
+                    "gain_min": min(gains, default=None), "gain_max": max(gains, default=None)})
+    return out
+
+
 def parent(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     if args.model is None:
         args.model = write_tiny_config(os.path.join(args.out, "model"), args.layers)
     result = {"model": args.model, "layers": args.layers, "per_k": {}, "runs": []}
     for k in args.k:
-        runs = {}
-        for mode in args.modes:
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode,
-                   "--k", str(k), "--model", args.model, "--out", args.out]
-            for name in ("batch", "prompt"):
-                cmd += [f"--{name}", *map(str, getattr(args, name))]
-            for name in ("new_tokens", "layers", "graph_mode", "load_format", "kv_cache_dtype",
-                         "force_sparse_prefill",
-                         "max_batched_tokens", "gpu_memory_utilization", "trace_steps",
-                         "attention_backend"):
-                cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-            env = dict(os.environ, VLLM_DSA_VARLEN=MODES[mode])
-            t0 = time.perf_counter()
-            log = os.path.join(args.out, f"log-{mode}-k{k}.txt")
-            with open(log, "w") as f:
-                rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-            result["runs"].append({"mode": mode, "k": k, "rc": rc,
-                                   "wall_s": time.perf_counter() - t0, "log": log,
-                                   **log_facts(log)})
-            print(f"{mode} k={k}: rc {rc}, {time.perf_counter() - t0:.0f} s", flush=True)
-            path = os.path.join(args.out, f"run-{mode}-k{k}.json")
-            if os.path.exists(path):
-                with open(path) as f:
-                    runs[mode] = json.load(f)
-        runs = {m: r for m, r in runs.items() if "cases" in r}
+        runs, repeats = {}, []
+        for rep in range(args.repeats):
+            # alternate the order (stock, plugin / plugin, stock, ...) so a drift
+            # between processes shows as spread, not as a gain
+            order = list(args.modes) if rep % 2 == 0 else list(reversed(args.modes))
+            this = {}
+            for mode in order:
+                this[mode] = run_child(args, mode, k, rep, result)
+            repeats.append(this)
+            if rep == 0:
+                runs = this
+        runs = {m: r for m, r in runs.items() if r and "cases" in r}
         entry = {"init_s": {m: r["init_s"] for m, r in runs.items()},
                  "cudagraph_mode": {m: r.get("cudagraph_mode") for m, r in runs.items()},
                  "cudagraph_capture_sizes": {m: r.get("cudagraph_capture_sizes")
@@ -479,6 +543,8 @@ def parent(args) -> int:
                                    for m, r in runs.items() if "trace" in r}}
         if "stock" in runs and "plugin" in runs:
             entry["comparison"] = compare(runs["stock"], runs["plugin"])
+            entry["repeats"] = repeat_spread(repeats)
+        entry["host_probe_us"] = {m: r.get("host_probe_us") for m, r in runs.items()}
         entry["mixed_window"] = {m: r.get("mixed_window") for m, r in runs.items()}
         result["per_k"][str(k)] = entry
     with open(os.path.join(args.out, "e2e.json"), "w") as f:
@@ -502,6 +568,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--prompt", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--warm-tokens", type=int, default=16,
+                    help="tokens per request in the unmeasured warm-up pass of every case")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="engine processes per mode and k, in alternating order")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--graph-mode", default="default", choices=["default", "full", "none"],
                     help="default: vLLM's (FULL_AND_PIECEWISE, torch.compile); full: FULL "
@@ -518,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-steps", type=int, default=3, help="profiled decode steps (0: none)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
+    ap.add_argument("--repeat", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         args.k = args.k[0]

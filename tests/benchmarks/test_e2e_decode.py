@@ -99,3 +99,21 @@ def test_log_facts_reads_captures_and_plugin_lines(tmp_path):
                                              "decode, FULL": 33}
     assert facts["capture_log"] and "12 secs" in facts["capture_log"][0]
     assert facts["plugin_log"] == ["vllm-dsa-varlen: DSA indexer decode path: varlen (triton): sm_90"]
+
+
+def test_repeat_spread_pairs_each_repeats_processes():
+    def run(tpots):
+        return {"cases": [{"batch": 8, "prompt": 4096, "tpot_ms": t} for t in tpots]}
+
+    repeats = [{"stock": run([10.0, 20.0]), "plugin": run([12.5, 16.0])},
+               {"stock": run([11.0, 21.0]), "plugin": run([11.0, 20.0])},
+               {"stock": run([9.0, 20.0]), "plugin": None}]  # a failed process: skipped
+    out = e2e.repeat_spread(repeats)
+    assert [len(x["tpot_ms"]) for x in out] == [2, 2]
+    assert out[0]["gain_min"] == pytest.approx(0.8) and out[0]["gain_max"] == pytest.approx(1.0)
+    assert out[0]["gain_median"] == pytest.approx(0.9)
+    assert out[1]["gain_median"] == pytest.approx((1.25 + 1.05) / 2)
+
+
+def test_host_probe_measures_something():
+    assert 0.0 < e2e.host_probe_us(200) < 1e5
