@@ -168,6 +168,37 @@ def host_probe_us(n: int = 20000) -> float:
     return 1e6 * (time.perf_counter() - t0) / n
 
 
+class BuildTimer:
+    """Host time in the indexer metadata builder's ``build()`` (whatever is
+    installed: stock's, or the plugin's wrapper around it), per call: the
+    per-step host cost the plugin adds, measured the same way in both modes.
+    Wraps the class attribute, so builders made before are timed too."""
+
+    def __init__(self):
+        from vllm.v1.attention.backends.mla import indexer as ix
+
+        self.cls = ix.DeepseekV32IndexerMetadataBuilder
+        self.inner = self.cls.build
+        self.calls, self.seconds = 0, 0.0
+        timer = self
+
+        def build(builder, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return timer.inner(builder, *args, **kwargs)
+            finally:
+                timer.seconds += time.perf_counter() - t0
+                timer.calls += 1
+
+        self.cls.build = build
+
+    def take(self) -> dict:
+        out = {"calls": self.calls,
+               "us_per_call": 1e6 * self.seconds / self.calls if self.calls else None}
+        self.calls, self.seconds = 0, 0.0
+        return out
+
+
 def _run_case(engine, prompts, new_tokens, tag, logprobs=None):
     """Add ``prompts`` and step the engine to completion; per-step host times and
     token counts, plus every request's tokens (and logprobs when asked)."""
@@ -290,6 +321,7 @@ def _child(args, result: dict) -> None:
         result["config_error"] = repr(e)
 
     result["host_probe_us"] = {"start": host_probe_us()}
+    build_timer = BuildTimer()
     # warm-up pass: every case once, unmeasured (prefills the prompts into the
     # prefix cache and compiles whatever a case's shapes need: JIT compiles
     # seen during the measured pass are counted below)
@@ -299,6 +331,7 @@ def _child(args, result: dict) -> None:
         for batch in args.batch:
             _run_case(engine, prompts[:batch], args.warm_tokens, f"warm-B{batch}-L{length}")
     stats.reset()
+    build_timer.take()
     jit0 = _jit_state(triton_dir, dg_dir)
     for length in args.prompt:
         prompts = [prompt_ids(i, length, vocab) for i in range(max_batch)]
@@ -307,7 +340,7 @@ def _child(args, result: dict) -> None:
             ids, tokens, _, cached, steps = _run_case(engine, prompts[:batch], args.new_tokens,
                                                       f"B{batch}-L{length}")
             after = stats.snapshot()
-            case = {"batch": batch, "prompt": length,
+            case = {"batch": batch, "prompt": length, "indexer_build": build_timer.take(),
                     "prompt_tokens": sum(len(p) for p in prompts[:batch]),
                     "cached_tokens": sum(cached.values()),
                     **_decode_figures(steps, batch, tokens),
@@ -412,6 +445,8 @@ def compare(stock: dict, plugin: dict) -> dict:
                      "stock_tpot_ms": s["tpot_ms"], "plugin_tpot_ms": p["tpot_ms"],
                      "speedup": (s["tpot_ms"] / p["tpot_ms"]) if p["tpot_ms"] else None,
                      "tokens_identical": div is None, "first_divergence": div,
+                     "indexer_build_us": [(x.get("indexer_build") or {}).get("us_per_call")
+                                          for x in (s, p)],
                      "plugin_paths": p["paths"]["steps"],
                      "plugin_variable_steps": sum(p["paths"]["variable"].values()),
                      "plugin_mixed_steps": sum(p["paths"]["mixed"].values())})
@@ -431,8 +466,9 @@ def compare(stock: dict, plugin: dict) -> dict:
 
 def table(result: dict) -> str:
     lines = ["| k | B | L | stock tok/s | plugin tok/s | stock TPOT ms | plugin TPOT ms | gain | "
-             "tokens equal | plugin decode steps by path | indexer share stock / plugin |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens equal | plugin decode steps by path | indexer share stock / plugin | "
+             "indexer build() us stock / plugin |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k, entry in sorted(result["per_k"].items(), key=lambda kv: int(kv[0])):
         share = entry.get("indexer_share", {})
         sh = " / ".join(f"{share[m]:.0%}" if share.get(m) is not None else "-"
@@ -448,7 +484,9 @@ def table(result: dict) -> str:
             lines.append(
                 f"| {k} | {r['batch']} | {r['prompt'] // 1024}K | {r['stock_tok_s']:.0f} | "
                 f"{r['plugin_tok_s']:.0f} | {r['stock_tpot_ms']:.2f} | {r['plugin_tpot_ms']:.2f} | "
-                f"{gain} | {'yes' if r['tokens_identical'] else 'NO'} | {paths} | {sh} |")
+                f"{gain} | {'yes' if r['tokens_identical'] else 'NO'} | {paths} | {sh} | "
+                + " / ".join("-" if u is None else f"{u:.0f}" for u in r["indexer_build_us"])
+                + " |")
     return "\n".join(lines)
 
 
