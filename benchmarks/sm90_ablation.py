@@ -51,8 +51,7 @@ def ablated_source(name: str, src: str) -> str:
         src = src[:doc_end] + _NOEPI_BODY + src[src.index(_EPI_END):]
     elif name == "nomma":
         src = src[:src.index(_MMA_START)] + src[src.index(_MMA_END):]
-    return src.replace("from .triton_paged_mqa_logits import",
-                       "from vllm_dsa_varlen.ops.triton_paged_mqa_logits import")
+    return src.replace("from .", "from vllm_dsa_varlen.ops.")
 
 
 def load_variant(name: str):

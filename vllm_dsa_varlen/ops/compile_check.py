@@ -66,13 +66,13 @@ def compile_portable(arch: int, H: int, ROWS: int = 2, TILE_PAGES: int = 1, PER_
                      num_stages: int = 3):
     """The portable kernel (one compile-time variant) built for ``sm_<arch>``.
     Needs real JIT functions: run without ``TRITON_INTERPRET`` (see :func:`main`)."""
-    from . import triton_paged_mqa_logits as tk
+    from . import triton_paged_mqa_logits as portable
 
-    fn = tk._varlen_paged_mqa_logits_kernel
+    fn = portable._varlen_paged_mqa_logits_kernel
     ptr = {"q_ptr": "*fp8e4nv", "kv_ptr": "*u8", "w_ptr": "*fp32", "ctx_ptr": "*i32",
            "bt_ptr": "*i32", "ids_ptr": "*i32", "out_ptr": "*fp32"}
     sig = dict(ptr)
-    sig.update({n: "i32" for n in tk._PORTABLE_ARGS if n not in ptr})
+    sig.update({n: "i32" for n in portable._PORTABLE_ARGS if n not in ptr})
     consts = dict(H=H, D=D, PAGE=PAGE, ROWS=ROWS, TILE_PAGES=TILE_PAGES, PER_ROW=PER_ROW,
                   PAIRS=PAIRS)
     sig.update({k: "constexpr" for k in consts})
@@ -89,7 +89,7 @@ def main() -> int:
     import os
 
     from . import gluon_paged_mqa_logits as gk
-    from . import triton_paged_mqa_logits as tk
+    from . import triton_paged_mqa_logits as portable
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("run without TRITON_INTERPRET=1 (the interpreter replaces the JIT)")
@@ -106,7 +106,7 @@ def main() -> int:
         # the schedule planner, once per (heads, rows_max) a launch can take
         jobs += [("plan", h, r, {}) for h in gk.HEADS for r in gk.variants(h, range(1, 17))]
     jobs += [("portable", h, arch, v) for h in (32, 64) for arch in (89, 90, 100, 120)
-             for v in tk.portable_variants(h)]
+             for v in portable.portable_variants(h)]
     for job in jobs:
         row = {"kernel": job[0], "heads": job[1]}
         try:

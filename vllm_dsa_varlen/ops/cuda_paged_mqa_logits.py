@@ -1,9 +1,9 @@
 """Hopper (sm_90) varlen paged MQA logits in CUDA C++ (``cuda/sm90_varlen_logits.cu``).
 
 Same inputs, outputs and semantics as
-:func:`vllm_dsa_varlen.ops.triton_paged_mqa_logits.varlen_paged_mqa_logits`;
-the launcher there takes it on sm_90 for 64 heads (``hopper_kernel_for``) and
-the Gluon kernel (:mod:`.gluon_paged_mqa_logits`) where this one cannot run.
+:func:`vllm_dsa_varlen.ops.launcher.varlen_paged_mqa_logits`; the launcher
+takes it on sm_90 for 64 heads (``hopper_kernel_for``) and the Gluon kernel
+(:mod:`.gluon_paged_mqa_logits`) where this one cannot run.
 
 Why CUDA C++ and not Gluon (docs/kernel-notes.md, calls 31-39): the structure
 that sets DeepGEMM's pace — four math warpgroups that move independently, each
@@ -15,12 +15,20 @@ In CUDA it measured 7-37 % faster than the Gluon kernel on every step (call 53).
 Two builds: the default one, and for run-length hints up to 2 (one row group
 per page) one whose page loads carry an L2 evict-first hint
 (:func:`defines_for`; the launcher passes the hint).  The kernel is compiled
-once per process and build by NVRTC (``sm_90a``; the library
-PyTorch's CUDA wheels install, or a CUDA toolkit's) and loaded through the
-driver API (ctypes): no host compiler, no build step.  Launches are plain
-``cuLaunchKernel`` calls on PyTorch's current stream, so they are captured into
-CUDA graphs like any kernel; the TMA descriptors are ``__grid_constant__``
-parameters (copied at launch or capture), encoded once per tensor layout.
+once per process and build by NVRTC (``sm_90a``), loaded and launched through
+the driver API, both through NVIDIA's ``cuda-python`` (``cuda.bindings``,
+installed with vLLM; the TMA descriptors' encode excepted, see
+:func:`_encode`): no host compiler, no build step.  Without
+``cuda-python`` the kernel says so (:func:`available`) and the launcher takes
+another.  Launches are plain ``cuLaunchKernel`` calls on PyTorch's current
+stream, so they are captured into CUDA graphs like any kernel; the TMA
+descriptors are ``__grid_constant__`` parameters (copied at launch or
+capture), encoded once per tensor layout.
+
+Host time per launch (eager calls pay it on every layer): the kernel's
+parameters live in one block per loaded build, rewritten in place (the TMA
+descriptors come from a cache by layout) and handed to ``cuLaunchKernel`` by
+address, so a launch builds no argument objects (:func:`launch`).
 
 Schedule (:func:`plan`, torch operations on the GPU, no host sync, once per
 step): each run is split into chunks of up to 4 rows (two wgmma row groups);
@@ -36,14 +44,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import glob
+import importlib
 import logging
 import os
 import threading
 
 import torch
 
-from .triton_paged_mqa_logits import _num_sms  # SMs of a device: the launcher's own
+from .common import DIM, PAGE, capability, log_once, num_sms
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +59,6 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "sm90_
 KERNEL_NAME = b"varlen_logits_sm90"
 ARCH = "sm_90a"
 HEADS = 64
-DIM = 128
-PAGE = 64
 ROWS_MAX = 4          # rows per chunk (two row groups of two rows)
 GMAX = 2
 STAGES = 3
@@ -83,51 +89,70 @@ EVICT_FIRST_MAX_RUN = 2
 _lock = threading.Lock()
 
 
-# ------------------------------------------------------------- NVRTC, driver
+# ------------------------------------------------------ NVRTC, driver (cuda-python)
 
-def _nvrtc_candidates() -> list[str]:
-    names = []
-    env = os.environ.get("VLLM_DSA_VARLEN_NVRTC")
-    if env:
-        names.append(env)
-    roots = [os.path.dirname(os.path.dirname(torch.__file__))]
-    for root in roots:
-        for pat in ("nvidia/cu13/lib/libnvrtc.so.*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*",
-                    "nvidia/cu12/lib/libnvrtc.so.*"):
-            names += sorted(p for p in glob.glob(os.path.join(root, pat))
-                            if "builtins" not in p and ".alt." not in p)
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    names += sorted(glob.glob(os.path.join(cuda_home, "lib64", "libnvrtc.so*")))
-    names += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
-    return names
+NVRTC_ENV = "VLLM_DSA_VARLEN_NVRTC"  # path of another NVRTC library to compile with
+
+
+def _import(name: str):
+    """``cuda.bindings.<name>`` or ``OSError`` saying what is missing."""
+    try:
+        return importlib.import_module(f"cuda.bindings.{name}")
+    except ImportError as exc:
+        raise OSError(f"cuda-python is not installed or too old (cuda.bindings.{name}: {exc}); "
+                      "the sm_90 CUDA kernel compiles and launches through it "
+                      "(pip install cuda-python)") from exc
 
 
 @functools.lru_cache(maxsize=None)
 def _nvrtc():
-    """The NVRTC library (ctypes), or the reasons none loads."""
-    errors = []
-    for name in _nvrtc_candidates():
+    """cuda-python's NVRTC module with a library loaded, or ``OSError`` why not.
+
+    ``VLLM_DSA_VARLEN_NVRTC`` names another NVRTC library: it is loaded first,
+    and cuda-python takes an NVRTC the process has loaded (by its soname,
+    ``libnvrtc.so.13`` or ``.12``) before searching for one."""
+    nvrtc = _import("nvrtc")
+    path = os.environ.get(NVRTC_ENV)
+    if path:
         try:
-            lib = ctypes.CDLL(name)
-            lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-            return lib
+            ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
         except OSError as exc:
-            errors.append(f"{name}: {exc}")
-    raise OSError("no NVRTC library loads (set VLLM_DSA_VARLEN_NVRTC to one): "
-                  + "; ".join(errors[-3:]))
+            raise OSError(f"{NVRTC_ENV}={path}: {exc}") from exc
+    try:
+        err, _, _ = nvrtc.nvrtcVersion()
+    except Exception as exc:  # noqa: BLE001 - cuda-python found no NVRTC library
+        raise OSError(f"no NVRTC library loads through cuda-python ({exc}); set {NVRTC_ENV} "
+                      "to one") from exc
+    if err:
+        raise OSError(f"nvrtcVersion: {err!r}")
+    return nvrtc
 
 
 @functools.lru_cache(maxsize=None)
 def _driver():
-    lib = ctypes.CDLL("libcuda.so.1")
-    return lib
+    """cuda-python's driver module with the driver loaded, or ``OSError`` why not."""
+    driver = _import("driver")
+    try:
+        err, _ = driver.cuDriverGetVersion()
+    except Exception as exc:  # noqa: BLE001 - no libcuda: no GPU driver here
+        raise OSError(f"the CUDA driver does not load through cuda-python ({exc})") from exc
+    if err:
+        raise OSError(f"cuDriverGetVersion: {err!r}")
+    return driver
 
 
-def _ck(res: int, what: str) -> None:
-    if res != 0:
-        name = ctypes.c_char_p()
-        _driver().cuGetErrorName(res, ctypes.byref(name))
-        raise RuntimeError(f"{what}: CUDA driver error {res} ({name.value})")
+def _ok(result, what: str):
+    """The values of a cuda-python call (``(error, *values)``), or ``RuntimeError``."""
+    err = result[0]
+    if err:
+        name = err
+        try:
+            got = _driver().cuGetErrorName(err)
+            name = got[1].decode() if not got[0] else err
+        except Exception:  # noqa: BLE001 - an NVRTC result, or no name
+            pass
+        raise RuntimeError(f"{what}: CUDA error {int(err)} ({name})")
+    return result[1] if len(result) == 2 else result[1:]
 
 
 def source() -> str:
@@ -138,66 +163,99 @@ def source() -> str:
 def compile_cubin(arch: str = ARCH, extra: tuple = ()) -> tuple[bytes, str]:
     """Compile the kernel with NVRTC (no GPU needed); returns (cubin, log).
     Raises ``RuntimeError`` with NVRTC's log on a compile error."""
-    lib = _nvrtc()
-    prog = ctypes.c_void_p()
-    src = source().encode()
-    res = lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"sm90_varlen_logits.cu", 0, None, None)
-    if res:
-        raise RuntimeError(f"nvrtcCreateProgram: {lib.nvrtcGetErrorString(res).decode()}")
+    nvrtc = _nvrtc()
+    prog = _ok(nvrtc.nvrtcCreateProgram(source().encode(), b"sm90_varlen_logits.cu", 0, [], []),
+               "nvrtcCreateProgram")
     try:
-        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17",
-                *[o.encode() for o in extra]]
-        arr = (ctypes.c_char_p * len(opts))(*opts)
-        res = lib.nvrtcCompileProgram(prog, len(opts), arr)
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        text = log.value.decode(errors="replace")
+        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", *[o.encode() for o in extra]]
+        (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        size = _ok(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log = bytearray(size)
+        _ok(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+        text = bytes(log).split(b"\0", 1)[0].decode(errors="replace")
         if res:
-            raise RuntimeError(f"NVRTC failed to compile {SOURCE} for {arch}: "
-                               f"{lib.nvrtcGetErrorString(res).decode()}\n{text}")
-        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-        cubin = ctypes.create_string_buffer(size.value)
-        _ck_nvrtc(lib, lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return cubin.raw, text
+            why = nvrtc.nvrtcGetErrorString(res)[1].decode()
+            raise RuntimeError(f"NVRTC failed to compile {SOURCE} for {arch}: {why}\n{text}")
+        cubin = bytearray(_ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize"))
+        _ok(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return bytes(cubin), text
     finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        nvrtc.nvrtcDestroyProgram(prog)
 
 
-def _ck_nvrtc(lib, res, what):
-    if res:
-        raise RuntimeError(f"{what}: {lib.nvrtcGetErrorString(res).decode()}")
-
-
+@functools.lru_cache(maxsize=None)
 def available() -> str | None:
-    """``None`` when NVRTC and the driver load, else why not."""
+    """``None`` when NVRTC and the driver load through cuda-python, else why not
+    (logged once)."""
     try:
         _nvrtc()
         _driver()
     except OSError as exc:
+        log_once(f"vllm-dsa-varlen: the sm_90 CUDA kernel is unavailable: {exc}")
         return str(exc)
     return None
 
 
-class _Loaded:
-    """The kernel loaded in one device's primary context."""
+# ----------------------------------------------------------- parameter block
 
-    def __init__(self, device: torch.device, defines: tuple = ()):
-        cubin, _ = compile_cubin(extra=tuple(f"-D{d}" for d in defines))
-        with torch.cuda.device(device):
-            torch.cuda.init()
-            torch.empty(1, device=device)  # the primary context is current
-            self.module = ctypes.c_void_p()
-            _ck(_driver().cuModuleLoadData(ctypes.byref(self.module), cubin), "cuModuleLoadData")
-            self.fn = ctypes.c_void_p()
-            _ck(_driver().cuModuleGetFunction(ctypes.byref(self.fn), self.module, KERNEL_NAME),
-                "cuModuleGetFunction")
-            _ck(_driver().cuFuncSetAttribute(self.fn, 8, SMEM_BYTES),
-                "cuFuncSetAttribute(max dynamic shared memory)")
+class _TmaMap(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_uint64 * 16)]
+    _pack_ = 8
+
+
+# The kernel's parameters in order (``varlen_logits_sm90`` in the source; a
+# test reads the signature there and compares).  cuLaunchKernel copies each
+# from the address it is given, by the kernel's own sizes and offsets.
+PARAMS = (("kv_map", _TmaMap), ("q_map", _TmaMap),
+          ("kv", ctypes.c_uint64), ("stride_block", ctypes.c_int64),
+          ("w", ctypes.c_uint64), ("stride_w", ctypes.c_int32),
+          ("ctx", ctypes.c_uint64), ("bt", ctypes.c_uint64), ("stride_bt", ctypes.c_int32),
+          ("out", ctypes.c_uint64), ("stride_out", ctypes.c_int64),
+          ("table", ctypes.c_uint64), ("ctas", ctypes.c_uint64), ("num_segs", ctypes.c_int32))
+
+
+class _Params(ctypes.Structure):
+    _fields_ = list(PARAMS)
+
+
+class _Loaded:
+    """One build of the kernel loaded in a device's primary context (``fn``,
+    ``ctx``: driver handles), with the parameter block its launches rewrite:
+    ``params`` and the array of its fields' addresses (``params_addr``) that
+    ``cuLaunchKernel`` reads.  ``lock``: one launch at a time fills it."""
+
+    def __init__(self, fn, ctx):
+        self.fn, self.ctx = fn, ctx
+        self.params = _Params()
+        base = ctypes.addressof(self.params)
+        self._ptrs = (ctypes.c_void_p * len(PARAMS))(
+            *[base + getattr(_Params, name).offset for name, _ in PARAMS])
+        self.params_addr = ctypes.addressof(self._ptrs)
+        self.kv_map = self.q_map = None  # the descriptors the block holds now
+        self.lock = threading.Lock()
+
+
+def _load(device: torch.device, defines: tuple) -> _Loaded:
+    """Compile (NVRTC) the build with ``defines`` and load it on ``device``."""
+    cubin, _ = compile_cubin(extra=tuple(f"-D{d}" for d in defines))
+    drv = _driver()
+    with torch.cuda.device(device):
+        torch.cuda.init()
+        torch.empty(1, device=device)  # the primary context is current
+        ctx = _ok(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        image = ctypes.create_string_buffer(cubin, len(cubin))
+        module = _ok(drv.cuModuleLoadData(ctypes.addressof(image)), "cuModuleLoadData")
+        fn = _ok(drv.cuModuleGetFunction(module, KERNEL_NAME), "cuModuleGetFunction")
+        attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _ok(drv.cuFuncSetAttribute(fn, attr, SMEM_BYTES),
+            "cuFuncSetAttribute(max dynamic shared memory)")
+    loaded = _Loaded(fn, ctx)
+    loaded.module = module
+    return loaded
 
 
 _LOADED: dict = {}
+_BY_DEVICE: dict = {}  # (torch.device, defines) -> _Loaded: the launch's lookup
 
 
 def load(device, defines: tuple = ()) -> _Loaded:
@@ -205,6 +263,10 @@ def load(device, defines: tuple = ()) -> _Loaded:
     Done by ``precompile`` at start-up, so no decode step waits on it.
     ``defines``: ``NAME=value`` macros of the source (measured variants, e.g.
     ``MATH_REGS=112``; the default build takes none)."""
+    fast = isinstance(device, torch.device) and isinstance(defines, tuple)
+    got = _BY_DEVICE.get((device, defines)) if fast else None
+    if got is not None:
+        return got
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, tuple(defines))
@@ -213,19 +275,24 @@ def load(device, defines: tuple = ()) -> _Loaded:
         with _lock:
             got = _LOADED.get(key)
             if got is None:
-                got = _LOADED[key] = _Loaded(torch.device("cuda", index), tuple(defines))
+                got = _LOADED[key] = _load(torch.device("cuda", index), tuple(defines))
+    if fast and device.index is not None:
+        _BY_DEVICE[(device, defines)] = got
     return got
 
 
 # ----------------------------------------------------------------- TMA maps
+#
+# cuTensorMapEncodeTiled is called through ctypes on the driver library, into
+# a 64-byte aligned buffer: cuda-python's CUtensorMap keeps its 128 bytes
+# inside a Python object, which is not 64-byte aligned (as the driver's type
+# declares), and copies of it have crashed (cuda-python pull request 1692).
 
-class _TmaMap(ctypes.Structure):
-    _fields_ = [("bytes", ctypes.c_uint64 * 16)]
-    _pack_ = 8
-
-
-_MAPS: dict = {}
-_MAPS_LIMIT = 256
+@functools.lru_cache(maxsize=None)
+def _encode_fn():
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _encode(base: int, dims, strides, box) -> _TmaMap:
@@ -238,28 +305,52 @@ def _encode(base: int, dims, strides, box) -> _TmaMap:
     b = (ctypes.c_uint32 * rank)(*box)
     e = (ctypes.c_uint32 * rank)(*([1] * rank))
     # uint8, no interleave, 128-byte swizzle, 128-byte L2 promotion, zero fill
-    _ck(_driver().cuTensorMapEncodeTiled(ctypes.c_void_p(addr), 0, rank, ctypes.c_void_p(base),
-                                         d, s, b, e, 0, 3, 2, 0), "cuTensorMapEncodeTiled")
+    res = _encode_fn()(ctypes.c_void_p(addr), 0, rank, ctypes.c_void_p(base), d, s, b, e,
+                       0, 3, 2, 0)
+    if res:
+        raise RuntimeError(f"cuTensorMapEncodeTiled: CUDA error {res} (dims {list(dims)}, "
+                           f"strides {list(strides)}, box {list(box)})")
     out = _TmaMap()
     ctypes.memmove(ctypes.addressof(out), addr, 128)
     return out
 
 
-def _map(kind: str, base: int, dims, strides, box) -> _TmaMap:
-    key = (kind, base, tuple(dims), tuple(strides))
+_MAPS: dict = {}
+_MAPS_LIMIT = 256
+
+
+def _kv_map(kv_cache) -> _TmaMap:
+    """The cache's descriptor: ``[blocks][page][D]`` bytes, one page per box."""
+    base, blocks, stride = kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.stride(0)
+    key = ("kv", base, blocks, stride)
     got = _MAPS.get(key)
     if got is None:
-        if len(_MAPS) >= _MAPS_LIMIT:
-            _MAPS.clear()
-        got = _MAPS[key] = _encode(base, dims, strides, box)
+        got = _remember(key, _encode(base, [DIM, PAGE, blocks], [DIM, stride], [DIM, PAGE, 1]))
     return got
+
+
+def _q_map(q) -> _TmaMap:
+    """The queries' descriptor: ``[rows][H][D]`` bytes, two rows per box."""
+    base, rows, stride = q.data_ptr(), q.shape[0], q.stride(0)
+    key = ("q", base, rows, stride)
+    got = _MAPS.get(key)
+    if got is None:
+        got = _remember(key, _encode(base, [DIM, HEADS, rows], [DIM, stride], [DIM, HEADS, 2]))
+    return got
+
+
+def _remember(key, value):
+    if len(_MAPS) >= _MAPS_LIMIT:
+        _MAPS.clear()
+    _MAPS[key] = value
+    return value
 
 
 # ----------------------------------------------------------------- checks
 
 def unsupported_reason(q, kv_cache, weights=None) -> str | None:
     """Why this kernel cannot take these tensors (``None``: it can)."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not q.is_cuda or capability(q.device) != (9, 0):
         return "not an sm_90 GPU"
     if q.shape[2] != HEADS or q.shape[3] != DIM or kv_cache.shape[1] != PAGE:
         return f"shape outside H {HEADS}, D {DIM}, page {PAGE}"
@@ -311,7 +402,7 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
         raise ValueError(f"heads: this kernel serves {HEADS} heads, got {heads}")
     dev = indices.device
     if programs is None:
-        programs = _num_sms(dev)
+        programs = num_sms(dev)
     ids = indices.view(-1)
     ctx = context_lens.reshape(-1).to(torch.int32)
     rows = ids.shape[0]
@@ -417,18 +508,33 @@ def plan_items(table, ctas) -> list[list[tuple[int, int, int]]]:
 
 # ------------------------------------------------------------------- launch
 
+# The current stream's raw handle without building a torch.cuda.Stream (the
+# private getter Triton's launcher uses too; the public route where it is gone).
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream(index: int) -> int:
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
 def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
            rows_max: int = ROWS_MAX, schedule=None, defines: tuple = ()):
-    """Launch on checked inputs (the portable launcher checks them); ``schedule``:
+    """Launch on checked inputs (:mod:`.launcher` checks them); ``schedule``:
     the step's :func:`plan` (made here when not given); ``defines``: a
-    measured variant's macros (:func:`load`)."""
+    measured variant's macros (:func:`load`).
+
+    Host work per call: the build's parameter block is rewritten in place
+    (the TMA descriptors from their cache by layout) and passed to
+    ``cuLaunchKernel`` by address; nothing else is built."""
     rows = q.shape[0]
     dev = q.device
     kern = load(dev, defines)
     if schedule is None:
         schedule = plan(indices, context_lens, max_context_len, block_table.shape[1])
     table, ctas = schedule
-    programs = _num_sms(dev)
+    programs = num_sms(dev)
     if (table.dtype != torch.int32 or tuple(table.shape) != (rows, TABLE_WORDS)
             or ctas.dtype != torch.int32 or tuple(ctas.shape) != (programs, CTA_WORDS)):
         raise ValueError(f"schedule: expected (int32 [{rows}, {TABLE_WORDS}], int32 "
@@ -437,23 +543,52 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     if not _weights_fit(weights):
         raise ValueError(f"weights: expected contiguous fp32 [R, {HEADS}] (16-byte aligned), got "
                          f"strides {weights.stride()}")
-    blocks = kv_cache.shape[0]
-    kv_map = _map("kv", kv_cache.data_ptr(), [DIM, PAGE, blocks], [DIM, kv_cache.stride(0)],
-                  [DIM, PAGE, 1])
-    q_map = _map("q", q.data_ptr(), [DIM, HEADS, rows], [DIM, q.stride(0)], [DIM, HEADS, 2])
-    ctx = context_lens.reshape(-1)
-    if ctx.stride(0) != 1:
-        ctx = ctx.contiguous()
-    vals = [kv_map, q_map, ctypes.c_uint64(kv_cache.data_ptr()), ctypes.c_int64(kv_cache.stride(0)),
-            ctypes.c_uint64(weights.data_ptr()), ctypes.c_int32(weights.stride(0)),
-            ctypes.c_uint64(ctx.data_ptr()), ctypes.c_uint64(block_table.data_ptr()),
-            ctypes.c_int32(block_table.stride(0)), ctypes.c_uint64(out.data_ptr()),
-            ctypes.c_int64(out.stride(0)), ctypes.c_uint64(table.data_ptr()),
-            ctypes.c_uint64(ctas.data_ptr()), ctypes.c_int32(rows)]
-    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
-                                             for v in vals])
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    with torch.cuda.device(dev):
-        _ck(_driver().cuLaunchKernel(kern.fn, programs, 1, 1, THREADS, 1, 1, SMEM_BYTES,
-                                     ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+    kv_map = _kv_map(kv_cache)
+    q_map = _q_map(q)
+    ctx = context_lens
+    if not ctx.is_contiguous():  # [R, 1] or [R]: contiguous means one int per row
+        ctx = ctx.reshape(-1).contiguous()
+    index = dev.index
+    with kern.lock:
+        p = kern.params
+        if kern.kv_map is not kv_map:
+            p.kv_map = kv_map
+            kern.kv_map = kv_map
+        if kern.q_map is not q_map:
+            p.q_map = q_map
+            kern.q_map = q_map
+        p.kv = kv_cache.data_ptr()
+        p.stride_block = kv_cache.stride(0)
+        p.w = weights.data_ptr()
+        p.stride_w = weights.stride(0)
+        p.ctx = ctx.data_ptr()
+        p.bt = block_table.data_ptr()
+        p.stride_bt = block_table.stride(0)
+        p.out = out.data_ptr()
+        p.stride_out = out.stride(0)
+        p.table = table.data_ptr()
+        p.ctas = ctas.data_ptr()
+        p.num_segs = rows
+        if torch.cuda.current_device() == index:
+            _launch(kern, programs, _stream(index))
+        else:
+            with torch.cuda.device(index):
+                _launch(kern, programs, _stream(index))
     return kern
+
+
+def _launch(kern: _Loaded, programs: int, stream: int) -> None:
+    """``cuLaunchKernel`` of ``kern`` with its parameter block as it stands; a
+    thread whose current driver context is not the device's primary one (no
+    CUDA call made on it yet) gets it and retries."""
+    drv = _driver()
+    args = (kern.fn, programs, 1, 1, THREADS, 1, 1, SMEM_BYTES, stream, kern.params_addr, 0)
+    (err,) = drv.cuLaunchKernel(*args)
+    if err == _INVALID_CONTEXT:
+        _ok(drv.cuCtxSetCurrent(kern.ctx), "cuCtxSetCurrent")
+        (err,) = drv.cuLaunchKernel(*args)
+    if err:
+        _ok((err,), "cuLaunchKernel")
+
+
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
