@@ -18,8 +18,9 @@ called ``--calls`` times back to back without a sync, five rounds (median):
 Paths: ``cuda launch`` (:func:`cuda_paged_mqa_logits.launch` alone, schedule
 given), ``launcher sm90_cuda`` / ``portable`` / ``sm90_gluon`` (the public
 launcher, schedule cache of the step prefilled as serving's first layer
-leaves it), ``launcher auto`` as it stands (``EAGER_CUDA_SM90`` as set) and
-with ``EAGER_CUDA_SM90 = True``; ``plan`` (the schedule, once per step).
+leaves it), ``launcher auto`` as it stands (``EAGER_CUDA_SM90`` as set: its
+eager and graph columns may be different kernels, as in serving) and with
+``EAGER_CUDA_SM90 = True``; ``plan`` (the schedule, once per step).
 
 ``--fake`` (any machine, no GPU): :func:`cuda_paged_mqa_logits.launch` with
 the driver calls stubbed (TMA encode, stream lookup, ``cuLaunchKernel``) on
@@ -139,7 +140,12 @@ def run_gpu(args) -> list[tuple]:
     from vllm_dsa_varlen.ops import launcher
     from vllm_dsa_varlen.workloads import random_decode_step
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+    try:
+        import cuda.bindings
+        bindings = cuda.bindings.__version__
+    except ImportError as exc:
+        bindings = f"missing ({exc})"
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuda-bindings {bindings}, "
           f"EAGER_CUDA_SM90 = {launcher.EAGER_CUDA_SM90}", flush=True)
     table = []
     for name, (reqs, tokens, context) in CASES.items():

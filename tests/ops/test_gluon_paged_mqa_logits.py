@@ -74,6 +74,17 @@ def test_every_variant_compiles(compiled_variants):
         assert r["name"] == ("_varlen_logits_sm90_wide" if wide else "_varlen_logits_sm90"), r
 
 
+def test_the_cuda_builds_compile_without_spills(compiled_variants):
+    """The compile check builds the sm_90 CUDA kernel through NVRTC in each
+    build the launcher takes, with no spills, where NVRTC loads."""
+    _, head, rows = compiled_variants
+    if head["nvrtc"] != "ok":
+        pytest.skip(f"no NVRTC here: {head['nvrtc']}")
+    cuda = [r for r in rows if r["kernel"] == "cuda_sm90"]
+    assert sorted(r["defines"] for r in cuda) == [[], ["EVICT_FIRST=1"]]
+    assert all(r["ok"] and r["spills"] == 0 and r["cubin_bytes"] > 0 for r in cuda), cuda
+
+
 def test_per_step_integers_are_not_specialised():
     """Row count, logits width and block-table width/stride change every step:
     neither kernel may compile a variant per value."""

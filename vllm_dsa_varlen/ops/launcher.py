@@ -179,8 +179,9 @@ HOPPER_AUTO = True  # "auto" takes the sm_90 Gluon kernel on Hopper where it mea
 # the portable kernel for them, as it did while an eager launch of the CUDA
 # kernel cost 55-230 µs of host time (ctypes argument packing).  True: "auto"
 # takes the CUDA kernel eagerly too, wherever it takes it inside a capture;
-# its launch now reuses a parameter block per tensor layout (see
-# cuda_paged_mqa_logits.launch).  Set from the H200's eager host-time figure.
+# its launch now rewrites one parameter block in place, TMA descriptors cached
+# by layout (cuda_paged_mqa_logits.launch).  To be set from the H200's eager
+# host time (benchmarks/launch_host_time.py).
 EAGER_CUDA_SM90 = False
 # Where "auto" takes the sm_90 kernel (H200, docs/results/h200-v7b): runs of up to
 # 4 tokens (hint), or a hint of exactly 8, at any row count.  A hint of 8 splits
