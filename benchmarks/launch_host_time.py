@@ -130,9 +130,9 @@ def gpu_paths(step):
         def call(kernel=kernel, cache=cache):
             launcher.varlen_paged_mqa_logits(*args, max_run_len=hint, kernel=kernel, out=out,
                                              schedule_cache=cache)
-        paths[f"launcher {kernel}"] = call
+        paths[f"launcher {kernel}" + (" (as set)" if kernel == "auto" else "")] = call
     if "cuda launch" in paths:
-        paths["launcher auto, EAGER_CUDA_SM90"] = paths["launcher auto"]
+        paths["launcher auto, EAGER_CUDA_SM90"] = call
     return paths
 
 
@@ -161,6 +161,9 @@ def run_gpu(args) -> list[tuple]:
                 torch.cuda.synchronize()
                 host, wall = _rounds(fn, args.calls)
                 gpu, replay_host = _graph(fn, args.calls)
+            except Exception as exc:  # noqa: BLE001 - report, time the other paths
+                print(f"{name} | {path}: failed: {type(exc).__name__}: {str(exc)[:300]}")
+                continue
             finally:
                 launcher.EAGER_CUDA_SM90 = saved
             table.append((name, path, host, wall, gpu, replay_host))
