@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import math
 import os
 import re
 import subprocess
@@ -255,7 +254,7 @@ def child(args) -> None:
     path = os.path.join(args.out, f"run-{args.mode}-k{args.k}{_rep(args.repeat)}.json")
     try:
         _child(args, result)
-    except BaseException as e:  # keep what was measured; the parent sees rc != 0
+    except BaseException:  # keep what was measured; the parent sees rc != 0
         import traceback
 
         result["error"] = traceback.format_exc()

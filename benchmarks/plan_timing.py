@@ -93,7 +93,7 @@ def main(argv=None) -> int:
 
     from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
     from vllm_dsa_varlen.ops import cuda_plan as cp
-    from vllm_dsa_varlen.ops.triton_paged_mqa_logits import _num_sms
+    from vllm_dsa_varlen.ops.common import num_sms as _num_sms
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="*", default=CASES)

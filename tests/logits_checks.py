@@ -4,7 +4,7 @@ close to the reference, nothing written elsewhere."""
 
 import torch
 
-from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+from vllm_dsa_varlen.ops import launcher
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
 
 POISON = float("nan")
@@ -22,7 +22,7 @@ def run_poisoned(step, **kw):
     than ``[R, max_context_len]`` (what lies outside must stay poisoned)."""
     rows = step.rows
     out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
-    tk.varlen_paged_mqa_logits(*launcher_args(step), out=out[: rows.num_rows], **kw)
+    launcher.varlen_paged_mqa_logits(*launcher_args(step), out=out[: rows.num_rows], **kw)
     return out
 
 

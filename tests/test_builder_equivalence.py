@@ -62,7 +62,7 @@ from test_equivalence import assert_same_topk  # noqa: E402
 from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E402
 from vllm_stubs import NUM_SMS, decode_batch, fake_gpu, make_builder  # noqa: E402
 
-import vllm_dsa_varlen.ops.triton_paged_mqa_logits as triton_kernel  # noqa: E402
+import vllm_dsa_varlen.ops.launcher as launcher  # noqa: E402
 from vllm_dsa_varlen import config, patches, policy  # noqa: E402
 from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as dispatch  # noqa: E402
 from vllm_dsa_varlen.ops.reference import (  # noqa: E402
@@ -254,7 +254,7 @@ def test_builder_varlen_equals_padded_path(world, batch):
     lens, seqs = batch["lens"], batch["seqs"]
     with pytest.MonkeyPatch.context() as mp:
         dg = world.fake(mp, backend, layout)
-        mp.setattr(triton_kernel, "varlen_paged_mqa_logits", _reference_kernel)
+        mp.setattr(launcher, "varlen_paged_mqa_logits", _reference_kernel)
         builder = world.builder(mp, backend, batch["next_n"], layout)
         gen = torch.Generator().manual_seed(batch["seed"])
         block_table = torch.randint(0, NUM_BLOCKS, (len(lens), WIDTH), generator=gen,

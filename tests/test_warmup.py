@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from vllm_dsa_varlen import ops, warmup
+from vllm_dsa_varlen import warmup
 from vllm_dsa_varlen.ops import gluon_paged_mqa_logits as gk
-from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+from vllm_dsa_varlen.ops import launcher
 
 
 def test_cpu_device_compiles_nothing(monkeypatch):
-    monkeypatch.setattr(ops, "precompile", lambda **kw: pytest.fail("compiled on the CPU"))
+    monkeypatch.setattr(launcher, "precompile", lambda **kw: pytest.fail("compiled on the CPU"))
     assert warmup.precompile_for(heads=64, head_size=132, page=64, device=torch.device("cpu"),
                                  max_run_len=4) is None
 
@@ -19,7 +19,7 @@ def test_cpu_device_compiles_nothing(monkeypatch):
 def test_cuda_device_compiles_every_hint_bucket(monkeypatch, next_n, hints):
     """The hints cover every kernel variant a step with 1..next_n tokens selects."""
     seen = []
-    monkeypatch.setattr(ops, "precompile", lambda **kw: seen.append(kw) or 0.5)
+    monkeypatch.setattr(launcher, "precompile", lambda **kw: seen.append(kw) or 0.5)
     took = warmup.precompile_for(heads=64, head_size=132, page=64, device="cuda:0",
                                  max_run_len=next_n)
     assert took == 0.5
@@ -32,7 +32,7 @@ def test_cuda_device_compiles_every_hint_bucket(monkeypatch, next_n, hints):
 
 def test_unknown_head_count_compiles_every_supported_count(monkeypatch):
     seen = []
-    monkeypatch.setattr(ops, "precompile", lambda **kw: seen.append(kw["heads"]) or 0.25)
+    monkeypatch.setattr(launcher, "precompile", lambda **kw: seen.append(kw["heads"]) or 0.25)
     took = warmup.precompile_for(heads=None, head_size=132, page=64, device="cuda",
                                  max_run_len=2)
-    assert seen == list(tk.SUPPORTED_HEADS) and took == 0.25 * len(tk.SUPPORTED_HEADS)
+    assert seen == list(launcher.SUPPORTED_HEADS) and took == 0.25 * len(launcher.SUPPORTED_HEADS)

@@ -349,7 +349,7 @@ def cuda_default_path(step):
     """The CUDA sm_90 kernel as the launcher runs it (``kernel="sm90_cuda"``),
     its schedule planned once for the step outside the timed call."""
     from .ops import cuda_paged_mqa_logits as ck
-    from .ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
+    from .ops.launcher import varlen_paged_mqa_logits
 
     rows = step.rows
     ctx2d = rows.context_lens.view(-1, 1)
@@ -367,7 +367,7 @@ def sm90_default_path(step):
     plans in a step's first layer, and as the DeepGEMM paths compute their
     schedule metadata outside theirs."""
     from .ops import gluon_paged_mqa_logits as gk
-    from .ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
+    from .ops.launcher import varlen_paged_mqa_logits
 
     rows = step.rows
     ctx2d = rows.context_lens.view(-1, 1)
@@ -394,7 +394,7 @@ def sm90_variant_paths(torch, step, spec):
 def case_paths(torch, case, args, dg, num_sms):
     """Build ``case``'s decode step and every path to time on it."""
     from .ops import gluon_paged_mqa_logits as gk
-    from .ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
+    from .ops.launcher import varlen_paged_mqa_logits
 
     step = case.step(args.seed, "cuda")
     rows = step.rows
@@ -515,7 +515,7 @@ def run_gpu(args):
     import torch
     from triton.testing import do_bench
 
-    from .ops import triton_paged_mqa_logits as tk
+    from .ops import launcher
     from .ops.reference import paged_mqa_logits_ref, valid_mask
 
     try:
@@ -558,7 +558,7 @@ def run_gpu(args):
                 continue
             note = ""
             if name.startswith(("triton", "gluon")):
-                compiled = tk.LAST_COMPILED[0]
+                compiled = launcher.LAST_COMPILED[0]
                 path.params.update(regs=getattr(compiled, "n_regs", None),
                                    spills=getattr(compiled, "n_spills", None))
                 note = f" regs={path.params['regs']} spills={path.params['spills']}"
@@ -604,7 +604,7 @@ def run_cpu(args):
     import torch
 
     from .ops.reference import paged_mqa_logits_ref, valid_mask
-    from .ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
+    from .ops.launcher import varlen_paged_mqa_logits
 
     print("no CUDA GPU: tiny shapes through the torch reference and the Triton interpreter; "
           "times are not kernel performance")

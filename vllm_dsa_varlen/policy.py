@@ -31,7 +31,7 @@ measurements behind it), looked up at call time.  A step matches a rule when
 every bound holds; the varlen kernel is used only where a rule says it won.
 A rule may name the kernel it was measured with (``kernel``): it then applies
 only when the caller says that kernel is the one a captured step runs
-(:func:`vllm_dsa_varlen.ops.triton_paged_mqa_logits.graph_kernel`, a fact of
+(:func:`vllm_dsa_varlen.ops.launcher.graph_kernel`, a fact of
 the builder: GPU, index heads, cache geometry, NVRTC).
 """
 

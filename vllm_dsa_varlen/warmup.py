@@ -23,7 +23,7 @@ def precompile_for(*, heads: int | None, head_size: int, page: int, device: Any,
     count) on ``device`` (a CUDA device; other devices compile nothing and
     return ``None``), for run-length hints up to ``max_run_len`` (the
     builder's ``next_n``).  Returns the seconds taken; the time is logged by
-    :func:`vllm_dsa_varlen.ops.precompile`.  Each vLLM line reads ``page``
+    :func:`vllm_dsa_varlen.ops.launcher.precompile`.  Each vLLM line reads ``page``
     from its own KV-cache spec (0.27: ``storage_block_size``; 0.33:
     ``num_states``)."""
     import torch
@@ -31,11 +31,10 @@ def precompile_for(*, heads: int | None, head_size: int, page: int, device: Any,
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    from vllm_dsa_varlen.ops import precompile
-    from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+    from vllm_dsa_varlen.ops import launcher
 
-    heads_options = tk.SUPPORTED_HEADS if heads is None else (heads,)
+    heads_options = launcher.SUPPORTED_HEADS if heads is None else (heads,)
     hints = tuple(n for n in (1, 2, 4, 8) if n < max_run_len) + (max(1, max_run_len),)
-    return sum(precompile(heads=h, dim=head_size - 4, page=page, device=device,
-                          max_run_lens=hints)
+    return sum(launcher.precompile(heads=h, dim=head_size - 4, page=page, device=device,
+                                   max_run_lens=hints)
                for h in heads_options)

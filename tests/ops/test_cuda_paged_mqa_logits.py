@@ -6,22 +6,26 @@ with new contents), in both head-sum builds."""
 from __future__ import annotations
 
 import collections
+import ctypes
 import glob
+import importlib.util
 import os
 import random
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
 
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+from vllm_dsa_varlen.ops import launcher
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
 from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
 
 from logits_checks import POISON, check_poisoned, launcher_args, rel_err, run_poisoned
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 NVRTC = None
 try:
@@ -233,9 +237,158 @@ def test_cpu_tensors_are_refused_and_named_kernels_checked():
     args = (step.q, step.kv_cache, step.weights, step.rows.context_lens.view(-1, 1),
             step.rows.block_table, step.rows.indices, step.max_context_len)
     with pytest.raises(RuntimeError, match="sm90_cuda"):
-        tk.varlen_paged_mqa_logits(*args, kernel="sm90_cuda")
+        launcher.varlen_paged_mqa_logits(*args, kernel="sm90_cuda")
     with pytest.raises(ValueError, match="sm90_gluon"):
-        tk.varlen_paged_mqa_logits(*args, kernel="sm100")
+        launcher.varlen_paged_mqa_logits(*args, kernel="sm100")
+
+
+# ------------------------------------------------- cuda-python, launch (CPU)
+
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                      "benchmarks", "launch_host_time.py")
+_spec = importlib.util.spec_from_file_location("launch_host_time", _BENCH)
+host_time = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(host_time)
+
+_C_TYPES = {"TmaMap": 128, "long long": 8, "int": 4}
+
+
+def _kernel_signature() -> list[tuple[str, int]]:
+    """(name, bytes) of each parameter of the kernel, read from its source."""
+    src = ck.source()
+    start = src.index("(", src.index(ck.KERNEL_NAME.decode() + "("))
+    params = src[start + 1:src.index(")", start)].split(",")
+    out = []
+    for p in params:
+        words = [w for w in p.replace("*", " * ").split()
+                 if w not in ("const", "__restrict__", "__grid_constant__")]
+        name = words[-1]
+        kind = "pointer" if "*" in words else " ".join(words[:-1])
+        out.append((name, 8 if kind == "pointer" else _C_TYPES[kind]))
+    return out
+
+
+def test_parameter_block_matches_the_kernel_signature():
+    """The launch's parameter block names the kernel's parameters in order, each
+    of its size (cuLaunchKernel copies that many bytes from each address)."""
+    assert [(n, ctypes.sizeof(t)) for n, t in ck.PARAMS] == _kernel_signature()
+
+
+def test_launch_fills_the_parameter_block_and_reuses_descriptors():
+    """With the driver stubbed (CPU tensors): each launch writes this call's
+    addresses, strides and row count where cuLaunchKernel reads them, on the
+    current stream, with the build's grid, block and shared memory; the TMA
+    descriptors are encoded once per layout and re-encoded when it changes."""
+    steps = [make_decode_step([2, 3, 1], [90, 140, 7], heads=64, seed=s) for s in range(2)]
+    with host_time.stubbed(ck) as (fake, encodes, loaded):
+        for step in steps + steps:
+            rows = step.rows
+            ctx = rows.context_lens.view(-1, 1)
+            out = torch.empty((rows.num_rows + 1, step.max_context_len + 9))[1:, 3:]
+            table, ctas = ck.plan(rows.indices, ctx, step.max_context_len,
+                                  rows.block_table.shape[1], programs=4)
+            ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                      step.max_context_len, out, schedule=(table, ctas))
+            *grid, stream, params, extra = fake.launches[-1][1:]
+            assert fake.launches[-1][0] is loaded.fn and extra == 0
+            assert grid == [4, 1, 1, ck.THREADS, 1, 1, ck.SMEM_BYTES] and stream == 0x5EED
+            assert params == loaded.params_addr
+            ptrs = (ctypes.c_void_p * len(ck.PARAMS)).from_address(params)
+            got = {name: ctypes.cast(ptrs[i], ctypes.POINTER(t)).contents
+                   for i, (name, t) in enumerate(ck.PARAMS)}
+            want = dict(kv=step.kv_cache.data_ptr(), stride_block=step.kv_cache.stride(0),
+                        w=step.weights.data_ptr(), stride_w=step.weights.stride(0),
+                        ctx=ctx.data_ptr(), bt=rows.block_table.data_ptr(),
+                        stride_bt=rows.block_table.stride(0), out=out.data_ptr(),
+                        stride_out=out.stride(0), table=table.data_ptr(), ctas=ctas.data_ptr(),
+                        num_segs=rows.num_rows)
+            assert {k: got[k].value for k in want} == want
+            assert got["kv_map"].bytes[0] == step.kv_cache.data_ptr()
+            assert got["q_map"].bytes[0] == step.q.data_ptr()
+        assert len(fake.launches) == 4
+        assert sorted(encodes) == sorted(
+            [(s.kv_cache.data_ptr(), (ck.DIM, ck.PAGE, s.kv_cache.shape[0]),
+              (ck.DIM, s.kv_cache.stride(0)), (ck.DIM, ck.PAGE, 1)) for s in steps]
+            + [(s.q.data_ptr(), (ck.DIM, ck.HEADS, s.num_rows), (ck.DIM, s.q.stride(0)),
+                (ck.DIM, ck.HEADS, 2)) for s in steps])
+
+
+def test_a_non_contiguous_context_column_is_passed_as_a_copy():
+    step = make_decode_step([2, 1], [70, 20], heads=64)
+    rows = step.rows
+    wide = torch.stack([rows.context_lens, rows.context_lens + 5], 1)[:, :1]  # stride (2, 1)
+    seen = []
+    with host_time.stubbed(ck) as (fake, _, loaded):
+        def read_at_launch(*args):  # the copy lives until the launch returns
+            addr = loaded.params.ctx
+            seen.append((addr, list((ctypes.c_int32 * rows.num_rows).from_address(addr))))
+            return (0,)
+        fake.cuLaunchKernel = read_at_launch
+        sched = ck.plan(rows.indices, wide, step.max_context_len, rows.block_table.shape[1],
+                        programs=4)
+        ck.launch(step.q, step.kv_cache, step.weights, wide, rows.block_table, rows.indices,
+                  step.max_context_len, torch.empty(rows.num_rows, 80), schedule=sched)
+    [(addr, values)] = seen
+    assert addr != wide.data_ptr() and values == rows.context_lens.tolist()
+
+
+def _clear_bindings():
+    for fn in (ck._nvrtc, ck._driver, ck.available):
+        fn.cache_clear()
+
+
+def test_without_cuda_python_the_kernel_says_why_once(monkeypatch, plugin_log):
+    """No ``cuda.bindings``: NVRTC and the driver are unavailable, the reason
+    names cuda-python, it is logged once, and the launcher's choice on a CPU
+    tensor is unchanged (the portable kernel)."""
+    for name in ("cuda.bindings.nvrtc", "cuda.bindings.driver"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    _clear_bindings()
+    try:
+        with pytest.raises(OSError, match="cuda-python"):
+            ck._nvrtc()
+        why = ck.available()
+        assert "cuda-python" in why and ck.available() == why
+        logged = [r.getMessage() for r in plugin_log if "cuda-python" in r.getMessage()]
+        assert len(logged) == 1 and "sm_90 CUDA kernel is unavailable" in logged[0]
+        step = make_decode_step([2, 1], [70, 20], heads=64)
+        assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto") is None
+    finally:
+        monkeypatch.undo()
+        _clear_bindings()
+
+
+_NVRTC_OVERRIDE = """
+import sys
+from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+cubin, _ = ck.compile_cubin()
+maps = open("/proc/self/maps").read()
+print(cubin[:4] == b"\x7fELF", sys.argv[1] in maps)
+"""
+
+
+@pytest.mark.skipif(NVRTC is not None or not sys.platform.startswith("linux"),
+                    reason=f"no NVRTC here: {NVRTC}")
+def test_nvrtc_override_names_the_library_compiled_with(tmp_path):
+    """``VLLM_DSA_VARLEN_NVRTC``: cuda-python compiles with that library (a copy
+    of this environment's NVRTC in another folder is the one mapped)."""
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+
+    lib = load_nvidia_dynamic_lib("nvrtc").abs_path
+    folder = os.path.dirname(lib)
+    for name in os.listdir(folder):
+        if name.startswith(("libnvrtc.so", "libnvrtc-builtins.so")):
+            shutil.copy(os.path.join(folder, name), tmp_path / name)
+    copy = str(tmp_path / os.path.basename(lib))
+    env = dict(os.environ, VLLM_DSA_VARLEN_NVRTC=copy)
+    proc = subprocess.run([sys.executable, "-c", _NVRTC_OVERRIDE, copy], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "True"]
+    env[ck.NVRTC_ENV] = str(tmp_path / "missing.so")
+    proc = subprocess.run([sys.executable, "-c", _NVRTC_OVERRIDE, copy], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode != 0 and "missing.so" in proc.stderr
 
 
 # ---------------------------------------------------------------- GPU (sm_90)
@@ -281,16 +434,17 @@ def test_auto_takes_it_inside_captures_for_every_hint():
     step = make_decode_step([4, 2, 3], [300, 200, 90], device="cuda")
     args = launcher_args(step)
     out = torch.full((step.rows.num_rows, step.max_context_len), POISON, device="cuda")
-    assert tk.hopper_kernel_for(step.q, step.kv_cache, "auto", 4, step.weights) is None
-    tk.varlen_paged_mqa_logits(*args, out=out, kernel="sm90_cuda")  # loaded outside the capture
+    assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto", 4, step.weights) is None
+    launcher.varlen_paged_mqa_logits(*args, out=out, kernel="sm90_cuda")  # loaded outside capture
     cache = {}
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side), torch.cuda.graph(graph):
         for hint in (1, 2, 3, 4, 5, 6, 7, 8, 16):
-            assert tk.hopper_kernel_for(step.q, step.kv_cache, "auto", hint, step.weights) is ck
-        tk.varlen_paged_mqa_logits(*args, out=out, max_run_len=4, schedule_cache=cache)
+            assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto", hint,
+                                              step.weights) is ck
+        launcher.varlen_paged_mqa_logits(*args, out=out, max_run_len=4, schedule_cache=cache)
     assert [key[0] for key in cache] == ["cuda"]
     out.fill_(POISON)
     graph.replay()
@@ -354,9 +508,9 @@ def test_no_host_sync_in_plan_and_launch():
 def test_graph_kernel_names_what_auto_takes_in_a_capture():
     """The builder-level fact the per-step policy reads: the CUDA kernel at 64
     heads (where NVRTC loads), the Gluon one at 32, no claim for unknown heads."""
-    assert tk.graph_kernel("cuda", 64) == ("cuda_sm90" if NVRTC is None else "gluon_sm90")
-    assert tk.graph_kernel("cuda", 32) == "gluon_sm90"
-    assert tk.graph_kernel("cuda", None) == "portable"
+    assert launcher.graph_kernel("cuda", 64) == ("cuda_sm90" if NVRTC is None else "gluon_sm90")
+    assert launcher.graph_kernel("cuda", 32) == "gluon_sm90"
+    assert launcher.graph_kernel("cuda", None) == "portable"
 
 
 # ------------------------------------------------ GPU (sm_90): the TF32 head sum
@@ -411,6 +565,24 @@ def _integer_step(lens, seqs, seed, heads=64):
     fused[:, 64 * 128:] = torch.ones((blocks, 64), device="cuda").view(torch.uint8)
     step.weights = torch.randn((rows, heads), generator=gen, device="cuda") / 8
     return step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_eager_auto_takes_it_when_enabled(monkeypatch):
+    """With ``EAGER_CUDA_SM90`` "auto" takes this kernel outside captures too
+    (and not without it); its eager logits match the reference."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    step = make_decode_step([4, 1, 3, 2], [300, 64, 1000, 65], heads=64, padding_rows=2,
+                            device="cuda", seed=5)
+    assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto", 4, step.weights) is None
+    monkeypatch.setattr(launcher, "EAGER_CUDA_SM90", True)
+    for hint in (1, 4, 8):
+        assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto", hint, step.weights) is ck
+    cache = {}
+    check_poisoned(step, run_poisoned(step, max_run_len=4, schedule_cache=cache))
+    assert [key[0] for key in cache] == ["cuda"] and not any(key[-1] for key in cache)
 
 
 @pytest.mark.gpu
@@ -548,3 +720,64 @@ def test_32_heads_match_reference_small(name, padding, hint, how):
     assert (torch.cuda.current_device(), ck.defines_for(hint, how) + ("HEADS=32",)) in ck._LOADED
     assert _same_bits(out, _launch_poisoned(step, hint, how))
     assert "shape outside" in ck.unsupported_reason(step.q, step.kv_cache, step.weights)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_back_to_back_eager_launches_keep_their_own_arguments():
+    """Launches queued without a sync in between, each on other tensors (other
+    caches, queries, outputs, schedules, as layers and steps follow each
+    other): the parameter block is rewritten by each call, and each launch
+    computed with its own arguments (the driver copied them at launch)."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    steps = [random_decode_step(n, t, c, heads=64, device="cuda", seed=i, variable=True)
+             for i, (n, t, c) in enumerate([(3, 4, 2000), (17, 2, 700), (1, 1, 5000),
+                                            (40, 4, 300)])]
+    outs = []
+    for _ in range(2):
+        for step in steps:
+            rows = step.rows
+            ctx = rows.context_lens.view(-1, 1)
+            out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON,
+                             device="cuda")
+            sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1])
+            ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                      step.max_context_len, out[: rows.num_rows], schedule=sched)
+            outs.append((step, out))
+    torch.cuda.synchronize()
+    for step, out in outs:
+        check_poisoned(step, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_launch_from_a_thread_that_made_no_cuda_call():
+    """A launch from a new thread (its current driver context may be unset)
+    still runs on the tensors' device."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    import threading
+
+    step = make_decode_step([2, 3], [90, 140], heads=64, device="cuda", seed=3)
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1])
+    out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
+    ck.load(step.q.device)
+    torch.cuda.synchronize()
+    failed = []
+
+    def work():
+        try:
+            ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                      step.max_context_len, out[: rows.num_rows], schedule=sched)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failed.append(exc)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert not failed, failed
+    check_poisoned(step, out)

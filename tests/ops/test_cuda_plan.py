@@ -94,7 +94,7 @@ def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024)
     ids, ctx = [int(x) for x in ids], [int(x) for x in ctx]
     rows = len(ids)
     cap = min(max_len, width * ck.PAGE, 2**31 - 1)
-    c0, c1, c2 = ck._cost3(cost)
+    c0, c1, c2 = cp._cost3(cost)
     per = -(-rows // threads)
     spans = [(min(t * per, rows), min(t * per + per, rows)) for t in range(threads)]
 
@@ -473,7 +473,7 @@ def test_logits_in_a_graph_with_the_planner_inside():
     change in place (new runs over the same rows, new context lengths, block
     tables, queries and weights): the logits match the reference each time."""
     _skip_without_nvrtc()
-    from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+    from vllm_dsa_varlen.ops import launcher
 
     step = random_decode_step(32, 4, 3000, heads=64, device="cuda", variable=True, seed=1)
     rows = step.rows
@@ -485,7 +485,7 @@ def test_logits_in_a_graph_with_the_planner_inside():
     def call():
         sched = ck.plan(rows.indices, rows.context_lens.view(-1, 1), step.max_context_len,
                         rows.block_table.shape[1])
-        tk.varlen_paged_mqa_logits(*args, out=out, kernel="sm90_cuda", schedule=sched)
+        launcher.varlen_paged_mqa_logits(*args, out=out, kernel="sm90_cuda", schedule=sched)
 
     call()
     side = torch.cuda.Stream()

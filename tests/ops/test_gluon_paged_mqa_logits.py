@@ -16,9 +16,10 @@ import sys
 import pytest
 import torch
 
-from vllm_dsa_varlen.ops import precompile
+from vllm_dsa_varlen.ops import common, launcher
 from vllm_dsa_varlen.ops import gluon_paged_mqa_logits as gk
-from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+from vllm_dsa_varlen.ops import triton_paged_mqa_logits as portable
+from vllm_dsa_varlen.ops.launcher import precompile
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
 from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
 
@@ -73,11 +74,22 @@ def test_every_variant_compiles(compiled_variants):
         assert r["name"] == ("_varlen_logits_sm90_wide" if wide else "_varlen_logits_sm90"), r
 
 
+def test_the_cuda_builds_compile_without_spills(compiled_variants):
+    """The compile check builds the sm_90 CUDA kernel through NVRTC in each
+    build the launcher takes, with no spills, where NVRTC loads."""
+    _, head, rows = compiled_variants
+    if head["nvrtc"] != "ok":
+        pytest.skip(f"no NVRTC here: {head['nvrtc']}")
+    cuda = [r for r in rows if r["kernel"] == "cuda_sm90"]
+    assert sorted(r["defines"] for r in cuda) == [[], ["EVICT_FIRST=1"]]
+    assert all(r["ok"] and r["spills"] == 0 and r["cubin_bytes"] > 0 for r in cuda), cuda
+
+
 def test_per_step_integers_are_not_specialised():
     """Row count, logits width and block-table width/stride change every step:
     neither kernel may compile a variant per value."""
-    assert {"num_rows", "max_context_len", "bt_width", "stride_bt"} <= set(tk.PER_STEP_INTS)
-    assert "tiles_per_split" in tk.PER_STEP_INTS
+    assert {"num_rows", "max_context_len", "bt_width", "stride_bt"} <= set(portable.PER_STEP_INTS)
+    assert "tiles_per_split" in portable.PER_STEP_INTS
     assert {"num_rows", "max_context_len", "bt_width", "stride_bt"} <= set(gk.PER_STEP_INTS)
     if gk.available() is None:
         for fn, names in ((gk._varlen_logits_sm90, gk.PER_STEP_INTS),
@@ -177,7 +189,7 @@ def test_bad_schedule_is_refused(monkeypatch):
     step = make_decode_step([2, 2], [70, 20], heads=64)
     rows = step.rows
     out = torch.empty(rows.num_rows, step.max_context_len)
-    monkeypatch.setattr(gk, "_num_sms", lambda index: 4)
+    monkeypatch.setattr(gk, "num_sms", lambda index: 4)
     for bad in (torch.zeros((3, gk.SCHED_WORDS), dtype=torch.int32),
                 torch.zeros((4, gk.SCHED_WORDS), dtype=torch.int64),
                 torch.zeros((4, 2), dtype=torch.int32)):
@@ -202,12 +214,12 @@ _check = check_poisoned
 
 def test_cpu_tensors_take_the_portable_kernel_and_sm90_is_refused():
     step = make_decode_step([2, 1], [70, 20], heads=32)
-    assert tk.hopper_kernel_for(step.q, step.kv_cache, "auto") is None
-    assert tk.hopper_kernel_for(step.q, step.kv_cache, "portable") is None
+    assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto") is None
+    assert launcher.hopper_kernel_for(step.q, step.kv_cache, "portable") is None
     with pytest.raises(RuntimeError, match="sm_90 kernel cannot run"):
-        tk.varlen_paged_mqa_logits(*_args(step), kernel="sm90")
+        launcher.varlen_paged_mqa_logits(*_args(step), kernel="sm90")
     with pytest.raises(ValueError, match="kernel"):
-        tk.varlen_paged_mqa_logits(*_args(step), kernel="fastest")
+        launcher.varlen_paged_mqa_logits(*_args(step), kernel="fastest")
     assert "not an sm_90 GPU" in gk.unsupported_reason(step.q, step.kv_cache) or gk.available()
 
 
@@ -215,51 +227,51 @@ def test_auto_takes_sm90_where_it_measured_faster(monkeypatch):
     """On Hopper, "auto" takes the sm_90 kernel for runs of up to 4 tokens or a
     hint of 8, at any row count (the H200 table in BENCHMARKS.md), the portable
     kernel otherwise."""
-    assert tk.auto_takes_sm90(rows=256, max_run_len=4)
-    assert tk.auto_takes_sm90(rows=32, max_run_len=1)
-    assert tk.auto_takes_sm90(rows=512, max_run_len=8)        # 4-row chunks: faster
-    assert tk.auto_takes_sm90(rows=4, max_run_len=4)          # B1: faster since planned once
-    assert not tk.auto_takes_sm90(rows=384, max_run_len=6)    # a 2-row chunk pays for 4
-    assert not tk.auto_takes_sm90(rows=320, max_run_len=5)    # not measured faster
+    assert launcher.auto_takes_sm90(rows=256, max_run_len=4)
+    assert launcher.auto_takes_sm90(rows=32, max_run_len=1)
+    assert launcher.auto_takes_sm90(rows=512, max_run_len=8)      # 4-row chunks: faster
+    assert launcher.auto_takes_sm90(rows=4, max_run_len=4)        # B1: faster since planned once
+    assert not launcher.auto_takes_sm90(rows=384, max_run_len=6)  # a 2-row chunk pays for 4
+    assert not launcher.auto_takes_sm90(rows=320, max_run_len=5)  # not measured faster
     # Eager calls pay the sm_90 launch's host time: the portable kernel.
-    assert not tk.auto_takes_sm90(rows=256, max_run_len=4, capturing=False)
-    monkeypatch.setattr(tk, "HOPPER_AUTO", False)
-    assert not tk.auto_takes_sm90(rows=256, max_run_len=4)
+    assert not launcher.auto_takes_sm90(rows=256, max_run_len=4, capturing=False)
+    monkeypatch.setattr(launcher, "HOPPER_AUTO", False)
+    assert not launcher.auto_takes_sm90(rows=256, max_run_len=4)
 
 
 def test_layout_checks_run_once_per_shape_signature(monkeypatch):
     step = make_decode_step([2, 1], [70, 20], heads=32)
     calls = []
-    real = tk.check_varlen_inputs
-    monkeypatch.setattr(tk, "check_varlen_inputs", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(tk, "_CHECKED", {})
+    real = launcher.check_varlen_inputs
+    monkeypatch.setattr(launcher, "check_varlen_inputs", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(launcher, "_CHECKED", {})
     for _ in range(3):
-        tk.checked_layout(*_args(step))
+        launcher.checked_layout(*_args(step))
     assert len(calls) == 1
     other = make_decode_step([3, 2], [90, 20], heads=32)
-    tk.checked_layout(*_args(other))
+    launcher.checked_layout(*_args(other))
     assert len(calls) == 2
     # bad inputs are still refused, cached or not
     args = list(_args(step))
     args[2] = args[2].double()
     with pytest.raises(ValueError, match="weights"):
-        tk.checked_layout(*args)
+        launcher.checked_layout(*args)
     args = list(_args(step))
     with pytest.raises(ValueError, match="max_context_len"):
-        tk.checked_layout(*args[:-1], 0)
+        launcher.checked_layout(*args[:-1], 0)
     buf = torch.zeros(args[5].numel() + 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="8-byte aligned"):
-        tk.checked_layout(*args[:5], buf[1:], args[6])
+        launcher.checked_layout(*args[:5], buf[1:], args[6])
 
 
 def test_prebound_launch_key_separates_specialisations():
     """The cached compiled kernel is reused only for arguments Triton would
     specialise the same way (integer == 1 / % 16, tensor 16-byte alignment)."""
     a = torch.zeros(64, dtype=torch.float32)
-    assert tk._spec(a) == tk._spec(torch.zeros(8, dtype=torch.float32))
-    assert tk._spec(a) != tk._spec(a[1:])
-    assert tk._spec(a) != tk._spec(a.int())
-    assert tk._spec(32) == tk._spec(48) != tk._spec(33) != tk._spec(1)
+    assert common._spec(a) == common._spec(torch.zeros(8, dtype=torch.float32))
+    assert common._spec(a) != common._spec(a[1:])
+    assert common._spec(a) != common._spec(a.int())
+    assert common._spec(32) == common._spec(48) != common._spec(33) != common._spec(1)
 
 
 def test_precompile_needs_a_gpu():
@@ -284,7 +296,7 @@ def test_no_compile_after_precompile_for_new_step_sizes():
     heads = 64
     took = precompile(heads=heads, device="cuda")
     assert took > 0
-    fns = [tk._varlen_paged_mqa_logits_kernel] + (
+    fns = [portable._varlen_paged_mqa_logits_kernel] + (
         [gk._varlen_logits_sm90, gk._varlen_logits_sm90_wide, gk._plan_sm90] if HOPPER else [])
     before = [_compiled(f) for f in fns]
     cuda_builds = dict(ck._LOADED)  # the CUDA kernel: NVRTC builds loaded by precompile
@@ -299,9 +311,9 @@ def test_no_compile_after_precompile_for_new_step_sizes():
         rows = step.rows
         bt = torch.cat([rows.block_table, torch.zeros((rows.num_rows, width_pad), dtype=torch.int32,
                                                       device="cuda")], dim=1)
-        out = tk.varlen_paged_mqa_logits(step.q, step.kv_cache, step.weights,
-                                         rows.context_lens.view(-1, 1), bt, rows.indices,
-                                         step.max_context_len, max_run_len=tokens)
+        out = launcher.varlen_paged_mqa_logits(step.q, step.kv_cache, step.weights,
+                                               rows.context_lens.view(-1, 1), bt, rows.indices,
+                                               step.max_context_len, max_run_len=tokens)
         torch.cuda.synchronize()
         mask = valid_mask(rows.context_lens.view(-1, 1), step.max_context_len, rows.indices)
         ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights,
@@ -310,9 +322,9 @@ def test_no_compile_after_precompile_for_new_step_sizes():
         assert (out[mask] - ref[mask]).norm() / ref[mask].norm() < 1e-3
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = tk.varlen_paged_mqa_logits(step.q, step.kv_cache, step.weights,
-                                                  rows.context_lens.view(-1, 1), bt, rows.indices,
-                                                  step.max_context_len, max_run_len=tokens)
+            captured = launcher.varlen_paged_mqa_logits(
+                step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1), bt,
+                rows.indices, step.max_context_len, max_run_len=tokens)
         captured.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -446,8 +458,8 @@ def test_sm90_graph_replay_with_new_contents_and_compositions(kernel):
         kv[: step.kv_cache.shape[0]].copy_(step.kv_cache)
 
     def call(dst, cache=None):
-        tk.varlen_paged_mqa_logits(q, kv, w, ctx, bt, ids, max_len, out=dst, max_run_len=tokens,
-                                   kernel=kernel, schedule_cache=cache)
+        launcher.varlen_paged_mqa_logits(q, kv, w, ctx, bt, ids, max_len, out=dst,
+                                         max_run_len=tokens, kernel=kernel, schedule_cache=cache)
 
     load(steps[0])
     side = torch.cuda.Stream()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
-from vllm_dsa_varlen.ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
+from vllm_dsa_varlen.ops.launcher import varlen_paged_mqa_logits
 from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
 from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
 
@@ -268,10 +268,10 @@ def test_cuda_graph_replay_with_new_contents():
 
 def _captured_kernel(q, kv, hint):
     """The kernel "auto" takes inside a CUDA-graph capture, to run eagerly."""
-    import vllm_dsa_varlen.ops.triton_paged_mqa_logits as tk
+    from vllm_dsa_varlen.ops import launcher
 
-    if torch.cuda.get_device_capability(q.device) == (9, 0) and tk.auto_takes_sm90(
-            q.shape[0], hint) and tk.hopper_kernel_for(q, kv, "sm90", hint) is not None:
+    if torch.cuda.get_device_capability(q.device) == (9, 0) and launcher.auto_takes_sm90(
+            q.shape[0], hint) and launcher.hopper_kernel_for(q, kv, "sm90", hint) is not None:
         return "sm90"
     return "portable"
 

@@ -44,7 +44,7 @@ from test_equivalence import assert_same_topk  # noqa: E402
 from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E402
 from vllm033_stubs import HopperDeepGemm, decode_batch, fake_gpu, make_builder  # noqa: E402
 
-import vllm_dsa_varlen.ops.triton_paged_mqa_logits as triton_kernel  # noqa: E402
+import vllm_dsa_varlen.ops.launcher as launcher  # noqa: E402
 from vllm_dsa_varlen import config, patches, policy  # noqa: E402
 from vllm_dsa_varlen.ops.reference import (  # noqa: E402
     paged_mqa_logits_ref,
@@ -241,7 +241,7 @@ def test_builder_varlen_equals_upstream_path(world, batch):
     tokens = sum(lens)
     with pytest.MonkeyPatch.context() as mp:
         dg = world.fake(mp, layout)
-        mp.setattr(triton_kernel, "varlen_paged_mqa_logits", _reference_kernel)
+        mp.setattr(launcher, "varlen_paged_mqa_logits", _reference_kernel)
         if batch["table"] == "all_win":
             mp.setattr(ours, "varlen_wins", lambda f, s, kernel=None: policy.varlen_wins(f, s, ALL_WIN, kernel))
         builder = world.builder(mp, batch["next_n"], batch["adaptive"], layout)
@@ -328,7 +328,7 @@ def test_varlen_equals_stock_run_on_native_steps(world, next_n, lens, table):
     for mode in ("off", "auto"):
         with pytest.MonkeyPatch.context() as mp:
             world.fake(mp, "dense")
-            mp.setattr(triton_kernel, "varlen_paged_mqa_logits", _reference_kernel)
+            mp.setattr(launcher, "varlen_paged_mqa_logits", _reference_kernel)
             if table == "all_win":
                 mp.setattr(ours, "varlen_wins", lambda f, s, kernel=None: policy.varlen_wins(f, s, ALL_WIN, kernel))
             builder = world.builder(mp, next_n, False, "dense", mode)

@@ -66,13 +66,13 @@ def compile_portable(arch: int, H: int, ROWS: int = 2, TILE_PAGES: int = 1, PER_
                      num_stages: int = 3):
     """The portable kernel (one compile-time variant) built for ``sm_<arch>``.
     Needs real JIT functions: run without ``TRITON_INTERPRET`` (see :func:`main`)."""
-    from . import triton_paged_mqa_logits as tk
+    from . import triton_paged_mqa_logits as portable
 
-    fn = tk._varlen_paged_mqa_logits_kernel
+    fn = portable._varlen_paged_mqa_logits_kernel
     ptr = {"q_ptr": "*fp8e4nv", "kv_ptr": "*u8", "w_ptr": "*fp32", "ctx_ptr": "*i32",
            "bt_ptr": "*i32", "ids_ptr": "*i32", "out_ptr": "*fp32"}
     sig = dict(ptr)
-    sig.update({n: "i32" for n in tk._PORTABLE_ARGS if n not in ptr})
+    sig.update({n: "i32" for n in portable._PORTABLE_ARGS if n not in ptr})
     consts = dict(H=H, D=D, PAGE=PAGE, ROWS=ROWS, TILE_PAGES=TILE_PAGES, PER_ROW=PER_ROW,
                   PAIRS=PAIRS)
     sig.update({k: "constexpr" for k in consts})
@@ -81,22 +81,45 @@ def compile_portable(arch: int, H: int, ROWS: int = 2, TILE_PAGES: int = 1, PER_
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def compile_cuda_sm90(defines: tuple = ()) -> dict:
+    """The sm_90 CUDA kernel's build with ``defines`` through NVRTC (``sm_90a``):
+    its registers and spills as ptxas reports them."""
+    import re
+
+    from . import cuda_paged_mqa_logits as ck
+
+    cubin, log = ck.compile_cubin(extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines)))
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {"cubin_bytes": len(cubin), "registers": int(regs.group(1)) if regs else None,
+            "spills": (int(spills.group(1)) + int(spills.group(2))) if spills else None}
+
+
 def main() -> int:
     """Compile every variant a server can use and print one JSON line per kernel:
-    the sm_90 kernel for H 32/64 and every ROWS_MAX, the portable kernel for
-    sm_89, sm_90, sm_100 and sm_120.  Exit status 1 on any failure."""
+    the sm_90 Gluon kernel for H 32/64 and every ROWS_MAX, the sm_90 CUDA
+    kernel's builds (where NVRTC loads), the portable kernel for sm_89, sm_90,
+    sm_100 and sm_120.  Exit status 1 on any failure."""
     import json
     import os
 
+    from . import cuda_paged_mqa_logits as ck
     from . import gluon_paged_mqa_logits as gk
-    from . import triton_paged_mqa_logits as tk
+    from . import triton_paged_mqa_logits as portable
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("run without TRITON_INTERPRET=1 (the interpreter replaces the JIT)")
     failed = 0
-    report = {"triton": triton.__version__, "gluon": gk.available() or "ok"}
+    try:
+        ck._nvrtc()
+        nvrtc = "ok"
+    except OSError as exc:
+        nvrtc = str(exc)
+    report = {"triton": triton.__version__, "gluon": gk.available() or "ok", "nvrtc": nvrtc}
     print(json.dumps(report), flush=True)
     jobs = []
+    if nvrtc == "ok":  # the builds the launcher takes (one per run-length hint class)
+        jobs += [("cuda_sm90", ck.HEADS, ck.defines_for(n), {}) for n in (1, ck.ROWS_MAX)]
     if gk.available() is None:
         jobs += [("sm90", h, r, {}) for h in gk.HEADS for r in gk.variants(h, range(1, 17))]
         # the launch knobs (one math warpgroup; the shared-memory store path;
@@ -106,10 +129,17 @@ def main() -> int:
         # the schedule planner, once per (heads, rows_max) a launch can take
         jobs += [("plan", h, r, {}) for h in gk.HEADS for r in gk.variants(h, range(1, 17))]
     jobs += [("portable", h, arch, v) for h in (32, 64) for arch in (89, 90, 100, 120)
-             for v in tk.portable_variants(h)]
+             for v in portable.portable_variants(h)]
     for job in jobs:
         row = {"kernel": job[0], "heads": job[1]}
         try:
+            if job[0] == "cuda_sm90":
+                row["defines"] = list(job[2])
+                row.update(compile_cuda_sm90(job[2]))
+                row["ok"] = row["spills"] == 0
+                failed += not row["ok"]
+                print(json.dumps(row), flush=True)
+                continue
             if job[0] == "sm90":
                 row["rows_max"], row["knobs"] = job[2], job[3]
                 k = compile_gluon_sm90(job[1], job[2], **job[3])

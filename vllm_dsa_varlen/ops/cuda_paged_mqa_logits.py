@@ -1,9 +1,9 @@
 """Hopper (sm_90) varlen paged MQA logits in CUDA C++ (``cuda/sm90_varlen_logits.cu``).
 
 Same inputs, outputs and semantics as
-:func:`vllm_dsa_varlen.ops.triton_paged_mqa_logits.varlen_paged_mqa_logits`;
-the launcher there takes it on sm_90 for 64 heads (``hopper_kernel_for``) and
-the Gluon kernel (:mod:`.gluon_paged_mqa_logits`) where this one cannot run.
+:func:`vllm_dsa_varlen.ops.launcher.varlen_paged_mqa_logits`; the launcher
+takes it on sm_90 for 64 heads (``hopper_kernel_for``) and the Gluon kernel
+(:mod:`.gluon_paged_mqa_logits`) where this one cannot run.
 
 Why CUDA C++ and not Gluon (docs/kernel-notes.md, calls 31-39): the structure
 that sets DeepGEMM's pace — four math warpgroups that move independently, each
@@ -24,12 +24,20 @@ Heads: 64 (what the launcher routes here) and 32 (``HEADS=32`` builds,
 taken from ``q``'s shape by :func:`launch`; a row group is then four rows x
 32 heads in the same 64 x 128 wgmma and a chunk eight rows; the launcher keeps
 32 heads on the Gluon kernel until this build is measured: :data:`LAUNCHER_HEADS`).
-The kernel is compiled once per process and build by NVRTC (``sm_90a``; the library
-PyTorch's CUDA wheels install, or a CUDA toolkit's) and loaded through the
-driver API (ctypes): no host compiler, no build step.  Launches are plain
-``cuLaunchKernel`` calls on PyTorch's current stream, so they are captured into
-CUDA graphs like any kernel; the TMA descriptors are ``__grid_constant__``
-parameters (copied at launch or capture), encoded once per tensor layout.
+The kernel is compiled once per process and build by NVRTC (``sm_90a``), loaded
+and launched through the driver API, both through NVIDIA's ``cuda-python``
+(``cuda.bindings``, installed with vLLM; the TMA descriptors' encode excepted,
+see :func:`_encode`): no host compiler, no build step.  Without
+``cuda-python`` the kernel says so (:func:`available`) and the launcher takes
+another.  Launches are plain ``cuLaunchKernel`` calls on PyTorch's current
+stream, so they are captured into CUDA graphs like any kernel; the TMA
+descriptors are ``__grid_constant__`` parameters (copied at launch or
+capture), encoded once per tensor layout.
+
+Host time per launch (eager calls pay it on every layer): the kernel's
+parameters live in one block per loaded build, rewritten in place (the TMA
+descriptors come from a cache by layout) and handed to ``cuLaunchKernel`` by
+address, so a launch builds no argument objects (:func:`launch`).
 
 Schedule (:func:`plan`, once per step, no host sync: on the GPU one launch
 of the planner kernel, :mod:`.cuda_plan`; its definition :func:`plan_torch`,
@@ -46,20 +54,24 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import glob
 import logging
 import os
 import threading
 
 import torch
 
-from .triton_paged_mqa_logits import _num_sms  # SMs of a device: the launcher's own
+from .common import DIM, PAGE, capability, log_once, num_sms
+from .cuda_binding import NVRTC_ENV  # noqa: F401  (the setting this kernel honours)
+from .cuda_binding import ARCH, compile_source, launch_function, load_function
+from .cuda_binding import driver as _driver
+from .cuda_binding import nvrtc as _nvrtc
+from .cuda_plan import COST, CTA_WORDS, TABLE_WORDS, page_cost, plan_device
+from . import cuda_plan
 
 logger = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "sm90_varlen_logits.cu")
 KERNEL_NAME = b"varlen_logits_sm90"
-ARCH = "sm_90a"
 HEADS = 64            # the head count the launcher routes here (LAUNCHER_HEADS)
 # plan() takes the one-launch planner kernel (.cuda_plan) where it can serve.
 # Off until the H200 has run tests/ops/test_cuda_plan.py on this version of the
@@ -68,15 +80,11 @@ HEADS = 64            # the head count the launcher routes here (LAUNCHER_HEADS)
 PLAN_KERNEL = False
 HEAD_COUNTS = (32, 64)  # the kernel's builds: a row group is 128 // heads rows
 LAUNCHER_HEADS = (64,)  # where unsupported_reason lets the launcher take it
-DIM = 128
-PAGE = 64
 ROWS_MAX = 4          # rows per chunk at 64 heads (two row groups of two rows)
 GMAX = 2
 STAGES = 3
 MATH = 4
 THREADS = 128 * (MATH + 1)
-TABLE_WORDS = 8       # int32 per segment row of the plan
-CTA_WORDS = 4         # int32 per CTA: first segment, item range [lo, hi)
 # Dynamic shared memory (every build): 1 KB of alignment slack, the page rings,
 # the double-buffered queries, the rings' scales, the weights, the mbarriers.
 SMEM_BYTES = (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
@@ -84,13 +92,6 @@ SMEM_BYTES = (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
 # HEAD_SUM_TC builds: each math warpgroup's double-buffered B fragments of its
 # chunk's weights (8 lane classes x 9 float4 per row group; WT_BYTES in the source).
 HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
-# A page's cost for the schedule's balance, c0 + c1 * rows + c2 * row groups of
-# its chunk (page_cost): the CTAs' shares are equal in cost, not in pages, so a
-# CTA that draws long runs does not finish last.  Each row group runs one full
-# wgmma (a chunk's odd last row too), the epilogue follows the rows; from the
-# H200 (call 48, cycles per page): ~610 with two rows, ~960 with three, ~1040
-# with four.
-COST = (3, 1, 4)
 
 # The build by run-length hint (``defines_for``): a step's pages are read once,
 # so with one row group per page (hints <= 2) the page loads carry an L2
@@ -108,53 +109,6 @@ HEAD_SUMS = ("fp32", "tf32")
 _lock = threading.Lock()
 
 
-# ------------------------------------------------------------- NVRTC, driver
-
-def _nvrtc_candidates() -> list[str]:
-    names = []
-    env = os.environ.get("VLLM_DSA_VARLEN_NVRTC")
-    if env:
-        names.append(env)
-    roots = [os.path.dirname(os.path.dirname(torch.__file__))]
-    for root in roots:
-        for pat in ("nvidia/cu13/lib/libnvrtc.so.*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*",
-                    "nvidia/cu12/lib/libnvrtc.so.*"):
-            names += sorted(p for p in glob.glob(os.path.join(root, pat))
-                            if "builtins" not in p and ".alt." not in p)
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    names += sorted(glob.glob(os.path.join(cuda_home, "lib64", "libnvrtc.so*")))
-    names += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
-    return names
-
-
-@functools.lru_cache(maxsize=None)
-def _nvrtc():
-    """The NVRTC library (ctypes), or the reasons none loads."""
-    errors = []
-    for name in _nvrtc_candidates():
-        try:
-            lib = ctypes.CDLL(name)
-            lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-            return lib
-        except OSError as exc:
-            errors.append(f"{name}: {exc}")
-    raise OSError("no NVRTC library loads (set VLLM_DSA_VARLEN_NVRTC to one): "
-                  + "; ".join(errors[-3:]))
-
-
-@functools.lru_cache(maxsize=None)
-def _driver():
-    lib = ctypes.CDLL("libcuda.so.1")
-    return lib
-
-
-def _ck(res: int, what: str) -> None:
-    if res != 0:
-        name = ctypes.c_char_p()
-        _driver().cuGetErrorName(res, ctypes.byref(name))
-        raise RuntimeError(f"{what}: CUDA driver error {res} ({name.value})")
-
-
 def source(path: str = SOURCE) -> str:
     with open(path) as f:
         return f.read()
@@ -164,68 +118,74 @@ def compile_cubin(arch: str = ARCH, extra: tuple = (), path: str = SOURCE) -> tu
     """Compile the kernel (or the CUDA source at ``path``) with NVRTC (no GPU
     needed); returns (cubin, log).  Raises ``RuntimeError`` with NVRTC's log
     on a compile error."""
-    lib = _nvrtc()
-    prog = ctypes.c_void_p()
-    src = source(path).encode()
-    res = lib.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(path).encode(), 0,
-                                 None, None)
-    if res:
-        raise RuntimeError(f"nvrtcCreateProgram: {lib.nvrtcGetErrorString(res).decode()}")
-    try:
-        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17",
-                *[o.encode() for o in extra]]
-        arr = (ctypes.c_char_p * len(opts))(*opts)
-        res = lib.nvrtcCompileProgram(prog, len(opts), arr)
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        text = log.value.decode(errors="replace")
-        if res:
-            raise RuntimeError(f"NVRTC failed to compile {path} for {arch}: "
-                               f"{lib.nvrtcGetErrorString(res).decode()}\n{text}")
-        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-        cubin = ctypes.create_string_buffer(size.value)
-        _ck_nvrtc(lib, lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return cubin.raw, text
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return compile_source(path, arch, extra)
 
 
-def _ck_nvrtc(lib, res, what):
-    if res:
-        raise RuntimeError(f"{what}: {lib.nvrtcGetErrorString(res).decode()}")
-
-
+@functools.lru_cache(maxsize=None)
 def available() -> str | None:
-    """``None`` when NVRTC and the driver load, else why not."""
+    """``None`` when NVRTC and the driver load through cuda-python, else why not
+    (logged once)."""
     try:
         _nvrtc()
         _driver()
     except OSError as exc:
+        log_once(f"vllm-dsa-varlen: the sm_90 CUDA kernel is unavailable: {exc}")
         return str(exc)
     return None
 
 
-class _Loaded:
-    """The kernel loaded in one device's primary context."""
+# ----------------------------------------------------------- parameter block
 
-    def __init__(self, device: torch.device, defines: tuple = ()):
-        cubin, _ = compile_cubin(extra=tuple(f"-D{d}" for d in defines))
-        self.smem = smem_bytes(defines)
-        with torch.cuda.device(device):
-            torch.cuda.init()
-            torch.empty(1, device=device)  # the primary context is current
-            self.module = ctypes.c_void_p()
-            _ck(_driver().cuModuleLoadData(ctypes.byref(self.module), cubin), "cuModuleLoadData")
-            self.fn = ctypes.c_void_p()
-            _ck(_driver().cuModuleGetFunction(ctypes.byref(self.fn), self.module, KERNEL_NAME),
-                "cuModuleGetFunction")
-            _ck(_driver().cuFuncSetAttribute(self.fn, 8, self.smem),
-                "cuFuncSetAttribute(max dynamic shared memory)")
+class _TmaMap(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_uint64 * 16)]
+    _pack_ = 8
+
+
+# The kernel's parameters in order (``varlen_logits_sm90`` in the source; a
+# test reads the signature there and compares).  cuLaunchKernel copies each
+# from the address it is given, by the kernel's own sizes and offsets.
+PARAMS = (("kv_map", _TmaMap), ("q_map", _TmaMap),
+          ("kv", ctypes.c_uint64), ("stride_block", ctypes.c_int64),
+          ("w", ctypes.c_uint64), ("stride_w", ctypes.c_int32),
+          ("ctx", ctypes.c_uint64), ("bt", ctypes.c_uint64), ("stride_bt", ctypes.c_int32),
+          ("out", ctypes.c_uint64), ("stride_out", ctypes.c_int64),
+          ("table", ctypes.c_uint64), ("ctas", ctypes.c_uint64), ("num_segs", ctypes.c_int32))
+
+
+class _Params(ctypes.Structure):
+    _fields_ = list(PARAMS)
+
+
+class _Loaded:
+    """One build of the kernel loaded in a device's primary context (``fn``,
+    ``ctx``: driver handles), with the parameter block its launches rewrite:
+    ``params`` and the array of its fields' addresses (``params_addr``) that
+    ``cuLaunchKernel`` reads; ``smem``: its dynamic shared memory.  ``lock``:
+    one launch at a time fills the block."""
+
+    def __init__(self, fn, ctx, smem: int):
+        self.fn, self.ctx, self.smem = fn, ctx, smem
+        self.params = _Params()
+        base = ctypes.addressof(self.params)
+        self._ptrs = (ctypes.c_void_p * len(PARAMS))(
+            *[base + getattr(_Params, name).offset for name, _ in PARAMS])
+        self.params_addr = ctypes.addressof(self._ptrs)
+        self.kv_map = self.q_map = None  # the descriptors the block holds now
+        self.lock = threading.Lock()
+
+
+def _load(device: torch.device, defines: tuple) -> _Loaded:
+    """Compile (NVRTC) the build with ``defines`` and load it on ``device``."""
+    cubin, _ = compile_cubin(extra=tuple(f"-D{d}" for d in defines))
+    smem = smem_bytes(defines)
+    fn, ctx, module = load_function(_driver(), device, cubin, KERNEL_NAME, smem)
+    loaded = _Loaded(fn, ctx, smem)
+    loaded.module = module
+    return loaded
 
 
 _LOADED: dict = {}
+_BY_DEVICE: dict = {}  # (torch.device, defines) -> _Loaded: the launch's lookup
 
 
 def load(device, defines: tuple = ()) -> _Loaded:
@@ -233,6 +193,10 @@ def load(device, defines: tuple = ()) -> _Loaded:
     Done by ``precompile`` at start-up, so no decode step waits on it.
     ``defines``: ``NAME=value`` macros of the source (measured variants, e.g.
     ``MATH_REGS=112``; the default build takes none)."""
+    fast = isinstance(device, torch.device) and isinstance(defines, tuple)
+    got = _BY_DEVICE.get((device, defines)) if fast else None
+    if got is not None:
+        return got
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, tuple(defines))
@@ -241,19 +205,24 @@ def load(device, defines: tuple = ()) -> _Loaded:
         with _lock:
             got = _LOADED.get(key)
             if got is None:
-                got = _LOADED[key] = _Loaded(torch.device("cuda", index), tuple(defines))
+                got = _LOADED[key] = _load(torch.device("cuda", index), tuple(defines))
+    if fast and device.index is not None:
+        _BY_DEVICE[(device, defines)] = got
     return got
 
 
 # ----------------------------------------------------------------- TMA maps
+#
+# cuTensorMapEncodeTiled is called through ctypes on the driver library, into
+# a 64-byte aligned buffer: cuda-python's CUtensorMap keeps its 128 bytes
+# inside a Python object, which is not 64-byte aligned (as the driver's type
+# declares), and copies of it have crashed (cuda-python pull request 1692).
 
-class _TmaMap(ctypes.Structure):
-    _fields_ = [("bytes", ctypes.c_uint64 * 16)]
-    _pack_ = 8
-
-
-_MAPS: dict = {}
-_MAPS_LIMIT = 256
+@functools.lru_cache(maxsize=None)
+def _encode_fn():
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _encode(base: int, dims, strides, box) -> _TmaMap:
@@ -266,21 +235,46 @@ def _encode(base: int, dims, strides, box) -> _TmaMap:
     b = (ctypes.c_uint32 * rank)(*box)
     e = (ctypes.c_uint32 * rank)(*([1] * rank))
     # uint8, no interleave, 128-byte swizzle, 128-byte L2 promotion, zero fill
-    _ck(_driver().cuTensorMapEncodeTiled(ctypes.c_void_p(addr), 0, rank, ctypes.c_void_p(base),
-                                         d, s, b, e, 0, 3, 2, 0), "cuTensorMapEncodeTiled")
+    res = _encode_fn()(ctypes.c_void_p(addr), 0, rank, ctypes.c_void_p(base), d, s, b, e,
+                       0, 3, 2, 0)
+    if res:
+        raise RuntimeError(f"cuTensorMapEncodeTiled: CUDA error {res} (dims {list(dims)}, "
+                           f"strides {list(strides)}, box {list(box)})")
     out = _TmaMap()
     ctypes.memmove(ctypes.addressof(out), addr, 128)
     return out
 
 
-def _map(kind: str, base: int, dims, strides, box) -> _TmaMap:
-    key = (kind, base, tuple(dims), tuple(strides))
+_MAPS: dict = {}
+_MAPS_LIMIT = 256
+
+
+def _kv_map(kv_cache) -> _TmaMap:
+    """The cache's descriptor: ``[blocks][page][D]`` bytes, one page per box."""
+    base, blocks, stride = kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.stride(0)
+    key = ("kv", base, blocks, stride)
     got = _MAPS.get(key)
     if got is None:
-        if len(_MAPS) >= _MAPS_LIMIT:
-            _MAPS.clear()
-        got = _MAPS[key] = _encode(base, dims, strides, box)
+        got = _remember(key, _encode(base, [DIM, PAGE, blocks], [DIM, stride], [DIM, PAGE, 1]))
     return got
+
+
+def _q_map(q, group: int) -> _TmaMap:
+    """The queries' descriptor: ``[rows][H][D]`` bytes, a row group per box."""
+    base, rows, heads, stride = q.data_ptr(), q.shape[0], q.shape[2], q.stride(0)
+    key = ("q", base, rows, heads, stride)
+    got = _MAPS.get(key)
+    if got is None:
+        got = _remember(key, _encode(base, [DIM, heads, rows], [DIM, stride],
+                                     [DIM, heads, group]))
+    return got
+
+
+def _remember(key, value):
+    if len(_MAPS) >= _MAPS_LIMIT:
+        _MAPS.clear()
+    _MAPS[key] = value
+    return value
 
 
 # ----------------------------------------------------------------- checks
@@ -288,7 +282,7 @@ def _map(kind: str, base: int, dims, strides, box) -> _TmaMap:
 def unsupported_reason(q, kv_cache, weights=None) -> str | None:
     """Why the launcher cannot route these tensors here (``None``: it can);
     :data:`LAUNCHER_HEADS` only (:func:`launch` also takes 32 heads)."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not q.is_cuda or capability(q.device) != (9, 0):
         return "not an sm_90 GPU"
     if q.shape[2] not in LAUNCHER_HEADS or q.shape[3] != DIM or kv_cache.shape[1] != PAGE:
         return f"shape outside H {HEADS}, D {DIM}, page {PAGE}"
@@ -362,9 +356,8 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     rows_max = _check_structure(heads, rows_max)
     if (PLAN_KERNEL and heads == HEADS and indices.is_cuda and indices.dtype == torch.int32
             and available() is None):
-        from .cuda_plan import MAX_PROGRAMS, MAX_ROWS, plan_device
-
-        if (programs is None or programs <= MAX_PROGRAMS) and indices.numel() <= MAX_ROWS:
+        if ((programs is None or programs <= cuda_plan.MAX_PROGRAMS)
+                and indices.numel() <= cuda_plan.MAX_ROWS):
             return plan_device(indices, context_lens, max_context_len, bt_width,
                                programs=programs, cost=cost)
     return plan_torch(indices, context_lens, max_context_len, bt_width, heads, rows_max,
@@ -400,7 +393,7 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
     group = rows_per_group(heads)
     dev = indices.device
     if programs is None:
-        programs = _num_sms(dev)
+        programs = num_sms(dev)
     ids = indices.view(-1)
     ctx = context_lens.reshape(-1).to(torch.int32)
     rows = ids.shape[0]
@@ -442,22 +435,6 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
     seg0 = torch.searchsorted(off_end, lo, right=True)
     ctas = torch.stack([seg0, lo, hi, torch.zeros_like(lo)], 1).to(torch.int32)
     return table.contiguous(), ctas.contiguous()
-
-
-def _cost3(cost) -> tuple[int, int, int]:
-    if len(cost) not in (2, 3) or any(int(c) != c or c < 0 for c in cost) or not any(cost):
-        raise ValueError(f"cost: expected (c0, c1) or (c0, c1, c2), non-negative integers "
-                         f"not all zero, got {cost}")
-    return (int(cost[0]), int(cost[1]), int(cost[2]) if len(cost) == 3 else 0)
-
-
-def page_cost(cost, rows, rows_per_group: int = 2):
-    """A page's cost in the schedule's balance for a chunk of ``rows`` rows:
-    ``c0 + c1 * rows + c2 * row groups`` (``cost`` = (c0, c1) or (c0, c1, c2);
-    a row group is ``rows_per_group`` rows: 2 at 64 heads, 4 at 32).
-    ``rows``: an int (the host model) or an integer tensor (:func:`plan`)."""
-    c0, c1, c2 = _cost3(cost)
-    return c0 + c1 * rows + c2 * ((rows + rows_per_group - 1) // rows_per_group)
 
 
 def schedule_key(indices, context_lens, max_context_len: int, bt_width: int, heads: int,
@@ -510,12 +487,27 @@ def plan_items(table, ctas) -> list[list[tuple[int, int, int]]]:
 
 # ------------------------------------------------------------------- launch
 
+# The current stream's raw handle without building a torch.cuda.Stream (the
+# private getter Triton's launcher uses too; the public route where it is gone).
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream(index: int) -> int:
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
 def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
            rows_max: int | None = None, schedule=None, defines: tuple = ()):
-    """Launch on checked inputs (the portable launcher checks them); ``schedule``:
+    """Launch on checked inputs (:mod:`.launcher` checks them); ``schedule``:
     the step's :func:`plan` (made here when not given); ``defines``: a
     measured variant's macros (:func:`load`).  32 heads (``q [R, 1, 32, D]``)
-    take the ``HEADS=32`` build of ``defines``."""
+    take the ``HEADS=32`` build of ``defines``.
+
+    Host work per call: the build's parameter block is rewritten in place
+    (the TMA descriptors from their cache by layout) and passed to
+    ``cuLaunchKernel`` by address; nothing else is built."""
     rows, heads = q.shape[0], q.shape[2]
     group = rows_per_group(heads)
     if rows_max is not None and rows_max != GMAX * group:
@@ -528,7 +520,7 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     if schedule is None:
         schedule = plan(indices, context_lens, max_context_len, block_table.shape[1], heads)
     table, ctas = schedule
-    programs = _num_sms(dev)
+    programs = num_sms(dev)
     if (table.dtype != torch.int32 or tuple(table.shape) != (rows, TABLE_WORDS)
             or ctas.dtype != torch.int32 or tuple(ctas.shape) != (programs, CTA_WORDS)):
         raise ValueError(f"schedule: expected (int32 [{rows}, {TABLE_WORDS}], int32 "
@@ -537,23 +529,44 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     if not _weights_fit(weights, heads):
         raise ValueError(f"weights: expected contiguous fp32 [R, {heads}] (16-byte aligned), got "
                          f"strides {weights.stride()}")
-    blocks = kv_cache.shape[0]
-    kv_map = _map("kv", kv_cache.data_ptr(), [DIM, PAGE, blocks], [DIM, kv_cache.stride(0)],
-                  [DIM, PAGE, 1])
-    q_map = _map("q", q.data_ptr(), [DIM, heads, rows], [DIM, q.stride(0)], [DIM, heads, group])
-    ctx = context_lens.reshape(-1)
-    if ctx.stride(0) != 1:
-        ctx = ctx.contiguous()
-    vals = [kv_map, q_map, ctypes.c_uint64(kv_cache.data_ptr()), ctypes.c_int64(kv_cache.stride(0)),
-            ctypes.c_uint64(weights.data_ptr()), ctypes.c_int32(weights.stride(0)),
-            ctypes.c_uint64(ctx.data_ptr()), ctypes.c_uint64(block_table.data_ptr()),
-            ctypes.c_int32(block_table.stride(0)), ctypes.c_uint64(out.data_ptr()),
-            ctypes.c_int64(out.stride(0)), ctypes.c_uint64(table.data_ptr()),
-            ctypes.c_uint64(ctas.data_ptr()), ctypes.c_int32(rows)]
-    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
-                                             for v in vals])
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    with torch.cuda.device(dev):
-        _ck(_driver().cuLaunchKernel(kern.fn, programs, 1, 1, THREADS, 1, 1, kern.smem,
-                                     ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+    kv_map = _kv_map(kv_cache)
+    q_map = _q_map(q, group)
+    ctx = context_lens
+    if not ctx.is_contiguous():  # [R, 1] or [R]: contiguous means one int per row
+        ctx = ctx.reshape(-1).contiguous()
+    index = dev.index
+    with kern.lock:
+        p = kern.params
+        if kern.kv_map is not kv_map:
+            p.kv_map = kv_map
+            kern.kv_map = kv_map
+        if kern.q_map is not q_map:
+            p.q_map = q_map
+            kern.q_map = q_map
+        p.kv = kv_cache.data_ptr()
+        p.stride_block = kv_cache.stride(0)
+        p.w = weights.data_ptr()
+        p.stride_w = weights.stride(0)
+        p.ctx = ctx.data_ptr()
+        p.bt = block_table.data_ptr()
+        p.stride_bt = block_table.stride(0)
+        p.out = out.data_ptr()
+        p.stride_out = out.stride(0)
+        p.table = table.data_ptr()
+        p.ctas = ctas.data_ptr()
+        p.num_segs = rows
+        if torch.cuda.current_device() == index:
+            _launch(kern, programs, _stream(index))
+        else:
+            with torch.cuda.device(index):
+                _launch(kern, programs, _stream(index))
     return kern
+
+
+def _launch(kern: _Loaded, programs: int, stream: int) -> None:
+    """``cuLaunchKernel`` of ``kern`` with its parameter block as it stands."""
+    launch_function(_driver(), kern.fn, kern.ctx, programs, THREADS, kern.smem, stream,
+                    kern.params_addr)
+
+
+

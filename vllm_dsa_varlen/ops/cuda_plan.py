@@ -22,7 +22,8 @@ import threading
 
 import torch
 
-from . import cuda_paged_mqa_logits as ck
+from . import cuda_binding as cb
+from .common import PAGE, num_sms
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "sm90_plan.cu")
 KERNEL_NAME = b"plan_sm90"
@@ -33,32 +34,51 @@ TABLE_ROWS = 4096        # steps of up to this many rows build the table in shar
 MAX_ROWS = THREADS * 32  # rows per thread: one bit each in a 32-bit mask
 _INT32_MAX = 2**31 - 1
 
+CHUNK_ROWS = 4           # rows per chunk of the 64-head logits kernel (its ROWS_MAX)
+TABLE_WORDS = 8          # int32 per segment row of the plan
+CTA_WORDS = 4            # int32 per CTA: first segment, item range [lo, hi)
+
+# A page's cost for the schedule's balance, c0 + c1 * rows + c2 * row groups of
+# its chunk (page_cost): the CTAs' shares are equal in cost, not in pages, so a
+# CTA that draws long runs does not finish last.  Each row group runs one full
+# wgmma (a chunk's odd last row too), the epilogue follows the rows; from the
+# H200 (call 48, cycles per page): ~610 with two rows, ~960 with three, ~1040
+# with four.
+COST = (3, 1, 4)
+
 _lock = threading.Lock()
 _LOADED: dict = {}
 
 
-def compile_cubin(arch: str = ck.ARCH, extra: tuple = ()) -> tuple[bytes, str]:
+def _cost3(cost) -> tuple[int, int, int]:
+    if len(cost) not in (2, 3) or any(int(c) != c or c < 0 for c in cost) or not any(cost):
+        raise ValueError(f"cost: expected (c0, c1) or (c0, c1, c2), non-negative integers "
+                         f"not all zero, got {cost}")
+    return (int(cost[0]), int(cost[1]), int(cost[2]) if len(cost) == 3 else 0)
+
+
+def page_cost(cost, rows, rows_per_group: int = 2):
+    """A page's cost in the schedule's balance for a chunk of ``rows`` rows:
+    ``c0 + c1 * rows + c2 * row groups`` (``cost`` = (c0, c1) or (c0, c1, c2);
+    a row group is ``rows_per_group`` rows: 2 at 64 heads, 4 at 32).
+    ``rows``: an int (the host model) or an integer tensor (:func:`plan`)."""
+    c0, c1, c2 = _cost3(cost)
+    return c0 + c1 * rows + c2 * ((rows + rows_per_group - 1) // rows_per_group)
+
+
+def compile_cubin(arch: str = cb.ARCH, extra: tuple = ()) -> tuple[bytes, str]:
     """The planner built by NVRTC (no GPU needed): ``(cubin, log)``."""
-    return ck.compile_cubin(arch, extra, path=SOURCE)
+    return cb.compile_source(SOURCE, arch, extra)
 
 
 class _Loaded:
-    """The planner loaded in one device's primary context."""
+    """The planner loaded in one device's primary context (driver handles)."""
 
     def __init__(self, device: torch.device):
         cubin, _ = compile_cubin()
-        drv = ck._driver()
-        with torch.cuda.device(device):
-            torch.cuda.init()
-            torch.empty(1, device=device)  # the primary context is current
-            self.module = ctypes.c_void_p()
-            ck._ck(drv.cuModuleLoadData(ctypes.byref(self.module), cubin), "cuModuleLoadData")
-            self.fn = ctypes.c_void_p()
-            ck._ck(drv.cuModuleGetFunction(ctypes.byref(self.fn), self.module, KERNEL_NAME),
-                   "cuModuleGetFunction")
-            most = max(stage_bytes(TABLE_ROWS), stage_bytes(STAGE_ROWS))
-            ck._ck(drv.cuFuncSetAttribute(self.fn, 8, most),
-                   "cuFuncSetAttribute(max dynamic shared memory)")
+        most = max(stage_bytes(TABLE_ROWS), stage_bytes(STAGE_ROWS))
+        self.fn, self.ctx, self.module = cb.load_function(cb.driver(), device, cubin,
+                                                          KERNEL_NAME, most)
 
 
 def stage_bytes(rows: int) -> int:
@@ -96,8 +116,8 @@ def load(device) -> _Loaded:
 def allocate(rows: int, programs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Output buffers for :func:`plan_device`: ``(table int32 [rows, 8], ctas
     int32 [programs, 4])``."""
-    return (torch.empty((rows, ck.TABLE_WORDS), dtype=torch.int32, device=device),
-            torch.empty((programs, ck.CTA_WORDS), dtype=torch.int32, device=device))
+    return (torch.empty((rows, TABLE_WORDS), dtype=torch.int32, device=device),
+            torch.empty((programs, CTA_WORDS), dtype=torch.int32, device=device))
 
 
 def _fail(name: str, expected: str, got) -> None:
@@ -116,7 +136,7 @@ def _int32_rows(t: torch.Tensor, name: str, rows: int) -> torch.Tensor:
 
 
 def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
-                programs: int | None = None, cost=ck.COST, out=None):
+                programs: int | None = None, cost=COST, out=None):
     """The step's schedule (``table int32 [R, 8]``, ``ctas int32 [programs,
     4]``; layout in :func:`cuda_paged_mqa_logits.plan_torch`) from one launch
     on the current stream.  ``indices``, ``context_lens``: the rows' run ids
@@ -138,21 +158,21 @@ def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
     if ctx.device != dev:
         _fail("context_lens", f"a tensor on {dev}", ctx.device)
     if programs is None:
-        programs = ck._num_sms(dev)
+        programs = num_sms(dev)
     if not 1 <= programs <= MAX_PROGRAMS:
         _fail("programs", f"1 to {MAX_PROGRAMS}", programs)
     if max_context_len < 0:
         _fail("max_context_len", ">= 0", max_context_len)
     if bt_width < 0:
         _fail("bt_width", ">= 0", bt_width)
-    units = [ck.page_cost(cost, n) for n in range(1, ck.ROWS_MAX + 1)]
-    cap = min(int(max_context_len), int(bt_width) * ck.PAGE, _INT32_MAX)
+    units = [page_cost(cost, n) for n in range(1, CHUNK_ROWS + 1)]
+    cap = min(int(max_context_len), int(bt_width) * PAGE, _INT32_MAX)
     if out is None:
         table, ctas = allocate(rows, programs, dev)
     else:
         table, ctas = out
-        for name, t, shape in (("table", table, (rows, ck.TABLE_WORDS)),
-                               ("ctas", ctas, (programs, ck.CTA_WORDS))):
+        for name, t, shape in (("table", table, (rows, TABLE_WORDS)),
+                               ("ctas", ctas, (programs, CTA_WORDS))):
             if (t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous()
                     or t.device != dev or t.data_ptr() % 16):
                 _fail("out", f"{name} contiguous int32 {list(shape)} on {dev}, 16-byte aligned",
@@ -165,9 +185,7 @@ def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
             ctypes.c_uint64(table.data_ptr()), ctypes.c_uint64(ctas.data_ptr())]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
                                              for v in vals])
-    stream = torch.cuda.current_stream(dev).cuda_stream
     with torch.cuda.device(dev):
-        ck._ck(ck._driver().cuLaunchKernel(kern.fn, 1, 1, 1, THREADS, 1, 1, stage_bytes(rows),
-                                           ctypes.c_void_p(stream), params, None),
-               "cuLaunchKernel")
+        cb.launch_function(cb.driver(), kern.fn, kern.ctx, 1, THREADS, stage_bytes(rows),
+                           torch.cuda.current_stream(dev).cuda_stream, ctypes.addressof(params))
     return table, ctas

@@ -1,9 +1,10 @@
 """Hopper (sm_90) varlen paged MQA logits in Triton Gluon.
 
 Same inputs, outputs and semantics as
-:func:`vllm_dsa_varlen.ops.triton_paged_mqa_logits.varlen_paged_mqa_logits`
-(see that module and :mod:`vllm_dsa_varlen.ops.reference`); the launcher there
-takes this kernel on sm_90 where it measured faster (``auto_takes_sm90``).
+:func:`vllm_dsa_varlen.ops.launcher.varlen_paged_mqa_logits` (see
+:mod:`vllm_dsa_varlen.ops.reference`); the launcher takes this kernel on sm_90
+where the CUDA one cannot run and this one measured faster than the portable
+kernel (``auto_takes_sm90``).
 
 Structure (one launch, graph safe, no host sync):
 
@@ -57,11 +58,12 @@ compilation for sm_90 on the CPU (``python -m vllm_dsa_varlen.ops.compile_check`
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 import triton
+
+from .common import DIM, PAGE, capability, launch_bound, num_sms
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +83,6 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
 
 PER_STEP_INTS = ("num_rows", "max_context_len", "bt_width", "stride_bt")  # never specialised
 HEADS = (32, 64)
-DIM = 128
-PAGE = 64
 MMA_N = 128          # query rows x heads per wgmma
 BLOCK_R = 1024       # rows scanned per step of the schedule pass
 SCHED_WORDS = 4      # int32 words per program in a planned schedule (3 used)
@@ -790,7 +790,7 @@ def unsupported_reason(q, kv_cache) -> str | None:
     """Why the sm_90 path cannot take these tensors (``None``: it can)."""
     if _MISSING is not None:
         return f"Triton {triton.__version__} lacks a Gluon piece ({_MISSING})"
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not q.is_cuda or capability(q.device)[0] != 9:
         return "not an sm_90 GPU"
     if q.shape[2] not in HEADS or q.shape[3] != DIM or kv_cache.shape[1] != PAGE:
         return f"shape outside H {HEADS}, D {DIM}, page {PAGE}"
@@ -799,11 +799,6 @@ def unsupported_reason(q, kv_cache) -> str | None:
     if q.stride(0) % 16 or q.data_ptr() % 16:
         return "query row stride or base not 16-byte aligned (TMA)"
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def rows_max_for(heads: int, max_run_len: int) -> int:
@@ -867,9 +862,7 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int,
     heads, ``rows_max`` and structure can take it (``launch(schedule=...)``)
     instead of scheduling in every program of every call.  Graph safe: written
     by the GPU, read by the GPU."""
-    from .triton_paged_mqa_logits import launch_bound
-
-    programs = _num_sms(indices.device.index or 0) * ctas_per_sm
+    programs = num_sms(indices.device.index or 0) * ctas_per_sm
     sched = torch.empty((programs, SCHED_WORDS), dtype=torch.int32, device=indices.device)
     args = (indices, context_lens, sched, indices.shape[0], max_context_len, bt_width)
     launch_bound(_plan_sm90, (programs,), args, plan_constexprs(heads, rows_max, wide), {},
@@ -937,7 +930,7 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
            consumers: int = CONSUMERS, consumer_regs: int | None = None,
            maxnreg: int | None = None, direct_store: bool = DIRECT_STORE,
            wide: bool | None = None, schedule=None):
-    """Launch the sm_90 kernel on checked inputs (see the portable launcher);
+    """Launch the sm_90 kernel on checked inputs (:mod:`.launcher` checks them);
     the grid depends on the GPU alone.  ``consumer_regs`` / ``maxnreg``
     (math-warpgroup and launch registers): ``None`` takes :data:`REGISTERS`
     for ``consumers`` (:data:`WIDE_REGISTERS` for the wide structure); a launch
@@ -946,13 +939,11 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     holds at most two row groups per segment (:func:`wide_rows_max`) and
     ignores ``consumers`` and ``direct_store``.  ``schedule``: the step's
     :func:`plan` (made here, one more launch, when not given)."""
-    from .triton_paged_mqa_logits import launch_bound
-
     rows, _, heads, dim = q.shape
     wide, kernel, constexprs, options = kernel_config(
         heads, rows_max, dim=dim, page=kv_cache.shape[1], stages=stages, consumers=consumers,
         consumer_regs=consumer_regs, maxnreg=maxnreg, direct_store=direct_store, wide=wide)
-    grid = (_num_sms(q.device.index or 0) * ctas_per_sm,)
+    grid = (num_sms(q.device.index or 0) * ctas_per_sm,)
     if schedule is None:
         schedule = plan(indices, context_lens, max_context_len, block_table.shape[1], heads,
                         rows_max, wide=wide, ctas_per_sm=ctas_per_sm)

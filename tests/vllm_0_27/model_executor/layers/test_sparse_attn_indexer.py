@@ -18,7 +18,7 @@ from fake_deep_gemm import FakeDeepGemm  # noqa: E402
 from vllm.config import CUDAGraphMode  # noqa: E402
 from vllm_stubs import NUM_SMS, decode_batch, fake_gpu, make_builder  # noqa: E402
 
-import vllm_dsa_varlen.ops.triton_paged_mqa_logits as triton_kernel  # noqa: E402
+import vllm_dsa_varlen.ops.launcher as launcher  # noqa: E402
 from vllm_dsa_varlen import config, patches, policy  # noqa: E402
 from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as ours  # noqa: E402
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref  # noqa: E402
@@ -123,14 +123,14 @@ def test_decode_topk_equals_the_padded_path(monkeypatch, backend, seed):
     assert ids is not None and ids.shape[0] == step.num_rows
 
     seen, seen_kwargs = [], []
-    real_kernel = triton_kernel.varlen_paged_mqa_logits
+    real_kernel = launcher.varlen_paged_mqa_logits
 
     def spy(*args, **kwargs):
         seen.append(args)
         seen_kwargs.append(kwargs)
         return real_kernel(*args, **kwargs)
 
-    monkeypatch.setattr(triton_kernel, "varlen_paged_mqa_logits", spy)
+    monkeypatch.setattr(launcher, "varlen_paged_mqa_logits", spy)
     topk = _run_indexer(monkeypatch, md, step.q[:, 0], None, step.kv_cache.squeeze(2),
                         step.weights, step.max_context_len)
     if backend.startswith("deepgemm"):
@@ -201,7 +201,7 @@ def test_flattened_per_step_both_kernels_give_the_padded_result(monkeypatch, num
     next_n = 4
     fake_gpu(monkeypatch, (9, 0))
     dg = FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
-    monkeypatch.setattr(triton_kernel, "varlen_paged_mqa_logits", _reference_varlen_kernel)
+    monkeypatch.setattr(launcher, "varlen_paged_mqa_logits", _reference_varlen_kernel)
     # The op follows whatever the table says (the table itself: tests/test_policy.py).
     monkeypatch.setattr(policy, "MEASURED", (policy.Rule("flattened", min_run=3,
                                                          min_requests=64, note="test table"),))
@@ -246,7 +246,7 @@ def test_split_hybrid_both_layouts_give_the_padded_result(monkeypatch, lens, seq
     next_n = 2
     fake_gpu(monkeypatch, (9, 0))
     dg = FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
-    monkeypatch.setattr(triton_kernel, "varlen_paged_mqa_logits", _reference_varlen_kernel)
+    monkeypatch.setattr(launcher, "varlen_paged_mqa_logits", _reference_varlen_kernel)
     step = make_decode_step(lens, seqs, heads=HEADS, dim=DIM, page=PAGE, seed=len(lens))
     patches.apply_all()
     builder = make_builder(monkeypatch, next_n=next_n, width=step.block_table.shape[1],

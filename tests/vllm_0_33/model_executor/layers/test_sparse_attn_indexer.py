@@ -13,7 +13,7 @@ import vllm.utils.deep_gemm as vdg  # noqa: E402
 from vllm033_stubs import HopperDeepGemm, fake_gpu  # noqa: E402
 
 from vllm_dsa_varlen import patches  # noqa: E402
-from vllm_dsa_varlen.ops import triton_paged_mqa_logits as triton_kernel  # noqa: E402
+from vllm_dsa_varlen.ops import launcher  # noqa: E402
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, quantize_kv_fp8, valid_mask  # noqa: E402
 from vllm_dsa_varlen.plan import plan_decode_rows  # noqa: E402
 from vllm_dsa_varlen.varlen_ids import attach_varlen_ids, varlen_ids_of  # noqa: E402
@@ -77,13 +77,13 @@ def test_tagged_step_runs_the_triton_kernel(monkeypatch, lens, seqs):
                                  max(lens))
     max_len = max(seqs) + 13
     seen = []
-    real = triton_kernel.varlen_paged_mqa_logits
+    real = launcher.varlen_paged_mqa_logits
 
     def spy(*args, **kwargs):
         seen.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(triton_kernel, "varlen_paged_mqa_logits", spy)
+    monkeypatch.setattr(launcher, "varlen_paged_mqa_logits", spy)
     logits = sai.fp8_fp4_paged_mqa_logits((q, None), kv, w, ctx, bt, schedule,
                                           max_model_len=max_len, indices=ids)
     assert dg.calls == []

@@ -18,7 +18,7 @@ is False, so stock reshapes the decode queries to ``[R, 1, H, D]`` and
 run ids ride on ``schedule_metadata`` (:mod:`vllm_dsa_varlen.varlen_ids`):
 
 * tagged ``deepgemm``: DeepGEMM with ``indices=ids`` (FP8 and MXFP4 caches);
-* tagged ``triton``: :func:`vllm_dsa_varlen.ops.triton_paged_mqa_logits.varlen_paged_mqa_logits`
+* tagged ``triton``: :func:`vllm_dsa_varlen.ops.launcher.varlen_paged_mqa_logits`
   (FP8 cache only; an MXFP4 step raises);
 * no tag: exactly the stock call (through :mod:`vllm_dsa_varlen.vllm_0_27.utils.deep_gemm`,
   which passes stock's arguments unchanged).
@@ -41,7 +41,7 @@ def _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids, max_mo
             "vllm-dsa-varlen: the Triton varlen backend serves the FP8 indexer cache only; "
             f"this step has {'MXFP4 (scaled) ' if q_scale is not None else ''}queries of "
             f"dtype {q_values.dtype} (an MXFP4 cache needs the DeepGEMM backend on SM100)")
-    from vllm_dsa_varlen.ops.triton_paged_mqa_logits import varlen_paged_mqa_logits
+    from vllm_dsa_varlen.ops.launcher import varlen_paged_mqa_logits
 
     logits = varlen_paged_mqa_logits(q_values, kv_cache, weights, context_lens, block_tables,
                                      ids, max_model_len, max_run_len=max_run_len,

@@ -17,7 +17,7 @@ False, so stock reshapes the decode queries to ``[R, 1, H, D]`` and
 ``seq_lens`` is ``[R, 1]``: the arguments already are the varlen layout.
 
 * schedule tagged ``triton`` (:mod:`vllm_dsa_varlen.varlen_ids`): the Triton
-  varlen kernel :func:`vllm_dsa_varlen.ops.triton_paged_mqa_logits.varlen_paged_mqa_logits`
+  varlen kernel :func:`vllm_dsa_varlen.ops.launcher.varlen_paged_mqa_logits`
   with the tag's ids (FP8 cache only; anything else raises);
 * no tag: exactly stock's call (``indices`` passed through: upstream's own
   SM100 varlen is untouched).
@@ -53,11 +53,11 @@ def triton_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.T
             "vllm-dsa-varlen: the Triton varlen backend serves the FP8 indexer cache only; "
             f"this step has {'MXFP4 (scaled) ' if q_scale is not None else ''}queries of "
             f"dtype {q_values.dtype}")
-    from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+    from vllm_dsa_varlen.ops import launcher
 
-    return tk.varlen_paged_mqa_logits(q_values, kv_cache, weights, context_lens, block_tables,
-                                      ids, max_model_len, max_run_len=max_run_len,
-                                      schedule_cache=schedules)
+    return launcher.varlen_paged_mqa_logits(q_values, kv_cache, weights, context_lens,
+                                            block_tables, ids, max_model_len,
+                                            max_run_len=max_run_len, schedule_cache=schedules)
 
 
 def wrap_paged_mqa_logits(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -587,16 +587,16 @@ def test_builder_precompiles_the_triton_kernels_at_creation(monkeypatch, backend
 @pytest.mark.parametrize("graph_kernel", ["cuda_sm90", "gluon_sm90", "portable"])
 def test_kernel_gated_rules_follow_the_builders_graph_kernel(monkeypatch, graph_kernel):
     """A rule measured with one varlen kernel only (``Rule.kernel``) applies when
-    the builder's graph-time kernel (``tk.graph_kernel``, asked with its cache's
+    the builder's graph-time kernel (``launcher.graph_kernel``, asked with its cache's
     geometry and index heads) is that kernel."""
-    from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+    from vllm_dsa_varlen.ops import launcher
 
     fake_gpu(monkeypatch, (9, 0))
     FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
     monkeypatch.setattr(policy, "MEASURED", (policy.Rule(
         "flattened", min_run=3, min_requests=64, kernel="cuda_sm90", note="test table"),))
     asked = []
-    monkeypatch.setattr(tk, "graph_kernel", lambda device, heads, dim, page: (
+    monkeypatch.setattr(launcher, "graph_kernel", lambda device, heads, dim, page: (
         asked.append((dim, page)), graph_kernel)[1])
     patches.apply_all()
     builder = make_builder(monkeypatch, next_n=4, max_tokens=256, max_seqs=64)

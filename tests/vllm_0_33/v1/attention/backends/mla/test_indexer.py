@@ -392,15 +392,15 @@ def test_draft_update_of_a_varlen_step(monkeypatch):
 def test_kernel_gated_rules_follow_the_builders_graph_kernel(monkeypatch, graph_kernel):
     """A step stock flattens (6 tokens: no native kernel) takes varlen under a
     rule measured with the CUDA sm_90 kernel only when the builder's graph-time
-    kernel (``tk.graph_kernel``, asked with its cache geometry) is that one."""
-    from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+    kernel (``launcher.graph_kernel``, asked with its cache geometry) is that one."""
+    from vllm_dsa_varlen.ops import launcher
 
     _hopper(monkeypatch)
     monkeypatch.setattr(policy, "MEASURED", (policy.Rule(
         "flattened", min_run=6, max_run_le=6, min_requests=2, uniform=True, kernel="cuda_sm90",
         note="test table"),))
     asked = []
-    monkeypatch.setattr(tk, "graph_kernel", lambda device, heads, dim, page: (
+    monkeypatch.setattr(launcher, "graph_kernel", lambda device, heads, dim, page: (
         asked.append((dim, page)), graph_kernel)[1])
     patches.apply_all(line="0.33")
     builder = make_builder(monkeypatch, next_n=6)

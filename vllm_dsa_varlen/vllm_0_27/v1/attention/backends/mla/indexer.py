@@ -111,18 +111,18 @@ def _triton_serves(vllm_config: Any, kv_cache_spec: Any) -> bool:
     try:
         from vllm.triton_utils import HAS_TRITON
 
-        from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+        from vllm_dsa_varlen.ops import launcher
     except Exception:  # noqa: BLE001 - Triton missing or broken: no Triton path
         return False
     if not HAS_TRITON:
         return False
     page = _kernel_page(kv_cache_spec)
     head_size = getattr(kv_cache_spec, "head_size", None)
-    if (page not in tk.SUPPORTED_PAGES or head_size is None
-            or head_size - 4 not in tk.SUPPORTED_DIMS):
+    if (page not in launcher.SUPPORTED_PAGES or head_size is None
+            or head_size - 4 not in launcher.SUPPORTED_DIMS):
         return False
     heads = _index_heads(vllm_config)
-    return heads is None or heads in tk.SUPPORTED_HEADS
+    return heads is None or heads in launcher.SUPPORTED_HEADS
 
 
 def _kernel_page(kv_cache_spec: Any) -> int | None:
@@ -486,13 +486,13 @@ def _record_step(builder: Any, common: Any, metadata: Any, path: str | None) -> 
 
 def _graph_kernel(builder: Any) -> str:
     """The varlen kernel a captured decode step of this builder runs (the GPU,
-    index heads and cache geometry decide; see ``tk.graph_kernel``): the
+    index heads and cache geometry decide; see ``launcher.graph_kernel``): the
     policy's rules measured with one kernel apply only when it runs."""
-    from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+    from vllm_dsa_varlen.ops import launcher
 
     spec = builder.kv_cache_spec
-    return tk.graph_kernel(builder.device, _index_heads(builder.vllm_config), spec.head_size - 4,
-                           _kernel_page(spec))
+    return launcher.graph_kernel(builder.device, _index_heads(builder.vllm_config),
+                                 spec.head_size - 4, _kernel_page(spec))
 
 
 def _hand_over_ids(builder: Any, metadata: Any, common: Any) -> None:

@@ -175,13 +175,13 @@ def _index_heads(builder: Any) -> int | None:
 
 def _graph_kernel(builder: Any) -> str:
     """The varlen kernel a captured decode step of this builder runs (the GPU,
-    index heads and cache geometry decide; see ``tk.graph_kernel``): the
+    index heads and cache geometry decide; see ``launcher.graph_kernel``): the
     policy's rules measured with one kernel apply only when it runs."""
-    from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+    from vllm_dsa_varlen.ops import launcher
 
     spec = builder.kv_cache_spec
-    return tk.graph_kernel(builder.device, _index_heads(builder), spec.head_size - 4,
-                           spec.num_states)
+    return launcher.graph_kernel(builder.device, _index_heads(builder), spec.head_size - 4,
+                                 spec.num_states)
 
 
 def _triton_serves(builder: Any) -> bool:
@@ -190,7 +190,7 @@ def _triton_serves(builder: Any) -> bool:
     try:
         from vllm.triton_utils import HAS_TRITON
 
-        from vllm_dsa_varlen.ops import triton_paged_mqa_logits as tk
+        from vllm_dsa_varlen.ops import launcher
     except Exception:  # noqa: BLE001 - Triton missing or broken: no Triton path
         return False
     if not HAS_TRITON:
@@ -198,10 +198,11 @@ def _triton_serves(builder: Any) -> bool:
     spec = builder.kv_cache_spec
     page = getattr(spec, "num_states", None)
     head_size = getattr(spec, "head_size", None)
-    if page not in tk.SUPPORTED_PAGES or head_size is None or head_size - 4 not in tk.SUPPORTED_DIMS:
+    if (page not in launcher.SUPPORTED_PAGES or head_size is None
+            or head_size - 4 not in launcher.SUPPORTED_DIMS):
         return False
     heads = _index_heads(builder)
-    return heads is None or heads in tk.SUPPORTED_HEADS
+    return heads is None or heads in launcher.SUPPORTED_HEADS
 
 
 def decide_decode_path(builder: Any) -> DecodePath:

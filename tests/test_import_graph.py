@@ -1,0 +1,129 @@
+"""The package's import graph, read from the source (``ast``, every import
+statement, the ones inside functions too): no module imports one that imports
+it back, directly or through others; the kernels never reach the launcher;
+the launcher is where a reader looks for it."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = "vllm_dsa_varlen"
+KERNELS = ("common", "reference", "triton_paged_mqa_logits", "cuda_paged_mqa_logits",
+           "cuda_plan", "cuda_binding", "gluon_paged_mqa_logits")
+
+
+def _modules() -> dict[str, str]:
+    """Module name -> file, for every ``.py`` file of the package."""
+    mods = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, PACKAGE)):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                mod = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                mods[mod.removesuffix(".__init__")] = path
+    return mods
+
+
+def _imported(mod: str, path: str, node, known) -> set[str]:
+    """The package's modules one import statement of ``mod`` names."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            parts = mod.split(".")
+            if not path.endswith("__init__.py"):
+                parts = parts[:-1]  # a module's own package
+            parts = parts[:len(parts) - node.level + 1]
+            base = ".".join(parts + ([base] if base else []))
+        names = [base] + [f"{base}.{a.name}" for a in node.names]  # a name may be a module
+    return {n for n in names if n in known and n != mod}
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph = {}
+    for mod, path in mods.items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        graph[mod] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                graph[mod] |= _imported(mod, path, node, mods)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle (its modules in order, the first repeated last), or ``None``."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(v):
+        state[v] = 1
+        path.append(v)
+        for w in sorted(graph.get(v, ())):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state:
+                found = visit(w)
+                if found:
+                    return found
+        path.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(graph):
+        if v not in state:
+            found = visit(v)
+            if found:
+                return found
+    return None
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for w in graph.get(todo.pop(), ()):
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+def test_the_cycle_finder_finds_circles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_relative_imports_resolve_to_the_package_modules():
+    graph = import_graph()
+    ops = f"{PACKAGE}.ops"
+    assert {f"{ops}.{k}" for k in ("triton_paged_mqa_logits", "cuda_paged_mqa_logits",
+                                   "gluon_paged_mqa_logits", "common")} <= graph[f"{ops}.launcher"]
+
+
+def test_no_import_circle_in_the_package():
+    graph = import_graph()
+    assert len(graph) > 20
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernels_never_reach_the_launcher(kernel):
+    graph = import_graph()
+    ops = f"{PACKAGE}.ops"
+    assert f"{ops}.launcher" not in reachable(graph, f"{ops}.{kernel}")
+
+
+def test_the_launcher_holds_the_entry_points():
+    from vllm_dsa_varlen.ops import launcher, triton_paged_mqa_logits
+
+    for name in ("varlen_paged_mqa_logits", "precompile", "check_varlen_inputs", "graph_kernel",
+                 "hopper_kernel_for", "auto_takes_sm90"):
+        assert callable(getattr(launcher, name))
+        assert not hasattr(triton_paged_mqa_logits, name)

@@ -1,0 +1,143 @@
+"""NVRTC and the CUDA driver through NVIDIA's ``cuda-python`` (``cuda.bindings``):
+what this project's CUDA C++ kernels need to be compiled, loaded and launched
+with no host compiler and no build step (the sm_90 logits kernel,
+:mod:`.cuda_paged_mqa_logits`, and its planner, :mod:`.cuda_plan`).  Knows no
+kernel.  ``VLLM_DSA_VARLEN_NVRTC`` names another NVRTC library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+import os
+
+import torch
+
+ARCH = "sm_90a"
+INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+NVRTC_ENV = "VLLM_DSA_VARLEN_NVRTC"  # path of another NVRTC library to compile with
+
+
+def _import(name: str):
+    """``cuda.bindings.<name>`` or ``OSError`` saying what is missing."""
+    try:
+        return importlib.import_module(f"cuda.bindings.{name}")
+    except ImportError as exc:
+        raise OSError(f"cuda-python is not installed or too old (cuda.bindings.{name}: {exc}); "
+                      "the sm_90 CUDA kernels compile and launch through it "
+                      "(pip install cuda-python)") from exc
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc():
+    """cuda-python's NVRTC module with a library loaded, or ``OSError`` why not.
+
+    ``VLLM_DSA_VARLEN_NVRTC`` names another NVRTC library: it is loaded first,
+    and cuda-python takes an NVRTC the process has loaded (by its soname,
+    ``libnvrtc.so.13`` or ``.12``) before searching for one."""
+    nvrtc = _import("nvrtc")
+    path = os.environ.get(NVRTC_ENV)
+    if path:
+        try:
+            ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
+        except OSError as exc:
+            raise OSError(f"{NVRTC_ENV}={path}: {exc}") from exc
+    try:
+        err, _, _ = nvrtc.nvrtcVersion()
+    except Exception as exc:  # noqa: BLE001 - cuda-python found no NVRTC library
+        raise OSError(f"no NVRTC library loads through cuda-python ({exc}); set {NVRTC_ENV} "
+                      "to one") from exc
+    if err:
+        raise OSError(f"nvrtcVersion: {err!r}")
+    return nvrtc
+
+
+@functools.lru_cache(maxsize=None)
+def driver():
+    """cuda-python's driver module with the driver loaded, or ``OSError`` why not."""
+    driver = _import("driver")
+    try:
+        err, _ = driver.cuDriverGetVersion()
+    except Exception as exc:  # noqa: BLE001 - no libcuda: no GPU driver here
+        raise OSError(f"the CUDA driver does not load through cuda-python ({exc})") from exc
+    if err:
+        raise OSError(f"cuDriverGetVersion: {err!r}")
+    return driver
+
+
+def ok(result, what: str):
+    """The values of a cuda-python call (``(error, *values)``), or ``RuntimeError``."""
+    err = result[0]
+    if err:
+        name = err
+        try:
+            got = driver().cuGetErrorName(err)
+            name = got[1].decode() if not got[0] else err
+        except Exception:  # noqa: BLE001 - an NVRTC result, or no name
+            pass
+        raise RuntimeError(f"{what}: CUDA error {int(err)} ({name})")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+
+def load_function(drv, device: torch.device, cubin: bytes, name: bytes, smem: int):
+    """Load ``cubin`` (through ``drv``, :func:`driver`) in ``device``'s primary context and allow its kernel
+    ``name`` ``smem`` bytes of dynamic shared memory: ``(function, context,
+    module)`` driver handles (the module is kept alive with the function)."""
+    with torch.cuda.device(device):
+        torch.cuda.init()
+        torch.empty(1, device=device)  # the primary context is current
+        ctx = ok(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        image = ctypes.create_string_buffer(cubin, len(cubin))
+        module = ok(drv.cuModuleLoadData(ctypes.addressof(image)), "cuModuleLoadData")
+        fn = ok(drv.cuModuleGetFunction(module, name), "cuModuleGetFunction")
+        attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        ok(drv.cuFuncSetAttribute(fn, attr, smem),
+            "cuFuncSetAttribute(max dynamic shared memory)")
+    return fn, ctx, module
+
+
+def launch_function(drv, fn, ctx, grid: int, block: int, smem: int, stream: int,
+                    params_addr: int) -> None:
+    """``cuLaunchKernel`` of ``fn`` (1-D grid and block) with the parameter
+    pointer array at ``params_addr``; a thread whose current driver context is
+    not the device's primary one ``ctx`` (no CUDA call made on it yet) gets it
+    and retries."""
+    args = (fn, grid, 1, 1, block, 1, 1, smem, stream, params_addr, 0)
+    (err,) = drv.cuLaunchKernel(*args)
+    if err == INVALID_CONTEXT:
+        ok(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        (err,) = drv.cuLaunchKernel(*args)
+    if err:
+        ok((err,), "cuLaunchKernel")
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def compile_source(path: str, arch: str = ARCH, extra: tuple = ()) -> tuple[bytes, str]:
+    """Compile the CUDA source at ``path`` with NVRTC for ``arch`` (no GPU
+    needed); returns (cubin, log).  Raises ``RuntimeError`` with NVRTC's log
+    on a compile error."""
+    nv = nvrtc()
+    prog = ok(nv.nvrtcCreateProgram(_read(path).encode(),
+                                        os.path.basename(path).encode(), 0, [], []),
+               "nvrtcCreateProgram")
+    try:
+        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", *[o.encode() for o in extra]]
+        (res,) = nv.nvrtcCompileProgram(prog, len(opts), opts)
+        size = ok(nv.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log = bytearray(size)
+        ok(nv.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+        text = bytes(log).split(b"\0", 1)[0].decode(errors="replace")
+        if res:
+            why = nv.nvrtcGetErrorString(res)[1].decode()
+            raise RuntimeError(f"NVRTC failed to compile {path} for {arch}: {why}\n{text}")
+        cubin = bytearray(ok(nv.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize"))
+        ok(nv.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return bytes(cubin), text
+    finally:
+        nv.nvrtcDestroyProgram(prog)
