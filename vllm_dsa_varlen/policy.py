@@ -132,7 +132,7 @@ class Rule:
 
 
 # The rule table (H200, CUDA-graph replay, every path in one run: BENCHMARKS.md,
-# "Per-step facts for the policy").  Each "flattened" rule covers only steps
+# "Per step: varlen against what stock runs").  Each "flattened" rule covers only steps
 # like the measured rows where varlen was at least as fast as DeepGEMM
 # flattened; the "split" rule was timed against an emulation of stock's
 # split path (see its note).  No rule replaces stock's native kernel: against

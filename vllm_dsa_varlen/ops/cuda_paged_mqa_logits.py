@@ -5,7 +5,7 @@ Same inputs, outputs and semantics as
 takes it on sm_90 for 64 heads (``hopper_kernel_for``) and the Gluon kernel
 (:mod:`.gluon_paged_mqa_logits`) where this one cannot run.
 
-Why CUDA C++ and not Gluon (docs/kernel-notes.md, calls 31-39): the structure
+Why CUDA C++ and not Gluon (docs/design.md): the structure
 that sets DeepGEMM's pace — four math warpgroups that move independently, each
 with its own ring and its own arrive, running one copy of the math code — is
 not expressible in Gluon (Triton 3.6-3.9): warpgroups sharing a partition move

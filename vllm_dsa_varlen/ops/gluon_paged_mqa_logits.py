@@ -473,7 +473,7 @@ if _MISSING is None:
             sc_tile = sc_smem.index(slot).reshape([PAGE])
             # Every row group of the segment's buffer, as straight-line wgmmas
             # with fixed buffer indices: a wgmma under a runtime branch does not
-            # lower on Triton 3.6 (docs/kernel-notes.md); a group holding no row
+            # lower on Triton 3.6 (docs/design.md); a group holding no row
             # of the run is computed and not stored.
             if NG == 1:
                 _group(kv_tile, q_smem, qb, zero, w0, r0, sc_tile, out_ptr, stride_out, row0, end,
@@ -721,7 +721,7 @@ if _MISSING is None:
             # The default partition stays idle: every role runs in a worker
             # partition (work in the default partition was seen to corrupt the
             # workers' captured arguments on Triton 3.6, and a producer there
-            # faulted with four math warpgroups: docs/kernel-notes.md).
+            # faulted with four math warpgroups: docs/design.md).
             if CONSUMERS == 2:
                 gl.warp_specialize([
                     (_idle, ()),
@@ -831,7 +831,7 @@ def registers(consumers: int) -> tuple[int, int]:
 
 
 def takes_wide(heads: int, rows_max: int) -> bool:
-    """The structure the launch takes by default (H200, docs/kernel-notes.md):
+    """The structure the launch takes by default (H200, docs/design.md):
     the wide one wherever a segment does not hold exactly two row groups (one
     group, as in 2-token steps at 64 heads, or runs chunked from more than two
     groups), the two-warpgroup one for two row groups per segment, where the

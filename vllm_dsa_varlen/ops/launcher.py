@@ -169,8 +169,7 @@ KERNELS = ("auto", "portable", "sm90", "sm90_cuda", "sm90_gluon")
 # The sm_90 path takes the CUDA C++ kernel (ops/cuda_paged_mqa_logits.py) where
 # it can run (64 heads, NVRTC present) and the Gluon kernel elsewhere on sm_90:
 # the CUDA kernel measured faster than the Gluon one and than the portable one
-# on every step, at every run length (BENCHMARKS.md, docs/kernel-notes.md calls
-# 31-39), so inside a capture "auto" takes it whatever the longest-run hint;
+# on every step, at every run length (BENCHMARKS.md, docs/design.md), so inside a capture "auto" takes it whatever the longest-run hint;
 # the Gluon kernel keeps its own rule (auto_takes_sm90).
 CUDA_SM90 = True
 HOPPER_AUTO = True  # "auto" takes the sm_90 Gluon kernel on Hopper where it measured faster
