@@ -386,8 +386,8 @@ def _child(args, result: dict) -> None:
     result["identity"] = {"batch": max_batch, "prompt": length,
                           "tokens": [tokens[r] for r in ids], "top2": [lps[r] for r in ids]}
 
-    # one profiled window of decode steps at the largest case
-    if args.trace_steps:
+    # one profiled window of decode steps at the largest case (first repeat only)
+    if args.trace_steps and args.repeat == 0:
         from torch.profiler import ProfilerActivity, profile
 
         length = max(args.prompt)
