@@ -13,7 +13,7 @@ import torch
 import vllm.v1.attention.backends.mla.indexer as ix  # noqa: E402
 from vllm033_stubs import HopperDeepGemm, decode_batch, fake_gpu, make_builder  # noqa: E402
 
-from vllm_dsa_varlen import config, patches, policy  # noqa: E402
+from vllm_dsa_varlen import config, patches, policy, stats  # noqa: E402
 from vllm_dsa_varlen.varlen_ids import varlen_ids_of  # noqa: E402
 from vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla import indexer as ours  # noqa: E402
 
@@ -191,6 +191,14 @@ def test_classification_matches_stocks_build(monkeypatch, next_n, adaptive):
         assert choice.facts.rows == sum(lens) and choice.facts.max_run == max(lens)
         assert choice.facts.uniform is (min(lens) == max(lens))
         seen.add(kind)
+        # the builder counts the step on the path stock's build shows, or varlen
+        stats.reset()
+        builder.build(0, cm)
+        want = (("split_avoided" if kind == "split" else "varlen")
+                if builder.last_step_choice.varlen else f"stock_{kind}")
+        counts = stats.snapshot()
+        assert counts["steps"] == {**dict.fromkeys(stats.PATHS, 0), want: 1}, (lens, choice)
+        assert counts["variable"][want] == int(min(lens) != max(lens))
     assert seen >= ({"flattened"} if (next_n in (3, 5) or adaptive) else {"split", "native"})
 
 

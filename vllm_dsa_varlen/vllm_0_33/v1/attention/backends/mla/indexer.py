@@ -69,7 +69,7 @@ import torch
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.mla import indexer as _ix
 
-from vllm_dsa_varlen import warmup
+from vllm_dsa_varlen import stats, warmup
 from vllm_dsa_varlen.config import (
     BACKEND_ENV,
     MIN_FP8_CAPABILITY,
@@ -424,8 +424,23 @@ def _hand_over_ids(builder: Any, metadata: Any, choice: StepChoice) -> None:
     decode.indices = ids
 
 
+def step_path(choice: StepChoice) -> str:
+    """The step's path as :mod:`vllm_dsa_varlen.stats` counts it."""
+    if choice.varlen:
+        return "split_avoided" if choice.stock == "split" else "varlen"
+    return f"stock_{choice.stock}"
+
+
+def _record_step(choice: StepChoice | None, metadata: Any) -> None:
+    if choice is not None:
+        stats.record(step_path(choice), variable=not choice.facts.uniform,
+                     mixed=getattr(metadata, "num_prefills", 0) > 0)
+
+
 def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``build`` replacement (see the module docstring).  Not varlen: stock, untouched."""
+    """``build`` replacement (see the module docstring).  Not varlen: stock,
+    untouched.  A varlen builder's steps with decodes are counted
+    (:mod:`vllm_dsa_varlen.stats`)."""
 
     @functools.wraps(original)
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
@@ -434,7 +449,9 @@ def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
         choice = classify_step(self, common_attn_metadata)
         self.last_step_choice = choice
         if choice is None or not choice.plan:
-            return original(self, common_prefix_len, common_attn_metadata, fast_build)
+            metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
+            _record_step(choice, metadata)
+            return metadata
         flattening = self.use_flattening
         self.use_flattening = True
         self._varlen_planning = True
@@ -447,6 +464,7 @@ def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
             self._varlen_planning = False
             self._varlen_common = None
         _hand_over_ids(self, metadata, choice)
+        _record_step(choice, metadata)
         return metadata
 
     return build
