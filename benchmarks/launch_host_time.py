@@ -76,14 +76,9 @@ def _rounds(fn, calls: int, rounds: int = 5):
 
 def _graph(fn, calls: int, rounds: int = 5):
     """(GPU µs per replayed call, host µs per replay) of ``fn`` in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from vllm_dsa_varlen.bench import capture_graph
+
+    graph = capture_graph(torch, fn)
     graph.replay()
     torch.cuda.synchronize()
     gpu, host = [], []

@@ -29,6 +29,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from vllm_dsa_varlen.bench import capture_graph  # noqa: E402
+
 CASES = ["64,4,32768", "64,4,8192", "128,4,8192", "256,4,8192", "8,4,131072", "16,4,16384",
          "1,4,8192", "64,2,32768", "256,2,4096", "64,3,32768", "64,-4,32768", "128,-4,8192",
          "64,6,8192", "64,8,8192", "1000,8,4096", "1024,8,4096", "2048,4,2048"]
@@ -36,24 +38,14 @@ COPIES = 20
 
 
 def step_rows(torch, reqs: int, tokens: int, context: int, seed: int = 0):
-    """A step's rows on the GPU (plan_decode_rows, as the builder plans them)
-    and the request-level context lengths DeepGEMM's native path takes."""
-    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-    from vllm_dsa_varlen.plan import plan_decode_rows
+    """A step's rows on the GPU (:func:`..workloads.random_step_rows`, 7
+    graph-padding rows) and the request-level context lengths DeepGEMM's
+    native path takes."""
+    from vllm_dsa_varlen.workloads import random_step_rows
 
-    gen = torch.Generator().manual_seed(seed + reqs * 31 + tokens)
     n = abs(tokens)
-    lens = (torch.randint(1, n + 1, (reqs,), generator=gen) if tokens < 0
-            else torch.full((reqs,), n)).to(torch.int32)
-    seqs = (context * (0.7 + 0.6 * torch.rand(reqs, generator=gen))).to(torch.int32)
-    seqs = torch.maximum(seqs, lens)
-    qsl = torch.zeros(reqs + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(lens, 0)
-    width = -(-int(seqs.max()) // ck.PAGE)
-    bt = torch.zeros((reqs, width), dtype=torch.int32, device="cuda")
-    tokens_total = int(qsl[-1])
-    rows = plan_decode_rows(seqs.cuda(), qsl.cuda(), bt, num_rows=tokens_total + 7,
-                            num_tokens=tokens_total)
+    rows, seqs, lens, width = random_step_rows(reqs, n, context, variable=tokens < 0,
+                                               seed=seed)
     native = None
     if tokens > 0:  # [B, next_n] context lengths (DeepGEMM's native layout)
         offs = torch.arange(n, dtype=torch.int32)
@@ -73,16 +65,7 @@ def import_deepgemm():
 
 
 def graph_of(torch, fn, copies: int):
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(copies):
-            fn()
+    graph = capture_graph(torch, fn, copies)
     torch.cuda.synchronize()
     return graph
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref
-from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
+from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step, random_step_rows
 
 
 def _gathered_logits(split, kv_cache):
@@ -83,3 +83,19 @@ def test_uniform_step_is_not_split():
     assert step.stock_split() is None
     # 0-token (graph-padding) requests do not break uniformity, as in stock
     assert make_decode_step([2, 2, 0], [50, 80, 0], heads=32, seed=2).stock_split() is None
+
+
+@pytest.mark.parametrize("variable", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_step_rows_are_the_random_steps_rows(variable, seed):
+    """The rows alone (what a schedule needs) are those of the full random step
+    with the same draw: ids, per-row context lengths, the padding rows."""
+    rows, seqs, lens, width = random_step_rows(9, 4, 3000, variable=variable, seed=seed,
+                                               padding_rows=5, device="cpu")
+    step = random_decode_step(9, 4, 3000, variable=variable, seed=seed, padding_rows=5)
+    assert torch.equal(lens.to(step.decode_lens.dtype), step.decode_lens.cpu())
+    assert torch.equal(seqs.to(step.seq_lens.dtype), step.seq_lens.cpu())
+    assert rows.num_rows == int(lens.sum()) + 5
+    assert torch.equal(rows.indices, step.rows.indices)
+    assert torch.equal(rows.context_lens, step.rows.context_lens)
+    assert width * 64 >= int(seqs.max())

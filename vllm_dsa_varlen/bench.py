@@ -308,10 +308,9 @@ def stock_split_path(torch, step, dg, num_sms):
                 result=result)
 
 
-def graph_replay_us(torch, do_bench, fn, rep_ms: int) -> float:
-    """Median µs of ``fn`` captured in a CUDA graph and replayed (``do_bench``
-    flushes the L2 before every run); ``fn`` runs once eagerly and once on a
-    side stream first (compiles, allocator warm-up), as capture needs."""
+def capture_graph(torch, fn, copies: int = 1):
+    """``fn`` captured ``copies`` times in one CUDA graph, after one eager run
+    and one on a side stream (compiles, allocator warm-up), as capture needs."""
     fn()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -320,7 +319,15 @@ def graph_replay_us(torch, do_bench, fn, rep_ms: int) -> float:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(copies):
+            fn()
+    return graph
+
+
+def graph_replay_us(torch, do_bench, fn, rep_ms: int) -> float:
+    """Median µs of ``fn`` captured in a CUDA graph (:func:`capture_graph`) and
+    replayed (``do_bench`` flushes the L2 before every run)."""
+    graph = capture_graph(torch, fn)
     return do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median") * 1e3
 
 

@@ -221,13 +221,9 @@ def make_decode_step(
                       compress_ratio=compress_ratio)
 
 
-def random_decode_step(num_reqs: int, max_tokens: int, context_len: int, *,
-                       acceptance: float | None = None, variable: bool = False,
-                       spread: float = 0.3, seed: int = 0, **kwargs) -> DecodeStep:
-    """A step of ``num_reqs`` requests with KV lengths uniform in
-    ``context_len * [1 - spread, 1 + spread]``.  Tokens per request: uniform
-    in ``1..max_tokens`` when ``variable``, else from :func:`accepted_lengths`
-    (``max_tokens`` each when ``acceptance`` is None)."""
+def _random_lens(num_reqs: int, max_tokens: int, context_len: int, acceptance: float | None,
+                 variable: bool, spread: float, seed: int):
+    """Tokens and KV lengths per request (see :func:`random_decode_step`)."""
     gen = torch.Generator().manual_seed(seed + 7919)
     if variable:
         lens = torch.randint(1, max_tokens + 1, (num_reqs,), generator=gen, dtype=torch.int32)
@@ -236,4 +232,35 @@ def random_decode_step(num_reqs: int, max_tokens: int, context_len: int, *,
     lo = max(int(lens.max()), int(context_len * (1 - spread)))
     hi = max(lo + 1, int(context_len * (1 + spread)))
     seq_lens = torch.randint(lo, hi, (num_reqs,), generator=gen, dtype=torch.int32)
+    return lens, seq_lens
+
+
+def random_decode_step(num_reqs: int, max_tokens: int, context_len: int, *,
+                       acceptance: float | None = None, variable: bool = False,
+                       spread: float = 0.3, seed: int = 0, **kwargs) -> DecodeStep:
+    """A step of ``num_reqs`` requests with KV lengths uniform in
+    ``context_len * [1 - spread, 1 + spread]``.  Tokens per request: uniform
+    in ``1..max_tokens`` when ``variable``, else from :func:`accepted_lengths`
+    (``max_tokens`` each when ``acceptance`` is None)."""
+    lens, seq_lens = _random_lens(num_reqs, max_tokens, context_len, acceptance, variable,
+                                  spread, seed)
     return make_decode_step(lens, seq_lens, seed=seed, **kwargs)
+
+
+def random_step_rows(num_reqs: int, max_tokens: int, context_len: int, *,
+                     variable: bool = False, spread: float = 0.3, seed: int = 0,
+                     padding_rows: int = 7, page: int = 64, device="cuda"):
+    """The rows of a :func:`random_decode_step` alone (no queries, no KV cache:
+    what a schedule needs), planned as the builder plans them, with
+    ``padding_rows`` graph-padding rows: ``(rows, seq_lens, decode_lens,
+    block-table width)``."""
+    lens, seq_lens = _random_lens(num_reqs, max_tokens, context_len, None, variable, spread,
+                                  seed)
+    qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(lens, 0)
+    width = -(-int(seq_lens.max()) // page)
+    block_table = torch.zeros((num_reqs, width), dtype=torch.int32, device=device)
+    tokens = int(qsl[-1])
+    rows = plan_decode_rows(seq_lens.to(device), qsl.to(device), block_table,
+                            num_rows=tokens + padding_rows, num_tokens=tokens)
+    return rows, seq_lens, lens, width

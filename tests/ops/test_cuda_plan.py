@@ -16,7 +16,7 @@ import torch
 
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
 from vllm_dsa_varlen.ops import cuda_plan as cp
-from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
+from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step, random_step_rows
 
 from logits_checks import check_poisoned, launcher_args, run_poisoned
 
@@ -341,20 +341,8 @@ def test_planner_matches_plan_torch_on_serving_steps(case, variable):
     with the launcher's defaults (the device's SMs)."""
     _skip_without_nvrtc()
     reqs, tokens, ctx_len = case
-    gen = torch.Generator().manual_seed(reqs + tokens)
-    lens = (torch.randint(1, tokens + 1, (reqs,), generator=gen) if variable
-            else torch.full((reqs,), tokens)).to(torch.int32)
-    seqs = (ctx_len * (0.7 + 0.6 * torch.rand(reqs, generator=gen))).to(torch.int32)
-    seqs = torch.maximum(seqs, lens)
-    from vllm_dsa_varlen.plan import plan_decode_rows
-
-    qsl = torch.zeros(reqs + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(lens, 0)
-    width = -(-int(seqs.max()) // ck.PAGE)
-    bt = torch.zeros((reqs, width), dtype=torch.int32, device="cuda")
-    tokens_total = int(qsl[-1])
-    rows = plan_decode_rows(seqs.cuda(), qsl.cuda(), bt, num_rows=tokens_total + 7,
-                            num_tokens=tokens_total)
+    rows, seqs, _, width = random_step_rows(reqs, tokens, ctx_len, variable=variable,
+                                            seed=reqs + tokens)
     max_len = int(seqs.max())
     want = ck.plan_torch(rows.indices, rows.context_lens.view(-1, 1), max_len, width)
     got = ck.plan(rows.indices, rows.context_lens.view(-1, 1), max_len, width)
@@ -487,15 +475,9 @@ def test_logits_in_a_graph_with_the_planner_inside():
                         rows.block_table.shape[1])
         launcher.varlen_paged_mqa_logits(*args, out=out, kernel="sm90_cuda", schedule=sched)
 
-    call()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    from vllm_dsa_varlen.bench import capture_graph
+
+    graph = capture_graph(torch, call)
     rnd = random.Random(3)
     for trial in range(4):
         ids, ctx, firsts, r = [], [], [], 0
