@@ -475,9 +475,13 @@ def _record_step(builder: Any, common: Any, metadata: Any, path: str | None) -> 
     if path is None:
         if getattr(builder, "use_flattening", False):
             path = "stock_flattened"
-        else:
+        elif common.num_reqs > num_decodes and num_decodes > 0:
+            # stock's decodes are a uniform prefix: a split shows as requests it
+            # left out that a split without the uniform rule would keep
             stock, ours = _decode_splits(builder, common)
             path = "stock_split" if ours[0] != stock[0] else "stock_native"
+        else:
+            path = "stock_native"
     if path == "stock_flattened" and max(lens) <= 1:
         path = "stock_native"
     stats.record(path, variable=min(lens) != max(lens),
