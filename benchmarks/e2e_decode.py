@@ -145,12 +145,11 @@ def _jit_state(triton_dir: str, dg_dir: str) -> dict:
         state["dynamo_unique_graphs"] = int(counters["stats"]["unique_graphs"])
     except Exception:  # noqa: BLE001 - a torch without the counter
         state["dynamo_unique_graphs"] = None
-    try:
-        from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+    from vllm_dsa_varlen.ops import cuda_plan as cp
 
-        state["nvrtc_builds"] = ck.builds()
-    except Exception:  # noqa: BLE001 - no such counter in this build
-        state["nvrtc_builds"] = None
+    # the CUDA kernels' builds compiled by NVRTC and loaded so far (one each, per device)
+    state["cuda_builds_loaded"] = len(ck._LOADED) + len(cp._LOADED)
     return state
 
 
@@ -198,9 +197,9 @@ class BuildTimer:
         return out
 
 
-def _run_case(engine, prompts, new_tokens, tag, logprobs=None):
-    """Add ``prompts`` and step the engine to completion; per-step host times and
-    token counts, plus every request's tokens (and logprobs when asked)."""
+def _add(engine, tag: str, prompts, new_tokens: int, logprobs=None) -> list[str]:
+    """Add greedy requests (``ignore_eos``, token ids only, new tokens per
+    step) for ``prompts``; their ids."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -210,6 +209,21 @@ def _run_case(engine, prompts, new_tokens, tag, logprobs=None):
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, {"prompt_token_ids": p}, params)
+    return ids
+
+
+def _paths_since(before: dict) -> dict:
+    """The decode-path counters' growth since ``before`` (a ``stats.snapshot()``)."""
+    from vllm_dsa_varlen import stats
+
+    after = stats.snapshot()
+    return {kind: {p: after[kind][p] - before[kind][p] for p in after[kind]} for kind in after}
+
+
+def _run_case(engine, prompts, new_tokens, tag, logprobs=None):
+    """Add ``prompts`` and step the engine to completion; per-step host times and
+    token counts, plus every request's tokens (and logprobs when asked)."""
+    ids = _add(engine, tag, prompts, new_tokens, logprobs)
     tokens = {rid: [] for rid in ids}
     lps = {rid: [] for rid in ids}
     cached = {}
@@ -321,11 +335,14 @@ def _child(args, result: dict) -> None:
 
     result["host_probe_us"] = {"start": host_probe_us()}
     build_timer = BuildTimer()
+    def prompts_of(length: int, first: int = 0, count: int = max_batch):
+        return [prompt_ids(i, length, vocab) for i in range(first, first + count)]
+
     # warm-up pass: every case once, unmeasured (prefills the prompts into the
     # prefix cache and compiles whatever a case's shapes need: JIT compiles
     # seen during the measured pass are counted below)
     for length in args.prompt:
-        prompts = [prompt_ids(i, length, vocab) for i in range(max_batch)]
+        prompts = prompts_of(length)
         _run_case(engine, prompts, 1, f"prefill-L{length}")
         for batch in args.batch:
             _run_case(engine, prompts[:batch], args.warm_tokens, f"warm-B{batch}-L{length}")
@@ -333,18 +350,16 @@ def _child(args, result: dict) -> None:
     build_timer.take()
     jit0 = _jit_state(triton_dir, dg_dir)
     for length in args.prompt:
-        prompts = [prompt_ids(i, length, vocab) for i in range(max_batch)]
+        prompts = prompts_of(length)
         for batch in args.batch:
             before = stats.snapshot()
             ids, tokens, _, cached, steps = _run_case(engine, prompts[:batch], args.new_tokens,
                                                       f"B{batch}-L{length}")
-            after = stats.snapshot()
             case = {"batch": batch, "prompt": length, "indexer_build": build_timer.take(),
                     "prompt_tokens": sum(len(p) for p in prompts[:batch]),
                     "cached_tokens": sum(cached.values()),
                     **_decode_figures(steps, batch, tokens),
-                    "paths": {kind: {p: after[kind][p] - before[kind][p] for p in after[kind]}
-                              for kind in after},
+                    "paths": _paths_since(before),
                     "tokens": [tokens[r] for r in ids]}
             result["cases"].append(case)
             print(f"[{args.mode} k={args.k}] B{batch} L{length}: "
@@ -359,30 +374,19 @@ def _child(args, result: dict) -> None:
     length = min(args.prompt)
     half = max(1, max_batch // 2)
     before = stats.snapshot()
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False,
-                            output_kind=RequestOutputKind.DELTA)
-    for i in range(half):
-        engine.add_request(f"mixed-a{i}", {"prompt_token_ids": prompt_ids(i, length, vocab)},
-                           params)
+    _add(engine, "mixed-a", prompts_of(length, count=half), 32)
     for _ in range(4):
         engine.step()
-    for i in range(half):
-        engine.add_request(f"mixed-b{i}",
-                           {"prompt_token_ids": prompt_ids(10**5 + i, length, vocab)}, params)
+    _add(engine, "mixed-b", prompts_of(length, first=10**5, count=half), 32)  # not cached
     while engine.has_unfinished_requests():
         engine.step()
-    after = stats.snapshot()
     result["mixed_window"] = {"requests": 2 * half, "prompt": length,
-                              "paths": {kind: {p: after[kind][p] - before[kind][p]
-                                               for p in after[kind]} for kind in after}}
+                              "paths": _paths_since(before)}
 
     # identity run: top-2 logprobs at every position
     length = min(args.prompt)
-    prompts = [prompt_ids(i, length, vocab) for i in range(max_batch)]
-    ids, tokens, lps, _, _ = _run_case(engine, prompts, args.new_tokens, "identity", logprobs=2)
+    ids, tokens, lps, _, _ = _run_case(engine, prompts_of(length), args.new_tokens, "identity",
+                                       logprobs=2)
     result["identity"] = {"batch": max_batch, "prompt": length,
                           "tokens": [tokens[r] for r in ids], "top2": [lps[r] for r in ids]}
 
@@ -391,14 +395,7 @@ def _child(args, result: dict) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         length = max(args.prompt)
-        prompts = [prompt_ids(i, length, vocab) for i in range(max_batch)]
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True,
-                                detokenize=False, output_kind=RequestOutputKind.DELTA)
-        for i, p in enumerate(prompts):
-            engine.add_request(f"trace-{i}", {"prompt_token_ids": p}, params)
+        _add(engine, "trace", prompts_of(length), args.new_tokens)
         for _ in range(8):  # past the prefill, into steady decode
             engine.step()
         path = os.path.join(args.out, f"trace-{args.mode}-k{args.k}{_rep(args.repeat)}.json")

@@ -73,8 +73,7 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla import indexer as _ix
 
-from vllm_dsa_varlen import policy, warmup
-from vllm_dsa_varlen import stats
+from vllm_dsa_varlen import policy, stats, warmup
 from vllm_dsa_varlen.config import DecodePath, choose_decode_path, read_backend, read_mode
 from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg
