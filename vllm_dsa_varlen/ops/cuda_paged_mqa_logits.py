@@ -20,10 +20,9 @@ the tensor cores (``HEAD_SUM_TC``: relu(q . k) rounded to TF32 against the
 weights as two TF32 parts; ``reference.head_sum_tf32`` is its exact
 emulation, :mod:`.head_sum_precision` the study of what it costs the top-k),
 chosen once per process by ``VLLM_DSA_VARLEN_HEAD_SUM`` (:func:`read_head_sum`).
-Heads: 64 (what the launcher routes here) and 32 (``HEADS=32`` builds,
-taken from ``q``'s shape by :func:`launch`; a row group is then four rows x
-32 heads in the same 64 x 128 wgmma and a chunk eight rows; the launcher keeps
-32 heads on the Gluon kernel until this build is measured: :data:`LAUNCHER_HEADS`).
+Heads: 64 and 32 (``HEADS=32`` builds, taken from ``q``'s shape by
+:func:`launch`; a row group is then four rows x 32 heads in the same 64 x 128
+wgmma and a chunk eight rows; :data:`LAUNCHER_HEADS`).
 The kernel is compiled once per process and build by NVRTC (``sm_90a``), loaded
 and launched through the driver API, both through NVIDIA's ``cuda-python``
 (``cuda.bindings``, installed with vLLM; the TMA descriptors' encode excepted,
@@ -62,7 +61,8 @@ import torch
 
 from .common import DIM, PAGE, capability, log_once, num_sms
 from .cuda_binding import NVRTC_ENV  # noqa: F401  (the setting this kernel honours)
-from .cuda_binding import ARCH, compile_source, launch_function, load_function
+from .cuda_binding import (ARCH, INVALID_CONTEXT, compile_source, launch_function, load_function,
+                           ok)
 from .cuda_binding import driver as _driver
 from .cuda_binding import nvrtc as _nvrtc
 from .cuda_plan import COST, CTA_WORDS, TABLE_WORDS, page_cost, plan_device
@@ -73,13 +73,16 @@ logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "sm90_varlen_logits.cu")
 KERNEL_NAME = b"varlen_logits_sm90"
 HEADS = 64            # the head count the launcher routes here (LAUNCHER_HEADS)
-# plan() takes the one-launch planner kernel (.cuda_plan) where it can serve.
-# Off until the H200 has run tests/ops/test_cuda_plan.py on this version of the
-# planner (an earlier version matched plan_torch bit for bit there); the
-# planner itself is callable and tested either way.
-PLAN_KERNEL = False
+# plan() takes the one-launch planner kernel (.cuda_plan) where it can serve
+# (64 heads): on the H200 it matched plan_torch bit for bit on 17 steps of 11 to
+# 8199 rows, at 5.7-8.3 µs of GPU time per step up to 1031 rows against
+# plan_torch's 130-178 (benchmarks/plan_timing.py; docs/design.md §8).
+PLAN_KERNEL = True
 HEAD_COUNTS = (32, 64)  # the kernel's builds: a row group is 128 // heads rows
-LAUNCHER_HEADS = (64,)  # where unsupported_reason lets the launcher take it
+# Where unsupported_reason lets the launcher take it: the HEADS=32 build measured
+# 1.08-1.18x faster than the Gluon kernel on every 32-head step timed (H200,
+# rounds interleaved; docs/design.md §8).
+LAUNCHER_HEADS = (32, 64)
 ROWS_MAX = 4          # rows per chunk at 64 heads (two row groups of two rows)
 GMAX = 2
 STAGES = 3
@@ -237,12 +240,18 @@ def _encode(base: int, dims, strides, box) -> _TmaMap:
     # uint8, no interleave, 128-byte swizzle, 128-byte L2 promotion, zero fill
     res = _encode_fn()(ctypes.c_void_p(addr), 0, rank, ctypes.c_void_p(base), d, s, b, e,
                        0, 3, 2, 0)
+    if res == INVALID_CONTEXT:
+        raise _NoContext("cuTensorMapEncodeTiled: no current driver context in this thread")
     if res:
         raise RuntimeError(f"cuTensorMapEncodeTiled: CUDA error {res} (dims {list(dims)}, "
                            f"strides {list(strides)}, box {list(box)})")
     out = _TmaMap()
     ctypes.memmove(ctypes.addressof(out), addr, 128)
     return out
+
+
+class _NoContext(RuntimeError):
+    """The calling thread has no current driver context (it made no CUDA call yet)."""
 
 
 _MAPS: dict = {}
@@ -529,8 +538,11 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     if not _weights_fit(weights, heads):
         raise ValueError(f"weights: expected contiguous fp32 [R, {heads}] (16-byte aligned), got "
                          f"strides {weights.stride()}")
-    kv_map = _kv_map(kv_cache)
-    q_map = _q_map(q, group)
+    try:
+        kv_map, q_map = _kv_map(kv_cache), _q_map(q, group)
+    except _NoContext:  # a thread's first CUDA call: the device's primary context
+        ok(_driver().cuCtxSetCurrent(kern.ctx), "cuCtxSetCurrent")
+        kv_map, q_map = _kv_map(kv_cache), _q_map(q, group)
     ctx = context_lens
     if not ctx.is_contiguous():  # [R, 1] or [R]: contiguous means one int per row
         ctx = ctx.reshape(-1).contiguous()

@@ -174,14 +174,14 @@ KERNELS = ("auto", "portable", "sm90", "sm90_cuda", "sm90_gluon")
 CUDA_SM90 = True
 HOPPER_AUTO = True  # "auto" takes the sm_90 Gluon kernel on Hopper where it measured faster
 # Eager calls (outside a CUDA-graph capture: vLLM's piecewise mode runs the
-# indexer op eagerly in every mixed prefill+decode step).  False: "auto" takes
-# the portable kernel for them, as it did while an eager launch of the CUDA
-# kernel cost 55-230 µs of host time (ctypes argument packing).  True: "auto"
-# takes the CUDA kernel eagerly too, wherever it takes it inside a capture;
-# its launch now rewrites one parameter block in place, TMA descriptors cached
-# by layout (cuda_paged_mqa_logits.launch).  To be set from the H200's eager
-# host time (benchmarks/launch_host_time.py).
-EAGER_CUDA_SM90 = False
+# indexer op eagerly in every mixed prefill+decode step).  True: "auto" takes
+# the CUDA kernel eagerly too, wherever it takes it inside a capture: its launch
+# rewrites one parameter block in place, TMA descriptors cached by layout
+# (cuda_paged_mqa_logits.launch), and on the H200 an eager call through this
+# launcher cost 48-55 µs of host time against the portable kernel's 83-88, with
+# less GPU time on every step timed (benchmarks/launch_host_time.py).  False:
+# the portable kernel for eager calls (as while a launch cost 55-230 µs).
+EAGER_CUDA_SM90 = True
 # Where "auto" takes the sm_90 kernel (H200, docs/results/h200-v7b): runs of up to
 # 4 tokens (hint), or a hint of exactly 8, at any row count.  A hint of 8 splits
 # runs into chunks of 4 rows (the wide structure), which measured faster than the
@@ -219,13 +219,13 @@ def graph_kernel(device, heads: int | None, dim: int = 128, page: int = 64) -> s
     """The kernel "auto" takes inside a CUDA-graph capture for an indexer cache of
     this geometry on ``device`` (a builder-level fact, for the per-step policy):
     "cuda_sm90", "gluon_sm90" or "portable".  ``heads=None`` (unknown) never
-    claims the CUDA kernel, which serves 64 heads only."""
+    claims the CUDA kernel, which serves 32 and 64 heads only."""
     device = torch.device(device)
     if (not HOPPER_AUTO or device.type != "cuda" or not torch.cuda.is_available()
             or torch.cuda.get_device_capability(device) != (9, 0)):
         return "portable"
     ck, gk = cuda_sm90, gluon_sm90
-    if (CUDA_SM90 and (heads, dim, page) == (ck.HEADS, ck.DIM, ck.PAGE)
+    if (CUDA_SM90 and heads in ck.LAUNCHER_HEADS and (dim, page) == (ck.DIM, ck.PAGE)
             and ck.available() is None):
         return "cuda_sm90"
     if gk.available() is None and heads in gk.HEADS and dim == gk.DIM and page == gk.PAGE:
