@@ -17,6 +17,8 @@ build, which ``launch`` takes from the queries' shape).
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import os
 import sys
 
@@ -53,7 +55,20 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=64, choices=(32, 64))
     p.add_argument("--rounds", type=int, default=1,
                    help="time every path this many times, interleaved; report the median")
+    p.add_argument("--deepgemm", action="store_true",
+                   help="time DeepGEMM beside (deep_gemm, else vllm_deep_gemm; 2.8.x API): "
+                        "flattened, native, stock 0.33's split; its metadata beside the plan")
+    p.add_argument("--topk-lib", help="vLLM's _C extension (.so): time its decode top-k on "
+                                      "each path's rows and print per-step figures")
+    p.add_argument("--layers", type=int, default=61, help="indexer layers per decode step")
+    p.add_argument("--json", help="write every round's times here")
     args = p.parse_args(argv)
+    dg = import_deepgemm() if args.deepgemm else None
+    topk_ops = load_topk(torch, args.topk_lib) if args.topk_lib else None
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "deepgemm": getattr(dg, "__version__", None) if dg else None,
+              "variants": args.variants, "rounds": args.rounds, "layers": args.layers,
+              "cases": []}
     variants = {v: parse_variant(v) for v in args.variants}
 
     small = [([4, 4, 4, 4], [700, 1500, 64, 2000]), ([3, 1, 2, 4, 3], [10, 3, 130, 999, 64]),
@@ -101,20 +116,153 @@ def main(argv=None) -> int:
             calls[name] = lambda s=sched, d=defines: ck.launch(
                 step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
                 step.max_context_len, out, schedule=s, defines=d)
+        first = next(iter(variants))
+        extra = {}
+        if dg is not None:
+            extra.update(deepgemm_calls(torch, step, dg, sms, calls[first], out))
+        extra["plan"] = lambda: ck.plan(rows.indices, ctx, step.max_context_len,
+                                        rows.block_table.shape[1], args.heads)
+        if topk_ops is not None:
+            extra.update(topk_calls(torch, topk_ops, step, out, dg, sms))
+        calls.update(extra)
         times = {k: [] for k in calls}
         for _ in range(args.rounds):
             for k, fn in calls.items():
                 times[k].append(_graph_us(torch, do_bench, fn, args.rep_ms))
         res = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         spread = max((max(v) - min(v)) / min(v) for v in times.values())
+        record = {"case": case, "rows": rows.num_rows, "times_us": times, "median_us": res}
+        if topk_ops is not None:
+            record["per_step_us"] = per_step(res, first, abs(tokens), tokens < 0, args.layers)
+        report["cases"].append(record)
         label = (f"B{reqs} L{context} {'1..' + str(-tokens) if tokens < 0 else tokens}tok"
                  + ("" if args.heads == 64 else f" H{args.heads}"))
         print(f"{label:22s} " + "  ".join(f"{k} {us:7.1f}" for k, us in res.items())
               + (f"  (median of {args.rounds}; widest spread {spread:.1%})" if args.rounds > 1
                  else ""), flush=True)
         print(f"{'':22s} cycles/page at 1.7 GHz: " + "  ".join(
-            f"{k} {us * 1e-6 / (pages / sms) * 1.7e9:5.0f}" for k, us in res.items()), flush=True)
+            f"{k} {us * 1e-6 / (pages / sms) * 1.7e9:5.0f}" for k, us in res.items()
+            if k in variants or k == "gluon"), flush=True)
+        if "per_step_us" in record:
+            print(f"{'':22s} per step ({args.layers} layers, logits + top-k + plan/metadata), "
+                  "µs: " + "  ".join(f"{k} {v:8.1f}" for k, v in record["per_step_us"].items()),
+                  flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
     return 0
+
+
+def import_deepgemm():
+    """DeepGEMM 2.8.x: ``deep_gemm``, else vLLM's vendored ``vllm_deep_gemm``."""
+    for name in ("deep_gemm", "vllm_deep_gemm"):
+        try:
+            return importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - missing, or built for another torch
+            print(f"# {name} not importable: {type(exc).__name__}: {exc}", flush=True)
+    raise SystemExit("--deepgemm: no DeepGEMM importable")
+
+
+def deepgemm_calls(torch, step, dg, sms, ours, out):
+    """DeepGEMM's paths on ``step`` as stock vLLM 0.33 runs them
+    (:func:`vllm_dsa_varlen.bench.vdg_paths`: flattened, native next_n 1/2/4,
+    split), checked against this project's logits first, and its schedule
+    metadata (``dg-meta``, as the builder makes it once per step)."""
+    from vllm_dsa_varlen.bench import vdg_paths
+    from vllm_dsa_varlen.ops.reference import valid_mask
+
+    rows = step.rows
+    ctx2d = rows.context_lens.view(-1, 1).contiguous()
+    mask = valid_mask(ctx2d, step.max_context_len, rows.indices)
+    ours()
+    mine = out.clone()
+    calls = {}
+    for name, path in vdg_paths(torch, step, dg, sms).items():
+        got = path.fn().float()
+        if path.result is not None:
+            got = path.result()
+        if path.row_of is not None:
+            got = got[path.row_of]
+        got = got[:, : step.max_context_len]
+        err = float((got[mask] - mine[mask]).norm() / mine[mask].norm().clamp_min(1e-30))
+        print(f"  {name} vs ours: relative difference {err:.1e}", flush=True)
+        calls[name.replace("vdg281", "dg")] = path.fn
+    calls["dg-meta"] = lambda: dg.get_paged_mqa_logits_metadata(ctx2d, 64, sms)
+    return calls
+
+
+def load_topk(torch, lib):
+    """vLLM's decode top-k ops from its ``_C`` extension at ``lib``."""
+    torch.ops.load_library(lib)
+    return torch.ops._C
+
+
+def topk_calls(torch, ops, step, out, dg, sms, k=2048):
+    """vLLM's decode top-k (``cooperative_topk`` up to 32 rows on sm_90, else
+    ``persistent_topk``, as vLLM 0.27.1's indexer picks) on the step's varlen
+    rows (``topk-rows``: what the plugin and stock's flattened call feed it) and
+    on its padded native rows (``topk-padded``, next_n 4 or the uniform length
+    1/2/4); each checked against ``torch.topk`` on a few rows first."""
+    rows = step.rows
+    ctx2d = rows.context_lens.view(-1, 1).contiguous()
+    width = out.shape[1]
+    calls = {}
+    layouts = [("topk-rows", out, ctx2d)]
+    longest, shortest = int(step.decode_lens.max()), int(step.decode_lens.min())
+    next_n = longest if longest == shortest and longest in (1, 2, 4) else 4 if longest <= 4 else 0
+    if next_n:
+        pad = step.padded(next_n)
+        logits = torch.randn((pad["context_lens"].numel(), width), device=out.device)
+        layouts.append(("topk-padded", logits, pad["context_lens"].reshape(-1, next_n)))
+    for name, logits, lens in layouts:
+        n = logits.shape[0]
+        idx = torch.full((n, k), -1, dtype=torch.int32, device=out.device)
+        work = torch.empty(1 << 20, dtype=torch.uint8, device=out.device)
+        coop = n <= 32 and logits.stride(0) % 4 == 0
+        op = ops.cooperative_topk if coop else ops.persistent_topk
+        fn = (lambda op=op, lg=logits, ln=lens, i=idx, w=work:
+              op(lg, ln, i, w, k, lg.shape[1]))
+        fn()
+        flat = lens.reshape(-1)
+        agree = []
+        for r in range(0, n, max(1, n // 8)):
+            length = int(flat[r])
+            want = set(torch.topk(logits[r, :length], min(k, length)).indices.tolist())
+            got = {i for i in idx[r].tolist() if i >= 0}
+            agree.append(len(want & got) / max(1, len(want)))
+        print(f"  {name} ({'cooperative' if coop else 'persistent'}_topk, {n} rows): "
+              f"sets agree with torch.topk {min(agree):.4f} (worst of {len(agree)} rows)",
+              flush=True)
+        calls[name] = fn
+    return calls
+
+
+def per_step(res: dict, ours: str, tokens: int, variable: bool, layers: int) -> dict:
+    """A decode step's indexer cost (µs): once per step the schedule (the
+    project's plan, DeepGEMM's metadata), per layer the logits and the top-k.
+    ``plugin``: this project's kernel (build ``ours``); ``stock 0.33``: its
+    native kernel for uniform 1, 2, 4 tokens, its split for variable steps,
+    flattened otherwise; ``stock 0.27``: native for 1 and 2 tokens, flattened
+    otherwise (DeepGEMM 2.8's kernels standing in for 0.27's 2.6.1)."""
+    got = {"plugin": res["plan"] + layers * (res[ours] + res["topk-rows"])}
+    if "dg-flat" not in res:
+        return got
+    meta = res["dg-meta"]
+    native = next((k for k in res if k.startswith("dg-native")), None)
+    flat = meta + layers * (res["dg-flat"] + res["topk-rows"])
+    if variable and "dg-split" in res:
+        got["stock 0.33"] = meta + layers * (res["dg-split"] + res["topk-rows"])
+    elif native and not variable:
+        got["stock 0.33"] = meta + layers * (res[native] + res["topk-padded"])
+    else:
+        got["stock 0.33"] = flat
+    if native and not variable and tokens <= 2:
+        got["stock 0.27"] = meta + layers * (res[native] + res["topk-padded"])
+    else:
+        got["stock 0.27"] = flat
+    for k in ("stock 0.33", "stock 0.27"):
+        got[f"plugin / {k}"] = got["plugin"] / got[k]
+    return got
 
 
 if __name__ == "__main__":

@@ -278,6 +278,17 @@ def child(args) -> None:
             json.dump(result, f)
 
 
+def capture_sizes(batches, k: int) -> list[int]:
+    """CUDA-graph capture sizes (tokens) for the measured cases: every batch's
+    decode step, ``batch * (k + 1)``, and the powers of two up to the largest,
+    so a step whose batch shrank (requests finishing at different steps) pads
+    to a nearby graph instead of running eagerly."""
+    steps = {b * (k + 1) for b in batches}
+    top = max(steps)
+    powers = {1 << i for i in range(top.bit_length()) if 1 << i < top}
+    return sorted(steps | powers)
+
+
 def _child(args, result: dict) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -297,6 +308,8 @@ def _child(args, result: dict) -> None:
     if args.attention_backend:
         spec["attention_backend"] = args.attention_backend
     compilation = {"max_cudagraph_capture_size": max_batch * (args.k + 1)}
+    if args.capture_sizes == "cases":
+        compilation["cudagraph_capture_sizes"] = capture_sizes(args.batch, args.k)
     if args.graph_mode == "none":
         compilation.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
     elif args.graph_mode == "full":
@@ -508,7 +521,7 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict | None:
         cmd += [f"--{name}", *map(str, getattr(args, name))]
     for name in ("new_tokens", "warm_tokens", "layers", "graph_mode", "load_format",
                  "kv_cache_dtype", "force_sparse_prefill", "max_batched_tokens",
-                 "gpu_memory_utilization", "trace_steps", "attention_backend"):
+                 "gpu_memory_utilization", "trace_steps", "attention_backend", "capture_sizes"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = dict(os.environ, VLLM_DSA_VARLEN=MODES[mode])
     t0 = time.perf_counter()
@@ -620,6 +633,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--trace-steps", type=int, default=3, help="profiled decode steps (0: none)")
+    ap.add_argument("--capture-sizes", default="cases", choices=["cases", "vllm"],
+                    help="CUDA-graph sizes: cases: each batch's decode step (batch x (k + 1) "
+                         "tokens) and the powers of two below the largest (for batches that "
+                         "shrink as requests finish); vllm: vLLM's own list (~35 sizes, "
+                         "longer start-up)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
     ap.add_argument("--repeat", type=int, default=0, help=argparse.SUPPRESS)

@@ -117,3 +117,16 @@ def test_repeat_spread_pairs_each_repeats_processes():
 
 def test_host_probe_measures_something():
     assert 0.0 < e2e.host_probe_us(200) < 1e5
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_capture_sizes_cover_every_case_and_shrinking_batches(k):
+    batches = random.sample([1, 2, 4, 8, 16, 24, 32, 48, 64], 3)
+    sizes = e2e.capture_sizes(batches, k)
+    assert sizes == sorted(set(sizes))
+    assert all(b * (k + 1) in sizes for b in batches)  # every measured decode step
+    top = max(batches) * (k + 1)
+    assert max(sizes) == top
+    # any smaller step pads to a graph at most twice its size
+    for n in range(1, top + 1):
+        assert min(s for s in sizes if s >= n) < 2 * n or n == 1
