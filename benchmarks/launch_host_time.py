@@ -115,6 +115,7 @@ def gpu_paths(step):
         paths["cuda launch"] = lambda: ck.launch(*args, out, schedule=sched, defines=defines)
         paths["plan (once per step)"] = lambda: ck.plan(
             rows.indices, ctx, step.max_context_len, rows.block_table.shape[1])
+        paths.update(driver_floor(ck, args, out, sched, defines))
     else:
         print(f"cuda: not timed ({ck.unsupported_reason(step.q, step.kv_cache, step.weights)})")
     kernels = ["sm90_cuda"] * ("cuda launch" in paths) + ["portable"]
@@ -129,6 +130,34 @@ def gpu_paths(step):
     if "cuda launch" in paths:
         paths["launcher auto, EAGER_CUDA_SM90"] = call
     return paths
+
+
+def driver_floor(ck, args, out, sched, defines) -> dict:
+    """The floor under ``cuda launch``: ``cuLaunchKernel`` alone (and the
+    current-stream lookup) with the parameter block a launch of the same call
+    left (the same kernel, the same arguments), through cuda-python as the
+    kernel launches, and through ctypes on ``libcuda`` for comparison."""
+    import ctypes
+
+    from vllm_dsa_varlen.ops.cuda_binding import launch_function
+
+    kern = ck.launch(*args, out, schedule=sched, defines=defines)
+    programs, index = ck.num_sms(args[0].device), args[0].device.index
+    drv = ck._driver()
+    lib = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    lib.restype = ctypes.c_int
+    lib.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    fn = int(kern.fn)
+
+    def by_ctypes():
+        err = lib(fn, programs, 1, 1, ck.THREADS, 1, 1, kern.smem, ck._stream(index),
+                  kern.params_addr, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernel: {err}")
+    return {"cuLaunchKernel alone (cuda-python)": lambda: launch_function(
+                drv, kern.fn, kern.ctx, programs, ck.THREADS, kern.smem, ck._stream(index),
+                kern.params_addr),
+            "cuLaunchKernel alone (ctypes)": by_ctypes}
 
 
 def run_gpu(args) -> list[tuple]:
