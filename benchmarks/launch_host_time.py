@@ -16,7 +16,7 @@ called ``--calls`` times back to back without a sync, five rounds (median):
 * ``replay host`` — µs per ``graph.replay()`` on the host.
 
 Paths: ``cuda launch`` (:func:`cuda_paged_mqa_logits.launch` alone, schedule
-given), ``launcher sm90_cuda`` / ``portable`` / ``sm90_gluon`` (the public
+given), ``launcher sm90_cuda`` / ``portable`` (the public
 launcher, schedule cache of the step prefilled as serving's first layer
 leaves it), ``launcher auto`` as it stands (``EAGER_CUDA_SM90`` as set: its
 eager and graph columns may be different kernels, as in serving) and with
@@ -99,7 +99,6 @@ def _graph(fn, calls: int, rounds: int = 5):
 def gpu_paths(step):
     """Name -> zero-argument call of every path this GPU has, on ``step``."""
     from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-    from vllm_dsa_varlen.ops import gluon_paged_mqa_logits as gk
     from vllm_dsa_varlen.ops import launcher
 
     rows = step.rows
@@ -118,7 +117,6 @@ def gpu_paths(step):
     else:
         print(f"cuda: not timed ({ck.unsupported_reason(step.q, step.kv_cache, step.weights)})")
     kernels = ["sm90_cuda"] * ("cuda launch" in paths) + ["portable"]
-    kernels += ["sm90_gluon"] * (gk.unsupported_reason(step.q, step.kv_cache) is None)
     for kernel in kernels + ["auto"]:
         cache: dict = {}
 

@@ -5,11 +5,10 @@ H 64, D 128, page 64, fp8 cache; optionally V4's compressed cache) through the
 project's own plan, and each available path is timed on the same step:
 
 * ``triton-portable`` — this project's portable Triton kernel: one row per
-  token + run ids (``triton-varlen`` on a GPU without an sm_90 kernel);
+  token + run ids (``triton-varlen`` on a GPU other than sm_90);
 * ``cuda-sm90``       — this project's Hopper kernel in CUDA C++ (NVRTC), the
-  one the launcher takes on sm_90 for 64 heads;
-* ``gluon-sm90``      — this project's Hopper kernel in Triton Gluon (the
-  launcher's sm_90 kernel where the CUDA one cannot run);
+  one the launcher takes on sm_90 for 32 and 64 heads (``--peer sm90``: in a
+  process of its own, merged with ``--merge``);
 * ``deepgemm-flat``   — DeepGEMM ``next_n = 1`` on the flattened rows (what
   vLLM 0.27.1 does on Hopper with MTP >= 2: every row re-reads its KV);
 * ``deepgemm-native`` — DeepGEMM ``[B, next_n]`` padded (SM90: next_n <= 2);
@@ -331,27 +330,6 @@ def graph_replay_us(torch, do_bench, fn, rep_ms: int) -> float:
     return do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median") * 1e3
 
 
-def sm90_call(torch, step, params):
-    """A call of the sm_90 kernel with explicit launch parameters (``params``,
-    as :func:`..ops.gluon_paged_mqa_logits.launch` takes them) into a buffer of
-    its own, poisoned once (every valid element is checked after the first call)."""
-    from .ops import gluon_paged_mqa_logits as gk
-
-    rows = step.rows
-    out = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
-    hint = int(step.decode_lens.max())
-    kwargs = {"rows_max": gk.rows_max_for(step.q.shape[2], hint), **params}
-    kwargs["schedule"] = gk.plan(rows.indices, rows.context_lens.view(-1, 1), step.max_context_len,
-                                 rows.block_table.shape[1], step.q.shape[2], kwargs["rows_max"],
-                                 wide=params.get("wide"))
-
-    def call():
-        gk.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
-                  rows.block_table, rows.indices, step.max_context_len, out, **kwargs)
-        return out
-    return call
-
-
 def cuda_default_path(step):
     """The CUDA sm_90 kernel as the launcher runs it (``kernel="sm90_cuda"``),
     its schedule planned once for the step outside the timed call."""
@@ -368,39 +346,9 @@ def cuda_default_path(step):
         rows.num_rows, 0, 1.0, dict(rows_max=ck.ROWS_MAX))
 
 
-def sm90_default_path(step):
-    """The Gluon sm_90 kernel as the launcher runs it (``kernel="sm90_gluon"``), its
-    schedule planned once for the step outside the timed call — as serving
-    plans in a step's first layer, and as the DeepGEMM paths compute their
-    schedule metadata outside theirs."""
-    from .ops import gluon_paged_mqa_logits as gk
-    from .ops.launcher import varlen_paged_mqa_logits
-
-    rows = step.rows
-    ctx2d = rows.context_lens.view(-1, 1)
-    hint = int(step.decode_lens.max())
-    heads = step.q.shape[2]
-    rows_max = gk.rows_max_for(heads, hint)
-    sched = gk.plan(rows.indices, ctx2d, step.max_context_len, rows.block_table.shape[1], heads,
-                    rows_max)
-    return Path(lambda: varlen_paged_mqa_logits(
-        step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
-        step.max_context_len, max_run_len=hint, kernel="sm90_gluon", schedule=sched),
-        rows.num_rows, 0, 1.0, dict(rows_max=rows_max, wide=gk.takes_wide(heads, rows_max)))
-
-
-def sm90_variant_paths(torch, step, spec):
-    """Extra sm_90 paths, one per launch parameter set of ``spec`` (``k=v,..;..``)."""
-    out = {}
-    for params in triton_variants(spec):
-        label = "gluon-sm90 " + ",".join(f"{k}={v}" for k, v in params.items())
-        out[label] = Path(sm90_call(torch, step, params), step.rows.num_rows, 0, 1.0, dict(params))
-    return out
-
-
 def case_paths(torch, case, args, dg, num_sms):
     """Build ``case``'s decode step and every path to time on it."""
-    from .ops import gluon_paged_mqa_logits as gk
+    from .ops import cuda_paged_mqa_logits as ck
     from .ops.launcher import varlen_paged_mqa_logits
 
     step = case.step(args.seed, "cuda")
@@ -410,20 +358,16 @@ def case_paths(torch, case, args, dg, num_sms):
     paths = {}
     if args.peer == "vdg":
         return step, vdg_paths(torch, step, dg, num_sms)
-    hopper = gk.unsupported_reason(step.q, step.kv_cache) is None
-    if args.peer == "gluon":
-        if hopper:
-            from .ops import cuda_paged_mqa_logits as ck
-
-            why = ck.unsupported_reason(step.q, step.kv_cache, step.weights)
-            if why is None:
-                paths["cuda-sm90"] = cuda_default_path(step)
-            else:
-                print(f"cuda-sm90: not timed ({why})", flush=True)
-            paths["gluon-sm90"] = sm90_default_path(step)
-            if getattr(args, "sm90_variants", None):
-                paths.update(sm90_variant_paths(torch, step, args.sm90_variants))
-        return step, paths
+    hopper = torch.cuda.get_device_capability(step.q.device) == (9, 0)
+    sm90 = {}
+    if args.peer == "sm90" or (hopper and not args.no_sm90):
+        why = ck.unsupported_reason(step.q, step.kv_cache, step.weights)
+        if why is None:
+            sm90["cuda-sm90"] = cuda_default_path(step)
+        else:
+            print(f"cuda-sm90: not timed ({why})", flush=True)
+    if args.peer == "sm90":
+        return step, sm90
     for params in triton_variants(args.variants):
         label = ("triton-portable" if hopper else "triton-varlen") + ("" if not params else " " + ",".join(
             f"{k}={v}" for k, v in params.items()))
@@ -431,12 +375,7 @@ def case_paths(torch, case, args, dg, num_sms):
             step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
             step.max_context_len, max_run_len=hint, kernel="portable", **p), rows.num_rows, 0, 1.0,
             dict(params))
-    if hopper and not args.no_gluon:
-        from .ops import cuda_paged_mqa_logits as ck
-
-        if ck.unsupported_reason(step.q, step.kv_cache, step.weights) is None:
-            paths["cuda-sm90"] = cuda_default_path(step)
-        paths["gluon-sm90"] = sm90_default_path(step)
+    paths.update(sm90)
     if dg is not None:
         paths.update(deepgemm_paths(torch, step, dg, num_sms))
     return step, paths
@@ -477,7 +416,7 @@ def profile_pass(torch, cases, args, dg, num_sms):
     first), for Nsight Compute started with ``--profile-from-start off``::
 
         ncu --profile-from-start off --set full -o sm90 python3 -m vllm_dsa_varlen.bench \\
-            --profile --peer gluon --cases "B64 L32K 4tok"
+            --profile --peer sm90 --cases "B64 L32K 4tok"
 
     ``--paths``: keep only paths whose name contains one of these substrings."""
     for case in cases:
@@ -526,7 +465,7 @@ def run_gpu(args):
     from .ops.reference import paged_mqa_logits_ref, valid_mask
 
     try:
-        if args.peer == "gluon":
+        if args.peer == "sm90":
             dg, num_sms = None, 0
         elif args.peer == "vdg":
             import vllm_deep_gemm as dg
@@ -564,7 +503,7 @@ def run_gpu(args):
                 print(f"{case.name} | {name}: failed: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
             note = ""
-            if name.startswith(("triton", "gluon")):
+            if name.startswith("triton"):
                 compiled = launcher.LAST_COMPILED[0]
                 path.params.update(regs=getattr(compiled, "n_regs", None),
                                    spills=getattr(compiled, "n_spills", None))
@@ -688,8 +627,6 @@ def main(argv=None):
     parser.add_argument("--cases", nargs="*", help="substrings of case names to run")
     parser.add_argument("--variants", help="Triton kernel parameter sets, e.g. "
                         "'rows_per_dot=2,pages_per_split=8;rows_per_dot=4,num_warps=8'")
-    parser.add_argument("--sm90-variants", help="sm_90 launch parameter sets to time beside the "
-                        "default (with --peer gluon), e.g. 'consumers=2;stages=8'")
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time (ms)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, nargs="*", help="custom cases: batch sizes")
@@ -703,11 +640,11 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=None,
                         help="custom cases: indexer heads (default 64 on a GPU, 32 on the CPU)")
     parser.add_argument("--cpu", action="store_true", help="force the tiny CPU run")
-    parser.add_argument("--peer", choices=["vdg", "gluon"], help="time only one peer in this "
+    parser.add_argument("--peer", choices=["vdg", "sm90"], help="time only one peer in this "
                         "process: vdg (vLLM 0.33's DeepGEMM 2.8.1, importable as vllm_deep_gemm) "
-                        "or gluon (this project's sm_90 kernel)")
-    parser.add_argument("--no-gluon", action="store_true",
-                        help="leave the sm_90 kernel out (time it with --peer gluon instead)")
+                        "or sm90 (this project's sm_90 CUDA kernel)")
+    parser.add_argument("--no-sm90", action="store_true",
+                        help="leave the sm_90 kernel out (time it with --peer sm90 instead)")
     parser.add_argument("--merge", nargs="*", help="JSON files of --peer runs to merge into this run")
     parser.add_argument("--profile", action="store_true", help="time nothing: one call of every "
                         "path per case inside cudaProfilerStart/Stop, for Nsight Compute "
