@@ -26,6 +26,10 @@ compute floor, from a copy bandwidth and an fp8 matmul rate measured in the
 same run), useful vs padded rows, and the plan's host µs per step.  Without a
 GPU it runs tiny shapes through the reference and the Triton interpreter and
 says so.
+
+Two other modes time something else: ``--plan-timing`` the sm_90 kernel's
+per-step schedule (:mod:`.bench_plan`), ``--launch-host`` the host time of
+eager calls, ``--fake`` without a GPU (:mod:`.bench_launch`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+
+from .bench_graph import capture_graph, graph_replay_us  # noqa: F401  (the benchmarks' helpers)
 
 
 @dataclass
@@ -305,29 +311,6 @@ def stock_split_path(torch, step, dg, num_sms):
     kv_reads = (reqs * (1 if native else n) + 2 * (num_reqs - reqs)) / num_reqs
     return Path(call, rows.num_rows, 0, kv_reads, dict(decode_reqs=reqs, next_n=n),
                 result=result)
-
-
-def capture_graph(torch, fn, copies: int = 1):
-    """``fn`` captured ``copies`` times in one CUDA graph, after one eager run
-    and one on a side stream (compiles, allocator warm-up), as capture needs."""
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(copies):
-            fn()
-    return graph
-
-
-def graph_replay_us(torch, do_bench, fn, rep_ms: int) -> float:
-    """Median µs of ``fn`` captured in a CUDA graph (:func:`capture_graph`) and
-    replayed (``do_bench`` flushes the L2 before every run)."""
-    graph = capture_graph(torch, fn)
-    return do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median") * 1e3
 
 
 def cuda_default_path(step):
@@ -624,10 +607,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write results here")
     parser.add_argument("--trace", help="write a Chrome trace (torch.profiler, NVTX ranges) here")
-    parser.add_argument("--cases", nargs="*", help="substrings of case names to run")
+    parser.add_argument("--cases", nargs="*", help="substrings of case names to run "
+                        "(--plan-timing: requests,tokens,context each, tokens -n for 1..n)")
     parser.add_argument("--variants", help="Triton kernel parameter sets, e.g. "
                         "'rows_per_dot=2,pages_per_split=8;rows_per_dot=4,num_warps=8'")
-    parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time (ms)")
+    parser.add_argument("--rep-ms", type=int, default=None,
+                        help="do_bench repetition time (ms; default 200, --plan-timing 20)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, nargs="*", help="custom cases: batch sizes")
     parser.add_argument("--context", type=int, nargs="*", help="custom cases: mean KV lengths")
@@ -650,7 +635,38 @@ def main(argv=None):
                         "path per case inside cudaProfilerStart/Stop, for Nsight Compute "
                         "(ncu --profile-from-start off); needs a GPU")
     parser.add_argument("--paths", nargs="*", help="with --profile: substrings of path names to keep")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--plan-timing", action="store_true",
+                      help="time the sm_90 kernel's schedule instead: the one-launch planner, "
+                      "plan_torch and DeepGEMM's metadata (vllm_dsa_varlen.bench_plan); needs a GPU")
+    mode.add_argument("--launch-host", action="store_true",
+                      help="time the host side of eager calls instead, against graph replay "
+                      "(vllm_dsa_varlen.bench_launch); without a GPU, --fake")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="--plan-timing: timed rounds, interleaved (default 5; median, "
+                        "min-max shown)")
+    parser.add_argument("--calls", type=int, default=None,
+                        help="--launch-host: calls per timed round (default 50)")
+    parser.add_argument("--fake", action="store_true", help="--launch-host: the launch on CPU "
+                        "tensors, driver calls stubbed (any machine)")
+    parser.add_argument("--base", default="",
+                        help="--launch-host --fake: also time this git revision's launch")
     args = parser.parse_args(argv)
+    wrong = [f"{flag} only with {mode}" for flag, mode, given, on in (
+        ("--rounds", "--plan-timing", args.rounds is not None, args.plan_timing),
+        ("--calls", "--launch-host", args.calls is not None, args.launch_host),
+        ("--fake", "--launch-host", args.fake, args.launch_host),
+        ("--base", "--launch-host", bool(args.base), args.launch_host)) if given and not on]
+    if wrong:
+        parser.error("; ".join(wrong))
+    if args.plan_timing:
+        from . import bench_plan
+        return bench_plan.run(args)
+    if args.launch_host:
+        from . import bench_launch
+        return bench_launch.run(args)
+    if args.rep_ms is None:
+        args.rep_ms = 200
     import torch
     gpu = torch.cuda.is_available() and not args.cpu
     if args.profile and not gpu:

@@ -76,7 +76,7 @@ HEADS = 64            # the head count the launcher routes here (LAUNCHER_HEADS)
 # plan() takes the one-launch planner kernel (.cuda_plan) where it can serve
 # (64 heads): on the H200 it matched plan_torch bit for bit on 17 steps of 11 to
 # 8199 rows, at 5.7-8.3 µs of GPU time per step up to 1031 rows against
-# plan_torch's 130-178 (benchmarks/plan_timing.py; docs/design.md §8).
+# plan_torch's 130-178 (vllm-dsa-varlen-bench --plan-timing; docs/design.md §8).
 PLAN_KERNEL = True
 HEAD_COUNTS = (32, 64)  # the kernel's builds: a row group is 128 // heads rows
 # Where unsupported_reason lets the launcher take it: the HEADS=32 build measured
