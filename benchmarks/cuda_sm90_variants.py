@@ -2,7 +2,7 @@
 """A/B of the CUDA sm_90 kernel: build variants (``-D`` macros of
 ``ops/cuda/sm90_varlen_logits.cu``) and schedule cost models, each checked
 against the torch reference on small steps, then timed (CUDA-graph replay, L2
-flushed, the plan made outside the timed call) beside the Gluon kernel.
+flushed, the plan made outside the timed call) side by side.
 
     python3 benchmarks/cuda_sm90_variants.py --variants "default" "HALF_GROUPS=0" \\
         "default@1,0" [--cases 64,4,32768 64,-4,32768 ...]
@@ -43,7 +43,6 @@ def main(argv=None) -> int:
     from triton.testing import do_bench
 
     from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-    from vllm_dsa_varlen.ops import gluon_paged_mqa_logits as gk
     from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
     from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
 
@@ -104,12 +103,7 @@ def main(argv=None) -> int:
                           torch.ones(1, dtype=torch.bool, device="cuda")])
         pages = int(((rows.context_lens.view(-1)[ends] + 63) // 64).sum())
         out = torch.empty(rows.num_rows, step.max_context_len, device="cuda")
-        rows_max = gk.rows_max_for(args.heads, abs(tokens))
-        gsched = gk.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1],
-                         args.heads, rows_max)
-        calls = {"gluon": lambda: gk.launch(
-            step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
-            step.max_context_len, out, rows_max=rows_max, schedule=gsched)}
+        calls = {}
         for name, (defines, cost) in variants.items():
             sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1],
                             args.heads, **({"cost": cost} if cost else {}))

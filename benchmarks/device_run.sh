@@ -2,13 +2,13 @@
 # One call on the GPU machine: DeepGEMM 2.8.2 (a prebuilt wheel in $DEV when there
 # is one, else built from the staged sdist), the GPU tests, then the benchmark
 # (python3 -m vllm_dsa_varlen.bench) with every peer on the same inputs: the portable
-# Triton kernel and DeepGEMM 2.8.2 in the main process, this project's sm_90 kernels
-# (CUDA, Gluon) in a process of their own, vLLM 0.33's DeepGEMM 2.8.1 in another (the
+# Triton kernel and DeepGEMM 2.8.2 in the main process, this project's sm_90 CUDA kernel
+# in a process of its own, vLLM 0.33's DeepGEMM 2.8.1 in another (the
 # two DeepGEMMs crash when loaded together), merged into one table (bench.json;
 # benchmarks/summarize.py prints it).  Extra arguments go to every benchmark process.
 # Logs, JSON land in $OUT.
 #   DEV=.device (default; ../.device from a copy one level down)  SKIP_TESTS=1  TESTS_LAST=1
-#   RUN_VDG=0  RUN_GLUON=0  GPU_TESTS=...  TEST_TIMEOUT/PEER_TIMEOUT/MAIN_TIMEOUT (seconds)
+#   RUN_VDG=0  RUN_SM90=0  GPU_TESTS=...  TEST_TIMEOUT/PEER_TIMEOUT/MAIN_TIMEOUT (seconds)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/dsa-out}; mkdir -p "$OUT"
@@ -35,16 +35,16 @@ if [ "${RUN_VDG:-1}" = 1 ] && [ -f "$DEV/vllm-deep-gemm-0.33.0.tgz" ]; then
   [ -f "$OUT/bench-vdg.json" ] && peers+=("$OUT/bench-vdg.json")
 fi
 # The sm_90 kernel in a process of its own too (a fault there cannot take the other paths
-# down); RUN_GLUON=0 times it in the main process instead.
-if [ "${RUN_GLUON:-1}" = 1 ]; then
-  timeout ${PEER_TIMEOUT:-600} python3 -m vllm_dsa_varlen.bench --peer gluon --json "$OUT/bench-gluon.json" "$@" \
-    > "$OUT/bench-gluon.log" 2>&1; echo "gluon peer rc=$?"
-  [ -f "$OUT/bench-gluon.json" ] && peers+=("$OUT/bench-gluon.json")
+# down); RUN_SM90=0 times it in the main process instead.
+if [ "${RUN_SM90:-1}" = 1 ]; then
+  timeout ${PEER_TIMEOUT:-600} python3 -m vllm_dsa_varlen.bench --peer sm90 --json "$OUT/bench-sm90.json" "$@" \
+    > "$OUT/bench-sm90.log" 2>&1; echo "sm90 peer rc=$?"
+  [ -f "$OUT/bench-sm90.json" ] && peers+=("$OUT/bench-sm90.json")
 fi
 merge=()
 [ ${#peers[@]} -gt 0 ] && merge=(--merge "${peers[@]}")
-nogluon=(); [ "${RUN_GLUON:-1}" = 1 ] && nogluon=(--no-gluon)
-timeout ${MAIN_TIMEOUT:-900} python3 -m vllm_dsa_varlen.bench "${nogluon[@]}" --json "$OUT/bench.json" "${merge[@]}" "$@" > "$OUT/bench.log" 2>&1
+nosm90=(); [ "${RUN_SM90:-1}" = 1 ] && nosm90=(--no-sm90)
+timeout ${MAIN_TIMEOUT:-900} python3 -m vllm_dsa_varlen.bench "${nosm90[@]}" --json "$OUT/bench.json" "${merge[@]}" "$@" > "$OUT/bench.log" 2>&1
 echo "main rc=$?"; sed -n '/^case /,$p' "$OUT/bench.log"
 [ "${SKIP_TESTS:-0}" != 1 ] && [ "${TESTS_LAST:-0}" = 1 ] && run_tests
 exit 0

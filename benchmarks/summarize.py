@@ -9,8 +9,7 @@ to the floor, and the eager time.
 import json
 import sys
 
-COLUMNS = [("cuda-sm90", "sm_90 CUDA"), ("gluon-sm90", "sm_90 Gluon"),
-           ("triton-portable", "portable Triton"),
+COLUMNS = [("cuda-sm90", "sm_90 CUDA"), ("triton-portable", "portable Triton"),
            ("deepgemm-flat", "DG 2.8.2 flat"), ("deepgemm-native", "DG 2.8.2 native2"),
            ("vdg281-flat", "vLLM-0.33 DG flat"), ("vdg281-native", "vLLM-0.33 DG native"),
            ("vdg281-split", "vLLM-0.33 split")]
@@ -24,8 +23,8 @@ def load(paths):
         for r in data["results"]:
             if r["case"] not in order:
                 order.append(r["case"])
-            # exact names (launch-knob variants such as "gluon-sm90 stages=8" get no
-            # column); "vdg281-native" carries next_n as a suffix
+            # exact names (parameter variants such as "triton-portable rows_per_dot=4"
+            # get no column); "vdg281-native" carries next_n as a suffix
             key = next((k for k, _ in COLUMNS if r["path"] == k or (
                 k == "vdg281-native" and r["path"].startswith(k))), r["path"])
             rows.setdefault(r["case"], {})[key] = r
@@ -52,11 +51,11 @@ def main(paths):
             cells.append(f"{r['us']:.1f}{tag}{ratio}")
         print("| " + " | ".join(cells) + " |")
     print()
-    print("| case | " + " | ".join(f"{n} eager" for _, n in COLUMNS[:5]) + " |")
-    print("|" + "---|" * (1 + 5))
+    print("| case | " + " | ".join(f"{n} eager" for _, n in COLUMNS[:4]) + " |")
+    print("|" + "---|" * (1 + 4))
     for case in order:
         cells = [case]
-        for key, _ in COLUMNS[:5]:
+        for key, _ in COLUMNS[:4]:
             r = rows[case].get(key)
             cells.append("–" if r is None or r.get("eager_us") is None else
                          f"{r['eager_us']:.1f} (graph {r['us']:.1f})")

@@ -13,7 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "vllm_dsa_varlen"
 KERNELS = ("common", "reference", "triton_paged_mqa_logits", "cuda_paged_mqa_logits",
-           "cuda_plan", "cuda_binding", "gluon_paged_mqa_logits")
+           "cuda_plan", "cuda_binding")
 
 
 def _modules() -> dict[str, str]:
@@ -103,7 +103,7 @@ def test_relative_imports_resolve_to_the_package_modules():
     graph = import_graph()
     ops = f"{PACKAGE}.ops"
     assert {f"{ops}.{k}" for k in ("triton_paged_mqa_logits", "cuda_paged_mqa_logits",
-                                   "gluon_paged_mqa_logits", "common")} <= graph[f"{ops}.launcher"]
+                                   "common")} <= graph[f"{ops}.launcher"]
 
 
 def test_no_import_circle_in_the_package():
@@ -124,6 +124,6 @@ def test_the_launcher_holds_the_entry_points():
     from vllm_dsa_varlen.ops import launcher, triton_paged_mqa_logits
 
     for name in ("varlen_paged_mqa_logits", "precompile", "check_varlen_inputs", "graph_kernel",
-                 "hopper_kernel_for", "auto_takes_sm90"):
+                 "hopper_kernel_for", "resolve_kernel"):
         assert callable(getattr(launcher, name))
         assert not hasattr(triton_paged_mqa_logits, name)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vllm_dsa_varlen import warmup
-from vllm_dsa_varlen.ops import gluon_paged_mqa_logits as gk
+from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
 from vllm_dsa_varlen.ops import launcher
 
 
@@ -25,8 +25,8 @@ def test_cuda_device_compiles_every_hint_bucket(monkeypatch, next_n, hints):
     assert took == 0.5
     assert [kw["max_run_lens"] for kw in seen] == [hints]
     assert (seen[0]["heads"], seen[0]["dim"], seen[0]["page"]) == (64, 128, 64)
-    for n in range(1, next_n + 1):  # sm_90 row buffers and portable row groups
-        assert any(gk.rows_max_for(64, n) == gk.rows_max_for(64, h) for h in hints)
+    for n in range(1, next_n + 1):  # the sm_90 kernel's builds and portable row groups
+        assert any(ck.defines_for(n, "fp32") == ck.defines_for(h, "fp32") for h in hints)
         assert any((n <= 2) == (h <= 2) for h in hints)
 
 

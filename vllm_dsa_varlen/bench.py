@@ -5,11 +5,10 @@ H 64, D 128, page 64, fp8 cache; optionally V4's compressed cache) through the
 project's own plan, and each available path is timed on the same step:
 
 * ``triton-portable`` — this project's portable Triton kernel: one row per
-  token + run ids (``triton-varlen`` on a GPU without an sm_90 kernel);
+  token + run ids (``triton-varlen`` on a GPU other than sm_90);
 * ``cuda-sm90``       — this project's Hopper kernel in CUDA C++ (NVRTC), the
-  one the launcher takes on sm_90 for 64 heads;
-* ``gluon-sm90``      — this project's Hopper kernel in Triton Gluon (the
-  launcher's sm_90 kernel where the CUDA one cannot run);
+  one the launcher takes on sm_90 for 32 and 64 heads (``--peer sm90``: in a
+  process of its own, merged with ``--merge``);
 * ``deepgemm-flat``   — DeepGEMM ``next_n = 1`` on the flattened rows (what
   vLLM 0.27.1 does on Hopper with MTP >= 2: every row re-reads its KV);
 * ``deepgemm-native`` — DeepGEMM ``[B, next_n]`` padded (SM90: next_n <= 2);
@@ -27,6 +26,10 @@ compute floor, from a copy bandwidth and an fp8 matmul rate measured in the
 same run), useful vs padded rows, and the plan's host µs per step.  Without a
 GPU it runs tiny shapes through the reference and the Triton interpreter and
 says so.
+
+Two other modes time something else: ``--plan-timing`` the sm_90 kernel's
+per-step schedule (:mod:`.bench_plan`), ``--launch-host`` the host time of
+eager calls, ``--fake`` without a GPU (:mod:`.bench_launch`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+
+from .bench_graph import capture_graph, graph_replay_us  # noqa: F401  (the benchmarks' helpers)
 
 
 @dataclass
@@ -308,50 +313,6 @@ def stock_split_path(torch, step, dg, num_sms):
                 result=result)
 
 
-def capture_graph(torch, fn, copies: int = 1):
-    """``fn`` captured ``copies`` times in one CUDA graph, after one eager run
-    and one on a side stream (compiles, allocator warm-up), as capture needs."""
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(copies):
-            fn()
-    return graph
-
-
-def graph_replay_us(torch, do_bench, fn, rep_ms: int) -> float:
-    """Median µs of ``fn`` captured in a CUDA graph (:func:`capture_graph`) and
-    replayed (``do_bench`` flushes the L2 before every run)."""
-    graph = capture_graph(torch, fn)
-    return do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median") * 1e3
-
-
-def sm90_call(torch, step, params):
-    """A call of the sm_90 kernel with explicit launch parameters (``params``,
-    as :func:`..ops.gluon_paged_mqa_logits.launch` takes them) into a buffer of
-    its own, poisoned once (every valid element is checked after the first call)."""
-    from .ops import gluon_paged_mqa_logits as gk
-
-    rows = step.rows
-    out = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
-    hint = int(step.decode_lens.max())
-    kwargs = {"rows_max": gk.rows_max_for(step.q.shape[2], hint), **params}
-    kwargs["schedule"] = gk.plan(rows.indices, rows.context_lens.view(-1, 1), step.max_context_len,
-                                 rows.block_table.shape[1], step.q.shape[2], kwargs["rows_max"],
-                                 wide=params.get("wide"))
-
-    def call():
-        gk.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
-                  rows.block_table, rows.indices, step.max_context_len, out, **kwargs)
-        return out
-    return call
-
-
 def cuda_default_path(step):
     """The CUDA sm_90 kernel as the launcher runs it (``kernel="sm90_cuda"``),
     its schedule planned once for the step outside the timed call."""
@@ -368,39 +329,9 @@ def cuda_default_path(step):
         rows.num_rows, 0, 1.0, dict(rows_max=ck.ROWS_MAX))
 
 
-def sm90_default_path(step):
-    """The Gluon sm_90 kernel as the launcher runs it (``kernel="sm90_gluon"``), its
-    schedule planned once for the step outside the timed call — as serving
-    plans in a step's first layer, and as the DeepGEMM paths compute their
-    schedule metadata outside theirs."""
-    from .ops import gluon_paged_mqa_logits as gk
-    from .ops.launcher import varlen_paged_mqa_logits
-
-    rows = step.rows
-    ctx2d = rows.context_lens.view(-1, 1)
-    hint = int(step.decode_lens.max())
-    heads = step.q.shape[2]
-    rows_max = gk.rows_max_for(heads, hint)
-    sched = gk.plan(rows.indices, ctx2d, step.max_context_len, rows.block_table.shape[1], heads,
-                    rows_max)
-    return Path(lambda: varlen_paged_mqa_logits(
-        step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
-        step.max_context_len, max_run_len=hint, kernel="sm90_gluon", schedule=sched),
-        rows.num_rows, 0, 1.0, dict(rows_max=rows_max, wide=gk.takes_wide(heads, rows_max)))
-
-
-def sm90_variant_paths(torch, step, spec):
-    """Extra sm_90 paths, one per launch parameter set of ``spec`` (``k=v,..;..``)."""
-    out = {}
-    for params in triton_variants(spec):
-        label = "gluon-sm90 " + ",".join(f"{k}={v}" for k, v in params.items())
-        out[label] = Path(sm90_call(torch, step, params), step.rows.num_rows, 0, 1.0, dict(params))
-    return out
-
-
 def case_paths(torch, case, args, dg, num_sms):
     """Build ``case``'s decode step and every path to time on it."""
-    from .ops import gluon_paged_mqa_logits as gk
+    from .ops import cuda_paged_mqa_logits as ck
     from .ops.launcher import varlen_paged_mqa_logits
 
     step = case.step(args.seed, "cuda")
@@ -410,20 +341,16 @@ def case_paths(torch, case, args, dg, num_sms):
     paths = {}
     if args.peer == "vdg":
         return step, vdg_paths(torch, step, dg, num_sms)
-    hopper = gk.unsupported_reason(step.q, step.kv_cache) is None
-    if args.peer == "gluon":
-        if hopper:
-            from .ops import cuda_paged_mqa_logits as ck
-
-            why = ck.unsupported_reason(step.q, step.kv_cache, step.weights)
-            if why is None:
-                paths["cuda-sm90"] = cuda_default_path(step)
-            else:
-                print(f"cuda-sm90: not timed ({why})", flush=True)
-            paths["gluon-sm90"] = sm90_default_path(step)
-            if getattr(args, "sm90_variants", None):
-                paths.update(sm90_variant_paths(torch, step, args.sm90_variants))
-        return step, paths
+    hopper = torch.cuda.get_device_capability(step.q.device) == (9, 0)
+    sm90 = {}
+    if args.peer == "sm90" or (hopper and not args.no_sm90):
+        why = ck.unsupported_reason(step.q, step.kv_cache, step.weights)
+        if why is None:
+            sm90["cuda-sm90"] = cuda_default_path(step)
+        else:
+            print(f"cuda-sm90: not timed ({why})", flush=True)
+    if args.peer == "sm90":
+        return step, sm90
     for params in triton_variants(args.variants):
         label = ("triton-portable" if hopper else "triton-varlen") + ("" if not params else " " + ",".join(
             f"{k}={v}" for k, v in params.items()))
@@ -431,12 +358,7 @@ def case_paths(torch, case, args, dg, num_sms):
             step.q, step.kv_cache, step.weights, ctx2d, rows.block_table, rows.indices,
             step.max_context_len, max_run_len=hint, kernel="portable", **p), rows.num_rows, 0, 1.0,
             dict(params))
-    if hopper and not args.no_gluon:
-        from .ops import cuda_paged_mqa_logits as ck
-
-        if ck.unsupported_reason(step.q, step.kv_cache, step.weights) is None:
-            paths["cuda-sm90"] = cuda_default_path(step)
-        paths["gluon-sm90"] = sm90_default_path(step)
+    paths.update(sm90)
     if dg is not None:
         paths.update(deepgemm_paths(torch, step, dg, num_sms))
     return step, paths
@@ -477,7 +399,7 @@ def profile_pass(torch, cases, args, dg, num_sms):
     first), for Nsight Compute started with ``--profile-from-start off``::
 
         ncu --profile-from-start off --set full -o sm90 python3 -m vllm_dsa_varlen.bench \\
-            --profile --peer gluon --cases "B64 L32K 4tok"
+            --profile --peer sm90 --cases "B64 L32K 4tok"
 
     ``--paths``: keep only paths whose name contains one of these substrings."""
     for case in cases:
@@ -526,7 +448,7 @@ def run_gpu(args):
     from .ops.reference import paged_mqa_logits_ref, valid_mask
 
     try:
-        if args.peer == "gluon":
+        if args.peer == "sm90":
             dg, num_sms = None, 0
         elif args.peer == "vdg":
             import vllm_deep_gemm as dg
@@ -564,7 +486,7 @@ def run_gpu(args):
                 print(f"{case.name} | {name}: failed: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
             note = ""
-            if name.startswith(("triton", "gluon")):
+            if name.startswith("triton"):
                 compiled = launcher.LAST_COMPILED[0]
                 path.params.update(regs=getattr(compiled, "n_regs", None),
                                    spills=getattr(compiled, "n_spills", None))
@@ -685,12 +607,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write results here")
     parser.add_argument("--trace", help="write a Chrome trace (torch.profiler, NVTX ranges) here")
-    parser.add_argument("--cases", nargs="*", help="substrings of case names to run")
+    parser.add_argument("--cases", nargs="*", help="substrings of case names to run "
+                        "(--plan-timing: requests,tokens,context each, tokens -n for 1..n)")
     parser.add_argument("--variants", help="Triton kernel parameter sets, e.g. "
                         "'rows_per_dot=2,pages_per_split=8;rows_per_dot=4,num_warps=8'")
-    parser.add_argument("--sm90-variants", help="sm_90 launch parameter sets to time beside the "
-                        "default (with --peer gluon), e.g. 'consumers=2;stages=8'")
-    parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time (ms)")
+    parser.add_argument("--rep-ms", type=int, default=None,
+                        help="do_bench repetition time (ms; default 200, --plan-timing 20)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, nargs="*", help="custom cases: batch sizes")
     parser.add_argument("--context", type=int, nargs="*", help="custom cases: mean KV lengths")
@@ -703,17 +625,48 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=None,
                         help="custom cases: indexer heads (default 64 on a GPU, 32 on the CPU)")
     parser.add_argument("--cpu", action="store_true", help="force the tiny CPU run")
-    parser.add_argument("--peer", choices=["vdg", "gluon"], help="time only one peer in this "
+    parser.add_argument("--peer", choices=["vdg", "sm90"], help="time only one peer in this "
                         "process: vdg (vLLM 0.33's DeepGEMM 2.8.1, importable as vllm_deep_gemm) "
-                        "or gluon (this project's sm_90 kernel)")
-    parser.add_argument("--no-gluon", action="store_true",
-                        help="leave the sm_90 kernel out (time it with --peer gluon instead)")
+                        "or sm90 (this project's sm_90 CUDA kernel)")
+    parser.add_argument("--no-sm90", action="store_true",
+                        help="leave the sm_90 kernel out (time it with --peer sm90 instead)")
     parser.add_argument("--merge", nargs="*", help="JSON files of --peer runs to merge into this run")
     parser.add_argument("--profile", action="store_true", help="time nothing: one call of every "
                         "path per case inside cudaProfilerStart/Stop, for Nsight Compute "
                         "(ncu --profile-from-start off); needs a GPU")
     parser.add_argument("--paths", nargs="*", help="with --profile: substrings of path names to keep")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--plan-timing", action="store_true",
+                      help="time the sm_90 kernel's schedule instead: the one-launch planner, "
+                      "plan_torch and DeepGEMM's metadata (vllm_dsa_varlen.bench_plan); needs a GPU")
+    mode.add_argument("--launch-host", action="store_true",
+                      help="time the host side of eager calls instead, against graph replay "
+                      "(vllm_dsa_varlen.bench_launch); without a GPU, --fake")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="--plan-timing: timed rounds, interleaved (default 5; median, "
+                        "min-max shown)")
+    parser.add_argument("--calls", type=int, default=None,
+                        help="--launch-host: calls per timed round (default 50)")
+    parser.add_argument("--fake", action="store_true", help="--launch-host: the launch on CPU "
+                        "tensors, driver calls stubbed (any machine)")
+    parser.add_argument("--base", default="",
+                        help="--launch-host --fake: also time this git revision's launch")
     args = parser.parse_args(argv)
+    wrong = [f"{flag} only with {mode}" for flag, mode, given, on in (
+        ("--rounds", "--plan-timing", args.rounds is not None, args.plan_timing),
+        ("--calls", "--launch-host", args.calls is not None, args.launch_host),
+        ("--fake", "--launch-host", args.fake, args.launch_host),
+        ("--base", "--launch-host", bool(args.base), args.launch_host)) if given and not on]
+    if wrong:
+        parser.error("; ".join(wrong))
+    if args.plan_timing:
+        from . import bench_plan
+        return bench_plan.run(args)
+    if args.launch_host:
+        from . import bench_launch
+        return bench_launch.run(args)
+    if args.rep_ms is None:
+        args.rep_ms = 200
     import torch
     gpu = torch.cuda.is_available() and not args.cpu
     if args.profile and not gpu:

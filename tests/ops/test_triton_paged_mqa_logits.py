@@ -253,8 +253,8 @@ def test_cuda_graph_replay_with_new_contents():
         graph.replay()
         torch.cuda.synchronize()
         eager = torch.full_like(out, POISON)
-        # eagerly with the kernel the capture took ("auto" takes an sm_90 kernel
-        # only inside a capture; kernels sum the heads in different orders)
+        # eagerly with the kernel the capture took (kernels sum the heads in
+        # different orders)
         varlen_paged_mqa_logits(q, kv, w, ctx, bt, ids, max_len, out=eager,
                                 kernel=_captured_kernel(q, kv, 4))
         mask = valid_mask(ctx, max_len, ids)
@@ -270,8 +270,7 @@ def _captured_kernel(q, kv, hint):
     """The kernel "auto" takes inside a CUDA-graph capture, to run eagerly."""
     from vllm_dsa_varlen.ops import launcher
 
-    if torch.cuda.get_device_capability(q.device) == (9, 0) and launcher.auto_takes_sm90(
-            q.shape[0], hint) and launcher.hopper_kernel_for(q, kv, "sm90", hint) is not None:
+    if launcher.hopper_kernel_for(q, kv, "auto", hint, capturing=True) is not None:
         return "sm90"
     return "portable"
 

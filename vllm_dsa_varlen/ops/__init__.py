@@ -3,16 +3,14 @@
 * :mod:`.launcher` — the entry point :func:`~.launcher.varlen_paged_mqa_logits`
   (input checks, the choice of kernel) and :func:`~.launcher.precompile`
   (compile every variant a server uses, up front);
-* :mod:`.cuda_paged_mqa_logits` — the sm_90 (Hopper) CUDA C++ kernel, 64 heads
-  (32-head builds exist, not yet routed), fp32 or tensor-core head sum;
+* :mod:`.cuda_paged_mqa_logits` — the sm_90 (Hopper) CUDA C++ kernel, 32 and
+  64 heads, fp32 or tensor-core head sum;
 * :mod:`.cuda_plan` — that kernel's per-step schedule: its format, its cost
   model, the one-launch planner kernel;
 * :mod:`.cuda_binding` — NVRTC and the CUDA driver through ``cuda-python``
-  (compile, load, launch), for both CUDA kernels;
+  (compile, load, launch), for the CUDA kernel and its planner;
 * :mod:`.head_sum_precision` — what a cheaper head sum costs the top-k (a
   CPU study);
-* :mod:`.gluon_paged_mqa_logits` — the sm_90 Gluon kernel, where the CUDA one
-  cannot run (32 heads, no NVRTC);
 * :mod:`.triton_paged_mqa_logits` — the portable Triton kernel (any fp8 GPU,
   the CPU interpreter);
 * :mod:`.common` — what the kernels share (geometry, SM count, bound launches);

@@ -2,8 +2,8 @@
 
 Same inputs, outputs and semantics as
 :func:`vllm_dsa_varlen.ops.launcher.varlen_paged_mqa_logits`; the launcher
-takes it on sm_90 for 64 heads (``hopper_kernel_for``) and the Gluon kernel
-(:mod:`.gluon_paged_mqa_logits`) where this one cannot run.
+takes it on sm_90 for 32 and 64 heads (``hopper_kernel_for``) and the
+portable kernel where this one cannot run.
 
 Why CUDA C++ and not Gluon (docs/design.md): the structure
 that sets DeepGEMM's pace — four math warpgroups that move independently, each
@@ -76,7 +76,7 @@ HEADS = 64            # the head count the launcher routes here (LAUNCHER_HEADS)
 # plan() takes the one-launch planner kernel (.cuda_plan) where it can serve
 # (64 heads): on the H200 it matched plan_torch bit for bit on 17 steps of 11 to
 # 8199 rows, at 5.7-8.3 µs of GPU time per step up to 1031 rows against
-# plan_torch's 130-178 (benchmarks/plan_timing.py; docs/design.md §8).
+# plan_torch's 130-178 (vllm-dsa-varlen-bench --plan-timing; docs/design.md §8).
 PLAN_KERNEL = True
 HEAD_COUNTS = (32, 64)  # the kernel's builds: a row group is 128 // heads rows
 # Where unsupported_reason lets the launcher take it: the HEADS=32 build measured
@@ -448,7 +448,11 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
 
 def schedule_key(indices, context_lens, max_context_len: int, bt_width: int, heads: int,
                  rows_max: int, capturing: bool) -> tuple:
-    """What a planned schedule depends on (see the Gluon module's ``schedule_key``)."""
+    """What a planned schedule depends on, for a per-step cache: the step's
+    tensors (by address: their contents are the step's), the integers, the
+    structure, and whether a CUDA graph is being captured (a schedule planned
+    outside a capture is not replayed by it, and one planned inside is only
+    refreshed by the graph's replays)."""
     return ("cuda", indices.data_ptr(), indices.shape[0], context_lens.data_ptr(),
             max_context_len, bt_width, rows_max, heads, capturing)
 

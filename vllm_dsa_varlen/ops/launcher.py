@@ -2,21 +2,21 @@
 (:func:`varlen_paged_mqa_logits`), its input checks, the choice of kernel and
 :func:`precompile`.
 
-Three kernels compute the same logits (semantics: :mod:`.reference`):
+Two kernels compute the same logits (semantics: :mod:`.reference`):
 
 * :mod:`.cuda_paged_mqa_logits` — sm_90 CUDA C++ (NVRTC, driver API through
-  ``cuda-python``), 64 heads: what "auto" takes on Hopper inside CUDA graphs;
-* :mod:`.gluon_paged_mqa_logits` — sm_90 Triton Gluon, where the CUDA one
-  cannot run (32 heads, no NVRTC / ``cuda-python``);
+  ``cuda-python``), 32 and 64 heads: what "auto" takes on Hopper, inside CUDA
+  graphs and eagerly;
 * :mod:`.triton_paged_mqa_logits` — portable Triton, any fp8 GPU and the CPU
-  interpreter; eager calls and every other GPU.
+  interpreter; every other GPU, and Hopper where the CUDA kernel cannot run
+  (no NVRTC / ``cuda-python``, other shapes).
 
 The launcher checks every input once per shape signature (``ValueError``
 naming the argument), picks a kernel from host-known facts only (device,
-shapes, the longest-run hint, whether a CUDA graph is being captured), so the
-choice never synchronises with the GPU and is graph safe, and hands the
-checked inputs to the kernel module's ``launch``.  The kernels import
-:mod:`.common`, never this module.
+shapes, whether a CUDA graph is being captured), so the choice never
+synchronises with the GPU and is graph safe, and hands the checked inputs to
+the kernel module's ``launch``.  The kernels import :mod:`.common`, never this
+module.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import torch
 import triton
 
 from . import cuda_paged_mqa_logits as cuda_sm90
-from . import gluon_paged_mqa_logits as gluon_sm90
 from . import triton_paged_mqa_logits as portable
 from .common import CACHE_LIMIT, capability, fail, log_once
 
@@ -164,109 +163,84 @@ def checked_layout(q, kv_cache, weights, context_lens, block_table, indices,
 
 # ------------------------------------------------------------ kernel choice
 
-KERNEL_ENV = "VLLM_DSA_VARLEN_KERNEL"  # "auto" (default), "portable", "sm90", "sm90_cuda", "sm90_gluon"
-KERNELS = ("auto", "portable", "sm90", "sm90_cuda", "sm90_gluon")
-# The sm_90 path takes the CUDA C++ kernel (ops/cuda_paged_mqa_logits.py) where
-# it can run (64 heads, NVRTC present) and the Gluon kernel elsewhere on sm_90:
-# the CUDA kernel measured faster than the Gluon one and than the portable one
-# on every step, at every run length (BENCHMARKS.md, docs/design.md), so inside a capture "auto" takes it whatever the longest-run hint;
-# the Gluon kernel keeps its own rule (auto_takes_sm90).
-CUDA_SM90 = True
-HOPPER_AUTO = True  # "auto" takes the sm_90 Gluon kernel on Hopper where it measured faster
+KERNEL_ENV = "VLLM_DSA_VARLEN_KERNEL"  # "auto" (default), "portable", "sm90", "sm90_cuda"
+KERNELS = ("auto", "portable", "sm90", "sm90_cuda")  # "sm90" and "sm90_cuda": the same kernel
+# Names no longer taken, with what to ask for instead (a ValueError says so).
+RETIRED_KERNELS = {"sm90_gluon": 'the sm_90 Gluon kernel was retired; "sm90" takes the sm_90 '
+                                 'CUDA kernel'}
+# "auto" takes the sm_90 CUDA kernel (ops/cuda_paged_mqa_logits.py) on Hopper
+# wherever it can run (32 and 64 heads, NVRTC and cuda-python present): it
+# measured faster than the portable kernel on every step, at every run length
+# (BENCHMARKS.md, docs/design.md), so the longest-run hint does not change the
+# choice (it picks the kernel's build: cuda_paged_mqa_logits.defines_for).
+HOPPER_AUTO = True
 # Eager calls (outside a CUDA-graph capture: vLLM's piecewise mode runs the
 # indexer op eagerly in every mixed prefill+decode step).  True: "auto" takes
-# the CUDA kernel eagerly too, wherever it takes it inside a capture: its launch
-# rewrites one parameter block in place, TMA descriptors cached by layout
-# (cuda_paged_mqa_logits.launch), and on the H200 an eager call through this
-# launcher cost 48-55 µs of host time against the portable kernel's 83-88, with
-# less GPU time on every step timed (benchmarks/launch_host_time.py).  False:
-# the portable kernel for eager calls (as while a launch cost 55-230 µs).
+# the CUDA kernel eagerly too: its launch rewrites one parameter block in place,
+# TMA descriptors cached by layout (cuda_paged_mqa_logits.launch), and on the
+# H200 an eager call through this launcher cost 48-55 µs of host time against
+# the portable kernel's 83-88, with less GPU time on every step timed
+# (vllm-dsa-varlen-bench --launch-host).  False: the portable kernel for eager
+# calls (as while a launch cost 55-230 µs).
 EAGER_CUDA_SM90 = True
-# Where "auto" takes the sm_90 kernel (H200, docs/results/h200-v7b): runs of up to
-# 4 tokens (hint), or a hint of exactly 8, at any row count.  A hint of 8 splits
-# runs into chunks of 4 rows (the wide structure), which measured faster than the
-# portable kernel on 8-token and 1..8-token steps (96.0 vs 104.0, 73.7 vs 86.7 µs)
-# but not on 6-token ones (95.0 vs 94.1: a 2-row chunk pays for 4), so other hints
-# above 4 keep the portable kernel.  With its schedule planned once per step the
-# sm_90 kernel is also the faster one on a handful of rows (B1: 9.4 vs 11.5 µs).
-HOPPER_MAX_RUN_LEN = 4
-HOPPER_RUN_LENS_ABOVE = (8,)
-HOPPER_MIN_ROWS = 1
 
 
-def hopper_run_len(max_run_len: int) -> bool:
-    """Whether "auto" may take the sm_90 kernel for this longest-run hint."""
-    return max_run_len <= HOPPER_MAX_RUN_LEN or max_run_len in HOPPER_RUN_LENS_ABOVE
-
-
-def auto_takes_sm90(rows: int, max_run_len: int, capturing: bool = True) -> bool:
-    """Whether "auto" takes the sm_90 Gluon kernel for a step of ``rows`` rows
-    whose longest run is ``max_run_len`` (host-known, so the choice is graph
-    safe).
-
-    ``capturing``: the call is being captured into a CUDA graph.  An eager call
-    of an sm_90 kernel cost about 50-250 µs of host time (measured in three
-    H200 runs, the CUDA kernel through ctypes), more than the portable
-    kernel's whole eager call on small steps (BENCHMARKS.md, eager table), and
-    the launcher cannot see a step's KV length without a host sync, so eager
-    calls take the portable kernel; a graph replay pays no host time.  (The
-    CUDA kernel's eager rule: :data:`EAGER_CUDA_SM90`.)"""
-    return (HOPPER_AUTO and capturing and hopper_run_len(max_run_len)
-            and rows >= HOPPER_MIN_ROWS)
+def resolve_kernel(kernel: str | None) -> str:
+    """``kernel``, or ``VLLM_DSA_VARLEN_KERNEL`` when it is ``None`` (default
+    "auto"), checked against :data:`KERNELS` (``ValueError`` naming
+    ``kernel``, and the variable when the name came from it)."""
+    source = ""
+    if kernel is None:
+        kernel = os.environ.get(KERNEL_ENV, "auto")
+        source = f" (from {KERNEL_ENV})"
+    if kernel not in KERNELS:
+        retired = RETIRED_KERNELS.get(kernel)
+        fail("kernel", " or ".join(f'"{k}"' for k in KERNELS),
+             f"{kernel!r}{source}" + (f": {retired}" if retired else ""))
+    return kernel
 
 
 def graph_kernel(device, heads: int | None, dim: int = 128, page: int = 64) -> str:
     """The kernel "auto" takes inside a CUDA-graph capture for an indexer cache of
     this geometry on ``device`` (a builder-level fact, for the per-step policy):
-    "cuda_sm90", "gluon_sm90" or "portable".  ``heads=None`` (unknown) never
-    claims the CUDA kernel, which serves 32 and 64 heads only."""
+    "cuda_sm90" or "portable".  ``heads=None`` (unknown) never claims the CUDA
+    kernel, which serves 32 and 64 heads only."""
     device = torch.device(device)
     if (not HOPPER_AUTO or device.type != "cuda" or not torch.cuda.is_available()
             or torch.cuda.get_device_capability(device) != (9, 0)):
         return "portable"
-    ck, gk = cuda_sm90, gluon_sm90
-    if (CUDA_SM90 and heads in ck.LAUNCHER_HEADS and (dim, page) == (ck.DIM, ck.PAGE)
+    ck = cuda_sm90
+    if (heads in ck.LAUNCHER_HEADS and (dim, page) == (ck.DIM, ck.PAGE)
             and ck.available() is None):
         return "cuda_sm90"
-    if gk.available() is None and heads in gk.HEADS and dim == gk.DIM and page == gk.PAGE:
-        return "gluon_sm90"
     return "portable"
 
 
 def hopper_kernel_for(q, kv_cache, kernel: str | None, max_run_len: int = 4, weights=None,
                       capturing: bool | None = None):
-    """The sm_90 module (:mod:`.cuda_paged_mqa_logits` or
-    :mod:`.gluon_paged_mqa_logits`, both with ``rows_max_for``, ``plan``,
-    ``schedule_key`` and ``launch``) when this call should take an sm_90
-    kernel, else ``None`` (the portable kernel).  ``kernel``: one of
-    :data:`KERNELS`; "sm90" takes the CUDA kernel where it can run, else the
-    Gluon one; "sm90_cuda" / "sm90_gluon" force one.  ``capturing``: whether
-    the current stream is being captured (asked here when not given)."""
-    kernel = kernel or os.environ.get(KERNEL_ENV, "auto")
-    if kernel not in KERNELS:
-        fail("kernel", " or ".join(f'"{k}"' for k in KERNELS), kernel)
+    """The sm_90 CUDA kernel's module (:mod:`.cuda_paged_mqa_logits`, with
+    ``rows_max_for``, ``plan``, ``schedule_key``, ``defines_for`` and
+    ``launch``) when this call should take it, else ``None`` (the portable
+    kernel).  ``kernel``: one of :data:`KERNELS` (``None``: the
+    ``VLLM_DSA_VARLEN_KERNEL`` setting); "sm90" / "sm90_cuda" force the CUDA
+    kernel (``RuntimeError`` where it cannot run); "auto" takes it where it
+    can run, else the portable kernel with a log line on Hopper.
+    ``max_run_len`` does not change the choice (every hint has a build).
+    ``capturing``: whether the current stream is being captured (asked here
+    when not given)."""
+    kernel = resolve_kernel(kernel)
     if capturing is None:
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     if kernel == "portable" or (
             kernel == "auto" and not (HOPPER_AUTO and (capturing or EAGER_CUDA_SM90))):
         return None
-    if kernel == "sm90_cuda" or (kernel in ("auto", "sm90") and CUDA_SM90):
-        why = cuda_sm90.unsupported_reason(q, kv_cache, weights)
-        if why is None:
-            return cuda_sm90
-        if kernel == "sm90_cuda":
-            raise RuntimeError(f"kernel='sm90_cuda' requested but the CUDA sm_90 kernel cannot "
-                               f"run: {why}")
-        if q.is_cuda and capability(q.device) == (9, 0):
-            log_once(f"vllm-dsa-varlen: Gluon sm_90 kernel, not the CUDA one ({why})")
-    if kernel == "auto" and not auto_takes_sm90(q.shape[0], max_run_len, capturing):
-        return None
-    why = gluon_sm90.unsupported_reason(q, kv_cache)
+    why = cuda_sm90.unsupported_reason(q, kv_cache, weights)
     if why is None:
-        return gluon_sm90
-    if kernel in ("sm90", "sm90_gluon"):
-        raise RuntimeError(f"kernel='{kernel}' requested but the sm_90 kernel cannot run: {why}")
-    if capability(q.device)[0] == 9:
+        return cuda_sm90
+    if kernel != "auto":
+        raise RuntimeError(f"kernel={kernel!r} requested but the sm_90 CUDA kernel cannot "
+                           f"run: {why}")
+    if q.is_cuda and capability(q.device)[0] == 9:
         log_once(f"vllm-dsa-varlen: portable Triton kernel on this Hopper GPU ({why})")
     return None
 
@@ -299,12 +273,11 @@ def varlen_paged_mqa_logits(
     ``max_run_len``: a hint (the host knows the longest request's token count)
     used to size the work split; any run length is handled correctly.
     ``kernel``: "auto" (default; env ``VLLM_DSA_VARLEN_KERNEL``) takes the sm_90
-    CUDA kernel (:mod:`.cuda_paged_mqa_logits`; the Gluon one,
-    :mod:`.gluon_paged_mqa_logits`, where it cannot run) on Hopper inside CUDA
-    graphs (and eagerly, with :data:`EAGER_CUDA_SM90`) and the portable kernel
-    (:mod:`.triton_paged_mqa_logits`) elsewhere or when a portable tuning knob
-    is given; "portable", "sm90" (CUDA, else Gluon), "sm90_cuda" and
-    "sm90_gluon" force one.
+    CUDA kernel (:mod:`.cuda_paged_mqa_logits`) on Hopper inside CUDA graphs
+    (and eagerly, with :data:`EAGER_CUDA_SM90`) where it can run, and the
+    portable kernel (:mod:`.triton_paged_mqa_logits`) elsewhere or when a
+    portable tuning knob is given; "portable" and "sm90" (= "sm90_cuda")
+    force one.
     Tuning knobs of the portable kernel: ``rows_per_dot`` (rows stacked per
     ``tl.dot``, default 2),
     ``groups`` (row groups held at once: runs of up to ``groups *
@@ -320,7 +293,7 @@ def varlen_paged_mqa_logits(
     by the step's first call and read by every later one (every layer) instead
     of being recomputed in every call; without it each sm_90 call plans its own
     (one more launch).  ``schedule``: the step's sm_90 schedule planned by the
-    caller (the ``plan`` of the sm_90 module :func:`hopper_kernel_for` picks,
+    caller (:func:`.cuda_paged_mqa_logits.plan`,
     with this call's ids, context lengths, ``max_context_len``, block-table
     width, heads and ``rows_max_for(heads, max_run_len)``), as DeepGEMM takes
     its schedule metadata; used when an sm_90 kernel runs.
@@ -339,10 +312,11 @@ def varlen_paged_mqa_logits(
              f"{out.dtype} {tuple(out.shape)}")
     if rows == 0:
         return out
+    kernel = resolve_kernel(kernel)
     knobs = (rows_per_dot is not None or groups is not None or per_row or tile_pages != 1
              or tiles_per_split is not None or num_warps != 4 or num_stages != 3)
     sm90 = capturing = None
-    if not knobs or kernel in ("sm90", "sm90_cuda", "sm90_gluon"):
+    if not knobs or kernel in ("sm90", "sm90_cuda"):
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         sm90 = hopper_kernel_for(q, kv_cache, kernel, max_run_len, weights, capturing)
     if sm90 is not None:
@@ -354,11 +328,9 @@ def varlen_paged_mqa_logits(
             if schedule is None:
                 schedule = schedule_cache[key] = sm90.plan(
                     indices, context_lens, max_context_len, block_table.shape[1], heads, rows_max)
-        build = getattr(sm90, "defines_for", None)  # the CUDA kernel: a build per hint
-        extra = {} if build is None else {"defines": build(max_run_len)}
         LAST_COMPILED[0] = sm90.launch(q, kv_cache, weights, context_lens, block_table, indices,
                                        max_context_len, out, rows_max=rows_max,
-                                       schedule=schedule, **extra)
+                                       schedule=schedule, defines=sm90.defines_for(max_run_len))
         return out
     LAST_COMPILED[0] = portable.launch(
         q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out,
@@ -391,21 +363,20 @@ def precompile(*, heads: int, dim: int = 128, page: int = 64, device=None,
     blocks = 2
     pool = torch.zeros(blocks * stride, dtype=torch.uint8, device=device)
     kv_cache = pool.as_strided((blocks, page, 1, dim + 4), (stride, dim + 4, dim + 4, 1))
-    # "auto" takes the portable kernel for eager calls and may take the sm_90
-    # kernel inside a CUDA-graph capture (auto_takes_sm90), so both are
-    # compiled where the sm_90 kernel can serve this cache.
+    # "auto" takes the sm_90 CUDA kernel where it can serve this cache and the
+    # portable kernel elsewhere, for calls with a portable tuning knob, and for
+    # eager calls without EAGER_CUDA_SM90: both are compiled where the CUDA
+    # kernel can serve this cache.
+    if kernel is not None:
+        resolve_kernel(kernel)
     if kernel is None or kernel == "auto":
         probe = torch.zeros((1, 1, heads, dim), device=device).to(torch.float8_e4m3fn)
-        sm90 = HOPPER_AUTO and (
-            gluon_sm90.unsupported_reason(probe, kv_cache) is None
-            or (CUDA_SM90 and cuda_sm90.unsupported_reason(probe, kv_cache) is None))
+        sm90 = HOPPER_AUTO and cuda_sm90.unsupported_reason(probe, kv_cache) is None
         kernels = ["portable"] + (["sm90"] if sm90 else [])
     else:
         kernels = [kernel]
     for which in kernels:
-        runs = [n for n in sorted(set(max_run_lens))
-                if which != "sm90" or kernel == "sm90" or hopper_run_len(n)]
-        for n in runs:
+        for n in sorted(set(max_run_lens)):
             _compile_one(varlen_paged_mqa_logits, kv_cache, heads, dim, page, n, which, device)
     torch.cuda.synchronize(device)
     took = time.perf_counter() - start

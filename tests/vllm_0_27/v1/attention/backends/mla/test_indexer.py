@@ -584,7 +584,7 @@ def test_builder_precompiles_the_triton_kernels_at_creation(monkeypatch, backend
                            max_run_len=next_n)] if compiles else [])
 
 
-@pytest.mark.parametrize("graph_kernel", ["cuda_sm90", "gluon_sm90", "portable"])
+@pytest.mark.parametrize("graph_kernel", ["cuda_sm90", "portable"])
 def test_kernel_gated_rules_follow_the_builders_graph_kernel(monkeypatch, graph_kernel):
     """A rule measured with one varlen kernel only (``Rule.kernel``) applies when
     the builder's graph-time kernel (``launcher.graph_kernel``, asked with its cache's

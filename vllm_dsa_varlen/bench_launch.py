@@ -1,5 +1,5 @@
-#!/usr/bin/env python3
-"""Host time per eager call of the logits kernels, against CUDA-graph replay.
+"""``vllm-dsa-varlen-bench --launch-host``: host time per eager call of the
+logits kernels, against CUDA-graph replay.
 
 An eager call (vLLM's piecewise mode runs the indexer op outside the graphs in
 every mixed prefill+decode step) pays the launcher's Python and the launch on
@@ -16,7 +16,7 @@ called ``--calls`` times back to back without a sync, five rounds (median):
 * ``replay host`` — µs per ``graph.replay()`` on the host.
 
 Paths: ``cuda launch`` (:func:`cuda_paged_mqa_logits.launch` alone, schedule
-given), ``launcher sm90_cuda`` / ``portable`` / ``sm90_gluon`` (the public
+given), ``launcher sm90_cuda`` / ``portable`` (the public
 launcher, schedule cache of the step prefilled as serving's first layer
 leaves it), ``launcher auto`` as it stands (``EAGER_CUDA_SM90`` as set: its
 eager and graph columns may be different kernels, as in serving) and with
@@ -27,27 +27,35 @@ the driver calls stubbed (TMA encode, stream lookup, ``cuLaunchKernel``) on
 CPU tensors: the argument building and packing alone, the launch as it is
 now against the same stubs under the launch this replaced (git ``--base``).
 
-    python3 benchmarks/launch_host_time.py [--calls 50] [--cases B1,B64]
-    python3 benchmarks/launch_host_time.py --fake [--base c44e57d]
+    vllm-dsa-varlen-bench --launch-host [--calls 50] [--cases B1 B64]
+    vllm-dsa-varlen-bench --launch-host --fake [--base c44e57d]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import types
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
+from .bench_graph import capture_graph
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CALLS = 50  # calls per timed round unless --calls says otherwise
+
+
+def _selected(cases) -> list:
+    """Names of :data:`CASES` that contain one of ``cases`` (substrings; each may
+    hold several, comma-separated), all of them when none is given."""
+    wanted = [c for text in cases or [] for c in text.split(",") if c]
+    return [name for name in CASES if not wanted or any(c in name for c in wanted)]
+
 
 CASES = {  # name: (requests, tokens per request, context)
     "B1 L8K 4tok": (1, 4, 8192),
@@ -76,8 +84,6 @@ def _rounds(fn, calls: int, rounds: int = 5):
 
 def _graph(fn, calls: int, rounds: int = 5):
     """(GPU µs per replayed call, host µs per replay) of ``fn`` in a CUDA graph."""
-    from vllm_dsa_varlen.bench import capture_graph
-
     graph = capture_graph(torch, fn)
     graph.replay()
     torch.cuda.synchronize()
@@ -98,9 +104,8 @@ def _graph(fn, calls: int, rounds: int = 5):
 
 def gpu_paths(step):
     """Name -> zero-argument call of every path this GPU has, on ``step``."""
-    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-    from vllm_dsa_varlen.ops import gluon_paged_mqa_logits as gk
-    from vllm_dsa_varlen.ops import launcher
+    from .ops import cuda_paged_mqa_logits as ck
+    from .ops import launcher
 
     rows = step.rows
     ctx = rows.context_lens.view(-1, 1)
@@ -119,7 +124,6 @@ def gpu_paths(step):
     else:
         print(f"cuda: not timed ({ck.unsupported_reason(step.q, step.kv_cache, step.weights)})")
     kernels = ["sm90_cuda"] * ("cuda launch" in paths) + ["portable"]
-    kernels += ["sm90_gluon"] * (gk.unsupported_reason(step.q, step.kv_cache) is None)
     for kernel in kernels + ["auto"]:
         cache: dict = {}
 
@@ -161,8 +165,8 @@ def driver_floor(ck, args, out, sched, defines) -> dict:
 
 
 def run_gpu(args) -> list[tuple]:
-    from vllm_dsa_varlen.ops import launcher
-    from vllm_dsa_varlen.workloads import random_decode_step
+    from .ops import launcher
+    from .workloads import random_decode_step
 
     try:
         import cuda.bindings
@@ -172,9 +176,9 @@ def run_gpu(args) -> list[tuple]:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuda-bindings {bindings}, "
           f"EAGER_CUDA_SM90 = {launcher.EAGER_CUDA_SM90}", flush=True)
     table = []
-    for name, (reqs, tokens, context) in CASES.items():
-        if args.cases and not any(c in name for c in args.cases.split(",")):
-            continue
+    calls = args.calls or CALLS
+    for name in _selected(args.cases):
+        reqs, tokens, context = CASES[name]
         step = random_decode_step(reqs, tokens, context, heads=64, device="cuda")
         for path, fn in gpu_paths(step).items():
             eager_flag = path.endswith("EAGER_CUDA_SM90")
@@ -183,8 +187,8 @@ def run_gpu(args) -> list[tuple]:
             try:
                 fn()  # compile, load, plan into the step's cache
                 torch.cuda.synchronize()
-                host, wall = _rounds(fn, args.calls)
-                gpu, replay_host = _graph(fn, args.calls)
+                host, wall = _rounds(fn, calls)
+                gpu, replay_host = _graph(fn, calls)
             except Exception as exc:  # noqa: BLE001 - report, time the other paths
                 print(f"{name} | {path}: failed: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
@@ -277,14 +281,14 @@ def stubbed_base(old):
 
 
 def run_fake(args) -> list[tuple]:
-    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-    from vllm_dsa_varlen.workloads import random_decode_step
+    from .ops import cuda_paged_mqa_logits as ck
+    from .workloads import random_decode_step
 
     torch.set_num_threads(1)
     table = []
-    for name, (reqs, tokens, context) in CASES.items():
-        if args.cases and not any(c in name for c in args.cases.split(",")):
-            continue
+    calls = args.calls or CALLS
+    for name in _selected(args.cases):
+        reqs, tokens, context = CASES[name]
         step = random_decode_step(reqs, tokens, min(context, 2048), heads=64)
         rows = step.rows
         ctx = rows.context_lens.view(-1, 1)
@@ -305,9 +309,9 @@ def run_fake(args) -> list[tuple]:
                 per = []
                 for _ in range(7):
                     t0 = time.perf_counter()
-                    for _ in range(args.calls * 20):
+                    for _ in range(calls * 20):
                         call()
-                    per.append((time.perf_counter() - t0) / (args.calls * 20) * 1e6)
+                    per.append((time.perf_counter() - t0) / (calls * 20) * 1e6)
             table.append((name, label, statistics.median(per)))
             print(f"{name} | {label}: {statistics.median(per):.2f} µs per launch", flush=True)
     print("\n| case | launch (driver stubbed, CPU tensors) | host µs/call |")
@@ -317,21 +321,16 @@ def run_fake(args) -> list[tuple]:
     return table
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=50, help="calls per timed round")
-    parser.add_argument("--cases", default="", help="comma-separated substrings of case names")
-    parser.add_argument("--fake", action="store_true", help="CPU: the launch, driver stubbed")
-    parser.add_argument("--base", default="", help="--fake: also time this git revision's launch")
-    args = parser.parse_args(argv)
-    if args.fake or not torch.cuda.is_available():
+def run(args) -> int:
+    """The ``--launch-host`` mode (``args``: ``calls``, ``cases``, ``fake``,
+    ``base``, ``cpu``): the GPU table, or the fake launch's (``--fake``, or no
+    GPU)."""
+    if args.calls is not None and args.calls < 1:
+        raise ValueError(f"--calls: expected an int >= 1, got {args.calls}")
+    if args.fake or args.cpu or not torch.cuda.is_available():
         if not args.fake:
             print("no CUDA GPU: timing the fake launch (--fake)")
         run_fake(args)
     else:
         run_gpu(args)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

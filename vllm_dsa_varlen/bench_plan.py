@@ -1,19 +1,19 @@
-#!/usr/bin/env python3
-"""The sm_90 CUDA kernel's per-step schedule: the one-launch planner
-(``ops/cuda_plan.py``) against the torch-operations plan it replaces
+"""``vllm-dsa-varlen-bench --plan-timing``: the sm_90 CUDA kernel's per-step
+schedule timed on the GPU — the one-launch planner (``ops/cuda_plan.py``)
+against the torch-operations plan it replaces
 (``cuda_paged_mqa_logits.plan_torch``) and, where importable, DeepGEMM's
 metadata (``get_paged_mqa_logits_metadata``; ``deep_gemm``, else vLLM's
 ``vllm_deep_gemm``), on the same steps, rounds interleaved.
 
 Each path is captured in a CUDA graph and timed two ways: one replay per
 timed call (``do_bench``: L2 flushed before each, CUDA events around it: the
-step's latency for the op, with the graph launch) and 20 copies in one graph
-replayed back to back (µs per copy: the GPU time a step pays when the op sits
-among others).  A one-element ``add_`` timed the same way gives the floor of
-both methods.  Every planner output is checked bit for bit against
-``plan_torch`` first.
+step's latency for the op, with the graph launch) and :data:`COPIES` copies
+in one graph replayed back to back (µs per copy: the GPU time a step pays
+when the op sits among others).  A one-element ``add_`` timed the same way
+gives the floor of both methods.  Every planner output is checked bit for bit
+against ``plan_torch`` first; the exit status is 1 when one differs.
 
-    python3 benchmarks/plan_timing.py [--rounds 5] [--cases 64,4,32768 64,-4,8192 ...] [--json f]
+    vllm-dsa-varlen-bench --plan-timing [--rounds 5] [--cases 64,4,32768 64,-4,8192 ...] [--json f]
 
 Cases: ``requests,tokens,context`` (tokens ``-n``: 1..n per request), KV
 lengths uniform in context ± 30 %, 7 graph-padding rows.
@@ -21,27 +21,38 @@ lengths uniform in context ± 30 %, 7 graph-padding rows.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from vllm_dsa_varlen.bench import capture_graph  # noqa: E402
+from .bench_graph import capture_graph
 
 CASES = ["64,4,32768", "64,4,8192", "128,4,8192", "256,4,8192", "8,4,131072", "16,4,16384",
          "1,4,8192", "64,2,32768", "256,2,4096", "64,3,32768", "64,-4,32768", "128,-4,8192",
          "64,6,8192", "64,8,8192", "1000,8,4096", "1024,8,4096", "2048,4,2048"]
 COPIES = 20
+REP_MS = 20  # do_bench repetition time per timed round (ms) unless --rep-ms says otherwise
+ROUNDS = 5   # timed rounds unless --rounds says otherwise
+NAMES = ["plan_torch", "planner", "dg_meta_flat", "dg_meta_native"]
+
+
+def parse_case(text: str) -> tuple[int, int, int]:
+    """``"requests,tokens,context"`` -> ints (``ValueError`` naming ``--cases``)."""
+    try:
+        reqs, tokens, context = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--cases: expected requests,tokens,context (e.g. 64,-4,8192), "
+                         f"got {text!r}") from None
+    if reqs < 1 or tokens == 0 or context < 1:
+        raise ValueError(f"--cases: expected requests >= 1, tokens != 0, context >= 1, "
+                         f"got {text!r}")
+    return reqs, tokens, context
 
 
 def step_rows(torch, reqs: int, tokens: int, context: int, seed: int = 0):
     """A step's rows on the GPU (:func:`..workloads.random_step_rows`, 7
     graph-padding rows) and the request-level context lengths DeepGEMM's
     native path takes."""
-    from vllm_dsa_varlen.workloads import random_step_rows
+    from .workloads import random_step_rows
 
     n = abs(tokens)
     rows, seqs, lens, width = random_step_rows(reqs, n, context, variable=tokens < 0,
@@ -70,21 +81,55 @@ def graph_of(torch, fn, copies: int):
     return graph
 
 
-def main(argv=None) -> int:
+def format_table(cases, rounds: int) -> tuple[list[str], list[dict]]:
+    """The printed lines (head, floor line, one per case) and the JSON rows of
+    timed ``cases`` (the first is the floor)."""
+    shown = [n for n in NAMES if any(n in c["times"] and c["times"][n][0] for c in cases)]
+    head = f"{'case':16} {'rows':>5} {'same':>4} " + " ".join(
+        f"{n + ' replay':>22} {n + ' /copy':>19}" for n in shown)
+    flat, fper = cases[0]["times"]["floor"]
+    lines = [f"\nµs, median over {rounds} rounds [min-max of the rounds]; replay = one graph "
+             f"replay, L2 flushed; /copy = {COPIES} copies in one graph, per copy",
+             f"floor (one-element add_): replay {statistics.median(flat):.1f} "
+             f"[{min(flat):.1f}-{max(flat):.1f}], /copy {statistics.median(fper):.2f}",
+             head]
+    results = []
+    for case in cases[1:]:
+        row = dict(case=case["case"], rows=case["rows"], bitwise_equal=case["same"])
+        cells = []
+        for n in shown:
+            if n not in case["times"] or not case["times"][n][0]:
+                cells.append(f"{'-':>22} {'-':>19}")
+                continue
+            lat, per = case["times"][n]
+            row[n] = dict(replay_us=lat, per_copy_us=per)
+            cells.append(f"{statistics.median(lat):8.1f} [{min(lat):5.1f}-{max(lat):5.1f}] "
+                         f"{statistics.median(per):6.2f} [{min(per):4.1f}-{max(per):4.1f}]")
+        results.append(row)
+        lines.append(f"{case['case']:16} {case['rows']:5d} {'yes' if case['same'] else 'NO':>4} "
+                     + " ".join(cells))
+    return lines, results
+
+
+def run(args) -> int:
+    """The ``--plan-timing`` mode (``args``: ``cases``, ``rounds``, ``rep_ms``,
+    ``json``); 0, or 1 when a planner output differs from ``plan_torch``."""
     import torch
     from triton.testing import do_bench
 
-    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-    from vllm_dsa_varlen.ops import cuda_plan as cp
-    from vllm_dsa_varlen.ops.common import num_sms as _num_sms
+    from .ops import cuda_paged_mqa_logits as ck
+    from .ops import cuda_plan as cp
+    from .ops.common import num_sms
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="*", default=CASES)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--rep-ms", type=int, default=20)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    sms = _num_sms(torch.device("cuda"))
+    texts = args.cases or CASES
+    parsed = [parse_case(t) for t in texts]
+    rounds = ROUNDS if args.rounds is None else args.rounds
+    if rounds < 1:
+        raise ValueError(f"--rounds: expected an int >= 1, got {rounds}")
+    if not torch.cuda.is_available():
+        raise SystemExit("--plan-timing: needs a CUDA GPU (it times the planner's launch)")
+    rep_ms = args.rep_ms or REP_MS
+    sms = num_sms(torch.device("cuda"))
     dg_name, dg = import_deepgemm()
     print(f"# {torch.cuda.get_device_name()}, {sms} SMs, torch {torch.__version__}, "
           f"DeepGEMM: {dg_name or 'not importable'}")
@@ -95,8 +140,7 @@ def main(argv=None) -> int:
                        graph_of(torch, lambda: z.add_(1), COPIES))}
     cases = [dict(case="floor (add_)", rows=0, same=True, graphs=floor,
                   times={"floor": ([], [])})]
-    for text in args.cases:
-        reqs, tokens, context = (int(x) for x in text.split(","))
+    for text, (reqs, tokens, context) in zip(texts, parsed):
         rows, max_len, width, native = step_rows(torch, reqs, tokens, context)
         ids, ctx = rows.indices, rows.context_lens
         ctx2d = ctx.view(-1, 1)
@@ -128,51 +172,21 @@ def main(argv=None) -> int:
         cases.append(dict(case=text, rows=ids.shape[0], same=same, graphs=graphs,
                           times={name: ([], []) for name in graphs}))
 
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for case in cases:
             for name, (one, many) in case["graphs"].items():
-                lat = do_bench(one.replay, warmup=10, rep=args.rep_ms,
-                               return_mode="median") * 1e3
-                per = do_bench(many.replay, warmup=5, rep=args.rep_ms,
+                lat = do_bench(one.replay, warmup=10, rep=rep_ms, return_mode="median") * 1e3
+                per = do_bench(many.replay, warmup=5, rep=rep_ms,
                                return_mode="median") * 1e3 / COPIES
                 case["times"][name][0].append(lat)
                 case["times"][name][1].append(per)
 
-    results = []
-    names = ["plan_torch", "planner", "dg_meta_flat", "dg_meta_native"]
-    shown = [n for n in names if any(n in c["times"] and c["times"][n][0] for c in cases)]
-    head = f"{'case':16} {'rows':>5} {'same':>4} " + " ".join(
-        f"{n + ' replay':>22} {n + ' /copy':>19}" for n in shown)
-    lines = []
-    flat, fper = cases[0]["times"]["floor"]
-    floor_line = (f"floor (one-element add_): replay {statistics.median(flat):.1f} "
-                  f"[{min(flat):.1f}-{max(flat):.1f}], /copy {statistics.median(fper):.2f}")
-    for case in cases[1:]:
-        row = dict(case=case["case"], rows=case["rows"], bitwise_equal=case["same"])
-        cells = []
-        for n in shown:
-            if n not in case["times"] or not case["times"][n][0]:
-                cells.append(f"{'-':>22} {'-':>19}")
-                continue
-            lat, per = case["times"][n]
-            row[n] = dict(replay_us=lat, per_copy_us=per)
-            cells.append(f"{statistics.median(lat):8.1f} [{min(lat):5.1f}-{max(lat):5.1f}] "
-                         f"{statistics.median(per):6.2f} [{min(per):4.1f}-{max(per):4.1f}]")
-        results.append(row)
-        lines.append(f"{case['case']:16} {case['rows']:5d} {'yes' if case['same'] else 'NO':>4} "
-                     + " ".join(cells))
+    lines, results = format_table(cases, rounds)
     if args.json:
+        flat, fper = cases[0]["times"]["floor"]
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), sms=sms, deepgemm=dg_name,
-                           rounds=args.rounds, copies=COPIES, results=results,
+                           rounds=rounds, copies=COPIES, results=results,
                            floor=dict(replay_us=flat, per_copy_us=fper)), f, indent=1)
-    print(f"\nµs, median over {args.rounds} rounds [min-max of the rounds]; replay = one graph "
-          f"replay, L2 flushed; /copy = {COPIES} copies in one graph, per copy")
-    print(floor_line)
-    print(head)
     print("\n".join(lines))
     return 0 if all(c["same"] for c in cases) else 1  # the floor row is always "same"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,56 @@
+"""ops/compile_check.py: every kernel variant a server can take builds without a
+GPU, with this environment's Triton (the portable kernel for four targets) and
+NVRTC (the sm_90 CUDA kernel's builds, without spills)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+
+
+@pytest.fixture(scope="module")
+def compiled_variants():
+    """Every variant compiled by ``python -m vllm_dsa_varlen.ops.compile_check``
+    in a process without ``TRITON_INTERPRET`` (the interpreter replaces the JIT
+    functions that ``triton.compile`` needs)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "vllm_dsa_varlen.ops.compile_check"],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=900)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert rows, proc.stderr[-2000:]
+    return proc.returncode, rows[0], rows[1:]
+
+
+def test_every_portable_variant_compiles(compiled_variants):
+    """The portable kernel for 32 and 64 heads, each row-pairing variant, for
+    sm_89, sm_90, sm_100 and sm_120, with no local memory."""
+    rc, _, rows = compiled_variants
+    failures = [r for r in rows if not r["ok"]]
+    assert not failures, failures
+    assert rc == 0
+    portable = [r for r in rows if r["kernel"] == "portable"]
+    assert {(r["heads"], r["arch"], r["pairs"]) for r in portable} == {
+        (h, a, p) for h in (32, 64) for a in (89, 90, 100, 120) for p in (1, 2)}
+    assert not any(r["local"] for r in portable)
+    assert {r["kernel"] for r in rows} <= {"portable", "cuda_sm90"}
+
+
+def test_the_cuda_builds_compile_without_spills(compiled_variants):
+    """The sm_90 CUDA kernel through NVRTC in each build the launcher takes (64
+    and 32 heads, each run-length hint class), with no spills, where NVRTC
+    loads."""
+    _, head, rows = compiled_variants
+    if head["nvrtc"] != "ok":
+        pytest.skip(f"no NVRTC here: {head['nvrtc']}")
+    cuda = [r for r in rows if r["kernel"] == "cuda_sm90"]
+    assert sorted((r["heads"], r["defines"]) for r in cuda) == sorted(
+        [(64, []), (64, ["EVICT_FIRST=1"]), (32, ["HEADS=32"]),
+         (32, ["EVICT_FIRST=1", "HEADS=32"])])
+    assert set(ck.LAUNCHER_HEADS) == {32, 64}
+    assert all(r["ok"] and r["spills"] == 0 and r["cubin_bytes"] > 0 for r in cuda), cuda

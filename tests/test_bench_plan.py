@@ -1,0 +1,60 @@
+"""vllm_dsa_varlen/bench_plan.py (``vllm-dsa-varlen-bench --plan-timing``): its
+arguments and its table on the CPU (the timing itself needs a GPU)."""
+
+import pytest
+
+from vllm_dsa_varlen import bench, bench_plan
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--plan-timing", "--cases", "64,4"], "--cases: expected requests,tokens,context"),
+    (["--plan-timing", "--cases", "64,0,8192"], "--cases: expected requests >= 1, tokens != 0"),
+    (["--plan-timing", "--rounds", "0"], "--rounds: expected an int >= 1"),
+])
+def test_bad_plan_timing_arguments_are_refused(argv, message):
+    with pytest.raises(ValueError, match=message):
+        bench.main(argv)
+
+
+def test_parse_case_reads_variable_steps():
+    assert bench_plan.parse_case("64,-4,8192") == (64, -4, 8192)
+    assert all(bench_plan.parse_case(c) for c in bench_plan.CASES)
+
+
+def test_plan_timing_needs_a_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--plan-timing: needs a CUDA GPU"):
+        bench.main(["--plan-timing"])
+
+
+def test_table_columns_medians_and_ranges():
+    """The printed table: the columns of the paths timed anywhere, each cell the
+    median [min-max] of the rounds, "-" where a case lacks the path, "NO"
+    where the planner differed; the JSON rows carry every round."""
+    floor = dict(case="floor (add_)", rows=0, same=True, times={"floor": ([4.0, 5.0, 4.5],
+                                                                          [0.5, 0.7, 0.6])})
+    one = dict(case="64,4,32768", rows=263, same=True,
+               times={"plan_torch": ([150.0, 140.0, 160.0], [130.0, 131.0, 129.0]),
+                      "planner": ([9.0, 8.0, 10.0], [6.0, 5.5, 6.5])})
+    two = dict(case="64,-4,8192", rows=170, same=False,
+               times={"plan_torch": ([120.0, 121.0, 119.0], [100.0, 100.0, 100.0]),
+                      "planner": ([7.0, 7.0, 7.0], [5.0, 5.0, 5.0]),
+                      "dg_meta_flat": ([12.0, 11.0, 13.0], [3.0, 3.0, 3.0])})
+    lines, results = bench_plan.format_table([floor, one, two], 3)
+    assert lines[0].startswith("\nµs, median over 3 rounds")
+    assert lines[1] == "floor (one-element add_): replay 4.5 [4.0-5.0], /copy 0.60"
+    head = lines[2].split()
+    assert [w for w in head if w in bench_plan.NAMES] == ["plan_torch", "plan_torch", "planner",
+                                                         "planner", "dg_meta_flat",
+                                                         "dg_meta_flat"]
+    assert lines[3].split()[:3] == ["64,4,32768", "263", "yes"]
+    assert "150.0 [140.0-160.0] 130.00 [129.0-131.0]" in lines[3]
+    assert "9.0 [  8.0- 10.0]   6.00 [ 5.5- 6.5]" in lines[3]
+    assert lines[3].rstrip().endswith("-")
+    assert lines[4].split()[:3] == ["64,-4,8192", "170", "NO"]
+    assert "12.0 [ 11.0- 13.0]   3.00 [ 3.0- 3.0]" in lines[4]
+    assert results[1]["bitwise_equal"] is False
+    assert results[0]["planner"] == dict(replay_us=[9.0, 8.0, 10.0], per_copy_us=[6.0, 5.5, 6.5])
+    assert "dg_meta_flat" not in results[0]
