@@ -136,7 +136,7 @@ def main(argv=None) -> int:
                  else ""), flush=True)
         print(f"{'':22s} cycles/page at 1.7 GHz: " + "  ".join(
             f"{k} {us * 1e-6 / (pages / sms) * 1.7e9:5.0f}" for k, us in res.items()
-            if k in variants or k == "gluon"), flush=True)
+            if k in variants), flush=True)
         if "per_step_us" in record:
             print(f"{'':22s} per step ({args.layers} layers, logits + top-k + plan/metadata), "
                   "µs: " + "  ".join(f"{k} {v:8.1f}" for k, v in record["per_step_us"].items()),

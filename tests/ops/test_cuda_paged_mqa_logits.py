@@ -418,10 +418,10 @@ def test_matches_reference_small(name, padding, hint):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_auto_takes_it_inside_captures_for_every_hint():
+def test_auto_takes_it_inside_captures_for_every_hint(monkeypatch):
     """Inside a CUDA-graph capture "auto" takes this kernel whatever the
     longest-run hint, and a step's schedule cache holds its plan; eager calls
-    take the portable kernel.  (Graph replay on new contents and batch
+    take the portable kernel where ``EAGER_CUDA_SM90`` is off.  (Graph replay on new contents and batch
     compositions, serving-size repeats: test_launcher.py with
     ``kernel="sm90"``, this kernel at 32 and 64 heads.)"""
     if NVRTC is not None:
@@ -429,6 +429,7 @@ def test_auto_takes_it_inside_captures_for_every_hint():
     step = make_decode_step([4, 2, 3], [300, 200, 90], device="cuda")
     args = launcher_args(step)
     out = torch.full((step.rows.num_rows, step.max_context_len), POISON, device="cuda")
+    monkeypatch.setattr(launcher, "EAGER_CUDA_SM90", False)
     assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto", 4, step.weights) is None
     launcher.varlen_paged_mqa_logits(*args, out=out, kernel="sm90_cuda")  # loaded outside capture
     cache = {}
@@ -565,12 +566,14 @@ def _integer_step(lens, seqs, seed, heads=64):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 def test_eager_auto_takes_it_when_enabled(monkeypatch):
-    """With ``EAGER_CUDA_SM90`` "auto" takes this kernel outside captures too
-    (and not without it); its eager logits match the reference."""
+    """With ``EAGER_CUDA_SM90`` (the default) "auto" takes this kernel outside
+    captures too (and not without it); its eager logits match the reference."""
     if NVRTC is not None:
         pytest.skip(f"no NVRTC: {NVRTC}")
     step = make_decode_step([4, 1, 3, 2], [300, 64, 1000, 65], heads=64, padding_rows=2,
                             device="cuda", seed=5)
+    assert launcher.EAGER_CUDA_SM90 is True
+    monkeypatch.setattr(launcher, "EAGER_CUDA_SM90", False)
     assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto", 4, step.weights) is None
     monkeypatch.setattr(launcher, "EAGER_CUDA_SM90", True)
     for hint in (1, 4, 8):
