@@ -578,22 +578,56 @@ def parent(args) -> int:
             repeats.append(this)
             if rep == 0:
                 runs = this
-        runs = {m: r for m, r in runs.items() if r and "cases" in r}
-        entry = {"init_s": {m: r["init_s"] for m, r in runs.items()},
-                 "cudagraph_mode": {m: r.get("cudagraph_mode") for m, r in runs.items()},
-                 "cudagraph_capture_sizes": {m: r.get("cudagraph_capture_sizes")
-                                             for m, r in runs.items()},
-                 "jit": {m: r["jit"] for m, r in runs.items()},
-                 "trace": {m: {x: y for x, y in r["trace"].items()}
-                           for m, r in runs.items() if "trace" in r},
-                 "indexer_share": {m: r["trace"]["indexer_share"]
-                                   for m, r in runs.items() if "trace" in r}}
-        if "stock" in runs and "plugin" in runs:
-            entry["comparison"] = compare(runs["stock"], runs["plugin"])
-            entry["repeats"] = repeat_spread(repeats)
-        entry["host_probe_us"] = {m: r.get("host_probe_us") for m, r in runs.items()}
-        entry["mixed_window"] = {m: r.get("mixed_window") for m, r in runs.items()}
-        result["per_k"][str(k)] = entry
+        result["per_k"][str(k)] = k_entry(runs, repeats)
+    return finish(args, result)
+
+
+def k_entry(runs: dict, repeats: list[dict]) -> dict:
+    """One k's part of e2e.json from its processes' results (``runs``: the
+    first repeat's, by mode; ``repeats``: every repeat's)."""
+    runs = {m: r for m, r in runs.items() if r and "cases" in r}
+    entry = {"init_s": {m: r["init_s"] for m, r in runs.items()},
+             "cudagraph_mode": {m: r.get("cudagraph_mode") for m, r in runs.items()},
+             "cudagraph_capture_sizes": {m: r.get("cudagraph_capture_sizes")
+                                         for m, r in runs.items()},
+             "jit": {m: r["jit"] for m, r in runs.items()},
+             "trace": {m: {x: y for x, y in r["trace"].items()}
+                       for m, r in runs.items() if "trace" in r},
+             "indexer_share": {m: r["trace"]["indexer_share"]
+                               for m, r in runs.items() if "trace" in r}}
+    if "stock" in runs and "plugin" in runs:
+        entry["comparison"] = compare(runs["stock"], runs["plugin"])
+        entry["repeats"] = repeat_spread(repeats)
+    entry["host_probe_us"] = {m: r.get("host_probe_us") for m, r in runs.items()}
+    entry["mixed_window"] = {m: r.get("mixed_window") for m, r in runs.items()}
+    return entry
+
+
+def merge(args) -> int:
+    """e2e.json and the table from ``run-{mode}-k{k}[-rN].json`` files already
+    in ``--out`` (processes run by separate invocations, e.g. one mode per call
+    on a machine that limits a command's time)."""
+    result = {"model": None, "layers": args.layers, "per_k": {}, "runs": [], "merged": True}
+    for k in args.k:
+        repeats = []
+        for rep in range(args.repeats):
+            this = {}
+            for mode in args.modes:
+                path = os.path.join(args.out, f"run-{mode}-k{k}{_rep(rep)}.json")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        this[mode] = json.load(f)
+                    result["runs"].append({"mode": mode, "k": k, "repeat": rep, "rc": 0,
+                                           "file": os.path.basename(path)})
+            repeats.append(this)
+        if repeats and repeats[0]:
+            result["per_k"][str(k)] = k_entry(repeats[0], repeats)
+    if not result["per_k"]:
+        raise SystemExit(f"--merge: no run-*-k*.json for k in {args.k} in {args.out}")
+    return finish(args, result)
+
+
+def finish(args, result: dict) -> int:
     with open(os.path.join(args.out, "e2e.json"), "w") as f:
         json.dump(result, f, indent=1, allow_nan=False)
     if all("comparison" in e for e in result["per_k"].values()) and result["per_k"]:
@@ -638,6 +672,9 @@ def main(argv: list[str] | None = None) -> int:
                          "tokens) and the powers of two below the largest (for batches that "
                          "shrink as requests finish); vllm: vLLM's own list (~35 sizes, "
                          "longer start-up)")
+    ap.add_argument("--merge", action="store_true",
+                    help="run nothing: assemble e2e.json and the table from the "
+                         "run-{mode}-k{k}.json files in --out (modes run by separate invocations)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
     ap.add_argument("--repeat", type=int, default=0, help=argparse.SUPPRESS)
@@ -646,6 +683,8 @@ def main(argv: list[str] | None = None) -> int:
         args.k = args.k[0]
         child(args)
         return 0
+    if args.merge:
+        return merge(args)
     return parent(args)
 
 
