@@ -408,7 +408,8 @@ def _child(args, result: dict) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         length = max(args.prompt)
-        _add(engine, "trace", prompts_of(length), args.new_tokens)
+        traced = args.trace_batch or max_batch
+        _add(engine, "trace", prompts_of(length, count=traced), args.new_tokens)
         for _ in range(8):  # past the prefill, into steady decode
             engine.step()
         path = os.path.join(args.out, f"trace-{args.mode}-k{args.k}{_rep(args.repeat)}.json")
@@ -422,7 +423,7 @@ def _child(args, result: dict) -> None:
         os.remove(path)
         while engine.has_unfinished_requests():
             engine.step()
-        result["trace"] = {"file": os.path.basename(path) + ".gz", "batch": max_batch,
+        result["trace"] = {"file": os.path.basename(path) + ".gz", "batch": traced,
                            "prompt": length, **summarize_trace(path + ".gz", args.trace_steps)}
 
 
@@ -521,7 +522,8 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict | None:
         cmd += [f"--{name}", *map(str, getattr(args, name))]
     for name in ("new_tokens", "warm_tokens", "layers", "graph_mode", "load_format",
                  "kv_cache_dtype", "force_sparse_prefill", "max_batched_tokens",
-                 "gpu_memory_utilization", "trace_steps", "attention_backend", "capture_sizes"):
+                 "gpu_memory_utilization", "trace_steps", "attention_backend", "capture_sizes",
+                 "trace_batch"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = dict(os.environ, VLLM_DSA_VARLEN=MODES[mode])
     t0 = time.perf_counter()
@@ -640,7 +642,7 @@ def finish(args, result: dict) -> int:
     return 0 if all(r["rc"] == 0 for r in result["runs"]) else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="MTP decode end to end: stock vs vllm-dsa-varlen")
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default=None, help="a model path (default: the tiny config)")
@@ -667,6 +669,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--trace-steps", type=int, default=3, help="profiled decode steps (0: none)")
+    ap.add_argument("--trace-batch", type=int, default=0,
+                    help="requests in the profiled window (default: the largest batch); a "
+                         "small batch shows the host's share of a host-bound step")
     ap.add_argument("--capture-sizes", default="cases", choices=["cases", "vllm"],
                     help="CUDA-graph sizes: cases: each batch's decode step (batch x (k + 1) "
                          "tokens) and the powers of two below the largest (for batches that "
@@ -678,7 +683,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
     ap.add_argument("--repeat", type=int, default=0, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.child:
         args.k = args.k[0]
         child(args)

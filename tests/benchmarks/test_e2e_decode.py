@@ -130,3 +130,45 @@ def test_capture_sizes_cover_every_case_and_shrinking_batches(k):
     # any smaller step pads to a graph at most twice its size
     for n in range(1, top + 1):
         assert min(s for s in sizes if s >= n) < 2 * n or n == 1
+
+
+# options only the parent process reads (the child gets its k, mode and repeat
+# from run_child itself)
+PARENT_ONLY = {"out", "model", "k", "repeats", "modes", "merge", "child", "mode", "repeat", "help"}
+
+
+def test_every_engine_option_reaches_the_engine_process(tmp_path, monkeypatch):
+    """run_child hands the child process every option that shapes the engine
+    run, with the value given (a new option left out of its list would
+    silently run the engine with the default)."""
+    parser = e2e.build_parser()
+    dests = {a.dest for a in parser._actions} - PARENT_ONLY
+    argv = ["--out", str(tmp_path), "--model", "m"]
+    want = {}
+    for action in parser._actions:
+        if action.dest not in dests:
+            continue
+        flag = action.option_strings[0]
+        if action.choices:
+            value = list(action.choices)[-1]
+        elif action.type is float:
+            value = round(random.uniform(0.1, 0.9), 3)
+        else:
+            value = random.randint(2, 999)
+        want[flag] = str(value)
+        argv += [flag, str(value)] if action.nargs is None else [flag, str(value)]
+    args = parser.parse_args(argv)
+    seen = {}
+
+    def fake_run(cmd, env, stdout, stderr):
+        seen["cmd"] = cmd
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    monkeypatch.setattr(e2e, "log_facts", lambda path: {})
+    e2e.run_child(args, "plugin", 3, 0, {"runs": []})
+    cmd = seen["cmd"]
+    for flag, value in want.items():
+        assert flag in cmd, flag
+        i = cmd.index(flag)
+        assert cmd[i + 1] == value, (flag, cmd[i + 1], value)
