@@ -1,14 +1,17 @@
-#!/usr/bin/env python3
-"""A/B of the CUDA sm_90 kernel: build variants (``-D`` macros of
-``ops/cuda/sm90_varlen_logits.cu``) and schedule cost models, each checked
-against the torch reference on small steps, then timed (CUDA-graph replay, L2
-flushed, the plan made outside the timed call) side by side.
+"""``vllm-dsa-varlen-bench --builds``: the sm_90 CUDA kernel's builds (``-D``
+macros of ``ops/cuda/sm90_varlen_logits.cu``) and schedule cost models side
+by side, each checked against the torch reference on small steps, then timed
+in one process, rounds interleaved (CUDA-graph replay, L2 flushed, the plan
+made outside the timed call); with ``--deepgemm`` DeepGEMM's flattened,
+native and split paths and its metadata beside them, with ``--topk-lib``
+vLLM's decode top-k and the per-step figures (:func:`per_step`).
 
-    python3 benchmarks/cuda_sm90_variants.py --variants "default" "HALF_GROUPS=0" \\
-        "default@1,0" [--cases 64,4,32768 64,-4,32768 ...]
+    vllm-dsa-varlen-bench --builds default HEAD_SUM_TC=1 "default@1,0" \
+        [--cases 64,4,32768 64,-4,32768 ...] [--rounds 5] [--deepgemm] \
+        [--topk-lib <vllm>/_C_stable_libtorch.abi3.so] [--json f]
 
-A variant is ``MACRO=v+MACRO=v`` (or ``default``), optionally ``@c0,c1`` for
-the plan's cost model (:data:`..ops.cuda_paged_mqa_logits.COST` otherwise).
+A build is ``MACRO=v+MACRO=v`` (or ``default``), optionally ``@c0,c1`` for
+the plan's cost model (:data:`.ops.cuda_paged_mqa_logits.COST` otherwise).
 Cases: ``requests,tokens,context`` (tokens ``-n``: 1..n per request).
 ``--heads 32`` runs every check and case at 32 heads (the kernel's HEADS=32
 build, which ``launch`` takes from the queries' shape).
@@ -16,13 +19,11 @@ build, which ``launch`` takes from the queries' shape).
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+CASES = ["64,4,32768", "64,2,32768", "64,3,32768", "64,-4,32768", "128,-4,8192", "64,6,8192"]
+REP_MS = 30  # do_bench repetition time per timed call (ms) unless --rep-ms says otherwise
 
 
 def parse_variant(text: str):
@@ -33,35 +34,30 @@ def parse_variant(text: str):
 
 
 def _graph_us(torch, do_bench, fn, rep_ms):
-    from vllm_dsa_varlen.bench import graph_replay_us
+    from .bench_graph import graph_replay_us
 
     return graph_replay_us(torch, do_bench, fn, rep_ms)
 
 
-def main(argv=None) -> int:
+def run(args) -> int:
+    """``--builds``: ``args.builds`` (build names), ``cases``, ``rounds``,
+    ``rep_ms``, ``heads``, ``deepgemm``, ``topk_lib``, ``layers``, ``json``."""
     import torch
     from triton.testing import do_bench
 
-    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-    from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
-    from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
+    from .ops import cuda_paged_mqa_logits as ck
+    from .ops.reference import paged_mqa_logits_ref, valid_mask
+    from .workloads import make_decode_step, random_decode_step
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", nargs="+", default=["default"])
-    p.add_argument("--cases", nargs="*", default=["64,4,32768", "64,2,32768", "64,3,32768",
-                                                   "64,-4,32768", "128,-4,8192", "64,6,8192"])
-    p.add_argument("--rep-ms", type=int, default=30)
-    p.add_argument("--heads", type=int, default=64, choices=(32, 64))
-    p.add_argument("--rounds", type=int, default=1,
-                   help="time every path this many times, interleaved; report the median")
-    p.add_argument("--deepgemm", action="store_true",
-                   help="time DeepGEMM beside (deep_gemm, else vllm_deep_gemm; 2.8.x API): "
-                        "flattened, native, stock 0.33's split; its metadata beside the plan")
-    p.add_argument("--topk-lib", help="vLLM's _C extension (.so): time its decode top-k on "
-                                      "each path's rows and print per-step figures")
-    p.add_argument("--layers", type=int, default=61, help="indexer layers per decode step")
-    p.add_argument("--json", help="write every round's times here")
-    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("--builds: needs a CUDA GPU (sm_90)")
+    args.cases = args.cases or CASES
+    args.rounds = args.rounds or 1
+    args.rep_ms = args.rep_ms or REP_MS
+    args.heads = args.heads or 64
+    if args.heads not in ck.HEAD_COUNTS:
+        raise SystemExit(f"--heads: the CUDA kernel serves {ck.HEAD_COUNTS} heads, got {args.heads}")
+    args.variants = args.builds
     dg = import_deepgemm() if args.deepgemm else None
     topk_ops = load_topk(torch, args.topk_lib) if args.topk_lib else None
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -159,11 +155,11 @@ def import_deepgemm():
 
 def deepgemm_calls(torch, step, dg, sms, ours, out):
     """DeepGEMM's paths on ``step`` as stock vLLM 0.33 runs them
-    (:func:`vllm_dsa_varlen.bench.vdg_paths`: flattened, native next_n 1/2/4,
+    (:func:`.bench_deepgemm.vdg_paths`: flattened, native next_n 1/2/4,
     split), checked against this project's logits first, and its schedule
     metadata (``dg-meta``, as the builder makes it once per step)."""
-    from vllm_dsa_varlen.bench import vdg_paths
-    from vllm_dsa_varlen.ops.reference import valid_mask
+    from .bench_deepgemm import vdg_paths
+    from .ops.reference import valid_mask
 
     rows = step.rows
     ctx2d = rows.context_lens.view(-1, 1).contiguous()
@@ -258,6 +254,3 @@ def per_step(res: dict, ours: str, tokens: int, variable: bool, layers: int) -> 
         got[f"plugin / {k}"] = got["plugin"] / got[k]
     return got
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,13 +1,12 @@
-"""benchmarks/cuda_sm90_variants.py: its variant syntax (CPU)."""
+"""``vllm-dsa-varlen-bench --builds`` (:mod:`vllm_dsa_varlen.bench_builds`):
+its build syntax, its per-step sums, its options (CPU)."""
 
-import importlib.util
-import os
+import random
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    "cuda_sm90_variants", os.path.join(ROOT, "benchmarks", "cuda_sm90_variants.py"))
-variants = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(variants)
+import pytest
+
+from vllm_dsa_varlen import bench
+from vllm_dsa_varlen import bench_builds as variants
 
 
 def test_variant_syntax():
@@ -18,8 +17,6 @@ def test_variant_syntax():
 
 
 def _times(**kw):
-    import random
-
     base = {k: random.uniform(1, 200) for k in ("default", "plan", "dg-meta", "dg-flat",
                                                 "topk-rows", "topk-padded")}
     base.update(kw)
@@ -52,3 +49,22 @@ def test_per_step_sums_the_paths_each_line_takes():
     # without DeepGEMM only the plugin's figure
     res = {"default": 10.0, "plan": 5.0, "topk-rows": 3.0}
     assert variants.per_step(res, "default", 4, False, 2) == {"plugin": 5.0 + 2 * 13.0}
+
+
+@pytest.mark.parametrize("argv, flag", [(["--deepgemm"], "--deepgemm"),
+                                        (["--topk-lib", "x.so"], "--topk-lib"),
+                                        (["--layers", "3"], "--layers"),
+                                        (["--rounds", "2"], "--rounds")])
+def test_builds_options_only_with_builds(argv, flag, capsys):
+    """The --builds options are refused without --builds (naming the flag),
+    rather than silently ignored."""
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert flag in capsys.readouterr().err
+
+
+def test_builds_without_a_gpu_says_so(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--builds: needs a CUDA GPU"):
+        bench.main(["--builds", "default"])
