@@ -18,7 +18,7 @@ from vllm_dsa_varlen.ops.launcher import precompile
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
 from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
 
-from logits_checks import POISON, check_poisoned, launcher_args, run_poisoned
+from logits_checks import POISON, StaticStep, check_poisoned, launcher_args, run_poisoned
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -279,25 +279,9 @@ def test_sm90_graph_replay_with_new_contents_and_compositions(heads):
     steps = [random_decode_step(num_reqs, tokens, 4000, acceptance=a, variable=v, heads=heads,
                                 seed=s, device="cuda", max_context_len=max_len, extra_blocks=40)
              for s, a, v in ((1, None, False), (2, 0.6, False), (3, None, True), (4, 0.3, False))]
-    cap = num_reqs * tokens
-    width = max(s.rows.block_table.shape[1] for s in steps)
-    q = torch.zeros((cap, 1, heads, 128), dtype=torch.float8_e4m3fn, device="cuda")
-    w = torch.zeros((cap, heads), device="cuda")
-    ctx = torch.zeros((cap, 1), dtype=torch.int32, device="cuda")
-    bt = torch.zeros((cap, width), dtype=torch.int32, device="cuda")
-    ids = torch.zeros(cap, dtype=torch.int32, device="cuda")
-    kv = torch.zeros((max(s.kv_cache.shape[0] for s in steps), *steps[0].kv_cache.shape[1:]),
-                     dtype=torch.uint8, device="cuda")
-    out = torch.empty((cap, max_len), device="cuda")
-
-    def load(step):
-        n = step.num_rows
-        q.zero_(); w.zero_(); ctx.zero_(); bt.zero_()
-        q[:n] = step.q; w[:n] = step.weights; ctx[:n, 0] = step.rows.context_lens
-        bt[:n, : step.rows.block_table.shape[1]] = step.rows.block_table
-        ids.copy_(torch.arange(cap, device="cuda", dtype=torch.int32) + 10**6)
-        ids[:n] = step.rows.indices
-        kv[: step.kv_cache.shape[0]].copy_(step.kv_cache)
+    buf = StaticStep(steps, num_reqs * tokens, heads, max_len)
+    q, w, ctx, bt, ids, kv, out = buf.q, buf.w, buf.ctx, buf.bt, buf.ids, buf.kv, buf.out
+    load = buf.load
 
     def call(dst, cache=None):
         launcher.varlen_paged_mqa_logits(q, kv, w, ctx, bt, ids, max_len, out=dst,

@@ -12,6 +12,8 @@ from vllm_dsa_varlen.ops.launcher import varlen_paged_mqa_logits
 from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
 from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
 
+from logits_checks import StaticStep
+
 POISON = float("nan")
 
 
@@ -216,27 +218,10 @@ def test_cuda_graph_replay_with_new_contents():
     steps = [random_decode_step(num_reqs, tokens, 4000, acceptance=a, heads=64, seed=s, device="cuda",
                                 max_context_len=max_len, extra_blocks=40)
              for s, a in ((1, None), (2, 0.6), (3, 0.3))]
-    rows_cap = num_reqs * tokens
     first = steps[0]
-    bt_width = max(s.rows.block_table.shape[1] for s in steps)
-    q = torch.zeros((rows_cap, 1, 64, 128), dtype=torch.float8_e4m3fn, device="cuda")
-    w = torch.zeros((rows_cap, 64), device="cuda")
-    ctx = torch.zeros((rows_cap, 1), dtype=torch.int32, device="cuda")
-    bt = torch.zeros((rows_cap, bt_width), dtype=torch.int32, device="cuda")
-    ids = torch.zeros(rows_cap, dtype=torch.int32, device="cuda")
-    kv = torch.zeros((max(s.kv_cache.shape[0] for s in steps), *first.kv_cache.shape[1:]),
-                     dtype=torch.uint8, device="cuda")
-    out = torch.empty((rows_cap, max_len), device="cuda")
-
-    def load(step):
-        n = step.num_rows
-        q.zero_(); w.zero_(); ctx.zero_(); bt.zero_()
-        q[:n] = step.q; w[:n] = step.weights; ctx[:n, 0] = step.rows.context_lens
-        bt[:n, : step.rows.block_table.shape[1]] = step.rows.block_table
-        # Rows past the step's own are padding rows with ids of their own.
-        ids.copy_(torch.arange(rows_cap, device="cuda", dtype=torch.int32) + 10**6)
-        ids[:n] = step.rows.indices
-        kv[: step.kv_cache.shape[0]].copy_(step.kv_cache)
+    buf = StaticStep(steps, num_reqs * tokens, 64, max_len)
+    q, w, ctx, bt, ids, kv, out = buf.q, buf.w, buf.ctx, buf.bt, buf.ids, buf.kv, buf.out
+    load = buf.load
 
     load(first)
     stream = torch.cuda.Stream()
