@@ -105,23 +105,6 @@ def _as_one_op(fn):
     return wrapper
 
 
-class UniformDecodeStandIn:
-    """Stand-in for stock's Triton ``_prepare_uniform_decode_kernel`` (no Triton
-    on the CPU): token ``i`` of request ``i // n`` sees ``seq - n + i % n + 1``
-    tokens through its request's block-table row; decode length 1."""
-
-    def __getitem__(self, grid):
-        @_as_one_op
-        def launch(seq_lens, ctx_out, block_table, bt_stride, bt_out, bt_out_stride,
-                   lens_out, n, BLOCK_SIZE=None):
-            rows = grid[0]
-            req = torch.arange(rows) // n
-            ctx_out[:rows] = seq_lens[req] - n + torch.arange(rows) % n + 1
-            bt_out[:rows, :block_table.shape[1]] = block_table[req]
-            lens_out[:rows] = 1
-        return launch
-
-
 class FunctionCosts:
     """Inclusive µs and device ops per call of the plugin's functions."""
 
@@ -160,9 +143,15 @@ def decode_batches(k: int, batches: list[int], capture_sizes: list[int]):
 def measure(mode: str, k: int, batches, calls: int, context: int, by_function: bool):
     """Per batch: host µs and op counts of one ``build()`` (``mode``: stock | plugin)."""
     import pytest
-    import vllm.v1.attention.backends.mla.indexer as ix
     from fake_deep_gemm import FakeDeepGemm
-    from vllm_stubs import NUM_SMS, decode_batch, fake_gpu, make_builder, random_block_table
+    import vllm.v1.attention.backends.mla.indexer as ix
+    from vllm_stubs import (NUM_SMS, UniformDecodeKernel, decode_batch, fake_gpu,
+                            fake_uniform_decode_kernel, make_builder, random_block_table)
+
+    class _OneLaunch(UniformDecodeKernel):
+        def __getitem__(self, grid):
+            return _as_one_op(super().__getitem__(grid))
+
 
     from vllm_dsa_varlen import config, patches, stats
     from vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla import indexer as pix
@@ -179,7 +168,8 @@ def measure(mode: str, k: int, batches, calls: int, context: int, by_function: b
         dg = FakeDeepGemm("2.8", 90, num_sms=NUM_SMS).install(mp)
         scheduler = dg.get_paged_mqa_logits_metadata
         mp.setattr(scheduler, "_impl", _as_one_op(scheduler._impl))
-        mp.setattr(ix, "_prepare_uniform_decode_kernel", UniformDecodeStandIn())
+        fake_uniform_decode_kernel(mp)  # stock's Triton kernel: counted as one launch
+        mp.setattr(ix, "_prepare_uniform_decode_kernel", _OneLaunch())
         if by_function and mode == "plugin":
             for name in PLUGIN_FUNCTIONS:
                 if hasattr(pix, name):

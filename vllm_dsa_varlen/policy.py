@@ -182,6 +182,22 @@ MEASURED: tuple[Rule, ...] = (
 )
 
 
+def min_varlen_rows(stock: str, table: tuple[Rule, ...] | None = None,
+                    kernel: str | None = None, max_run: int | None = None) -> int | None:
+    """The fewest rows a step must have for any rule of ``table`` (default
+    :data:`MEASURED`, looked up at call time) against ``stock`` to match, for
+    the varlen kernel ``kernel`` and steps of at most ``max_run`` tokens per
+    request (``None``: unbounded); ``None`` when no such rule exists.  A step
+    with fewer rows is never sent to varlen (``requests <= rows``, so a
+    ``min_requests`` bound is a row bound too)."""
+    rules = MEASURED if table is None else table
+    bounds = [max(1, rule.min_rows, rule.min_requests, rule.min_run)
+              for rule in rules
+              if rule.stock == stock and (rule.kernel is None or rule.kernel == kernel)
+              and (max_run is None or rule.min_run <= max_run)]
+    return min(bounds, default=None)
+
+
 def varlen_wins(step: StepFacts, stock: str, table: tuple[Rule, ...] | None = None,
                 kernel: str | None = None) -> bool:
     """Whether the varlen kernel is used for ``step`` instead of ``stock``'s path.
