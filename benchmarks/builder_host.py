@@ -19,6 +19,7 @@ n tokens, graph-padded as vLLM pads a FULL decode graph: padding requests of
   ops per call.
 
     python3 benchmarks/builder_host.py [--k 3] [--batch 1 8 32 64] [--calls 200] [--by-function]
+        [--cudagraph-mode FULL_AND_PIECEWISE]
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def decode_batches(k: int, batches: list[int], capture_sizes: list[int]):
     return out
 
 
-def measure(mode: str, k: int, batches, calls: int, context: int, by_function: bool):
+def measure(mode: str, k: int, batches, calls: int, context: int, by_function: bool,
+            cudagraph_mode: str = "FULL_AND_PIECEWISE"):
     """Per batch: host µs and op counts of one ``build()`` (``mode``: stock | plugin)."""
     import pytest
     from fake_deep_gemm import FakeDeepGemm
@@ -178,6 +180,11 @@ def measure(mode: str, k: int, batches, calls: int, context: int, by_function: b
         builder = make_builder(mp, next_n=k + 1, width=width, max_tokens=512, max_seqs=256,
                                max_model_len=width * 64)
         assert getattr(builder, "use_varlen", False) == (mode == "plugin")
+        from types import SimpleNamespace
+
+        from vllm.config import CUDAGraphMode
+        builder.vllm_config.compilation_config = SimpleNamespace(
+            cudagraph_mode=getattr(CUDAGraphMode, cudagraph_mode))
         try:
             for label, lens, num_tokens in batches:
                 real = [n for n in lens if n]
@@ -225,11 +232,13 @@ def main(argv=None) -> int:
     p.add_argument("--capture-sizes", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128, 256])
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--by-function", action="store_true")
+    p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     batches = decode_batches(args.k, args.batch, args.capture_sizes)
-    res = {mode: measure(mode, args.k, batches, args.calls, args.context, args.by_function)
+    res = {mode: measure(mode, args.k, batches, args.calls, args.context, args.by_function,
+                         args.cudagraph_mode)
            for mode in ("stock", "plugin")}
     print(f"{'batch':>10} {'tokens':>6} | {'stock us':>8} {'ops':>4} | {'plugin us':>9} {'ops':>4}"
           f" {'host':>4} {'syncs':>5} | plugin path")

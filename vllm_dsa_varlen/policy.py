@@ -14,7 +14,10 @@ whether the batch is a uniform decode), so a decision that also depends on the
 batch size or the longest run is made once at capture and replayed for other
 batches with the same key.  That is safe as long as the builder prepares the
 metadata both kernels need whenever it could go either way (it does); only the
-speed of the baked choice is then a property of the captured batch.
+speed of the baked choice is then a property of the captured batch.  A step
+with fewer rows than :func:`min_varlen_rows` can never go to varlen; the
+builder may leave such steps wholly to stock when the bound is checked against
+the graph's own (padded) token count.
 
 What stock runs for a step (``StockKind``):
 

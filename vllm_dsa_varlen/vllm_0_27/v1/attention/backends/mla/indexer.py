@@ -44,7 +44,10 @@ Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
   :mod:`vllm_dsa_varlen.varlen_ids`).  With ``per_step == "flattened"`` the
   kernel is chosen per step from host-known facts (no device sync); both
   kernels find valid metadata either way, so a CUDA graph that baked one
-  choice replays correctly for any batch.
+  choice replays correctly for any batch.  Steps no rule can send to varlen
+  are left to stock's own build (:func:`_stock_only_step`: decided from the
+  padded token count a FULL graph is keyed on, so capture and every replay
+  agree).
 * module global ``get_paged_mqa_logits_metadata``: during a varlen build the
   DeepGEMM backend's scheduler gets the step's ``indices``; the Triton backend
   with ``per_step == "flattened"`` gets stock's id-less schedule for the same
