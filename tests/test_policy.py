@@ -176,3 +176,28 @@ def test_graph_kernel_on_the_cpu_is_the_portable_one():
 
     assert launcher.graph_kernel("cpu", 64) == "portable"
     assert launcher.graph_kernel("cpu", None, 128, 64) == "portable"
+
+
+def test_min_varlen_rows_bounds_every_rule():
+    """No step with fewer rows than ``min_varlen_rows`` wins, for every kernel
+    and run bound (exhaustive over small steps); at the bound one does."""
+    from vllm_dsa_varlen import policy as pol
+
+    for kernel in (None, "cuda_sm90", "portable"):
+        for max_run in (1, 2, 4, 8):
+            bound = pol.min_varlen_rows("flattened", kernel=kernel, max_run=max_run)
+            for rows in range(1, 70):
+                for requests in {1, rows // 4, rows // 2, rows} - {0}:
+                    for run in range(1, min(max_run, rows) + 1):
+                        if requests * run < rows and run > 1:
+                            continue
+                        for uniform in (True, False):
+                            step = pol.StepFacts(rows=rows, requests=requests, max_run=run,
+                                                 uniform=uniform, max_context=1 << 20)
+                            if bound is None or rows < bound:
+                                assert not pol.varlen_wins(step, "flattened", kernel=kernel)
+    assert pol.min_varlen_rows("flattened", kernel="cuda_sm90", max_run=4) == 64
+    assert pol.varlen_wins(pol.StepFacts(rows=64, requests=16, max_run=4, uniform=True),
+                           "flattened")
+    assert pol.min_varlen_rows("flattened", max_run=1) is None  # no rule for 1-token runs
+    assert pol.min_varlen_rows("native") is None

@@ -63,3 +63,33 @@ def make_builder(monkeypatch, *, next_n: int, width: int = 64, block_size: int =
 def random_block_table(num_reqs: int, width: int, num_blocks: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, num_blocks, (num_reqs, width), generator=gen, dtype=torch.int32)
+
+
+class UniformDecodeKernel:
+    """CPU stand-in for 0.27.1's Triton ``_prepare_uniform_decode_kernel`` (no
+    Triton on the CPU), launched as ``kernel[(rows,)](...)``: row ``i`` is token
+    ``i % n`` of request ``i // n`` and sees ``seq - n + i % n + 1`` tokens
+    through that request's block-table row; its decode length becomes 1."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        def launch(seq_lens, ctx_out, block_table, bt_stride, bt_out, bt_out_stride, lens_out,
+                   n, BLOCK_SIZE=None):
+            self.launches += 1
+            rows = grid[0]
+            token = torch.arange(rows)
+            req = token // n
+            ctx_out[:rows] = seq_lens[req] - n + token % n + 1
+            bt_out[:rows, :block_table.shape[1]] = block_table[req]
+            lens_out[:rows] = 1
+        return launch
+
+
+def fake_uniform_decode_kernel(monkeypatch) -> UniformDecodeKernel:
+    import vllm.v1.attention.backends.mla.indexer as ix
+
+    kernel = UniformDecodeKernel()
+    monkeypatch.setattr(ix, "_prepare_uniform_decode_kernel", kernel)
+    return kernel

@@ -14,7 +14,10 @@ whether the batch is a uniform decode), so a decision that also depends on the
 batch size or the longest run is made once at capture and replayed for other
 batches with the same key.  That is safe as long as the builder prepares the
 metadata both kernels need whenever it could go either way (it does); only the
-speed of the baked choice is then a property of the captured batch.
+speed of the baked choice is then a property of the captured batch.  A step
+with fewer rows than :func:`min_varlen_rows` can never go to varlen; the
+builder may leave such steps wholly to stock when the bound is checked against
+the graph's own (padded) token count.
 
 What stock runs for a step (``StockKind``):
 
@@ -180,6 +183,22 @@ MEASURED: tuple[Rule, ...] = (
          note="variable steps up to 8 tokens, B64 L8K 1..8 (4.67 tokens per request): 1.19x "
               "DeepGEMM flattened (CUDA sm_90 kernel; Gluon 0.84x, portable 0.71x)"),
 )
+
+
+def min_varlen_rows(stock: str, table: tuple[Rule, ...] | None = None,
+                    kernel: str | None = None, max_run: int | None = None) -> int | None:
+    """The fewest rows a step must have for any rule of ``table`` (default
+    :data:`MEASURED`, looked up at call time) against ``stock`` to match, for
+    the varlen kernel ``kernel`` and steps of at most ``max_run`` tokens per
+    request (``None``: unbounded); ``None`` when no such rule exists.  A step
+    with fewer rows is never sent to varlen (``requests <= rows``, so a
+    ``min_requests`` bound is a row bound too)."""
+    rules = MEASURED if table is None else table
+    bounds = [max(1, rule.min_rows, rule.min_requests, rule.min_run)
+              for rule in rules
+              if rule.stock == stock and (rule.kernel is None or rule.kernel == kernel)
+              and (max_run is None or rule.min_run <= max_run)]
+    return min(bounds, default=None)
 
 
 def varlen_wins(step: StepFacts, stock: str, table: tuple[Rule, ...] | None = None,

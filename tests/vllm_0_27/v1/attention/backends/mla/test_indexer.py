@@ -1,6 +1,8 @@
 """The patched DeepseekV32IndexerMetadataBuilder, driven through vLLM 0.27.1's own build()."""
 
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from vllm_stubs import (  # noqa: E402
     NUM_SMS,
     decode_batch,
     fake_gpu,
+    fake_uniform_decode_kernel,
     make_builder,
     make_config,
     random_block_table,
@@ -444,6 +447,7 @@ def test_flattened_per_step_kernel_choice(monkeypatch, lens_kind, num_reqs):
     ``policy.varlen_wins`` picks from the host-known step facts."""
     fake_gpu(monkeypatch, (9, 0))
     dg = FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
+    fake_uniform_decode_kernel(monkeypatch)
     # The builder follows whatever the table says (the table itself: tests/test_policy.py).
     monkeypatch.setattr(policy, "MEASURED", (policy.Rule("flattened", min_run=3,
                                                          min_requests=64, note="test table"),))
@@ -468,7 +472,14 @@ def test_flattened_per_step_kernel_choice(monkeypatch, lens_kind, num_reqs):
     assert counts["steps"] == {**dict.fromkeys(stats.PATHS, 0), want: 1}
     assert counts["variable"][want] == int(len(set(lens)) > 1)
     assert sum(counts["mixed"].values()) == 0
-    _check_varlen_decode(md, builder, lens, seqs, bt, kernel=varlen)
+    if lens_kind != "plain" and sum(lens) < 64:
+        # fewer tokens than any rule's rows: stock's own build, stock's rows
+        req, ctx = _expected_rows(lens, seqs, sum(lens))
+        assert md.decode.indices is None and varlen_ids_of(md.decode.schedule_metadata) is None
+        assert torch.equal(md.decode.seq_lens[:, 0], ctx)
+        assert torch.equal(md.decode.block_table[:, :WIDTH], bt[req])
+    else:
+        _check_varlen_decode(md, builder, lens, seqs, bt, kernel=varlen)
     call = dg.calls_to("get_paged_mqa_logits_metadata")[-1]
     assert call.kwargs == {} and call.args[0] is md.decode.seq_lens
     assert torch.equal(builder.scheduler_metadata_buffer,
@@ -604,6 +615,103 @@ def test_kernel_gated_rules_follow_the_builders_graph_kernel(monkeypatch, graph_
     gen = torch.Generator().manual_seed(5)
     lens = [4] * 64
     seqs = [n + int(x) for n, x in zip(lens, torch.randint(0, 3000, (64,), generator=gen))]
+    fake_uniform_decode_kernel(monkeypatch)
     md, bt = _build(builder, lens, seqs, seed=5)
-    _check_varlen_decode(md, builder, lens, seqs, bt, kernel=graph_kernel == "cuda_sm90")
+    if graph_kernel == "cuda_sm90":
+        _check_varlen_decode(md, builder, lens, seqs, bt, kernel=True)
+    else:  # no rule can ever apply: stock's own build of the step
+        req, ctx = _expected_rows(lens, seqs, sum(lens))
+        assert md.decode.indices is None and varlen_ids_of(md.decode.schedule_metadata) is None
+        assert torch.equal(md.decode.seq_lens[:, 0], ctx)
+        assert torch.equal(md.decode.block_table[:, :WIDTH], bt[req])
     assert asked and set(asked) == {(builder.kv_cache_spec.head_size - 4, 64)}
+
+
+@pytest.mark.parametrize("mode,plain_to_stock", [("FULL_AND_PIECEWISE", True), ("FULL", False)])
+def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, mode, plain_to_stock):
+    """SM90, next_n 4, the measured table: a step whose padded token count is
+    below every rule's rows goes to stock's own build.  For each FULL-graph
+    size, a capture-like batch (size / 4 dummy requests of 4 tokens) and
+    replay-like batches of the same padded size (fewer real requests plus
+    0-token padding requests, other contexts, variable lengths) get the same
+    decision, and the kernel call as captured (the capture's metadata tensors,
+    whose buffers each replay build refreshes) computes the replay batch's
+    logits: against the reference on the independent per-token rows."""
+    from vllm.config import CUDAGraphMode
+
+    from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, quantize_kv_fp8
+    from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as dispatch
+
+    fake_gpu(monkeypatch, (9, 0))
+    FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
+    fake_uniform_decode_kernel(monkeypatch)
+    patches.apply_all()
+    builder = make_builder(monkeypatch, next_n=4, max_tokens=256, max_seqs=64)
+    builder.vllm_config.compilation_config = SimpleNamespace(
+        cudagraph_mode=getattr(CUDAGraphMode, mode))
+    assert builder.decode_path.per_step == "flattened"
+    # The table's smallest row bound, read off the rules here: 64 rows of 3-4 tokens.
+    assert min(max(r.min_rows, r.min_requests) for r in policy.MEASURED
+               if r.stock == "flattened") == 64
+    heads, dim, page, blocks = 4, 128, 64, 64
+    gen = torch.Generator().manual_seed(7)
+    kv = quantize_kv_fp8(torch.randn((blocks, page, dim), generator=gen))
+
+    def batch(lens, seqs, size, seed):
+        pad = (size - sum(lens)) // 4 if max(lens) > 1 else size - len(lens)
+        lens, seqs = lens + [0] * pad, seqs + [0] * pad
+        bt = random_block_table(len(lens), WIDTH, blocks, seed)
+        return lens, seqs, bt, decode_batch(lens, seqs, bt, num_tokens=size)
+
+    for size in (4, 8, 16, 32, 64, 128):
+        n = size // 4
+        lens, seqs, bt, cm = batch([4] * n, [4] * n, size, 0)  # capture: dummy contexts
+        cap = builder.build(0, cm).decode
+        stock_built = cap.indices is None
+        assert stock_built == (size < 64)
+        varlen = varlen_ids_of(cap.schedule_metadata) is not None
+        replays = [([4] * n, [int(x) + 4 for x in torch.randint(1, 2000, (n,), generator=gen)])]
+        if n > 1:
+            real = int(torch.randint(1, n, (1,), generator=gen))
+            replays.append(([4] * real, [int(x) + 4 for x in
+                                         torch.randint(1, 2000, (real,), generator=gen)]))
+            var = torch.randint(1, 5, (n,), generator=gen).tolist()
+            replays.append((var, [v + int(x) for v, x in
+                                  zip(var, torch.randint(1, 2000, (n,), generator=gen))]))
+        for i, (real_lens, real_seqs) in enumerate(replays):
+            lens, seqs, bt, cm = batch(real_lens, real_seqs, size, i + 1)
+            dec = builder.build(0, cm).decode
+            assert (dec.indices is None) == stock_built  # the same decision as the capture
+            if stock_built:
+                assert varlen_ids_of(dec.schedule_metadata) is None
+            # The captured call: the capture's tensors, refreshed in place.
+            assert dec.seq_lens.data_ptr() == cap.seq_lens.data_ptr()
+            assert dec.block_table.data_ptr() == cap.block_table.data_ptr()
+            req, ctx = _expected_rows(lens, seqs, size)
+            assert torch.equal(cap.seq_lens[:, 0], ctx)
+            q = torch.randn((size, 1, heads, dim), generator=gen).to(torch.float8_e4m3fn)
+            w = torch.randn((size, heads), generator=gen)
+            max_len = int(ctx.max()) + 3
+            monkeypatch.setattr(
+                launcher_module(), "varlen_paged_mqa_logits",
+                lambda q, kv_cache, weights, context_lens, block_table, indices,
+                max_context_len, **_: paged_mqa_logits_ref(q, kv_cache, weights, context_lens,
+                                                           block_table, max_context_len, indices))
+            got = dispatch.fp8_fp4_paged_mqa_logits(
+                (q, None), kv, w, cap.seq_lens, cap.block_table, cap.schedule_metadata,
+                max_model_len=max_len, clean_logits=False)
+            rows_bt = torch.zeros((size, WIDTH), dtype=torch.int32)
+            rows_bt[req >= 0] = bt[req[req >= 0]]
+            want = paged_mqa_logits_ref(q, kv, w, ctx.unsqueeze(-1), rows_bt, max_len)
+            valid = torch.arange(max_len).unsqueeze(0) < ctx.unsqueeze(-1)
+            assert torch.equal(got[valid], want[valid]), (size, i, varlen)
+    # Plain (1-token) steps go to stock only where no FULL graph replays other batches.
+    lens, seqs, bt, cm = batch([1] * 5, [40, 50, 60, 70, 80], 8, 9)
+    md = builder.build(0, cm)
+    assert (md.decode.indices is None) == plain_to_stock
+    assert md.decode.seq_lens[:5, 0].tolist() == [40, 50, 60, 70, 80]
+
+
+def launcher_module():
+    from vllm_dsa_varlen.ops import launcher
+    return launcher

@@ -44,7 +44,10 @@ Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
   :mod:`vllm_dsa_varlen.varlen_ids`).  With ``per_step == "flattened"`` the
   kernel is chosen per step from host-known facts (no device sync); both
   kernels find valid metadata either way, so a CUDA graph that baked one
-  choice replays correctly for any batch.
+  choice replays correctly for any batch.  Steps no rule can send to varlen
+  are left to stock's own build (:func:`_stock_only_step`: decided from the
+  padded token count a FULL graph is keyed on, so capture and every replay
+  agree).
 * module global ``get_paged_mqa_logits_metadata``: during a varlen build the
   DeepGEMM backend's scheduler gets the step's ``indices``; the Triton backend
   with ``per_step == "flattened"`` gets stock's id-less schedule for the same
@@ -69,6 +72,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla import indexer as _ix
@@ -348,7 +352,9 @@ def wrap_prepare_decode_tensors(original: Callable[..., Any]) -> Callable[..., A
                 decode_lens_cpu=decode_lens_cpu, query_start_loc=query_start_loc,
                 num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
                 use_native=use_native, next_n=next_n, max_decode_len=max_decode_len)
-            if getattr(self, "clamp_stock_padding", False):
+            if use_native and next_n > 1 and getattr(self, "clamp_stock_padding", False):
+                # only the native [B, next_n] lengths go negative (padding requests);
+                # stock's flattened rows are >= 1 and padding rows 0
                 _clamp_stock_padding(self, result[0])
             return result
         if max_decode_len <= 1:
@@ -519,6 +525,52 @@ def _hand_over_ids(builder: Any, metadata: Any, common: Any) -> None:
     return "varlen"
 
 
+def _stock_only_step(builder: Any, common: Any) -> bool:
+    """``per_step == "flattened"``: whether the step is left to stock's own
+    build (no varlen rows, no ids, no per-step comparison).
+
+    True for an all-decode step of several tokens per request (``1 <
+    max_query_len <= next_n``, no PCP) whose *padded* token count
+    (``num_actual_tokens``, the token count a FULL decode graph is keyed on
+    and captured with; vLLM 0.27.1 passes the padded count there) is below
+    :func:`vllm_dsa_varlen.policy.min_varlen_rows`: no rule can send such a
+    step to varlen, at capture or at any replay of the graph of the same
+    count, so the captured kernel is stock's flattened DeepGEMM call either
+    way.  Stock's build then writes the rows of that call into the same
+    buffers the plugin's rows use (``decode_seq_lens_buffer``,
+    ``expanded_block_table_buffer``, ``scheduler_metadata_buffer``), one row
+    per padded token (``num_reqs * max_query_len >= num_actual_tokens``: stock's
+    uniform branch covers every token), padding rows with context 0.  Host
+    ints only."""
+    if builder.decode_path.per_step != "flattened" or builder.use_pcp:
+        return False
+    tokens, longest = common.num_actual_tokens, common.max_query_len
+    if not 1 <= longest <= builder.decode_threshold or common.num_reqs * longest < tokens:
+        return False
+    if longest == 1:
+        # Plain step: stock's rows are views of the step's own tensors, not the
+        # builder's buffers, so it is left to stock only where no FULL graph
+        # replays a batch of another shape for the same token count.
+        return (not _full_graphs_replay_mixed_batches(builder)
+                and policy.min_varlen_rows("flattened", kernel=builder.varlen_graph_kernel,
+                                           max_run=1) is None)
+    bound = policy.min_varlen_rows("flattened", kernel=builder.varlen_graph_kernel,
+                                   max_run=builder.decode_threshold)
+    return bound is None or tokens < bound
+
+
+def _full_graphs_replay_mixed_batches(builder: Any) -> bool:
+    """Whether a FULL CUDA graph may be replayed for a batch that is not a
+    uniform ``next_n``-token decode (cudagraph mode ``FULL``; unknown: assumed).
+    Under ``FULL_AND_PIECEWISE``, ``FULL_DECODE_ONLY``, ``PIECEWISE`` and
+    ``NONE`` vLLM 0.27.1 captures and replays FULL graphs for uniform decode
+    batches only (every request ``1 + num_speculative_tokens`` tokens), and the
+    MTP drafter runs PIECEWISE graphs, outside which the indexer op runs."""
+    mode = getattr(getattr(builder.vllm_config, "compilation_config", None),
+                   "cudagraph_mode", None)
+    return mode is None or mode.mixed_mode() == CUDAGraphMode.FULL
+
+
 def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
     """``build`` replacement: decide the step, stock build inside a
     varlen-build mark, then :func:`_hand_over_ids`.  Not varlen: stock, untouched.
@@ -530,6 +582,10 @@ def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
         if path is None or not path.use_varlen:
             metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
             _record_step(self, common_attn_metadata, metadata, None)
+            return metadata
+        if _stock_only_step(self, common_attn_metadata):
+            metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
+            _record_step(self, common_attn_metadata, metadata, "stock_flattened")
             return metadata
         split_mode = path.per_step == "split"
         outcome = _split_outcome(self, common_attn_metadata) if split_mode else None

@@ -1,0 +1,257 @@
+"""Host cost of vLLM 0.27.1's indexer metadata ``build()``: stock against the plugin (CPU).
+
+Drives the REAL ``DeepseekV32IndexerMetadataBuilder`` on the CPU with the fake
+GPU and DeepGEMM double of the test suite (``tests/vllm_stubs.py``,
+``tests/fake_deep_gemm.py``), configured like an H200 serving DeepSeek V3.2
+with MTP (sm_90, DeepGEMM present, next_n = k + 1: the plugin compares each
+step with stock's flattened DeepGEMM call).  Per decode batch (B requests x
+n tokens, graph-padded as vLLM pads a FULL decode graph: padding requests of
+0 tokens up to the captured token count) it reports, per ``build()`` call:
+
+* ``us``: host microseconds (median of ``--calls`` calls, this CPU);
+* ``dev_ops``: ATen ops on device tensors (everything but the metadata's
+  ``*_cpu`` host tensors and what is computed from them) -- on a GPU each is
+  a launch or a copy costing host time;  a stand-in for a stock Triton
+  kernel or a DeepGEMM call counts as one op;
+* ``host_ops``: ATen ops on host tensors; ``syncs``: scalar reads of device
+  tensors (must be 0);
+* with ``--by-function``: the plugin's functions' inclusive µs and device
+  ops per call.
+
+    python3 benchmarks/builder_host.py [--k 3] [--batch 1 8 32 64] [--calls 200] [--by-function]
+        [--cudagraph-mode FULL_AND_PIECEWISE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+# The functions of the plugin's 0.27 builder module whose cost is broken down.
+PLUGIN_FUNCTIONS = ("_split_outcome", "_decode_splits", "step_facts", "_decode_lens_cpu",
+                    "_plan_varlen_rows", "_plain_varlen_rows", "plan_decode_rows",
+                    "_clamp_stock_padding", "_final_context_lens",
+                    "get_paged_mqa_logits_metadata", "_hand_over_ids", "_kernel_takes_varlen",
+                    "attach_varlen_ids", "_record_step", "_stock_only_step")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts ATen ops, split into ops on host tensors (``host`` storages and
+    whatever is computed from them) and ops on device tensors."""
+
+    def __init__(self, host: list[torch.Tensor]):
+        super().__init__()
+        self.host = {t.untyped_storage().data_ptr() for t in host}
+        self.keep: list = []  # outputs stay alive so storage addresses stay unique
+        self.dev_ops = self.host_ops = self.syncs = self.views = 0
+        self.paused = 0
+        self.log: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
+        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                   if isinstance(a, torch.Tensor)]
+        on_host = any(t.untyped_storage().data_ptr() in self.host for t in tensors)
+        if func.is_view and not on_host:
+            self.views += 1  # no launch: metadata only
+        elif on_host:
+            self.host_ops += 1
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.host.add(t.untyped_storage().data_ptr())
+                    self.keep.append(t)
+        else:
+            self.dev_ops += 1
+            self.log.append(str(func))
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.syncs += 1
+        return out
+
+    @contextlib.contextmanager
+    def one_op(self):
+        """Count what runs inside as one device op (a kernel launch)."""
+        if not self.paused:
+            self.dev_ops += 1
+            self.log.append("[kernel]")
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+
+_COUNTER: list[OpCounter] = []
+
+
+def _as_one_op(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        ctx = _COUNTER[-1].one_op() if _COUNTER else contextlib.nullcontext()
+        with ctx:
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+class FunctionCosts:
+    """Inclusive µs and device ops per call of the plugin's functions."""
+
+    def __init__(self):
+        self.us: dict[str, float] = {}
+        self.ops: dict[str, int] = {}
+
+    def wrap(self, name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            counter = _COUNTER[-1] if _COUNTER else None
+            ops0 = counter.dev_ops if counter else 0
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.us[name] = self.us.get(name, 0.0) + (time.perf_counter() - t0) * 1e6
+                if counter:
+                    self.ops[name] = self.ops.get(name, 0) + counter.dev_ops - ops0
+        return wrapper
+
+
+def decode_batches(k: int, batches: list[int], capture_sizes: list[int]):
+    """(label, decode_lens, num_tokens) of the main model's and drafter's builds."""
+    n = k + 1
+    out = []
+    for b in batches:
+        tokens = b * n
+        padded = min((s for s in capture_sizes if s >= tokens), default=tokens)
+        pad_reqs = (padded - tokens) // n
+        out.append((f"B{b} x{n}", [n] * b + [0] * pad_reqs, padded))
+        out.append((f"B{b} x1", [1] * b, b))
+    return out
+
+
+def measure(mode: str, k: int, batches, calls: int, context: int, by_function: bool,
+            cudagraph_mode: str = "FULL_AND_PIECEWISE"):
+    """Per batch: host µs and op counts of one ``build()`` (``mode``: stock | plugin)."""
+    import pytest
+    from fake_deep_gemm import FakeDeepGemm
+    import vllm.v1.attention.backends.mla.indexer as ix
+    from vllm_stubs import (NUM_SMS, UniformDecodeKernel, decode_batch, fake_gpu,
+                            fake_uniform_decode_kernel, make_builder, random_block_table)
+
+    class _OneLaunch(UniformDecodeKernel):
+        def __getitem__(self, grid):
+            return _as_one_op(super().__getitem__(grid))
+
+
+    from vllm_dsa_varlen import config, patches, stats
+    from vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla import indexer as pix
+
+    results = {}
+    costs = FunctionCosts()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(config.BACKEND_ENV, raising=False)
+        mp.setenv(config.MODE_ENV, "off" if mode == "stock" else "auto")
+        patches.undo_all()
+        if mode == "plugin":
+            patches.apply_all()
+        fake_gpu(mp, (9, 0))
+        dg = FakeDeepGemm("2.8", 90, num_sms=NUM_SMS).install(mp)
+        scheduler = dg.get_paged_mqa_logits_metadata
+        mp.setattr(scheduler, "_impl", _as_one_op(scheduler._impl))
+        fake_uniform_decode_kernel(mp)  # stock's Triton kernel: counted as one launch
+        mp.setattr(ix, "_prepare_uniform_decode_kernel", _OneLaunch())
+        if by_function and mode == "plugin":
+            for name in PLUGIN_FUNCTIONS:
+                if hasattr(pix, name):
+                    mp.setattr(pix, name, costs.wrap(name, getattr(pix, name)))
+        width = -(-(context + 1024) // 64)
+        builder = make_builder(mp, next_n=k + 1, width=width, max_tokens=512, max_seqs=256,
+                               max_model_len=width * 64)
+        assert getattr(builder, "use_varlen", False) == (mode == "plugin")
+        from types import SimpleNamespace
+
+        from vllm.config import CUDAGraphMode
+        builder.vllm_config.compilation_config = SimpleNamespace(
+            cudagraph_mode=getattr(CUDAGraphMode, cudagraph_mode))
+        try:
+            for label, lens, num_tokens in batches:
+                real = [n for n in lens if n]
+                seqs = [context + n if n else 0 for n in lens]
+                bt = random_block_table(len(lens), width, 4 * width, seed=len(lens))
+                cm = decode_batch(lens, seqs, bt, num_tokens=num_tokens)
+                builder.build(0, cm)  # warm
+                costs.us.clear()
+                costs.ops.clear()
+                stats.reset()
+                times = []
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    builder.build(0, cm)
+                    times.append((time.perf_counter() - t0) * 1e6)
+                counter = OpCounter([cm.query_start_loc_cpu, cm.seq_lens_cpu_upper_bound])
+                _COUNTER.append(counter)
+                try:
+                    with counter:
+                        builder.build(0, cm)
+                finally:
+                    _COUNTER.pop()
+                steps = stats.snapshot()["steps"]
+                entry = dict(requests=len(real), padded_tokens=num_tokens,
+                             us=round(statistics.median(times), 1), dev_ops=counter.dev_ops,
+                             host_ops=counter.host_ops, views=counter.views,
+                             syncs=counter.syncs, ops=counter.log,
+                             path=max(steps, key=steps.get) if any(steps.values()) else None)
+                if costs.us:
+                    entry["functions"] = {
+                        name: dict(us=round(costs.us[name] / (calls + 1), 1),
+                                   dev_ops=costs.ops.get(name, 0))
+                        for name in sorted(costs.us, key=costs.us.get, reverse=True)}
+                results[label] = entry
+        finally:
+            patches.undo_all()
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--k", type=int, default=3, help="MTP depth (next_n = k + 1)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 5, 8, 32, 64])
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--capture-sizes", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128, 256])
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--by-function", action="store_true")
+    p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    batches = decode_batches(args.k, args.batch, args.capture_sizes)
+    res = {mode: measure(mode, args.k, batches, args.calls, args.context, args.by_function,
+                         args.cudagraph_mode)
+           for mode in ("stock", "plugin")}
+    print(f"{'batch':>10} {'tokens':>6} | {'stock us':>8} {'ops':>4} | {'plugin us':>9} {'ops':>4}"
+          f" {'host':>4} {'syncs':>5} | plugin path")
+    for label, *_ in batches:
+        s, q = res["stock"][label], res["plugin"][label]
+        print(f"{label:>10} {s['padded_tokens']:>6} | {s['us']:>8} {s['dev_ops']:>4} | "
+              f"{q['us']:>9} {q['dev_ops']:>4} {q['host_ops']:>4} {q['syncs']:>5} | {q['path']}")
+        for name, c in q.get("functions", {}).items():
+            print(f"{'':>12} {name:<32} {c['us']:>8} us {c['dev_ops']:>3} ops")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
