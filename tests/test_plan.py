@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows, run_ends, run_starts
+from vllm_dsa_varlen.plan import (DecodeRowBuffers, make_ramp, plan_decode_rows, run_ends,
+                                   run_starts)
 
 
 def expected_rows(decode_lens, seq_lens, block_table, padding_rows):
@@ -118,3 +119,81 @@ def test_more_requests_than_rows():
     assert rows.indices.tolist() == [2, 2]
     assert rows.context_lens.tolist() == [49, 50]
     assert rows.block_table.tolist() == [[4, 5], [4, 5]]
+
+
+def _garbage_buffers(rows, width, *, ramp_len):
+    """Buffers full of stale values (what a previous step left behind)."""
+    bufs = DecodeRowBuffers.allocate(rows, width, "cpu")
+    bufs.indices.fill_(-7)
+    bufs.context_lens.fill_(-7)
+    bufs.block_table.fill_(-7)
+    bufs.ramp = None if ramp_len is None else make_ramp(ramp_len, "cpu")
+    return bufs
+
+
+@pytest.mark.parametrize("ramp_len", [None, 2, 64])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("seed", range(6))
+def test_planned_into_stale_buffers_matches_loop(seed, dtype, ramp_len):
+    """Every output row is rewritten (stale buffers, a block-table buffer wider
+    than the table, ramps absent or too short, int64 inputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs = int(torch.randint(1, 9, (1,), generator=gen))
+    decode_lens, seq_lens, block_table = random_batch(gen, num_reqs, 5, width=5)
+    uniform_len = int(torch.randint(1, 5, (1,), generator=gen))
+    for uniform in (False, True):
+        lens = [uniform_len] * num_reqs if uniform else decode_lens
+        tokens = sum(lens)
+        padding = 0 if uniform else int(torch.randint(0, 4, (1,), generator=gen))
+        qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=dtype) + 3
+        # arange exactly as long as the rows: the variable path's r + 1 has no view
+        bufs = _garbage_buffers(tokens + padding, 8, ramp_len=ramp_len)
+        # the caller's own query-length differences, on every other seed
+        given = None if uniform or seed % 2 else torch.tensor(lens, dtype=dtype)
+        rows = plan_decode_rows(torch.tensor(seq_lens, dtype=dtype), qsl, block_table.to(dtype),
+                                num_rows=tokens + padding, num_tokens=tokens,
+                                uniform_len=uniform_len if uniform else None, out=bufs,
+                                decode_lens=given)
+        ids, ctx, bt = expected_rows(lens, seq_lens, block_table, padding)
+        assert rows.context_lens.tolist() == ctx + [0] * padding
+        assert rows.block_table.tolist() == bt + [[0] * 5] * padding
+        got_ids = rows.indices.tolist()
+        assert got_ids[:tokens] == ids
+        pad_ids = got_ids[tokens:]
+        assert len(set(pad_ids)) == padding and not set(pad_ids) & set(ids)
+        assert (bufs.block_table[:, 5:] == -7).all()  # columns past the table untouched
+
+
+def test_ramp_holds_the_offsets_of_every_shorter_request():
+    ramp = make_ramp(6, "cpu")
+    for n in range(1, 7):
+        assert ramp[6 - n:].tolist() == [j - n + 1 for j in range(n)]
+    assert DecodeRowBuffers.allocate(5, 2, "cpu").ramp.tolist() == [-4, -3, -2, -1, 0]
+
+
+def test_indices_ready_leaves_the_ids_as_they_are():
+    """``indices_ready``: a uniform plan writes everything but the ids (a
+    caller that did not write them gets its own stale values back)."""
+    bufs = DecodeRowBuffers.allocate(8, 3, "cpu")
+    seq_lens = torch.tensor([10, 20], dtype=torch.int32)
+    qsl = torch.tensor([0, 3, 6], dtype=torch.int32)
+    bt = torch.arange(6, dtype=torch.int32).view(2, 3)
+    bufs.indices.fill_(5)
+    rows = plan_decode_rows(seq_lens, qsl, bt, num_rows=6, uniform_len=3, out=bufs,
+                            indices_ready=True)
+    assert rows.indices.tolist() == [5] * 6
+    assert rows.context_lens.tolist() == [8, 9, 10, 18, 19, 20]
+    rows = plan_decode_rows(seq_lens, qsl, bt, num_rows=6, uniform_len=3, out=bufs)
+    assert rows.indices.tolist() == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(ValueError, match="indices_ready"):
+        plan_decode_rows(seq_lens, qsl, bt, num_rows=6, out=bufs, indices_ready=True)
+    with pytest.raises(ValueError, match="indices_ready"):
+        plan_decode_rows(seq_lens, qsl, bt, num_rows=6, uniform_len=3, indices_ready=True)
+
+
+def test_decode_lens_of_another_shape_are_refused():
+    qsl = torch.tensor([0, 2, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="decode_lens"):
+        plan_decode_rows(torch.tensor([10, 20], dtype=torch.int32), qsl,
+                         torch.zeros((2, 3), dtype=torch.int32), num_rows=4,
+                         decode_lens=torch.tensor([2, 2, 0], dtype=torch.int32))

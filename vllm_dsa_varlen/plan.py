@@ -49,13 +49,17 @@ class DecodeRowBuffers:
 
     ``indices`` int32 ``[N]`` must start 8-byte aligned (DeepGEMM scans the
     ids two at a time); ``context_lens`` int32 ``[N]``; ``block_table`` int32
-    ``[N, W]``; ``arange`` int32 ``[>= N]`` holding ``0..N-1``.
+    ``[N, W]``; ``arange`` int32 ``[>= N]`` holding ``0..N-1``; ``ramp``
+    (optional, read only) int32 ``[M]`` holding ``-(M-1)..0``: its last ``n``
+    entries are the per-token offsets ``j - n + 1`` of an ``n``-token request,
+    so a uniform step with ``n <= M`` needs no op to make them.
     """
 
     indices: torch.Tensor
     context_lens: torch.Tensor
     block_table: torch.Tensor
     arange: torch.Tensor
+    ramp: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, max_rows: int, block_table_width: int,
@@ -66,7 +70,13 @@ class DecodeRowBuffers:
             block_table=torch.zeros((max_rows, block_table_width), dtype=torch.int32,
                                     device=device),
             arange=torch.arange(max_rows, dtype=torch.int32, device=device),
+            ramp=make_ramp(max_rows, device),
         )
+
+
+def make_ramp(length: int, device: torch.device | str) -> torch.Tensor:
+    """int32 ``[length]`` holding ``-(length-1)..0`` (``DecodeRowBuffers.ramp``)."""
+    return torch.arange(1 - length, 1, dtype=torch.int32, device=device)
 
 
 def _check_inputs(seq_lens, query_start_loc, block_table, num_rows, uniform_len):
@@ -105,6 +115,8 @@ def plan_decode_rows(
     uniform_len: int | None = None,
     num_tokens: int | None = None,
     out: DecodeRowBuffers | None = None,
+    indices_ready: bool = False,
+    decode_lens: torch.Tensor | None = None,
 ) -> DecodeRows:
     """Flatten a decode batch into varlen rows.
 
@@ -122,11 +134,19 @@ def plan_decode_rows(
             without any data-dependent shape.
         out: buffers to write into (e.g. a CUDA-graph-stable workspace); fresh
             tensors when ``None``.
+        indices_ready: uniform batches only: ``out.indices[:num_rows]``
+            already holds this step's ids ``r // uniform_len`` (the caller
+            knows it wrote them and nothing else has since); they are not
+            rewritten.
+        decode_lens: int ``[B]``, ``query_start_loc[1:] - query_start_loc[:-1]``
+            when the caller already has them on the device (saves that op).
 
     Returns:
         :class:`DecodeRows` whose tensors are views of ``out`` when given.
     """
     _check_inputs(seq_lens, query_start_loc, block_table, num_rows, uniform_len)
+    if indices_ready and (uniform_len is None or out is None):
+        raise ValueError("indices_ready: only for a uniform batch planned into `out`")
     device = seq_lens.device
     num_reqs = seq_lens.shape[0]
     if out is None:
@@ -146,14 +166,21 @@ def plan_decode_rows(
     if num_rows == 0:
         return DecodeRows(ids, ctx, rows_bt, 0)
 
-    qsl = query_start_loc.to(torch.int32)
-    decode_lens = qsl[1:] - qsl[:-1]
+    seq = seq_lens.to(torch.int32)
     if uniform_len is not None:
-        torch.div(rows, uniform_len, rounding_mode="floor", out=ids)
-        req = ids.long()
-        pos = rows - ids * uniform_len
-        ctx.copy_((seq_lens.to(torch.int32)[req] - uniform_len + pos + 1).clamp_min_(0))
-        rows_bt.copy_(block_table.index_select(0, req))
+        # Request b's rows are rows b*n .. b*n+n-1: every output is a
+        # broadcast over a [B, n] view, so no index tensor is made.
+        n = uniform_len
+        if not indices_ready:
+            torch.div(rows, n, rounding_mode="floor", out=ids)
+        ramp = out.ramp
+        if ramp is not None and ramp.shape[0] >= n:
+            ramp = ramp[ramp.shape[0] - n:]
+        else:
+            ramp = out.arange[:n] - (n - 1)
+        torch.add(seq.unsqueeze(1), ramp, out=ctx.view(num_reqs, n))
+        ctx.clamp_min_(0)
+        rows_bt.view(num_reqs, n, width).copy_(block_table[:num_reqs].unsqueeze(1))
         return DecodeRows(ids, ctx, rows_bt, num_rows)
 
     # Variable lengths: the first ``num_tokens`` rows are real (their request
@@ -162,22 +189,35 @@ def plan_decode_rows(
     num_real = num_rows if num_tokens is None else num_tokens
     if not 0 <= num_real <= num_rows:
         raise ValueError(f"num_tokens: expected 0..{num_rows}, got {num_tokens}")
-    real_ids, pad_ids = ids[:num_real], ids[num_real:]
-    real_ctx, pad_ctx = ctx[:num_real], ctx[num_real:]
-    real_bt, pad_bt = rows_bt[:num_real], rows_bt[num_real:]
+    qsl = query_start_loc.to(torch.int32)
+    real_ids, real_ctx, real_bt = ids[:num_real], ctx[:num_real], rows_bt[:num_real]
+    # The request of each real row (int32 [num_real]).
+    if decode_lens is None:
+        decode_lens = qsl[1:] - qsl[:-1]
+    elif decode_lens.shape != (num_reqs,):
+        raise ValueError(f"decode_lens: expected shape ({num_reqs},), "
+                         f"got {tuple(decode_lens.shape)}")
+    req = torch.repeat_interleave(decode_lens, output_size=num_real)
+    real_ids.copy_(req)
     # Row r of request b (global row index r) sees seq_b - n_b + (r - start_b) + 1
     # tokens, start_b = qsl_b - qsl_0; with n_b = qsl_{b+1} - qsl_b that is
-    # (seq_b - qsl_{b+1} + qsl_0 + 1) + r: one per-request offset, repeated.
-    offset = seq_lens.to(torch.int32) - qsl[1:] + (qsl[:1] + 1)
-    real_ctx.copy_(torch.repeat_interleave(offset, decode_lens, output_size=num_real))
-    real_ctx.add_(rows[:num_real]).clamp_min_(0)
-    req_index = (out.arange[:num_reqs] if out.arange.shape[0] >= num_reqs else
-                 torch.arange(num_reqs, dtype=torch.int32, device=device))
-    real_ids.copy_(torch.repeat_interleave(req_index, decode_lens, output_size=num_real))
-    real_bt.copy_(block_table.index_select(0, real_ids))
-    torch.add(rows[num_real:], num_reqs, out=pad_ids)
-    pad_ctx.zero_()
-    pad_bt.zero_()
+    # (seq_b - qsl_{b+1} + qsl_0) + (r + 1): one per-request offset, gathered.
+    offset = torch.sub(seq, qsl[1:])
+    offset.add_(qsl[:1])
+    torch.index_select(offset, 0, req, out=real_ctx)
+    if out.arange.shape[0] > num_real:
+        real_ctx.add_(out.arange[1:num_real + 1])  # r + 1
+    else:
+        real_ctx.add_(rows[:num_real]).add_(1)
+    real_ctx.clamp_min_(0)
+    if real_bt.is_contiguous() and block_table.dtype == real_bt.dtype:
+        torch.index_select(block_table, 0, req, out=real_bt)
+    else:
+        real_bt.copy_(block_table.index_select(0, req))
+    if num_real < num_rows:
+        torch.add(rows[num_real:], num_reqs, out=ids[num_real:])
+        ctx[num_real:].zero_()
+        rows_bt[num_real:].zero_()
     return DecodeRows(ids, ctx, rows_bt, num_rows)
 
 
