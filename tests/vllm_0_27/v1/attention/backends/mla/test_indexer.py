@@ -715,3 +715,79 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, mode, plain_
 def launcher_module():
     from vllm_dsa_varlen.ops import launcher
     return launcher
+
+
+# --------------------------------------------------------------------------- rows kept across steps
+
+def _random_step(gen):
+    """(lens, seqs, pad_tokens) of one decode step: uniform (2..4 tokens, the ids
+    ``r // n``), variable, graph-padded (requests of 0 tokens, padding tokens)
+    or plain (1 token each)."""
+    kind = ["uniform", "uniform", "variable", "padded", "plain"][
+        int(torch.randint(0, 5, (1,), generator=gen))]
+    num_reqs = int(torch.randint(1, 9, (1,), generator=gen))
+    seed = int(torch.randint(0, 10_000, (1,), generator=gen))
+    if kind == "plain":
+        lens, seqs, _ = _random_batch(seed, num_reqs, 1, uniform=True, pad_reqs=2)
+        return kind, lens, seqs, int(torch.randint(0, 5, (1,), generator=gen))
+    n = int(torch.randint(2, 5, (1,), generator=gen))
+    lens, seqs, pad = _random_batch(seed, num_reqs, n, uniform=kind == "uniform",
+                                    pad_reqs=2 if kind == "padded" else 0,
+                                    pad_tokens=3 if kind == "padded" else 0)
+    return kind, lens, seqs, pad
+
+
+@pytest.mark.parametrize("backend", ["deepgemm", "triton"])
+@pytest.mark.parametrize("seed", range(3))
+def test_every_step_rewrites_what_it_reads_whatever_came_before(monkeypatch, backend, seed):
+    """A captured graph replays with whatever the last build left in the buffers,
+    and builds skip what is known to hold already (the ids of a uniform layout
+    the buffer still holds; the all-ones ``decode_lens``): over a random sequence
+    of uniform, variable, graph-padded and plain steps every build's rows equal
+    the independent expectation, uniform steps' ids are exactly ``r // n``, and
+    every buffer keeps its address."""
+    _setup(monkeypatch, backend)
+    patches.apply_all()
+    builder = make_builder(monkeypatch, next_n=4)
+    gen = torch.Generator().manual_seed(seed)
+    addrs = None
+    for step in range(40):
+        kind, lens, seqs, pad = _random_step(gen)
+        md, bt = _build(builder, lens, seqs, pad, seed=step)
+        ids = _check_varlen_decode(md, builder, lens, seqs, bt)
+        rows = md.num_decode_tokens
+        if kind == "uniform":
+            assert torch.equal(ids, torch.arange(rows, dtype=torch.int32) // lens[0]), (step, lens)
+        if kind == "plain":
+            assert torch.equal(ids, torch.arange(rows, dtype=torch.int32)), (step, lens)
+        if kind != "plain":
+            # stock's own per-request lengths are in its buffer; the step's decode_lens are not
+            assert builder.decode_lens_buffer[0] == lens[0]
+        now = [t.data_ptr() for t in (md.decode.indices, md.decode.seq_lens,
+                                      md.decode.block_table, md.decode.decode_lens)]
+        assert now == (addrs or now), step
+        addrs = now
+
+
+def test_a_failed_ids_write_is_not_taken_for_a_held_layout(monkeypatch):
+    """A uniform step whose planning fails leaves the builder unsure of its ids:
+    the next step of the layout it held before writes them again."""
+    import vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla.indexer as pix
+
+    _setup(monkeypatch, "deepgemm")
+    patches.apply_all()
+    builder = make_builder(monkeypatch, next_n=4)
+    _build(builder, [4, 4], [100, 200])                      # holds r // 4, 8 rows
+    real_plan = pix.plan_decode_rows
+
+    def failing_plan(*args, **kwargs):
+        builder.decode_indices_buffer.fill_(-1)  # a write that got part way
+        raise RuntimeError("planning failed")
+
+    monkeypatch.setattr(pix, "plan_decode_rows", failing_plan)
+    with pytest.raises(RuntimeError, match="planning failed"):
+        _build(builder, [2, 2, 2], [50, 60, 70])
+    monkeypatch.setattr(pix, "plan_decode_rows", real_plan)
+    md, bt = _build(builder, [4, 4], [300, 400])
+    assert md.decode.indices.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    _check_varlen_decode(md, builder, [4, 4], [300, 400], bt)

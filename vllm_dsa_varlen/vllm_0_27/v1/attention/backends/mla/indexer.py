@@ -58,13 +58,18 @@ Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
 
 All buffers are preallocated and every varlen step uses the same ones (ids in
 ``decode_indices_buffer``, lengths in ``decode_seq_lens_buffer``, block-table
-rows in ``expanded_block_table_buffer``), so addresses are stable across steps
-(CUDA graphs capture the kernel call with the views later builds rewrite in
-place).
+rows in ``expanded_block_table_buffer``, ``decode_lens`` in ``varlen_ones``),
+so addresses are stable across steps (CUDA graphs capture the kernel call with
+the views later builds rewrite in place).  Two are not rewritten every step:
+``varlen_ones`` is filled at creation and written by nothing after, and the
+ids of a uniform step are skipped while the builder's record of its own last
+write (``_varlen_ids_layout``; only this module writes the buffer) says the
+buffer holds them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -79,7 +84,7 @@ from vllm.v1.attention.backends.mla import indexer as _ix
 
 from vllm_dsa_varlen import policy, stats, warmup
 from vllm_dsa_varlen.config import DecodePath, choose_decode_path, read_backend, read_mode
-from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
+from vllm_dsa_varlen.plan import DecodeRowBuffers, make_ramp, plan_decode_rows
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg
 from vllm_dsa_varlen.varlen_ids import attach_varlen_ids
 
@@ -208,6 +213,7 @@ def _setup_varlen(builder: Any) -> None:
     builder._varlen_step_max_run = 1
     builder._varlen_final_ctx = None
     builder._varlen_common = None
+    builder._varlen_step_lens = None
     _log_path(path)
     if not path.use_varlen:
         return
@@ -224,8 +230,16 @@ def _setup_varlen(builder: Any) -> None:
         context_lens=builder.decode_seq_lens_buffer,
         block_table=builder.expanded_block_table_buffer,
         arange=builder.arange_buffer,
+        ramp=make_ramp(builder.num_speculative_tokens + 1, builder.device),
     )
     builder.decode_indices_buffer = builder.varlen_rows.indices
+    # What decode_indices_buffer holds, as (n, rows): ids[r] == r // n for r <
+    # rows ((0, 0): unknown).  Only this module writes that buffer; every
+    # write goes through _ids_written.
+    builder._varlen_ids_layout = (0, 0)
+    # decode_lens of every varlen step: all ones, written here once and never
+    # again (stock writes per-request lengths into its own decode_lens_buffer).
+    builder.varlen_ones = torch.ones(max_rows, dtype=torch.int32, device=builder.device)
     if builder.decode_indices_buffer.data_ptr() % 8:
         raise RuntimeError("decode_indices_buffer: DeepGEMM needs an 8-byte aligned start")
     if path.backend == "triton":
@@ -267,22 +281,50 @@ def _plan_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.T
                       query_start_loc: torch.Tensor, num_decodes: int, num_decode_tokens: int,
                       max_decode_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
     """Multi-token step: plan ``R = num_decode_tokens`` one-token rows into the
-    builder's buffers."""
-    qsl = _decode_query_start_loc(builder, query_start_loc, decode_lens, num_decodes)
+    builder's buffers.  A uniform step's ids (``r // n``) are rewritten only
+    when the buffer does not already hold them (:func:`_ids_hold`)."""
     uniform = (int(decode_lens_cpu.min()) == max_decode_len
                and num_decodes * max_decode_len == num_decode_tokens)
     if uniform:
-        rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=num_decode_tokens,
-                                uniform_len=max_decode_len, out=builder.varlen_rows)
+        qsl = _decode_query_start_loc(builder, query_start_loc, decode_lens, num_decodes)
+        ready = _ids_hold(builder, max_decode_len, num_decode_tokens)
+        with _ids_written(builder, (max_decode_len, num_decode_tokens), skip=ready):
+            rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=num_decode_tokens,
+                                    uniform_len=max_decode_len, out=builder.varlen_rows,
+                                    indices_ready=ready)
     else:
-        rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=num_decode_tokens,
-                                num_tokens=int(decode_lens_cpu.sum()), out=builder.varlen_rows)
-    one_token_each = builder.decode_lens_buffer[: rows.num_rows]
-    one_token_each.fill_(1)
+        qsl = _decode_query_start_loc(builder, query_start_loc, decode_lens, num_decodes)
+        with _ids_written(builder, None):
+            rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=num_decode_tokens,
+                                    num_tokens=int(decode_lens_cpu.sum()),
+                                    out=builder.varlen_rows, decode_lens=decode_lens)
+    one_token_each = builder.varlen_ones[: rows.num_rows]
     builder._varlen_step_ids = rows.indices
     builder._varlen_step_rows = rows.num_rows
     builder._varlen_step_max_run = max_decode_len
     return rows.context_lens, rows.block_table, one_token_each, rows.num_rows, False
+
+
+def _ids_hold(builder: Any, run_len: int, num_rows: int) -> bool:
+    """Whether ``decode_indices_buffer[:num_rows]`` already holds ``r //
+    run_len`` (the builder's record of its own last write)."""
+    held_len, held_rows = builder._varlen_ids_layout
+    return held_len == run_len and held_rows >= num_rows
+
+
+@contextlib.contextmanager
+def _ids_written(builder: Any, layout: tuple[int, int] | None, skip: bool = False):
+    """Around a write of ``decode_indices_buffer``: the record is cleared
+    first (a write that fails leaves it unknown) and set to ``layout`` (``(n,
+    rows)``: ``ids[r] == r // n`` for ``r < rows``; ``None``: any other ids)
+    after.  ``skip``: no write happens, the record stands."""
+    if skip:
+        yield
+        return
+    builder._varlen_ids_layout = (0, 0)
+    yield
+    if layout is not None:
+        builder._varlen_ids_layout = layout
 
 
 def _plain_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -306,19 +348,23 @@ def _plain_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.
             f"(decode_lens {decode_lens_cpu.tolist()}); graph padding comes last in vLLM 0.27.1")
     ctx = builder.decode_seq_lens_buffer
     per_request = ctx[:num_reqs]
-    per_request.copy_(seq_lens)
-    per_request.mul_(decode_lens[:num_reqs] > 0).clamp_(min=0)
+    # decode_lens are 0 or 1 here: the product zeroes the requests with no token
+    torch.mul(seq_lens, decode_lens[:num_reqs], out=per_request).clamp_(min=0)
     if num_rows > num_reqs:
         ctx[num_reqs:num_rows].zero_()
     width = block_table.shape[1]
     rows_bt = builder.expanded_block_table_buffer[:num_rows, :width]
     kept = min(num_reqs, num_rows)
     rows_bt[:kept].copy_(block_table[:kept])
-    rows_bt[kept:].zero_()
+    if kept < num_rows:
+        rows_bt[kept:].zero_()
     ids = builder.decode_indices_buffer[:num_rows]
-    ids.copy_(builder.arange_buffer[:num_rows])  # one run per row
-    one_token_each = builder.decode_lens_buffer[:num_rows]
-    one_token_each.fill_(1)
+    # one run per row: ids[r] == r, i.e. the layout (1, R)
+    ready = _ids_hold(builder, 1, num_rows)
+    with _ids_written(builder, (1, num_rows), skip=ready):
+        if not ready:
+            ids.copy_(builder.arange_buffer[:num_rows])
+    one_token_each = builder.varlen_ones[:num_rows]
     builder._varlen_step_ids = ids
     builder._varlen_step_rows = num_rows
     builder._varlen_step_max_run = 1
@@ -422,12 +468,27 @@ def _decode_lens_cpu(common: Any, num_decodes: int) -> list[int]:
     return (qsl[1:] - qsl[:-1]).tolist()
 
 
-def step_facts(common: Any, num_decodes: int, num_decode_tokens: int) -> policy.StepFacts:
+def _step_decode_lens(builder: Any, common: Any, num_decodes: int) -> list[int]:
+    """:func:`_decode_lens_cpu`, computed once per build: the result is kept
+    on the builder for the build that is running (``build`` clears it when it
+    starts and when it ends)."""
+    memo = getattr(builder, "_varlen_step_lens", None)
+    if memo is not None and memo[0] is common and memo[1] == num_decodes:
+        return memo[2]
+    lens = _decode_lens_cpu(common, num_decodes)
+    builder._varlen_step_lens = (common, num_decodes, lens)
+    return lens
+
+
+def step_facts(common: Any, num_decodes: int, num_decode_tokens: int,
+               decode_lens: list[int] | None = None) -> policy.StepFacts:
     """:class:`vllm_dsa_varlen.policy.StepFacts` of a step's decode part, from
-    host-known values only."""
+    host-known values only (``decode_lens``: the step's
+    :func:`_decode_lens_cpu`, when the caller has them)."""
+    if decode_lens is None:
+        decode_lens = _decode_lens_cpu(common, num_decodes)
     return policy.StepFacts.from_decode_lens(
-        _decode_lens_cpu(common, num_decodes), rows=num_decode_tokens,
-        max_context=max(0, int(common.max_seq_len)))
+        decode_lens, rows=num_decode_tokens, max_context=max(0, int(common.max_seq_len)))
 
 
 def _decode_splits(builder: Any, common: Any) -> tuple[tuple, tuple]:
@@ -450,7 +511,8 @@ def _split_outcome(builder: Any, common: Any) -> str:
     stock, ours = _decode_splits(builder, common)
     if ours[0] == stock[0]:
         return "stock_native"
-    if policy.varlen_wins(step_facts(common, ours[0], ours[2]), "split",
+    facts = step_facts(common, ours[0], ours[2], _step_decode_lens(builder, common, ours[0]))
+    if policy.varlen_wins(facts, "split",
                           kernel=builder.varlen_graph_kernel):
         return "split_avoided"
     return "stock_split"
@@ -460,8 +522,10 @@ def _kernel_takes_varlen(builder: Any, common: Any, metadata: Any) -> bool:
     """Per step: whether the kernel call goes to the varlen kernel."""
     if builder.decode_path.per_step != "flattened":
         return True
+    num_decodes = metadata.num_decodes
     return policy.varlen_wins(
-        step_facts(common, metadata.num_decodes, metadata.num_decode_tokens), "flattened",
+        step_facts(common, num_decodes, metadata.num_decode_tokens,
+                   _step_decode_lens(builder, common, num_decodes)), "flattened",
         kernel=builder.varlen_graph_kernel)
 
 
@@ -476,7 +540,7 @@ def _record_step(builder: Any, common: Any, metadata: Any, path: str | None) -> 
     num_decodes = getattr(metadata, "num_decodes", 0)
     if not num_decodes:
         return
-    lens = [n for n in _decode_lens_cpu(common, num_decodes) if n > 0] or [0]
+    lens = [n for n in _step_decode_lens(builder, common, num_decodes) if n > 0] or [0]
     if path is None:
         if getattr(builder, "use_flattening", False):
             path = "stock_flattened"
@@ -578,6 +642,13 @@ def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        self._varlen_step_lens = None
+        try:
+            return _build(self, common_prefix_len, common_attn_metadata, fast_build)
+        finally:
+            self._varlen_step_lens = None
+
+    def _build(self, common_prefix_len, common_attn_metadata, fast_build):
         path = getattr(self, "decode_path", None)
         if path is None or not path.use_varlen:
             metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
