@@ -1,10 +1,13 @@
-"""Host cost of vLLM 0.27.1's indexer metadata ``build()``: stock against the plugin (CPU).
+"""Host cost of vLLM's indexer metadata ``build()``: stock against the plugin (CPU).
 
-Drives the REAL ``DeepseekV32IndexerMetadataBuilder`` on the CPU with the fake
-GPU and DeepGEMM double of the test suite (``tests/vllm_stubs.py``,
+Drives the REAL ``DeepseekV32IndexerMetadataBuilder`` of the installed vLLM
+line (0.27 or 0.33) on the CPU with the fake GPU and DeepGEMM double of the
+test suite (``tests/vllm_stubs.py`` or ``tests/vllm033_stubs.py``,
 ``tests/fake_deep_gemm.py``), configured like an H200 serving DeepSeek V3.2
-with MTP (sm_90, DeepGEMM present, next_n = k + 1: the plugin compares each
-step with stock's flattened DeepGEMM call).  Per decode batch (B requests x
+with MTP (sm_90, DeepGEMM present, next_n = k + 1; on 0.27 the plugin
+compares each step with stock's flattened DeepGEMM call, on 0.33 with stock's
+native kernel for next_n 1, 2 or 4, else flattened; ``--adaptive``: 0.33's
+adaptive verification, which flattens every step).  Per decode batch (B requests x
 n tokens, graph-padded as vLLM pads a FULL decode graph: padding requests of
 0 tokens up to the captured token count) it reports, per ``build()`` call:
 
@@ -19,7 +22,8 @@ n tokens, graph-padded as vLLM pads a FULL decode graph: padding requests of
   ops per call.
 
     python3 benchmarks/builder_host.py [--k 3] [--batch 1 8 32 64] [--calls 200] [--by-function]
-        [--cudagraph-mode FULL_AND_PIECEWISE]
+        [--cudagraph-mode FULL_AND_PIECEWISE] [--adaptive]
+    (the line is the installed vLLM's: run it with the 0.33 environment's python for 0.33)
 """
 
 from __future__ import annotations
@@ -39,12 +43,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-# The functions of the plugin's 0.27 builder module whose cost is broken down.
+# The functions of the plugin's builder modules whose cost is broken down.
 PLUGIN_FUNCTIONS = ("_split_outcome", "_decode_splits", "step_facts", "_decode_lens_cpu",
                     "_plan_varlen_rows", "_plain_varlen_rows", "plan_decode_rows",
                     "_clamp_stock_padding", "_final_context_lens",
                     "get_paged_mqa_logits_metadata", "_hand_over_ids", "_kernel_takes_varlen",
-                    "attach_varlen_ids", "_record_step", "_stock_only_step")
+                    "attach_varlen_ids", "_record_step", "_stock_only_step",
+                    "classify_step", "_left_to_stock")
 
 
 class OpCounter(TorchDispatchMode):
@@ -141,22 +146,51 @@ def decode_batches(k: int, batches: list[int], capture_sizes: list[int]):
     return out
 
 
+def _line_setup(line: str, mp, k: int, width: int, adaptive: bool):
+    """The line's builder module, DeepGEMM double (its scheduler counted as one
+    launch), stock's Triton flattening stand-in (one launch) and a builder."""
+    import vllm.v1.attention.backends.mla.indexer as ix
+
+    if line == "0.33":
+        from vllm033_stubs import HopperDeepGemm, fake_gpu, fake_uniform_decode_kernel, make_builder
+
+        from vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla import indexer as pix
+        fake_gpu(mp, (9, 0))
+        dg = HopperDeepGemm().install(mp)
+        fake_uniform_decode_kernel(mp, wrap=_as_one_op)
+        make = functools.partial(make_builder, adaptive=adaptive)
+    else:
+        if adaptive:
+            raise SystemExit("--adaptive: vLLM 0.33 only")
+        from fake_deep_gemm import FakeDeepGemm
+        from vllm_stubs import (NUM_SMS, UniformDecodeKernel, fake_gpu,
+                                fake_uniform_decode_kernel, make_builder)
+
+        from vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla import indexer as pix
+
+        class _OneLaunch(UniformDecodeKernel):
+            def __getitem__(self, grid):
+                return _as_one_op(super().__getitem__(grid))
+
+        fake_gpu(mp, (9, 0))
+        dg = FakeDeepGemm("2.8", 90, num_sms=NUM_SMS).install(mp)
+        fake_uniform_decode_kernel(mp)
+        mp.setattr(ix, "_prepare_uniform_decode_kernel", _OneLaunch())
+        make = make_builder
+    scheduler = dg.get_paged_mqa_logits_metadata
+    mp.setattr(scheduler, "_impl", _as_one_op(scheduler._impl))
+    return pix, lambda: make(mp, next_n=k + 1, width=width, max_tokens=512, max_seqs=256,
+                             max_model_len=width * 64)
+
+
 def measure(mode: str, k: int, batches, calls: int, context: int, by_function: bool,
-            cudagraph_mode: str = "FULL_AND_PIECEWISE"):
+            cudagraph_mode: str = "FULL_AND_PIECEWISE", line: str = "0.27",
+            adaptive: bool = False):
     """Per batch: host µs and op counts of one ``build()`` (``mode``: stock | plugin)."""
     import pytest
-    from fake_deep_gemm import FakeDeepGemm
-    import vllm.v1.attention.backends.mla.indexer as ix
-    from vllm_stubs import (NUM_SMS, UniformDecodeKernel, decode_batch, fake_gpu,
-                            fake_uniform_decode_kernel, make_builder, random_block_table)
-
-    class _OneLaunch(UniformDecodeKernel):
-        def __getitem__(self, grid):
-            return _as_one_op(super().__getitem__(grid))
-
+    from vllm_stubs import decode_batch, random_block_table
 
     from vllm_dsa_varlen import config, patches, stats
-    from vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla import indexer as pix
 
     results = {}
     costs = FunctionCosts()
@@ -165,20 +199,14 @@ def measure(mode: str, k: int, batches, calls: int, context: int, by_function: b
         mp.setenv(config.MODE_ENV, "off" if mode == "stock" else "auto")
         patches.undo_all()
         if mode == "plugin":
-            patches.apply_all()
-        fake_gpu(mp, (9, 0))
-        dg = FakeDeepGemm("2.8", 90, num_sms=NUM_SMS).install(mp)
-        scheduler = dg.get_paged_mqa_logits_metadata
-        mp.setattr(scheduler, "_impl", _as_one_op(scheduler._impl))
-        fake_uniform_decode_kernel(mp)  # stock's Triton kernel: counted as one launch
-        mp.setattr(ix, "_prepare_uniform_decode_kernel", _OneLaunch())
+            patches.apply_all(line=line)
+        width = -(-(context + 1024) // 64)
+        pix, make = _line_setup(line, mp, k, width, adaptive)
         if by_function and mode == "plugin":
             for name in PLUGIN_FUNCTIONS:
                 if hasattr(pix, name):
                     mp.setattr(pix, name, costs.wrap(name, getattr(pix, name)))
-        width = -(-(context + 1024) // 64)
-        builder = make_builder(mp, next_n=k + 1, width=width, max_tokens=512, max_seqs=256,
-                               max_model_len=width * 64)
+        builder = make()
         assert getattr(builder, "use_varlen", False) == (mode == "plugin")
         from types import SimpleNamespace
 
@@ -233,12 +261,19 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--by-function", action="store_true")
     p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
+    p.add_argument("--adaptive", action="store_true",
+                   help="adaptive verification (vLLM 0.33: every step flattened)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     batches = decode_batches(args.k, args.batch, args.capture_sizes)
+    from vllm_dsa_varlen import patches
+
+    line = patches.installed_line()
+    print(f"vLLM line {line}, k={args.k}, {args.cudagraph_mode}"
+          + (", adaptive verification" if args.adaptive else ""))
     res = {mode: measure(mode, args.k, batches, args.calls, args.context, args.by_function,
-                         args.cudagraph_mode)
+                         args.cudagraph_mode, line, args.adaptive)
            for mode in ("stock", "plugin")}
     print(f"{'batch':>10} {'tokens':>6} | {'stock us':>8} {'ops':>4} | {'plugin us':>9} {'ops':>4}"
           f" {'host':>4} {'syncs':>5} | plugin path")

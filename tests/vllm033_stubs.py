@@ -10,6 +10,8 @@
   spec's ``tokens_per_state``, DCP through the parallel section.
 * :func:`decode_batch` (from ``vllm_fakes``) makes vLLM's own
   ``CommonAttentionMetadata`` for a decode batch.
+* :func:`fake_uniform_decode_kernel`: a CPU stand-in for stock's Triton
+  ``_PREPARE_UNIFORM_DECODE_KERNEL`` (stock's own flattening of a uniform step).
 * :class:`HopperDeepGemm`: the DeepGEMM test double (``tests/fake_deep_gemm.py``)
   as vLLM 0.33's vendored DeepGEMM 2.8.1 behaves on SM90: native ``next_n``
   1, 2 or 4 (4 as 2-CTA clusters: the schedule is sized ``num_sms // 2``), run
@@ -81,6 +83,37 @@ def make_builder(monkeypatch, *, next_n: int, width: int = 64, page: int = 64,
                                                 torch.device("cpu"), block_table_width=width)
 
 
+class UniformDecodeKernel:
+    """CPU stand-in for 0.33.0's Triton ``_PREPARE_UNIFORM_DECODE_KERNEL`` (no
+    Triton on the CPU), called as ``kernel(seq_lens, ctx_out, block_table,
+    bt_out, lens_out, rows, n)``: row ``i`` is token ``i % n`` of request
+    ``i // n`` and sees ``seq - n + i % n + 1`` tokens through that request's
+    block-table row; its decode length becomes 1.  ``wrap`` (optional) wraps
+    each call (a benchmark counts it as one launch)."""
+
+    def __init__(self, wrap=None):
+        self.launches = 0
+        self._wrap = wrap or (lambda fn: fn)
+
+    def __call__(self, seq_lens, ctx_out, block_table, bt_out, lens_out, rows, n):
+        def launch():
+            self.launches += 1
+            token = torch.arange(rows)
+            req = token // n
+            ctx_out[:rows] = seq_lens[req] - n + token % n + 1
+            bt_out[:rows, :block_table.shape[1]] = block_table[req]
+            lens_out[:rows] = 1
+        return self._wrap(launch)()
+
+
+def fake_uniform_decode_kernel(monkeypatch, wrap=None) -> UniformDecodeKernel:
+    import vllm.v1.attention.backends.mla.indexer as ix
+
+    kernel = UniformDecodeKernel(wrap)
+    monkeypatch.setattr(ix, "_PREPARE_UNIFORM_DECODE_KERNEL", kernel)
+    return kernel
+
+
 class HopperDeepGemm(FakeDeepGemm):
     """The DeepGEMM double as vLLM 0.33.0's vendored DeepGEMM 2.8.1 on SM90:
     the 2.8 API (no ``clean_logits``, fp32 logits on SM90), native ``next_n``
@@ -120,4 +153,5 @@ class HopperDeepGemm(FakeDeepGemm):
 
 
 __all__ = ["NUM_SMS", "fake_gpu", "make_config", "make_builder", "decode_batch",
-           "HopperDeepGemm", "schedule_fingerprint"]
+           "HopperDeepGemm", "schedule_fingerprint", "UniformDecodeKernel",
+           "fake_uniform_decode_kernel"]

@@ -42,7 +42,13 @@ import vllm.model_executor.layers.sparse_attn_indexer as sai  # noqa: E402
 import vllm.v1.attention.backends.mla.indexer as ix  # noqa: E402
 from test_equivalence import assert_same_topk  # noqa: E402
 from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E402
-from vllm033_stubs import HopperDeepGemm, decode_batch, fake_gpu, make_builder  # noqa: E402
+from vllm033_stubs import (  # noqa: E402
+    HopperDeepGemm,
+    decode_batch,
+    fake_gpu,
+    fake_uniform_decode_kernel,
+    make_builder,
+)
 
 import vllm_dsa_varlen.ops.launcher as launcher  # noqa: E402
 from vllm_dsa_varlen import config, patches, policy  # noqa: E402
@@ -53,7 +59,6 @@ from vllm_dsa_varlen.ops.reference import (  # noqa: E402
 )
 from vllm_dsa_varlen.plan import run_starts  # noqa: E402
 from vllm_dsa_varlen.varlen_ids import varlen_ids_of  # noqa: E402
-from vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla import indexer as ours  # noqa: E402
 
 HEADS, DIM, PAGE = 4, 32, 64
 WIDTH = 64
@@ -89,6 +94,7 @@ class _World:
     def fake(self, mp: pytest.MonkeyPatch, layout: str) -> HopperDeepGemm:
         fake_gpu(mp, (9, 0))
         dg = HopperDeepGemm().install(mp)
+        fake_uniform_decode_kernel(mp)  # stock's own flattening of the steps left to it
         if layout.startswith("dcp"):
             mp.setattr(ix, "get_dcp_group",
                        lambda: SimpleNamespace(rank_in_group=int(layout[-1]),
@@ -243,7 +249,7 @@ def test_builder_varlen_equals_upstream_path(world, batch):
         dg = world.fake(mp, layout)
         mp.setattr(launcher, "varlen_paged_mqa_logits", _reference_kernel)
         if batch["table"] == "all_win":
-            mp.setattr(ours, "varlen_wins", lambda f, s, kernel=None: policy.varlen_wins(f, s, ALL_WIN, kernel))
+            mp.setattr(policy, "MEASURED", ALL_WIN)
         builder = world.builder(mp, batch["next_n"], batch["adaptive"], layout)
         gen = torch.Generator().manual_seed(batch["seed"])
         block_table = torch.randint(0, NUM_BLOCKS, (len(lens), WIDTH), generator=gen,
@@ -259,6 +265,19 @@ def test_builder_varlen_equals_upstream_path(world, batch):
         assert choice.varlen is policy.varlen_wins(
             choice.facts, choice.stock, ALL_WIN if batch["table"] == "all_win" else policy.MEASURED)
 
+        # A flattened step with fewer tokens than any rule's rows: stock's own build.
+        stock_built = choice.stock == "flattened" and not choice.plan
+        bound = policy.min_varlen_rows("flattened", kernel=builder.varlen_graph_kernel,
+                                       max_run=batch["next_n"])
+        assert stock_built == (choice.stock == "flattened"
+                               and (bound is None or cm.num_actual_tokens < bound))
+        if stock_built:
+            # Stock's flattened rows: one per token (padding rows see nothing).
+            num_rows = tokens + batch["pad_tokens"]
+            assert dec.seq_lens.shape == (num_rows, 1) and not dec.requires_padding
+            assert dec.seq_lens.data_ptr() == builder.decode_seq_lens_buffer.data_ptr()
+            assert dec.block_table.data_ptr() == builder.expanded_block_table_buffer.data_ptr()
+            assert not dec.seq_lens[tokens:].any()
         if choice.plan:
             # Varlen layout (also stock's flattened one): one row per token.
             num_rows = tokens + batch["pad_tokens"]
@@ -301,7 +320,7 @@ def test_builder_varlen_equals_upstream_path(world, batch):
     want, want_mask = _expected_logits(q_tok, w_tok, world.kv_cache, block_table, lens, seqs,
                                        layout, max_len)
     assert torch.equal(mask, want_mask)  # every real token sees what upstream's row sees
-    if choice.plan:
+    if choice.plan or stock_built:
         assert not mask_all[tokens:].any()  # padding rows see nothing
     torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5)
     assert_same_topk(got, want, mask)
@@ -330,7 +349,7 @@ def test_varlen_equals_stock_run_on_native_steps(world, next_n, lens, table):
             world.fake(mp, "dense")
             mp.setattr(launcher, "varlen_paged_mqa_logits", _reference_kernel)
             if table == "all_win":
-                mp.setattr(ours, "varlen_wins", lambda f, s, kernel=None: policy.varlen_wins(f, s, ALL_WIN, kernel))
+                mp.setattr(policy, "MEASURED", ALL_WIN)
             builder = world.builder(mp, next_n, False, "dense", mode)
             md = builder.build(0, decode_batch(lens, seqs, block_table))
             if mode == "auto":

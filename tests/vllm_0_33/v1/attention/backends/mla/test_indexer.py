@@ -11,7 +11,13 @@ import pytest
 import torch
 
 import vllm.v1.attention.backends.mla.indexer as ix  # noqa: E402
-from vllm033_stubs import HopperDeepGemm, decode_batch, fake_gpu, make_builder  # noqa: E402
+from vllm033_stubs import (  # noqa: E402
+    HopperDeepGemm,
+    decode_batch,
+    fake_gpu,
+    fake_uniform_decode_kernel,
+    make_builder,
+)
 
 from vllm_dsa_varlen import config, patches, policy, stats  # noqa: E402
 from vllm_dsa_varlen.varlen_ids import varlen_ids_of  # noqa: E402
@@ -29,7 +35,7 @@ def _hopper(monkeypatch, **kw):
 
 
 def _all_win(monkeypatch):
-    monkeypatch.setattr(ours, "varlen_wins", lambda f, s, kernel=None: policy.varlen_wins(f, s, ALL_WIN, kernel))
+    monkeypatch.setattr(policy, "MEASURED", ALL_WIN)
 
 
 def _table(gen, rows):
@@ -142,15 +148,7 @@ def test_builder_precompiles_the_kernels_at_creation(monkeypatch, cap, next_n, r
 def _stub_stock_triton(monkeypatch):
     """Stock's own Triton helpers (flatten prep, prefill chunk metadata) cannot
     run on the CPU: torch stand-ins, enough to see which path stock took."""
-    def prepare_uniform(seq_lens, out_seq_lens, block_table, out_block_table, decode_lens,
-                        num_tokens, max_len):
-        n = max_len
-        rows = torch.arange(num_tokens)
-        out_seq_lens[:num_tokens] = seq_lens[rows // n] - n + rows % n + 1
-        out_block_table[:num_tokens] = block_table[rows // n]
-        decode_lens[:num_tokens] = 1
-
-    monkeypatch.setattr(ix, "_PREPARE_UNIFORM_DECODE_KERNEL", prepare_uniform)
+    fake_uniform_decode_kernel(monkeypatch)
     monkeypatch.setattr(ix, "build_prefill_chunk_metadata", lambda *a, **k: None)
 
 
@@ -400,10 +398,13 @@ def test_draft_update_of_a_varlen_step(monkeypatch):
 def test_kernel_gated_rules_follow_the_builders_graph_kernel(monkeypatch, graph_kernel):
     """A step stock flattens (6 tokens: no native kernel) takes varlen under a
     rule measured with the CUDA sm_90 kernel only when the builder's graph-time
-    kernel (``launcher.graph_kernel``, asked with its cache geometry) is that one."""
+    kernel (``launcher.graph_kernel``, asked with its cache geometry) is that one;
+    with the other kernel no rule can ever apply: stock's own build (one row per
+    token, no ids)."""
     from vllm_dsa_varlen.ops import launcher
 
     _hopper(monkeypatch)
+    fake_uniform_decode_kernel(monkeypatch)
     monkeypatch.setattr(policy, "MEASURED", (policy.Rule(
         "flattened", min_run=6, max_run_le=6, min_requests=2, uniform=True, kernel="cuda_sm90",
         note="test table"),))
@@ -416,6 +417,137 @@ def test_kernel_gated_rules_follow_the_builders_graph_kernel(monkeypatch, graph_
     builder.build(0, decode_batch([6, 6, 6], [900, 1500, 70], _table(gen, 3)))
     choice = builder.last_step_choice
     assert choice.stock == "flattened"
-    assert choice.varlen is (graph_kernel == "cuda_sm90")
+    assert choice.varlen is choice.plan is (graph_kernel == "cuda_sm90")
     assert asked and set(asked) == {(builder.kv_cache_spec.head_size - 4,
                                      builder.kv_cache_spec.num_states)}
+
+
+# ------------------------------------------------------------------ steps left to stock
+
+def _dummy_lens(num_tokens: int, num_reqs: int) -> list[int]:
+    """The per-request lengths of vLLM 0.33.0's capture batch (``num_tokens``
+    spread over ``num_reqs`` requests, the remainder one each on the last ones)."""
+    base, extra = divmod(num_tokens, num_reqs)
+    return [base] * (num_reqs - extra) + [base + 1] * extra
+
+
+@pytest.mark.parametrize("next_n,adaptive,run,mode", [
+    (3, False, 3, "FULL_AND_PIECEWISE"),  # flattening builder (no native next_n 3 on SM90)
+    (3, False, 3, "FULL"),                # ... FULL graphs also replay mixed batches
+    (4, True, 4, "FULL_AND_PIECEWISE"),   # adaptive verification: variable-length decode graphs
+    (4, False, 3, "FULL_AND_PIECEWISE"),  # native builder, a uniform 3-token key: stock flattens
+])
+def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, next_n, adaptive, run, mode):
+    """SM90, the measured table: a flattened step whose token count is below
+    every rule's rows is left to stock's own build.  For FULL-graph sizes on
+    both sides of the bound, a capture-like batch (vLLM's dummy: ``size / run``
+    requests of ``run`` tokens, or one per token where graphs replay mixed
+    batches, contexts equal to the lengths) and replay-like batches of the same
+    padded size (fewer real requests plus 0-token padding requests, other
+    contexts; variable lengths and padding tokens where graphs replay mixed
+    batches; under adaptive verification device offsets that differ from the
+    host's per-request lengths) get the same decision, the same buffers, and
+    the kernel call as captured (the capture's metadata tensors, refreshed by
+    each replay's build) computes the replay batch's logits: against the
+    reference on the independent per-token rows."""
+    import vllm.model_executor.layers.sparse_attn_indexer as sai
+    from vllm.config import CUDAGraphMode
+
+    from vllm_dsa_varlen.ops import launcher
+    from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, quantize_kv_fp8, valid_mask
+
+    dg = _hopper(monkeypatch)
+    uniform_kernel = fake_uniform_decode_kernel(monkeypatch)
+    monkeypatch.setattr(launcher, "varlen_paged_mqa_logits",
+                        lambda q, kv_cache, weights, context_lens, block_table, indices,
+                        max_context_len, **_: paged_mqa_logits_ref(
+                            q, kv_cache, weights, context_lens, block_table, max_context_len,
+                            indices))
+    patches.apply_all(line="0.33")
+    max_seqs = 64
+    builder = make_builder(monkeypatch, next_n=next_n, adaptive=adaptive, max_seqs=max_seqs)
+    builder.vllm_config.compilation_config.cudagraph_mode = getattr(CUDAGraphMode, mode)
+    assert builder.use_flattening is (next_n == 3 or adaptive)
+    mixed = mode == "FULL" or adaptive
+    # The table's smallest row bound for runs of 2..4 tokens, read off the rules: 64.
+    assert min(max(r.min_rows, r.min_requests) for r in policy.MEASURED
+               if r.stock == "flattened" and r.min_run <= 4 and r.kernel is None) == 64
+    heads, dim, page, blocks = 4, 128, 64, 64
+    gen = torch.Generator().manual_seed(7)
+    kv = quantize_kv_fp8(torch.randn((blocks, page, dim), generator=gen))
+
+    def build(lens, seqs, size, reqs, device_lens=None):
+        lens, seqs = lens + [0] * (reqs - len(lens)), seqs + [0] * (reqs - len(seqs))
+        bt = _table(gen, reqs) % blocks
+        cm = decode_batch(lens, seqs, bt, num_tokens=size)
+        if device_lens is not None:  # adaptive verification: the device's own offsets
+            dev = device_lens + [0] * (reqs - len(device_lens))
+            cm.query_start_loc = torch.zeros(reqs + 1, dtype=torch.int32)
+            cm.query_start_loc[1:] = torch.cumsum(torch.tensor(dev), 0)
+            lens = dev
+        return lens, seqs, bt, cm, builder.build(0, cm).decode, builder.last_step_choice
+
+    decided = {}
+    for reqs in (1, 2, 5, 16, 21, 22):
+        size = reqs * run
+        graph_reqs = min(size, max_seqs) if mixed else reqs
+        cap_lens = _dummy_lens(size, graph_reqs)
+        *_, cm, cap, cap_choice = build(cap_lens, cap_lens, size, graph_reqs)
+        if mixed:
+            cm.max_query_len = size  # a mixed graph's capture promises any query length
+        assert cap_choice.stock == "flattened"
+        left = not cap_choice.plan
+        assert left == (size < 64) and not (left and cap_choice.varlen)
+        decided[size] = left
+        real = [reqs, max(1, reqs // 2)]
+        replays = []
+        for r in real:
+            seqs = [run + int(x) for x in torch.randint(1, 2000, (r,), generator=gen)]
+            replays.append(([run] * r, seqs, None))
+        if mixed:
+            var = torch.randint(1, next_n + 1, (reqs,), generator=gen).tolist()
+            while sum(var) > size:
+                var.pop()
+            seqs = [n + int(x) for n, x in zip(var, torch.randint(1, 2000, (len(var),),
+                                                                   generator=gen))]
+            device = None
+            if adaptive and len(var) > 1 and max(var) > 1:
+                # the host spreads the step's tokens evenly; the device trimmed them
+                host = _dummy_lens(sum(var), len(var))
+                var, device = host, var
+            replays.append((var, seqs, device))
+        for lens, seqs, device in replays:
+            lens, seqs, bt, cm, dec, choice = build(lens, seqs, size, graph_reqs, device)
+            assert (choice.plan, choice.stock) == (cap_choice.plan, "flattened")
+            if left:
+                assert not choice.varlen and dec.indices is None
+                assert varlen_ids_of(dec.schedule_metadata) is None
+            # The captured call: the capture's tensors, refreshed in place.
+            for name in ("seq_lens", "block_table", "schedule_metadata"):
+                a, b = getattr(dec, name), getattr(cap, name)
+                assert a.data_ptr() == b.data_ptr() and a.shape == b.shape, name
+            req = torch.tensor([b for b, n in enumerate(lens) for _ in range(n)])
+            ctx = torch.zeros(size, dtype=torch.int32)
+            ctx[:len(req)] = torch.tensor([s - n + j + 1 for n, s in zip(lens, seqs)
+                                           for j in range(n)], dtype=torch.int32)
+            assert torch.equal(cap.seq_lens[:, 0], ctx)
+            q = torch.randn((size, 1, heads, dim), generator=gen).to(torch.float8_e4m3fn)
+            w = torch.randn((size, heads), generator=gen)
+            max_len = int(ctx.max()) + 3
+            got = sai.fp8_fp4_paged_mqa_logits(
+                (q, None), kv, w, cap.seq_lens, cap.block_table, cap.schedule_metadata,
+                max_model_len=max_len, indices=cap.indices)
+            rows_bt = torch.zeros((size, WIDTH), dtype=torch.int32)
+            rows_bt[:len(req)] = bt[req]
+            want = paged_mqa_logits_ref(q, kv, w, ctx.unsqueeze(-1), rows_bt, max_len)
+            valid = valid_mask(ctx.unsqueeze(-1), max_len)
+            torch.testing.assert_close(got.float()[valid], want[valid], rtol=1e-5, atol=1e-5)
+    assert decided == {s: s < 64 for s in decided} and set(decided.values()) == {True, False}
+    # Plain steps: no rule has 1-token runs, so where a graph's key fixes the run
+    # length they are left to stock at any size; else the next_n bound holds.
+    for reqs in (5, max_seqs):
+        *_, choice = build([1] * reqs, [40 + b for b in range(reqs)], reqs, reqs)
+        assert choice.plan == (mixed and reqs >= 64)
+    # stock's uniform branch ran (never under adaptive verification), DeepGEMM was called
+    assert (uniform_kernel.launches > 0) is not adaptive
+    assert dg.calls_to("fp8_fp4_paged_mqa_logits")

@@ -31,6 +31,10 @@ Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
   - stock's path is flattened anyway (same rows as varlen): rows and ids are
     planned as for varlen, only no ids reach the kernel call, so a CUDA graph
     captured with either kernel replays correctly on any batch of its key;
+  - stock's path is flattened and no rule can send the step to varlen
+    (:func:`_left_to_stock`: fewer tokens than
+    :func:`vllm_dsa_varlen.policy.min_varlen_rows`, decided from the graph's
+    key only): stock's build, untouched;
   - otherwise: stock's build, untouched.
 
 * ``DeepseekV32IndexerMetadataBuilder.update_draft_decode_metadata``
@@ -54,7 +58,14 @@ metadata out differently, so for such steps the decision uses only facts
 fixed by the key (padded rows and requests, the run length; no context
 length).  Non-uniform steps never replay a FULL graph on a native builder
 (stock reports ``UNIFORM_BATCH``), and on a flattening builder both kernels
-read the same metadata.  Nothing here reads device memory: no sync.
+read the same metadata.  A flattened step left to stock is decided from the
+token count the builder sees, which under a FULL graph is the graph's padded
+count (at capture and at every replay, also when a drafter's graph reuses the
+step's metadata), and, only where no FULL graph replays batches of other
+per-request lengths, the step's longest request (fixed by a uniform key): the
+capture and every replay of a graph agree, so the captured call is stock's
+own and reads the buffers stock's build refreshes.  Nothing here reads device
+memory: no sync.
 """
 
 from __future__ import annotations
@@ -66,10 +77,11 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.mla import indexer as _ix
 
-from vllm_dsa_varlen import stats, warmup
+from vllm_dsa_varlen import policy, stats, warmup
 from vllm_dsa_varlen.config import (
     BACKEND_ENV,
     MIN_FP8_CAPABILITY,
@@ -342,8 +354,48 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
     else:
         facts = StepFacts.from_decode_lens(lens.tolist(), rows=rows,
                                            max_context=max(0, int(cm.max_seq_len)))
+    if stock == "flattened" and _left_to_stock(builder, cm, max_run):
+        return StepChoice(facts, stock, varlen=False, plan=False)
     varlen = varlen_wins(facts, stock, kernel=builder.varlen_graph_kernel)
     return StepChoice(facts, stock, varlen, plan=varlen or stock == "flattened")
+
+
+def _left_to_stock(builder: Any, cm: Any, max_run: int) -> bool:
+    """For a step stock flattens: whether no rule can send it to varlen, so it
+    is left to stock's own build (no rows, no ids, no comparison).
+
+    True when the token count the builder sees (``num_actual_tokens``; under
+    a FULL graph vLLM 0.33.0 passes the graph's padded count, at capture and
+    at replay, from both model runners and the drafter) is below
+    :func:`vllm_dsa_varlen.policy.min_varlen_rows` for runs of up to
+    ``next_n`` tokens -- or of up to the step's longest request ``max_run``
+    where no FULL graph replays batches of other per-request lengths
+    (:func:`_full_graphs_replay_mixed_batches`: otherwise a graph's key fixes
+    ``max_run``).  ``rows <= num_actual_tokens``, so no rule matches such a
+    step.  The capture and every replay of a graph decide alike; the captured
+    call is stock's flattened DeepGEMM call, whose context lengths, block-table
+    rows and schedule are views of the builder's buffers that stock's build
+    refreshes (padding rows with context 0).  No PCP.  Host ints only."""
+    if builder.use_pcp:
+        return False
+    runs = builder.decode_threshold if _full_graphs_replay_mixed_batches(builder) else max_run
+    bound = policy.min_varlen_rows("flattened", kernel=builder.varlen_graph_kernel,
+                                   max_run=runs)
+    return bound is None or cm.num_actual_tokens < bound
+
+
+def _full_graphs_replay_mixed_batches(builder: Any) -> bool:
+    """Whether a FULL CUDA graph may be replayed for a batch whose requests'
+    lengths are not the captured batch's: cudagraph mode ``FULL`` (mixed
+    batches; a flattening builder reports ``ALWAYS``), adaptive verification
+    (the V2 model runner's variable-length decode graphs), or the mode unknown.
+    Otherwise vLLM 0.33.0 replays FULL graphs only for uniform decode batches
+    of the captured per-request length (plus 0-token padding requests)."""
+    if _adaptive(builder):
+        return True
+    mode = getattr(getattr(builder.vllm_config, "compilation_config", None),
+                   "cudagraph_mode", None)
+    return not isinstance(mode, CUDAGraphMode) or mode.mixed_mode() == CUDAGraphMode.FULL
 
 
 # --------------------------------------------------------------------------------------
