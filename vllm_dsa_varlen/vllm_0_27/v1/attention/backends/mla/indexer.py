@@ -596,7 +596,9 @@ def _stock_only_step(builder: Any, common: Any) -> bool:
     True for an all-decode step of several tokens per request (``1 <
     max_query_len <= next_n``, no PCP) whose *padded* token count
     (``num_actual_tokens``, the token count a FULL decode graph is keyed on
-    and captured with; vLLM 0.27.1 passes the padded count there) is below
+    and captured with; vLLM 0.27.1 passes the padded count there:
+    ``v1/worker/gpu_model_runner.py`` builds with ``num_tokens_padded`` when
+    ``pad_attn``, i.e. the runtime mode is FULL) is below
     :func:`vllm_dsa_varlen.policy.min_varlen_rows`: no rule can send such a
     step to varlen, at capture or at any replay of the graph of the same
     count, so the captured kernel is stock's flattened DeepGEMM call either

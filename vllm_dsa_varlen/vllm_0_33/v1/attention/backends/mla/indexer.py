@@ -366,7 +366,11 @@ def _left_to_stock(builder: Any, cm: Any, max_run: int) -> bool:
 
     True when the token count the builder sees (``num_actual_tokens``; under
     a FULL graph vLLM 0.33.0 passes the graph's padded count, at capture and
-    at replay, from both model runners and the drafter) is below
+    at replay, from both model runners and the drafter: ``v1/worker/
+    gpu_model_runner.py`` ``num_actual_tokens=num_tokens_padded``,
+    ``v1/worker/gpu/model_states/default.py`` ``num_tokens_after_padding``
+    and ``v1/worker/gpu/spec_decode/speculator.py`` ``batch_desc.num_tokens``
+    when the mode is FULL) is below
     :func:`vllm_dsa_varlen.policy.min_varlen_rows` for runs of up to
     ``next_n`` tokens -- or of up to the step's longest request ``max_run``
     where no FULL graph replays batches of other per-request lengths
