@@ -19,7 +19,6 @@ build, which ``launch`` takes from the queries' shape).
 
 from __future__ import annotations
 
-import importlib
 import json
 
 CASES = ["64,4,32768", "64,2,32768", "64,3,32768", "64,-4,32768", "128,-4,8192", "64,6,8192"]
@@ -33,18 +32,15 @@ def parse_variant(text: str):
     return defines, (tuple(int(x) for x in cost.split(",")) if cost else None)
 
 
-def _graph_us(torch, do_bench, fn, rep_ms):
-    from .bench_graph import graph_replay_us
-
-    return graph_replay_us(torch, do_bench, fn, rep_ms)
-
-
 def run(args) -> int:
     """``--builds``: ``args.builds`` (build names), ``cases``, ``rounds``,
     ``rep_ms``, ``heads``, ``deepgemm``, ``topk_lib``, ``layers``, ``json``."""
     import torch
     from triton.testing import do_bench
 
+    from .bench_deepgemm import import_deepgemm
+    from .bench_graph import graph_replay_us
+    from .bench_plan import parse_case
     from .ops import cuda_paged_mqa_logits as ck
     from .ops.reference import paged_mqa_logits_ref, valid_mask
     from .workloads import make_decode_step, random_decode_step
@@ -58,7 +54,11 @@ def run(args) -> int:
     if args.heads not in ck.HEAD_COUNTS:
         raise SystemExit(f"--heads: the CUDA kernel serves {ck.HEAD_COUNTS} heads, got {args.heads}")
     args.variants = args.builds
-    dg = import_deepgemm() if args.deepgemm else None
+    dg = None
+    if args.deepgemm:
+        _, dg = import_deepgemm()
+        if dg is None:
+            raise SystemExit("--deepgemm: no DeepGEMM importable")
     topk_ops = load_topk(torch, args.topk_lib) if args.topk_lib else None
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "deepgemm": getattr(dg, "__version__", None) if dg else None,
@@ -90,7 +90,7 @@ def run(args) -> int:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for case in args.cases:
-        reqs, tokens, context = (int(x) for x in case.split(","))
+        reqs, tokens, context = parse_case(case)
         step = random_decode_step(reqs, abs(tokens), context, variable=tokens < 0, seed=0,
                                   device="cuda", heads=args.heads)
         rows = step.rows
@@ -118,7 +118,7 @@ def run(args) -> int:
         times = {k: [] for k in calls}
         for _ in range(args.rounds):
             for k, fn in calls.items():
-                times[k].append(_graph_us(torch, do_bench, fn, args.rep_ms))
+                times[k].append(graph_replay_us(torch, do_bench, fn, args.rep_ms))
         res = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         spread = max((max(v) - min(v)) / min(v) for v in times.values())
         record = {"case": case, "rows": rows.num_rows, "times_us": times, "median_us": res}
@@ -141,16 +141,6 @@ def run(args) -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
     return 0
-
-
-def import_deepgemm():
-    """DeepGEMM 2.8.x: ``deep_gemm``, else vLLM's vendored ``vllm_deep_gemm``."""
-    for name in ("deep_gemm", "vllm_deep_gemm"):
-        try:
-            return importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 - missing, or built for another torch
-            print(f"# {name} not importable: {type(exc).__name__}: {exc}", flush=True)
-    raise SystemExit("--deepgemm: no DeepGEMM importable")
 
 
 def deepgemm_calls(torch, step, dg, sms, ours, out):

@@ -9,6 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def import_deepgemm():
+    """DeepGEMM 2.8.x as ``(name, module)``: ``deep_gemm``, else vLLM 0.33's
+    vendored ``vllm_deep_gemm``; ``(None, None)`` when neither imports (each
+    failure printed)."""
+    for name in ("deep_gemm", "vllm_deep_gemm"):
+        try:
+            mod = __import__(name)
+            if hasattr(mod, "get_paged_mqa_logits_metadata"):
+                return name, mod
+        except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
+            print(f"# {name} not importable: {type(exc).__name__}: {exc}", flush=True)
+    return None, None
+
+
 @dataclass
 class Path:
     """One timed implementation: ``fn()`` returns logits; rows it computes in

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import statistics
 
+from .bench_deepgemm import import_deepgemm
 from .bench_graph import capture_graph
 
 CASES = ["64,4,32768", "64,4,8192", "128,4,8192", "256,4,8192", "8,4,131072", "16,4,16384",
@@ -62,17 +63,6 @@ def step_rows(torch, reqs: int, tokens: int, context: int, seed: int = 0):
         offs = torch.arange(n, dtype=torch.int32)
         native = (seqs[:, None] - n + 1 + offs[None, :]).clamp_min(0).to(torch.int32).cuda()
     return rows, int(seqs.max()), width, native
-
-
-def import_deepgemm():
-    for name in ("deep_gemm", "vllm_deep_gemm"):
-        try:
-            mod = __import__(name)
-            if hasattr(mod, "get_paged_mqa_logits_metadata"):
-                return name, mod
-        except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
-            print(f"# {name} not importable: {type(exc).__name__}: {exc}")
-    return None, None
 
 
 def graph_of(torch, fn, copies: int):
