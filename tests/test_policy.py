@@ -201,3 +201,21 @@ def test_min_varlen_rows_bounds_every_rule():
                            "flattened")
     assert pol.min_varlen_rows("flattened", max_run=1) is None  # no rule for 1-token runs
     assert pol.min_varlen_rows("native") is None
+
+
+def test_min_varlen_rows_follows_the_table_in_place(monkeypatch):
+    """The bound is remembered per table, yet a table swapped in at call time
+    (here: random bounds, drawn fresh) is answered from its own rules, and the
+    old table's answer comes back with it."""
+    rng = random.Random()
+    before = policy.min_varlen_rows("flattened", kernel="cuda_sm90", max_run=4)
+    for _ in range(5):
+        rows = rng.randrange(1, 4096)
+        table = (Rule("flattened", min_run=2, max_run_le=4, min_rows=rows),
+                 Rule("flattened", min_run=3, min_rows=rows + rng.randrange(1, 64)))
+        assert policy.min_varlen_rows("flattened", table, max_run=4) == rows
+        monkeypatch.setattr(policy, "MEASURED", table)
+        assert policy.min_varlen_rows("flattened", kernel="cuda_sm90", max_run=4) == rows
+        assert policy.min_varlen_rows("flattened", kernel="cuda_sm90", max_run=1) is None
+        monkeypatch.undo()
+    assert policy.min_varlen_rows("flattened", kernel="cuda_sm90", max_run=4) == before

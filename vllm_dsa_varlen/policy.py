@@ -194,11 +194,23 @@ def min_varlen_rows(stock: str, table: tuple[Rule, ...] | None = None,
     with fewer rows is never sent to varlen (``requests <= rows``, so a
     ``min_requests`` bound is a row bound too)."""
     rules = MEASURED if table is None else table
+    key = (id(rules), stock, kernel, max_run)
+    known = _BOUNDS.get(key)
+    if known is not None and known[0] is rules:
+        return known[1]
     bounds = [max(1, rule.min_rows, rule.min_requests, rule.min_run)
               for rule in rules
               if rule.stock == stock and (rule.kernel is None or rule.kernel == kernel)
               and (max_run is None or rule.min_run <= max_run)]
-    return min(bounds, default=None)
+    bound = min(bounds, default=None)
+    _BOUNDS[key] = (rules, bound)
+    return bound
+
+
+# min_varlen_rows per (table, stock, kernel, max_run): builders ask on every
+# build.  Keyed on the table's identity and holding it, so a table swapped in
+# at call time (tests, tuning) is a new key, never a stale answer.
+_BOUNDS: dict[tuple, tuple[tuple[Rule, ...], int | None]] = {}
 
 
 def varlen_wins(step: StepFacts, stock: str, table: tuple[Rule, ...] | None = None,

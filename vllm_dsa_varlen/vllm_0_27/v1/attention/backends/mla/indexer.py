@@ -76,6 +76,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.platforms import current_platform
@@ -464,8 +465,8 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int,
 
 def _decode_lens_cpu(common: Any, num_decodes: int) -> list[int]:
     """Host token counts of the first ``num_decodes`` requests (no device sync)."""
-    qsl = common.query_start_loc_cpu[: num_decodes + 1]
-    return (qsl[1:] - qsl[:-1]).tolist()
+    # through numpy: half the host time of two torch slices and a subtraction
+    return np.diff(common.query_start_loc_cpu.numpy()[: num_decodes + 1]).tolist()
 
 
 def _step_decode_lens(builder: Any, common: Any, num_decodes: int) -> list[int]:
@@ -555,7 +556,6 @@ def _record_step(builder: Any, common: Any, metadata: Any, path: str | None) -> 
         path = "stock_native"
     stats.record(path, variable=min(lens) != max(lens),
                  mixed=getattr(metadata, "num_prefills", 0) > 0)
-
 
 def _graph_kernel(builder: Any) -> str:
     """The varlen kernel a captured decode step of this builder runs (the GPU,
