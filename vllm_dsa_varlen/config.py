@@ -212,8 +212,9 @@ def choose_decode_path(
                "flattened": "stock flattens and re-reads the KV per token",
                "split": "stock splits non-uniform steps to the prefill path"}[per_step]
         return DecodePath(True, "triton",
-                          f"{cap}, FP8 cache, next_n={next_n} ({why}): Triton varlen "
-                          "kernel reads each KV page once per request", per_step=per_step)
+                          f"{cap}, FP8 cache, next_n={next_n} ({why}): the project's varlen "
+                          "kernels read each KV page once per request (ops.launcher: CUDA "
+                          "sm_90 where it serves, else Triton)", per_step=per_step)
     if forced:
         return _stock(f"{BACKEND_ENV}=triton but {triton_reason}", warning=True)
     return _stock(f"no varlen backend: {dg_reason}; {triton_reason}")

@@ -163,9 +163,9 @@ def choose_decode_path(
              f"stock runs DeepGEMM's native [B, {next_n}] kernel on uniform steps and splits "
              "non-uniform ones to the prefill path")
     return DecodePath(True, "triton",
-                      f"{cap}, FP8 cache, next_n={next_n}: {stock}; per step the Triton "
-                      "varlen kernel where measured at least as fast (policy.MEASURED), "
-                      "else stock's path")
+                      f"{cap}, FP8 cache, next_n={next_n}: {stock}; per step the project's "
+                      "varlen kernel (ops.launcher: CUDA sm_90 where it serves, else Triton) "
+                      "where measured at least as fast (policy.MEASURED), else stock's path")
 
 
 # --------------------------------------------------------------------------------------
