@@ -166,6 +166,50 @@ def host_probe_us(n: int = 20000) -> float:
     return 1e6 * (time.perf_counter() - t0) / n
 
 
+def gpu_state() -> dict:
+    """The GPU's SM clock (MHz), power draw (W) and temperature (C) now, read
+    through NVML where torch can reach it (``None`` each where not): a case
+    that ran at a lower clock than its counterpart is told apart from slower
+    code."""
+    import torch
+
+    out = {}
+    for name, read, scale in (("sm_clock_mhz", "clock_rate", 1), ("power_w", "power_draw", 1e-3),
+                              ("temperature_c", "temperature", 1)):
+        try:
+            out[name] = getattr(torch.cuda, read)() * scale
+        except Exception:  # noqa: BLE001 - no NVML binding, or a torch without the reader
+            out[name] = None
+    return out
+
+
+def kv_capacity_tokens(engine) -> int | None:
+    """Tokens the engine's KV cache holds (``None`` where the config does not say)."""
+    try:
+        cc = engine.vllm_config.cache_config
+        return int(cc.num_gpu_blocks) * int(cc.block_size)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def case_fits(batch: int, length: int, new_tokens: int, k: int, capacity: int | None) -> bool:
+    """Whether ``batch`` requests of the longest prompt at nominal ``length``
+    (1.3 x) plus their new and draft tokens fit the KV cache at once (a case
+    that does not would be measured with requests waiting: skipped)."""
+    return capacity is None or batch * (int(1.3 * length) + new_tokens + k + 1) <= capacity
+
+
+def fitting_batches(args, length: int, capacity: int | None) -> list[int]:
+    """``args.batch``'s batches whose requests at ``length`` fit the KV cache at once."""
+    return [b for b in args.batch if case_fits(b, length, args.new_tokens, args.k, capacity)]
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """The round of median TPOT (the lower middle one of an even count)."""
+    ranked = sorted(rounds, key=lambda r: r["tpot_ms"] if r["tpot_ms"] is not None else 1e30)
+    return ranked[(len(ranked) - 1) // 2]
+
+
 class BuildTimer:
     """Host time in the indexer metadata builder's ``build()`` (whatever is
     installed: stock's, or the plugin's wrapper around it), per call: the
@@ -253,8 +297,12 @@ def _decode_figures(steps, batch, tokens):
     t = sum(s[0] for s in steps[start + 1:])
     n = sum(s[1] for s in steps[start + 1:])
     total = sum(len(v) for v in tokens.values())
+    import statistics
+
     return {
         "decode_steps": len(steps) - start - 1, "decode_s": t, "decode_tokens": n,
+        "step_ms_median": (1e3 * statistics.median(s[0] for s in steps[start + 1:])
+                           if len(steps) > start + 1 else None),
         "output_tokens": total,
         "tokens_per_s": n / t if t else None,
         "tpot_ms": 1e3 * t / (n / batch) if n else None,
@@ -276,6 +324,72 @@ def child(args) -> None:
     finally:
         with open(path, "w") as f:
             json.dump(result, f)
+
+
+def run_cases(engine, args, prompts_of, result: dict, build_timer, jit_state) -> dict:
+    """The warm-up pass and the measured cases (``result["cases"]``); returns
+    ``jit_state()`` taken after the warm-up.  ``prompts_of(length, count=...)``
+    gives the prompts; cases whose requests do not fit the KV cache at once are
+    recorded as skipped."""
+    from vllm_dsa_varlen import stats
+
+    capacity = kv_capacity_tokens(engine)
+    result["kv_capacity_tokens"] = capacity
+
+    def fitting(length: int) -> list[int]:
+        return fitting_batches(args, length, capacity)
+
+    # warm-up pass: every case once, unmeasured (prefills the prompts into the
+    # prefix cache and compiles whatever a case's shapes need: JIT compiles
+    # seen during the measured pass are counted below)
+    for length in args.prompt:
+        if not fitting(length):
+            continue
+        prompts = prompts_of(length, count=max(fitting(length)))
+        _run_case(engine, prompts, 1, f"prefill-L{length}")
+        for batch in fitting(length):
+            _run_case(engine, prompts[:batch], args.warm_tokens, f"warm-B{batch}-L{length}")
+    stats.reset()
+    build_timer.take()
+    jit0 = jit_state()
+    for length in args.prompt:
+        prompts = prompts_of(length, count=max(fitting(length), default=0))
+        for batch in args.batch:
+            if batch not in fitting(length):
+                result["cases"].append({
+                    "batch": batch, "prompt": length,
+                    "skipped": f"does not fit the KV cache ({capacity} tokens)"})
+                print(f"[{args.mode} k={args.k}] B{batch} L{length}: skipped (KV cache "
+                      f"{capacity} tokens)", flush=True)
+                continue
+            case = {"batch": batch, "prompt": length, "rounds": []}
+            before = stats.snapshot()
+            for rnd in range(args.case_rounds):
+                probe = host_probe_us(5000)
+                gpu0 = gpu_state()
+                ids, tokens, _, cached, steps = _run_case(
+                    engine, prompts[:batch], args.new_tokens, f"B{batch}-L{length}-r{rnd}")
+                case["rounds"].append({
+                    **_decode_figures(steps, batch, tokens), "host_probe_us": probe,
+                    "gpu_before": gpu0, "gpu_after": gpu_state(),
+                    "cached_tokens": sum(cached.values()),
+                    "tokens": [tokens[r] for r in ids]})
+            mid = median_round(case["rounds"])
+            case.update({key: v for key, v in mid.items() if key != "tokens"})
+            case.update({"indexer_build": build_timer.take(),
+                         "prompt_tokens": sum(len(p) for p in prompts[:batch]),
+                         "paths": _paths_since(before),
+                         "rounds_tokens_equal": all(r["tokens"] == case["rounds"][0]["tokens"]
+                                                    for r in case["rounds"]),
+                         "tokens": case["rounds"][0]["tokens"]})
+            for r in case["rounds"]:
+                del r["tokens"]
+            result["cases"].append(case)
+            each = ", ".join(f"{r['tpot_ms']:.2f}" for r in case["rounds"])
+            print(f"[{args.mode} k={args.k}] B{batch} L{length}: "
+                  f"{case['tokens_per_s']:.0f} tok/s, TPOT {case['tpot_ms']:.2f} ms "
+                  f"(rounds: {each}), paths {case['paths']['steps']}", flush=True)
+    return jit0
 
 
 def capture_sizes(batches, k: int) -> list[int]:
@@ -348,36 +462,12 @@ def _child(args, result: dict) -> None:
 
     result["host_probe_us"] = {"start": host_probe_us()}
     build_timer = BuildTimer()
+
     def prompts_of(length: int, first: int = 0, count: int = max_batch):
         return [prompt_ids(i, length, vocab) for i in range(first, first + count)]
 
-    # warm-up pass: every case once, unmeasured (prefills the prompts into the
-    # prefix cache and compiles whatever a case's shapes need: JIT compiles
-    # seen during the measured pass are counted below)
-    for length in args.prompt:
-        prompts = prompts_of(length)
-        _run_case(engine, prompts, 1, f"prefill-L{length}")
-        for batch in args.batch:
-            _run_case(engine, prompts[:batch], args.warm_tokens, f"warm-B{batch}-L{length}")
-    stats.reset()
-    build_timer.take()
-    jit0 = _jit_state(triton_dir, dg_dir)
-    for length in args.prompt:
-        prompts = prompts_of(length)
-        for batch in args.batch:
-            before = stats.snapshot()
-            ids, tokens, _, cached, steps = _run_case(engine, prompts[:batch], args.new_tokens,
-                                                      f"B{batch}-L{length}")
-            case = {"batch": batch, "prompt": length, "indexer_build": build_timer.take(),
-                    "prompt_tokens": sum(len(p) for p in prompts[:batch]),
-                    "cached_tokens": sum(cached.values()),
-                    **_decode_figures(steps, batch, tokens),
-                    "paths": _paths_since(before),
-                    "tokens": [tokens[r] for r in ids]}
-            result["cases"].append(case)
-            print(f"[{args.mode} k={args.k}] B{batch} L{length}: "
-                  f"{case['tokens_per_s']:.0f} tok/s, TPOT {case['tpot_ms']:.2f} ms, "
-                  f"paths {case['paths']['steps']}", flush=True)
+    jit0 = run_cases(engine, args, prompts_of, result, build_timer,
+                     lambda: _jit_state(triton_dir, dg_dir))
     result["jit"] = {"before": jit0, "after": _jit_state(triton_dir, dg_dir)}
     result["host_probe_us"]["after_cases"] = host_probe_us()
 
@@ -407,8 +497,10 @@ def _child(args, result: dict) -> None:
     if args.trace_steps and args.repeat == 0:
         from torch.profiler import ProfilerActivity, profile
 
-        length = max(args.prompt)
-        traced = args.trace_batch or max_batch
+        capacity = result.get("kv_capacity_tokens")
+        length = max((x for x in args.prompt if fitting_batches(args, x, capacity)),
+                     default=min(args.prompt))
+        traced = args.trace_batch or max(fitting_batches(args, length, capacity), default=1)
         _add(engine, "trace", prompts_of(length, count=traced), args.new_tokens)
         for _ in range(8):  # past the prefill, into steady decode
             engine.step()
@@ -449,6 +541,10 @@ def compare(stock: dict, plugin: dict) -> dict:
     rows = []
     for s, p in zip(stock["cases"], plugin["cases"]):
         assert (s["batch"], s["prompt"]) == (p["batch"], p["prompt"])
+        if "skipped" in s or "skipped" in p:
+            rows.append({"batch": s["batch"], "prompt": s["prompt"], "k": stock["k"],
+                         "skipped": s.get("skipped") or p.get("skipped")})
+            continue
         div = first_divergence(s["tokens"], p["tokens"])
         rows.append({"batch": s["batch"], "prompt": s["prompt"], "k": stock["k"],
                      "stock_tok_s": s["tokens_per_s"], "plugin_tok_s": p["tokens_per_s"],
@@ -485,6 +581,10 @@ def table(result: dict) -> str:
                         for m in ("stock", "plugin"))
         spread = {(x["batch"], x["prompt"]): x for x in entry.get("repeats", [])}
         for r in entry["comparison"]["rows"]:
+            if "skipped" in r:
+                lines.append(f"| {k} | {r['batch']} | {r['prompt'] // 1024}K | "
+                             f"skipped: {r['skipped']} |" + " |" * 8)
+                continue
             paths = ", ".join(f"{p} {n}" for p, n in r["plugin_paths"].items() if n)
             gain = f"{r['speedup']:.3f}x"
             rep = spread.get((r["batch"], r["prompt"]))
@@ -520,7 +620,7 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict | None:
            "--k", str(k), "--model", args.model, "--out", args.out, "--repeat", str(rep)]
     for name in ("batch", "prompt"):
         cmd += [f"--{name}", *map(str, getattr(args, name))]
-    for name in ("new_tokens", "warm_tokens", "layers", "graph_mode", "load_format",
+    for name in ("new_tokens", "warm_tokens", "case_rounds", "layers", "graph_mode", "load_format",
                  "kv_cache_dtype", "force_sparse_prefill", "max_batched_tokens",
                  "gpu_memory_utilization", "trace_steps", "attention_backend", "capture_sizes",
                  "trace_batch"):
@@ -554,7 +654,8 @@ def repeat_spread(repeats: list[dict]) -> list[dict]:
     for i, case in enumerate(pairs[0][0]["cases"]):
         gains, tpots = [], []
         for s, p in pairs:
-            if i < len(s["cases"]) and i < len(p["cases"]) and p["cases"][i]["tpot_ms"]:
+            if (i < len(s["cases"]) and i < len(p["cases"]) and p["cases"][i].get("tpot_ms")
+                    and s["cases"][i].get("tpot_ms")):
                 tpots.append((s["cases"][i]["tpot_ms"], p["cases"][i]["tpot_ms"]))
                 gains.append(s["cases"][i]["tpot_ms"] / p["cases"][i]["tpot_ms"])
         out.append({"batch": case["batch"], "prompt": case["prompt"], "tpot_ms": tpots,
@@ -653,6 +754,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--warm-tokens", type=int, default=16,
                     help="tokens per request in the unmeasured warm-up pass of every case")
+    ap.add_argument("--case-rounds", type=int, default=1,
+                    help="measured rounds of each case in its process, back to back (the "
+                         "prompts prefilled once); the round of median TPOT is reported, "
+                         "every round kept")
     ap.add_argument("--repeats", type=int, default=1,
                     help="engine processes per mode and k, in alternating order")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
@@ -687,7 +792,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.case_rounds < 1:
+        parser.error(f"--case-rounds: expected >= 1, got {args.case_rounds}")
     if args.child:
         args.k = args.k[0]
         child(args)

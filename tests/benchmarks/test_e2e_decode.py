@@ -172,3 +172,114 @@ def test_every_engine_option_reaches_the_engine_process(tmp_path, monkeypatch):
         assert flag in cmd, flag
         i = cmd.index(flag)
         assert cmd[i + 1] == value, (flag, cmd[i + 1], value)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_case_fits_bounds_the_longest_prompts_with_their_new_tokens(seed):
+    rng = random.Random()
+    batch, length = rng.randrange(1, 128), rng.choice([1024, 4096, 16384, 32768])
+    new, k = rng.randrange(1, 256), rng.randrange(1, 4)
+    need = batch * (int(1.3 * length) + new + k + 1)
+    assert e2e.case_fits(batch, length, new, k, need)
+    assert not e2e.case_fits(batch, length, new, k, need - 1)
+    assert e2e.case_fits(batch, length, new, k, None)  # capacity unknown: run it
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_median_round_is_the_middle_tpot(n):
+    rng = random.Random()
+    rounds = [{"tpot_ms": rng.uniform(5, 30), "i": i} for i in range(n)]
+    mid = e2e.median_round(rounds)
+    below = sum(r["tpot_ms"] < mid["tpot_ms"] for r in rounds)
+    above = sum(r["tpot_ms"] > mid["tpot_ms"] for r in rounds)
+    assert below == (n - 1) // 2 and above == n // 2
+
+
+def test_skipped_cases_pass_through_compare_table_and_spread():
+    stock, plugin = _run([[1, 2, 3]]), _run([[1, 2, 3]])
+    for run in (stock, plugin):
+        run["cases"].append({"batch": 64, "prompt": 32768, "skipped": "does not fit"})
+    cmp = e2e.compare(stock, plugin)
+    assert cmp["rows"][1] == {"batch": 64, "prompt": 32768, "k": 3, "skipped": "does not fit"}
+    assert cmp["rows"][0]["tokens_identical"]
+    text = e2e.table({"per_k": {"3": {"comparison": cmp}}})
+    assert "| 3 | 64 | 32K | skipped: does not fit |" in text
+    assert text.count("\n") == 3  # header, rule, two rows
+    spread = e2e.repeat_spread([{"stock": stock, "plugin": plugin}])
+    assert [s["gain_median"] for s in spread] == [1.0, None]
+
+
+def test_case_rounds_must_be_positive(tmp_path):
+    with pytest.raises(SystemExit):
+        e2e.main(["--out", str(tmp_path), "--case-rounds", "0"])
+
+
+class FakeEngine:
+    """vLLM's engine as the benchmark drives it: requests emit one token per
+    step (the first with their prefill), tokens a function of the prompt."""
+
+    def __init__(self, capacity_tokens: int):
+        from types import SimpleNamespace
+
+        self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(
+            num_gpu_blocks=capacity_tokens // 64, block_size=64))
+        self.live, self.added = {}, []
+
+    def add_request(self, rid, prompt, params):
+        ids = prompt["prompt_token_ids"]
+        self.added.append((rid, len(ids)))
+        self.live[rid] = [params.max_tokens, sum(ids) % 1000]
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def step(self):
+        from types import SimpleNamespace
+
+        outs = []
+        for rid, state in list(self.live.items()):
+            state[0] -= 1
+            state[1] = (state[1] * 31 + 7) % 1000
+            outs.append(SimpleNamespace(request_id=rid, num_cached_tokens=0, outputs=[
+                SimpleNamespace(token_ids=[state[1]], logprobs=None)]))
+            if state[0] == 0:
+                del self.live[rid]
+        return outs
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_run_cases_measures_fitting_cases_in_rounds_and_skips_the_rest(rounds, tmp_path):
+    pytest.importorskip("vllm")
+    rng = random.Random()
+    new = rng.randrange(4, 12)
+    args = e2e.build_parser().parse_args(
+        ["--out", str(tmp_path), "--batch", "1", "4", "16", "--prompt", "1024", "4096",
+         "--new-tokens", str(new), "--case-rounds", str(rounds), "--warm-tokens", "2"])
+    args.k = 3
+    # room for 16 requests at 1K but only 4 at 4K
+    capacity = 16 * (int(1.3 * 1024) + new + 4)
+    engine = FakeEngine(capacity + 64)
+
+    def prompts_of(length, first=0, count=16):
+        return [e2e.prompt_ids(i, length, 4096) for i in range(first, first + count)]
+
+    timer = type("T", (), {"take": lambda self: {"calls": 0}})()
+    result = {"cases": []}
+    jit0 = e2e.run_cases(engine, args, prompts_of, result, timer, lambda: {"jit": 1})
+    assert jit0 == {"jit": 1}
+    got = {(c["batch"], c["prompt"]): c for c in result["cases"]}
+    assert list(got) == [(1, 1024), (4, 1024), (16, 1024), (1, 4096), (4, 4096), (16, 4096)]
+    assert "skipped" in got[16, 4096] and all("skipped" not in c for key, c in got.items()
+                                               if key != (16, 4096))
+    # nothing of the skipped case reached the engine: at most 4 requests at 4K
+    assert max(sum(1 for rid, n in engine.added if rid.startswith(tag) and n > 2000)
+               for tag in ("prefill-L4096", "warm-B16-L4096")) <= 4
+    for key, case in got.items():
+        if "skipped" in case:
+            continue
+        assert len(case["rounds"]) == rounds and case["rounds_tokens_equal"]
+        assert case["tpot_ms"] == e2e.median_round(case["rounds"])["tpot_ms"]
+        assert len(case["tokens"]) == key[0] and all(len(t) == new for t in case["tokens"])
+        assert case["decode_steps"] == new - 1 and case["step_ms_median"] >= 0
+        assert all(set(r["gpu_before"]) == {"sm_clock_mhz", "power_w", "temperature_c"}
+                   for r in case["rounds"])
