@@ -614,7 +614,10 @@ def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync(heads):
     torch.cuda.current_stream().wait_stream(side)
     checked = 0
     for seed in range(40):
-        ids, ctx, _, _, _ = (random_rows if seed % 2 else serving_rows)(seed + 1000)
+        if seed % 2:
+            ids, ctx, _, _, _ = random_rows(seed + 1000, max_rows=rows)
+        else:
+            ids, ctx, _, _, _ = serving_rows(seed + 1000)
         if ids.shape[0] < rows:  # pad as a graph pads: own ids, context 0
             pad = rows - ids.shape[0]
             ids = torch.cat([ids, int(ids.max()) + 1 + torch.arange(pad, dtype=torch.int32)])
