@@ -10,6 +10,8 @@ from vllm_dsa_varlen import bench, bench_plan
     (["--plan-timing", "--cases", "64,4"], "--cases: expected requests,tokens,context"),
     (["--plan-timing", "--cases", "64,0,8192"], "--cases: expected requests >= 1, tokens != 0"),
     (["--plan-timing", "--rounds", "0"], "--rounds: expected an int >= 1"),
+    (["--plan-timing", "--heads", "16"], "--heads: --plan-timing times the planner's builds, "
+                                         "64 or 32 heads, got 16"),
 ])
 def test_bad_plan_timing_arguments_are_refused(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -19,6 +21,14 @@ def test_bad_plan_timing_arguments_are_refused(argv, message):
 def test_parse_case_reads_variable_steps():
     assert bench_plan.parse_case("64,-4,8192") == (64, -4, 8192)
     assert all(bench_plan.parse_case(c) for c in bench_plan.CASES)
+
+
+def test_head_counts_default_to_both_builds():
+    assert bench_plan.head_counts(None) == (64, 32)
+    assert bench_plan.head_counts(32) == (32,) and bench_plan.head_counts(64) == (64,)
+    from vllm_dsa_varlen.ops import cuda_plan
+
+    assert sorted(bench_plan.HEADS) == sorted(cuda_plan.HEAD_COUNTS)
 
 
 def test_plan_timing_needs_a_gpu(monkeypatch):
@@ -32,13 +42,14 @@ def test_plan_timing_needs_a_gpu(monkeypatch):
 def test_table_columns_medians_and_ranges():
     """The printed table: the columns of the paths timed anywhere, each cell the
     median [min-max] of the rounds, "-" where a case lacks the path, "NO"
-    where the planner differed; the JSON rows carry every round."""
-    floor = dict(case="floor (add_)", rows=0, same=True, times={"floor": ([4.0, 5.0, 4.5],
-                                                                          [0.5, 0.7, 0.6])})
-    one = dict(case="64,4,32768", rows=263, same=True,
+    where the planner differed, each row's head count; the JSON rows carry
+    every round."""
+    floor = dict(case="floor (add_)", heads=0, rows=0, same=True,
+                 times={"floor": ([4.0, 5.0, 4.5], [0.5, 0.7, 0.6])})
+    one = dict(case="64,4,32768", heads=32, rows=263, same=True,
                times={"plan_torch": ([150.0, 140.0, 160.0], [130.0, 131.0, 129.0]),
                       "planner": ([9.0, 8.0, 10.0], [6.0, 5.5, 6.5])})
-    two = dict(case="64,-4,8192", rows=170, same=False,
+    two = dict(case="64,-4,8192", heads=64, rows=170, same=False,
                times={"plan_torch": ([120.0, 121.0, 119.0], [100.0, 100.0, 100.0]),
                       "planner": ([7.0, 7.0, 7.0], [5.0, 5.0, 5.0]),
                       "dg_meta_flat": ([12.0, 11.0, 13.0], [3.0, 3.0, 3.0])})
@@ -49,12 +60,14 @@ def test_table_columns_medians_and_ranges():
     assert [w for w in head if w in bench_plan.NAMES] == ["plan_torch", "plan_torch", "planner",
                                                          "planner", "dg_meta_flat",
                                                          "dg_meta_flat"]
-    assert lines[3].split()[:3] == ["64,4,32768", "263", "yes"]
+    assert head[:4] == ["case", "heads", "rows", "same"]
+    assert lines[3].split()[:4] == ["64,4,32768", "32", "263", "yes"]
     assert "150.0 [140.0-160.0] 130.00 [129.0-131.0]" in lines[3]
     assert "9.0 [  8.0- 10.0]   6.00 [ 5.5- 6.5]" in lines[3]
     assert lines[3].rstrip().endswith("-")
-    assert lines[4].split()[:3] == ["64,-4,8192", "170", "NO"]
+    assert lines[4].split()[:4] == ["64,-4,8192", "64", "170", "NO"]
     assert "12.0 [ 11.0- 13.0]   3.00 [ 3.0- 3.0]" in lines[4]
     assert results[1]["bitwise_equal"] is False
+    assert [r["heads"] for r in results] == [32, 64]
     assert results[0]["planner"] == dict(replay_us=[9.0, 8.0, 10.0], per_copy_us=[6.0, 5.5, 6.5])
     assert "dg_meta_flat" not in results[0]

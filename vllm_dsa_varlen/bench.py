@@ -500,7 +500,8 @@ def main(argv=None):
     parser.add_argument("--compress-ratio", type=int, default=1,
                         help="custom cases: DeepSeek V4 compressed cache ratio")
     parser.add_argument("--heads", type=int, default=None,
-                        help="custom cases: indexer heads (default 64 on a GPU, 32 on the CPU)")
+                        help="custom cases: indexer heads (default 64 on a GPU, 32 on the CPU); "
+                        "--plan-timing: 64 or 32 (default both)")
     parser.add_argument("--cpu", action="store_true", help="force the tiny CPU run")
     parser.add_argument("--peer", choices=["vdg", "sm90"], help="time only one peer in this "
                         "process: vdg (vLLM 0.33's DeepGEMM 2.8.1, importable as vllm_deep_gemm) "

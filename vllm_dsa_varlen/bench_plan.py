@@ -1,9 +1,12 @@
 """``vllm-dsa-varlen-bench --plan-timing``: the sm_90 CUDA kernel's per-step
 schedule timed on the GPU — the one-launch planner (``ops/cuda_plan.py``)
 against the torch-operations plan it replaces
-(``cuda_paged_mqa_logits.plan_torch``) and, where importable, DeepGEMM's
-metadata (``get_paged_mqa_logits_metadata``; ``deep_gemm``, else vLLM's
-``vllm_deep_gemm``), on the same steps, rounds interleaved.
+(``cuda_paged_mqa_logits.plan_torch``), at 64 and 32 heads (the planner's
+two builds: chunks of 4 and 8 rows; ``--heads`` picks one), and, where
+importable, DeepGEMM's metadata (``get_paged_mqa_logits_metadata``;
+``deep_gemm``, else vLLM's ``vllm_deep_gemm``; it does not depend on the
+head count, so it is timed once per case, on the case's first head count),
+on the same steps, rounds interleaved.
 
 Each path is captured in a CUDA graph and timed two ways: one replay per
 timed call (``do_bench``: L2 flushed before each, CUDA events around it: the
@@ -13,7 +16,8 @@ when the op sits among others).  A one-element ``add_`` timed the same way
 gives the floor of both methods.  Every planner output is checked bit for bit
 against ``plan_torch`` first; the exit status is 1 when one differs.
 
-    vllm-dsa-varlen-bench --plan-timing [--rounds 5] [--cases 64,4,32768 64,-4,8192 ...] [--json f]
+    vllm-dsa-varlen-bench --plan-timing [--heads 64|32] [--rounds 5] [--cases 64,4,32768 ...]
+                          [--json f]
 
 Cases: ``requests,tokens,context`` (tokens ``-n``: 1..n per request), KV
 lengths uniform in context ± 30 %, 7 graph-padding rows.
@@ -34,6 +38,7 @@ COPIES = 20
 REP_MS = 20  # do_bench repetition time per timed round (ms) unless --rep-ms says otherwise
 ROUNDS = 5   # timed rounds unless --rounds says otherwise
 NAMES = ["plan_torch", "planner", "dg_meta_flat", "dg_meta_native"]
+HEADS = (64, 32)  # head counts timed unless --heads picks one (the planner's builds)
 
 
 def parse_case(text: str) -> tuple[int, int, int]:
@@ -47,6 +52,17 @@ def parse_case(text: str) -> tuple[int, int, int]:
         raise ValueError(f"--cases: expected requests >= 1, tokens != 0, context >= 1, "
                          f"got {text!r}")
     return reqs, tokens, context
+
+
+def head_counts(heads: int | None) -> tuple[int, ...]:
+    """The head counts to time: ``--heads`` (64 or 32; ``ValueError`` naming
+    it otherwise) or both."""
+    if heads is None:
+        return HEADS
+    if heads not in HEADS:
+        raise ValueError(f"--heads: --plan-timing times the planner's builds, "
+                         f"{' or '.join(map(str, HEADS))} heads, got {heads}")
+    return (heads,)
 
 
 def step_rows(torch, reqs: int, tokens: int, context: int, seed: int = 0):
@@ -72,10 +88,10 @@ def graph_of(torch, fn, copies: int):
 
 
 def format_table(cases, rounds: int) -> tuple[list[str], list[dict]]:
-    """The printed lines (head, floor line, one per case) and the JSON rows of
-    timed ``cases`` (the first is the floor)."""
+    """The printed lines (head, floor line, one per case and head count) and
+    the JSON rows of timed ``cases`` (the first is the floor)."""
     shown = [n for n in NAMES if any(n in c["times"] and c["times"][n][0] for c in cases)]
-    head = f"{'case':16} {'rows':>5} {'same':>4} " + " ".join(
+    head = f"{'case':16} {'heads':>5} {'rows':>5} {'same':>4} " + " ".join(
         f"{n + ' replay':>22} {n + ' /copy':>19}" for n in shown)
     flat, fper = cases[0]["times"]["floor"]
     lines = [f"\nµs, median over {rounds} rounds [min-max of the rounds]; replay = one graph "
@@ -85,7 +101,8 @@ def format_table(cases, rounds: int) -> tuple[list[str], list[dict]]:
              head]
     results = []
     for case in cases[1:]:
-        row = dict(case=case["case"], rows=case["rows"], bitwise_equal=case["same"])
+        row = dict(case=case["case"], heads=case["heads"], rows=case["rows"],
+                   bitwise_equal=case["same"])
         cells = []
         for n in shown:
             if n not in case["times"] or not case["times"][n][0]:
@@ -96,23 +113,62 @@ def format_table(cases, rounds: int) -> tuple[list[str], list[dict]]:
             cells.append(f"{statistics.median(lat):8.1f} [{min(lat):5.1f}-{max(lat):5.1f}] "
                          f"{statistics.median(per):6.2f} [{min(per):4.1f}-{max(per):4.1f}]")
         results.append(row)
-        lines.append(f"{case['case']:16} {case['rows']:5d} {'yes' if case['same'] else 'NO':>4} "
-                     + " ".join(cells))
+        lines.append(f"{case['case']:16} {case['heads']:5d} {case['rows']:5d} "
+                     f"{'yes' if case['same'] else 'NO':>4} " + " ".join(cells))
     return lines, results
 
 
+def prepare_case(torch, text: str, heads: int, rows, max_len: int, width: int, native,
+                 sms: int, dg) -> dict:
+    """One timed row: the step's schedule at ``heads`` by ``plan_torch`` and
+    by the planner (its output into poisoned buffers, compared bit for bit
+    first) and, with ``dg``, DeepGEMM's metadata, each captured in graphs
+    of one and :data:`COPIES` copies."""
+    from .ops import cuda_paged_mqa_logits as ck
+    from .ops import cuda_plan as cp
+
+    ids, ctx = rows.indices, rows.context_lens
+    ctx2d = ctx.view(-1, 1)
+    want = ck.plan_torch(ids, ctx2d, max_len, width, heads)
+    out = cp.allocate(ids.shape[0], sms, "cuda")
+    for t in out:
+        t.fill_(-7)  # poisoned: every word must be written
+    got = cp.plan_device(ids, ctx, max_len, width, heads=heads, out=out)
+    same = all(torch.equal(a, b) for a, b in zip(want, got))
+    if not same:
+        print(f"# MISMATCH on {text} at {heads} heads: planner output differs from plan_torch")
+    paths = {
+        "plan_torch": lambda: ck.plan_torch(ids, ctx2d, max_len, width, heads),
+        "planner": lambda: cp.plan_device(ids, ctx, max_len, width, heads=heads, out=out),
+    }
+    if dg is not None:
+        flat = ctx2d.contiguous()
+        paths["dg_meta_flat"] = lambda: dg.get_paged_mqa_logits_metadata(flat, 64, sms)
+        if native is not None:
+            paths["dg_meta_native"] = lambda: dg.get_paged_mqa_logits_metadata(native, 64, sms)
+    graphs = {}
+    for name, fn in paths.items():
+        try:
+            graphs[name] = (graph_of(torch, fn, 1), graph_of(torch, fn, COPIES))
+        except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            print(f"# {text} {name}: {type(exc).__name__}: {exc}")
+    return dict(case=text, heads=heads, rows=ids.shape[0], same=same, graphs=graphs,
+                times={name: ([], []) for name in graphs})
+
+
 def run(args) -> int:
-    """The ``--plan-timing`` mode (``args``: ``cases``, ``rounds``, ``rep_ms``,
-    ``json``); 0, or 1 when a planner output differs from ``plan_torch``."""
+    """The ``--plan-timing`` mode (``args``: ``cases``, ``heads``, ``rounds``,
+    ``rep_ms``, ``json``); 0, or 1 when a planner output differs from
+    ``plan_torch``."""
     import torch
     from triton.testing import do_bench
 
-    from .ops import cuda_paged_mqa_logits as ck
     from .ops import cuda_plan as cp
     from .ops.common import num_sms
 
     texts = args.cases or CASES
     parsed = [parse_case(t) for t in texts]
+    heads_timed = head_counts(getattr(args, "heads", None))
     rounds = ROUNDS if args.rounds is None else args.rounds
     if rounds < 1:
         raise ValueError(f"--rounds: expected an int >= 1, got {rounds}")
@@ -123,44 +179,19 @@ def run(args) -> int:
     dg_name, dg = import_deepgemm()
     print(f"# {torch.cuda.get_device_name()}, {sms} SMs, torch {torch.__version__}, "
           f"DeepGEMM: {dg_name or 'not importable'}")
-    cp.load("cuda")
+    for heads in heads_timed:
+        cp.load("cuda", heads)
 
     z = torch.zeros(1, device="cuda")
     floor = {"floor": (graph_of(torch, lambda: z.add_(1), 1),
                        graph_of(torch, lambda: z.add_(1), COPIES))}
-    cases = [dict(case="floor (add_)", rows=0, same=True, graphs=floor,
+    cases = [dict(case="floor (add_)", heads=0, rows=0, same=True, graphs=floor,
                   times={"floor": ([], [])})]
     for text, (reqs, tokens, context) in zip(texts, parsed):
         rows, max_len, width, native = step_rows(torch, reqs, tokens, context)
-        ids, ctx = rows.indices, rows.context_lens
-        ctx2d = ctx.view(-1, 1)
-        want = ck.plan_torch(ids, ctx2d, max_len, width)
-        out = cp.allocate(ids.shape[0], sms, "cuda")
-        got = cp.plan_device(ids, ctx, max_len, width, out=out)
-        same = all(torch.equal(a, b) for a, b in zip(want, got))
-        if not same:
-            print(f"# MISMATCH on {text}: planner output differs from plan_torch")
-        paths = {
-            "plan_torch": lambda ids=ids, ctx2d=ctx2d, m=max_len, w=width: ck.plan_torch(
-                ids, ctx2d, m, w),
-            "planner": lambda ids=ids, ctx=ctx, m=max_len, w=width, out=out: cp.plan_device(
-                ids, ctx, m, w, out=out),
-        }
-        if dg is not None:
-            flat = ctx2d.contiguous()
-            paths["dg_meta_flat"] = lambda flat=flat: dg.get_paged_mqa_logits_metadata(
-                flat, 64, sms)
-            if native is not None:
-                paths["dg_meta_native"] = lambda c=native: dg.get_paged_mqa_logits_metadata(
-                    c, 64, sms)
-        graphs = {}
-        for name, fn in paths.items():
-            try:
-                graphs[name] = (graph_of(torch, fn, 1), graph_of(torch, fn, COPIES))
-            except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, not fatal
-                print(f"# {text} {name}: {type(exc).__name__}: {exc}")
-        cases.append(dict(case=text, rows=ids.shape[0], same=same, graphs=graphs,
-                          times={name: ([], []) for name in graphs}))
+        for heads in heads_timed:  # DeepGEMM's metadata takes no head count: timed once
+            cases.append(prepare_case(torch, text, heads, rows, max_len, width, native, sms,
+                                      dg if heads == heads_timed[0] else None))
 
     for _ in range(rounds):
         for case in cases:
@@ -176,7 +207,7 @@ def run(args) -> int:
         flat, fper = cases[0]["times"]["floor"]
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), sms=sms, deepgemm=dg_name,
-                           rounds=rounds, copies=COPIES, results=results,
+                           heads=list(heads_timed), rounds=rounds, copies=COPIES, results=results,
                            floor=dict(replay_us=flat, per_copy_us=fper)), f, indent=1)
     print("\n".join(lines))
     return 0 if all(c["same"] for c in cases) else 1  # the floor row is always "same"

@@ -1,6 +1,7 @@
 """ops/compile_check.py: every kernel variant a server can take builds without a
 GPU, with this environment's Triton (the portable kernel for four targets) and
-NVRTC (the sm_90 CUDA kernel's builds, without spills)."""
+NVRTC (the sm_90 CUDA kernel's builds and its schedule planner's, without
+spills)."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+from vllm_dsa_varlen.ops import cuda_plan as cp
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def test_every_portable_variant_compiles(compiled_variants):
     assert {(r["heads"], r["arch"], r["pairs"]) for r in portable} == {
         (h, a, p) for h in (32, 64) for a in (89, 90, 100, 120) for p in (1, 2)}
     assert not any(r["local"] for r in portable)
-    assert {r["kernel"] for r in rows} <= {"portable", "cuda_sm90"}
+    assert {r["kernel"] for r in rows} <= {"portable", "cuda_sm90", "cuda_plan_sm90"}
 
 
 def test_the_cuda_builds_compile_without_spills(compiled_variants):
@@ -54,3 +56,17 @@ def test_the_cuda_builds_compile_without_spills(compiled_variants):
          (32, ["EVICT_FIRST=1", "HEADS=32"])])
     assert set(ck.LAUNCHER_HEADS) == {32, 64}
     assert all(r["ok"] and r["spills"] == 0 and r["cubin_bytes"] > 0 for r in cuda), cuda
+
+
+def test_the_planner_builds_for_both_head_counts_without_spills(compiled_variants):
+    """The sm_90 schedule planner through NVRTC at 64 and 32 heads (the
+    logits kernel's head counts), with no spills, in the 64 registers a
+    thread of its 1024-thread CTA has, where NVRTC loads."""
+    _, head, rows = compiled_variants
+    if head["nvrtc"] != "ok":
+        pytest.skip(f"no NVRTC here: {head['nvrtc']}")
+    plan = [r for r in rows if r["kernel"] == "cuda_plan_sm90"]
+    assert sorted((r["heads"], r["defines"]) for r in plan) == [(32, ["HEADS=32"]), (64, [])]
+    assert sorted(cp.HEAD_COUNTS) == sorted(ck.LAUNCHER_HEADS)
+    assert all(r["ok"] and r["spills"] == 0 and 0 < r["registers"] <= 64 and r["cubin_bytes"] > 0
+               for r in plan), plan

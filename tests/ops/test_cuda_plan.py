@@ -1,14 +1,19 @@
 """The one-launch schedule planner (ops/cuda_plan.py, cuda/sm90_plan.cu)
-against the torch plan it replaces (``cuda_paged_mqa_logits.plan_torch``):
-on the CPU a host model of the kernel's algorithm (its thread shares, scans,
-division-found CTA starts) and its NVRTC build; on an sm_90 GPU the kernel
-itself, bit for bit, on many random steps (uniform, variable, graph-padded,
-single rows, very long runs, up to 9000 rows), inside CUDA-graph replays with
-new contents and without host syncs, and the logits kernel's output through
-its schedule against the torch reference."""
+against the torch plan it replaces (``cuda_paged_mqa_logits.plan_torch``),
+in its build for each head count of the logits kernel (64: chunks of 4 rows,
+32: chunks of 8): on the CPU a host model of the kernel's algorithm (its
+thread shares, scans, division-found CTA starts) fed the launcher's kernel
+arguments, those arguments against the kernel's signature, and its NVRTC
+builds; on an sm_90 GPU the kernel itself, bit for bit into poisoned outputs,
+on many random steps (uniform, variable, graph-padded, single rows, very
+long runs, up to 9000 rows; serving-shaped steps of 1 to 256 requests with
+contexts up to 128K), inside CUDA-graph replays with new contents and
+without host syncs, and the logits kernel's output through its schedule
+against the torch reference."""
 
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
@@ -16,6 +21,7 @@ import torch
 
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
 from vllm_dsa_varlen.ops import cuda_plan as cp
+from vllm_dsa_varlen.ops.common import num_sms
 from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step, random_step_rows
 
 from logits_checks import check_poisoned, launcher_args, run_poisoned
@@ -87,14 +93,17 @@ def steps(count: int, max_rows: int = 600):
 
 # ----------------------------------------------------- host model of the kernel
 
-def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024):
+def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024, heads=64):
     """The planner kernel's algorithm on the host, step by step as
     sm90_plan.cu runs it (``threads`` threads, thread t owning rows [t K, t K
-    + K)): ``(table, ctas)`` as lists of rows."""
+    + K)), from the arguments the launcher passes it (``cp.kernel_args``: the
+    KV cap, a page's cost per chunk size, the division magics): ``(table,
+    ctas)`` as lists of rows."""
     ids, ctx = [int(x) for x in ids], [int(x) for x in ctx]
     rows = len(ids)
-    cap = min(max_len, width * ck.PAGE, 2**31 - 1)
-    c0, c1, c2 = cp._cost3(cost)
+    args = cp.kernel_args(0, 0, rows, max_len, width, programs, 0, 0, heads=heads, cost=cost)
+    cap, units, magics = args["cap"].value, list(args["unit"]), list(args["magic"])
+    chunk = len(units)  # the build's ROWS_MAX
     per = -(-rows // threads)
     spans = [(min(t * per, rows), min(t * per + per, rows)) for t in range(threads)]
 
@@ -124,10 +133,10 @@ def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024)
                 if last == b:
                     last = carry_last[t]
             kv = min(max(ctx[last], 0), cap)
-            n = min(last - r + 1, ck.ROWS_MAX)
-            work = (r - first) % ck.ROWS_MAX == 0 and kv > 0
+            n = min(last - r + 1, chunk)
+            work = (r - first) % chunk == 0 and kv > 0
             items = -(-kv // ck.PAGE) if work else 0
-            unit = c0 + c1 * n + c2 * ((n + 1) // 2) if work else 0
+            unit = units[n - 1] if work else 0
             yield r, first, kv, n, items, unit
 
     # 2. per-thread sums, exclusive scans, totals
@@ -160,7 +169,7 @@ def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024)
                 if thread_tags:
                     c = ceil_div(seg_cost * programs, cost_total)
                     if c < ceil_div(end_cost * programs, cost_total):
-                        tags[c] = (pos, off, seg_cost, unit)
+                        tags[c] = (pos, off, seg_cost, n)
                 item += items
                 seg_cost = end_cost
                 seg += 1
@@ -173,45 +182,80 @@ def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024)
             los.append(total_items)
             seg0s.append(rows)
         else:
-            pos, off, seg_cost, unit = tag
-            los.append(off + (c * cost_total // programs - seg_cost) // unit)
+            pos, off, seg_cost, n = tag
+            x = _div_by(c * cost_total, programs, args["magic_p"].value)
+            los.append(off + _div_by(x - seg_cost, units[n - 1], magics[n - 1]))
             seg0s.append(pos)
     ctas = [[seg0s[c], los[c], los[c + 1] if c + 1 < programs else total_items, 0]
             for c in range(programs)]
     return table, ctas
 
 
+@pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.parametrize("threads", [1024, 1, 3, 8, 32])
 @pytest.mark.parametrize("seed", range(40))
-def test_kernel_model_matches_plan_torch(seed, threads):
+def test_kernel_model_matches_plan_torch(seed, threads, heads):
     """The planner's algorithm (every thread count: one row per thread, many
-    rows per thread, runs across threads' shares) gives plan_torch's table
-    and ctas exactly, for every cost form."""
+    rows per thread, runs across threads' shares) on the launcher's
+    arguments gives plan_torch's table and ctas exactly, for every cost form,
+    at both head counts."""
     ids, ctx, max_len, width, programs = random_rows(seed, max_rows=300)
     cost = [ck.COST, (5, 2), (1, 0), (0, 1, 5), (3, 7, 1)][seed % 5]
-    table, ctas = ck.plan_torch(ids, ctx.view(-1, 1), max_len, width, programs=programs,
+    table, ctas = ck.plan_torch(ids, ctx.view(-1, 1), max_len, width, heads, programs=programs,
                                 cost=cost)
-    got_table, got_ctas = kernel_model(ids, ctx, max_len, width, programs, cost, threads)
+    got_table, got_ctas = kernel_model(ids, ctx, max_len, width, programs, cost, threads, heads)
     assert got_table == table.tolist()
     assert got_ctas == ctas.tolist()
+
+
+@pytest.mark.parametrize("heads", [64, 32])
+@pytest.mark.parametrize("seed", range(6))
+def test_kernel_model_on_serving_steps(seed, heads):
+    """The model on the GPU tests' serving-shaped steps (serving_rows, below)."""
+    ids, ctx, max_len, width, programs = serving_rows(seed)
+    table, ctas = ck.plan_torch(ids, ctx, max_len, width, heads, programs=programs)
+    assert kernel_model(ids, ctx, max_len, width, programs, heads=heads) == (table.tolist(),
+                                                                            ctas.tolist())
+
+
+def test_the_head_count_sets_the_chunk():
+    """Runs of 9 rows: chunks of 4 rows at 64 heads (rows 0, 4, 8 start
+    chunks of 4, 4, 1 rows), of 8 at 32 (rows 0, 8: 8 and 1 rows); the model
+    and plan_torch agree on both (and differ between them)."""
+    ids = torch.tensor([5] * 9 + [6] * 9, dtype=torch.int32)
+    ctx = torch.tensor([1000 + r for r in range(18)], dtype=torch.int32)
+    got = {}
+    for heads, starts in ((64, [0, 4, 8, 9, 13, 17]), (32, [0, 8, 9, 17])):
+        table, ctas = ck.plan_torch(ids, ctx, 4096, 64, heads, programs=7)
+        assert kernel_model(ids, ctx, 4096, 64, 7, heads=heads) == (table.tolist(),
+                                                                     ctas.tolist())
+        work = [row for row in table.tolist() if row[4] > 0]
+        assert [row[0] for row in work] == starts
+        assert max(row[1] for row in work) == cp.chunk_rows(heads)
+        got[heads] = table
+    assert not torch.equal(got[64], got[32])
 
 
 def test_kernel_model_on_a_step_with_no_pages():
     ids = torch.tensor([3, 3, 4, 9, 9, 9], dtype=torch.int32)
     ctx = torch.zeros(6, dtype=torch.int32)
-    table, ctas = ck.plan_torch(ids, ctx, 128, 2, programs=5)
-    assert kernel_model(ids, ctx, 128, 2, 5, threads=4) == (table.tolist(), ctas.tolist())
-    assert ctas.tolist() == [[6, 0, 0, 0]] * 5
+    for heads in (64, 32):
+        table, ctas = ck.plan_torch(ids, ctx, 128, 2, heads, programs=5)
+        assert kernel_model(ids, ctx, 128, 2, 5, threads=4, heads=heads) == (table.tolist(),
+                                                                             ctas.tolist())
+        assert ctas.tolist() == [[6, 0, 0, 0]] * 5
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
+@pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.parametrize("defines", [(), ("PLAN_TIMING=1",)])
-def test_nvrtc_builds_the_planner_for_sm90a_without_spills(defines):
-    """The planner (and its measured variant) compiles for sm_90a to one
-    kernel with no local memory, in the registers a 1024-thread CTA has (64
-    per thread); its static shared memory and the most dynamic shared memory
-    any row count asks for fit an SM (227 KB)."""
-    cubin, log = cp.compile_cubin(extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines)))
+def test_nvrtc_builds_the_planner_for_sm90a_without_spills(defines, heads):
+    """The planner's build for each head count (and its measured variant)
+    compiles for sm_90a to one kernel with no local memory, in the registers
+    a 1024-thread CTA has (64 per thread); its static shared memory and the
+    most dynamic shared memory any row count asks for fit an SM (227 KB)."""
+    cubin, log = cp.compile_cubin(extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines)),
+                                  heads=heads)
     assert cubin[:4] == b"\x7fELF"
     assert "plan_sm90" in log
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
@@ -222,6 +266,79 @@ def test_nvrtc_builds_the_planner_for_sm90a_without_spills(defines):
                                            cp.STAGE_ROWS, cp.STAGE_ROWS + 1))
     assert most == max(cp.stage_bytes(cp.TABLE_ROWS), cp.stage_bytes(cp.STAGE_ROWS))
     assert static + most <= 227 * 1024, (static, most)
+
+
+@pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
+def test_the_builds_differ_by_head_count_and_refuse_others():
+    """HEADS=32 is a build of its own (the chunk is in the code), the default
+    build is the 64-head one, and the source refuses any other head count."""
+    default, _ = cp.compile_cubin()
+    assert cp.compile_cubin(heads=64)[0] == default
+    assert cp.compile_cubin(heads=32)[0] != default
+    assert cp.defines_for(64) == () and cp.defines_for(32) == ("HEADS=32",)
+    with pytest.raises(RuntimeError, match="64 or 32 heads"):
+        cp.compile_cubin(extra=("-DHEADS=16",))
+
+
+_C_SIZES = {"int": 4, "i64": 8, "u64": 8}
+
+
+def _kernel_signature(heads: int) -> list[tuple[str, int]]:
+    """(name, bytes) of each parameter of plan_sm90, read from its source
+    (``ByRows<T>``: one T per chunk size, two row groups of 128 // heads rows)."""
+    with open(cp.SOURCE) as f:
+        src = f.read()
+    start = src.index("(", src.index(cp.KERNEL_NAME.decode() + "("))
+    out = []
+    for p in src[start + 1:src.index(")", start)].split(","):
+        words = [w for w in p.replace("*", " * ").split() if w not in ("const", "__restrict__")]
+        name, kind = words[-1], " ".join(words[:-1])
+        if "*" in words:
+            size = 8
+        elif kind.startswith("ByRows<"):
+            size = _C_SIZES[kind[len("ByRows<"):-1]] * 2 * (128 // heads)
+        else:
+            size = _C_SIZES[kind]
+        out.append((name, size))
+    return out
+
+
+@pytest.mark.parametrize("heads", [64, 32])
+def test_kernel_args_match_the_signature_and_the_cost_model(heads):
+    """The launcher's kernel arguments name the kernel's parameters in order,
+    each of its size at this head count (cuLaunchKernel copies that many
+    bytes from each address); their values: the addresses and counts given,
+    the KV cap, a page's cost for each chunk size as plan_torch's page_cost
+    at this head count, floor((2^64 - 1) / d) for each divisor."""
+    cost = (3, 1, 4)
+    args = cp.kernel_args(0x1000, 0x2000, 77, 5000, 9, 132, 0x3000, 0x4000, heads=heads,
+                          cost=cost)
+    assert [(n, ctypes.sizeof(v)) for n, v in args.items()] == _kernel_signature(heads)
+    group = ck.rows_per_group(heads)
+    units = [ck.page_cost(cost, n, group) for n in range(1, ck.rows_max_for(heads, 1) + 1)]
+    assert list(args["unit"]) == units
+    assert units == ([8, 9, 14, 15] if heads == 64 else [8, 9, 10, 11, 16, 17, 18, 19])
+    assert list(args["magic"]) == [(2**64 - 1) // u for u in units]
+    assert args["magic_p"].value == (2**64 - 1) // 132
+    scalars = {n: v.value for n, v in args.items() if n not in ("unit", "magic", "magic_p")}
+    assert scalars == dict(ids_g=0x1000, ctx_g=0x2000, rows=77, cap=min(5000, 9 * 64),
+                           programs=132, table=0x3000, ctas=0x4000)
+    assert cp.kernel_args(0, 0, 1, 2**40, 2**30, 1, 0, 0, heads=heads)["cap"].value == 2**31 - 1
+    assert cp.kernel_args(0, 0, 1, 100, 9, 1, 0, 0, heads=heads)["cap"].value == 100
+
+
+def test_the_planner_serves_the_logits_kernels_head_counts():
+    """A build per head count the logits kernel has, each with its chunk."""
+    assert sorted(cp.HEAD_COUNTS) == sorted(ck.HEAD_COUNTS) == sorted(ck.LAUNCHER_HEADS)
+    for heads in cp.HEAD_COUNTS:
+        assert cp.group_rows(heads) == ck.rows_per_group(heads)
+        assert cp.chunk_rows(heads) == ck.rows_max_for(heads, 1)
+    assert cp.HEADS == ck.HEADS == 64
+    for call in (lambda: cp.chunk_rows(16), lambda: cp.defines_for(128),
+                 lambda: cp.compile_cubin(heads=48),
+                 lambda: cp.kernel_args(0, 0, 1, 64, 1, 1, 0, 0, heads=16)):
+        with pytest.raises(ValueError, match="heads: expected 64 or 32"):
+            call()
 
 
 def test_shared_memory_layout_holds_every_row():
@@ -241,9 +358,10 @@ def test_shared_memory_layout_holds_every_row():
     assert cp.stage_bytes(cp.STAGE_ROWS + 1) == 0
 
 
-def _div_by(a: int, d: int) -> int:
-    """The kernel's div_by: high word of a * magic, raised while too small."""
-    q = (a * cp.magic(d)) >> 64
+def _div_by(a: int, d: int, magic: int | None = None) -> int:
+    """The kernel's div_by: high word of a * magic (default: cp.magic(d)),
+    raised while too small."""
+    q = (a * (cp.magic(d) if magic is None else magic)) >> 64
     steps = 0
     while (q + 1) * d <= a:
         q += 1
@@ -291,21 +409,36 @@ def test_plan_device_refuses_bad_inputs():
     ids = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(ValueError, match="indices"):
         cp.plan_device(ids, ids, 64, 1)
+    with pytest.raises(ValueError, match="heads: expected 64 or 32, got 16"):
+        cp.plan_device(ids, ids, 64, 1, heads=16)
 
 
 # ---------------------------------------------------------------- GPU (sm_90)
-
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")]
-
 
 def _skip_without_nvrtc():
     if NVRTC is not None:
         pytest.skip(f"no NVRTC: {NVRTC}")
 
 
-def _both(ids, ctx, max_len, width, programs, cost=ck.COST):
-    want = ck.plan_torch(ids.cuda(), ctx.cuda(), max_len, width, programs=programs, cost=cost)
-    got = cp.plan_device(ids.cuda(), ctx.cuda(), max_len, width, programs=programs, cost=cost)
+POISON = -7  # what every output word holds before the planner writes it
+
+
+def _poisoned(rows: int, programs: int):
+    out = cp.allocate(rows, programs, "cuda")
+    for t in out:
+        t.fill_(POISON)
+    return out
+
+
+def _both(ids, ctx, max_len, width, programs, cost=ck.COST, heads=64):
+    """``plan_torch``'s schedule and the planner's, the latter written into
+    poisoned outputs."""
+    want = ck.plan_torch(ids.cuda(), ctx.cuda(), max_len, width, heads, programs=programs,
+                         cost=cost)
+    out = _poisoned(ids.numel(), programs)
+    got = cp.plan_device(ids.cuda(), ctx.cuda(), max_len, width, heads=heads,
+                         programs=programs, cost=cost, out=out)
+    assert all(a is b for a, b in zip(got, out))
     return want, got
 
 
@@ -315,15 +448,80 @@ def _assert_same(want, got, what=""):
         assert torch.equal(g, w), (what, name, (g != w).nonzero()[:5].tolist())
 
 
+@pytest.fixture
+def planner_calls(monkeypatch):
+    """The head counts plan() launched the planner for (it still runs)."""
+    calls = []
+
+    def spy(*args, heads=cp.HEADS, **kwargs):
+        calls.append(heads)
+        return cp.plan_device(*args, heads=heads, **kwargs)
+
+    monkeypatch.setattr(ck, "plan_device", spy)
+    return calls
+
+
+def serving_rows(seed: int):
+    """A serving-shaped step as CPU tensors and ints ``(ids, ctx, max_len,
+    width, programs)``: 1 to 256 requests, tokens per request uniform (n of 1
+    to 8 each) or variable (1..4 or 1..8 each), KV lengths 1 to 128K
+    (log-uniform; a request's tokens see contexts one apart, its last the
+    KV length), one request in ten padding (context 0 on its rows), 0 to 16
+    graph-padding rows after them (ids of their own, context 0); the
+    device's SMs as CTAs mostly."""
+    rnd = random.Random(seed)
+    reqs = rnd.choice([1, 2, 256, rnd.randint(1, 256), rnd.randint(1, 256)])
+    mode = rnd.choice(["uniform", "variable4", "variable8"])
+    uniform = rnd.randint(1, 8)
+    ids, ctx = [], []
+    for req in range(reqs):
+        n = uniform if mode == "uniform" else rnd.randint(1, 4 if mode == "variable4" else 8)
+        kv = 0 if rnd.random() < 0.1 else max(n, min(131072, int(2 ** rnd.uniform(0, 17))))
+        ids += [req] * n
+        ctx += [max(0, kv - (n - 1 - j)) for j in range(n)]
+    for k in range(rnd.randint(0, 16)):
+        ids.append(reqs + k)
+        ctx.append(0)
+    max_len = max(1, max(ctx))
+    width = -(-max_len // ck.PAGE) + rnd.choice([0, 0, 5])
+    programs = rnd.choice([132, 132, 132, 1, 7, 1024])
+    return (torch.tensor(ids, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32),
+            max_len, width, programs)
+
+
+@pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.parametrize("seed", range(300))
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_planner_matches_plan_torch_bitwise(seed):
+def test_planner_matches_plan_torch_bitwise(seed, heads):
+    """Odd steps (random_rows: negative and capped contexts, ids that come
+    back, very long runs, up to 9000 rows), every cost form."""
     _skip_without_nvrtc()
+    seed += 0 if heads == 64 else 10_000  # other steps at 32 heads
     ids, ctx, max_len, width, programs = random_rows(seed, max_rows=[600, 3000, 9000][seed % 3])
     cost = [ck.COST, (5, 2), (1, 0), (0, 1, 5)][seed % 4]
-    want, got = _both(ids, ctx, max_len, width, programs, cost)
+    want, got = _both(ids, ctx, max_len, width, programs, cost, heads)
     _assert_same(want, got, seed)
+
+
+@pytest.mark.parametrize("heads", [64, 32])
+@pytest.mark.parametrize("seed", range(200))
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_planner_matches_plan_torch_on_random_serving_steps(seed, heads, planner_calls):
+    """Serving-shaped steps (serving_rows: uniform, variable 1..4 and 1..8
+    tokens, padding requests, 1 to 256 requests, contexts up to 128K),
+    through plan() (which takes the planner at both head counts)."""
+    _skip_without_nvrtc()
+    ids, ctx, max_len, width, programs = serving_rows(seed + (0 if heads == 64 else 20_000))
+    want = ck.plan_torch(ids.cuda(), ctx.cuda(), max_len, width, heads, programs=programs)
+    out = _poisoned(ids.numel(), programs)
+    got = cp.plan_device(ids.cuda(), ctx.cuda(), max_len, width, heads=heads,
+                         programs=programs, out=out)
+    _assert_same(want, got, seed)
+    _assert_same(want, ck.plan(ids.cuda(), ctx.cuda(), max_len, width, heads,
+                               programs=programs), seed)
+    assert planner_calls == [heads]
 
 
 SERVING = [  # (requests, tokens per request, context), uniform and variable, as the benchmark's
@@ -332,31 +530,36 @@ SERVING = [  # (requests, tokens per request, context), uniform and variable, as
     (1024, 8, 4096), (2048, 4, 2048)]
 
 
+@pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.parametrize("variable", [False, True])
 @pytest.mark.parametrize("case", SERVING, ids=lambda c: f"B{c[0]}x{c[1]}L{c[2]}")
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_planner_matches_plan_torch_on_serving_steps(case, variable):
+def test_planner_matches_plan_torch_on_serving_steps(case, variable, heads, planner_calls):
     """Serving-shaped rows (plan_decode_rows), graph padding of 7 rows,
-    with the launcher's defaults (the device's SMs)."""
+    with the launcher's defaults (the device's SMs): plan() takes the
+    planner's build for the head count."""
     _skip_without_nvrtc()
     reqs, tokens, ctx_len = case
     rows, seqs, _, width = random_step_rows(reqs, tokens, ctx_len, variable=variable,
                                             seed=reqs + tokens)
     max_len = int(seqs.max())
-    want = ck.plan_torch(rows.indices, rows.context_lens.view(-1, 1), max_len, width)
-    got = ck.plan(rows.indices, rows.context_lens.view(-1, 1), max_len, width)
+    want = ck.plan_torch(rows.indices, rows.context_lens.view(-1, 1), max_len, width, heads)
+    got = ck.plan(rows.indices, rows.context_lens.view(-1, 1), max_len, width, heads)
+    assert planner_calls == [heads]
     _assert_same(want, got)
 
 
+@pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_planner_edge_steps():
+def test_planner_edge_steps(heads):
     """One row; one run of 9000 rows; 9000 single rows; 8192 rows (the most
     staged in shared memory) and 8193 (read from global memory); 4096 rows
     (the most whose table is built in shared memory) and 4097; 1025 (two
-    rows per thread); no pages at all; every CTA count the kernel takes;
-    outputs written in place."""
+    rows per thread); runs of 7, 8 and 9 rows (a chunk's bounds at 32
+    heads); no pages at all; every CTA count the kernel takes; outputs
+    written in place (poisoned first)."""
     _skip_without_nvrtc()
     cases = [
         ([5], [1000], 131072, 2048, 132),
@@ -367,6 +570,8 @@ def test_planner_edge_steps():
         ([r // 2 for r in range(4096)], [(r * 53) % 9000 for r in range(4096)], 8192, 128, 132),
         ([r // 2 for r in range(4097)], [(r * 53) % 9000 for r in range(4097)], 8192, 128, 132),
         ([r // 7 for r in range(1025)], [3000] * 1025, 4096, 64, 132),
+        ([0] * 7 + [1] * 8 + [2] * 9 + [3] * 16 + [4] * 17, [4000 + r for r in range(57)],
+         8192, 128, 132),
         (list(range(9000)), [64 * (r % 7) + r % 3 for r in range(9000)], 512, 8, 132),
         ([1, 1, 2, 2, 2, 1, 1], [0, 0, 0, 0, 0, 0, 0], 64, 1, 1024),
         ([2, 2, 2, 2, 2], [300, 301, 302, 303, 304], 4096, 64, 1),
@@ -375,18 +580,14 @@ def test_planner_edge_steps():
     for ids, ctx, max_len, width, programs in cases:
         ids_t = torch.tensor(ids, dtype=torch.int32)
         ctx_t = torch.tensor(ctx, dtype=torch.int32)
-        want, got = _both(ids_t, ctx_t, max_len, width, programs)
+        want, got = _both(ids_t, ctx_t, max_len, width, programs, heads=heads)
         _assert_same(want, got, (len(ids), programs))
-        out = tuple(torch.full_like(t, -7) for t in want)
-        back = cp.plan_device(ids_t.cuda(), ctx_t.cuda(), max_len, width, programs=programs,
-                              out=out)
-        assert all(a is b for a, b in zip(back, out))
-        _assert_same(want, out)
 
 
+@pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync():
+def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync(heads):
     """Captured once into preallocated outputs; replays on new ids and
     context lengths (same row count) give each step's plan_torch exactly;
     neither the capture nor the launches sync with the host."""
@@ -395,24 +596,28 @@ def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync():
     ids_buf = torch.zeros(rows, dtype=torch.int32, device="cuda")
     ctx_buf = torch.zeros(rows, dtype=torch.int32, device="cuda")
     out = cp.allocate(rows, programs, "cuda")
-    cp.load("cuda")
+    cp.load("cuda", heads)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(2):
-            cp.plan_device(ids_buf, ctx_buf, 131072, 2048, programs=programs, out=out)
-            ck.plan(ids_buf, ctx_buf, 131072, 2048, programs=programs)
+            cp.plan_device(ids_buf, ctx_buf, 131072, 2048, heads=heads, programs=programs,
+                           out=out)
+            ck.plan(ids_buf, ctx_buf, 131072, 2048, heads, programs=programs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.cuda.graph(graph):
-        cp.plan_device(ids_buf, ctx_buf, 131072, 2048, programs=programs, out=out)
+        cp.plan_device(ids_buf, ctx_buf, 131072, 2048, heads=heads, programs=programs, out=out)
     torch.cuda.current_stream().wait_stream(side)
     checked = 0
     for seed in range(40):
-        ids, ctx, _, _, _ = random_rows(seed + 1000, max_rows=rows)
+        if seed % 2:
+            ids, ctx, _, _, _ = random_rows(seed + 1000, max_rows=rows)
+        else:
+            ids, ctx, _, _, _ = serving_rows(seed + 1000)
         if ids.shape[0] < rows:  # pad as a graph pads: own ids, context 0
             pad = rows - ids.shape[0]
             ids = torch.cat([ids, int(ids.max()) + 1 + torch.arange(pad, dtype=torch.int32)])
@@ -421,49 +626,57 @@ def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync():
         ids_buf.copy_(ids)
         ctx_buf.copy_(ctx)
         for t in out:
-            t.fill_(-7)
+            t.fill_(POISON)
         graph.replay()
-        want = ck.plan_torch(ids_buf, ctx_buf, 131072, 2048, programs=programs)
+        want = ck.plan_torch(ids_buf, ctx_buf, 131072, 2048, heads, programs=programs)
         _assert_same(want, out, seed)
         checked += 1
     assert checked == 40
 
 
+@pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.parametrize("name,lens,seqs", [
     ("uniform", [4] * 40, None), ("variable", [1, 2, 3, 4, 3, 1, 4, 2] * 5, None),
+    ("variable8", [1, 8, 5, 7, 2, 8, 3, 6] * 5, None),
     ("long_runs", [12, 16, 9], [700, 3000, 5000]), ("one_row", [1], [4000])])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_logits_through_the_planner_match_the_reference(name, lens, seqs):
+def test_logits_through_the_planner_match_the_reference(name, lens, seqs, heads, planner_calls):
     """The logits kernel reading the planner's schedule (the launcher's
-    default plan on the GPU) writes every valid position, close to the
-    reference, and nothing else (poisoned output)."""
+    default plan on the GPU, at the step's head count) writes every valid
+    position, close to the reference, and nothing else (poisoned output)."""
     _skip_without_nvrtc()
     gen = random.Random(len(name))
     seqs = seqs or [gen.randint(200, 9000) for _ in lens]
-    step = make_decode_step(lens, seqs, heads=64, padding_rows=3,
-                            max_context_len=max(seqs) + 11, seed=len(lens), device="cuda")
+    step = make_decode_step(lens, seqs, heads=heads, padding_rows=3,
+                            max_context_len=max(seqs) + 11,
+                            seed=len(lens) + (0 if heads == 64 else 1), device="cuda")
     rows = step.rows
     sched = cp.plan_device(rows.indices, rows.context_lens, step.max_context_len,
-                           rows.block_table.shape[1])
+                           rows.block_table.shape[1], heads=heads,
+                           out=_poisoned(rows.num_rows, num_sms(rows.indices.device)))
     _assert_same(ck.plan_torch(rows.indices, rows.context_lens, step.max_context_len,
-                               rows.block_table.shape[1]), sched)
+                               rows.block_table.shape[1], heads), sched)
     check_poisoned(step, run_poisoned(step, kernel="sm90_cuda", max_run_len=max(lens),
                                       schedule=sched))
     # and the launcher planning by itself (ck.plan -> the planner)
+    assert planner_calls == []
     check_poisoned(step, run_poisoned(step, kernel="sm90_cuda", max_run_len=max(lens)))
+    assert planner_calls == [heads]
 
 
+@pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_logits_in_a_graph_with_the_planner_inside():
+def test_logits_in_a_graph_with_the_planner_inside(heads, planner_calls):
     """Planner + logits captured together, replayed after the step's contents
     change in place (new runs over the same rows, new context lengths, block
     tables, queries and weights): the logits match the reference each time."""
     _skip_without_nvrtc()
     from vllm_dsa_varlen.ops import launcher
 
-    step = random_decode_step(32, 4, 3000, heads=64, device="cuda", variable=True, seed=1)
+    step = random_decode_step(32, 8 if heads == 32 else 4, 3000, heads=heads, device="cuda",
+                              variable=True, seed=1)
     rows = step.rows
     args = launcher_args(step)
     out = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
@@ -472,17 +685,18 @@ def test_logits_in_a_graph_with_the_planner_inside():
 
     def call():
         sched = ck.plan(rows.indices, rows.context_lens.view(-1, 1), step.max_context_len,
-                        rows.block_table.shape[1])
+                        rows.block_table.shape[1], heads)
         launcher.varlen_paged_mqa_logits(*args, out=out, kernel="sm90_cuda", schedule=sched)
 
     from vllm_dsa_varlen.bench import capture_graph
 
     graph = capture_graph(torch, call)
+    assert planner_calls and set(planner_calls) == {heads}
     rnd = random.Random(3)
     for trial in range(4):
         ids, ctx, firsts, r = [], [], [], 0
         while r < rows.num_rows:
-            n = min(rnd.randint(1, 6), rows.num_rows - r)
+            n = min(rnd.randint(1, 2 * cp.chunk_rows(heads) - 2), rows.num_rows - r)
             kv = rnd.randint(0, orig_ctx[r]) if trial % 2 else orig_ctx[r]
             for j in range(n):
                 ids.append(2 * r + trial)

@@ -1,7 +1,7 @@
 """Compile the kernels for a GPU target without a GPU: the portable Triton
 kernel through ``triton.compile`` with an explicit ``GPUTarget`` (its ``asm``
 holds TTGIR / PTX, ``n_regs`` is unset without a driver), the sm_90 CUDA
-kernel through NVRTC.  What the CPU tests use to prove every variant builds
+kernel and its schedule planner through NVRTC.  What the CPU tests use to prove every variant builds
 with the Triton and NVRTC installed."""
 
 from __future__ import annotations
@@ -35,11 +35,23 @@ def compile_portable(arch: int, H: int, ROWS: int = 2, TILE_PAGES: int = 1, PER_
 def compile_cuda_sm90(defines: tuple = ()) -> dict:
     """The sm_90 CUDA kernel's build with ``defines`` through NVRTC (``sm_90a``):
     its registers and spills as ptxas reports them."""
-    import re
-
     from . import cuda_paged_mqa_logits as ck
 
-    cubin, log = ck.compile_cubin(extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines)))
+    return _ptxas_report(*ck.compile_cubin(
+        extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines))))
+
+
+def compile_plan_sm90(heads: int) -> dict:
+    """The schedule planner's build for ``heads`` heads through NVRTC
+    (``sm_90a``): its registers and spills as ptxas reports them."""
+    from . import cuda_plan as cp
+
+    return _ptxas_report(*cp.compile_cubin(extra=("--ptxas-options=-v",), heads=heads))
+
+
+def _ptxas_report(cubin: bytes, log: str) -> dict:
+    import re
+
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return {"cubin_bytes": len(cubin), "registers": int(regs.group(1)) if regs else None,
@@ -48,12 +60,14 @@ def compile_cuda_sm90(defines: tuple = ()) -> dict:
 
 def main() -> int:
     """Compile every variant a server can use and print one JSON line per kernel:
-    the sm_90 CUDA kernel's builds (where NVRTC loads), the portable kernel for
-    sm_89, sm_90, sm_100 and sm_120.  Exit status 1 on any failure."""
+    the sm_90 CUDA kernel's builds and its planner's (where NVRTC loads), the
+    portable kernel for sm_89, sm_90, sm_100 and sm_120.  Exit status 1 on any
+    failure."""
     import json
     import os
 
     from . import cuda_paged_mqa_logits as ck
+    from . import cuda_plan as cp
     from . import triton_paged_mqa_logits as portable
 
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -70,14 +84,16 @@ def main() -> int:
     if nvrtc == "ok":  # the builds the launcher takes (per head count and run-length hint class)
         jobs += [("cuda_sm90", h, ck.defines_for(n) + (() if h == ck.HEADS else (f"HEADS={h}",)),
                   {}) for h in ck.LAUNCHER_HEADS for n in (1, ck.ROWS_MAX)]
+        jobs += [("cuda_plan_sm90", h, cp.defines_for(h), {}) for h in cp.HEAD_COUNTS]
     jobs += [("portable", h, arch, v) for h in (32, 64) for arch in (89, 90, 100, 120)
              for v in portable.portable_variants(h)]
     for job in jobs:
         row = {"kernel": job[0], "heads": job[1]}
         try:
-            if job[0] == "cuda_sm90":
+            if job[0] in ("cuda_sm90", "cuda_plan_sm90"):
                 row["defines"] = list(job[2])
-                row.update(compile_cuda_sm90(job[2]))
+                row.update(compile_cuda_sm90(job[2]) if job[0] == "cuda_sm90"
+                           else compile_plan_sm90(job[1]))
                 row["ok"] = row["spills"] == 0
                 failed += not row["ok"]
                 print(json.dumps(row), flush=True)

@@ -39,13 +39,14 @@ descriptors come from a cache by layout) and handed to ``cuLaunchKernel`` by
 address, so a launch builds no argument objects (:func:`launch`).
 
 Schedule (:func:`plan`, once per step, no host sync: on the GPU one launch
-of the planner kernel, :mod:`.cuda_plan`; its definition :func:`plan_torch`,
-torch operations): each run is split into chunks of up to 4 rows (two wgmma
-row groups); a chunk's items are its run's pages, each costing ``c0 + c1 *
-rows + c2 * row groups`` of its chunk (:data:`COST`, :func:`page_cost`); CTA
-``c`` of ``n`` takes the items, in row order, whose cost ends past ``c * C //
-n`` and starts before ``(c + 1) * C // n`` of the step's total ``C`` (each
-output element written by one CTA: bitwise repeatable).
+of the planner kernel, :mod:`.cuda_plan`, built per head count; its
+definition :func:`plan_torch`, torch operations): each run is split into
+chunks of up to 4 rows at 64 heads, 8 at 32 (two wgmma row groups); a
+chunk's items are its run's pages, each costing ``c0 + c1 * rows + c2 * row
+groups`` of its chunk (:data:`COST`, :func:`page_cost`); CTA ``c`` of ``n``
+takes the items, in row order, whose cost ends past ``c * C // n`` and
+starts before ``(c + 1) * C // n`` of the step's total ``C`` (each output
+element written by one CTA: bitwise repeatable).
 :func:`schedule_model` is the host mirror.
 """
 
@@ -73,10 +74,11 @@ logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "sm90_varlen_logits.cu")
 KERNEL_NAME = b"varlen_logits_sm90"
 HEADS = 64            # the head count the launcher routes here (LAUNCHER_HEADS)
-# plan() takes the one-launch planner kernel (.cuda_plan) where it can serve
-# (64 heads): on the H200 it matched plan_torch bit for bit on 17 steps of 11 to
-# 8199 rows, at 5.7-8.3 µs of GPU time per step up to 1031 rows against
-# plan_torch's 130-178 (vllm-dsa-varlen-bench --plan-timing; docs/design.md §8).
+# plan() takes the one-launch planner kernel (.cuda_plan, a build per head count)
+# where it can serve: at 64 heads on the H200 it matched plan_torch bit for bit on
+# 17 steps of 11 to 8199 rows, at 5.7-8.3 µs of GPU time per step up to 1031 rows
+# against plan_torch's 130-178 (vllm-dsa-varlen-bench --plan-timing; docs/design.md
+# §8); its 32-head build is not yet measured on the GPU.
 PLAN_KERNEL = True
 HEAD_COUNTS = (32, 64)  # the kernel's builds: a row group is 128 // heads rows
 # Where unsupported_reason lets the launcher take it: the HEADS=32 build measured
@@ -359,15 +361,15 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
          rows_max: int | None = None, *, programs: int | None = None, cost=COST):
     """The step's schedule: ``(table int32 [R, 8], ctas int32 [programs, 4])``
     as :func:`plan_torch` defines it.  With :data:`PLAN_KERNEL` on the GPU
-    (64 heads, int32 run ids, NVRTC present) one launch of the planner kernel
-    (:func:`.cuda_plan.plan_device`), else :func:`plan_torch`.  No host sync,
-    graph safe."""
+    (int32 run ids, NVRTC present) one launch of the planner kernel's build
+    for ``heads`` (:func:`.cuda_plan.plan_device`), else :func:`plan_torch`.
+    No host sync, graph safe."""
     rows_max = _check_structure(heads, rows_max)
-    if (PLAN_KERNEL and heads == HEADS and indices.is_cuda and indices.dtype == torch.int32
+    if (PLAN_KERNEL and indices.is_cuda and indices.dtype == torch.int32
             and available() is None):
         if ((programs is None or programs <= cuda_plan.MAX_PROGRAMS)
                 and indices.numel() <= cuda_plan.MAX_ROWS):
-            return plan_device(indices, context_lens, max_context_len, bt_width,
+            return plan_device(indices, context_lens, max_context_len, bt_width, heads=heads,
                                programs=programs, cost=cost)
     return plan_torch(indices, context_lens, max_context_len, bt_width, heads, rows_max,
                       programs=programs, cost=cost)

@@ -9,9 +9,13 @@ rows (each thread a contiguous share of them), so any row count up to
 memory a function of the row count (:func:`stage_bytes`), nothing depends on
 tensor contents; no host sync; into preallocated outputs when given.  The
 launcher precomputes what the kernel would otherwise divide for (a page's cost
-per chunk size, :func:`magic` numbers).  Compiled by NVRTC and loaded through
-the driver like the logits kernel, once per process and device (:func:`load`;
-``precompile`` reaches it through the launcher's first plan).
+per chunk size, :func:`magic` numbers; :func:`kernel_args`).  One build per
+head count of the logits kernel (:data:`HEAD_COUNTS`): the head count sets its
+chunk, two row groups of ``128 // heads`` rows (:func:`chunk_rows`: 4 rows at
+64 heads, 8 at 32), and a page's cost per chunk size (:func:`page_cost`).
+Compiled by NVRTC and loaded through the driver like the logits kernel, once
+per process, device and head count (:func:`load`; ``precompile`` reaches it
+through the launcher's first plan).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ TABLE_ROWS = 4096        # steps of up to this many rows build the table in shar
 MAX_ROWS = THREADS * 32  # rows per thread: one bit each in a 32-bit mask
 _INT32_MAX = 2**31 - 1
 
-CHUNK_ROWS = 4           # rows per chunk of the 64-head logits kernel (its ROWS_MAX)
+HEADS = 64               # the default build (no macro)
+HEAD_COUNTS = (64, 32)   # the builds: HEADS=<h>, as the logits kernel's
 TABLE_WORDS = 8          # int32 per segment row of the plan
 CTA_WORDS = 4            # int32 per CTA: first segment, item range [lo, hi)
 
@@ -66,16 +71,40 @@ def page_cost(cost, rows, rows_per_group: int = 2):
     return c0 + c1 * rows + c2 * ((rows + rows_per_group - 1) // rows_per_group)
 
 
-def compile_cubin(arch: str = cb.ARCH, extra: tuple = ()) -> tuple[bytes, str]:
-    """The planner built by NVRTC (no GPU needed): ``(cubin, log)``."""
-    return cb.compile_source(SOURCE, arch, extra)
+def group_rows(heads: int) -> int:
+    """Rows of one of the logits kernel's row groups at ``heads`` heads (its
+    wgmma's 128 columns are rows x heads): 2 at 64 heads, 4 at 32."""
+    if heads not in HEAD_COUNTS:
+        _fail("heads", " or ".join(map(str, HEAD_COUNTS)), heads)
+    return 128 // heads
+
+
+def chunk_rows(heads: int) -> int:
+    """Rows per chunk at ``heads`` heads: the logits kernel's two row groups
+    (the planner's ``ROWS_MAX``; ``cuda_paged_mqa_logits.rows_max_for``)."""
+    return 2 * group_rows(heads)
+
+
+def defines_for(heads: int) -> tuple[str, ...]:
+    """The build's macros at ``heads`` heads (the default build takes none)."""
+    group_rows(heads)
+    return () if heads == HEADS else (f"HEADS={heads}",)
+
+
+def compile_cubin(arch: str = cb.ARCH, extra: tuple = (), heads: int = HEADS
+                  ) -> tuple[bytes, str]:
+    """The planner's build for ``heads`` heads by NVRTC (no GPU needed):
+    ``(cubin, log)``."""
+    macros = tuple(f"-D{d}" for d in defines_for(heads))
+    return cb.compile_source(SOURCE, arch, macros + tuple(extra))
 
 
 class _Loaded:
-    """The planner loaded in one device's primary context (driver handles)."""
+    """The planner's build for ``heads`` loaded in one device's primary
+    context (driver handles)."""
 
-    def __init__(self, device: torch.device):
-        cubin, _ = compile_cubin()
+    def __init__(self, device: torch.device, heads: int):
+        cubin, _ = compile_cubin(heads=heads)
         most = max(stage_bytes(TABLE_ROWS), stage_bytes(STAGE_ROWS))
         self.fn, self.ctx, self.module = cb.load_function(cb.driver(), device, cubin,
                                                           KERNEL_NAME, most)
@@ -100,16 +129,19 @@ def magic(d: int) -> int:
     return (2**64 - 1) // d
 
 
-def load(device) -> _Loaded:
-    """Compile (NVRTC) and load the planner for ``device`` once per process."""
+def load(device, heads: int = HEADS) -> _Loaded:
+    """Compile (NVRTC) and load the planner's build for ``heads`` heads on
+    ``device`` once per process."""
+    group_rows(heads)
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    got = _LOADED.get(index)
+    key = (index, heads)
+    got = _LOADED.get(key)
     if got is None:
         with _lock:
-            got = _LOADED.get(index)
+            got = _LOADED.get(key)
             if got is None:
-                got = _LOADED[index] = _Loaded(torch.device("cuda", index))
+                got = _LOADED[key] = _Loaded(torch.device("cuda", index), heads)
     return got
 
 
@@ -135,16 +167,41 @@ def _int32_rows(t: torch.Tensor, name: str, rows: int) -> torch.Tensor:
     return flat if flat.stride(0) == 1 else flat.contiguous()
 
 
+def kernel_args(ids: int, ctx: int, rows: int, max_context_len: int, bt_width: int,
+                programs: int, table: int, ctas: int, *, heads: int = HEADS, cost=COST) -> dict:
+    """The kernel's parameters by name, in its order (``plan_sm90`` in the
+    source; a test reads the signature there and compares), as the ctypes
+    values ``cuLaunchKernel`` copies: the addresses of the ids, context
+    lengths, table and ctas (given as ints), the row count, the KV lengths'
+    cap (the least of ``max_context_len``, ``bt_width`` pages and int32's
+    largest), the CTA count; ``unit``: a page's cost in a chunk of 1 ..
+    :func:`chunk_rows` rows (:func:`page_cost` with the head count's row
+    groups; the source's ``ByRows<i64>``); ``magic_p``, ``magic``:
+    :func:`magic` of the CTA count and of each cost."""
+    group = group_rows(heads)
+    units = [page_cost(cost, n, group) for n in range(1, 2 * group + 1)]
+    cap = min(int(max_context_len), int(bt_width) * PAGE, _INT32_MAX)
+    c = ctypes
+    return {"ids_g": c.c_uint64(ids), "ctx_g": c.c_uint64(ctx), "rows": c.c_int32(rows),
+            "cap": c.c_int32(cap), "programs": c.c_int32(programs),
+            "unit": (c.c_int64 * len(units))(*units), "magic_p": c.c_uint64(magic(programs)),
+            "magic": (c.c_uint64 * len(units))(*[magic(u) for u in units]),
+            "table": c.c_uint64(table), "ctas": c.c_uint64(ctas)}
+
+
 def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
-                programs: int | None = None, cost=COST, out=None):
+                heads: int = HEADS, programs: int | None = None, cost=COST, out=None):
     """The step's schedule (``table int32 [R, 8]``, ``ctas int32 [programs,
     4]``; layout in :func:`cuda_paged_mqa_logits.plan_torch`) from one launch
     on the current stream.  ``indices``, ``context_lens``: the rows' run ids
     (int32) and context lengths (int32; other integers are converted, one more
-    op) on the GPU, at most :data:`MAX_ROWS` rows; ``programs``: the logits
-    kernel's grid (default: the device's SMs, at most :data:`MAX_PROGRAMS`);
-    ``cost``: :data:`cuda_paged_mqa_logits.COST`'s form; ``out``: the two
-    output tensors (e.g. :func:`allocate`'s), written in place."""
+    op) on the GPU, at most :data:`MAX_ROWS` rows; ``heads``: the logits
+    kernel's (:data:`HEAD_COUNTS`; it sets the chunk); ``programs``: the
+    logits kernel's grid (default: the device's SMs, at most
+    :data:`MAX_PROGRAMS`); ``cost``: :data:`cuda_paged_mqa_logits.COST`'s
+    form; ``out``: the two output tensors (e.g. :func:`allocate`'s), written
+    in place."""
+    group_rows(heads)
     if not indices.is_cuda:
         _fail("indices", "a CUDA tensor", indices.device)
     dev = indices.device
@@ -165,8 +222,6 @@ def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
         _fail("max_context_len", ">= 0", max_context_len)
     if bt_width < 0:
         _fail("bt_width", ">= 0", bt_width)
-    units = [page_cost(cost, n) for n in range(1, CHUNK_ROWS + 1)]
-    cap = min(int(max_context_len), int(bt_width) * PAGE, _INT32_MAX)
     if out is None:
         table, ctas = allocate(rows, programs, dev)
     else:
@@ -177,14 +232,11 @@ def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
                     or t.device != dev or t.data_ptr() % 16):
                 _fail("out", f"{name} contiguous int32 {list(shape)} on {dev}, 16-byte aligned",
                       f"{t.dtype} {tuple(t.shape)} on {t.device}")
-    kern = load(dev)
-    vals = [ctypes.c_uint64(ids.data_ptr()), ctypes.c_uint64(ctx.data_ptr()),
-            ctypes.c_int32(rows), ctypes.c_int32(cap), ctypes.c_int32(programs),
-            *[ctypes.c_int64(u) for u in units], ctypes.c_uint64(magic(programs)),
-            *[ctypes.c_uint64(magic(u)) for u in units],
-            ctypes.c_uint64(table.data_ptr()), ctypes.c_uint64(ctas.data_ptr())]
-    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
-                                             for v in vals])
+    vals = list(kernel_args(ids.data_ptr(), ctx.data_ptr(), rows, max_context_len, bt_width,
+                            programs, table.data_ptr(), ctas.data_ptr(), heads=heads,
+                            cost=cost).values())
+    kern = load(dev, heads)
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
     with torch.cuda.device(dev):
         cb.launch_function(cb.driver(), kern.fn, kern.ctx, 1, THREADS, stage_bytes(rows),
                            torch.cuda.current_stream(dev).cuda_stream, ctypes.addressof(params))

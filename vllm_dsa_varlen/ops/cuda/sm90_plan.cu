@@ -10,6 +10,11 @@
 //   ctas int32 [P, 4]: (first segment, item range lo, hi, 0) of CTA c: the
 //     items whose cost ends past c * C / P and starts before (c + 1) * C / P.
 //
+// One build per head count of the logits kernel (HEADS: 64, the default, or
+// 32): it sets the chunk, ROWS_MAX = two row groups of 128 / HEADS rows (4 or
+// 8), hence where chunks start and how many page costs (one per chunk size)
+// the launcher passes.
+//
 // Shape: THREADS threads, thread t owns the rows [t K, t K + K), K = ceil(R /
 // THREADS) <= 32, so every step is one CTA and a fixed number of block-wide
 // scans whatever its row count.  A thread reads its rows' ids once, into two
@@ -44,9 +49,15 @@ typedef long long i64;
 typedef unsigned long long u64;
 typedef unsigned int u32;
 
+#ifndef HEADS
+#define HEADS 64              // the logits kernel's heads (its HEADS build): 64 or 32
+#endif
+static_assert(HEADS == 64 || HEADS == 32, "the logits kernel serves 64 or 32 heads");
+
 #define THREADS 1024
 #define WARPS (THREADS / 32)
-#define ROWS_MAX 4            // rows per chunk: the logits kernel's two row groups of two
+#define GROUP_ROWS (128 / HEADS)   // rows per row group: its wgmma's 128 columns are rows x heads
+#define ROWS_MAX (2 * GROUP_ROWS)  // rows per chunk: the logits kernel's two row groups
 #define PAGE 64
 #define MAX_PROGRAMS THREADS  // one thread per CTA in step 4
 #define STAGE_ROWS 8192       // rows staged in shared memory (ids, context lengths)
@@ -166,6 +177,20 @@ struct Src {
   DEV int ctx(int r) const { return staged ? ctx_s[pad(r)] : __ldg(ctx_g + r); }
 };
 
+// One value per chunk size n = 1 .. ROWS_MAX (a page's cost in a chunk of n
+// rows, the launcher's page_cost, and its division magic): a kernel parameter,
+// read at constant indices only (a select chain), so it stays out of local
+// memory.
+template <typename T> struct ByRows {
+  T v[ROWS_MAX];
+  DEV T at(int n) const {  // v[n - 1], 1 <= n <= ROWS_MAX
+    T x = v[ROWS_MAX - 1];
+#pragma unroll
+    for (int i = ROWS_MAX - 2; i >= 0; --i) x = n == i + 1 ? v[i] : x;
+    return x;
+  }
+};
+
 // One row's facts.
 struct Row { int first, last, kv, n_rows, items; i64 unit; };
 
@@ -175,7 +200,7 @@ struct Row { int first, last, kv, n_rows, items; i64 unit; };
 // (a run's rows share it).
 struct Rows {
   Src src; int r0, cap, first_before, end_after; u32 starts, ends;
-  i64 unit1, unit2, unit3, unit4;  // a page's cost in a chunk of 1, 2, 3, 4 rows
+  ByRows<i64> unit;  // a page's cost in a chunk of 1 .. ROWS_MAX rows
   int kv_row, kv;
 
   DEV int first(int k) const {
@@ -193,8 +218,7 @@ struct Rows {
     w.n_rows = min(w.last - r + 1, ROWS_MAX);
     const bool work = ((r - w.first) & (ROWS_MAX - 1)) == 0 && w.kv > 0;
     w.items = work ? (int)((u32)(w.kv + PAGE - 1) / PAGE) : 0;  // kv > 0 here
-    w.unit = !work ? 0 : w.n_rows == 1 ? unit1 : w.n_rows == 2 ? unit2
-                       : w.n_rows == 3 ? unit3 : unit4;
+    w.unit = !work ? 0 : unit.at(w.n_rows);
     return w;
   }
 };
@@ -227,8 +251,8 @@ DEV i64 first_cta_at(i64 a, i64 programs, i64 cost, float ratio) {
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows, int cap,
-          int programs, i64 unit1, i64 unit2, i64 unit3, i64 unit4, u64 magic_p, u64 magic1,
-          u64 magic2, u64 magic3, u64 magic4, int* __restrict__ table, int* __restrict__ ctas) {
+          int programs, ByRows<i64> unit, u64 magic_p, ByRows<u64> magic,
+          int* __restrict__ table, int* __restrict__ ctas) {
   // dynamic: ids, context lengths (pad) when rows <= STAGE_ROWS; the table
   // (slot) when rows <= TABLE_ROWS
   extern __shared__ __align__(16) int stage[];
@@ -238,7 +262,7 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
   __shared__ int tag_seg[MAX_PROGRAMS];   // CTA c's first segment, where c's share starts in it
   __shared__ int tag_off[MAX_PROGRAMS];   // that segment's first item
   __shared__ i64 tag_cost[MAX_PROGRAMS];  // its cost offset
-  __shared__ int tag_rows[MAX_PROGRAMS];  // its rows (its cost per item: unit<rows>)
+  __shared__ int tag_rows[MAX_PROGRAMS];  // its rows (its cost per item: unit.at(rows))
   __shared__ int s_lo[MAX_PROGRAMS];
 
   STAMP(0);
@@ -303,8 +327,7 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
   // P, so c runs from ceil(a P / C) to ceil(b P / C) - 1; only threads whose
   // cost range holds some share's start look per chunk.  One walk over the
   // thread's rows serves both passes (one copy of its code).
-  Rows walk{src, r0, cap, start_before, end_after, starts, ends,
-            unit1, unit2, unit3, unit4, -1, 0};
+  Rows walk{src, r0, cap, start_before, end_after, starts, ends, unit, -1, 0};
   i64 packed = 0, seg_cost = 0, thread_cost = 0, totals = 0, cost = 0;
   int total_items = 0, with_work = 0, seg = 0;
   bool tags = false;
@@ -378,10 +401,8 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
   int lo = total_items, seg0 = rows;  // no work: every range empty, past every segment
   if (t < programs && cost > 0) {
     const int n_rows = tag_rows[tagged];
-    const i64 unit = n_rows == 1 ? unit1 : n_rows == 2 ? unit2 : n_rows == 3 ? unit3 : unit4;
-    const u64 magic = n_rows == 1 ? magic1 : n_rows == 2 ? magic2 : n_rows == 3 ? magic3 : magic4;
     const i64 x = div_by((i64)t * cost, programs, magic_p);
-    lo = (int)(tag_off[tagged] + div_by(x - tag_cost[tagged], unit, magic));
+    lo = (int)(tag_off[tagged] + div_by(x - tag_cost[tagged], unit.at(n_rows), magic.at(n_rows)));
     seg0 = tag_seg[tagged];
   }
   if (t < programs) s_lo[t] = lo;
