@@ -300,6 +300,45 @@ def test_one_pack_writes_what_the_fields_hold():
         assert bytes(packed) == bytes(fields)
 
 
+_ENCODE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint,
+                           ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                           ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32),
+                           ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_int,
+                           ctypes.c_int, ctypes.c_int)
+
+
+@pytest.mark.parametrize("result", [0, 201, 700])
+def test_encode_hands_the_driver_its_layout_and_returns_what_it_wrote(monkeypatch, result):
+    """``cuTensorMapEncodeTiled`` (a callback in its place) gets the address, the
+    layout's dims, strides, box and unit element strides (arrays built once
+    per layout), uint8, 128-byte swizzle, a 64-byte aligned output; the
+    descriptor is the 128 bytes written there.  No context: ``_NoContext``;
+    another error: ``RuntimeError`` naming the layout."""
+    seen = []
+
+    def fake(out, dtype, rank, base, dims, strides, box, elems, interleave, swizzle, l2, fill):
+        seen.append((out % 64, dtype, rank, base, [dims[i] for i in range(rank)],
+                     [strides[i] for i in range(rank - 1)], [box[i] for i in range(rank)],
+                     [elems[i] for i in range(rank)], interleave, swizzle, l2, fill))
+        ctypes.memmove(out, bytes((base + i) % 256 for i in range(128)), 128)
+        return result
+
+    callback = _ENCODE(fake)
+    monkeypatch.setattr(ck, "_encode_fn", lambda: callback)
+    layout = ((128, 64, 900), (128, 8448), (128, 64, 1))
+    for base in (1 << 40, (1 << 40) + 4096):
+        if result == 201:
+            with pytest.raises(ck._NoContext):
+                ck._encode(base, *layout)
+        elif result:
+            with pytest.raises(RuntimeError, match=r"CUDA error 700 \(dims \[128, 64, 900\]"):
+                ck._encode(base, *layout)
+        else:
+            assert ck._encode(base, *layout) == bytes((base + i) % 256 for i in range(128))
+    assert seen == [(0, 0, 3, base, [128, 64, 900], [128, 8448], [128, 64, 1], [1, 1, 1],
+                     0, 3, 2, 0) for base in (1 << 40, (1 << 40) + 4096)]
+
+
 def test_descriptor_dicts_are_keyed_on_the_whole_layout():
     """A tensor's descriptors are found by address in the dict of its layout:
     the same layout at another address shares the dict (another entry), any

@@ -421,6 +421,17 @@ def test_evicted_descriptors_are_encoded_again(monkeypatch):
         assert kv_encodes == [c.data_ptr() for c in caches] * 2
 
 
+@pytest.mark.parametrize("mcl", [1, 127, 128, 129, 2000, 2048])
+def test_allocated_logits_rows_start_512_byte_aligned(mcl):
+    """The launcher's own logits: ``[R, max_context_len]`` float32, contiguous
+    rows whose stride is the width rounded up to 128 elements (512 bytes)."""
+    out = launcher.new_logits(5, mcl, torch.device("cpu"))
+    assert out.dtype == torch.float32 and tuple(out.shape) == (5, mcl)
+    assert out.stride(1) == 1 and out.stride(0) % 128 == 0 and 0 <= out.stride(0) - mcl < 128
+    out.fill_(1.0)  # every element addressable
+    assert launcher.new_logits(0, mcl, torch.device("cpu")).shape == (0, mcl)
+
+
 def test_prebound_launch_key_separates_specialisations():
     """The cached compiled kernel is reused only for arguments Triton would
     specialise the same way (integer == 1 / % 16, tensor 16-byte alignment)."""

@@ -173,7 +173,8 @@ def _pack_format() -> struct.Struct:
     :class:`_Params`' own field offsets and sizes (so it cannot drift from
     them): each descriptor as its 128 raw bytes, each scalar in native byte
     order, the C padding between fields as pad bytes.  One ``pack_into`` then
-    rewrites the block (fourteen ctypes field writes cost several times more)."""
+    rewrites the block: 0.6 µs on a CPU where the fourteen ctypes field writes
+    it replaces took 1.2-1.3 µs."""
     fmt, pos = "=", 0  # native byte order, standard sizes, no implicit alignment
     for name, kind in PARAMS:
         offset, size = getattr(_Params, name).offset, ctypes.sizeof(kind)
@@ -256,15 +257,21 @@ def _encode_fn():
     return fn
 
 
-def _encode(base: int, dims, strides, box) -> _TmaMap:
-    """A 128-byte-swizzled uint8 TMA descriptor (driver ``cuTensorMapEncodeTiled``)."""
+@functools.lru_cache(maxsize=256)
+def _encode_shape(dims: tuple, strides: tuple, box: tuple) -> tuple:
+    """The encode's arguments a layout fixes, as the ctypes arrays the driver
+    reads (built once per layout: building them costs more than the encode)."""
+    rank = len(dims)
+    return (rank, (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
+            (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)))
+
+
+def _encode(base: int, dims: tuple, strides: tuple, box: tuple) -> bytes:
+    """A 128-byte-swizzled uint8 TMA descriptor (driver ``cuTensorMapEncodeTiled``),
+    its 128 bytes."""
     raw = (ctypes.c_uint8 * (128 + 64))()
     addr = (ctypes.addressof(raw) + 63) & ~63
-    rank = len(dims)
-    d = (ctypes.c_uint64 * rank)(*dims)
-    s = (ctypes.c_uint64 * (rank - 1))(*strides)
-    b = (ctypes.c_uint32 * rank)(*box)
-    e = (ctypes.c_uint32 * rank)(*([1] * rank))
+    rank, d, s, b, e = _encode_shape(dims, strides, box)
     # uint8, no interleave, 128-byte swizzle, 128-byte L2 promotion, zero fill
     res = _encode_fn()(ctypes.c_void_p(addr), 0, rank, ctypes.c_void_p(base), d, s, b, e,
                        0, 3, 2, 0)
@@ -273,9 +280,7 @@ def _encode(base: int, dims, strides, box) -> _TmaMap:
     if res:
         raise RuntimeError(f"cuTensorMapEncodeTiled: CUDA error {res} (dims {list(dims)}, "
                            f"strides {list(strides)}, box {list(box)})")
-    out = _TmaMap()
-    ctypes.memmove(ctypes.addressof(out), addr, 128)
-    return out
+    return ctypes.string_at(addr, 128)
 
 
 class _NoContext(RuntimeError):
