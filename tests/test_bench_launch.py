@@ -109,3 +109,20 @@ def test_mode_options_need_their_mode(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_the_gpu_summary_names_each_case_and_the_target(capsys):
+    """The short table that ends a GPU run: one row per case, the floor, the
+    prepared launch and the launcher's "auto" (given logits and its own), "–"
+    for a path not timed, the target met only at <= 20 µs through "auto"."""
+    table = [("B1", "cuLaunchKernel alone (cuda-python)", 6.0, 0, 0, 0),
+             ("B1", "prepared launch (addresses only)", 8.0, 0, 0, 0),
+             ("B1", "launcher auto (as set)", 19.9, 0, 0, 0),
+             ("B1", "launcher auto, no out", 22.0, 0, 0, 0),
+             ("B64", "launcher auto (as set)", 20.1, 0, 0, 0),
+             ("B64", "launcher portable", 9.0, 0, 0, 0)]
+    bench_launch.print_summary(table)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2] == "| B1 | 6.0 | 8.0 | 19.9 | 22.0 | yes |"
+    assert lines[-1] == "| B64 | – | – | 20.1 | – | no |"
+    assert "target: launcher auto <= 20" in lines[-5]
