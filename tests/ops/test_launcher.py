@@ -1,11 +1,15 @@
 """The launcher around both kernels (ops/launcher.py).
 
 On the CPU: the kernel names it takes and refuses, the choice on CPU tensors,
-the cached layout checks, the pre-bound launch key, precompile's contract.
-Marked ``gpu``: precompile leaves nothing to compile for new step sizes (any
-GPU); on an sm_90 GPU the launcher's sm_90 path (the CUDA kernel, 32 and 64
-heads) against the reference, bitwise repeatable at serving sizes, and
-replayed from a CUDA graph on new contents and batch compositions.
+the routes kept per call layout (what misses, bad calls after good ones), the
+CUDA kernel's eager path with the driver stubbed (what the driver is handed,
+against a parameter block built afresh), the pre-bound launch key,
+precompile's contract.  Marked ``gpu``: precompile leaves nothing to compile
+for new step sizes (any GPU); on an sm_90 GPU the launcher's sm_90 path (the
+CUDA kernel, 32 and 64 heads) against the reference, bitwise repeatable at
+serving sizes, replayed from a CUDA graph on new contents and batch
+compositions, eager calls on kept routes as tensors move, a captured launch
+after its caches are dropped, no host sync.
 """
 
 import contextlib
@@ -361,7 +365,8 @@ def test_eager_sm90_calls_hand_the_driver_a_fresh_pack(heads):
     encoded once per (address, layout)."""
     step = make_decode_step([2, 1, 3, 4], [70, 20, 130, 300], heads=heads)
     rows = step.rows
-    ctx, bt, ids, mcl = rows.context_lens.view(-1, 1), rows.block_table, rows.indices, step.max_context_len
+    ctx, bt, ids = rows.context_lens.view(-1, 1), rows.block_table, rows.indices
+    mcl = step.max_context_len
     table, ctas = ck.plan_torch(ids, ctx, mcl, bt.shape[1], heads, programs=4)
     cache = {}
     with _stubbed_sm90((table, ctas)) as (fake, encodes, loaded):
@@ -408,7 +413,8 @@ def test_evicted_descriptors_are_encoded_again(monkeypatch):
     monkeypatch.setattr(ck, "_MAPS_LIMIT", 1)
     step = make_decode_step([2, 3], [70, 130], heads=64)
     rows = step.rows
-    ctx, bt, ids, mcl = rows.context_lens.view(-1, 1), rows.block_table, rows.indices, step.max_context_len
+    ctx, bt, ids = rows.context_lens.view(-1, 1), rows.block_table, rows.indices
+    mcl = step.max_context_len
     sched = ck.plan_torch(ids, ctx, mcl, bt.shape[1], programs=4)
     caches = [step.kv_cache, step.kv_cache.clone()]
     with _stubbed_sm90(sched) as (fake, encodes, _):
@@ -663,8 +669,8 @@ def test_eager_calls_on_kept_routes_follow_their_tensors(heads):
         step = random_decode_step(reqs, tokens, context, heads=heads, seed=seed + s,
                                   device="cuda", variable=True)
         rows = step.rows
-        ctx, bt, ids, mcl = rows.context_lens.view(-1, 1), rows.block_table, rows.indices, \
-            step.max_context_len
+        ctx, bt, ids = rows.context_lens.view(-1, 1), rows.block_table, rows.indices
+        mcl = step.max_context_len
         layers = [_fresh_kv(step.kv_cache, gen) for _ in range(3)]
         cache = {}
 
@@ -694,7 +700,8 @@ def test_eager_calls_on_kept_routes_follow_their_tensors(heads):
         # another layout at a known address: every other page of a pool, then all of it
         blocks, stride = step.kv_cache.shape[0], step.kv_cache.stride(0)
         pool = torch.empty(2 * blocks * stride, dtype=torch.uint8, device="cuda")
-        every_other = pool.as_strided(step.kv_cache.shape, (2 * stride, *step.kv_cache.stride()[1:]))
+        every_other = pool.as_strided(step.kv_cache.shape,
+                                      (2 * stride, *step.kv_cache.stride()[1:]))
         every_other.copy_(_fresh_kv(step.kv_cache, gen))
         dense = pool[: blocks * stride].view(step.kv_cache.shape)
         call(every_other, given=True)
