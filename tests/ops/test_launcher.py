@@ -411,6 +411,7 @@ def test_evicted_descriptors_are_encoded_again(monkeypatch):
     """With room for one descriptor per layout, calls alternating between two
     caches re-encode each time and still pack the right one."""
     monkeypatch.setattr(ck, "_MAPS_LIMIT", 1)
+    monkeypatch.setattr(ck, "_LAYOUTS_LIMIT", 1)  # and one layout: the registry restarts too
     step = make_decode_step([2, 3], [70, 130], heads=64)
     rows = step.rows
     ctx, bt, ids = rows.context_lens.view(-1, 1), rows.block_table, rows.indices

@@ -317,7 +317,11 @@ class _Descriptors(dict):
 
 
 _DESCRIPTORS: dict = {}  # (dims, strides, box) -> _Descriptors of that layout
-_MAPS_LIMIT = 256        # layouts, and addresses per layout, kept before starting afresh
+# Kept before starting afresh: addresses per layout, and layouts (the queries'
+# layout changes with every step's row count; a cleared registry costs the
+# KV caches' layout one encode per layer again, hence room for many).
+_MAPS_LIMIT = 256
+_LAYOUTS_LIMIT = 4096
 
 
 def _descriptors(dims: tuple, strides: tuple, box: tuple) -> _Descriptors:
@@ -325,7 +329,7 @@ def _descriptors(dims: tuple, strides: tuple, box: tuple) -> _Descriptors:
     key = (dims, strides, box)
     got = _DESCRIPTORS.get(key)
     if got is None:
-        if len(_DESCRIPTORS) >= _MAPS_LIMIT:
+        if len(_DESCRIPTORS) >= _LAYOUTS_LIMIT:
             _DESCRIPTORS.clear()
         got = _DESCRIPTORS[key] = _Descriptors(dims, strides, box)
     return got
