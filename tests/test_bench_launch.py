@@ -8,16 +8,38 @@ import pytest
 from vllm_dsa_varlen import bench, bench_launch
 
 
+PATHS = ["prepared launch (addresses only)", "launch (schedule given)", "launcher sm90_cuda",
+         "launcher auto", "launcher auto, no out"]
+
+
+def _rows(out):
+    return re.findall(r"^\| (B\S+ L\S+ \S+) \| ([^|]+) \| (\S+) \| ([0-9.]+) \| "
+                      r"([0-9.]+)-([0-9.]+) \|$", out, re.M)
+
+
 def test_fake_launch_times_every_selected_case_and_prints_the_table(capsys):
     """``--launch-host --fake``: one table row per selected case (substrings,
-    space- or comma-separated), each a positive host time per launch."""
+    space- or comma-separated) and path, each a positive host time per call
+    inside its rounds' range."""
     assert bench.main(["--launch-host", "--fake", "--calls", "1", "--cases", "B64 L8K,L32K"]) == 0
     out = capsys.readouterr().out
-    assert "| case | launch (driver stubbed, CPU tensors) | host µs/call |" in out
-    rows = re.findall(r"^\| (B\S+ L\S+ \S+) \| now \(cuda-python, parameter block\) \| "
-                      r"([0-9.]+) \|$", out, re.M)
-    assert [r[0] for r in rows] == ["B64 L8K 4tok", "B64 L32K 2tok"]
-    assert all(float(us) > 0 for _, us in rows)
+    assert ("| case | path (driver stubbed, CPU tensors) | revision | host µs/call | rounds |"
+            in out)
+    rows = _rows(out)
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (case, path, "now") for case in ("B64 L8K 4tok", "B64 L32K 2tok") for path in PATHS]
+    assert all(0 < float(lo) <= float(us) <= float(hi) for *_, us, lo, hi in rows)
+
+
+def test_fake_launch_times_a_base_revision_beside(capsys):
+    """``--base REV``: the launcher and launch of that revision's ``ops``
+    package, imported beside this one and timed in the same rounds."""
+    assert bench.main(["--launch-host", "--fake", "--calls", "1", "--cases", "B1 ",
+                       "--base", "HEAD"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert [(r[1], r[2]) for r in rows if r[2] == "now"] == [(p, "now") for p in PATHS]
+    base = [r[1] for r in rows if r[2] == "HEAD"]
+    assert PATHS[1:] == [p for p in base if p != PATHS[0]]  # no prepared launch before it came
 
 
 def test_without_a_gpu_the_launch_host_mode_takes_the_fake_launch(capsys, monkeypatch):
@@ -25,7 +47,27 @@ def test_without_a_gpu_the_launch_host_mode_takes_the_fake_launch(capsys, monkey
     assert bench.main(["--launch-host", "--calls", "1", "--cases", "B1 L8K"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("no CUDA GPU: timing the fake launch (--fake)")
-    assert "| B1 L8K 4tok | now (cuda-python, parameter block) |" in out
+    assert "| B1 L8K 4tok | launcher auto | now |" in out
+
+
+def test_the_fake_leaves_torch_and_the_modules_as_they_were():
+    """The stubs come off: ``Tensor.is_cuda``, the device queries and the
+    kernel module's functions are the real ones again, its caches empty."""
+    import types
+
+    import torch
+    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+    from vllm_dsa_varlen.ops import launcher
+
+    before = (ck.load, ck.plan, ck.available, ck._encode, torch.cuda.get_device_capability,
+              torch.cuda.is_current_stream_capturing, torch.cuda.current_device)
+    ops = types.SimpleNamespace(launcher=launcher, ck=ck)
+    with bench_launch.fake_hopper(), bench_launch.stubbed_launcher(ops, None):
+        assert torch.zeros(1).is_cuda
+    assert not torch.zeros(1).is_cuda
+    assert (ck.load, ck.plan, ck.available, ck._encode, torch.cuda.get_device_capability,
+            torch.cuda.is_current_stream_capturing, torch.cuda.current_device) == before
+    assert not ck._DESCRIPTORS and not launcher._ROUTES
 
 
 def test_fake_launch_records_one_driver_launch_per_call():
@@ -67,3 +109,20 @@ def test_mode_options_need_their_mode(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_the_gpu_summary_names_each_case_and_the_target(capsys):
+    """The short table that ends a GPU run: one row per case, the floor, the
+    prepared launch and the launcher's "auto" (given logits and its own), "–"
+    for a path not timed, the target met only at <= 20 µs through "auto"."""
+    table = [("B1", "cuLaunchKernel alone (cuda-python)", 6.0, 0, 0, 0),
+             ("B1", "prepared launch (addresses only)", 8.0, 0, 0, 0),
+             ("B1", "launcher auto (as set)", 19.9, 0, 0, 0),
+             ("B1", "launcher auto, no out", 22.0, 0, 0, 0),
+             ("B64", "launcher auto (as set)", 20.1, 0, 0, 0),
+             ("B64", "launcher portable", 9.0, 0, 0, 0)]
+    bench_launch.print_summary(table)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2] == "| B1 | 6.0 | 8.0 | 19.9 | 22.0 | yes |"
+    assert lines[-1] == "| B64 | – | – | 20.1 | – | no |"
+    assert "target: launcher auto <= 20" in lines[-5]

@@ -539,7 +539,8 @@ def main(argv=None):
     parser.add_argument("--fake", action="store_true", help="--launch-host: the launch on CPU "
                         "tensors, driver calls stubbed (any machine)")
     parser.add_argument("--base", default="",
-                        help="--launch-host --fake: also time this git revision's launch")
+                        help="--launch-host --fake: also time this git revision's launcher "
+                        "and launch, beside this one (a revision with ops/launcher.py)")
     args = parser.parse_args(argv)
     wrong = [f"{flag} only with {mode}" for flag, mode, given, on in (
         ("--rounds", "--plan-timing or --builds", args.rounds is not None,

@@ -15,29 +15,37 @@ called ``--calls`` times back to back without a sync, five rounds (median):
   replayed (CUDA events, no L2 flush: back-to-back calls as a model runs);
 * ``replay host`` — µs per ``graph.replay()`` on the host.
 
-Paths: ``cuda launch`` (:func:`cuda_paged_mqa_logits.launch` alone, schedule
-given), ``launcher sm90_cuda`` / ``portable`` (the public
-launcher, schedule cache of the step prefilled as serving's first layer
-leaves it), ``launcher auto`` as it stands (``EAGER_CUDA_SM90`` as set: its
-eager and graph columns may be different kernels, as in serving) and with
-``EAGER_CUDA_SM90 = True``; ``plan`` (the schedule, once per step).
+Paths: ``cuLaunchKernel alone`` (the driver call and the stream lookup, with
+a parameter block a launch left: the floor), ``prepared launch`` (a
+:class:`cuda_paged_mqa_logits.Prepared` called with the data addresses, as the
+launcher's kept route calls it), ``cuda launch``
+(:func:`cuda_paged_mqa_logits.launch`, which prepares on every call; schedule
+given), ``launcher sm90_cuda`` / ``portable`` / ``auto`` (the public launcher,
+the step's schedule cache prefilled as serving's first layer leaves it;
+``auto`` as set: with ``EAGER_CUDA_SM90`` off its eager and graph columns are
+different kernels, as in serving), ``launcher auto, no out`` (the logits
+allocated by the launcher, as vLLM calls it), ``plan`` (the schedule, once
+per step).  A short table ends the output: the floor, the prepared launch and
+the launcher's ``auto`` per case against the ≤ 20 µs target.
 
-``--fake`` (any machine, no GPU): :func:`cuda_paged_mqa_logits.launch` with
-the driver calls stubbed (TMA encode, stream lookup, ``cuLaunchKernel``) on
-CPU tensors: the argument building and packing alone, the launch as it is
-now against the same stubs under the launch this replaced (git ``--base``).
+``--fake`` (any machine, no GPU): the same launches on CPU tensors with the
+driver calls stubbed (TMA encode, stream lookup, ``cuLaunchKernel``) and the
+launcher taking the CUDA kernel's path (:func:`fake_hopper`): the host's
+Python alone.  ``--base REV`` times that revision's ``ops`` package beside this
+one, rounds interleaved in one process.
 
     vllm-dsa-varlen-bench --launch-host [--calls 50] [--cases B1 B64]
-    vllm-dsa-varlen-bench --launch-host --fake [--base c44e57d]
+    vllm-dsa-varlen-bench --launch-host --fake [--base HEAD~1]
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import importlib
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import types
@@ -117,22 +125,28 @@ def gpu_paths(step):
     if ck.unsupported_reason(step.q, step.kv_cache, step.weights) is None:
         sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1])
         defines = ck.defines_for(hint)
+        paths.update(driver_floor(ck, args, out, sched, defines))
+        go = ck.prepare(step.q, step.kv_cache, step.weights, rows.block_table, defines)
+        ptrs = [t.data_ptr() for t in (step.q, step.kv_cache, step.weights, ctx,
+                                       rows.block_table, out)]
+        paths["prepared launch (addresses only)"] = lambda: go(
+            *ptrs, out.stride(0), sched[0].data_ptr(), sched[1].data_ptr())
         paths["cuda launch"] = lambda: ck.launch(*args, out, schedule=sched, defines=defines)
         paths["plan (once per step)"] = lambda: ck.plan(
             rows.indices, ctx, step.max_context_len, rows.block_table.shape[1])
-        paths.update(driver_floor(ck, args, out, sched, defines))
     else:
         print(f"cuda: not timed ({ck.unsupported_reason(step.q, step.kv_cache, step.weights)})")
-    kernels = ["sm90_cuda"] * ("cuda launch" in paths) + ["portable"]
-    for kernel in kernels + ["auto"]:
+    kernels = ["sm90_cuda"] * ("cuda launch" in paths) + ["portable", "auto"]
+    for kernel in kernels:
         cache: dict = {}
 
         def call(kernel=kernel, cache=cache):
             launcher.varlen_paged_mqa_logits(*args, max_run_len=hint, kernel=kernel, out=out,
                                              schedule_cache=cache)
         paths[f"launcher {kernel}" + (" (as set)" if kernel == "auto" else "")] = call
-    if "cuda launch" in paths:
-        paths["launcher auto, EAGER_CUDA_SM90"] = call
+    no_out: dict = {}
+    paths["launcher auto, no out"] = lambda: launcher.varlen_paged_mqa_logits(
+        *args, max_run_len=hint, schedule_cache=no_out)
     return paths
 
 
@@ -181,9 +195,6 @@ def run_gpu(args) -> list[tuple]:
         reqs, tokens, context = CASES[name]
         step = random_decode_step(reqs, tokens, context, heads=64, device="cuda")
         for path, fn in gpu_paths(step).items():
-            eager_flag = path.endswith("EAGER_CUDA_SM90")
-            saved = launcher.EAGER_CUDA_SM90
-            launcher.EAGER_CUDA_SM90 = saved or eager_flag
             try:
                 fn()  # compile, load, plan into the step's cache
                 torch.cuda.synchronize()
@@ -192,8 +203,6 @@ def run_gpu(args) -> list[tuple]:
             except Exception as exc:  # noqa: BLE001 - report, time the other paths
                 print(f"{name} | {path}: failed: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
-            finally:
-                launcher.EAGER_CUDA_SM90 = saved
             table.append((name, path, host, wall, gpu, replay_host))
             print(f"{name} | {path}: host {host:.1f} wall {wall:.1f} graph {gpu:.1f} "
                   f"replay host {replay_host:.1f}", flush=True)
@@ -201,7 +210,29 @@ def run_gpu(args) -> list[tuple]:
     print("|---|---|---|---|---|---|")
     for name, path, host, wall, gpu, replay_host in table:
         print(f"| {name} | {path} | {host:.1f} | {wall:.1f} | {gpu:.1f} | {replay_host:.1f} |")
+    print_summary(table)
     return table
+
+
+SUMMARY = ("cuLaunchKernel alone (cuda-python)", "prepared launch (addresses only)",
+           "launcher auto (as set)", "launcher auto, no out")
+TARGET_US = 20.0  # host µs per eager call through the launcher
+
+
+def print_summary(table) -> None:
+    """The short table: host µs per eager call of the driver call alone, the
+    prepared launch, and the launcher's "auto" (logits given, and allocated
+    by it), per case, with the target (:data:`TARGET_US`) met or not."""
+    host = {(name, path): h for name, path, h, *_ in table}
+    cases = list(dict.fromkeys(name for name, *_ in table))
+    print(f"\nhost µs per eager call (target: launcher auto <= {TARGET_US:.0f})")
+    print("| case | " + " | ".join(SUMMARY) + " | target met |")
+    print("|---|" + "---|" * (len(SUMMARY) + 1))
+    for name in cases:
+        got = [host.get((name, p)) for p in SUMMARY]
+        met = got[2] is not None and got[2] <= TARGET_US
+        print(f"| {name} | " + " | ".join("–" if v is None else f"{v:.1f}" for v in got)
+              + f" | {'yes' if met else 'no'} |")
 
 
 # ------------------------------------------------------------- fake launch (CPU)
@@ -217,12 +248,31 @@ class _FakeDriver:
         return (0,)
 
 
+def fake_descriptor(base: int, dims, strides, box) -> list[int]:
+    """The stubbed TMA encode's descriptor: its 16 words hold the address,
+    dims, strides and box it was asked for (a pure function of them, so a test
+    can build the descriptor a launch should pack)."""
+    words = [base, *dims, *strides, *box]
+    return words + [0] * (16 - len(words))
+
+
+def _clear_caches(ops) -> None:
+    """Empty what the launcher and the CUDA kernel's module cache per layout
+    (the names of this revision or an earlier one)."""
+    for mod, names in ((ops.launcher, ("_CHECKED", "_ROUTES")),
+                       (ops.ck, ("_MAPS", "_DESCRIPTORS", "_PREPARED"))):
+        for name in names:
+            got = getattr(mod, name, None)
+            if got is not None:
+                got.clear()
+
+
 @contextlib.contextmanager
 def stubbed(ck):
     """``ck`` (the CUDA kernel's module, as it is now) launching on CPU tensors:
     the build's parameter block without a loaded kernel, the TMA encode, the
     stream lookup, the device query and ``cuLaunchKernel`` stubbed.  Yields the
-    fake driver (its ``launches``) and the list of encodes made."""
+    fake driver (its ``launches``), the list of encodes made and the build."""
     encodes = []
     fake = _FakeDriver()
     loaded = ck._Loaded(fn="varlen_logits_sm90", ctx=None, smem=ck.SMEM_BYTES)
@@ -230,94 +280,164 @@ def stubbed(ck):
     def encode(base, dims, strides, box):
         encodes.append((base, tuple(dims), tuple(strides), tuple(box)))
         m = ck._TmaMap()
-        m.bytes[0], m.bytes[1] = base, len(encodes)
+        m.bytes[:] = fake_descriptor(base, dims, strides, box)
         return m
 
-    saved = (ck.load, ck._driver, ck._encode, ck._stream, torch.cuda.current_device)
+    names = ("load", "_driver", "_encode", "_stream", "_current_device")
+    saved = {n: getattr(ck, n) for n in names if hasattr(ck, n)}
+    saved_device = torch.cuda.current_device
     ck.load = lambda device, defines=(): loaded
     ck._driver = lambda: fake
     ck._encode = encode
     ck._stream = lambda index: 0x5EED
-    torch.cuda.current_device = lambda: None  # CPU tensors' device index
-    ck._MAPS.clear()
+    if "_current_device" in saved:
+        ck._current_device = lambda: None  # CPU tensors' device index
+    torch.cuda.current_device = lambda: None
+    for name in ("_MAPS", "_DESCRIPTORS", "_PREPARED"):
+        if hasattr(ck, name):
+            getattr(ck, name).clear()
     try:
         yield fake, encodes, loaded
     finally:
-        ck.load, ck._driver, ck._encode, ck._stream, torch.cuda.current_device = saved
-        ck._MAPS.clear()
-
-
-def _base_module(rev: str):
-    """The CUDA kernel's module at git revision ``rev``, its imports stubbed
-    (it only needs to build its arguments here)."""
-    src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:vllm_dsa_varlen/ops/"
-                          "cuda_paged_mqa_logits.py"], capture_output=True, text=True, check=True)
-    text = src.stdout.replace("from .triton_paged_mqa_logits import _num_sms",
-                              "from vllm_dsa_varlen.ops.common import num_sms as _num_sms")
-    text = text.replace("from .", "from vllm_dsa_varlen.ops.")
-    path = os.path.join(tempfile.mkdtemp(), "cuda_base.py")
-    with open(path, "w") as f:
-        f.write(text)
-    spec = importlib.util.spec_from_file_location("cuda_base", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+        for name, value in saved.items():
+            setattr(ck, name, value)
+        torch.cuda.current_device = saved_device
+        for name in ("_MAPS", "_DESCRIPTORS", "_PREPARED"):
+            if hasattr(ck, name):
+                getattr(ck, name).clear()
 
 
 @contextlib.contextmanager
-def stubbed_base(old):
-    """The replaced ctypes launch on CPU tensors, the same calls stubbed."""
-    lib = types.SimpleNamespace(cuLaunchKernel=lambda *a: 0)
-    saved = (old.load, old._driver, old._encode, torch.cuda.current_stream, torch.cuda.device)
-    old.load = lambda device, defines=(): types.SimpleNamespace(fn=None)
-    old._driver = lambda: lib
-    old._encode = lambda base, dims, strides, box: old._TmaMap()
-    torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=0x5EED)
-    torch.cuda.device = lambda device: contextlib.nullcontext()
+def fake_hopper():
+    """CPU tensors taken for an sm_90 GPU's by the launcher: ``Tensor.is_cuda``
+    true, capability (9, 0), no capture under way (the real queries cost a
+    little more on a GPU host: this fakes their answers, not their price)."""
+    had = "is_cuda" in torch.Tensor.__dict__
+    saved = (torch.Tensor.__dict__.get("is_cuda"), torch.cuda.get_device_capability,
+             torch.cuda.is_current_stream_capturing)
+    torch.Tensor.is_cuda = property(lambda self: True)
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    torch.cuda.is_current_stream_capturing = lambda: False
     try:
         yield
     finally:
-        old.load, old._driver, old._encode, torch.cuda.current_stream, torch.cuda.device = saved
+        if had:
+            torch.Tensor.is_cuda = saved[0]
+        else:
+            del torch.Tensor.is_cuda
+        torch.cuda.get_device_capability, torch.cuda.is_current_stream_capturing = saved[1:]
+
+
+@contextlib.contextmanager
+def stubbed_launcher(ops, schedule):
+    """The public launcher of ``ops`` (``.launcher``, ``.ck``: this revision's
+    or another's) on CPU tensors through the CUDA kernel's path: the kernel's
+    driver calls stubbed (:func:`stubbed`), the kernel available, ``plan``
+    handing out ``schedule`` (a step's schedule is planned once per step, not
+    per call), its caches emptied before and after.  Use inside
+    :func:`fake_hopper`."""
+    ck = ops.ck
+    saved = (ck.available, ck.plan)
+    _clear_caches(ops)
+    with stubbed(ck) as got:
+        ck.available = lambda: None
+        ck.plan = lambda *a, **k: schedule
+        try:
+            yield got
+        finally:
+            ck.available, ck.plan = saved
+            _clear_caches(ops)
+
+
+def base_ops(rev: str):
+    """The ``ops`` package at git revision ``rev`` (one with ``ops/launcher.py``),
+    imported beside this one under another name: ``.launcher`` and ``.ck``."""
+    tmp = tempfile.mkdtemp()
+    name = "dsa_base_" + "".join(c if c.isalnum() else "_" for c in rev)
+    tar = subprocess.run(["git", "-C", ROOT, "archive", rev, "vllm_dsa_varlen/ops"],
+                         capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", tmp], input=tar, check=True)
+    os.rename(os.path.join(tmp, "vllm_dsa_varlen"), os.path.join(tmp, name))
+    open(os.path.join(tmp, name, "__init__.py"), "w").close()
+    sys.path.insert(0, tmp)
+    try:
+        launcher = importlib.import_module(f"{name}.ops.launcher")
+        ck = importlib.import_module(f"{name}.ops.cuda_paged_mqa_logits")
+    finally:
+        sys.path.remove(tmp)
+    return types.SimpleNamespace(launcher=launcher, ck=ck)
+
+
+def fake_paths(ops, step, out, hint: int) -> dict:
+    """Name -> zero-argument call of each timed path of ``ops`` on ``step``
+    (CPU tensors, under :func:`stubbed_launcher`; the prepared launch where
+    the revision has one)."""
+    rows = step.rows
+    args = (step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1), rows.block_table,
+            rows.indices, step.max_context_len)
+    caches = [{}, {}, {}]
+    call = ops.launcher.varlen_paged_mqa_logits
+    paths = {}
+    if hasattr(ops.ck, "prepare"):
+        go = ops.ck.prepare(step.q, step.kv_cache, step.weights, rows.block_table)
+        table, ctas = ops.ck.plan()
+        ptrs = [t.data_ptr() for t in args[:5]] + [out.data_ptr(), out.stride(0),
+                                                   table.data_ptr(), ctas.data_ptr()]
+        paths["prepared launch (addresses only)"] = lambda: go(*ptrs)
+    paths.update({
+        "launch (schedule given)": lambda: ops.ck.launch(*args, out, schedule=ops.ck.plan()),
+        "launcher sm90_cuda": lambda: call(*args, max_run_len=hint, kernel="sm90_cuda", out=out,
+                                           schedule_cache=caches[0]),
+        "launcher auto": lambda: call(*args, max_run_len=hint, out=out, schedule_cache=caches[1]),
+        "launcher auto, no out": lambda: call(*args, max_run_len=hint, schedule_cache=caches[2]),
+    })
+    return paths
 
 
 def run_fake(args) -> list[tuple]:
+    """Host µs per call of each fake path, this revision's and ``args.base``'s
+    (same process, rounds interleaved: every path of every revision timed once
+    per round), median of 7 rounds of ``calls * 20`` calls."""
     from .ops import cuda_paged_mqa_logits as ck
+    from .ops import launcher
     from .workloads import random_decode_step
 
     torch.set_num_threads(1)
+    versions = {"now": types.SimpleNamespace(launcher=launcher, ck=ck)}
+    if args.base:
+        versions[args.base] = base_ops(args.base)
     table = []
-    calls = args.calls or CALLS
+    calls = (args.calls or CALLS) * 20
     for name in _selected(args.cases):
         reqs, tokens, context = CASES[name]
         step = random_decode_step(reqs, tokens, min(context, 2048), heads=64)
         rows = step.rows
-        ctx = rows.context_lens.view(-1, 1)
+        sched = ck.plan_torch(rows.indices, rows.context_lens.view(-1, 1), step.max_context_len,
+                              rows.block_table.shape[1], programs=4)
         out = torch.empty((rows.num_rows, step.max_context_len))
-        callers = {"now (cuda-python, parameter block)": (ck, stubbed(ck))}
-        if args.base:
-            old = _base_module(args.base)
-            callers[f"{args.base} (ctypes)"] = (old, stubbed_base(old))
-        for label, (mod, stubs) in callers.items():
-            with stubs:
-                sched = mod.plan(rows.indices, ctx, step.max_context_len,
-                                 rows.block_table.shape[1], programs=4)
-
-                def call(mod=mod, sched=sched):
-                    mod.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
-                               rows.indices, step.max_context_len, out, schedule=sched)
-                call()
-                per = []
-                for _ in range(7):
+        timed = {}
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(fake_hopper())
+            for label, ops in versions.items():
+                stack.enter_context(stubbed_launcher(ops, sched))
+                for path, fn in fake_paths(ops, step, out, tokens).items():
+                    fn()
+                    timed[(path, label)] = (fn, [])
+            for _ in range(7):
+                for fn, per in timed.values():
                     t0 = time.perf_counter()
-                    for _ in range(calls * 20):
-                        call()
-                    per.append((time.perf_counter() - t0) / (calls * 20) * 1e6)
-            table.append((name, label, statistics.median(per)))
-            print(f"{name} | {label}: {statistics.median(per):.2f} µs per launch", flush=True)
-    print("\n| case | launch (driver stubbed, CPU tensors) | host µs/call |")
-    print("|---|---|---|")
-    for name, label, us in table:
-        print(f"| {name} | {label} | {us:.2f} |")
+                    for _ in range(calls):
+                        fn()
+                    per.append((time.perf_counter() - t0) / calls * 1e6)
+        for (path, label), (_, per) in timed.items():
+            us = statistics.median(per)
+            table.append((name, path, label, us, min(per), max(per)))
+            print(f"{name} | {path} | {label}: {us:.2f} µs per call "
+                  f"(rounds {min(per):.2f}-{max(per):.2f})", flush=True)
+    print("\n| case | path (driver stubbed, CPU tensors) | revision | host µs/call | rounds |")
+    print("|---|---|---|---|---|")
+    for name, path, label, us, lo, hi in table:
+        print(f"| {name} | {path} | {label} | {us:.2f} | {lo:.2f}-{hi:.2f} |")
     return table
 
 

@@ -114,17 +114,20 @@ def test_the_build_follows_the_run_length_hint():
 
 @pytest.fixture
 def head_sum_env(monkeypatch):
-    """Set ``VLLM_DSA_VARLEN_HEAD_SUM`` for one test (the setting is read once
-    per process: the cache is cleared before and after)."""
+    """Set ``VLLM_DSA_VARLEN_HEAD_SUM`` for one test as a new process would read
+    it (the setting is read once per process: its cache, and the launcher's
+    routes, whose builds follow it, are cleared before and after)."""
     def set_to(value):
         if value is None:
             monkeypatch.delenv(ck.HEAD_SUM_ENV, raising=False)
         else:
             monkeypatch.setenv(ck.HEAD_SUM_ENV, value)
         ck.read_head_sum.cache_clear()
+        launcher._ROUTES.clear()
     yield set_to
     monkeypatch.delenv(ck.HEAD_SUM_ENV, raising=False)
     ck.read_head_sum.cache_clear()
+    launcher._ROUTES.clear()
 
 
 def test_head_sum_env_is_read_once_and_checked(head_sum_env):
@@ -267,6 +270,96 @@ def test_parameter_block_matches_the_kernel_signature():
     """The launch's parameter block names the kernel's parameters in order, each
     of its size (cuLaunchKernel copies that many bytes from each address)."""
     assert [(n, ctypes.sizeof(t)) for n, t in ck.PARAMS] == _kernel_signature()
+
+
+def test_one_pack_writes_what_the_fields_hold():
+    """The launch's one-call packing (``_PACK``, read off ``_Params``' offsets)
+    writes the bytes ctypes writes field by field, padding included, for
+    extreme and random values."""
+    assert ck._PACK.size <= ctypes.sizeof(ck._Params)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    limits = {ctypes.c_uint64: (0, 2**64 - 1), ctypes.c_int64: (-2**63, 2**63 - 1),
+              ctypes.c_int32: (-2**31, 2**31 - 1)}
+    for trial in range(50):
+        maps = [bytes(torch.randint(0, 256, (128,), generator=gen, dtype=torch.uint8).tolist())
+                for _ in range(2)]
+        scalars = []
+        for _, kind in ck.PARAMS[2:]:
+            lo, hi = limits[kind]
+            pick = trial % 3
+            scalars.append(lo if pick == 0 else hi if pick == 1 else
+                           lo + int(torch.randint(0, 2**62, (1,), generator=gen)) % (hi - lo))
+        fields = ck._Params()
+        ctypes.memmove(ctypes.addressof(fields.kv_map), maps[0], 128)
+        ctypes.memmove(ctypes.addressof(fields.q_map), maps[1], 128)
+        for (name, _), v in zip(ck.PARAMS[2:], scalars):
+            setattr(fields, name, v)
+        packed = ck._Params()
+        ctypes.memset(ctypes.addressof(packed), 0, ctypes.sizeof(packed))
+        ck._PACK.pack_into(packed, 0, *maps, *scalars)
+        assert bytes(packed) == bytes(fields)
+
+
+_ENCODE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint,
+                           ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                           ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32),
+                           ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_int,
+                           ctypes.c_int, ctypes.c_int)
+
+
+@pytest.mark.parametrize("result", [0, 201, 700])
+def test_encode_hands_the_driver_its_layout_and_returns_what_it_wrote(monkeypatch, result):
+    """``cuTensorMapEncodeTiled`` (a callback in its place) gets the address, the
+    layout's dims, strides, box and unit element strides (arrays built once
+    per layout), uint8, 128-byte swizzle, a 64-byte aligned output; the
+    descriptor is the 128 bytes written there.  No context: ``_NoContext``;
+    another error: ``RuntimeError`` naming the layout."""
+    seen = []
+
+    def fake(out, dtype, rank, base, dims, strides, box, elems, interleave, swizzle, l2, fill):
+        seen.append((out % 64, dtype, rank, base, [dims[i] for i in range(rank)],
+                     [strides[i] for i in range(rank - 1)], [box[i] for i in range(rank)],
+                     [elems[i] for i in range(rank)], interleave, swizzle, l2, fill))
+        ctypes.memmove(out, bytes((base + i) % 256 for i in range(128)), 128)
+        return result
+
+    callback = _ENCODE(fake)
+    monkeypatch.setattr(ck, "_encode_fn", lambda: callback)
+    layout = ((128, 64, 900), (128, 8448), (128, 64, 1))
+    for base in (1 << 40, (1 << 40) + 4096):
+        if result == 201:
+            with pytest.raises(ck._NoContext):
+                ck._encode(base, *layout)
+        elif result:
+            with pytest.raises(RuntimeError, match=r"CUDA error 700 \(dims \[128, 64, 900\]"):
+                ck._encode(base, *layout)
+        else:
+            assert ck._encode(base, *layout) == bytes((base + i) % 256 for i in range(128))
+    assert seen == [(0, 0, 3, base, [128, 64, 900], [128, 8448], [128, 64, 1], [1, 1, 1],
+                     0, 3, 2, 0) for base in (1 << 40, (1 << 40) + 4096)]
+
+
+def test_descriptor_dicts_are_keyed_on_the_whole_layout():
+    """A tensor's descriptors are found by address in the dict of its layout:
+    the same layout at another address shares the dict (another entry), any
+    change of shape, stride or element size takes another dict."""
+    step = make_decode_step([2, 3], [90, 140], heads=64)
+    kv, q = step.kv_cache, step.q
+    base = ck.kv_descriptors(kv)
+    assert ck.kv_descriptors(kv.clone()) is base
+    assert ck.kv_descriptors(kv.view(torch.int8)) is base      # the same bytes
+    bigger = torch.zeros(kv.shape[0] * (kv.stride(0) + 64), dtype=torch.uint8).as_strided(
+        kv.shape, (kv.stride(0) + 64, *kv.stride()[1:]))
+    others = [ck.kv_descriptors(kv[:-1]), ck.kv_descriptors(bigger)]
+    qs = ck.q_descriptors(q, 2)
+    assert ck.q_descriptors(q.clone(), 2) is ck.q_descriptors(q.view(torch.uint8), 2) is qs
+    others += [ck.q_descriptors(q[:-1], 2),
+               ck.q_descriptors(torch.zeros(q.shape, dtype=torch.bfloat16), 2)]
+    assert len({id(d) for d in [base, qs, *others]}) == 2 + len(others)
+    assert qs is not ck.q_descriptors(q[:, :, :32], 4)
+    assert others[0].dims == (ck.DIM, ck.PAGE, kv.shape[0] - 1)
+    assert others[1].strides == (ck.DIM, kv.stride(0) + 64)
+    assert others[-1].strides == (ck.DIM, 2 * q.stride(0))  # bytes, not elements
 
 
 def test_launch_fills_the_parameter_block_and_reuses_descriptors():

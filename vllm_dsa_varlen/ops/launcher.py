@@ -11,22 +11,23 @@ Two kernels compute the same logits (semantics: :mod:`.reference`):
   interpreter; every other GPU, and Hopper where the CUDA kernel cannot run
   (no NVRTC / ``cuda-python``, other shapes).
 
-The launcher checks every input once per shape signature (``ValueError``
-naming the argument), picks a kernel from host-known facts only (device,
-shapes, whether a CUDA graph is being captured), so the choice never
-synchronises with the GPU and is graph safe, and hands the checked inputs to
-the kernel module's ``launch``.  The kernels import :mod:`.common`, never this
-module.
+The launcher checks every input (``ValueError`` naming the argument) and
+picks a kernel from host-known facts only (device, shapes, whether a CUDA
+graph is being captured), so the choice never synchronises with the GPU and
+is graph safe; both are done once per call layout and kept (a route,
+:func:`route_for`), with the CUDA kernel's launch prepared for that layout, so
+an eager call on a known layout reads little more than its tensors' data
+addresses.  The kernels import :mod:`.common`, never this module.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 
 import torch
-import triton
 
 from . import cuda_paged_mqa_logits as cuda_sm90
 from . import triton_paged_mqa_logits as portable
@@ -128,37 +129,127 @@ def check_varlen_contents(context_lens, block_table, indices, max_context_len, p
                  (int(vals.min()), int(vals.max())))
 
 
-# ------------------------------------------------------------ checks, cached
+# ------------------------------------------------------------ the call's route
 #
-# An eager call pays for the Python checks on every layer of every step: they
-# run once per shape signature (the tensors' shapes, strides, dtypes and
-# device); the checks that depend on values run every call.
+# An eager call pays the launcher's Python on every layer of every step
+# (vLLM runs the indexer op eagerly in every mixed prefill+decode step, 61
+# layers of DeepSeek V3.2).  What the checks and the choice of kernel decide
+# depends on the call's layout, not on its data: a route, made once per layout
+# key (:func:`_route_key`) by the full checks, holds their outcome, and for
+# the sm_90 CUDA kernel its prepared launch (:func:`.cuda_paged_mqa_logits.prepare`),
+# so a call on a known layout only reads its tensors' data addresses.  The
+# key holds everything a check or the choice reads (a changed shape, stride,
+# dtype, device, alignment or option misses and is checked afresh); what
+# depends on values (``max_context_len``, the logits' width against it) is
+# checked on every call.  A call that fails a check raises before a route is
+# kept, so no bad call ever finds one.  Settings a process reads once (the CUDA
+# kernel's head sum, which picks its build) are not in the key: a process never
+# sees them change.  Graph safe: a captured launch holds copies of its
+# parameters (descriptors included), never a reference to a route.
 
-_CHECKED: dict = {}
+_ROUTES: dict = {}
 
 
-def _signature(*tensors) -> tuple:
-    return tuple((t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else
-                 (type(t),) for t in tensors)
+class _Route:
+    """What the checks and the choice of kernel decided for one call layout:
+    ``rows``, ``heads``, ``page``, ``num_blocks``; ``sm90`` (the CUDA
+    kernel's module, or ``None``: the portable kernel) with ``launch`` (its
+    :class:`.cuda_paged_mqa_logits.Prepared`), ``rows_max`` and
+    ``bt_width``; ``out_width`` / ``out_stride`` (the given logits' width and
+    row stride, ``None`` when the launcher allocates them); ``capturing``
+    (whether the call is captured into a CUDA graph: part of the key)."""
+
+    __slots__ = ("rows", "heads", "page", "num_blocks", "sm90", "launch", "rows_max",
+                 "bt_width", "out_width", "out_stride", "capturing")
 
 
-def checked_layout(q, kv_cache, weights, context_lens, block_table, indices,
-                   max_context_len) -> tuple[int, int, int, int]:
-    """:func:`check_varlen_inputs`, run once per shape signature; the checks that
-    depend on values (``indices`` address, ``max_context_len``) run every call."""
+def _route_key(q, kv_cache, weights, context_lens, block_table, indices, out, kernel: str,
+               max_run_len, knobs: bool, capturing: bool, aligned: int) -> tuple:
+    """Everything the checks and the choice of kernel read, as one flat tuple:
+    each tensor's shape, strides, dtype and device (and the types of the two
+    arguments checked for being tensors), the addresses' alignment
+    (``aligned``, from :func:`_alignment`), the kernel asked for, the portable
+    tuning knobs' presence, the run-length hint (it picks the build), whether
+    a capture is under way, and the module switches.  ``AttributeError`` when
+    an argument is not a tensor (the checks then name it)."""
+    return (type(q), q.shape, q.stride(), q.dtype, q.device,
+            kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device,
+            weights.shape, weights.stride(), weights.dtype, weights.device,
+            context_lens.shape, context_lens.stride(), context_lens.dtype, context_lens.device,
+            block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
+            type(indices), indices.shape, indices.stride(), indices.dtype, indices.device,
+            None if out is None else (out.shape, out.stride(), out.dtype, out.device),
+            aligned, kernel, knobs, max_run_len, capturing, HOPPER_AUTO, EAGER_CUDA_SM90)
+
+
+def _alignment(q_ptr: int, kv_ptr: int, w_ptr: int, ids_ptr: int) -> int:
+    """The address bits the checks read: ``indices`` 8-byte aligned (checked),
+    queries, cache and weights 16-byte aligned (the CUDA kernel's TMA)."""
+    return ((q_ptr | kv_ptr | w_ptr) & 15) | ((ids_ptr & 7) << 4)
+
+
+def _new_route(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out,
+               kernel: str, max_run_len, knobs: bool, capturing: bool) -> _Route:
+    """The full checks (``ValueError`` naming the argument) and the choice of
+    kernel for a call layout not seen before; the CUDA kernel's launch
+    prepared (its build loaded) where the choice is that kernel."""
+    rows, heads, dim, page = check_varlen_inputs(q, kv_cache, weights, context_lens, block_table,
+                                                 indices, max_context_len)
+    route = _Route()
+    route.rows, route.heads, route.page, route.num_blocks = rows, heads, page, kv_cache.shape[0]
+    route.bt_width, route.capturing = block_table.shape[1], capturing
+    route.out_width = route.out_stride = None
+    if out is not None:
+        check_out(out, rows, max_context_len, q.device)
+        route.out_width, route.out_stride = out.shape[1], out.stride(0)
+    route.sm90 = route.launch = route.rows_max = None
+    if rows and (not knobs or kernel in ("sm90", "sm90_cuda")):
+        route.sm90 = hopper_kernel_for(q, kv_cache, kernel, max_run_len, weights, capturing)
+    if route.sm90 is not None:
+        route.rows_max = route.sm90.rows_max_for(heads, max_run_len)
+        route.launch = route.sm90.prepare(q, kv_cache, weights, block_table,
+                                          route.sm90.defines_for(max_run_len))
+    return route
+
+
+def check_out(out, rows: int, max_context_len: int, device) -> None:
+    """``ValueError`` naming ``out`` unless it is float32 ``[rows, >=
+    max_context_len]`` with contiguous rows on ``device``."""
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 2
+            or out.shape[0] != rows or out.shape[1] < max_context_len or out.stride(1) != 1
+            or out.device != device):
+        fail("out", f"float32 [{rows}, >= {max_context_len}] with stride(1) == 1 on {device}",
+             f"{out.dtype} {tuple(out.shape)} on {out.device}"
+             if isinstance(out, torch.Tensor) else type(out).__name__)
+
+
+def route_for(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out,
+              kernel: str, max_run_len, knobs: bool) -> _Route:
+    """The call's route (:class:`_Route`): the kept one of its layout key, or
+    a new one after the full checks; ``max_context_len`` and the given
+    logits' width against it are checked on every call."""
     if not isinstance(max_context_len, int) or max_context_len < 1:
         fail("max_context_len", "an int >= 1", max_context_len)
-    if isinstance(indices, torch.Tensor) and indices.data_ptr() % 8:
-        fail("indices", "an 8-byte aligned start address", hex(indices.data_ptr()))
-    key = _signature(q, kv_cache, weights, context_lens, block_table, indices)
-    got = _CHECKED.get(key)
-    if got is None:
-        got = check_varlen_inputs(q, kv_cache, weights, context_lens, block_table, indices,
-                                  max_context_len)
-        if len(_CHECKED) >= CACHE_LIMIT:
-            _CHECKED.clear()
-        _CHECKED[key] = got
-    return got
+    capturing = False
+    try:
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        aligned = _alignment(q.data_ptr(), kv_cache.data_ptr(), weights.data_ptr(),
+                             indices.data_ptr())
+        key = _route_key(q, kv_cache, weights, context_lens, block_table, indices, out, kernel,
+                         max_run_len, knobs, capturing, aligned)
+    except AttributeError:  # not a tensor: the checks below name it
+        key = None
+    route = _ROUTES.get(key) if key is not None else None
+    if route is None:
+        route = _new_route(q, kv_cache, weights, context_lens, block_table, indices,
+                           max_context_len, out, kernel, max_run_len, knobs, capturing)
+        if key is not None:
+            if len(_ROUTES) >= CACHE_LIMIT:
+                _ROUTES.clear()
+            _ROUTES[key] = route
+    elif route.out_width is not None and route.out_width < max_context_len:
+        check_out(out, route.rows, max_context_len, q.device)
+    return route
 
 
 # ------------------------------------------------------------ kernel choice
@@ -176,8 +267,8 @@ RETIRED_KERNELS = {"sm90_gluon": 'the sm_90 Gluon kernel was retired; "sm90" tak
 HOPPER_AUTO = True
 # Eager calls (outside a CUDA-graph capture: vLLM's piecewise mode runs the
 # indexer op eagerly in every mixed prefill+decode step).  True: "auto" takes
-# the CUDA kernel eagerly too: its launch rewrites one parameter block in place,
-# TMA descriptors cached by layout (cuda_paged_mqa_logits.launch), and on the
+# the CUDA kernel eagerly too: its launch is prepared once per call layout
+# (cuda_paged_mqa_logits.prepare, kept in the call's route), and on the
 # H200 an eager call through this launcher cost 48-55 µs of host time against
 # the portable kernel's 83-88, with less GPU time on every step timed
 # (vllm-dsa-varlen-bench --launch-host).  False: the portable kernel for eager
@@ -185,13 +276,22 @@ HOPPER_AUTO = True
 EAGER_CUDA_SM90 = True
 
 
+@functools.lru_cache(maxsize=None)
+def kernel_setting() -> str:
+    """``VLLM_DSA_VARLEN_KERNEL`` (default "auto"), read once per process: every
+    call asks, and an environment read costs about a microsecond (on every
+    layer of every eager step).  Checked where it is used
+    (:func:`resolve_kernel`)."""
+    return os.environ.get(KERNEL_ENV, "auto")
+
+
 def resolve_kernel(kernel: str | None) -> str:
-    """``kernel``, or ``VLLM_DSA_VARLEN_KERNEL`` when it is ``None`` (default
-    "auto"), checked against :data:`KERNELS` (``ValueError`` naming
-    ``kernel``, and the variable when the name came from it)."""
+    """``kernel``, or the ``VLLM_DSA_VARLEN_KERNEL`` setting when it is ``None``
+    (:func:`kernel_setting`), checked against :data:`KERNELS` (``ValueError``
+    naming ``kernel``, and the variable when the name came from it)."""
     source = ""
     if kernel is None:
-        kernel = os.environ.get(KERNEL_ENV, "auto")
+        kernel = kernel_setting()
         source = f" (from {KERNEL_ENV})"
     if kernel not in KERNELS:
         retired = RETIRED_KERNELS.get(kernel)
@@ -298,39 +398,22 @@ def varlen_paged_mqa_logits(
     width, heads and ``rows_max_for(heads, max_run_len)``), as DeepGEMM takes
     its schedule metadata; used when an sm_90 kernel runs.
     """
-    rows, heads, dim, page = checked_layout(
-        q, kv_cache, weights, context_lens, block_table, indices, max_context_len)
-    if validate_contents:
-        check_varlen_contents(context_lens, block_table, indices, max_context_len, page,
-                              kv_cache.shape[0])
-    if out is None:
-        width = triton.cdiv(max_context_len, LOGITS_ALIGN) * LOGITS_ALIGN
-        out = torch.empty((rows, width), dtype=torch.float32, device=q.device)[:, :max_context_len]
-    elif (out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] != rows
-          or out.shape[1] < max_context_len or out.stride(1) != 1):
-        fail("out", f"float32 [{rows}, >= {max_context_len}] with stride(1) == 1",
-             f"{out.dtype} {tuple(out.shape)}")
-    if rows == 0:
-        return out
     kernel = resolve_kernel(kernel)
     knobs = (rows_per_dot is not None or groups is not None or per_row or tile_pages != 1
              or tiles_per_split is not None or num_warps != 4 or num_stages != 3)
-    sm90 = capturing = None
-    if not knobs or kernel in ("sm90", "sm90_cuda"):
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        sm90 = hopper_kernel_for(q, kv_cache, kernel, max_run_len, weights, capturing)
-    if sm90 is not None:
-        rows_max = sm90.rows_max_for(heads, max_run_len)
-        if schedule is None and schedule_cache is not None:
-            key = sm90.schedule_key(indices, context_lens, max_context_len, block_table.shape[1],
-                                    heads, rows_max, capturing)
-            schedule = schedule_cache.get(key)
-            if schedule is None:
-                schedule = schedule_cache[key] = sm90.plan(
-                    indices, context_lens, max_context_len, block_table.shape[1], heads, rows_max)
-        LAST_COMPILED[0] = sm90.launch(q, kv_cache, weights, context_lens, block_table, indices,
-                                       max_context_len, out, rows_max=rows_max,
-                                       schedule=schedule, defines=sm90.defines_for(max_run_len))
+    route = route_for(q, kv_cache, weights, context_lens, block_table, indices, max_context_len,
+                      out, kernel, max_run_len, knobs)
+    rows = route.rows
+    if validate_contents:
+        check_varlen_contents(context_lens, block_table, indices, max_context_len, route.page,
+                              route.num_blocks)
+    if out is None:
+        out = new_logits(rows, max_context_len, q.device)
+    if rows == 0:
+        return out
+    if route.launch is not None:
+        _launch_sm90(route, q, kv_cache, weights, context_lens, block_table, indices,
+                     max_context_len, out, schedule_cache, schedule)
         return out
     LAST_COMPILED[0] = portable.launch(
         q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out,
@@ -338,6 +421,42 @@ def varlen_paged_mqa_logits(
         tile_pages=tile_pages, tiles_per_split=tiles_per_split, num_warps=num_warps,
         num_stages=num_stages)
     return out
+
+
+def new_logits(rows: int, max_context_len: int, device) -> torch.Tensor:
+    """Float32 logits ``[rows, max_context_len]``, each row starting 512-byte
+    aligned: the row stride rounded up to :data:`LOGITS_ALIGN` elements, made
+    by one ``empty_strided`` (1.1 µs of host time on a CPU where ``empty`` and
+    a slice took 3.8)."""
+    width = -(-max_context_len // LOGITS_ALIGN) * LOGITS_ALIGN
+    return torch.empty_strided((rows, max_context_len), (width, 1), dtype=torch.float32,
+                               device=device)
+
+
+def _launch_sm90(route: _Route, q, kv_cache, weights, context_lens, block_table, indices,
+                 max_context_len: int, out, schedule_cache, schedule) -> None:
+    """The CUDA kernel on a checked call: the step's schedule (given and
+    checked, or from the step's cache, or planned), then the route's prepared
+    launch on the tensors' data addresses."""
+    sm90, launch = route.sm90, route.launch
+    if schedule is not None:
+        sm90.check_schedule(schedule, route.rows, launch.programs)
+    elif schedule_cache is not None:
+        key = sm90.schedule_key(indices, context_lens, max_context_len, route.bt_width,
+                                route.heads, route.rows_max, route.capturing)
+        schedule = schedule_cache.get(key)
+        if schedule is None:
+            schedule = schedule_cache[key] = sm90.plan(
+                indices, context_lens, max_context_len, route.bt_width, route.heads,
+                route.rows_max)
+    else:
+        schedule = sm90.plan(indices, context_lens, max_context_len, route.bt_width,
+                             route.heads, route.rows_max)
+    table, ctas = schedule
+    stride_out = route.out_stride if route.out_stride is not None else out.stride(0)
+    launch(q.data_ptr(), kv_cache.data_ptr(), weights.data_ptr(), context_lens.data_ptr(),
+           block_table.data_ptr(), out.data_ptr(), stride_out, table.data_ptr(), ctas.data_ptr())
+    LAST_COMPILED[0] = launch.kern
 
 
 # ------------------------------------------------------------- precompile
