@@ -5,9 +5,10 @@
 
 Run it with a Python that mirrors the GPU host's image (CPython 3.12, torch
 2.11.0, Triton 3.6.0, numpy 2.5.2, transformers 5.17.0 and the image's other
-packages, nothing more), on the tree that ``scripts/offline-gpu-install.sh``
-unpacked, so that a failure costs no GPU time.  Three things stand in for the
-GPU host:
+packages, nothing more; torch's CUDA wheel imports without a GPU once the
+nvidia-* library wheels it links are there), on the tree that
+``scripts/offline-gpu-install.sh`` unpacked, so that a failure costs no GPU
+time.  Three things stand in for the GPU host:
 
 * a stub ``libcuda.so.1`` (built here with gcc; every entry point returns
   CUDA_ERROR_NO_DEVICE) so that vLLM's extensions, which link the driver,
@@ -156,18 +157,21 @@ def build_llm() -> str:
 def main() -> int:
     site = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "/tmp/offline-gpu/site")
     if "CHECK_STAGED_CHILD" not in os.environ:
-        work = tempfile.mkdtemp(prefix="check-staged-")
-        stub_driver(site, work)
-        path = [ROOT, site]
-        dsl = os.path.join(site, "nvidia_cutlass_dsl", "dsl_packages")
-        if os.path.isdir(dsl):
-            path.append(dsl)
-        env = dict(os.environ, CHECK_STAGED_CHILD="1", PYTHONPATH=os.pathsep.join(path),
-                   LD_LIBRARY_PATH=work, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_DSA_VARLEN="auto",
-                   VLLM_CACHE_ROOT=os.path.join(work, "vllm"),
-                   TRITON_CACHE_DIR=os.path.join(work, "triton"))
-        return subprocess.run([sys.executable, os.path.abspath(__file__), site], env=env).returncode
+        # everything the check writes (stub, caches, the tiny model, Triton's
+        # builds against the stub) stays in one folder, removed at the end
+        with tempfile.TemporaryDirectory(prefix="check-staged-") as work:
+            stub_driver(site, work)
+            path = [ROOT, site]
+            dsl = os.path.join(site, "nvidia_cutlass_dsl", "dsl_packages")
+            if os.path.isdir(dsl):
+                path.append(dsl)
+            env = dict(os.environ, CHECK_STAGED_CHILD="1", PYTHONPATH=os.pathsep.join(path),
+                       LD_LIBRARY_PATH=work, TMPDIR=work, VLLM_CACHE_ROOT=work,
+                       TRITON_CACHE_DIR=os.path.join(work, "triton"),
+                       VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_FLASHINFER_SAMPLER="0",
+                       VLLM_DSA_VARLEN="auto")
+            cmd = [sys.executable, os.path.abspath(__file__), site]
+            return subprocess.run(cmd, env=env).returncode
 
     fake_h200()
     from vllm.platforms import current_platform
