@@ -9,6 +9,6 @@ line=$(bash scripts/offline-gpu-install.sh "$1" "$target" | tail -1)
 shift
 echo "$line"
 case "$line" in complete:*) ;; *) exit 0 ;; esac
-export PYTHONPATH=$(pwd):$target/site
+export PYTHONPATH=${line#complete: export PYTHONPATH=}
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 [ $# -gt 0 ] && exec python3 benchmarks/e2e_decode.py "$@"

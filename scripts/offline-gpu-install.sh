@@ -4,7 +4,8 @@
 # every part listed in MANIFEST is there (sha256-checked), unpack the installed
 # tree and declare this project's plugin entry point beside it.
 #   bash scripts/offline-gpu-install.sh FOLDER|- [TARGET]   (TARGET default /tmp/offline-gpu)
-# Prints "complete: export PYTHONPATH=TARGET/site" when done, "waiting: ..." otherwise.
+# Prints "complete: export PYTHONPATH=..." when done (this checkout, TARGET/site and the folders
+# the tree's .pth files would add), "waiting: ..." otherwise.
 # Re-running with a folder already received is harmless.
 set -euo pipefail
 src=$1
@@ -42,4 +43,10 @@ for group, items in eps.items():
     for name, value in items.items():
         print(f"{name} = {value}")
 PY
-echo "complete: export PYTHONPATH=$root:$target/site"
+# A .pth file is read only in a site directory, never through PYTHONPATH: the folders
+# that the staged packages' .pth files put on sys.path are named here (NVIDIA's CuTe DSL
+# keeps its cutlass package in nvidia_cutlass_dsl/dsl_packages).
+path=$root:$target/site
+dsl="$target/site/nvidia_cutlass_dsl/dsl_packages"
+if [ -d "$dsl" ]; then path=$path:$dsl; fi
+echo "complete: export PYTHONPATH=$path"

@@ -194,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
             add_deep_gemm(args.deep_gemm_from, site, os.path.join(tmp, "other"))
             print(f"deep_gemm: vendored by vllm {args.deep_gemm_from}")
         install_deps(args.deps, site, args.python)
+        pth = sorted(f for f in os.listdir(site) if f.endswith(".pth"))
+        if pth:  # PYTHONPATH does not read them: offline-gpu-install.sh must name their folders
+            print(f".pth files in the tree (offline-gpu-install.sh names their folders): "
+                  f"{', '.join(pth)}")
         calls = pack(site, args.out, args.part_mib, args.per_call_mib)
     for c in calls:
         mib = sum(os.path.getsize(os.path.join(c, f)) for f in os.listdir(c)) / 2**20
