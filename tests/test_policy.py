@@ -219,3 +219,32 @@ def test_min_varlen_rows_follows_the_table_in_place(monkeypatch):
         assert policy.min_varlen_rows("flattened", kernel="cuda_sm90", max_run=1) is None
         monkeypatch.undo()
     assert policy.min_varlen_rows("flattened", kernel="cuda_sm90", max_run=4) == before
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_from_query_starts_equals_from_decode_lens(seed):
+    """The builders' fast constructor gives the facts ``from_decode_lens`` gives
+    for the same counts (graph-padding requests of 0 tokens among them), from a
+    list or a tensor of offsets."""
+    import torch
+
+    rng = random.Random()
+    n = rng.randrange(0, 70)
+    lens = [rng.choice([0, rng.randrange(1, 9), 4]) for _ in range(n)]
+    start = rng.randrange(0, 100)
+    starts = [start]
+    for x in lens:
+        starts.append(starts[-1] + x)
+    rows = sum(lens) + rng.randrange(0, 8)
+    ctx = rng.randrange(0, 1 << 17)
+    want = StepFacts.from_decode_lens(lens, rows=rows, max_context=ctx)
+    assert StepFacts.from_query_starts(starts, rows=rows, max_context=ctx) == want
+    assert StepFacts.from_query_starts(torch.tensor(starts, dtype=torch.int32), rows=rows,
+                                       max_context=ctx) == want
+    assert (StepFacts.from_query_starts(starts, max_context=ctx)
+            == StepFacts.from_decode_lens(lens, max_context=ctx))
+
+
+def test_from_query_starts_refuses_decreasing_offsets():
+    with pytest.raises(ValueError, match="query_starts"):
+        StepFacts.from_query_starts([0, 4, 3, 8])

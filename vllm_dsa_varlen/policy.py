@@ -96,6 +96,25 @@ class StepFacts:
                    max_run=max_run, uniform=all(n == max_run for n in real),
                    max_context=int(max_context), tokens=sum(lens))
 
+    @classmethod
+    def from_query_starts(cls, query_starts, *, rows: int | None = None,
+                          max_context: int = 0) -> "StepFacts":
+        """:meth:`from_decode_lens` of the counts between consecutive
+        ``query_starts`` (host ints: a list, or anything with ``tolist()``
+        such as ``query_start_loc_cpu[:n + 1]``).  Builders call it on every
+        step: list counting here, no per-element conversion or generator
+        (a third of ``from_decode_lens``'s host time on 8 requests)."""
+        starts = query_starts.tolist() if hasattr(query_starts, "tolist") else list(query_starts)
+        lens = [b - a for a, b in zip(starts, starts[1:])]
+        if lens and min(lens) < 0:
+            raise ValueError(f"query_starts: expected non-decreasing offsets, got {starts}")
+        max_run = max(lens, default=0)
+        requests = len(lens) - lens.count(0)
+        tokens = starts[-1] - starts[0] if starts else 0
+        return cls(rows=tokens if rows is None else int(rows), requests=requests,
+                   max_run=max_run, uniform=max_run == 0 or lens.count(max_run) == requests,
+                   max_context=int(max_context), tokens=tokens)
+
     @property
     def real_tokens(self) -> int:
         """The requests' own tokens (``rows`` when not given)."""

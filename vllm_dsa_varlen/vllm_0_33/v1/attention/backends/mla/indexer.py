@@ -75,7 +75,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.platforms import current_platform
@@ -330,12 +329,11 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
     num_decodes, rows = _split(builder, cm, require_uniform=False)
     if num_decodes == 0:
         return None
-    qsl = cm.query_start_loc_cpu[: num_decodes + 1].numpy()
-    lens = np.diff(qsl)
-    max_run = int(lens.max())
+    lens_facts = StepFacts.from_query_starts(cm.query_start_loc_cpu[: num_decodes + 1],
+                                             rows=rows, max_context=max(0, int(cm.max_seq_len)))
+    max_run, uniform = lens_facts.max_run, lens_facts.uniform
     if max_run == 0:  # only graph-padding requests: nothing to choose
         return None
-    uniform = bool(np.all((lens == max_run) | (lens == 0)))
     next_n = builder.num_speculative_tokens + 1
     if builder.use_flattening:
         stock = "flattened"
@@ -352,8 +350,7 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
         facts = StepFacts(rows=rows, requests=min(num_decodes, rows), max_run=max_run,
                           uniform=uniform, max_context=0)
     else:
-        facts = StepFacts.from_decode_lens(lens.tolist(), rows=rows,
-                                           max_context=max(0, int(cm.max_seq_len)))
+        facts = lens_facts
     if stock == "flattened" and _left_to_stock(builder, cm, max_run):
         return StepChoice(facts, stock, varlen=False, plan=False)
     varlen = varlen_wins(facts, stock, kernel=builder.varlen_graph_kernel)
