@@ -336,26 +336,25 @@ def run_cases(engine, args, prompts_of, result: dict, build_timer, jit_state) ->
     capacity = kv_capacity_tokens(engine)
     result["kv_capacity_tokens"] = capacity
 
-    def fitting(length: int) -> list[int]:
-        return fitting_batches(args, length, capacity)
+    fits = {length: fitting_batches(args, length, capacity) for length in args.prompt}
 
     # warm-up pass: every case once, unmeasured (prefills the prompts into the
     # prefix cache and compiles whatever a case's shapes need: JIT compiles
     # seen during the measured pass are counted below)
     for length in args.prompt:
-        if not fitting(length):
+        if not fits[length]:
             continue
-        prompts = prompts_of(length, count=max(fitting(length)))
+        prompts = prompts_of(length, count=max(fits[length]))
         _run_case(engine, prompts, 1, f"prefill-L{length}")
-        for batch in fitting(length):
+        for batch in fits[length]:
             _run_case(engine, prompts[:batch], args.warm_tokens, f"warm-B{batch}-L{length}")
     stats.reset()
     build_timer.take()
     jit0 = jit_state()
     for length in args.prompt:
-        prompts = prompts_of(length, count=max(fitting(length), default=0))
+        prompts = prompts_of(length, count=max(fits[length], default=0))
         for batch in args.batch:
-            if batch not in fitting(length):
+            if batch not in fits[length]:
                 result["cases"].append({
                     "batch": batch, "prompt": length,
                     "skipped": f"does not fit the KV cache ({capacity} tokens)"})
