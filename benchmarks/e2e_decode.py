@@ -222,22 +222,35 @@ class BuildTimer:
         self.cls = ix.DeepseekV32IndexerMetadataBuilder
         self.inner = self.cls.build
         self.calls, self.seconds = 0, 0.0
+        self.by_tokens: dict[int, list] = {}
         timer = self
 
-        def build(builder, *args, **kwargs):
+        def build(builder, common_prefix_len, common_attn_metadata, *args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return timer.inner(builder, *args, **kwargs)
+                return timer.inner(builder, common_prefix_len, common_attn_metadata,
+                                   *args, **kwargs)
             finally:
-                timer.seconds += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                timer.seconds += dt
                 timer.calls += 1
+                bucket = timer.by_tokens.setdefault(
+                    int(getattr(common_attn_metadata, "num_actual_tokens", -1)), [0, 0.0])
+                bucket[0] += 1
+                bucket[1] += dt
 
         self.cls.build = build
 
     def take(self) -> dict:
+        """Calls and µs per call since the last take, overall and per token
+        count of the step (``by_tokens``: the target model's verification
+        steps and the drafter's steps have different counts, so stock and
+        plugin are compared step kind by step kind)."""
         out = {"calls": self.calls,
-               "us_per_call": 1e6 * self.seconds / self.calls if self.calls else None}
-        self.calls, self.seconds = 0, 0.0
+               "us_per_call": 1e6 * self.seconds / self.calls if self.calls else None,
+               "by_tokens": {str(t): {"calls": c, "us_per_call": 1e6 * s / c}
+                             for t, (c, s) in sorted(self.by_tokens.items()) if c}}
+        self.calls, self.seconds, self.by_tokens = 0, 0.0, {}
         return out
 
 
@@ -534,6 +547,14 @@ def first_divergence(a: list[list[int]], b: list[list[int]]):
     return None
 
 
+def _build_by_tokens(stock_case: dict, plugin_case: dict) -> dict:
+    """``{token count: [stock µs, plugin µs]}`` per ``build()`` call, for the
+    step token counts both runs saw."""
+    a, b = ((x.get("indexer_build") or {}).get("by_tokens") or {}
+            for x in (stock_case, plugin_case))
+    return {t: [a[t]["us_per_call"], b[t]["us_per_call"]] for t in a if t in b}
+
+
 def compare(stock: dict, plugin: dict) -> dict:
     """Per case: speed ratio and token identity; the identity run's first divergence
     with both runs' top-2 logprobs there."""
@@ -552,6 +573,7 @@ def compare(stock: dict, plugin: dict) -> dict:
                      "tokens_identical": div is None, "first_divergence": div,
                      "indexer_build_us": [(x.get("indexer_build") or {}).get("us_per_call")
                                           for x in (s, p)],
+                     "indexer_build_us_by_tokens": _build_by_tokens(s, p),
                      "plugin_paths": p["paths"]["steps"],
                      "plugin_variable_steps": sum(p["paths"]["variable"].values()),
                      "plugin_mixed_steps": sum(p["paths"]["mixed"].values())})

@@ -67,13 +67,17 @@ def make_config(*, next_n: int, max_tokens: int = 256, max_seqs: int = 64, fp4: 
 def make_builder(monkeypatch, *, next_n: int, width: int = 64, page: int = 64,
                  compress_ratio: int = 1, fp4: bool = False, **config_kwargs):
     """A real ``DeepseekV32IndexerMetadataBuilder`` on the CPU (whatever the
-    class's ``__init__`` currently is: patched or stock).  ``page``: indexer
+    class's ``__init__`` currently is: patched or stock), with stock's uniform
+    flattening kernel stood in for (:func:`fake_uniform_decode_kernel`) unless
+    a stand-in is in place already.  ``page``: indexer
     cache entries per block (the kernels' page); a block holds ``page *
     compress_ratio`` tokens."""
     import vllm.v1.attention.backends.mla.indexer as ix
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     monkeypatch.setattr(ix, "num_compute_units", lambda device_index=None: NUM_SMS)
+    if not isinstance(ix._PREPARE_UNIFORM_DECODE_KERNEL, UniformDecodeKernel):
+        fake_uniform_decode_kernel(monkeypatch)  # stock's Triton kernel needs a GPU
     head_size = 68 if fp4 else 132
     spec = MLAAttentionSpec(block_size=page * compress_ratio, num_kv_heads=1,
                             head_size=head_size, dtype=torch.uint8,
@@ -98,7 +102,7 @@ class UniformDecodeKernel:
     def __call__(self, seq_lens, ctx_out, block_table, bt_out, lens_out, rows, n):
         def launch():
             self.launches += 1
-            token = torch.arange(rows)
+            token = torch.arange(rows, device=seq_lens.device)
             req = token // n
             ctx_out[:rows] = seq_lens[req] - n + token % n + 1
             bt_out[:rows, :block_table.shape[1]] = block_table[req]

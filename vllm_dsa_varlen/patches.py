@@ -189,8 +189,9 @@ PATCHES: tuple[Patch, ...] = (
           upstream=_V033, wraps=True),
     Patch(_IX, "DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors",
           f"{_OUR_IX_33}:wrap_prepare_decode_tensors",
-          "during a planned build, plan one-token rows with plan.plan_decode_rows into "
-          "stock's buffers and the run ids into stock's decode_indices_buffer",
+          "during a planned build, one-token rows into stock's buffers (a uniform step "
+          "through stock's flatten branch, others by plan.plan_decode_rows) and the run "
+          "ids into stock's decode_indices_buffer",
           upstream=_V033, wraps=True),
     Patch(_IX, "DeepseekV32IndexerMetadataBuilder.update_draft_decode_metadata",
           f"{_OUR_IX_33}:wrap_update_draft_decode_metadata",

@@ -283,3 +283,25 @@ def test_run_cases_measures_fitting_cases_in_rounds_and_skips_the_rest(rounds, t
         assert case["decode_steps"] == new - 1 and case["step_ms_median"] >= 0
         assert all(set(r["gpu_before"]) == {"sm_clock_mhz", "power_w", "temperature_c"}
                    for r in case["rounds"])
+
+
+def test_build_timer_counts_calls_per_token_count_of_the_step(monkeypatch):
+    """The build timer wraps whatever ``build`` is installed, passes its
+    result through, and splits its calls by the step's token count."""
+    from types import SimpleNamespace
+
+    ix = pytest.importorskip("vllm.v1.attention.backends.mla.indexer")
+    cls = ix.DeepseekV32IndexerMetadataBuilder
+    seen = []
+    monkeypatch.setattr(cls, "build", lambda self, cpl, cm, fast_build=False: (
+        seen.append((cpl, cm.num_actual_tokens, fast_build)), -cm.num_actual_tokens)[1])
+    timer = e2e.BuildTimer()
+    counts = [random.choice((5, 64, 192)) for _ in range(30)]
+    for t in counts:
+        assert cls.build(object(), 0, SimpleNamespace(num_actual_tokens=t)) == -t
+    assert seen == [(0, t, False) for t in counts]
+    out = timer.take()
+    assert out["calls"] == 30 and out["us_per_call"] > 0
+    assert {int(k): v["calls"] for k, v in out["by_tokens"].items()} == {
+        t: counts.count(t) for t in set(counts)}
+    assert timer.take() == {"calls": 0, "us_per_call": None, "by_tokens": {}}

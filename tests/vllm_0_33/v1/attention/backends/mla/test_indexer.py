@@ -38,6 +38,18 @@ def _all_win(monkeypatch):
     monkeypatch.setattr(policy, "MEASURED", ALL_WIN)
 
 
+def _last_choice(builder, cm):
+    """The builder's classification of its last step ``cm``; a step left to
+    stock before classifying (``last_step_stock_only``) is classified here,
+    and that classification must leave it to stock too."""
+    if not builder.last_step_stock_only:
+        return builder.last_step_choice
+    assert builder.last_step_choice is None
+    choice = ours.classify_step(builder, cm)
+    assert choice.stock == "flattened" and not choice.plan and not choice.varlen, choice
+    return choice
+
+
 def _table(gen, rows):
     return torch.randint(0, 1000, (rows, WIDTH), generator=gen, dtype=torch.int32)
 
@@ -188,12 +200,15 @@ def test_classification_matches_stocks_build(monkeypatch, next_n, adaptive):
         assert choice.stock == kind, (lens, choice)
         assert choice.facts.rows == sum(lens) and choice.facts.max_run == max(lens)
         assert choice.facts.uniform is (min(lens) == max(lens))
+        if choice.stock != "native":  # a native step is described by its graph key
+            assert choice.facts == policy.StepFacts.from_decode_lens(
+                lens, max_context=max(seqs)), (lens, choice.facts)
         seen.add(kind)
         # the builder counts the step on the path stock's build shows, or varlen
         stats.reset()
         builder.build(0, cm)
         want = (("split_avoided" if kind == "split" else "varlen")
-                if builder.last_step_choice.varlen else f"stock_{kind}")
+                if _last_choice(builder, cm).varlen else f"stock_{kind}")
         counts = stats.snapshot()
         assert counts["steps"] == {**dict.fromkeys(stats.PATHS, 0), want: 1}, (lens, choice)
         assert counts["variable"][want] == int(min(lens) != max(lens))
@@ -274,6 +289,7 @@ def test_build_reads_no_device_memory(monkeypatch, next_n, adaptive):
                         lambda cl, bs, n, **kw: torch.zeros((n + 1, 2), dtype=torch.int32,
                                                             device=cl.device))
     monkeypatch.setattr(ix, "num_compute_units", lambda device_index=None: 8)
+    fake_uniform_decode_kernel(monkeypatch)  # stock's Triton launch: no host read either
     patches.apply_all(line="0.33")
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
@@ -394,6 +410,56 @@ def test_draft_update_of_a_varlen_step(monkeypatch):
     assert all(c.bound.get("indices") is None for c in dg.calls)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_run_ids_right_on_every_step_of_one_builder(monkeypatch, seed):
+    """One builder, a random sequence of varlen steps -- uniform ones of
+    different token counts (stock's flatten branch lays out their rows; the ids
+    are written only when the buffer does not hold them), variable and
+    graph-padded ones (planned by ``plan_decode_rows``), plain ones and the
+    drafter's updates of them (ids reset to one run per row) -- in any order: every step's ids are its
+    own requests' runs, its rows the requests' own tokens."""
+    from vllm_dsa_varlen.plan import run_starts
+
+    _hopper(monkeypatch)
+    _all_win(monkeypatch)
+    patches.apply_all(line="0.33")
+    next_n = 4
+    builder = make_builder(monkeypatch, next_n=next_n)
+    gen = torch.Generator().manual_seed(seed)
+    kinds = []
+    for _ in range(40):
+        reqs = int(torch.randint(1, 9, (1,), generator=gen))
+        kind = ("uniform", "uniform", "variable", "padded", "plain")[
+            int(torch.randint(0, 5, (1,), generator=gen))]
+        if kind in ("uniform", "plain"):
+            n = 1 if kind == "plain" else int(torch.randint(2, next_n + 1, (1,), generator=gen))
+            lens = [n] * reqs
+        else:
+            lens = torch.randint(1, next_n + 1, (reqs,), generator=gen).tolist()
+        pad = int(torch.randint(1, 4, (1,), generator=gen)) if kind == "padded" else 0
+        seqs = [n + int(torch.randint(0, 300, (1,), generator=gen)) for n in lens]
+        bt = _table(gen, reqs)
+        md = builder.build(0, decode_batch(lens, seqs, bt, num_tokens=sum(lens) + pad))
+        assert builder.last_step_choice.varlen, (kind, lens)
+        rows = sum(lens) + pad
+        dec = md.decode
+        req = torch.tensor([b for b, n in enumerate(lens) for _ in range(n)])
+        want = torch.ones(rows, dtype=torch.bool)
+        want[1:sum(lens)] = req[1:] != req[:-1]
+        assert torch.equal(run_starts(dec.indices[:rows]), want), (kinds, kind, lens)
+        assert dec.seq_lens[:sum(lens), 0].tolist() == [
+            s - n + j + 1 for n, s in zip(lens, seqs) for j in range(n)]
+        assert torch.equal(dec.block_table[:sum(lens)], bt[req])
+        kinds.append(kind)
+        if kind == "plain" and torch.rand((1,), generator=gen).item() < 0.7:
+            # the drafter's next step reuses a plain step's metadata
+            md.seq_lens = md.seq_lens + 1
+            builder.update_draft_decode_metadata(md)
+            assert dec.indices.tolist() == list(range(dec.indices.shape[0]))
+            kinds.append("draft")
+    assert {"uniform", "variable", "padded", "plain", "draft"} <= set(kinds)
+
+
 @pytest.mark.parametrize("graph_kernel", ["cuda_sm90", "portable"])
 def test_kernel_gated_rules_follow_the_builders_graph_kernel(monkeypatch, graph_kernel):
     """A step stock flattens (6 tokens: no native kernel) takes varlen under a
@@ -414,8 +480,9 @@ def test_kernel_gated_rules_follow_the_builders_graph_kernel(monkeypatch, graph_
     patches.apply_all(line="0.33")
     builder = make_builder(monkeypatch, next_n=6)
     gen = torch.Generator().manual_seed(3)
-    builder.build(0, decode_batch([6, 6, 6], [900, 1500, 70], _table(gen, 3)))
-    choice = builder.last_step_choice
+    cm = decode_batch([6, 6, 6], [900, 1500, 70], _table(gen, 3))
+    builder.build(0, cm)
+    choice = _last_choice(builder, cm)
     assert choice.stock == "flattened"
     assert choice.varlen is choice.plan is (graph_kernel == "cuda_sm90")
     assert asked and set(asked) == {(builder.kv_cache_spec.head_size - 4,
@@ -485,7 +552,8 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, next_n, adap
             cm.query_start_loc = torch.zeros(reqs + 1, dtype=torch.int32)
             cm.query_start_loc[1:] = torch.cumsum(torch.tensor(dev), 0)
             lens = dev
-        return lens, seqs, bt, cm, builder.build(0, cm).decode, builder.last_step_choice
+        decode = builder.build(0, cm).decode
+        return lens, seqs, bt, cm, decode, _last_choice(builder, cm)
 
     decided = {}
     for reqs in (1, 2, 5, 16, 21, 22):

@@ -19,7 +19,9 @@ Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
 * ``DeepseekV32IndexerMetadataBuilder.__init__`` (wrapped): decide once whether
   the Triton varlen kernel can serve this builder (:func:`choose_decode_path`)
   and log the path in one line.
-* ``DeepseekV32IndexerMetadataBuilder.build`` (wrapped): classify the step from
+* ``DeepseekV32IndexerMetadataBuilder.build`` (wrapped): a flattened step
+  that no rule can send to varlen by its token count is stock's at once
+  (:func:`_stock_only_step`, O(1) host ints); else classify the step from
   host-known facts (:func:`classify_step`: what stock would run, and
   :func:`vllm_dsa_varlen.policy.varlen_wins`), then
 
@@ -43,10 +45,13 @@ Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
   scheduler, which takes none on SM90: the schedule is remade without them
   (the Triton kernel needs none) and the ids are reset to one run per row.
 * ``DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors`` (wrapped):
-  during a planned build, rows are planned by :func:`vllm_dsa_varlen.plan.plan_decode_rows`
-  straight into stock's buffers (``decode_seq_lens_buffer``,
-  ``expanded_block_table_buffer``) and the ids into stock's
-  ``decode_indices_buffer``; rows ``R = num_decode_tokens``, one token each.
+  during a planned build, rows ``R = num_decode_tokens`` of one token each go
+  to stock's buffers (``decode_seq_lens_buffer``,
+  ``expanded_block_table_buffer``) and the ids to stock's
+  ``decode_indices_buffer``: a uniform step without padding through stock's
+  own flatten branch (one launch, the same rows as
+  :func:`vllm_dsa_varlen.plan.plan_decode_rows`) plus the ids when the
+  buffer does not hold them; other steps planned by ``plan_decode_rows``.
   Stock then applies DCP localisation and DeepSeek V4's ``//= compress_ratio``
   in place and makes DeepGEMM's schedule for the flattened rows, exactly as in
   its flatten branch.
@@ -70,6 +75,7 @@ memory: no sync.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -249,7 +255,9 @@ def _setup_varlen(builder: Any) -> None:
     builder._varlen_planning = False
     builder._varlen_step_ids = None
     builder._varlen_common = None
+    builder._varlen_ids_layout = (0, 0)
     builder.last_step_choice = None
+    builder.last_step_stock_only = False
     _log_path(path)
     if not path.use_varlen:
         return
@@ -329,8 +337,16 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
     num_decodes, rows = _split(builder, cm, require_uniform=False)
     if num_decodes == 0:
         return None
-    lens_facts = StepFacts.from_query_starts(cm.query_start_loc_cpu[: num_decodes + 1],
-                                             rows=rows, max_context=max(0, int(cm.max_seq_len)))
+    max_context = max(0, int(cm.max_seq_len))
+    longest = cm.max_query_len
+    if num_decodes == cm.num_reqs and longest >= 1 and rows == num_decodes * longest:
+        # all decodes, as many tokens as each the longest has: uniform, no
+        # padding request (O(1): what from_query_starts would find)
+        lens_facts = StepFacts(rows=rows, requests=num_decodes, max_run=longest, uniform=True,
+                               max_context=max_context, tokens=rows)
+    else:
+        lens_facts = StepFacts.from_query_starts(cm.query_start_loc_cpu[: num_decodes + 1],
+                                                 rows=rows, max_context=max_context)
     max_run, uniform = lens_facts.max_run, lens_facts.uniform
     if max_run == 0:  # only graph-padding requests: nothing to choose
         return None
@@ -385,6 +401,45 @@ def _left_to_stock(builder: Any, cm: Any, max_run: int) -> bool:
     return bound is None or cm.num_actual_tokens < bound
 
 
+def _stock_only_step(builder: Any, cm: Any) -> bool:
+    """A flattening builder's step that no rule can send to varlen, decided
+    before :func:`classify_step` from O(1) host ints (no split, no per-request
+    lengths): the step's longest query ``max_query_len`` bounds its longest
+    decode, and :func:`vllm_dsa_varlen.policy.min_varlen_rows` only grows as
+    the longest run shrinks, so ``num_actual_tokens`` below the bound for runs
+    of ``min(max_query_len, decode_threshold)`` tokens (of ``decode_threshold``
+    where FULL graphs replay mixed batches) means :func:`_left_to_stock` holds
+    for every decode split of the step.  Small batches and the drafter's
+    one-token steps take this exit: the plugin adds a few host microseconds to
+    their ``build()``, not a classification."""
+    if not builder.use_flattening or builder.use_pcp:
+        return False
+    runs = builder.decode_threshold
+    if not _full_graphs_replay_mixed_batches(builder):
+        runs = max(1, min(runs, int(cm.max_query_len)))
+    bound = policy.min_varlen_rows("flattened", kernel=builder.varlen_graph_kernel,
+                                   max_run=runs)
+    return bound is None or cm.num_actual_tokens < bound
+
+
+def _record_stock_only(cm: Any, metadata: Any) -> None:
+    """Count a step of :func:`_stock_only_step` as :func:`classify_step` and
+    :func:`step_path` would (stock's flattened call), from the decode count
+    stock's build found; graph-padding requests (no tokens) do not make it
+    variable."""
+    num_decodes = getattr(metadata, "num_decodes", 0)
+    if not num_decodes:
+        return
+    if metadata.num_decode_tokens == num_decodes * cm.max_query_len:
+        variable = False  # every decode has the step's longest query
+    else:
+        starts = cm.query_start_loc_cpu[: num_decodes + 1].tolist()
+        lens = {b - a for a, b in zip(starts, starts[1:])}
+        lens.discard(0)
+        variable = len(lens) > 1
+    stats.record("stock_flattened", variable=variable, mixed=getattr(metadata, "num_prefills", 0) > 0)
+
+
 def _full_graphs_replay_mixed_batches(builder: Any) -> bool:
     """Whether a FULL CUDA graph may be replayed for a batch whose requests'
     lengths are not the captured batch's: cudagraph mode ``FULL`` (mixed
@@ -396,7 +451,13 @@ def _full_graphs_replay_mixed_batches(builder: Any) -> bool:
         return True
     mode = getattr(getattr(builder.vllm_config, "compilation_config", None),
                    "cudagraph_mode", None)
-    return not isinstance(mode, CUDAGraphMode) or mode.mixed_mode() == CUDAGraphMode.FULL
+    known = getattr(builder, "_varlen_mixed_replay", None)
+    if known is not None and known[0] is mode:
+        return known[1]
+    # vLLM may settle the mode after the builder is made: cached per mode object
+    replays = not isinstance(mode, CUDAGraphMode) or mode.mixed_mode() == CUDAGraphMode.FULL
+    builder._varlen_mixed_replay = (mode, replays)
+    return replays
 
 
 # --------------------------------------------------------------------------------------
@@ -408,29 +469,74 @@ def _adaptive(builder: Any) -> bool:
     return bool(spec is not None and getattr(spec, "enable_adaptive_verification", False))
 
 
-def _plan_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.Tensor,
+def _plan_varlen_rows(builder: Any, original: Callable[..., Any], stock_args: dict,
+                      seq_lens: torch.Tensor, block_table: torch.Tensor,
                       decode_lens_cpu: torch.Tensor, num_decodes: int, num_decode_tokens: int,
                       max_decode_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
     """Plan ``R = num_decode_tokens`` one-token rows into the builder's buffers.
 
-    Under adaptive verification the host's per-request lengths are upper
-    bounds (the device trims drafts), so the rows are always planned from the
-    device offsets (variable path; the host's token total is exact)."""
-    qsl = builder._varlen_common.query_start_loc[: num_decodes + 1]
+    A uniform step without graph padding (every decode ``n = max_decode_len``
+    tokens, ``R = B * n``; not adaptive): stock's own flatten branch lays out
+    the rows (its one-launch uniform kernel writes the same context lengths
+    and block-table rows as :func:`plan_decode_rows`; tested on the GPU) and
+    only the ids ``r // n`` are added, and only when the buffer does not hold
+    them already (:func:`_ids_hold`).  Other steps: :func:`plan_decode_rows`
+    with the step's device offsets; under adaptive verification the host's
+    per-request lengths are upper bounds (the device trims drafts), so those
+    rows are always planned from the device offsets (the host's token total
+    is exact)."""
     uniform = (max_decode_len >= 1 and not _adaptive(builder)
                and int(decode_lens_cpu.min()) == max_decode_len
                and num_decodes * max_decode_len == num_decode_tokens)
-    if uniform:
-        rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=num_decode_tokens,
-                                uniform_len=max_decode_len, out=builder.varlen_rows)
-    else:
-        rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=num_decode_tokens,
-                                num_tokens=int(decode_lens_cpu.sum()), out=builder.varlen_rows)
+    if uniform and not builder.supports_varlen:
+        ctx, bt, one_token_each, rows, padded = original(builder, **stock_args)
+        if rows != num_decode_tokens or padded or ctx.data_ptr() != builder.decode_seq_lens_buffer.data_ptr():
+            raise RuntimeError(
+                f"varlen build: stock's flatten branch returned {rows} rows (padded={padded}) "
+                f"for a uniform step of {num_decode_tokens} tokens")
+        ids = builder.decode_indices_buffer[:rows]
+        ready = _ids_hold(builder, max_decode_len, rows)
+        with _ids_written(builder, (max_decode_len, rows), skip=ready):
+            if not ready:
+                torch.div(builder.arange_buffer[:rows], max_decode_len, rounding_mode="floor",
+                          out=ids)
+        builder._varlen_step_ids = ids
+        return ctx, bt, one_token_each, rows, False
+    qsl = builder._varlen_common.query_start_loc[: num_decodes + 1]
+    with _ids_written(builder, None):
+        if uniform:
+            rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=num_decode_tokens,
+                                    uniform_len=max_decode_len, out=builder.varlen_rows)
+        else:
+            rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=num_decode_tokens,
+                                    num_tokens=int(decode_lens_cpu.sum()), out=builder.varlen_rows)
     builder.decode_seq_lens_buffer[rows.num_rows:].zero_()
     one_token_each = builder.decode_lens_buffer[: rows.num_rows]
     one_token_each.fill_(1)
     builder._varlen_step_ids = rows.indices
     return rows.context_lens, rows.block_table, one_token_each, rows.num_rows, False
+
+
+def _ids_hold(builder: Any, run_len: int, num_rows: int) -> bool:
+    """Whether ``decode_indices_buffer[:num_rows]`` already holds ``r //
+    run_len`` (the builder's record of its own last write)."""
+    held_len, held_rows = builder._varlen_ids_layout
+    return held_len == run_len and held_rows >= num_rows
+
+
+@contextlib.contextmanager
+def _ids_written(builder: Any, layout: tuple[int, int] | None, skip: bool = False):
+    """Around a write of ``decode_indices_buffer``: the record is cleared
+    first (a write that fails leaves it unknown) and set to ``layout`` (``(n,
+    rows)``: ``ids[r] == r // n`` for ``r < rows``; ``None``: any other ids)
+    after.  ``skip``: no write happens, the record stands."""
+    if skip:
+        yield
+        return
+    builder._varlen_ids_layout = (0, 0)
+    yield
+    if layout is not None:
+        builder._varlen_ids_layout = layout
 
 
 def wrap_prepare_decode_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -442,14 +548,15 @@ def wrap_prepare_decode_tensors(original: Callable[..., Any]) -> Callable[..., A
     def _prepare_decode_tensors(self, seq_lens, block_table, decode_lens, decode_lens_cpu,
                                 query_start_loc, num_decodes, num_decode_tokens, use_native,
                                 next_n, max_decode_len):
+        stock_args = dict(
+            seq_lens=seq_lens, block_table=block_table, decode_lens=decode_lens,
+            decode_lens_cpu=decode_lens_cpu, query_start_loc=query_start_loc,
+            num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
+            use_native=use_native, next_n=next_n, max_decode_len=max_decode_len)
         if not getattr(self, "_varlen_planning", False):
-            return original(
-                self, seq_lens=seq_lens, block_table=block_table, decode_lens=decode_lens,
-                decode_lens_cpu=decode_lens_cpu, query_start_loc=query_start_loc,
-                num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
-                use_native=use_native, next_n=next_n, max_decode_len=max_decode_len)
-        return _plan_varlen_rows(self, seq_lens, block_table, decode_lens_cpu, num_decodes,
-                                 num_decode_tokens, max_decode_len)
+            return original(self, **stock_args)
+        return _plan_varlen_rows(self, original, stock_args, seq_lens, block_table,
+                                 decode_lens_cpu, num_decodes, num_decode_tokens, max_decode_len)
 
     return _prepare_decode_tensors
 
@@ -499,6 +606,12 @@ def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         if not getattr(self, "use_varlen", False):
             return original(self, common_prefix_len, common_attn_metadata, fast_build)
+        self.last_step_stock_only = _stock_only_step(self, common_attn_metadata)
+        if self.last_step_stock_only:
+            self.last_step_choice = None
+            metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
+            _record_stock_only(common_attn_metadata, metadata)
+            return metadata
         choice = classify_step(self, common_attn_metadata)
         self.last_step_choice = choice
         if choice is None or not choice.plan:
@@ -541,7 +654,8 @@ def wrap_update_draft_decode_metadata(original: Callable[..., Any]) -> Callable[
         finally:
             decode.indices = ids
         if ids is not None:
-            ids.copy_(self.arange_buffer[: ids.shape[0]])
+            with _ids_written(self, (1, ids.shape[0])):
+                ids.copy_(self.arange_buffer[: ids.shape[0]])
         decode.schedule_metadata = attach_varlen_ids(decode.schedule_metadata, tag.ids,
                                                      tag.backend, 1)
         return None
