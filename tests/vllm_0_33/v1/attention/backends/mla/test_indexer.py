@@ -410,6 +410,32 @@ def test_draft_update_of_a_varlen_step(monkeypatch):
     assert all(c.bound.get("indices") is None for c in dg.calls)
 
 
+@pytest.mark.parametrize("next_n", [3, 4])
+def test_step_facts_of_padded_steps_are_the_requests_own(monkeypatch, next_n):
+    """Graph-padded steps whose padded token count happens to be ``requests x
+    longest`` (e.g. [3, 1] padded to 6): the facts are still the requests'
+    own (variable, 4 tokens), on the classified path and in the counters of
+    the steps left to stock."""
+    _hopper(monkeypatch)
+    patches.apply_all(line="0.33")
+    builder = make_builder(monkeypatch, next_n=next_n)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(60):
+        reqs = int(torch.randint(2, 12, (1,), generator=gen))
+        lens = torch.randint(1, next_n + 1, (reqs,), generator=gen).tolist()
+        if len(set(lens)) == 1:
+            lens[0] = 1 if lens[0] > 1 else 2
+        padded = reqs * max(lens)  # the count that looks uniform
+        seqs = [n + int(torch.randint(0, 300, (1,), generator=gen)) for n in lens]
+        cm = decode_batch(lens, seqs, _table(gen, reqs), num_tokens=padded)
+        choice = ours.classify_step(builder, cm)
+        assert choice.facts == policy.StepFacts.from_decode_lens(
+            lens, rows=padded, max_context=max(seqs)), (lens, choice.facts)
+        stats.reset()
+        builder.build(0, cm)
+        assert sum(stats.snapshot()["variable"].values()) == 1, lens
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_run_ids_right_on_every_step_of_one_builder(monkeypatch, seed):
     """One builder, a random sequence of varlen steps -- uniform ones of

@@ -339,9 +339,8 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
         return None
     max_context = max(0, int(cm.max_seq_len))
     longest = cm.max_query_len
-    if num_decodes == cm.num_reqs and longest >= 1 and rows == num_decodes * longest:
-        # all decodes, as many tokens as each the longest has: uniform, no
-        # padding request (O(1): what from_query_starts would find)
+    if _uniform_unpadded(cm, num_decodes, rows):
+        # (O(1): what from_query_starts would find)
         lens_facts = StepFacts(rows=rows, requests=num_decodes, max_run=longest, uniform=True,
                                max_context=max_context, tokens=rows)
     else:
@@ -371,6 +370,18 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
         return StepChoice(facts, stock, varlen=False, plan=False)
     varlen = varlen_wins(facts, stock, kernel=builder.varlen_graph_kernel)
     return StepChoice(facts, stock, varlen, plan=varlen or stock == "flattened")
+
+
+def _uniform_unpadded(cm: Any, num_decodes: int, rows: int) -> bool:
+    """Whether every request of the step is a decode of the step's longest
+    query and the ``rows`` decode tokens (graph padding included) are exactly
+    theirs: the requests' own token count (host offsets) equals ``rows`` and
+    ``num_decodes * max_query_len``.  Two host reads, no per-request list."""
+    longest = cm.max_query_len
+    if num_decodes != cm.num_reqs or longest < 1 or rows != num_decodes * longest:
+        return False
+    starts = cm.query_start_loc_cpu
+    return int(starts[num_decodes]) - int(starts[0]) == rows
 
 
 def _left_to_stock(builder: Any, cm: Any, max_run: int) -> bool:
@@ -430,8 +441,8 @@ def _record_stock_only(cm: Any, metadata: Any) -> None:
     num_decodes = getattr(metadata, "num_decodes", 0)
     if not num_decodes:
         return
-    if metadata.num_decode_tokens == num_decodes * cm.max_query_len:
-        variable = False  # every decode has the step's longest query
+    if _uniform_unpadded(cm, num_decodes, metadata.num_decode_tokens):
+        variable = False
     else:
         starts = cm.query_start_loc_cpu[: num_decodes + 1].tolist()
         lens = {b - a for a, b in zip(starts, starts[1:])}
