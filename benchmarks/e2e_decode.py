@@ -383,6 +383,7 @@ def run_cases(engine, args, prompts_of, result: dict, build_timer, jit_state) ->
                     engine, prompts[:batch], args.new_tokens, f"B{batch}-L{length}-r{rnd}")
                 case["rounds"].append({
                     **_decode_figures(steps, batch, tokens), "host_probe_us": probe,
+                    "host_probe_after_us": host_probe_us(5000),
                     "gpu_before": gpu0, "gpu_after": gpu_state(),
                     "cached_tokens": sum(cached.values()),
                     "tokens": [tokens[r] for r in ids]})
@@ -473,6 +474,7 @@ def _child(args, result: dict) -> None:
         result["config_error"] = repr(e)
 
     result["host_probe_us"] = {"start": host_probe_us()}
+    result["cpus"] = sorted(os.sched_getaffinity(0))
     build_timer = BuildTimer()
 
     def prompts_of(length: int, first: int = 0, count: int = max_batch):
@@ -547,6 +549,14 @@ def first_divergence(a: list[list[int]], b: list[list[int]]):
     return None
 
 
+def _case_probe(case: dict) -> float | None:
+    """The host probe (µs per tiny CPU op) of a case's reported round: the
+    mean of the probes before and after it (before only in older files)."""
+    probes = [case.get(k) for k in ("host_probe_us", "host_probe_after_us")]
+    probes = [x for x in probes if isinstance(x, (int, float))]
+    return sum(probes) / len(probes) if probes else None
+
+
 def _build_by_tokens(stock_case: dict, plugin_case: dict) -> dict:
     """``{token count: [stock µs, plugin µs]}`` per ``build()`` call, for the
     step token counts both runs saw."""
@@ -574,6 +584,7 @@ def compare(stock: dict, plugin: dict) -> dict:
                      "indexer_build_us": [(x.get("indexer_build") or {}).get("us_per_call")
                                           for x in (s, p)],
                      "indexer_build_us_by_tokens": _build_by_tokens(s, p),
+                     "host_probe_us": [_case_probe(x) for x in (s, p)],
                      "plugin_paths": p["paths"]["steps"],
                      "plugin_variable_steps": sum(p["paths"]["variable"].values()),
                      "plugin_mixed_steps": sum(p["paths"]["mixed"].values())})
@@ -594,8 +605,8 @@ def compare(stock: dict, plugin: dict) -> dict:
 def table(result: dict) -> str:
     lines = ["| k | B | L | stock tok/s | plugin tok/s | stock TPOT ms | plugin TPOT ms | gain | "
              "tokens equal | plugin decode steps by path | indexer share stock / plugin | "
-             "indexer build() us stock / plugin |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "indexer build() us stock / plugin | host probe us stock / plugin |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k, entry in sorted(result["per_k"].items(), key=lambda kv: int(kv[0])):
         share = entry.get("indexer_share", {})
         sh = " / ".join(f"{share[m]:.0%}" if share.get(m) is not None else "-"
@@ -604,7 +615,7 @@ def table(result: dict) -> str:
         for r in entry["comparison"]["rows"]:
             if "skipped" in r:
                 lines.append(f"| {k} | {r['batch']} | {r['prompt'] // 1024}K | "
-                             f"skipped: {r['skipped']} |" + " |" * 8)
+                             f"skipped: {r['skipped']} |" + " |" * 9)
                 continue
             paths = ", ".join(f"{p} {n}" for p, n in r["plugin_paths"].items() if n)
             gain = f"{r['speedup']:.3f}x"
@@ -617,6 +628,8 @@ def table(result: dict) -> str:
                 f"{r['plugin_tok_s']:.0f} | {r['stock_tpot_ms']:.2f} | {r['plugin_tpot_ms']:.2f} | "
                 f"{gain} | {'yes' if r['tokens_identical'] else 'NO'} | {paths} | {sh} | "
                 + " / ".join("-" if u is None else f"{u:.0f}" for u in r["indexer_build_us"])
+                + " | " + " / ".join("-" if u is None else f"{u:.1f}"
+                                     for u in r.get("host_probe_us", (None, None)))
                 + " |")
     return "\n".join(lines)
 
@@ -641,6 +654,8 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict | None:
            "--k", str(k), "--model", args.model, "--out", args.out, "--repeat", str(rep)]
     for name in ("batch", "prompt"):
         cmd += [f"--{name}", *map(str, getattr(args, name))]
+    if args.cpus:
+        cmd += ["--cpus", args.cpus]
     for name in ("new_tokens", "warm_tokens", "case_rounds", "layers", "graph_mode", "load_format",
                  "kv_cache_dtype", "force_sparse_prefill", "max_batched_tokens",
                  "gpu_memory_utilization", "trace_steps", "attention_backend", "capture_sizes",
@@ -764,6 +779,20 @@ def finish(args, result: dict) -> int:
     return 0 if all(r["rc"] == 0 for r in result["runs"]) else 1
 
 
+def parse_cpus(text: str) -> set[int]:
+    """``"0-3,8,10-11"`` -> ``{0, 1, 2, 3, 8, 10, 11}`` (a clear error otherwise)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"expected CPU numbers and ranges such as 0-7,9; got {text!r}")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"empty range {part.strip()!r} in {text!r}")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="MTP decode end to end: stock vs vllm-dsa-varlen")
     ap.add_argument("--out", required=True)
@@ -806,6 +835,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--merge", action="store_true",
                     help="run nothing: assemble e2e.json and the table from the "
                          "run-{mode}-k{k}.json files in --out (modes run by separate invocations)")
+    ap.add_argument("--cpus", default=None,
+                    help="pin each engine process to these CPUs (e.g. 0-7 or 0,2,4): a host "
+                         "whose speed changes between processes (see the host probe per "
+                         "round) varies less on a fixed set")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
     ap.add_argument("--repeat", type=int, default=0, help=argparse.SUPPRESS)
@@ -817,8 +850,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.case_rounds < 1:
         parser.error(f"--case-rounds: expected >= 1, got {args.case_rounds}")
+    if args.cpus is not None:
+        try:
+            args.cpu_set = parse_cpus(args.cpus)
+        except ValueError as e:
+            parser.error(f"--cpus: {e}")
     if args.child:
         args.k = args.k[0]
+        if args.cpus:
+            os.sched_setaffinity(0, args.cpu_set)
         child(args)
         return 0
     if args.merge:

@@ -305,3 +305,23 @@ def test_build_timer_counts_calls_per_token_count_of_the_step(monkeypatch):
     assert {int(k): v["calls"] for k, v in out["by_tokens"].items()} == {
         t: counts.count(t) for t in set(counts)}
     assert timer.take() == {"calls": 0, "us_per_call": None, "by_tokens": {}}
+
+
+def test_cpu_lists_parse_to_sets_and_bad_ones_are_refused():
+    for _ in range(50):
+        cpus = sorted(random.sample(range(64), random.randint(1, 12)))
+        text = ",".join(str(c) for c in cpus)
+        assert e2e.parse_cpus(text) == set(cpus)
+    assert e2e.parse_cpus("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+    for bad in ("", "a", "3-1", "1-", "-2", "1,,2", "0-3;5"):
+        with pytest.raises(ValueError):
+            e2e.parse_cpus(bad)
+    with pytest.raises(SystemExit):
+        e2e.main(["--out", "/tmp/x", "--cpus", "7-2"])
+
+
+def test_a_case_probe_is_the_mean_of_the_probes_around_its_round():
+    a, b = random.uniform(1, 3), random.uniform(1, 3)
+    assert e2e._case_probe({"host_probe_us": a, "host_probe_after_us": b}) == (a + b) / 2
+    assert e2e._case_probe({"host_probe_us": a}) == a
+    assert e2e._case_probe({}) is None
