@@ -81,7 +81,8 @@ TABLE = [
     (dict(capability=SM89, next_n=4), (True, "triton", False, "flattened"), "sm_89"),
     (dict(capability=SM120, next_n=4), (True, "triton", False, "flattened"), "sm_120"),
     (dict(capability=SM80, next_n=4), (False, None, False, None), "fp8"),
-    (dict(capability=SM90, next_n=4, triton_ok=False), (False, None, False, None), "Triton"),
+    (dict(capability=SM90, next_n=4, triton_ok=False), (False, None, False, None),
+     "kernel is unavailable"),
     # Forced backends.
     (dict(capability=SM90, backend="deepgemm", deepgemm=DG_VARLEN, next_n=4),
      (False, None, True, None), "SM10x"),
@@ -95,7 +96,7 @@ TABLE = [
      (False, None, True, None), "MXFP4"),
     (dict(capability=SM80, backend="triton", next_n=4), (False, None, True, None), "fp8"),
     (dict(capability=SM90, backend="triton", next_n=4, triton_ok=False),
-     (False, None, True, None), "Triton"),
+     (False, None, True, None), "kernel is unavailable"),
     (dict(capability=SM90, backend="triton", next_n=1), (False, None, True, None),
      "next_n == 1"),
 ]

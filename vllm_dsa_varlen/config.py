@@ -8,15 +8,19 @@
   was built with (e.g. vLLM 0.27.1 beside DeepGEMM 2.8.x, whose calls stock
   0.27.1 cannot make).
 * ``VLLM_DSA_VARLEN_BACKEND``: ``auto`` (default), ``deepgemm`` or ``triton``.
+  ``triton`` names the project's own kernels (the name of the first of them):
+  :mod:`vllm_dsa_varlen.ops.launcher` runs the CUDA sm_90 kernel where it
+  serves and the Triton kernels elsewhere, so a log line's "varlen (triton)"
+  on an H100/H200 is the CUDA kernel.
 
 :func:`choose_decode_path` turns the facts a builder knows (platform, GPU
-capability, the installed DeepGEMM's capabilities, whether the Triton kernel
-can serve this cache, ``next_n``, FP4 cache, the two settings) into a
+capability, the installed DeepGEMM's capabilities, whether the project's
+kernels can serve this cache, ``next_n``, FP4 cache, the two settings) into a
 :class:`DecodePath`.  It reads no global state, so the decision table is
 tested directly.  Nothing here imports vLLM.
 
 The builder-level decision says whether a varlen backend can serve a builder
-and, for the Triton backend, which of stock's paths each step is compared
+and, for the project's kernels (``triton``), which of stock's paths each step is compared
 with (``DecodePath.per_step``); the per-step choice itself is
 :func:`vllm_dsa_varlen.policy.varlen_wins`.
 """
@@ -171,8 +175,8 @@ def choose_decode_path(
     stock.  SM10x with a DeepGEMM whose scheduler and kernel take ``indices``
     (vLLM 0.27.1's vendored 2.6.1 and 2.8.x both do) -> DeepGEMM varlen for
     every step, any ``next_n``.  Otherwise, with an fp8-capable GPU
-    (>= sm_89), a usable Triton kernel, an FP8 cache and ``next_n >= 2`` ->
-    Triton varlen, compared per step with the path stock would take
+    (>= sm_89), a usable kernel of the project's, an FP8 cache and ``next_n >= 2`` ->
+    the project's varlen kernels, compared per step with the path stock would take
     (``per_step``, see :class:`DecodePath`): ``"flattened"`` where stock
     flattens (``next_n > 2`` off SM10x), ``"split"`` where stock runs
     DeepGEMM's native ``[B, next_n]`` kernel on uniform steps (``next_n ==
@@ -246,9 +250,9 @@ def _triton_refusal(capability: tuple[int, int], cap: str, triton_ok: bool, next
     if fp4_cache:
         return "the MXFP4 indexer cache is served by DeepGEMM on SM100 only (never Triton)"
     if capability < MIN_FP8_CAPABILITY:
-        return f"{cap} has no fp8 support (Triton varlen needs >= sm_89)"
+        return f"{cap} has no fp8 support (the project's varlen kernels need >= sm_89)"
     if not triton_ok:
-        return "the Triton varlen kernel is unavailable or does not support this cache"
+        return "the project's varlen kernel is unavailable or does not support this cache"
     if next_n == 1:
         return "next_n == 1: one row per request, varlen would save nothing"
     return None

@@ -32,7 +32,7 @@ BACKENDS = ("deepgemm", "triton")
 class VarlenTag(NamedTuple):
     """``ids``: int32 ``[R]`` run ids; ``backend``: ``"deepgemm"`` | ``"triton"``;
     ``max_run_len``: the step's longest run as the host knows it (a sizing hint
-    for the Triton kernel; correctness never depends on it); ``schedules``: the
+    for the project's kernel; correctness never depends on it); ``schedules``: the
     step's planned kernel schedules, filled by the first layer's call and read
     by the others (``varlen_paged_mqa_logits(schedule_cache=...)``)."""
 

@@ -38,7 +38,7 @@ def _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids, max_mo
     q_values, q_scale = q
     if q_scale is not None or q_values.dtype != torch.float8_e4m3fn:
         raise RuntimeError(
-            "vllm-dsa-varlen: the Triton varlen backend serves the FP8 indexer cache only; "
+            "vllm-dsa-varlen: the project's varlen backend serves the FP8 indexer cache only; "
             f"this step has {'MXFP4 (scaled) ' if q_scale is not None else ''}queries of "
             f"dtype {q_values.dtype} (an MXFP4 cache needs the DeepGEMM backend on SM100)")
     from vllm_dsa_varlen.ops.launcher import varlen_paged_mqa_logits

@@ -27,7 +27,7 @@ path added behind that function is used here without change.
 
 DeepSeek V4.1's latency-specialized decode makes its own DeepGEMM calls with
 ``decode.indices``; it needs the MXFP4 indexer cache (SM100), which the
-builder never serves with varlen, so it never sees a Triton varlen step.
+builder never serves with varlen, so it never sees a varlen step of the project's kernels.
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ def triton_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.T
                   weights: torch.Tensor, context_lens: torch.Tensor,
                   block_tables: torch.Tensor, ids: torch.Tensor, max_model_len: int,
                   max_run_len: int, schedules: dict | None = None) -> torch.Tensor:
-    """The Triton varlen kernel on the indexer op's arguments, float32
+    """The project's varlen kernel (``ops.launcher``) on the indexer op's arguments, float32
     ``[R, max_model_len]``.  ``q``: ``(fp8 [R, 1, H, D], None)``;
     ``schedules``: the step's tag's schedule cache (planned by the first layer)."""
     q_values, q_scale = q
     if q_scale is not None or q_values.dtype != torch.float8_e4m3fn:
         raise RuntimeError(
-            "vllm-dsa-varlen: the Triton varlen backend serves the FP8 indexer cache only; "
+            "vllm-dsa-varlen: the project's varlen backend serves the FP8 indexer cache only; "
             f"this step has {'MXFP4 (scaled) ' if q_scale is not None else ''}queries of "
             f"dtype {q_values.dtype}")
     from vllm_dsa_varlen.ops import launcher

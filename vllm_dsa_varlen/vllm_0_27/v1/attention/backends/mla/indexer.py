@@ -116,7 +116,7 @@ def _capability() -> tuple[int, int] | None:
 
 
 def _triton_serves(vllm_config: Any, kv_cache_spec: Any) -> bool:
-    """Whether the Triton varlen kernel supports this cache."""
+    """Whether the project's varlen kernel supports this cache."""
     try:
         from vllm.triton_utils import HAS_TRITON
 

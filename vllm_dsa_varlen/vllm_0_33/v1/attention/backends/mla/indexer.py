@@ -17,7 +17,7 @@ Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
 :mod:`vllm_dsa_varlen.patches`):
 
 * ``DeepseekV32IndexerMetadataBuilder.__init__`` (wrapped): decide once whether
-  the Triton varlen kernel can serve this builder (:func:`choose_decode_path`)
+  the project's varlen kernel can serve this builder (:func:`choose_decode_path`)
   and log the path in one line.
 * ``DeepseekV32IndexerMetadataBuilder.build`` (wrapped): a flattened step
   that no rule can send to varlen by its token count is stock's at once
@@ -43,7 +43,7 @@ Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
   (wrapped): a drafter's later steps (one token per request) reuse a step's
   metadata; for a varlen step stock would hand the ids to DeepGEMM's
   scheduler, which takes none on SM90: the schedule is remade without them
-  (the Triton kernel needs none) and the ids are reset to one run per row.
+  (the project's kernel needs none) and the ids are reset to one run per row.
 * ``DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors`` (wrapped):
   during a planned build, rows ``R = num_decode_tokens`` of one token each go
   to stock's buffers (``decode_seq_lens_buffer``,
@@ -123,7 +123,7 @@ def choose_decode_path(
     mode: str = "auto",
     backend: str = "auto",
 ) -> DecodePath:
-    """Whether the Triton varlen kernel serves a vLLM 0.33 builder (pure).
+    """Whether the project's varlen kernel serves a vLLM 0.33 builder (pure).
 
     ``upstream_varlen``: vLLM runs DeepGEMM varlen itself (SM100 + DeepGEMM).
     ``flattening``: stock flattens every step (``_use_flattening``).
@@ -131,7 +131,7 @@ def choose_decode_path(
     unknown -> stock.  Upstream varlen -> stock (a forced backend warns: it is
     upstream's).  ``backend == "deepgemm"`` -> stock with a warning (vLLM 0.33
     drives DeepGEMM varlen itself, on SM100 only).  MXFP4 cache, < sm_89, the
-    Triton kernel unusable -> stock.  ``next_n == 1`` -> stock (one row per
+    the project's kernel unusable -> stock.  ``next_n == 1`` -> stock (one row per
     request: varlen saves nothing).  Otherwise varlen (Triton), chosen per
     step by :func:`vllm_dsa_varlen.policy.varlen_wins`.
     """
@@ -155,9 +155,9 @@ def choose_decode_path(
     if fp4_cache:
         refusal = "the MXFP4 indexer cache is served by DeepGEMM on SM100 only (never Triton)"
     elif tuple(capability) < MIN_FP8_CAPABILITY:
-        refusal = f"{cap} has no fp8 support (Triton varlen needs >= sm_89)"
+        refusal = f"{cap} has no fp8 support (the project's varlen kernels need >= sm_89)"
     elif not triton_ok:
-        refusal = "the Triton varlen kernel is unavailable or does not support this cache"
+        refusal = "the project's varlen kernel is unavailable or does not support this cache"
     elif next_n == 1:
         refusal = "next_n == 1: one row per request, varlen would save nothing"
     if refusal is not None:
@@ -202,7 +202,7 @@ def _graph_kernel(builder: Any) -> str:
 
 
 def _triton_serves(builder: Any) -> bool:
-    """Whether the Triton varlen kernel supports this builder's cache (pages of
+    """Whether the project's varlen kernel supports this builder's cache (pages of
     ``num_states`` entries of ``head_size`` bytes) and index head count."""
     try:
         from vllm.triton_utils import HAS_TRITON
@@ -304,7 +304,7 @@ class StepChoice:
 
     ``facts``: what :func:`vllm_dsa_varlen.policy.varlen_wins` was asked about;
     ``stock``: what stock 0.33.0 runs for the step (``"native"`` |
-    ``"flattened"`` | ``"split"``); ``varlen``: the Triton varlen kernel runs
+    ``"flattened"`` | ``"split"``); ``varlen``: the project's varlen kernel runs
     it; ``plan``: the build lays out varlen rows and ids (whenever varlen runs
     or stock's layout is flattened anyway)."""
 
