@@ -90,15 +90,12 @@ def clean_plugin(monkeypatch):
 @pytest.fixture
 def plugin_log(monkeypatch):
     """Records of the plugin's logger from DEBUG up (vLLM's 'vllm' logger does not
-    propagate), with the builder's log-once memory reset for the test."""
-    import importlib.util
+    propagate), with the builders' log-once memory reset for the test."""
     import logging
 
-    builder_patch = {"0.27": "vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla.indexer",
-                     "0.33": "vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla.indexer"}
-    if importlib.util.find_spec("vllm") is not None and VLLM_LINE in builder_patch:
-        ours = importlib.import_module(builder_patch[VLLM_LINE])  # imports vLLM
-        monkeypatch.setattr(ours, "_logged", set())
+    from vllm_dsa_varlen import config
+
+    monkeypatch.setattr(config, "_logged_paths", set())
     records = []
 
     class _Keep(logging.Handler):

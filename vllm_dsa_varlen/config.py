@@ -27,6 +27,8 @@ with (``DecodePath.per_step``); the per-step choice itself is
 
 from __future__ import annotations
 
+import logging
+
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -133,6 +135,20 @@ class DecodePath:
         elif self.per_step == "split":
             path += " for the steps stock splits; uniform steps stay stock's native path"
         return f"{path}: {self.reason}"
+
+
+_logged_paths: set[str] = set()
+
+
+def log_decode_path(path: DecodePath) -> None:
+    """Log a builder's decode path on the ``vllm.dsa_varlen`` logger, once per
+    distinct message in the process (every builder of a model decides alike):
+    a warning when :attr:`DecodePath.warning`, else info."""
+    msg = f"vllm-dsa-varlen: DSA indexer decode path: {path.describe()}"
+    if msg not in _logged_paths:
+        _logged_paths.add(msg)
+        logging.getLogger("vllm.dsa_varlen").log(
+            logging.WARNING if path.warning else logging.INFO, msg)
 
 
 def platform_refusal(*, mode: str, is_cuda: bool,

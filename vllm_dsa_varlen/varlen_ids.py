@@ -16,12 +16,17 @@ tag off the tensor it is handed.
 * Stock steps (and anything else that reaches the kernel call) carry no tag
   and take the stock path.
 
+A builder's id buffer is also remembered between steps (:func:`ids_hold`,
+:func:`ids_written`): a uniform step's ids ``r // n`` are rewritten only when
+the buffer does not hold them already.
+
 Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+from typing import Any, NamedTuple
 
 import torch
 
@@ -65,3 +70,28 @@ def attach_varlen_ids(schedule: torch.Tensor, ids: torch.Tensor, backend: str,
 def varlen_ids_of(schedule: object) -> VarlenTag | None:
     """The tag :func:`attach_varlen_ids` put on ``schedule``, or ``None``."""
     return getattr(schedule, _ATTR, None)
+
+
+# --------------------------------------------------------------- the id buffer's record
+
+def ids_hold(holder: Any, run_len: int, num_rows: int) -> bool:
+    """Whether the id buffer of ``holder`` (a builder) already holds ``r //
+    run_len`` for ``r < num_rows``, by its record of its own last write
+    (``holder._varlen_ids_layout``: ``(n, rows)``; ``(0, 0)``: unknown)."""
+    held_len, held_rows = holder._varlen_ids_layout
+    return held_len == run_len and held_rows >= num_rows
+
+
+@contextlib.contextmanager
+def ids_written(holder: Any, layout: tuple[int, int] | None, skip: bool = False):
+    """Around a write of ``holder``'s id buffer: the record is cleared first (a
+    write that fails leaves it unknown) and set to ``layout`` after (``(n,
+    rows)``: ``ids[r] == r // n`` for ``r < rows``; ``None``: any other ids).
+    ``skip``: no write happens, the record stands."""
+    if skip:
+        yield
+        return
+    holder._varlen_ids_layout = (0, 0)
+    yield
+    if layout is not None:
+        holder._varlen_ids_layout = layout

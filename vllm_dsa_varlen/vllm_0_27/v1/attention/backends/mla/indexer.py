@@ -69,9 +69,7 @@ buffer holds them.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -84,13 +82,12 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla import indexer as _ix
 
 from vllm_dsa_varlen import policy, stats, warmup
-from vllm_dsa_varlen.config import DecodePath, choose_decode_path, read_backend, read_mode
+from vllm_dsa_varlen.config import (DecodePath, choose_decode_path, log_decode_path,
+                                     read_backend, read_mode)
 from vllm_dsa_varlen.plan import DecodeRowBuffers, make_ramp, plan_decode_rows
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg
-from vllm_dsa_varlen.varlen_ids import attach_varlen_ids
+from vllm_dsa_varlen.varlen_ids import attach_varlen_ids, ids_hold, ids_written
 
-logger = logging.getLogger("vllm.dsa_varlen")
-_logged: set[str] = set()
 
 # The builder whose build() is running on this thread (varlen builds only).
 _building = threading.local()
@@ -192,13 +189,6 @@ def wrap_get_cudagraph_support(original: Callable[..., Any]) -> classmethod:
     return classmethod(get_cudagraph_support)
 
 
-def _log_path(path: DecodePath) -> None:
-    msg = f"vllm-dsa-varlen: DSA indexer decode path: {path.describe()}"
-    if msg not in _logged:
-        _logged.add(msg)
-        logger.log(logging.WARNING if path.warning else logging.INFO, msg)
-
-
 def _setup_varlen(builder: Any) -> None:
     path = decide_decode_path(builder)
     builder.decode_path = path
@@ -215,7 +205,7 @@ def _setup_varlen(builder: Any) -> None:
     builder._varlen_final_ctx = None
     builder._varlen_common = None
     builder._varlen_step_lens = None
-    _log_path(path)
+    log_decode_path(path)
     if not path.use_varlen:
         return
     # The varlen kernel a captured step runs: a fact of the builder, asked once
@@ -236,7 +226,7 @@ def _setup_varlen(builder: Any) -> None:
     builder.decode_indices_buffer = builder.varlen_rows.indices
     # What decode_indices_buffer holds, as (n, rows): ids[r] == r // n for r <
     # rows ((0, 0): unknown).  Only this module writes that buffer; every
-    # write goes through _ids_written.
+    # write goes through ids_written.
     builder._varlen_ids_layout = (0, 0)
     # decode_lens of every varlen step: all ones, written here once and never
     # again (stock writes per-request lengths into its own decode_lens_buffer).
@@ -283,19 +273,19 @@ def _plan_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.T
                       max_decode_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
     """Multi-token step: plan ``R = num_decode_tokens`` one-token rows into the
     builder's buffers.  A uniform step's ids (``r // n``) are rewritten only
-    when the buffer does not already hold them (:func:`_ids_hold`)."""
+    when the buffer does not already hold them (:func:`~vllm_dsa_varlen.varlen_ids.ids_hold`)."""
     uniform = (int(decode_lens_cpu.min()) == max_decode_len
                and num_decodes * max_decode_len == num_decode_tokens)
     if uniform:
         qsl = _decode_query_start_loc(builder, query_start_loc, decode_lens, num_decodes)
-        ready = _ids_hold(builder, max_decode_len, num_decode_tokens)
-        with _ids_written(builder, (max_decode_len, num_decode_tokens), skip=ready):
+        ready = ids_hold(builder, max_decode_len, num_decode_tokens)
+        with ids_written(builder, (max_decode_len, num_decode_tokens), skip=ready):
             rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=num_decode_tokens,
                                     uniform_len=max_decode_len, out=builder.varlen_rows,
                                     indices_ready=ready)
     else:
         qsl = _decode_query_start_loc(builder, query_start_loc, decode_lens, num_decodes)
-        with _ids_written(builder, None):
+        with ids_written(builder, None):
             rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=num_decode_tokens,
                                     num_tokens=int(decode_lens_cpu.sum()),
                                     out=builder.varlen_rows, decode_lens=decode_lens)
@@ -304,28 +294,6 @@ def _plan_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.T
     builder._varlen_step_rows = rows.num_rows
     builder._varlen_step_max_run = max_decode_len
     return rows.context_lens, rows.block_table, one_token_each, rows.num_rows, False
-
-
-def _ids_hold(builder: Any, run_len: int, num_rows: int) -> bool:
-    """Whether ``decode_indices_buffer[:num_rows]`` already holds ``r //
-    run_len`` (the builder's record of its own last write)."""
-    held_len, held_rows = builder._varlen_ids_layout
-    return held_len == run_len and held_rows >= num_rows
-
-
-@contextlib.contextmanager
-def _ids_written(builder: Any, layout: tuple[int, int] | None, skip: bool = False):
-    """Around a write of ``decode_indices_buffer``: the record is cleared
-    first (a write that fails leaves it unknown) and set to ``layout`` (``(n,
-    rows)``: ``ids[r] == r // n`` for ``r < rows``; ``None``: any other ids)
-    after.  ``skip``: no write happens, the record stands."""
-    if skip:
-        yield
-        return
-    builder._varlen_ids_layout = (0, 0)
-    yield
-    if layout is not None:
-        builder._varlen_ids_layout = layout
 
 
 def _plain_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -361,8 +329,8 @@ def _plain_varlen_rows(builder: Any, seq_lens: torch.Tensor, block_table: torch.
         rows_bt[kept:].zero_()
     ids = builder.decode_indices_buffer[:num_rows]
     # one run per row: ids[r] == r, i.e. the layout (1, R)
-    ready = _ids_hold(builder, 1, num_rows)
-    with _ids_written(builder, (1, num_rows), skip=ready):
+    ready = ids_hold(builder, 1, num_rows)
+    with ids_written(builder, (1, num_rows), skip=ready):
         if not ready:
             ids.copy_(builder.arange_buffer[:num_rows])
     one_token_each = builder.varlen_ones[:num_rows]

@@ -75,9 +75,7 @@ memory: no sync.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -91,16 +89,15 @@ from vllm_dsa_varlen.config import (
     BACKEND_ENV,
     MIN_FP8_CAPABILITY,
     DecodePath,
+    log_decode_path,
     platform_refusal,
     read_backend,
     read_mode,
 )
 from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
 from vllm_dsa_varlen.policy import StepFacts, varlen_wins
-from vllm_dsa_varlen.varlen_ids import attach_varlen_ids, varlen_ids_of
+from vllm_dsa_varlen.varlen_ids import attach_varlen_ids, ids_hold, ids_written, varlen_ids_of
 
-logger = logging.getLogger("vllm.dsa_varlen")
-_logged: set[str] = set()
 
 
 # --------------------------------------------------------------------------------------
@@ -240,13 +237,6 @@ def decide_decode_path(builder: Any) -> DecodePath:
     )
 
 
-def _log_path(path: DecodePath) -> None:
-    msg = f"vllm-dsa-varlen: DSA indexer decode path: {path.describe()}"
-    if msg not in _logged:
-        _logged.add(msg)
-        logger.log(logging.WARNING if path.warning else logging.INFO, msg)
-
-
 def _setup_varlen(builder: Any) -> None:
     path = decide_decode_path(builder)
     builder.decode_path = path
@@ -258,7 +248,7 @@ def _setup_varlen(builder: Any) -> None:
     builder._varlen_ids_layout = (0, 0)
     builder.last_step_choice = None
     builder.last_step_stock_only = False
-    _log_path(path)
+    log_decode_path(path)
     if not path.use_varlen:
         return
     # The varlen kernel a captured step runs: a fact of the builder, asked once
@@ -491,7 +481,7 @@ def _plan_varlen_rows(builder: Any, original: Callable[..., Any], stock_args: di
     the rows (its one-launch uniform kernel writes the same context lengths
     and block-table rows as :func:`plan_decode_rows`; tested on the GPU) and
     only the ids ``r // n`` are added, and only when the buffer does not hold
-    them already (:func:`_ids_hold`).  Other steps: :func:`plan_decode_rows`
+    them already (:func:`~vllm_dsa_varlen.varlen_ids.ids_hold`).  Other steps: :func:`plan_decode_rows`
     with the step's device offsets; under adaptive verification the host's
     per-request lengths are upper bounds (the device trims drafts), so those
     rows are always planned from the device offsets (the host's token total
@@ -506,15 +496,15 @@ def _plan_varlen_rows(builder: Any, original: Callable[..., Any], stock_args: di
                 f"varlen build: stock's flatten branch returned {rows} rows (padded={padded}) "
                 f"for a uniform step of {num_decode_tokens} tokens")
         ids = builder.decode_indices_buffer[:rows]
-        ready = _ids_hold(builder, max_decode_len, rows)
-        with _ids_written(builder, (max_decode_len, rows), skip=ready):
+        ready = ids_hold(builder, max_decode_len, rows)
+        with ids_written(builder, (max_decode_len, rows), skip=ready):
             if not ready:
                 torch.div(builder.arange_buffer[:rows], max_decode_len, rounding_mode="floor",
                           out=ids)
         builder._varlen_step_ids = ids
         return ctx, bt, one_token_each, rows, False
     qsl = builder._varlen_common.query_start_loc[: num_decodes + 1]
-    with _ids_written(builder, None):
+    with ids_written(builder, None):
         if uniform:
             rows = plan_decode_rows(seq_lens, qsl, block_table, num_rows=num_decode_tokens,
                                     uniform_len=max_decode_len, out=builder.varlen_rows)
@@ -526,28 +516,6 @@ def _plan_varlen_rows(builder: Any, original: Callable[..., Any], stock_args: di
     one_token_each.fill_(1)
     builder._varlen_step_ids = rows.indices
     return rows.context_lens, rows.block_table, one_token_each, rows.num_rows, False
-
-
-def _ids_hold(builder: Any, run_len: int, num_rows: int) -> bool:
-    """Whether ``decode_indices_buffer[:num_rows]`` already holds ``r //
-    run_len`` (the builder's record of its own last write)."""
-    held_len, held_rows = builder._varlen_ids_layout
-    return held_len == run_len and held_rows >= num_rows
-
-
-@contextlib.contextmanager
-def _ids_written(builder: Any, layout: tuple[int, int] | None, skip: bool = False):
-    """Around a write of ``decode_indices_buffer``: the record is cleared
-    first (a write that fails leaves it unknown) and set to ``layout`` (``(n,
-    rows)``: ``ids[r] == r // n`` for ``r < rows``; ``None``: any other ids)
-    after.  ``skip``: no write happens, the record stands."""
-    if skip:
-        yield
-        return
-    builder._varlen_ids_layout = (0, 0)
-    yield
-    if layout is not None:
-        builder._varlen_ids_layout = layout
 
 
 def wrap_prepare_decode_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -665,7 +633,7 @@ def wrap_update_draft_decode_metadata(original: Callable[..., Any]) -> Callable[
         finally:
             decode.indices = ids
         if ids is not None:
-            with _ids_written(self, (1, ids.shape[0])):
+            with ids_written(self, (1, ids.shape[0])):
                 ids.copy_(self.arange_buffer[: ids.shape[0]])
         decode.schedule_metadata = attach_varlen_ids(decode.schedule_metadata, tag.ids,
                                                      tag.backend, 1)
