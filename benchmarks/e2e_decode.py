@@ -8,7 +8,13 @@ For each MTP depth ``k`` it runs vLLM's offline engine twice, in separate
 processes: ``VLLM_DSA_VARLEN=stock`` (stock vLLM; only the DeepGEMM API
 adapters are applied, so stock runs on a DeepGEMM of another API generation
 than the one it was built with -- say so wherever its figures appear) and the
-plugin (``VLLM_DSA_VARLEN=auto``).  By default the model is a DeepSeek-V3.2
+plugin (``VLLM_DSA_VARLEN=auto``).  ``--same-process``: both engines in one
+process instead (half the GPU memory each), every case's rounds alternating
+between them, so both meet the same host phase and GPU state (a machine whose
+host speed drifts between processes otherwise decides small-batch rows); the
+stock engine then runs stock's path through the plugin's pass-through
+wrappers (a few host µs per build: ``benchmarks/builder_host.py``).  By
+default the model is a DeepSeek-V3.2
 architecture config written here, dummy weights: the real indexer (64 heads
 x 128, top-k 2048, fp8 cache, page 64) and MLA sizes, narrow layers (hidden
 1024, dense MLPs), DeepSeek V3.2's 61 layers (``--layers``) plus its MTP
@@ -49,6 +55,7 @@ import sys
 import time
 
 MODES = {"stock": "stock", "plugin": "auto"}
+BOTH = "both"  # a child running both modes' engines in one process
 
 TINY_CONFIG = {
     "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
@@ -110,6 +117,11 @@ def summarize_trace(trace_path: str, steps: int) -> dict:
     """Per-step GPU time by kernel class over a profiled window of ``steps`` steps."""
     with gzip.open(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
+    return summarize_from_events(events, steps)
+
+
+def summarize_from_events(events: list[dict], steps: int) -> dict:
+    """:func:`summarize_trace` of a trace's ``traceEvents``."""
     per_class: dict[str, float] = {}
     names: dict[str, float] = {}
     for e in events:
@@ -324,84 +336,145 @@ def _decode_figures(steps, batch, tokens):
     }
 
 
+def child_modes(mode: str) -> tuple[str, ...]:
+    """The engines a child process runs: one mode, or ``both`` (stock's and
+    the plugin's engines in one process, rounds alternating)."""
+    return tuple(MODES) if mode == BOTH else (mode,)
+
+
 def child(args) -> None:
-    result: dict = {}
-    path = os.path.join(args.out, f"run-{args.mode}-k{args.k}{_rep(args.repeat)}.json")
+    results: dict = {m: {} for m in child_modes(args.mode)}
     try:
-        _child(args, result)
+        _child(args, results)
     except BaseException:  # keep what was measured; the parent sees rc != 0
         import traceback
 
-        result["error"] = traceback.format_exc()
+        for result in results.values():
+            result["error"] = traceback.format_exc()
         raise
     finally:
-        with open(path, "w") as f:
-            json.dump(result, f)
+        for mode, result in results.items():
+            path = os.path.join(args.out, f"run-{mode}-k{args.k}{_rep(args.repeat)}.json")
+            with open(path, "w") as f:
+                json.dump(result, f)
 
 
-def run_cases(engine, args, prompts_of, result: dict, build_timer, jit_state) -> dict:
-    """The warm-up pass and the measured cases (``result["cases"]``); returns
-    ``jit_state()`` taken after the warm-up.  ``prompts_of(length, count=...)``
-    gives the prompts; cases whose requests do not fit the KV cache at once are
-    recorded as skipped."""
+def merge_builds(takes: list[dict]) -> dict:
+    """:meth:`BuildTimer.take` results of several windows as one (calls and
+    µs per call, overall and per step token count)."""
+    calls = sum(t["calls"] for t in takes)
+    total = sum(t["calls"] * t["us_per_call"] for t in takes if t["calls"])
+    by: dict[str, list] = {}
+    for t in takes:
+        for tok, v in (t.get("by_tokens") or {}).items():
+            got = by.setdefault(tok, [0, 0.0])
+            got[0] += v["calls"]
+            got[1] += v["calls"] * v["us_per_call"]
+    return {"calls": calls, "us_per_call": total / calls if calls else None,
+            "by_tokens": {tok: {"calls": c, "us_per_call": u / c}
+                          for tok, (c, u) in sorted(by.items(), key=lambda kv: int(kv[0]))
+                          if c}}
+
+
+def add_paths(a: dict | None, b: dict) -> dict:
+    """Two decode-path counter growths (``_paths_since``) added."""
+    if a is None:
+        return {kind: dict(counts) for kind, counts in b.items()}
+    return {kind: {p: a[kind].get(p, 0) + n for p, n in counts.items()}
+            for kind, counts in b.items()}
+
+
+def round_order(engines: list, rnd: int) -> list:
+    """The engines' order in round ``rnd``: as given in even rounds, reversed
+    in odd ones (a drift within the process shows as spread, not as gain)."""
+    return list(engines) if rnd % 2 == 0 else list(reversed(engines))
+
+
+def run_cases(engines, args, prompts_of, build_timer, jit_state) -> dict:
+    """The warm-up pass and the measured cases of each engine of ``engines``
+    (``[(mode, engine, result)]``: one, or stock's and the plugin's in one
+    process) into its ``result["cases"]``; returns ``jit_state()`` taken after
+    the warm-up.  With two engines every case's rounds alternate between them
+    (:func:`round_order`), so both meet the same host and GPU.  Counters and
+    ``build()`` times are taken per round, so each engine's are its own.
+    ``prompts_of(length, count=...)`` gives the prompts; cases whose requests
+    do not fit an engine's KV cache at once are recorded as skipped."""
     from vllm_dsa_varlen import stats
 
-    capacity = kv_capacity_tokens(engine)
-    result["kv_capacity_tokens"] = capacity
-
-    fits = {length: fitting_batches(args, length, capacity) for length in args.prompt}
+    fits = {}
+    for mode, engine, result in engines:
+        capacity = kv_capacity_tokens(engine)
+        result["kv_capacity_tokens"] = capacity
+        fits[mode] = {length: fitting_batches(args, length, capacity) for length in args.prompt}
 
     # warm-up pass: every case once, unmeasured (prefills the prompts into the
     # prefix cache and compiles whatever a case's shapes need: JIT compiles
     # seen during the measured pass are counted below)
-    for length in args.prompt:
-        if not fits[length]:
-            continue
-        prompts = prompts_of(length, count=max(fits[length]))
-        _run_case(engine, prompts, 1, f"prefill-L{length}")
-        for batch in fits[length]:
-            _run_case(engine, prompts[:batch], args.warm_tokens, f"warm-B{batch}-L{length}")
+    for mode, engine, _ in engines:
+        for length in args.prompt:
+            if not fits[mode][length]:
+                continue
+            prompts = prompts_of(length, count=max(fits[mode][length]))
+            _run_case(engine, prompts, 1, f"prefill-L{length}")
+            for batch in fits[mode][length]:
+                _run_case(engine, prompts[:batch], args.warm_tokens, f"warm-B{batch}-L{length}")
     stats.reset()
     build_timer.take()
     jit0 = jit_state()
     for length in args.prompt:
-        prompts = prompts_of(length, count=max(fits[length], default=0))
         for batch in args.batch:
-            if batch not in fits[length]:
+            live = []
+            for mode, engine, result in engines:
+                if batch in fits[mode][length]:
+                    live.append((mode, engine, result))
+                    continue
+                capacity = result["kv_capacity_tokens"]
                 result["cases"].append({
                     "batch": batch, "prompt": length,
                     "skipped": f"does not fit the KV cache ({capacity} tokens)"})
-                print(f"[{args.mode} k={args.k}] B{batch} L{length}: skipped (KV cache "
+                print(f"[{mode} k={args.k}] B{batch} L{length}: skipped (KV cache "
                       f"{capacity} tokens)", flush=True)
+            if not live:
                 continue
-            case = {"batch": batch, "prompt": length, "rounds": []}
-            before = stats.snapshot()
+            prompts = prompts_of(length, count=batch)
+            cases = {mode: {"batch": batch, "prompt": length, "rounds": []}
+                     for mode, _, _ in live}
+            paths: dict = {mode: None for mode, _, _ in live}
+            builds: dict = {mode: [] for mode, _, _ in live}
             for rnd in range(args.case_rounds):
-                probe = host_probe_us(5000)
-                gpu0 = gpu_state()
-                ids, tokens, _, cached, steps = _run_case(
-                    engine, prompts[:batch], args.new_tokens, f"B{batch}-L{length}-r{rnd}")
-                case["rounds"].append({
-                    **_decode_figures(steps, batch, tokens), "host_probe_us": probe,
-                    "host_probe_after_us": host_probe_us(5000),
-                    "gpu_before": gpu0, "gpu_after": gpu_state(),
-                    "cached_tokens": sum(cached.values()),
-                    "tokens": [tokens[r] for r in ids]})
-            mid = median_round(case["rounds"])
-            case.update({key: v for key, v in mid.items() if key != "tokens"})
-            case.update({"indexer_build": build_timer.take(),
-                         "prompt_tokens": sum(len(p) for p in prompts[:batch]),
-                         "paths": _paths_since(before),
-                         "rounds_tokens_equal": all(r["tokens"] == case["rounds"][0]["tokens"]
-                                                    for r in case["rounds"]),
-                         "tokens": case["rounds"][0]["tokens"]})
-            for r in case["rounds"]:
-                del r["tokens"]
-            result["cases"].append(case)
-            each = ", ".join(f"{r['tpot_ms']:.2f}" for r in case["rounds"])
-            print(f"[{args.mode} k={args.k}] B{batch} L{length}: "
-                  f"{case['tokens_per_s']:.0f} tok/s, TPOT {case['tpot_ms']:.2f} ms "
-                  f"(rounds: {each}), paths {case['paths']['steps']}", flush=True)
+                for mode, engine, _ in round_order(live, rnd):
+                    before = stats.snapshot()
+                    build_timer.take()
+                    probe = host_probe_us(5000)
+                    gpu0 = gpu_state()
+                    ids, tokens, _, cached, steps = _run_case(
+                        engine, prompts, args.new_tokens, f"B{batch}-L{length}-r{rnd}")
+                    cases[mode]["rounds"].append({
+                        **_decode_figures(steps, batch, tokens), "host_probe_us": probe,
+                        "host_probe_after_us": host_probe_us(5000),
+                        "gpu_before": gpu0, "gpu_after": gpu_state(),
+                        "cached_tokens": sum(cached.values()),
+                        "tokens": [tokens[r] for r in ids]})
+                    builds[mode].append(build_timer.take())
+                    paths[mode] = add_paths(paths[mode], _paths_since(before))
+            for mode, _, result in live:
+                case = cases[mode]
+                mid = median_round(case["rounds"])
+                case.update({key: v for key, v in mid.items() if key != "tokens"})
+                case.update({"indexer_build": merge_builds(builds[mode]),
+                             "prompt_tokens": sum(len(p) for p in prompts),
+                             "paths": paths[mode],
+                             "rounds_tokens_equal": all(
+                                 r["tokens"] == case["rounds"][0]["tokens"]
+                                 for r in case["rounds"]),
+                             "tokens": case["rounds"][0]["tokens"]})
+                for r in case["rounds"]:
+                    del r["tokens"]
+                result["cases"].append(case)
+                each = ", ".join(f"{r['tpot_ms']:.2f}" for r in case["rounds"])
+                print(f"[{mode} k={args.k}] B{batch} L{length}: "
+                      f"{case['tokens_per_s']:.0f} tok/s, TPOT {case['tpot_ms']:.2f} ms "
+                      f"(rounds: {each}), paths {case['paths']['steps']}", flush=True)
     return jit0
 
 
@@ -416,18 +489,9 @@ def capture_sizes(batches, k: int) -> list[int]:
     return sorted(steps | powers)
 
 
-def _child(args, result: dict) -> None:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    import tempfile
-
-    triton_dir = os.path.join(tempfile.gettempdir(), f"e2e-cache-{args.mode}-k{args.k}", "triton")
-    os.environ["TRITON_CACHE_DIR"] = triton_dir
-    import torch
-    from vllm import LLM
-
-    from vllm_dsa_varlen import stats
-
+def engine_kwargs(args, engines: int = 1) -> dict:
+    """The ``LLM(...)`` arguments of a case set (``engines`` sharing the GPU:
+    each takes that share of ``--gpu-memory-utilization``)."""
     lmax = max(args.prompt)
     max_len = int(1.3 * lmax) + args.new_tokens + args.k + 64
     max_batch = max(args.batch)
@@ -444,47 +508,96 @@ def _child(args, result: dict) -> None:
     kwargs = dict(model=args.model, load_format=args.load_format, skip_tokenizer_init=True,
                   max_model_len=max_len, max_num_seqs=max_batch, enable_prefix_caching=True,
                   max_num_batched_tokens=args.max_batched_tokens,
-                  gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
+                  gpu_memory_utilization=args.gpu_memory_utilization / engines, seed=0,
                   speculative_config=spec, compilation_config=compilation,
                   kv_cache_dtype=args.kv_cache_dtype)
     if args.attention_backend:
         kwargs["attention_config"] = {"backend": args.attention_backend}
     if args.force_sparse_prefill:
         kwargs.setdefault("attention_config", {})["sparse_mla_force_mqa"] = True
-    t0 = time.perf_counter()
-    llm = LLM(**kwargs)
-    init_s = time.perf_counter() - t0
-    engine = llm.llm_engine
-    vocab = engine.model_config.get_vocab_size()
+    return kwargs
+
+
+def _child(args, results: dict) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    import tempfile
+
+    triton_dir = os.path.join(tempfile.gettempdir(), f"e2e-cache-{args.mode}-k{args.k}", "triton")
+    os.environ["TRITON_CACHE_DIR"] = triton_dir
+    import torch
+    from vllm import LLM
+
+    modes = child_modes(args.mode)
+    kwargs = engine_kwargs(args, len(modes))
+    max_batch = max(args.batch)
+    if len(modes) > 1:
+        # Both engines in one process: the plugin's whole patch set first (the
+        # env at its first load decides what it patches); each engine's
+        # builders then read VLLM_DSA_VARLEN as they are made, so the stock
+        # engine's builders take stock's path through the pass-through wrappers.
+        import vllm_dsa_varlen
+
+        os.environ["VLLM_DSA_VARLEN"] = MODES["plugin"]
+        vllm_dsa_varlen.register()
+    engines = []
+    for mode in modes:
+        os.environ["VLLM_DSA_VARLEN"] = MODES[mode]
+        t0 = time.perf_counter()
+        llm = LLM(**kwargs)
+        init_s = time.perf_counter() - t0
+        engine = llm.llm_engine
+        engines.append((mode, engine, results[mode]))
+        results[mode].update(_run_header(args, mode, engine, kwargs, init_s, torch))
+        results[mode]["engine_object"] = llm  # kept alive; dropped before writing
+    os.environ["VLLM_DSA_VARLEN"] = MODES[modes[-1]]
+    vocab = engines[0][1].model_config.get_vocab_size()
     dg_dir = os.path.join(os.environ.get("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm")),
                           "deep_gemm")
-    result.update({"mode": args.mode, "k": args.k, "init_s": init_s,
-                   "graph_mode": args.graph_mode,
-                   "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
-                   "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-                   "cases": [], "jit": {}})
-    try:
-        import vllm
-
-        result["vllm"] = vllm.__version__
-        cc = engine.vllm_config.compilation_config
-        result["cudagraph_mode"] = str(cc.cudagraph_mode)
-        result["cudagraph_capture_sizes"] = list(cc.cudagraph_capture_sizes or [])
-    except Exception as e:  # noqa: BLE001
-        result["config_error"] = repr(e)
-
-    result["host_probe_us"] = {"start": host_probe_us()}
-    result["cpus"] = sorted(os.sched_getaffinity(0))
     build_timer = BuildTimer()
 
     def prompts_of(length: int, first: int = 0, count: int = max_batch):
         return [prompt_ids(i, length, vocab) for i in range(first, first + count)]
 
-    jit0 = run_cases(engine, args, prompts_of, result, build_timer,
-                     lambda: _jit_state(triton_dir, dg_dir))
-    result["jit"] = {"before": jit0, "after": _jit_state(triton_dir, dg_dir)}
-    result["host_probe_us"]["after_cases"] = host_probe_us()
+    try:
+        jit0 = run_cases(engines, args, prompts_of, build_timer,
+                         lambda: _jit_state(triton_dir, dg_dir))
+        jit1 = _jit_state(triton_dir, dg_dir)
+        for mode, engine, result in engines:
+            result["jit"] = {"before": jit0, "after": jit1}
+            result["host_probe_us"]["after_cases"] = host_probe_us()
+            _after_cases(args, mode, engine, result, prompts_of, torch)
+    finally:
+        for result in results.values():
+            result.pop("engine_object", None)
 
+
+def _run_header(args, mode: str, engine, kwargs: dict, init_s: float, torch) -> dict:
+    """A run file's facts about its engine (before any case)."""
+    head = {"mode": mode, "k": args.k, "init_s": init_s, "graph_mode": args.graph_mode,
+            "same_process": args.mode == BOTH,
+            "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
+            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+            "cases": [], "jit": {}}
+    try:
+        import vllm
+
+        head["vllm"] = vllm.__version__
+        cc = engine.vllm_config.compilation_config
+        head["cudagraph_mode"] = str(cc.cudagraph_mode)
+        head["cudagraph_capture_sizes"] = list(cc.cudagraph_capture_sizes or [])
+    except Exception as e:  # noqa: BLE001
+        head["config_error"] = repr(e)
+    head["host_probe_us"] = {"start": host_probe_us()}
+    head["cpus"] = sorted(os.sched_getaffinity(0))
+    return head
+
+
+def _after_cases(args, mode: str, engine, result: dict, prompts_of, torch) -> None:
+    """An engine's mixed window, identity run and profiled steps (after the cases)."""
+    from vllm_dsa_varlen import stats
+
+    max_batch = max(args.batch)
     # a mixed window: half the requests decode while the other half prefill
     # (chunked prefill), the steps where vLLM runs the indexer op outside the
     # piecewise CUDA graphs
@@ -518,7 +631,7 @@ def _child(args, result: dict) -> None:
         _add(engine, "trace", prompts_of(length, count=traced), args.new_tokens)
         for _ in range(8):  # past the prefill, into steady decode
             engine.step()
-        path = os.path.join(args.out, f"trace-{args.mode}-k{args.k}{_rep(args.repeat)}.json")
+        path = os.path.join(args.out, f"trace-{mode}-k{args.k}{_rep(args.repeat)}.json")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.trace_steps):
                 engine.step()
@@ -648,8 +761,9 @@ def log_facts(path: str) -> dict:
             "plugin_log": plugin[:20]}
 
 
-def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict | None:
-    """One engine process; its result (``None`` if it wrote none)."""
+def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
+    """One process (``mode``: one engine's, or :data:`BOTH`); ``{mode: its
+    result or None if it wrote none}`` for each engine it ran."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode,
            "--k", str(k), "--model", args.model, "--out", args.out, "--repeat", str(rep)]
     for name in ("batch", "prompt"):
@@ -661,7 +775,7 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict | None:
                  "gpu_memory_utilization", "trace_steps", "attention_backend", "capture_sizes",
                  "trace_batch"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    env = dict(os.environ, VLLM_DSA_VARLEN=MODES[mode])
+    env = dict(os.environ, VLLM_DSA_VARLEN=MODES.get(mode, MODES["plugin"]))
     t0 = time.perf_counter()
     log = os.path.join(args.out, f"log-{mode}-k{k}{_rep(rep)}.txt")
     with open(log, "w") as f:
@@ -669,11 +783,14 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict | None:
     result["runs"].append({"mode": mode, "k": k, "repeat": rep, "rc": rc,
                            "wall_s": time.perf_counter() - t0, "log": log, **log_facts(log)})
     print(f"{mode} k={k} repeat {rep}: rc {rc}, {time.perf_counter() - t0:.0f} s", flush=True)
-    path = os.path.join(args.out, f"run-{mode}-k{k}{_rep(rep)}.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    out = {}
+    for m in child_modes(mode):
+        path = os.path.join(args.out, f"run-{m}-k{k}{_rep(rep)}.json")
+        out[m] = None
+        if os.path.exists(path):
+            with open(path) as f:
+                out[m] = json.load(f)
+    return out
 
 
 def repeat_spread(repeats: list[dict]) -> list[dict]:
@@ -708,12 +825,15 @@ def parent(args) -> int:
     for k in args.k:
         runs, repeats = {}, []
         for rep in range(args.repeats):
-            # alternate the order (stock, plugin / plugin, stock, ...) so a drift
-            # between processes shows as spread, not as a gain
-            order = list(args.modes) if rep % 2 == 0 else list(reversed(args.modes))
-            this = {}
-            for mode in order:
-                this[mode] = run_child(args, mode, k, rep, result)
+            if args.same_process:
+                this = run_child(args, BOTH, k, rep, result)
+            else:
+                # alternate the order (stock, plugin / plugin, stock, ...) so a
+                # drift between processes shows as spread, not as a gain
+                order = list(args.modes) if rep % 2 == 0 else list(reversed(args.modes))
+                this = {}
+                for mode in order:
+                    this.update(run_child(args, mode, k, rep, result))
             repeats.append(this)
             if rep == 0:
                 runs = this
@@ -835,12 +955,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--merge", action="store_true",
                     help="run nothing: assemble e2e.json and the table from the "
                          "run-{mode}-k{k}.json files in --out (modes run by separate invocations)")
+    ap.add_argument("--same-process", action="store_true",
+                    help="stock's and the plugin's engines in ONE process (each with half of "
+                         "--gpu-memory-utilization), every case's rounds alternating between "
+                         "them, so both meet the same host and GPU; the stock engine runs "
+                         "stock's path through the plugin's pass-through wrappers")
     ap.add_argument("--cpus", default=None,
                     help="pin each engine process to these CPUs (e.g. 0-7 or 0,2,4): a host "
                          "whose speed changes between processes (see the host probe per "
                          "round) varies less on a fixed set")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=[*MODES, BOTH], help=argparse.SUPPRESS)
     ap.add_argument("--repeat", type=int, default=0, help=argparse.SUPPRESS)
     return ap
 
@@ -850,6 +975,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.case_rounds < 1:
         parser.error(f"--case-rounds: expected >= 1, got {args.case_rounds}")
+    if args.same_process and sorted(args.modes) != sorted(MODES):
+        parser.error(f"--same-process: runs both modes ({', '.join(MODES)}); "
+                     f"got --modes {' '.join(args.modes)}")
     if args.cpus is not None:
         try:
             args.cpu_set = parse_cpus(args.cpus)

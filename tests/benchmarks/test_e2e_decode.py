@@ -134,7 +134,8 @@ def test_capture_sizes_cover_every_case_and_shrinking_batches(k):
 
 # options only the parent process reads (the child gets its k, mode and repeat
 # from run_child itself)
-PARENT_ONLY = {"out", "model", "k", "repeats", "modes", "merge", "child", "mode", "repeat", "help"}
+PARENT_ONLY = {"out", "model", "k", "repeats", "modes", "merge", "child", "mode", "repeat", "help",
+               "same_process"}
 
 
 def test_every_engine_option_reaches_the_engine_process(tmp_path, monkeypatch):
@@ -216,18 +217,23 @@ def test_case_rounds_must_be_positive(tmp_path):
 
 class FakeEngine:
     """vLLM's engine as the benchmark drives it: requests emit one token per
-    step (the first with their prefill), tokens a function of the prompt."""
+    step (the first with their prefill), tokens a function of the prompt;
+    ``path``: every step counted on the decode-path counters as that path;
+    ``log``: a list shared by engines, of ``(name, request id)`` as added."""
 
-    def __init__(self, capacity_tokens: int):
+    def __init__(self, capacity_tokens: int, path: str | None = None, log=None, name=""):
         from types import SimpleNamespace
 
         self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(
             num_gpu_blocks=capacity_tokens // 64, block_size=64))
-        self.live, self.added = {}, []
+        self.live, self.added, self.path = {}, [], path
+        self.log, self.name = log, name
 
     def add_request(self, rid, prompt, params):
         ids = prompt["prompt_token_ids"]
         self.added.append((rid, len(ids)))
+        if self.log is not None:
+            self.log.append((self.name, rid))
         self.live[rid] = [params.max_tokens, sum(ids) % 1000]
 
     def has_unfinished_requests(self):
@@ -244,6 +250,10 @@ class FakeEngine:
                 SimpleNamespace(token_ids=[state[1]], logprobs=None)]))
             if state[0] == 0:
                 del self.live[rid]
+        if self.path:
+            from vllm_dsa_varlen import stats
+
+            stats.record(self.path, variable=False, mixed=False)
         return outs
 
 
@@ -265,7 +275,8 @@ def test_run_cases_measures_fitting_cases_in_rounds_and_skips_the_rest(rounds, t
 
     timer = type("T", (), {"take": lambda self: {"calls": 0}})()
     result = {"cases": []}
-    jit0 = e2e.run_cases(engine, args, prompts_of, result, timer, lambda: {"jit": 1})
+    jit0 = e2e.run_cases([("plugin", engine, result)], args, prompts_of, timer,
+                         lambda: {"jit": 1})
     assert jit0 == {"jit": 1}
     got = {(c["batch"], c["prompt"]): c for c in result["cases"]}
     assert list(got) == [(1, 1024), (4, 1024), (16, 1024), (1, 4096), (4, 4096), (16, 4096)]
@@ -325,3 +336,135 @@ def test_a_case_probe_is_the_mean_of_the_probes_around_its_round():
     assert e2e._case_probe({"host_probe_us": a, "host_probe_after_us": b}) == (a + b) / 2
     assert e2e._case_probe({"host_probe_us": a}) == a
     assert e2e._case_probe({}) is None
+
+
+class _FakeTimer:
+    def __init__(self):
+        self.n = 0
+
+    def take(self):
+        self.n += 1
+        return {"calls": 2, "us_per_call": float(self.n),
+                "by_tokens": {"24": {"calls": 2, "us_per_call": float(self.n)}}}
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 3])
+def test_interleaved_cases_alternate_and_keep_each_engines_own_counters(rounds):
+    """Two engines in one process: every case's rounds alternate (stock,
+    plugin / plugin, stock, ...), each engine's counters and build() times are
+    its own rounds', a case that does not fit one engine is skipped for it."""
+    from types import SimpleNamespace
+
+    from vllm_dsa_varlen import stats
+
+    stats.reset()
+    args = SimpleNamespace(prompt=[64, 128], batch=[1, 3], new_tokens=5, warm_tokens=2,
+                           case_rounds=rounds, k=2, mode="both")
+    stock, plugin = {"cases": []}, {"cases": []}
+    # the plugin's engine holds fewer tokens: B3 x 128 does not fit it
+    added = []
+    engines = [("stock", FakeEngine(10**6, "stock_flattened", added, "stock"), stock),
+               ("plugin", FakeEngine(3 * 167 + 64, "varlen", added, "plugin"), plugin)]
+    timer = _FakeTimer()
+    e2e.run_cases(engines, args, lambda length, first=0, count=3: [
+        e2e.prompt_ids(i, length, 4096) for i in range(first, first + count)], timer,
+        lambda: {"jit": 0})
+    # the measured rounds in the order they reached the engines
+    log = []
+    for name, rid in added:
+        key = (name, rid.rsplit("-", 1)[0])
+        if rid.startswith("B") and (not log or log[-1] != key):
+            log.append(key)
+    measured = [(length, b) for length in args.prompt for b in args.batch]
+    want_log = []
+    for length, b in measured:
+        live = ["stock"] + (["plugin"] if (length, b) != (128, 3) else [])
+        for rnd in range(rounds):
+            want_log += [(m, f"B{b}-L{length}-r{rnd}")
+                         for m in (live if rnd % 2 == 0 else live[::-1])]
+    assert log == want_log
+    for result, path in ((stock, "stock_flattened"), (plugin, "varlen")):
+        for case in result["cases"]:
+            if (case["prompt"], case["batch"]) == (128, 3) and result is plugin:
+                assert "skipped" in case
+                continue
+            steps = sum(r["decode_steps"] + r["prefill_steps"] for r in case["rounds"])
+            assert case["paths"]["steps"] == {**dict.fromkeys(case["paths"]["steps"], 0),
+                                              path: steps}
+            assert len(case["rounds"]) == rounds and case["rounds_tokens_equal"]
+            assert case["indexer_build"]["calls"] == 2 * rounds
+        assert [(c["prompt"], c["batch"]) for c in result["cases"]] == measured
+
+
+def test_merged_build_times_weigh_each_window_by_its_calls():
+    takes = [{"calls": random.randint(0, 9), "us_per_call": random.uniform(1, 500),
+              "by_tokens": {"8": {"calls": 1, "us_per_call": random.uniform(1, 9)}}}
+             for _ in range(6)]
+    for t in takes:
+        if not t["calls"]:
+            t["us_per_call"] = None
+    got = e2e.merge_builds(takes)
+    calls = sum(t["calls"] for t in takes)
+    assert got["calls"] == calls
+    if calls:
+        assert got["us_per_call"] == pytest.approx(
+            sum(t["calls"] * t["us_per_call"] for t in takes if t["calls"]) / calls)
+    assert got["by_tokens"]["8"]["calls"] == 6
+    assert got["by_tokens"]["8"]["us_per_call"] == pytest.approx(
+        sum(t["by_tokens"]["8"]["us_per_call"] for t in takes) / 6)
+
+
+def test_same_process_needs_both_modes():
+    with pytest.raises(SystemExit):
+        e2e.main(["--out", "/tmp/x", "--same-process", "--modes", "plugin"])
+
+
+def _publish_module():
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "publish_e2e.py")
+    spec = importlib.util.spec_from_file_location("publish_e2e", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("same_tokens", [True, False])
+def test_the_kept_copy_is_small_and_reproduces_the_summaries(tmp_path, same_tokens):
+    """A synthetic run folder: the kept copy drops the identity run's top-2
+    unless the tokens differ, keeps the kernel events (the summary reproduces
+    from them) and counts the host events per name."""
+    import lzma
+
+    pub = _publish_module()
+    out, dest = tmp_path / "out", tmp_path / "kept"
+    out.mkdir()
+    rng = random.Random()
+    names = ["varlen_logits_sm90", "void deep_gemm::sm90_fp8_paged_mqa_logits<1u>", "gemm_x",
+             "cooperative_topk_cs4"]
+    for mode in ("stock", "plugin"):
+        events = [{"cat": "kernel", "name": rng.choice(names), "ts": i, "dur": rng.uniform(1, 50),
+                   "args": {"correlation": i}} for i in range(200)]
+        events += [{"cat": rng.choice(pub.HOST_CATEGORIES), "name": rng.choice("abc"), "ts": i,
+                    "dur": 1.5} for i in range(50)] + [{"cat": "ac2g", "name": "flow", "ts": 0}]
+        with gzip.open(out / f"trace-{mode}-k2.json.gz", "wt") as f:
+            json.dump({"traceEvents": events}, f)
+        tokens = [[1, 2, 3]] if (same_tokens or mode == "stock") else [[1, 2, 4]]
+        run = {"mode": mode, "identity": {"tokens": tokens, "top2": [[[[1, -0.1], [2, -0.2]]]]},
+               "trace": {"file": f"trace-{mode}-k2.json.gz", "steps": 3}}
+        (out / f"run-{mode}-k2.json").write_text(json.dumps(run))
+        (out / f"log-{mode}-k2.txt").write_text("log " * 100)
+    (out / "e2e.json").write_text("{}")
+    written = pub.publish(str(out), str(dest))
+    assert sorted(os.path.basename(p) for p in written) == sorted(
+        ["e2e.json.xz", "log-plugin-k2.txt.xz", "log-stock-k2.txt.xz", "run-plugin-k2.json.xz",
+         "run-stock-k2.json.xz", "trace-plugin-k2.kernels.json.xz",
+         "trace-stock-k2.kernels.json.xz", "trace-host-ops.json"])
+    for mode in ("stock", "plugin"):
+        run = json.loads(lzma.open(dest / f"run-{mode}-k2.json.xz").read())
+        assert ("top2" in run["identity"]) is (not same_tokens)
+        kept = json.loads(lzma.open(dest / f"trace-{mode}-k2.kernels.json.xz").read())
+        full = json.load(gzip.open(out / f"trace-{mode}-k2.json.gz", "rt"))
+        assert e2e.summarize_from_events(kept["traceEvents"], 3) == \
+            e2e.summarize_from_events(full["traceEvents"], 3)
+        assert all(set(ev) == {"cat", "name", "ts", "dur"} for ev in kept["traceEvents"])
+    hosts = json.loads((dest / "trace-host-ops.json").read_text())
+    assert sum(c for c, _ in hosts["trace-stock-k2"].values()) == 50

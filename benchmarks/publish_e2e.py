@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""The kept copy of an end-to-end run (``benchmarks/e2e_decode.py --out OUT``)
+for ``docs/results/``: what its tables need, small.
+
+    python3 benchmarks/publish_e2e.py OUT docs/results/h200-<commit>/e2e-<name>
+
+* ``e2e.json``, ``log-*.txt`` -> ``*.xz``;
+* ``run-*.json`` -> ``run-*.json.xz`` without the identity run's top-2
+  logprobs (kept only where the two modes' identity tokens differ, where
+  they are the evidence);
+* ``trace-*.json.gz`` -> ``trace-*.kernels.json.xz`` (the GPU kernel events
+  only: what ``summarize_trace`` reads, so the summaries in ``e2e.json``
+  reproduce from them; checked here) and ``trace-host-ops.json`` (the
+  profiled steps' host events per mode: ``name -> [count, summed µs]``).
+
+Nothing else is copied (the tiny model's config is rewritten by the harness).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import lzma
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e_decode  # noqa: E402
+
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver")
+
+
+def _xz_bytes(data: bytes, dst: str) -> None:
+    with lzma.open(dst, "wb", preset=9) as f:
+        f.write(data)
+
+
+def _identity_differs(out: str, k: str, rep: str) -> bool:
+    """Whether the stock and plugin identity runs of (k, repeat) differ."""
+    tokens = []
+    for mode in e2e_decode.MODES:
+        path = os.path.join(out, f"run-{mode}-k{k}{rep}.json")
+        if not os.path.exists(path):
+            return True  # nothing to compare against: keep the evidence
+        with open(path) as f:
+            tokens.append((json.load(f).get("identity") or {}).get("tokens"))
+    return tokens[0] != tokens[1]
+
+
+def kernel_events(trace: dict) -> list[dict]:
+    """A Chrome trace's GPU kernel events, reduced to what the summary reads."""
+    return [{"cat": "kernel", "name": e["name"], "ts": e["ts"], "dur": e["dur"]}
+            for e in trace["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
+
+
+def host_ops(trace: dict) -> dict[str, list]:
+    """``"category:name" -> [count, summed µs]`` of a trace's host events."""
+    ops: dict = collections.defaultdict(lambda: [0, 0.0])
+    for e in trace["traceEvents"]:
+        if e.get("cat") in HOST_CATEGORIES:
+            got = ops[f"{e['cat']}:{e['name']}"]
+            got[0] += 1
+            got[1] += e.get("dur", 0.0)
+    return {name: [c, round(t, 1)] for name, (c, t) in sorted(ops.items())}
+
+
+def publish(out: str, dest: str) -> list[str]:
+    """Write the kept copy of ``out`` into ``dest``; the files written."""
+    os.makedirs(dest, exist_ok=True)
+    written = []
+
+    def put(name: str) -> str:
+        path = os.path.join(dest, name)
+        written.append(path)
+        return path
+
+    for src in sorted(glob.glob(os.path.join(out, "e2e.json"))
+                      + glob.glob(os.path.join(out, "log-*.txt"))):
+        with open(src, "rb") as f:
+            _xz_bytes(f.read(), put(os.path.basename(src) + ".xz"))
+    for src in sorted(glob.glob(os.path.join(out, "run-*.json"))):
+        with open(src) as f:
+            run = json.load(f)
+        m = re.match(r"run-\w+-k(\d+)(-r\d+)?\.json$", os.path.basename(src))
+        keep_top2 = m is not None and _identity_differs(out, m.group(1), m.group(2) or "")
+        if not keep_top2 and "identity" in run:
+            run["identity"].pop("top2", None)
+        _xz_bytes(json.dumps(run, separators=(",", ":")).encode(),
+                  put(os.path.basename(src) + ".xz"))
+    hosts = {}
+    for src in sorted(glob.glob(os.path.join(out, "trace-*.json.gz"))):
+        with gzip.open(src, "rt") as f:
+            trace = json.load(f)
+        kept = {"traceEvents": kernel_events(trace)}
+        steps = 1
+        name = os.path.basename(src)[: -len(".json.gz")]
+        mode = name.split("-")[1]
+        for run_path in glob.glob(os.path.join(out, f"run-{mode}-*.json")):
+            with open(run_path) as f:
+                tr = json.load(f).get("trace") or {}
+            if tr.get("file") == os.path.basename(src):
+                steps = tr.get("steps", 1)
+        full, reduced = (e2e_decode.summarize_from_events(ev["traceEvents"], steps)
+                         for ev in (trace, kept))
+        if full != reduced:
+            raise RuntimeError(f"{src}: the kernel events do not reproduce the summary")
+        _xz_bytes(json.dumps(kept, separators=(",", ":")).encode(),
+                  put(name + ".kernels.json.xz"))
+        hosts[name] = host_ops(trace)
+    if hosts:
+        with open(put("trace-host-ops.json"), "w") as f:
+            json.dump({"note": "host events of the profiled decode steps: "
+                               "name -> [count, summed us]", **hosts}, f, indent=0)
+    return written
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="the run's --out folder")
+    p.add_argument("dest", help="the kept copy's folder (docs/results/...)")
+    args = p.parse_args(argv)
+    for path in publish(args.out, args.dest):
+        print(f"{os.path.getsize(path):>9}  {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
