@@ -13,7 +13,9 @@ process instead (half the GPU memory each), every case's rounds alternating
 between them, so both meet the same host phase and GPU state (a machine whose
 host speed drifts between processes otherwise decides small-batch rows); the
 stock engine then runs stock's path through the plugin's pass-through
-wrappers (a few host µs per build: ``benchmarks/builder_host.py``).  By
+wrappers (a few host µs per build: ``benchmarks/builder_host.py``; on vLLM
+0.27 its builders also clamp graph-padding requests' context lengths at 0 on
+native steps, one device op, as the plugin's do).  By
 default the model is a DeepSeek-V3.2
 architecture config written here, dummy weights: the real indexer (64 heads
 x 128, top-k 2048, fp8 cache, page 64) and MLA sizes, narrow layers (hidden
