@@ -10,6 +10,8 @@
   spec's ``tokens_per_state``, DCP through the parallel section.
 * :func:`decode_batch` (from ``vllm_fakes``) makes vLLM's own
   ``CommonAttentionMetadata`` for a decode batch.
+* :func:`last_step_choice`: a builder's classification of its last step,
+  also of a step it left to stock before classifying.
 * :func:`fake_uniform_decode_kernel`: a CPU stand-in for stock's Triton
   ``_PREPARE_UNIFORM_DECODE_KERNEL`` (stock's own flattening of a uniform step).
 * :class:`HopperDeepGemm`: the DeepGEMM test double (``tests/fake_deep_gemm.py``)
@@ -85,6 +87,20 @@ def make_builder(monkeypatch, *, next_n: int, width: int = 64, page: int = 64,
     cfg = make_config(next_n=next_n, fp4=fp4, **config_kwargs)
     return ix.DeepseekV32IndexerMetadataBuilder(spec, ["layers.0.indexer.k_cache"], cfg,
                                                 torch.device("cpu"), block_table_width=width)
+
+
+def last_step_choice(builder, cm):
+    """The plugin builder's classification of its last step ``cm``; a step
+    left to stock before classifying (``last_step_stock_only``) is classified
+    here, and that classification must leave it to stock too."""
+    from vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla import indexer as ours
+
+    if not builder.last_step_stock_only:
+        return builder.last_step_choice
+    assert builder.last_step_choice is None
+    choice = ours.classify_step(builder, cm)
+    assert choice.stock == "flattened" and not choice.plan and not choice.varlen, choice
+    return choice
 
 
 class UniformDecodeKernel:

@@ -47,6 +47,7 @@ from vllm033_stubs import (  # noqa: E402
     decode_batch,
     fake_gpu,
     fake_uniform_decode_kernel,
+    last_step_choice,
     make_builder,
 )
 
@@ -58,7 +59,6 @@ from vllm_dsa_varlen.ops.reference import (  # noqa: E402
     valid_mask,
 )
 from vllm_dsa_varlen.plan import run_starts  # noqa: E402
-from vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla import indexer as pix  # noqa: E402
 from vllm_dsa_varlen.varlen_ids import varlen_ids_of  # noqa: E402
 
 HEADS, DIM, PAGE = 4, 32, 64
@@ -260,12 +260,7 @@ def test_builder_varlen_equals_upstream_path(world, batch):
             cm.dcp_local_seq_lens = get_dcp_local_seq_lens(cm.seq_lens, DCP_WORLD,
                                                            int(layout[-1]), 1)
         md = builder.build(0, cm)
-        choice = builder.last_step_choice
-        if builder.last_step_stock_only:
-            # Left to stock before classifying: the classification must agree.
-            assert choice is None
-            choice = pix.classify_step(builder, cm)
-            assert choice.stock == "flattened" and not choice.plan and not choice.varlen
+        choice = last_step_choice(builder, cm)
         dec = md.decode
         assert md.num_decodes == len(lens) and md.num_prefills == 0, "a decode was split off"
         assert choice.varlen is policy.varlen_wins(

@@ -16,6 +16,7 @@ from vllm033_stubs import (  # noqa: E402
     decode_batch,
     fake_gpu,
     fake_uniform_decode_kernel,
+    last_step_choice,
     make_builder,
 )
 
@@ -36,18 +37,6 @@ def _hopper(monkeypatch, **kw):
 
 def _all_win(monkeypatch):
     monkeypatch.setattr(policy, "MEASURED", ALL_WIN)
-
-
-def _last_choice(builder, cm):
-    """The builder's classification of its last step ``cm``; a step left to
-    stock before classifying (``last_step_stock_only``) is classified here,
-    and that classification must leave it to stock too."""
-    if not builder.last_step_stock_only:
-        return builder.last_step_choice
-    assert builder.last_step_choice is None
-    choice = ours.classify_step(builder, cm)
-    assert choice.stock == "flattened" and not choice.plan and not choice.varlen, choice
-    return choice
 
 
 def _table(gen, rows):
@@ -208,7 +197,7 @@ def test_classification_matches_stocks_build(monkeypatch, next_n, adaptive):
         stats.reset()
         builder.build(0, cm)
         want = (("split_avoided" if kind == "split" else "varlen")
-                if _last_choice(builder, cm).varlen else f"stock_{kind}")
+                if last_step_choice(builder, cm).varlen else f"stock_{kind}")
         counts = stats.snapshot()
         assert counts["steps"] == {**dict.fromkeys(stats.PATHS, 0), want: 1}, (lens, choice)
         assert counts["variable"][want] == int(min(lens) != max(lens))
@@ -442,8 +431,9 @@ def test_run_ids_right_on_every_step_of_one_builder(monkeypatch, seed):
     different token counts (stock's flatten branch lays out their rows; the ids
     are written only when the buffer does not hold them), variable and
     graph-padded ones (planned by ``plan_decode_rows``), plain ones and the
-    drafter's updates of them (ids reset to one run per row) -- in any order: every step's ids are its
-    own requests' runs, its rows the requests' own tokens."""
+    drafter's updates of them (ids reset to one run per row) -- in any order:
+    every step's ids are its own requests' runs, its rows the requests' own
+    tokens."""
     from vllm_dsa_varlen.plan import run_starts
 
     _hopper(monkeypatch)
@@ -508,7 +498,7 @@ def test_kernel_gated_rules_follow_the_builders_graph_kernel(monkeypatch, graph_
     gen = torch.Generator().manual_seed(3)
     cm = decode_batch([6, 6, 6], [900, 1500, 70], _table(gen, 3))
     builder.build(0, cm)
-    choice = _last_choice(builder, cm)
+    choice = last_step_choice(builder, cm)
     assert choice.stock == "flattened"
     assert choice.varlen is choice.plan is (graph_kernel == "cuda_sm90")
     assert asked and set(asked) == {(builder.kv_cache_spec.head_size - 4,
@@ -579,7 +569,7 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, next_n, adap
             cm.query_start_loc[1:] = torch.cumsum(torch.tensor(dev), 0)
             lens = dev
         decode = builder.build(0, cm).decode
-        return lens, seqs, bt, cm, decode, _last_choice(builder, cm)
+        return lens, seqs, bt, cm, decode, last_step_choice(builder, cm)
 
     decided = {}
     for reqs in (1, 2, 5, 16, 21, 22):

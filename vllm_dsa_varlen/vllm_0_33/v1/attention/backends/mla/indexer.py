@@ -76,6 +76,7 @@ memory: no sync.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -128,7 +129,7 @@ def choose_decode_path(
     unknown -> stock.  Upstream varlen -> stock (a forced backend warns: it is
     upstream's).  ``backend == "deepgemm"`` -> stock with a warning (vLLM 0.33
     drives DeepGEMM varlen itself, on SM100 only).  MXFP4 cache, < sm_89, the
-    the project's kernel unusable -> stock.  ``next_n == 1`` -> stock (one row per
+    project's kernel unusable -> stock.  ``next_n == 1`` -> stock (one row per
     request: varlen saves nothing).  Otherwise varlen (Triton), chosen per
     step by :func:`vllm_dsa_varlen.policy.varlen_wins`.
     """
@@ -407,20 +408,13 @@ def _stock_only_step(builder: Any, cm: Any) -> bool:
     before :func:`classify_step` from O(1) host ints (no split, no per-request
     lengths): the step's longest query ``max_query_len`` bounds its longest
     decode, and :func:`vllm_dsa_varlen.policy.min_varlen_rows` only grows as
-    the longest run shrinks, so ``num_actual_tokens`` below the bound for runs
-    of ``min(max_query_len, decode_threshold)`` tokens (of ``decode_threshold``
-    where FULL graphs replay mixed batches) means :func:`_left_to_stock` holds
-    for every decode split of the step.  Small batches and the drafter's
-    one-token steps take this exit: the plugin adds a few host microseconds to
-    their ``build()``, not a classification."""
-    if not builder.use_flattening or builder.use_pcp:
-        return False
-    runs = builder.decode_threshold
-    if not _full_graphs_replay_mixed_batches(builder):
-        runs = max(1, min(runs, int(cm.max_query_len)))
-    bound = policy.min_varlen_rows("flattened", kernel=builder.varlen_graph_kernel,
-                                   max_run=runs)
-    return bound is None or cm.num_actual_tokens < bound
+    the longest run shrinks, so :func:`_left_to_stock` for runs of
+    ``min(max_query_len, decode_threshold)`` tokens holds for every decode
+    split of the step.  Small batches and the drafter's one-token steps take
+    this exit: the plugin adds a few host microseconds to their ``build()``,
+    not a classification."""
+    longest = max(1, min(builder.decode_threshold, int(cm.max_query_len)))
+    return builder.use_flattening and _left_to_stock(builder, cm, longest)
 
 
 def _record_stock_only(cm: Any, metadata: Any) -> None:
@@ -431,14 +425,11 @@ def _record_stock_only(cm: Any, metadata: Any) -> None:
     num_decodes = getattr(metadata, "num_decodes", 0)
     if not num_decodes:
         return
-    if _uniform_unpadded(cm, num_decodes, metadata.num_decode_tokens):
-        variable = False
-    else:
-        starts = cm.query_start_loc_cpu[: num_decodes + 1].tolist()
-        lens = {b - a for a, b in zip(starts, starts[1:])}
-        lens.discard(0)
-        variable = len(lens) > 1
-    stats.record("stock_flattened", variable=variable, mixed=getattr(metadata, "num_prefills", 0) > 0)
+    variable = not (_uniform_unpadded(cm, num_decodes, metadata.num_decode_tokens)
+                    or StepFacts.from_query_starts(
+                        cm.query_start_loc_cpu[: num_decodes + 1]).uniform)
+    stats.record("stock_flattened", variable=variable,
+                 mixed=getattr(metadata, "num_prefills", 0) > 0)
 
 
 def _full_graphs_replay_mixed_batches(builder: Any) -> bool:
@@ -470,10 +461,10 @@ def _adaptive(builder: Any) -> bool:
     return bool(spec is not None and getattr(spec, "enable_adaptive_verification", False))
 
 
-def _plan_varlen_rows(builder: Any, original: Callable[..., Any], stock_args: dict,
-                      seq_lens: torch.Tensor, block_table: torch.Tensor,
-                      decode_lens_cpu: torch.Tensor, num_decodes: int, num_decode_tokens: int,
-                      max_decode_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
+def _plan_varlen_rows(builder: Any, stock: Callable[[], Any], seq_lens: torch.Tensor,
+                      block_table: torch.Tensor, decode_lens_cpu: torch.Tensor, num_decodes: int,
+                      num_decode_tokens: int, max_decode_len: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
     """Plan ``R = num_decode_tokens`` one-token rows into the builder's buffers.
 
     A uniform step without graph padding (every decode ``n = max_decode_len``
@@ -481,8 +472,8 @@ def _plan_varlen_rows(builder: Any, original: Callable[..., Any], stock_args: di
     the rows (its one-launch uniform kernel writes the same context lengths
     and block-table rows as :func:`plan_decode_rows`; tested on the GPU) and
     only the ids ``r // n`` are added, and only when the buffer does not hold
-    them already (:func:`~vllm_dsa_varlen.varlen_ids.ids_hold`).  Other steps: :func:`plan_decode_rows`
-    with the step's device offsets; under adaptive verification the host's
+    them already (:func:`~vllm_dsa_varlen.varlen_ids.ids_hold`).  Other steps:
+    :func:`plan_decode_rows` with the step's device offsets; under adaptive verification the host's
     per-request lengths are upper bounds (the device trims drafts), so those
     rows are always planned from the device offsets (the host's token total
     is exact)."""
@@ -490,8 +481,9 @@ def _plan_varlen_rows(builder: Any, original: Callable[..., Any], stock_args: di
                and int(decode_lens_cpu.min()) == max_decode_len
                and num_decodes * max_decode_len == num_decode_tokens)
     if uniform and not builder.supports_varlen:
-        ctx, bt, one_token_each, rows, padded = original(builder, **stock_args)
-        if rows != num_decode_tokens or padded or ctx.data_ptr() != builder.decode_seq_lens_buffer.data_ptr():
+        ctx, bt, one_token_each, rows, padded = stock()  # stock's flatten branch, this call
+        in_buffer = ctx.data_ptr() == builder.decode_seq_lens_buffer.data_ptr()
+        if rows != num_decode_tokens or padded or not in_buffer:
             raise RuntimeError(
                 f"varlen build: stock's flatten branch returned {rows} rows (padded={padded}) "
                 f"for a uniform step of {num_decode_tokens} tokens")
@@ -520,22 +512,19 @@ def _plan_varlen_rows(builder: Any, original: Callable[..., Any], stock_args: di
 
 def wrap_prepare_decode_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
     """``_prepare_decode_tensors`` replacement.  During a planned build:
-    ``(int32 [R], int32 [R, W], int32 [R] of 1, R, False)`` planned by
-    :func:`plan_decode_rows`; otherwise stock's, untouched."""
+    ``(int32 [R], int32 [R, W], int32 [R] of 1, R, False)`` (see
+    :func:`_plan_varlen_rows`); otherwise stock's, untouched (the call passed
+    through as made)."""
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def _prepare_decode_tensors(self, seq_lens, block_table, decode_lens, decode_lens_cpu,
-                                query_start_loc, num_decodes, num_decode_tokens, use_native,
-                                next_n, max_decode_len):
-        stock_args = dict(
-            seq_lens=seq_lens, block_table=block_table, decode_lens=decode_lens,
-            decode_lens_cpu=decode_lens_cpu, query_start_loc=query_start_loc,
-            num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
-            use_native=use_native, next_n=next_n, max_decode_len=max_decode_len)
+    def _prepare_decode_tensors(self, *args, **kwargs):
         if not getattr(self, "_varlen_planning", False):
-            return original(self, **stock_args)
-        return _plan_varlen_rows(self, original, stock_args, seq_lens, block_table,
-                                 decode_lens_cpu, num_decodes, num_decode_tokens, max_decode_len)
+            return original(self, *args, **kwargs)
+        a = signature.bind(self, *args, **kwargs).arguments
+        return _plan_varlen_rows(self, functools.partial(original, self, *args, **kwargs),
+                                 a["seq_lens"], a["block_table"], a["decode_lens_cpu"],
+                                 a["num_decodes"], a["num_decode_tokens"], a["max_decode_len"])
 
     return _prepare_decode_tensors
 
