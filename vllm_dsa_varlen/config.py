@@ -20,15 +20,14 @@ kernels can serve this cache, ``next_n``, FP4 cache, the two settings) into a
 tested directly.  Nothing here imports vLLM.
 
 The builder-level decision says whether a varlen backend can serve a builder
-and, for the project's kernels (``triton``), which of stock's paths each step is compared
-with (``DecodePath.per_step``); the per-step choice itself is
+and, for the project's kernels (``triton``), which of stock's paths each step
+is compared with (``DecodePath.per_step``); the per-step choice itself is
 :func:`vllm_dsa_varlen.policy.varlen_wins`.
 """
 
 from __future__ import annotations
 
 import logging
-
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -191,9 +190,9 @@ def choose_decode_path(
     stock.  SM10x with a DeepGEMM whose scheduler and kernel take ``indices``
     (vLLM 0.27.1's vendored 2.6.1 and 2.8.x both do) -> DeepGEMM varlen for
     every step, any ``next_n``.  Otherwise, with an fp8-capable GPU
-    (>= sm_89), a usable kernel of the project's, an FP8 cache and ``next_n >= 2`` ->
-    the project's varlen kernels, compared per step with the path stock would take
-    (``per_step``, see :class:`DecodePath`): ``"flattened"`` where stock
+    (>= sm_89), a usable kernel of the project's, an FP8 cache and
+    ``next_n >= 2`` -> the project's varlen kernels, compared per step with
+    the path stock would take (``per_step``, see :class:`DecodePath`): ``"flattened"`` where stock
     flattens (``next_n > 2`` off SM10x), ``"split"`` where stock runs
     DeepGEMM's native ``[B, next_n]`` kernel on uniform steps (``next_n ==
     2``, or SM10x); with no DeepGEMM installed stock has no decode kernel,

@@ -141,9 +141,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_SAI, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI}:fp8_fp4_paged_mqa_logits",
           "the registered custom op captured `sparse_attn_indexer` itself but looks "
           "this module global up per call: route varlen decode steps (ids carried "
-          "by the schedule tensor) to DeepGEMM-with-indices or the project's varlen kernel; untagged "
-          "calls (every call in `stock` mode) are stock's call through the DeepGEMM "
-          "adapter", api=True),
+          "by the schedule tensor) to DeepGEMM-with-indices or the project's varlen "
+          "kernel; untagged calls (every call in `stock` mode) are stock's call through "
+          "the DeepGEMM adapter", api=True),
     Patch(_IX, "get_paged_mqa_logits_metadata", f"{_OUR_IX}:get_paged_mqa_logits_metadata",
           "the builder's build() calls this module global: during a varlen build pass "
           "the step's run ids to DeepGEMM's scheduler (Triton needs no schedule)"),
@@ -175,13 +175,14 @@ PATCHES: tuple[Patch, ...] = (
     # per-step varlen with the project's kernels (policy.varlen_wins).
     Patch(_SAI, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI_33}:wrap_paged_mqa_logits",
           "the indexer op looks this module global up per call: a decode step whose "
-          "schedule tensor carries run ids (a varlen step of the project's kernels) goes to the project's "
-          "varlen kernel; every other call is stock's, `indices` passed through",
+          "schedule tensor carries run ids (a varlen step of the project's kernels) goes "
+          "to the project's varlen kernel; every other call is stock's, `indices` passed "
+          "through",
           upstream=_V033, wraps=True),
     Patch(_GLM5N, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI_33}:wrap_paged_mqa_logits",
           "GLM-5-Next's indexer op (NVIDIA) has its own copy of the decode call on the "
           "same builder's metadata: the same dispatch, so its varlen steps reach the "
-          "kernel instead of DeepGEMM with ids it cannot take on SM90",
+          "project's kernel instead of DeepGEMM with ids it cannot take on SM90",
           upstream=_V033, wraps=True),
     Patch(_IX, "DeepseekV32IndexerMetadataBuilder.__init__", f"{_OUR_IX_33}:wrap_init",
           "decide once whether the project's varlen kernel serves this builder (SM100 with "
