@@ -542,16 +542,16 @@ def _child(args, results: dict) -> None:
 
         os.environ["VLLM_DSA_VARLEN"] = MODES["plugin"]
         vllm_dsa_varlen.register()
-    engines = []
+    engines, llms = [], []  # the LLM objects kept alive beside their engines
     for mode in modes:
         os.environ["VLLM_DSA_VARLEN"] = MODES[mode]
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         init_s = time.perf_counter() - t0
+        llms.append(llm)
         engine = llm.llm_engine
         engines.append((mode, engine, results[mode]))
         results[mode].update(_run_header(args, mode, engine, kwargs, init_s, torch))
-        results[mode]["engine_object"] = llm  # kept alive; dropped before writing
     os.environ["VLLM_DSA_VARLEN"] = MODES[modes[-1]]
     vocab = engines[0][1].model_config.get_vocab_size()
     dg_dir = os.path.join(os.environ.get("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm")),
@@ -561,17 +561,13 @@ def _child(args, results: dict) -> None:
     def prompts_of(length: int, first: int = 0, count: int = max_batch):
         return [prompt_ids(i, length, vocab) for i in range(first, first + count)]
 
-    try:
-        jit0 = run_cases(engines, args, prompts_of, build_timer,
-                         lambda: _jit_state(triton_dir, dg_dir))
-        jit1 = _jit_state(triton_dir, dg_dir)
-        for mode, engine, result in engines:
-            result["jit"] = {"before": jit0, "after": jit1}
-            result["host_probe_us"]["after_cases"] = host_probe_us()
-            _after_cases(args, mode, engine, result, prompts_of, torch)
-    finally:
-        for result in results.values():
-            result.pop("engine_object", None)
+    jit0 = run_cases(engines, args, prompts_of, build_timer,
+                     lambda: _jit_state(triton_dir, dg_dir))
+    jit1 = _jit_state(triton_dir, dg_dir)
+    for mode, engine, result in engines:
+        result["jit"] = {"before": jit0, "after": jit1}
+        result["host_probe_us"]["after_cases"] = host_probe_us()
+        _after_cases(args, mode, engine, result, prompts_of, torch)
 
 
 def _run_header(args, mode: str, engine, kwargs: dict, init_s: float, torch) -> dict:

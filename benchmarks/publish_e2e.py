@@ -25,7 +25,6 @@ import gzip
 import json
 import lzma
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,15 +38,17 @@ def _xz_bytes(data: bytes, dst: str) -> None:
         f.write(data)
 
 
-def _identity_differs(out: str, k: str, rep: str) -> bool:
-    """Whether the stock and plugin identity runs of (k, repeat) differ."""
+def _identity_differs(runs: dict[str, dict], name: str) -> bool:
+    """Whether run ``name`` (``run-<mode>-k<k>[-rN]``) and the other mode's run
+    of the same k and repeat have different identity tokens (also when that
+    run is missing: nothing to compare against, the evidence is kept)."""
+    mode = name.split("-")[1]
     tokens = []
-    for mode in e2e_decode.MODES:
-        path = os.path.join(out, f"run-{mode}-k{k}{rep}.json")
-        if not os.path.exists(path):
-            return True  # nothing to compare against: keep the evidence
-        with open(path) as f:
-            tokens.append((json.load(f).get("identity") or {}).get("tokens"))
+    for other in e2e_decode.MODES:
+        run = runs.get(name.replace(f"run-{mode}-", f"run-{other}-", 1))
+        if run is None:
+            return True
+        tokens.append((run.get("identity") or {}).get("tokens"))
     return tokens[0] != tokens[1]
 
 
@@ -82,28 +83,22 @@ def publish(out: str, dest: str) -> list[str]:
                       + glob.glob(os.path.join(out, "log-*.txt"))):
         with open(src, "rb") as f:
             _xz_bytes(f.read(), put(os.path.basename(src) + ".xz"))
+    runs = {}
     for src in sorted(glob.glob(os.path.join(out, "run-*.json"))):
         with open(src) as f:
-            run = json.load(f)
-        m = re.match(r"run-\w+-k(\d+)(-r\d+)?\.json$", os.path.basename(src))
-        keep_top2 = m is not None and _identity_differs(out, m.group(1), m.group(2) or "")
-        if not keep_top2 and "identity" in run:
-            run["identity"].pop("top2", None)
-        _xz_bytes(json.dumps(run, separators=(",", ":")).encode(),
-                  put(os.path.basename(src) + ".xz"))
+            runs[os.path.basename(src)[: -len(".json")]] = json.load(f)
+    for name, run in runs.items():
+        if not _identity_differs(runs, name) and "identity" in run:
+            run = dict(run, identity={k: v for k, v in run["identity"].items() if k != "top2"})
+        _xz_bytes(json.dumps(run, separators=(",", ":")).encode(), put(name + ".json.xz"))
     hosts = {}
     for src in sorted(glob.glob(os.path.join(out, "trace-*.json.gz"))):
         with gzip.open(src, "rt") as f:
             trace = json.load(f)
         kept = {"traceEvents": kernel_events(trace)}
-        steps = 1
         name = os.path.basename(src)[: -len(".json.gz")]
-        mode = name.split("-")[1]
-        for run_path in glob.glob(os.path.join(out, f"run-{mode}-*.json")):
-            with open(run_path) as f:
-                tr = json.load(f).get("trace") or {}
-            if tr.get("file") == os.path.basename(src):
-                steps = tr.get("steps", 1)
+        # its run (trace-<mode>-k<k>[-rN] beside run-<mode>-k<k>[-rN]) says how many steps
+        steps = (runs.get("run" + name[len("trace"):], {}).get("trace") or {}).get("steps", 1)
         full, reduced = (e2e_decode.summarize_from_events(ev["traceEvents"], steps)
                          for ev in (trace, kept))
         if full != reduced:

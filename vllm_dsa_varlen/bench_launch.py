@@ -206,12 +206,22 @@ def run_gpu(args) -> list[tuple]:
             table.append((name, path, host, wall, gpu, replay_host))
             print(f"{name} | {path}: host {host:.1f} wall {wall:.1f} graph {gpu:.1f} "
                   f"replay host {replay_host:.1f}", flush=True)
-    print("\n| case | path | host µs/call | wall µs/call | graph µs/call | replay host µs |")
-    print("|---|---|---|---|---|---|")
-    for name, path, host, wall, gpu, replay_host in table:
-        print(f"| {name} | {path} | {host:.1f} | {wall:.1f} | {gpu:.1f} | {replay_host:.1f} |")
+    print_markdown(("case", "path", "host µs/call", "wall µs/call", "graph µs/call",
+                    "replay host µs"),
+                   [(name, path, f"{host:.1f}", f"{wall:.1f}", f"{gpu:.1f}", f"{replay:.1f}")
+                    for name, path, host, wall, gpu, replay in table])
     print_summary(table)
     return table
+
+
+def print_markdown(header, rows, title: str | None = None) -> None:
+    """A markdown table after a blank line (and ``title``, when given):
+    ``header`` and ``rows`` of cells (strings, already formatted)."""
+    print(f"\n{title}\n| " if title else "\n| ", end="")
+    print(" | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
 
 
 SUMMARY = ("cuLaunchKernel alone (cuda-python)", "prepared launch (addresses only)",
@@ -225,14 +235,14 @@ def print_summary(table) -> None:
     by it), per case, with the target (:data:`TARGET_US`) met or not."""
     host = {(name, path): h for name, path, h, *_ in table}
     cases = list(dict.fromkeys(name for name, *_ in table))
-    print(f"\nhost µs per eager call (target: launcher auto <= {TARGET_US:.0f})")
-    print("| case | " + " | ".join(SUMMARY) + " | target met |")
-    print("|---|" + "---|" * (len(SUMMARY) + 1))
+    rows = []
     for name in cases:
         got = [host.get((name, p)) for p in SUMMARY]
         met = got[2] is not None and got[2] <= TARGET_US
-        print(f"| {name} | " + " | ".join("–" if v is None else f"{v:.1f}" for v in got)
-              + f" | {'yes' if met else 'no'} |")
+        rows.append((name, *("–" if v is None else f"{v:.1f}" for v in got),
+                     "yes" if met else "no"))
+    print_markdown(("case", *SUMMARY, "target met"), rows,
+                   title=f"host µs per eager call (target: launcher auto <= {TARGET_US:.0f})")
 
 
 # ------------------------------------------------------------- fake launch (CPU)
@@ -434,10 +444,10 @@ def run_fake(args) -> list[tuple]:
             table.append((name, path, label, us, min(per), max(per)))
             print(f"{name} | {path} | {label}: {us:.2f} µs per call "
                   f"(rounds {min(per):.2f}-{max(per):.2f})", flush=True)
-    print("\n| case | path (driver stubbed, CPU tensors) | revision | host µs/call | rounds |")
-    print("|---|---|---|---|---|")
-    for name, path, label, us, lo, hi in table:
-        print(f"| {name} | {path} | {label} | {us:.2f} | {lo:.2f}-{hi:.2f} |")
+    print_markdown(("case", "path (driver stubbed, CPU tensors)", "revision", "host µs/call",
+                    "rounds"),
+                   [(name, path, label, f"{us:.2f}", f"{lo:.2f}-{hi:.2f}")
+                    for name, path, label, us, lo, hi in table])
     return table
 
 
