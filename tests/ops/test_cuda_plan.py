@@ -413,6 +413,71 @@ def test_plan_device_refuses_bad_inputs():
         cp.plan_device(ids, ids, 64, 1, heads=16)
 
 
+class _ReadingDriver:
+    """cuda-python's driver for the launch only: each ``cuLaunchKernel`` reads
+    the parameter values its pointer array points to *at the call* (the block
+    is reused by the next launch), decoded with ``layout`` (ctypes types in
+    the kernel's order)."""
+
+    def __init__(self):
+        self.launches = []
+        self.layout = None
+        self.ctx_param, self.rows = None, 0  # which value is the context lengths' address
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        ptrs = (ctypes.c_void_p * len(self.layout)).from_address(params)
+        values = [bytes(t.from_address(p)) for t, p in zip(self.layout, ptrs)]
+        ctx_addr = int.from_bytes(values[self.ctx_param], "little")
+        self.launches.append(dict(grid=(gx, gy, gz), block=(bx, by, bz), smem=smem,
+                                  stream=stream, values=values, ctx_addr=ctx_addr,
+                                  ctx=list((ctypes.c_int32 * self.rows).from_address(ctx_addr))))
+        return (0,)
+
+
+def test_eager_launch_hands_the_driver_a_fresh_blocks_values(monkeypatch):
+    """plan_device's parameter block is made once per (heads, cost, CTAs) and
+    refreshed per launch: every launch hands the driver exactly the values a
+    block built afresh by kernel_args holds, the context lengths converted
+    when they are not contiguous int32 (their values read back through the
+    address handed over).  CPU tensors, the driver stubbed."""
+    from vllm_dsa_varlen import bench_launch as host_time
+    from vllm_dsa_varlen.ops import cuda_binding as cb
+
+    drv = _ReadingDriver()
+    monkeypatch.setattr(cb, "driver", lambda: drv)
+    monkeypatch.setattr(cp, "load", lambda device, heads=cp.HEADS: type(
+        "K", (), {"fn": "plan_sm90", "ctx": None})())
+    monkeypatch.setattr(cp, "_stream", lambda index: 0x5EED)
+    monkeypatch.setattr(cp, "_current_device", lambda: None)
+    monkeypatch.setattr(cp, "_PARAMS", {})
+    rng = random.Random()
+    with host_time.fake_hopper():
+        for _ in range(40):
+            heads = rng.choice(cp.HEAD_COUNTS)
+            cost = rng.choice([cp.COST, (rng.randint(0, 9), rng.randint(1, 9), rng.randint(0, 9))])
+            rows, programs = rng.randint(1, 300), rng.choice([1, 7, 132, 1024])
+            ids = torch.sort(torch.randint(0, rows, (rows,), dtype=torch.int32)).values
+            ctx = torch.randint(0, 1 << 20, (rows, 1), dtype=rng.choice([torch.int32,
+                                                                          torch.int64]))
+            if rng.random() < 0.3:
+                ctx = torch.randint(0, 1 << 20, (2, rows), dtype=torch.int32)[1]  # strided
+            max_len, width = rng.randint(0, 1 << 22), rng.randint(0, 4096)
+            out = cp.allocate(rows, programs, "cpu")
+            want = cp.kernel_args(ids.data_ptr(), 0, rows, max_len, width, programs,
+                                  out[0].data_ptr(), out[1].data_ptr(), heads=heads, cost=cost)
+            drv.layout = [type(v) for v in want.values()]
+            drv.ctx_param, drv.rows = list(want).index("ctx_g"), rows
+            cp.plan_device(ids, ctx, max_len, width, heads=heads, programs=programs, cost=cost,
+                           out=out)
+            got = drv.launches[-1]
+            assert got["grid"] == (1, 1, 1) and got["block"] == (cp.THREADS, 1, 1)
+            assert got["smem"] == cp.stage_bytes(rows) and got["stream"] == 0x5EED
+            assert got["ctx"] == ctx.reshape(-1).to(torch.int32).tolist()
+            want["ctx_g"] = ctypes.c_uint64(got["ctx_addr"])
+            assert got["values"] == [bytes(v) for v in want.values()]
+    assert len(cp._PARAMS) <= 2 * 2 * 4 * 41  # one block per (heads, cost, CTAs)
+
+
 # ---------------------------------------------------------------- GPU (sm_90)
 
 def _skip_without_nvrtc():

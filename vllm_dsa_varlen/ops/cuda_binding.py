@@ -98,6 +98,28 @@ def load_function(drv, device: torch.device, cubin: bytes, name: bytes, smem: in
     return fn, ctx, module
 
 
+# The current stream's raw handle without building a torch.cuda.Stream, and the
+# current device without torch.cuda.current_device()'s lazy-init check (the
+# private getters Triton's launcher uses too; the public routes where they are
+# gone).
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def current_stream(index: int) -> int:
+    """The raw handle of device ``index``'s current stream."""
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def current_device() -> int:
+    """The current CUDA device's index."""
+    if _GET_DEVICE is not None:
+        return _GET_DEVICE()
+    return torch.cuda.current_device()
+
+
 def launch_function(drv, fn, ctx, grid: int, block: int, smem: int, stream: int,
                     params_addr: int) -> None:
     """``cuLaunchKernel`` of ``fn`` (1-D grid and block) with the parameter

@@ -68,8 +68,8 @@ import torch
 
 from .common import DIM, PAGE, capability, log_once, num_sms
 from .cuda_binding import NVRTC_ENV  # noqa: F401  (the setting this kernel honours)
-from .cuda_binding import (ARCH, INVALID_CONTEXT, compile_source, launch_function, load_function,
-                           ok)
+from .cuda_binding import (ARCH, INVALID_CONTEXT, compile_source, current_device, current_stream,
+                           launch_function, load_function, ok)
 from .cuda_binding import driver as _driver
 from .cuda_binding import nvrtc as _nvrtc
 from .cuda_plan import COST, CTA_WORDS, TABLE_WORDS, page_cost, plan_device
@@ -563,24 +563,9 @@ def plan_items(table, ctas) -> list[list[tuple[int, int, int]]]:
 
 # ------------------------------------------------------------------- launch
 
-# The current stream's raw handle without building a torch.cuda.Stream, and the
-# current device without torch.cuda.current_device()'s lazy-init check (the
-# private getters Triton's launcher uses too; the public routes where they are
-# gone).  Both run on every launch.
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
-
-
-def _stream(index: int) -> int:
-    if _RAW_STREAM is not None:
-        return _RAW_STREAM(index)
-    return torch.cuda.current_stream(index).cuda_stream
-
-
-def _current_device() -> int:
-    if _GET_DEVICE is not None:
-        return _GET_DEVICE()
-    return torch.cuda.current_device()
+# Both run on every launch (module names, so a test can stand in for them).
+_stream = current_stream
+_current_device = current_device
 
 
 class Prepared:

@@ -53,6 +53,11 @@ COST = (3, 1, 4)
 
 _lock = threading.Lock()
 _LOADED: dict = {}
+_PARAMS: dict = {}  # (heads, cost, programs) -> _Params
+
+# Both run on every launch (module names, so a test can stand in for them).
+_stream = cb.current_stream
+_current_device = cb.current_device
 
 
 def _cost3(cost) -> tuple[int, int, int]:
@@ -189,6 +194,55 @@ def kernel_args(ids: int, ctx: int, rows: int, max_context_len: int, bt_width: i
             "table": c.c_uint64(table), "ctas": c.c_uint64(ctas)}
 
 
+class _Params:
+    """The planner's parameter block for one (head count, cost, CTA count):
+    :func:`kernel_args`' values made once (the page costs and the magic
+    numbers are fixed by these), the pointer array ``cuLaunchKernel`` reads
+    beside them.  A launch sets only the addresses, the row count and the KV
+    cap (:meth:`set`); the driver copies the values at the call, so one block
+    serves every launch (``lock``: one launch at a time packs it)."""
+
+    __slots__ = ("vals", "array", "addr", "lock")
+
+    def __init__(self, heads: int, cost, programs: int):
+        self.vals = kernel_args(0, 0, 0, 0, 0, programs, 0, 0, heads=heads, cost=cost)
+        self.array = (ctypes.c_void_p * len(self.vals))(
+            *[ctypes.addressof(v) for v in self.vals.values()])
+        self.addr = ctypes.addressof(self.array)
+        self.lock = threading.Lock()
+
+    def set(self, ids: int, ctx: int, rows: int, max_context_len: int, bt_width: int,
+            table: int, ctas: int) -> None:
+        """This launch's values (as :func:`kernel_args` makes them)."""
+        v = self.vals
+        v["ids_g"].value, v["ctx_g"].value = ids, ctx
+        v["rows"].value = rows
+        v["cap"].value = min(int(max_context_len), int(bt_width) * PAGE, _INT32_MAX)
+        v["table"].value, v["ctas"].value = table, ctas
+
+
+def _params(heads: int, cost, programs: int) -> _Params:
+    key = (heads, tuple(cost), programs)
+    got = _PARAMS.get(key)
+    if got is None:
+        with _lock:
+            got = _PARAMS.get(key)
+            if got is None:
+                got = _PARAMS[key] = _Params(heads, cost, programs)
+    return got
+
+
+def _int32_address(t: torch.Tensor, name: str, rows: int) -> tuple[int, torch.Tensor | None]:
+    """``t``'s data address as ``rows`` contiguous int32 values (any shape
+    holding one value per row, e.g. ``[R]`` or ``[R, 1]``) without a view;
+    another integer dtype or layout is converted first (the converted tensor
+    is returned so it outlives the launch)."""
+    if t.dtype == torch.int32 and t.numel() == rows and t.is_contiguous():
+        return t.data_ptr(), None
+    flat = _int32_rows(t, name, rows)
+    return flat.data_ptr(), flat
+
+
 def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
                 heads: int = HEADS, programs: int | None = None, cost=COST, out=None):
     """The step's schedule (``table int32 [R, 8]``, ``ctas int32 [programs,
@@ -210,10 +264,10 @@ def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
         _fail("indices", "int32 run ids", indices.dtype)
     if rows > MAX_ROWS:
         _fail("indices", f"at most {MAX_ROWS} rows", rows)
-    ids = _int32_rows(indices, "indices", rows)
-    ctx = _int32_rows(context_lens, "context_lens", rows)
-    if ctx.device != dev:
-        _fail("context_lens", f"a tensor on {dev}", ctx.device)
+    ids, ids_kept = _int32_address(indices, "indices", rows)
+    if context_lens.device != dev:
+        _fail("context_lens", f"a tensor on {dev}", context_lens.device)
+    ctx, ctx_kept = _int32_address(context_lens, "context_lens", rows)
     if programs is None:
         programs = num_sms(dev)
     if not 1 <= programs <= MAX_PROGRAMS:
@@ -232,12 +286,22 @@ def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
                     or t.device != dev or t.data_ptr() % 16):
                 _fail("out", f"{name} contiguous int32 {list(shape)} on {dev}, 16-byte aligned",
                       f"{t.dtype} {tuple(t.shape)} on {t.device}")
-    vals = list(kernel_args(ids.data_ptr(), ctx.data_ptr(), rows, max_context_len, bt_width,
-                            programs, table.data_ptr(), ctas.data_ptr(), heads=heads,
-                            cost=cost).values())
     kern = load(dev, heads)
-    params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-    with torch.cuda.device(dev):
-        cb.launch_function(cb.driver(), kern.fn, kern.ctx, 1, THREADS, stage_bytes(rows),
-                           torch.cuda.current_stream(dev).cuda_stream, ctypes.addressof(params))
+    block = _params(heads, cost, programs)
+    index = dev.index if dev.index is not None else _current_device()
+    with block.lock:
+        block.set(ids, ctx, rows, max_context_len, bt_width, table.data_ptr(), ctas.data_ptr())
+        if _current_device() == index:
+            _launch(kern, rows, _stream(index), block.addr)
+        else:
+            with torch.cuda.device(index):
+                _launch(kern, rows, _stream(index), block.addr)
+    # converted copies lived until the launch was queued: their memory is
+    # reused only by work queued after it on this stream
+    del ids_kept, ctx_kept
     return table, ctas
+
+
+def _launch(kern: _Loaded, rows: int, stream: int, params_addr: int) -> None:
+    cb.launch_function(cb.driver(), kern.fn, kern.ctx, 1, THREADS, stage_bytes(rows), stream,
+                       params_addr)
