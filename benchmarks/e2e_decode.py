@@ -520,6 +520,60 @@ def engine_kwargs(args, engines: int = 1) -> dict:
     return kwargs
 
 
+class OwnEngine:
+    """An engine built and stepped beside another one in the same process.
+
+    vLLM keeps two of an engine's objects in process globals: every CUDA-graph
+    wrapper in a class-wide registry, which the CUDA-graph memory profiling at
+    engine start empties (``clear_all_graphs``: the other engine's captured
+    graphs are dropped, and its next step tries to capture mid-run and fails),
+    and the workspace manager, which a new engine replaces (the other engine's
+    graphs hold addresses in the replaced workspace).  :meth:`build` makes the
+    engine with the registries holding only its own wrappers (the others' are
+    added back after) and keeps its workspace manager; every call on the
+    engine puts that manager back first (one attribute store per call)."""
+
+    REGISTRIES = (("vllm.compilation.cuda_graph", "CUDAGraphWrapper"),
+                  ("vllm.compilation.breakable_cudagraph", "BreakableCUDAGraphWrapper"))
+
+    def __init__(self, make):
+        import importlib
+        import weakref
+
+        from vllm.v1.worker import workspace
+
+        self._workspace = workspace
+        held = []
+        for module, name in self.REGISTRIES:
+            try:
+                cls = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError):
+                continue
+            if isinstance(cls.__dict__.get("_all_instances"), weakref.WeakSet):
+                held.append((cls, cls._all_instances))
+                cls._all_instances = weakref.WeakSet()
+        try:
+            self.llm = make()
+        finally:
+            for cls, others in held:
+                own, cls._all_instances = cls._all_instances, others
+                for wrapper in own:
+                    others.add(wrapper)
+        self._manager = workspace._manager
+        self.engine = self.llm.llm_engine
+
+    def __getattr__(self, name):
+        attr = getattr(self.engine, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self._workspace._manager = self._manager
+            return attr(*args, **kwargs)
+
+        return call
+
+
 def _child(args, results: dict) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -546,10 +600,14 @@ def _child(args, results: dict) -> None:
     for mode in modes:
         os.environ["VLLM_DSA_VARLEN"] = MODES[mode]
         t0 = time.perf_counter()
-        llm = LLM(**kwargs)
+        if len(modes) > 1:
+            own = OwnEngine(lambda: LLM(**kwargs))
+            llm, engine = own.llm, own
+        else:
+            llm = LLM(**kwargs)
+            engine = llm.llm_engine
         init_s = time.perf_counter() - t0
         llms.append(llm)
-        engine = llm.llm_engine
         engines.append((mode, engine, results[mode]))
         results[mode].update(_run_header(args, mode, engine, kwargs, init_s, torch))
     os.environ["VLLM_DSA_VARLEN"] = MODES[modes[-1]]

@@ -468,3 +468,65 @@ def test_the_kept_copy_is_small_and_reproduces_the_summaries(tmp_path, same_toke
         assert all(set(ev) == {"cat", "name", "ts", "dur"} for ev in kept["traceEvents"])
     hosts = json.loads((dest / "trace-host-ops.json").read_text())
     assert sum(c for c, _ in hosts["trace-stock-k2"].values()) == 50
+
+
+def test_engines_in_one_process_keep_their_own_graphs_and_workspace(monkeypatch):
+    """vLLM's CUDA-graph memory profiling at an engine's start clears every
+    graph wrapper in the process and a new engine replaces the workspace
+    manager: an engine built beside another keeps the other's captured graphs
+    and registry entries, and each engine's calls run with its own workspace."""
+    cuda_graph = pytest.importorskip("vllm.compilation.cuda_graph")
+    workspace = pytest.importorskip("vllm.v1.worker.workspace")
+    import weakref
+
+    classes = [cuda_graph.CUDAGraphWrapper]
+    try:
+        from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
+
+        classes.append(BreakableCUDAGraphWrapper)
+    except ImportError:
+        pass
+    for cls in classes:
+        monkeypatch.setattr(cls, "_all_instances", weakref.WeakSet())
+    monkeypatch.setattr(workspace, "_manager", None)
+
+    class Wrapper:  # a graph wrapper double: captured graphs, cleared by clear_graphs
+        def __init__(self, cls):
+            self.graphs, self.cls = None, cls
+            cls._all_instances.add(self)
+
+        def clear_graphs(self):
+            self.graphs = None
+
+    seen = []
+
+    class Engine:
+        def __init__(self, manager):
+            self.manager = manager
+            self.vllm_config = "config"
+
+        def step(self):
+            seen.append((self, workspace._manager))
+            return []
+
+    def make():  # an engine start as vLLM's: profile (clear all), then capture
+        wrappers = [Wrapper(cls) for cls in classes for _ in range(random.randint(1, 3))]
+        for cls in classes:
+            cls.clear_all_graphs()
+        for w in wrappers:
+            w.graphs = "captured"
+        manager = object()
+        workspace._manager = manager
+        return type("LLM", (), {"llm_engine": Engine(manager), "wrappers": wrappers})()
+
+    first = e2e.OwnEngine(make)
+    second = e2e.OwnEngine(make)
+    assert all(w.graphs == "captured" for w in first.llm.wrappers + second.llm.wrappers)
+    for cls in classes:  # every engine's wrappers back in their class's registry
+        assert set(cls._all_instances) == {
+            w for w in first.llm.wrappers + second.llm.wrappers if w.cls is cls}
+    assert first.vllm_config == "config"
+    for own in random.choices([first, second], k=6):
+        own.step()
+    assert all(mgr is engine.manager for engine, mgr in seen)
+    assert {engine for engine, _ in seen} <= {first.engine, second.engine}
