@@ -530,3 +530,25 @@ def test_engines_in_one_process_keep_their_own_graphs_and_workspace(monkeypatch)
         own.step()
     assert all(mgr is engine.manager for engine, mgr in seen)
     assert {engine for engine, _ in seen} <= {first.engine, second.engine}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fast_steps_compare_two_engines_through_the_hosts_phases(seed):
+    """Both engines meet the same host phases (step-time multipliers, shuffled
+    differently across rounds) and one engine's steps cost ``f`` times the
+    other's: the pooled low quantile's ratio is ``f`` exactly, whatever the
+    rounds' means say; runs without step times give None."""
+    rng = random.Random(seed)
+    f = rng.uniform(0.9, 1.1)
+    phases = [rng.choice((1.0, 2.2)) * rng.uniform(1, 1.05) for _ in range(3 * 40)]
+
+    def case(scale):
+        mine = phases[:]
+        rng.shuffle(mine)
+        return {"rounds": [{"step_ms": [10 * scale * m for m in mine[i::3]]} for i in range(3)]}
+
+    stock, plugin = case(f), case(1.0)
+    assert e2e.fast_step_ms(stock) / e2e.fast_step_ms(plugin) == pytest.approx(f, rel=1e-12)
+    assert e2e.fast_step_ms({"rounds": [{"tpot_ms": 1.0}]}) is None
+    low = sorted(t for r in plugin["rounds"] for t in r["step_ms"])
+    assert e2e.fast_step_ms(plugin) in low[:len(low) // 4 + 1]
