@@ -54,7 +54,7 @@ def _identity_differs(runs: dict[str, dict], name: str) -> bool:
 
 def kernel_events(trace: dict) -> list[dict]:
     """A Chrome trace's GPU kernel events, reduced to what the summary reads."""
-    return [{"cat": "kernel", "name": e["name"], "ts": e["ts"], "dur": e["dur"]}
+    return [{"cat": "kernel", "name": e["name"], "dur": e["dur"]}
             for e in trace["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
 
 
