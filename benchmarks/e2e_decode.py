@@ -9,15 +9,15 @@ processes: ``VLLM_DSA_VARLEN=stock`` (stock vLLM; only the DeepGEMM API
 adapters are applied, so stock runs on a DeepGEMM of another API generation
 than the one it was built with -- say so wherever its figures appear) and the
 plugin (``VLLM_DSA_VARLEN=auto``).  ``--same-process``: both engines in one
-process instead (half the GPU memory each), every case's rounds alternating
-between them, so both meet the same host phase and GPU state (a machine whose
-host speed drifts between processes otherwise decides small-batch rows); the
+process instead (half the GPU memory each; each keeps its own CUDA graphs and
+workspace: :class:`OwnEngine`), every case's rounds alternating between
+them, so both meet the same host phase and GPU state (a machine whose host
+speed drifts between processes otherwise decides small-batch rows); the
 stock engine then runs stock's path through the plugin's pass-through
 wrappers (a few host µs per build: ``benchmarks/builder_host.py``; on vLLM
 0.27 its builders also clamp graph-padding requests' context lengths at 0 on
-native steps, one device op, as the plugin's do).  By
-default the model is a DeepSeek-V3.2
-architecture config written here, dummy weights: the real indexer (64 heads
+native steps, one device op, as the plugin's do).  By default the model is a
+DeepSeek-V3.2 architecture config written here, dummy weights: the real indexer (64 heads
 x 128, top-k 2048, fp8 cache, page 64) and MLA sizes, narrow layers (hidden
 1024, dense MLPs), DeepSeek V3.2's 61 layers (``--layers``) plus its MTP
 layer, so per-step costs are spread over as many layers as in the real model.
@@ -549,10 +549,11 @@ class OwnEngine:
     engine start empties (``clear_all_graphs``: the other engine's captured
     graphs are dropped, and its next step tries to capture mid-run and fails),
     and the workspace manager, which a new engine replaces (the other engine's
-    graphs hold addresses in the replaced workspace).  :meth:`build` makes the
-    engine with the registries holding only its own wrappers (the others' are
-    added back after) and keeps its workspace manager; every call on the
-    engine puts that manager back first (one attribute store per call)."""
+    graphs hold addresses in the replaced workspace).  ``OwnEngine(make)``
+    calls ``make()`` (it returns the ``LLM``) with the registries holding only
+    the new engine's wrappers (the others' are added back after) and keeps its
+    workspace manager; every call on the engine puts that manager back first
+    (one attribute store per call)."""
 
     REGISTRIES = (("vllm.compilation.cuda_graph", "CUDAGraphWrapper"),
                   ("vllm.compilation.breakable_cudagraph", "BreakableCUDAGraphWrapper"))
