@@ -17,9 +17,9 @@ stock engine then runs stock's path through the plugin's pass-through
 wrappers (a few host µs per build: ``benchmarks/builder_host.py``; on vLLM
 0.27 its builders also clamp graph-padding requests' context lengths at 0 on
 native steps, one device op, as the plugin's do).  By default the model is a
-DeepSeek-V3.2 architecture config written here, dummy weights: the real indexer (64 heads
-x 128, top-k 2048, fp8 cache, page 64) and MLA sizes, narrow layers (hidden
-1024, dense MLPs), DeepSeek V3.2's 61 layers (``--layers``) plus its MTP
+DeepSeek-V3.2 architecture config written here, dummy weights: the real
+indexer (64 heads x 128, top-k 2048, fp8 cache, page 64) and MLA sizes,
+narrow layers (hidden 1024, dense MLPs), DeepSeek V3.2's 61 layers (``--layers``) plus its MTP
 layer, so per-step costs are spread over as many layers as in the real model.
 ``--model`` takes any checkpoint instead (``--load-format auto`` for real
 weights).  Prompts are seeded random token ids (request ``i`` has the same
