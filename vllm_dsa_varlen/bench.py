@@ -27,11 +27,12 @@ same run), useful vs padded rows, and the plan's host µs per step.  Without a
 GPU it runs tiny shapes through the reference and the Triton interpreter and
 says so.
 
-Three other modes time something else: ``--plan-timing`` the sm_90 kernel's
+Four other modes time something else: ``--plan-timing`` the sm_90 kernel's
 per-step schedule (:mod:`.bench_plan`), ``--launch-host`` the host time of
 eager calls, ``--fake`` without a GPU (:mod:`.bench_launch`), ``--builds``
 the CUDA kernel's builds in one process, beside DeepGEMM and vLLM's top-k
-(:mod:`.bench_builds`).
+(:mod:`.bench_builds`), ``--stamps`` where the CUDA kernel's time goes per
+CTA (:mod:`.bench_stamps`).
 """
 
 from __future__ import annotations
@@ -485,7 +486,8 @@ def main(argv=None):
     parser.add_argument("--json", help="write results here")
     parser.add_argument("--trace", help="write a Chrome trace (torch.profiler, NVTX ranges) here")
     parser.add_argument("--cases", nargs="*", help="substrings of case names to run "
-                        "(--plan-timing, --builds: requests,tokens,context each, tokens -n for 1..n)")
+                        "(--plan-timing, --builds, --stamps: requests,tokens,context each, "
+                        "tokens -n for 1..n)")
     parser.add_argument("--variants", help="Triton kernel parameter sets, e.g. "
                         "'rows_per_dot=2,pages_per_split=8;rows_per_dot=4,num_warps=8'")
     parser.add_argument("--rep-ms", type=int, default=None,
@@ -520,6 +522,10 @@ def main(argv=None):
     mode.add_argument("--launch-host", action="store_true",
                       help="time the host side of eager calls instead, against graph replay "
                       "(vllm_dsa_varlen.bench_launch); without a GPU, --fake")
+    mode.add_argument("--stamps", action="store_true",
+                      help="where the sm_90 CUDA kernel's time goes per CTA instead, from its "
+                      "STAMPS=1 build's timestamps (vllm_dsa_varlen.bench_stamps): launch skew, "
+                      "prologue, first page, math, tail; needs a GPU")
     mode.add_argument("--builds", nargs="+", metavar="BUILD",
                       help="time the sm_90 CUDA kernel's builds side by side instead, in one "
                       "process (vllm_dsa_varlen.bench_builds): 'default', 'MACRO=v+MACRO=v', "
@@ -559,6 +565,9 @@ def main(argv=None):
     if args.launch_host:
         from . import bench_launch
         return bench_launch.run(args)
+    if args.stamps:
+        from . import bench_stamps
+        return bench_stamps.run(args)
     if args.builds:
         from . import bench_builds
         if args.layers is None:

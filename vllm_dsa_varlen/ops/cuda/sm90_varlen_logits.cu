@@ -27,6 +27,9 @@ typedef unsigned char u8;
 #ifndef HEAD_SUM_TC  // 1: the head sum on the tensor cores (TF32 mma.sync; group_logit_tc)
 #define HEAD_SUM_TC 0
 #endif
+#ifndef STAMPS  // 1: per-CTA timestamps into stamps_sm90 (vllm-dsa-varlen-bench --stamps)
+#define STAMPS 0
+#endif
 #define GMAX 2
 #define STAGES 3
 #ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
@@ -105,6 +108,21 @@ DEV u64 sw128_desc(const void* p) {
   d |= u64(1) << 62;
   return d;
 }
+#if STAMPS
+// A CTA's row of STAMP_SLOTS u64, read back by the benchmark (bench_stamps.py
+// names the slots): 0 globaltimer at entry, 1 clock64 at entry, 2 clock64 once
+// the barriers are set up, 3 clock64 when ring 0's first page is ready, 4-7
+// clock64 at each math warpgroup's end, 8 globaltimer at ring 0's end, 9 %smid.
+#define STAMP_CTAS 1024
+#define STAMP_SLOTS 16
+__device__ unsigned long long stamps_sm90[STAMP_CTAS * STAMP_SLOTS];
+DEV u64 global_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+DEV u64 sm_clock() { u64 t; asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)); return t; }
+DEV void stamp(int slot, u64 value) {
+  if (blockIdx.x < STAMP_CTAS) stamps_sm90[blockIdx.x * STAMP_SLOTS + slot] = value;
+}
+#endif
+
 DEV void mma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 DEV void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 DEV void mma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
@@ -369,12 +387,23 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 
   const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   const int warp = __shfl_sync(0xffffffffu, (threadIdx.x / 32) % 4, 0), lane = threadIdx.x % 32;
+#if STAMPS
+  if (threadIdx.x == 0) { stamp(0, global_ns()); stamp(1, sm_clock()); }
+#endif
   if (threadIdx.x == 0) {
     for (int i = 0; i < NUM_MATH * STAGES; ++i) { bar_init(&full[i], 1); bar_init(&empty[i], 4); }
     for (int i = 0; i < 2; ++i) { bar_init(&q_full[i], 1); bar_init(&q_empty[i], 4 * NUM_MATH); }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+#if STAMPS
+  if (threadIdx.x == 0) {
+    u32 sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    stamp(2, sm_clock());
+    stamp(9, sm);
+  }
+#endif
   const int4 cta = __ldg(reinterpret_cast<const int4*>(ctas) + blockIdx.x);
   const int seg0 = __shfl_sync(0xffffffffu, cta.x, 0);
   const int lo = __shfl_sync(0xffffffffu, cta.y, 0), hi = __shfl_sync(0xffffffffu, cta.z, 0);
@@ -450,6 +479,9 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
     for (int p = first_page(s, ring); p < s.page_hi; p += NUM_MATH, ++j) {
       const int slot = ring * STAGES + j % STAGES;
       bar_wait(&full[slot], (j / STAGES) & 1);
+#if STAMPS
+      if (j == 0 && ring == 0 && threadIdx.x % 128 == 0) stamp(3, sm_clock());
+#endif
       const u8* page = kv_ring + slot * SLOT_BYTES;
 #if RG == 2
       const float scale = sc_ring[slot * PAGE + tok];
@@ -502,4 +534,10 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
     __syncwarp();
     if (lane == 0) bar_arrive(&q_empty[b]);
   }
+#if STAMPS
+  if (threadIdx.x % 128 == 0) {
+    stamp(4 + ring, sm_clock());
+    if (ring == 0) stamp(8, global_ns());
+  }
+#endif
 }

@@ -1,0 +1,151 @@
+"""``vllm-dsa-varlen-bench --stamps``: where the sm_90 CUDA kernel's time goes,
+CTA by CTA, from timestamps the kernel's ``STAMPS=1`` build writes
+(``ops/cuda/sm90_varlen_logits.cu``: a row of :data:`SLOTS` u64 per CTA in the
+module global ``stamps_sm90``; the default build has none of it).
+
+Per case, one step (``requests,tokens,context`` as ``--builds`` takes them):
+the build launched three times after an L2 flush each, the last launch's
+stamps (zeroed before it) read back and summarised (:func:`summarize`): the kernel's span from
+the first CTA's entry to the last math warpgroup's end, how late the CTAs
+start (launch skew), the prologue (barrier set-up), the wait for the first
+page, the math warpgroups' time and the tail (the span past the median CTA's
+end), with the plan's items (pages x chunks) per CTA and cycles per item.
+Clock cycles become µs through the CTAs' global-timer and clock readings
+from entry to ring 0's end, summed over the CTAs.  A timing of the stamped build is not the
+default build's (its stores are few, but it is another binary).
+
+    vllm-dsa-varlen-bench --stamps [--cases 16,4,16384 64,4,8192 ...] [--heads 64|32] [--json f]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+SLOTS = 16       # u64 per CTA (STAMP_SLOTS in the source)
+MAX_CTAS = 1024  # CTAs stamped (STAMP_CTAS)
+SYMBOL = b"stamps_sm90"
+DEFINES = ("STAMPS=1",)
+# the slots (the source's comment names the same)
+ENTRY_NS, ENTRY_CLK, READY_CLK, FIRST_PAGE_CLK, END_CLK, END_NS, SMID = 0, 1, 2, 3, 4, 8, 9
+MATH_WGS = 4     # END_CLK + ring, ring < MATH_WGS
+CASES = ["16,4,16384", "64,4,8192", "1,4,8192", "64,4,32768", "128,4,8192"]
+
+
+def summarize(stamps: list[list[int]], items: list[int]) -> dict:
+    """The CTAs' rows of stamps (``stamps[c][slot]``) and the plan's items per
+    CTA as one case's figures (µs, cycles); CTAs without items are counted
+    but not timed (their warpgroups end at once)."""
+    if len(stamps) != len(items):
+        raise ValueError(f"stamps: {len(stamps)} CTA rows for {len(items)} CTAs' items")
+    # ns per cycle: both timers from each CTA's entry to ring 0's end, summed
+    # over the CTAs (the global timer's coarse ticks average out)
+    clk = sum(row[END_CLK] - row[ENTRY_CLK] for row in stamps)
+    wall = sum(row[END_NS] - row[ENTRY_NS] for row in stamps)
+    if clk <= 0 or wall <= 0:
+        raise ValueError("stamps: the timers did not advance (was the build stamped?)")
+    ns = wall / clk
+    t0 = min(row[ENTRY_NS] for row in stamps)
+    start, prologue, first, math, end, per_item = [], [], [], [], [], []
+    for row, n in zip(stamps, items):
+        done = max(row[END_CLK + w] for w in range(MATH_WGS))
+        s = (row[ENTRY_NS] - t0) / 1e3
+        start.append(s)
+        prologue.append((row[READY_CLK] - row[ENTRY_CLK]) * ns / 1e3)
+        end.append(s + (done - row[ENTRY_CLK]) * ns / 1e3)
+        if n > 0:
+            if row[FIRST_PAGE_CLK]:
+                first.append((row[FIRST_PAGE_CLK] - row[READY_CLK]) * ns / 1e3)
+            math.append((done - row[READY_CLK]) * ns / 1e3)
+            per_item.append((done - row[READY_CLK]) / n)
+    span = max(end)
+
+    def spread(xs):
+        return {"median": statistics.median(xs), "max": max(xs)} if xs else None
+
+    return {"ctas": len(stamps), "ctas_with_items": sum(1 for n in items if n > 0),
+            "ns_per_cycle": ns, "span_us": span, "launch_skew_us": max(start),
+            "prologue_us": spread(prologue), "first_page_us": spread(first),
+            "math_us": spread(math), "tail_us": span - statistics.median(end),
+            "items": spread([n for n in items if n > 0]),
+            "cycles_per_item": spread(per_item)}
+
+
+def read_stamps(torch, kern, ctas: int) -> list[list[int]]:
+    """The stamps of the last launch of the loaded build ``kern`` (its module's
+    ``stamps_sm90``), ``ctas`` rows."""
+    from .ops import cuda_binding as cb
+
+    if ctas > MAX_CTAS:
+        raise ValueError(f"ctas: the build stamps {MAX_CTAS} CTAs, got {ctas}")
+    drv = cb.driver()
+    ptr, size = cb.ok(drv.cuModuleGetGlobal(kern.module, SYMBOL), "cuModuleGetGlobal")
+    host = torch.empty(MAX_CTAS * SLOTS, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    cb.ok(drv.cuMemcpyDtoD(host.data_ptr(), int(ptr), min(int(size), host.numel() * 8)),
+          "cuMemcpyDtoD")
+    torch.cuda.synchronize()
+    return host.view(MAX_CTAS, SLOTS)[:ctas].cpu().tolist()
+
+
+def clear_stamps(torch, kern) -> None:
+    """Zero the loaded build ``kern``'s stamps (so a CTA that did not stamp reads 0)."""
+    from .ops import cuda_binding as cb
+
+    drv = cb.driver()
+    ptr, size = cb.ok(drv.cuModuleGetGlobal(kern.module, SYMBOL), "cuModuleGetGlobal")
+    torch.cuda.synchronize()
+    cb.ok(drv.cuMemsetD8(int(ptr), 0, int(size)), "cuMemsetD8")
+    torch.cuda.synchronize()
+
+
+def run(args) -> int:
+    """``--stamps``: ``args.cases``, ``heads``, ``json``."""
+    import torch
+
+    from .bench_plan import parse_case
+    from .ops import cuda_paged_mqa_logits as ck
+    from .workloads import random_decode_step
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--stamps: needs a CUDA GPU (sm_90)")
+    heads = args.heads or 64
+    if heads not in ck.HEAD_COUNTS:
+        raise SystemExit(f"--stamps: the CUDA kernel serves {ck.HEAD_COUNTS} heads, got {heads}")
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    report = {"device": torch.cuda.get_device_name(), "heads": heads, "cases": []}
+    for case in args.cases or CASES:
+        reqs, tokens, context = parse_case(case)
+        step = random_decode_step(reqs, abs(tokens), context, variable=tokens < 0, seed=0,
+                                  device="cuda", heads=heads)
+        rows = step.rows
+        ctx = rows.context_lens.view(-1, 1)
+        out = torch.empty(rows.num_rows, step.max_context_len, device="cuda")
+        table, ctas = ck.plan(rows.indices, ctx, step.max_context_len,
+                              rows.block_table.shape[1], heads)
+        def call():
+            flush.zero_()
+            return ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
+                             rows.indices, step.max_context_len, out, schedule=(table, ctas),
+                             defines=DEFINES)
+
+        call()  # loads the build
+        kern = call()
+        clear_stamps(torch, kern)
+        call()
+        c = ctas.cpu().tolist()
+        got = summarize(read_stamps(torch, kern, len(c)), [hi - lo for _, lo, hi, _ in c])
+        got["case"] = case
+        report["cases"].append(got)
+        print(f"{case}: span {got['span_us']:.1f} us, skew {got['launch_skew_us']:.1f}, "
+              f"prologue {got['prologue_us']['median']:.2f}, first page "
+              f"{(got['first_page_us'] or {}).get('median', float('nan')):.2f} (max "
+              f"{(got['first_page_us'] or {}).get('max', float('nan')):.2f}), math "
+              f"{got['math_us']['median']:.1f} (max {got['math_us']['max']:.1f}), tail "
+              f"{got['tail_us']:.1f}; items {got['items']['median']:.0f} (max "
+              f"{got['items']['max']}), cycles per item {got['cycles_per_item']['median']:.0f}",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
