@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 # The functions of the plugin's builder modules whose cost is broken down.
-PLUGIN_FUNCTIONS = ("_split_outcome", "_decode_splits", "step_facts", "_decode_lens_cpu",
-                    "_plan_varlen_rows", "_plain_varlen_rows", "plan_decode_rows",
+PLUGIN_FUNCTIONS = ("_split_outcome", "_record_stock_only", "_decode_splits", "step_facts",
+                    "_decode_lens_cpu", "_plan_varlen_rows", "_plain_varlen_rows", "plan_decode_rows",
                     "_clamp_stock_padding", "_final_context_lens",
                     "get_paged_mqa_logits_metadata", "_hand_over_ids", "_kernel_takes_varlen",
                     "attach_varlen_ids", "_record_step", "_stock_only_step",
@@ -133,13 +133,22 @@ class FunctionCosts:
         return wrapper
 
 
+# vLLM's default CUDA-graph capture sizes (0.27.1 and 0.33.0, up to 512 tokens)
+VLLM_CAPTURE_SIZES = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
+
+
 def decode_batches(k: int, batches: list[int], capture_sizes: list[int]):
-    """(label, decode_lens, num_tokens) of the main model's and drafter's builds."""
+    """(label, decode_lens, num_tokens) of the main model's and drafter's builds.
+    A verification step pads to a FULL graph's size, and vLLM keys those on a
+    whole number of ``k + 1``-token requests (0.27.1 rounds the capture sizes
+    up to multiples of ``k + 1``; 0.33's graphs are counted in requests), so
+    the padding is whole requests of 0 tokens."""
     n = k + 1
+    sizes = sorted({-(-s // n) * n for s in capture_sizes})
     out = []
     for b in batches:
         tokens = b * n
-        padded = min((s for s in capture_sizes if s >= tokens), default=tokens)
+        padded = min((s for s in sizes if s >= tokens), default=tokens)
         pad_reqs = (padded - tokens) // n
         out.append((f"B{b} x{n}", [n] * b + [0] * pad_reqs, padded))
         out.append((f"B{b} x1", [1] * b, b))
@@ -257,7 +266,9 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=3, help="MTP depth (next_n = k + 1)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 5, 8, 32, 64])
     p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--capture-sizes", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128, 256])
+    p.add_argument("--capture-sizes", type=int, nargs="+", default=VLLM_CAPTURE_SIZES,
+                   help="FULL graph sizes before vLLM rounds them to multiples of k + 1 "
+                   "(default: vLLM's own default list up to 512)")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--by-function", action="store_true")
     p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")

@@ -12,6 +12,7 @@ native kernels) and from stock's split behaviour,
 independently of how :data:`policy.MEASURED` encodes them.
 """
 
+import itertools
 import random
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import sys
 import pytest
 
 from vllm_dsa_varlen import policy
-from vllm_dsa_varlen.policy import MEASURED, Rule, StepFacts, varlen_wins
+from vllm_dsa_varlen.policy import MEASURED, Rule, StepFacts, uniform_unpadded, varlen_wins
 
 
 def _facts_by_hand(lens, rows=None, max_context=0):
@@ -248,3 +249,25 @@ def test_from_query_starts_equals_from_decode_lens(seed):
 def test_from_query_starts_refuses_decreasing_offsets():
     with pytest.raises(ValueError, match="query_starts"):
         StepFacts.from_query_starts([0, 4, 3, 8])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_uniform_unpadded_holds_exactly_for_uniform_steps_without_padding(seed):
+    """``uniform_unpadded`` (two host reads) says True exactly when every
+    request is a decode of the longest's tokens (no padding request) and the
+    rows are their tokens, as the per-request lengths show."""
+    import torch
+
+    rng = random.Random(seed)
+    for _ in range(50):
+        n = rng.randint(1, 6)
+        k = rng.randint(1, 4)
+        lens = [k] * n if rng.random() < 0.5 else [rng.choice([0, k, rng.randint(1, 4)])
+                                                   for _ in range(n)]
+        starts = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
+        decodes = n if rng.random() < 0.8 else rng.randint(0, n)
+        longest = max(lens)
+        rows = sum(lens[:decodes]) + (rng.choice([0, 0, 1, k]))
+        want = (decodes == n and longest >= 1 and all(x == longest for x in lens)
+                and rows == sum(lens))
+        assert uniform_unpadded(n, longest, decodes, rows, starts) == want, (lens, decodes, rows)

@@ -121,6 +121,23 @@ class StepFacts:
         return self.rows if self.tokens is None else self.tokens
 
 
+def uniform_unpadded(num_reqs: int, longest: int, num_decodes: int, rows: int,
+                     query_starts) -> bool:
+    """Whether a step's ``num_decodes`` decode requests are all of its
+    ``num_reqs`` requests, each of the step's ``longest`` tokens, and its
+    ``rows`` decode rows (graph padding included) exactly their tokens:
+    ``rows == num_decodes * longest`` and the requests' own token count (two
+    host reads of the offsets ``query_starts``: a list, an array or a host
+    tensor) equals ``rows``.  O(1): what
+    :meth:`StepFacts.from_query_starts` would call uniform without padding,
+    with no per-request list."""
+    if num_decodes != num_reqs or longest < 1 or rows != num_decodes * longest:
+        return False
+    if hasattr(query_starts, "numpy"):  # a host tensor: its numpy view reads faster
+        query_starts = query_starts.numpy()
+    return int(query_starts[num_decodes]) - int(query_starts[0]) == rows
+
+
 @dataclass(frozen=True)
 class Rule:
     """Varlen measured at least as fast as ``stock`` on steps with

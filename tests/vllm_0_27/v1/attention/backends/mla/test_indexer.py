@@ -627,6 +627,23 @@ def test_kernel_gated_rules_follow_the_builders_graph_kernel(monkeypatch, graph_
     assert asked and set(asked) == {(builder.kv_cache_spec.head_size - 4, 64)}
 
 
+def _hopper_next4_builder(monkeypatch, mode: str):
+    """The plugin's builder on a fake H200 with DeepGEMM 2.6, next_n 4, the
+    CUDA-graph mode ``mode``: steps compared per step with stock's flattened
+    call."""
+    from vllm.config import CUDAGraphMode
+
+    fake_gpu(monkeypatch, (9, 0))
+    FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
+    fake_uniform_decode_kernel(monkeypatch)
+    patches.apply_all()
+    builder = make_builder(monkeypatch, next_n=4, max_tokens=256, max_seqs=64)
+    builder.vllm_config.compilation_config = SimpleNamespace(
+        cudagraph_mode=getattr(CUDAGraphMode, mode))
+    assert builder.decode_path.per_step == "flattened"
+    return builder
+
+
 @pytest.mark.parametrize("mode,plain_to_stock", [("FULL_AND_PIECEWISE", True), ("FULL", False)])
 def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, mode, plain_to_stock):
     """SM90, next_n 4, the measured table: a step whose padded token count is
@@ -637,19 +654,10 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, mode, plain_
     decision, and the kernel call as captured (the capture's metadata tensors,
     whose buffers each replay build refreshes) computes the replay batch's
     logits: against the reference on the independent per-token rows."""
-    from vllm.config import CUDAGraphMode
-
     from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, quantize_kv_fp8
     from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as dispatch
 
-    fake_gpu(monkeypatch, (9, 0))
-    FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
-    fake_uniform_decode_kernel(monkeypatch)
-    patches.apply_all()
-    builder = make_builder(monkeypatch, next_n=4, max_tokens=256, max_seqs=64)
-    builder.vllm_config.compilation_config = SimpleNamespace(
-        cudagraph_mode=getattr(CUDAGraphMode, mode))
-    assert builder.decode_path.per_step == "flattened"
+    builder = _hopper_next4_builder(monkeypatch, mode)
     # The table's smallest row bound, read off the rules here: 64 rows of 3-4 tokens.
     assert min(max(r.min_rows, r.min_requests) for r in policy.MEASURED
                if r.stock == "flattened") == 64
@@ -710,6 +718,39 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, mode, plain_
     md = builder.build(0, cm)
     assert (md.decode.indices is None) == plain_to_stock
     assert md.decode.seq_lens[:5, 0].tolist() == [40, 50, 60, 70, 80]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_steps_left_to_stock_count_as_their_lengths_say(monkeypatch, seed):
+    """A step left to stock's own build counts its path without reading the
+    requests' lengths when they are uniform and unpadded; every kind of such
+    step (uniform, graph-padded, variable, one-token) counts exactly as
+    counting from its lengths does (:func:`_record_step`)."""
+    from vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla import indexer as pix
+
+    builder = _hopper_next4_builder(monkeypatch, "FULL_AND_PIECEWISE")
+    gen = torch.Generator().manual_seed(seed)
+    kinds = []
+    for size in (4, 8, 16, 32):
+        n = size // 4
+        real = int(torch.randint(1, n + 1, (1,), generator=gen))
+        var = torch.randint(1, 5, (n,), generator=gen).tolist()
+        kinds += [[4] * n, [4] * real + [0] * (n - real), var + [0] * ((size - sum(var)) // 4)]
+    kinds += [[1] * 8, [1] * 5 + [0] * 3]  # one-token steps, unpadded and padded
+    for lens in kinds:
+        seqs = [v + int(x) if v else 0 for v, x in
+                zip(lens, torch.randint(1, 2000, (len(lens),), generator=gen))]
+        size = len(lens) * max(lens)
+        cm = decode_batch(lens, seqs, random_block_table(len(lens), WIDTH, 64, seed),
+                          num_tokens=size)
+        stats.reset()
+        md = builder.build(0, cm)
+        got = stats.snapshot()
+        assert md.decode.indices is None, lens  # left to stock
+        stats.reset()
+        pix._record_step(builder, cm, md, "stock_flattened")
+        assert got == stats.snapshot(), lens
+        assert sum(got["steps"].values()) == 1
 
 
 def launcher_module():

@@ -525,6 +525,23 @@ def _record_step(builder: Any, common: Any, metadata: Any, path: str | None) -> 
     stats.record(path, variable=min(lens) != max(lens),
                  mixed=getattr(metadata, "num_prefills", 0) > 0)
 
+def _record_stock_only(builder: Any, common: Any, metadata: Any) -> None:
+    """Count a step of :func:`_stock_only_step` as :func:`_record_step` would
+    (stock's flattened call, native where every request has one token), in
+    O(1) where the decodes are uniform and unpadded
+    (:func:`vllm_dsa_varlen.policy.uniform_unpadded`); other steps read the
+    requests' lengths (graph-padding requests do not make a step variable)."""
+    num_decodes = getattr(metadata, "num_decodes", 0)
+    longest = common.max_query_len
+    if num_decodes and policy.uniform_unpadded(common.num_reqs, longest, num_decodes,
+                                               metadata.num_decode_tokens,
+                                               common.query_start_loc_cpu):
+        stats.record("stock_flattened" if longest > 1 else "stock_native", variable=False,
+                     mixed=getattr(metadata, "num_prefills", 0) > 0)
+        return
+    _record_step(builder, common, metadata, "stock_flattened")
+
+
 def _graph_kernel(builder: Any) -> str:
     """The varlen kernel a captured decode step of this builder runs (the GPU,
     index heads and cache geometry decide; see ``launcher.graph_kernel``): the
@@ -626,7 +643,7 @@ def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
             return metadata
         if _stock_only_step(self, common_attn_metadata):
             metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
-            _record_step(self, common_attn_metadata, metadata, "stock_flattened")
+            _record_stock_only(self, common_attn_metadata, metadata)
             return metadata
         split_mode = path.per_step == "split"
         outcome = _split_outcome(self, common_attn_metadata) if split_mode else None

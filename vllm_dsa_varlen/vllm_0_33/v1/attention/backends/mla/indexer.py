@@ -96,7 +96,7 @@ from vllm_dsa_varlen.config import (
     read_mode,
 )
 from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
-from vllm_dsa_varlen.policy import StepFacts, varlen_wins
+from vllm_dsa_varlen.policy import StepFacts, uniform_unpadded, varlen_wins
 from vllm_dsa_varlen.varlen_ids import attach_varlen_ids, ids_hold, ids_written, varlen_ids_of
 
 
@@ -330,7 +330,7 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
         return None
     max_context = max(0, int(cm.max_seq_len))
     longest = cm.max_query_len
-    if _uniform_unpadded(cm, num_decodes, rows):
+    if uniform_unpadded(cm.num_reqs, longest, num_decodes, rows, cm.query_start_loc_cpu):
         # (O(1): what from_query_starts would find)
         lens_facts = StepFacts(rows=rows, requests=num_decodes, max_run=longest, uniform=True,
                                max_context=max_context, tokens=rows)
@@ -361,18 +361,6 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
         return StepChoice(facts, stock, varlen=False, plan=False)
     varlen = varlen_wins(facts, stock, kernel=builder.varlen_graph_kernel)
     return StepChoice(facts, stock, varlen, plan=varlen or stock == "flattened")
-
-
-def _uniform_unpadded(cm: Any, num_decodes: int, rows: int) -> bool:
-    """Whether every request of the step is a decode of the step's longest
-    query and the ``rows`` decode tokens (graph padding included) are exactly
-    theirs: the requests' own token count (host offsets) equals ``rows`` and
-    ``num_decodes * max_query_len``.  Two host reads, no per-request list."""
-    longest = cm.max_query_len
-    if num_decodes != cm.num_reqs or longest < 1 or rows != num_decodes * longest:
-        return False
-    starts = cm.query_start_loc_cpu
-    return int(starts[num_decodes]) - int(starts[0]) == rows
 
 
 def _left_to_stock(builder: Any, cm: Any, max_run: int) -> bool:
@@ -425,7 +413,8 @@ def _record_stock_only(cm: Any, metadata: Any) -> None:
     num_decodes = getattr(metadata, "num_decodes", 0)
     if not num_decodes:
         return
-    variable = not (_uniform_unpadded(cm, num_decodes, metadata.num_decode_tokens)
+    variable = not (uniform_unpadded(cm.num_reqs, cm.max_query_len, num_decodes,
+                                     metadata.num_decode_tokens, cm.query_start_loc_cpu)
                     or StepFacts.from_query_starts(
                         cm.query_start_loc_cpu[: num_decodes + 1]).uniform)
     stats.record("stock_flattened", variable=variable,
