@@ -151,3 +151,15 @@ def test_the_stamped_build_on_the_gpu_keeps_the_logits_and_stamps_every_cta():
     got = st.summarize(stamps, [hi - lo for _, lo, hi, _ in c])
     assert 0 < got["math_us"]["max"] <= got["span_us"] < 1e4
     assert 0.3 < got["ns_per_cycle"] < 1.0  # a 1-3 GHz clock
+
+
+def test_the_printed_line_names_every_part_and_survives_a_step_without_items():
+    rng = random.Random(11)
+    stamps, items, _ = _synthetic(rng, 20, 1.8, 32)
+    text = st.line(st.summarize(stamps, items))
+    for word in ("span", "skew", "prologue", "first page", "math", "tail", "items",
+                 "cycles per item"):
+        assert word in text
+    empty = st.summarize(stamps, [0] * len(items))
+    assert empty["math_us"] is None and empty["ctas_with_items"] == 0
+    assert "math -" in st.line(empty)

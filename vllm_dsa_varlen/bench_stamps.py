@@ -71,6 +71,18 @@ def summarize(stamps: list[list[int]], items: list[int]) -> dict:
             "cycles_per_item": spread(per_item)}
 
 
+def line(got: dict) -> str:
+    """One case's :func:`summarize` as a printed line ("-" where no CTA had items)."""
+    def part(name: str, fmt: str = ".1f") -> str:
+        v = got[name]
+        return "-" if v is None else f"{v['median']:{fmt}} (max {v['max']:{fmt}})"
+
+    return (f"span {got['span_us']:.1f} us, skew {got['launch_skew_us']:.1f}, prologue "
+            f"{part('prologue_us', '.2f')}, first page {part('first_page_us', '.2f')}, math "
+            f"{part('math_us')}, tail {got['tail_us']:.1f}; items {part('items', '.0f')}, "
+            f"cycles per item {part('cycles_per_item', '.0f')}")
+
+
 def read_stamps(torch, kern, ctas: int) -> list[list[int]]:
     """The stamps of the last launch of the loaded build ``kern`` (its module's
     ``stamps_sm90``), ``ctas`` rows."""
@@ -137,14 +149,7 @@ def run(args) -> int:
         got = summarize(read_stamps(torch, kern, len(c)), [hi - lo for _, lo, hi, _ in c])
         got["case"] = case
         report["cases"].append(got)
-        print(f"{case}: span {got['span_us']:.1f} us, skew {got['launch_skew_us']:.1f}, "
-              f"prologue {got['prologue_us']['median']:.2f}, first page "
-              f"{(got['first_page_us'] or {}).get('median', float('nan')):.2f} (max "
-              f"{(got['first_page_us'] or {}).get('max', float('nan')):.2f}), math "
-              f"{got['math_us']['median']:.1f} (max {got['math_us']['max']:.1f}), tail "
-              f"{got['tail_us']:.1f}; items {got['items']['median']:.0f} (max "
-              f"{got['items']['max']}), cycles per item {got['cycles_per_item']['median']:.0f}",
-              flush=True)
+        print(f"{case}: {line(got)}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
