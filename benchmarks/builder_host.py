@@ -11,7 +11,10 @@ adaptive verification, which flattens every step).  Per decode batch (B requests
 n tokens, graph-padded as vLLM pads a FULL decode graph: padding requests of
 0 tokens up to the captured token count) it reports, per ``build()`` call:
 
-* ``us``: host microseconds (median of ``--calls`` calls, this CPU);
+* ``us``: host microseconds (median of ``--calls`` calls, this CPU), the
+  median of ``--rounds`` rounds in which stock's and the plugin's builds
+  alternate (one process), and the plugin's extra µs over stock's in the
+  same round;
 * ``dev_ops``: ATen ops on device tensors (everything but the metadata's
   ``*_cpu`` host tensors and what is computed from them) -- on a GPU each is
   a launch or a copy costing host time;  a stand-in for a stock Triton
@@ -21,8 +24,8 @@ n tokens, graph-padded as vLLM pads a FULL decode graph: padding requests of
 * with ``--by-function``: the plugin's functions' inclusive µs and device
   ops per call.
 
-    python3 benchmarks/builder_host.py [--k 3] [--batch 1 8 32 64] [--calls 200] [--by-function]
-        [--cudagraph-mode FULL_AND_PIECEWISE] [--adaptive]
+    python3 benchmarks/builder_host.py [--k 3] [--batch 1 8 32 64] [--calls 200] [--rounds 3]
+        [--by-function] [--cudagraph-mode FULL_AND_PIECEWISE] [--adaptive]
     (the line is the installed vLLM's: run it with the 0.33 environment's python for 0.33)
 """
 
@@ -261,6 +264,38 @@ def measure(mode: str, k: int, batches, calls: int, context: int, by_function: b
     return results
 
 
+def interleaved(rounds: int, run) -> dict:
+    """``run(mode)`` for stock and the plugin, ``rounds`` times, alternating
+    which goes first: ``{mode: [result per round]}`` (one process, so a drift
+    of the host's speed shows as spread, not as a difference)."""
+    if rounds < 1:
+        raise ValueError(f"--rounds: expected an int >= 1, got {rounds}")
+    got: dict = {"stock": [], "plugin": []}
+    for r in range(rounds):
+        for mode in ("stock", "plugin") if r % 2 == 0 else ("plugin", "stock"):
+            got[mode].append(run(mode))
+    return got
+
+
+def combine(per_round: dict) -> dict:
+    """The rounds of :func:`interleaved` as one result per mode and batch: the
+    last round's counts (the same every round), ``us`` the median over the
+    rounds, ``us_rounds`` each round's; per batch the plugin's extra µs over
+    stock's in the same round (``extra_us``: median, min, max)."""
+    out = {}
+    for mode, rounds in per_round.items():
+        out[mode] = {}
+        for label, entry in rounds[-1].items():
+            us = [r[label]["us"] for r in rounds]
+            out[mode][label] = {**entry, "us": round(statistics.median(us), 1), "us_rounds": us}
+    for label, entry in out["plugin"].items():
+        extra = [q[label]["us"] - s[label]["us"]
+                 for s, q in zip(per_round["stock"], per_round["plugin"])]
+        entry["extra_us"] = [round(statistics.median(extra), 1), round(min(extra), 1),
+                             round(max(extra), 1)]
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, default=3, help="MTP depth (next_n = k + 1)")
@@ -270,6 +305,8 @@ def main(argv=None) -> int:
                    help="FULL graph sizes before vLLM rounds them to multiples of k + 1 "
                    "(default: vLLM's own default list up to 512)")
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds per mode, stock's and the plugin's alternating (default 3)")
     p.add_argument("--by-function", action="store_true")
     p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     p.add_argument("--adaptive", action="store_true",
@@ -283,15 +320,19 @@ def main(argv=None) -> int:
     line = patches.installed_line()
     print(f"vLLM line {line}, k={args.k}, {args.cudagraph_mode}"
           + (", adaptive verification" if args.adaptive else ""))
-    res = {mode: measure(mode, args.k, batches, args.calls, args.context, args.by_function,
-                         args.cudagraph_mode, line, args.adaptive)
-           for mode in ("stock", "plugin")}
+    res = combine(interleaved(args.rounds, lambda mode: measure(
+        mode, args.k, batches, args.calls, args.context, args.by_function,
+        args.cudagraph_mode, line, args.adaptive)))
+    print(f"µs: medians of {args.rounds} rounds, stock's and the plugin's alternating; "
+          f"plugin extra: its µs minus stock's in the same round (median [min, max])")
     print(f"{'batch':>10} {'tokens':>6} | {'stock us':>8} {'ops':>4} | {'plugin us':>9} {'ops':>4}"
-          f" {'host':>4} {'syncs':>5} | plugin path")
+          f" {'host':>4} {'syncs':>5} | {'plugin extra':>22} | plugin path")
     for label, *_ in batches:
         s, q = res["stock"][label], res["plugin"][label]
+        extra = "{:>6} [{}, {}]".format(*q["extra_us"])
         print(f"{label:>10} {s['padded_tokens']:>6} | {s['us']:>8} {s['dev_ops']:>4} | "
-              f"{q['us']:>9} {q['dev_ops']:>4} {q['host_ops']:>4} {q['syncs']:>5} | {q['path']}")
+              f"{q['us']:>9} {q['dev_ops']:>4} {q['host_ops']:>4} {q['syncs']:>5} | "
+              f"{extra:>22} | {q['path']}")
         for name, c in q.get("functions", {}).items():
             print(f"{'':>12} {name:<32} {c['us']:>8} us {c['dev_ops']:>3} ops")
     if args.json:

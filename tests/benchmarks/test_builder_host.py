@@ -33,3 +33,31 @@ def test_verification_steps_pad_to_whole_requests_of_the_next_graph(seed):
         assert padded == (min(fitting) if fitting else b * n)
         assert padded % n == 0 and len(lens) * n == padded
         assert draft == (f"B{b} x1", [1] * b, b)
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 5])
+def test_modes_alternate_and_the_extra_is_taken_within_a_round(rounds):
+    """Stock's and the plugin's rounds alternate (stock first in even rounds);
+    the combined µs is each mode's median, the plugin's extra the median of
+    its per-round differences (a drift shared by a round's two modes cancels)."""
+    order, drift = [], iter(range(100))
+
+    def run(mode):
+        order.append(mode)
+        d = 10.0 * next(drift)  # the host slows as the run goes on
+        return {"B1 x4": {"us": d + (50.0 if mode == "plugin" else 40.0), "dev_ops": 5,
+                          "padded_tokens": 4}}
+
+    got = bh.combine(bh.interleaved(rounds, run))
+    want = [m for r in range(rounds)
+            for m in (("stock", "plugin") if r % 2 == 0 else ("plugin", "stock"))]
+    assert order == want
+    q = got["plugin"]["B1 x4"]
+    assert len(q["us_rounds"]) == rounds and q["dev_ops"] == 5
+    assert q["us"] == pytest.approx(sorted(q["us_rounds"])[rounds // 2] if rounds % 2 else
+                                    sum(sorted(q["us_rounds"])[rounds // 2 - 1:rounds // 2 + 1]) / 2)
+    # each round: the two runs are 10 us of drift apart, the plugin 10 us dearer
+    assert all(abs(x - 10.0) <= 10.0 for x in q["extra_us"])
+    assert "extra_us" not in got["stock"]["B1 x4"]
+    with pytest.raises(ValueError, match="--rounds: expected an int >= 1"):
+        bh.interleaved(0, run)
