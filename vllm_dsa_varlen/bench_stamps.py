@@ -5,14 +5,16 @@ module global ``stamps_sm90``; the default build has none of it).
 
 Per case, one step (``requests,tokens,context`` as ``--builds`` takes them):
 the build launched three times after an L2 flush each, the last launch's
-stamps (zeroed before it) read back and summarised (:func:`summarize`): the kernel's span from
-the first CTA's entry to the last math warpgroup's end, how late the CTAs
-start (launch skew), the prologue (barrier set-up), the wait for the first
-page, the math warpgroups' time and the tail (the span past the median CTA's
-end), with the plan's items (pages x chunks) per CTA and cycles per item.
-Clock cycles become µs through the CTAs' global-timer and clock readings
-from entry to ring 0's end, summed over the CTAs.  A timing of the stamped build is not the
-default build's (its stores are few, but it is another binary).
+stamps (zeroed before it) read back and summarised (:func:`summarize`): the
+kernel's span from the first CTA's entry to the last math warpgroup's end,
+how late the CTAs start (launch skew), the prologue (barrier set-up), the
+wait for the first page, the math warpgroups' time and the tail (the span
+past the median CTA's end), with the plan's items (pages x chunks) per CTA
+and cycles per item.  Clock cycles become µs through the CTAs' global-timer
+and clock readings from entry to ring 0's end, summed over the CTAs (the
+global timer ticks coarsely; the start offsets carry its tick).  A timing of
+the stamped build is not the default build's (its stores are few, but it is
+another binary).
 
     vllm-dsa-varlen-bench --stamps [--cases 16,4,16384 64,4,8192 ...] [--heads 64|32] [--json f]
 """
@@ -92,12 +94,12 @@ def read_stamps(torch, kern, ctas: int) -> list[list[int]]:
         raise ValueError(f"ctas: the build stamps {MAX_CTAS} CTAs, got {ctas}")
     drv = cb.driver()
     ptr, size = cb.ok(drv.cuModuleGetGlobal(kern.module, SYMBOL), "cuModuleGetGlobal")
-    host = torch.empty(MAX_CTAS * SLOTS, dtype=torch.int64, device="cuda")
+    copy = torch.empty(MAX_CTAS * SLOTS, dtype=torch.int64, device="cuda")
     torch.cuda.synchronize()
-    cb.ok(drv.cuMemcpyDtoD(host.data_ptr(), int(ptr), min(int(size), host.numel() * 8)),
+    cb.ok(drv.cuMemcpyDtoD(copy.data_ptr(), int(ptr), min(int(size), copy.numel() * 8)),
           "cuMemcpyDtoD")
     torch.cuda.synchronize()
-    return host.view(MAX_CTAS, SLOTS)[:ctas].cpu().tolist()
+    return copy.view(MAX_CTAS, SLOTS)[:ctas].cpu().tolist()
 
 
 def clear_stamps(torch, kern) -> None:
