@@ -49,8 +49,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 # The functions of the plugin's builder modules whose cost is broken down.
 PLUGIN_FUNCTIONS = ("_split_outcome", "_record_stock_only", "_decode_splits", "step_facts",
                     "_decode_lens_cpu", "_plan_varlen_rows", "_plain_varlen_rows",
-                    "plan_decode_rows",
-                    "_clamp_stock_padding", "_final_context_lens",
+                    "plan_decode_rows", "_clamp_stock_padding", "_final_context_lens",
                     "get_paged_mqa_logits_metadata", "_hand_over_ids", "_kernel_takes_varlen",
                     "attach_varlen_ids", "_record_step", "_stock_only_step",
                     "classify_step", "_left_to_stock")

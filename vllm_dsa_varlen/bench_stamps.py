@@ -85,6 +85,15 @@ def line(got: dict) -> str:
             f"cycles per item {part('cycles_per_item', '.0f')}")
 
 
+def _stamps_global(kern) -> tuple:
+    """``(driver, address, bytes)`` of the loaded build ``kern``'s ``stamps_sm90``."""
+    from .ops import cuda_binding as cb
+
+    drv = cb.driver()
+    ptr, size = cb.ok(drv.cuModuleGetGlobal(kern.module, SYMBOL), "cuModuleGetGlobal")
+    return drv, int(ptr), int(size)
+
+
 def read_stamps(torch, kern, ctas: int) -> list[list[int]]:
     """The stamps of the last launch of the loaded build ``kern`` (its module's
     ``stamps_sm90``), ``ctas`` rows."""
@@ -92,12 +101,10 @@ def read_stamps(torch, kern, ctas: int) -> list[list[int]]:
 
     if ctas > MAX_CTAS:
         raise ValueError(f"ctas: the build stamps {MAX_CTAS} CTAs, got {ctas}")
-    drv = cb.driver()
-    ptr, size = cb.ok(drv.cuModuleGetGlobal(kern.module, SYMBOL), "cuModuleGetGlobal")
+    drv, ptr, size = _stamps_global(kern)
     copy = torch.empty(MAX_CTAS * SLOTS, dtype=torch.int64, device="cuda")
     torch.cuda.synchronize()
-    cb.ok(drv.cuMemcpyDtoD(copy.data_ptr(), int(ptr), min(int(size), copy.numel() * 8)),
-          "cuMemcpyDtoD")
+    cb.ok(drv.cuMemcpyDtoD(copy.data_ptr(), ptr, min(size, copy.numel() * 8)), "cuMemcpyDtoD")
     torch.cuda.synchronize()
     return copy.view(MAX_CTAS, SLOTS)[:ctas].cpu().tolist()
 
@@ -106,10 +113,9 @@ def clear_stamps(torch, kern) -> None:
     """Zero the loaded build ``kern``'s stamps (so a CTA that did not stamp reads 0)."""
     from .ops import cuda_binding as cb
 
-    drv = cb.driver()
-    ptr, size = cb.ok(drv.cuModuleGetGlobal(kern.module, SYMBOL), "cuModuleGetGlobal")
+    drv, ptr, size = _stamps_global(kern)
     torch.cuda.synchronize()
-    cb.ok(drv.cuMemsetD8(int(ptr), 0, int(size)), "cuMemsetD8")
+    cb.ok(drv.cuMemsetD8(ptr, 0, size), "cuMemsetD8")
     torch.cuda.synchronize()
 
 

@@ -525,6 +525,7 @@ def _record_step(builder: Any, common: Any, metadata: Any, path: str | None) -> 
     stats.record(path, variable=min(lens) != max(lens),
                  mixed=getattr(metadata, "num_prefills", 0) > 0)
 
+
 def _record_stock_only(builder: Any, common: Any, metadata: Any) -> None:
     """Count a step of :func:`_stock_only_step` as :func:`_record_step` would
     (stock's flattened call, native where every request has one token), in
