@@ -525,9 +525,9 @@ def engine_kwargs(args, engines: int = 1) -> dict:
     if args.capture_sizes == "cases":
         compilation["cudagraph_capture_sizes"] = capture_sizes(args.batch, args.k)
     if args.graph_mode == "none":
-        compilation.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
+        compilation.update(mode=0, cudagraph_mode=GRAPH_MODES["none"])
     elif args.graph_mode == "full":
-        compilation.update(cudagraph_mode="FULL")
+        compilation.update(cudagraph_mode=GRAPH_MODES["full"])
     kwargs = dict(model=args.model, load_format=args.load_format, skip_tokenizer_init=True,
                   max_model_len=max_len, max_num_seqs=max_batch, enable_prefix_caching=True,
                   max_num_batched_tokens=args.max_batched_tokens,
@@ -923,12 +923,32 @@ def parent(args) -> int:
     return finish(args, result)
 
 
+# the cudagraph_mode each --graph-mode asks vLLM for
+GRAPH_MODES = {"default": "FULL_AND_PIECEWISE", "full": "FULL", "none": "FULL_DECODE_ONLY"}
+
+
+def graph_mode_notes(runs: dict) -> list[str]:
+    """A line per run (``runs``: mode -> run file) whose engine ran another
+    CUDA-graph mode than its ``--graph-mode`` asked for (vLLM lowers a mode
+    the attention backend cannot capture, e.g. FULL with FLASHMLA_SPARSE,
+    which captures uniform batches only, to FULL_AND_PIECEWISE)."""
+    notes = []
+    for mode, run in runs.items():
+        asked = GRAPH_MODES.get(run.get("graph_mode"))
+        ran = str(run.get("cudagraph_mode") or "").rpartition(".")[2]
+        if asked and ran and ran != asked:
+            notes.append(f"{mode}: --graph-mode {run['graph_mode']} asked for {asked}; "
+                         f"vLLM ran {ran}")
+    return notes
+
+
 def k_entry(runs: dict, repeats: list[dict]) -> dict:
     """One k's part of e2e.json from its processes' results (``runs``: the
     first repeat's, by mode; ``repeats``: every repeat's)."""
     runs = {m: r for m, r in runs.items() if r and "cases" in r}
     entry = {"init_s": {m: r["init_s"] for m, r in runs.items()},
              "cudagraph_mode": {m: r.get("cudagraph_mode") for m, r in runs.items()},
+             "graph_mode_notes": graph_mode_notes(runs),
              "cudagraph_capture_sizes": {m: r.get("cudagraph_capture_sizes")
                                          for m, r in runs.items()},
              "jit": {m: r["jit"] for m, r in runs.items()},
@@ -974,6 +994,8 @@ def finish(args, result: dict) -> int:
     if all("comparison" in e for e in result["per_k"].values()) and result["per_k"]:
         print(table(result))
     for k, e in result["per_k"].items():
+        for note in e.get("graph_mode_notes", ()):
+            print(f"k={k} {note}")
         ident = e.get("comparison", {}).get("identity")
         if ident:
             print(f"k={k} identity ({ident['requests']} requests x {ident['tokens_each']} tokens): "
@@ -1015,7 +1037,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--graph-mode", default="default", choices=["default", "full", "none"],
                     help="default: vLLM's (FULL_AND_PIECEWISE, torch.compile); full: FULL "
-                         "graphs; none: no torch.compile, full decode graphs only")
+                         "graphs (vLLM 0.27.1 lowers it to FULL_AND_PIECEWISE with "
+                         "FLASHMLA_SPARSE, which captures uniform batches only: the table "
+                         "says so); none: no torch.compile, full decode graphs only")
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--attention-backend", default="FLASHMLA_SPARSE")

@@ -552,3 +552,16 @@ def test_fast_steps_compare_two_engines_through_the_hosts_phases(seed):
     assert e2e.fast_step_ms({"rounds": [{"tpot_ms": 1.0}]}) is None
     low = sorted(t for r in plugin["rounds"] for t in r["step_ms"])
     assert e2e.fast_step_ms(plugin) in low[:len(low) // 4 + 1]
+
+
+def test_a_graph_mode_vllm_lowered_is_named_and_one_it_kept_is_not():
+    """--graph-mode full with an attention backend that captures uniform batches
+    only runs FULL_AND_PIECEWISE (vLLM 0.27.1 on the H200): the merged result
+    says which run and what it ran; runs that got what they asked say nothing."""
+    lowered = {"graph_mode": "full", "cudagraph_mode": "CUDAGraphMode.FULL_AND_PIECEWISE"}
+    kept = {"graph_mode": "default", "cudagraph_mode": "CUDAGraphMode.FULL_AND_PIECEWISE"}
+    none = {"graph_mode": "none", "cudagraph_mode": "CUDAGraphMode.FULL_DECODE_ONLY"}
+    notes = e2e.graph_mode_notes({"stock": lowered, "plugin": kept, "other": none})
+    assert len(notes) == 1 and notes[0].startswith("stock: --graph-mode full")
+    assert notes[0].endswith("FULL_AND_PIECEWISE")
+    assert e2e.graph_mode_notes({"stock": {"graph_mode": "full"}}) == []  # mode unknown
