@@ -115,18 +115,24 @@ def test_the_stamped_build_compiles_without_spills_and_only_it_has_stamps(heads)
     assert st.SYMBOL in stamped and st.SYMBOL not in plain
 
 
-def test_stamps_needs_a_gpu(monkeypatch):
+@pytest.mark.parametrize("builds", [[], ["default", "RAMP=1"]])
+def test_stamps_needs_a_gpu(monkeypatch, builds):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="--stamps: needs a CUDA GPU"):
-        bench.main(["--stamps"])
+        bench.main(["--stamps", *builds])
+
+
+def test_stamps_refuses_a_cost_model_naming_the_build():
+    with pytest.raises(SystemExit, match="--stamps: 'RAMP=1@5,2': a cost model"):
+        bench.main(["--stamps", "RAMP=1@5,2"])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
 def test_the_stamped_build_on_the_gpu_keeps_the_logits_and_stamps_every_cta():
-    """On sm_90: the stamped build's logits equal the reference (outputs
-    poisoned first), every CTA stamps its entry, set-up and end, and the
-    summary's parts fit inside the span."""
+    """On sm_90: the stamped build's logits are the default build's and the
+    reference's (outputs poisoned first), every CTA stamps its entry, set-up
+    and end, and the summary's parts fit inside the span."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the CUDA kernel is sm_90")
     from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
@@ -135,19 +141,27 @@ def test_the_stamped_build_on_the_gpu_keeps_the_logits_and_stamps_every_cta():
     step = random_decode_step(16, 4, 4096, seed=3, device="cuda")
     rows = step.rows
     ctx = rows.context_lens.view(-1, 1)
-    out = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
     table, ctas = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1], 64)
-    kern = ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
-                     step.max_context_len, out, schedule=(table, ctas), defines=st.DEFINES)
+
+    def run(defines):
+        out = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
+        kern = ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                         step.max_context_len, out, schedule=(table, ctas), defines=defines)
+        return kern, out
+
+    plain = run(())[1]
+    kern, _ = run(st.DEFINES)
     st.clear_stamps(torch, kern)
-    out.fill_(float("nan"))
-    ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
-              step.max_context_len, out, schedule=(table, ctas), defines=st.DEFINES)
+    _, out = run(st.DEFINES)
     ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
                                step.max_context_len, indices=rows.indices)
     mask = valid_mask(ctx, step.max_context_len, rows.indices)
     assert torch.isnan(out[~mask]).all()
-    assert float((out[mask] - ref[mask]).norm() / ref[mask].norm()) < 1e-5
+    # the stamps change no arithmetic: the default build's logits, bit for bit
+    assert torch.equal(out[mask], plain[mask])
+    # and the reference within the default build's bound (fp8 products accumulate
+    # on the tensor cores with fewer bits than fp32: measured 1.3e-4 here)
+    assert float((out[mask] - ref[mask]).norm() / ref[mask].norm()) < 1e-3
     c = ctas.cpu().tolist()
     stamps = st.read_stamps(torch, kern, len(c))
     assert all(r[st.ENTRY_NS] and r[st.ENTRY_CLK] < r[st.READY_CLK] for r in stamps)
