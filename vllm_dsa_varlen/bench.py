@@ -522,10 +522,11 @@ def main(argv=None):
     mode.add_argument("--launch-host", action="store_true",
                       help="time the host side of eager calls instead, against graph replay "
                       "(vllm_dsa_varlen.bench_launch); without a GPU, --fake")
-    mode.add_argument("--stamps", action="store_true",
+    mode.add_argument("--stamps", nargs="*", metavar="BUILD",
                       help="where the sm_90 CUDA kernel's time goes per CTA instead, from its "
                       "STAMPS=1 build's timestamps (vllm_dsa_varlen.bench_stamps): launch skew, "
-                      "prologue, first page, math, tail; needs a GPU")
+                      "prologue, first page, math, tail; of each BUILD as --builds names them "
+                      "(none: the default build); needs a GPU")
     mode.add_argument("--builds", nargs="+", metavar="BUILD",
                       help="time the sm_90 CUDA kernel's builds side by side instead, in one "
                       "process (vllm_dsa_varlen.bench_builds): 'default', 'MACRO=v+MACRO=v', "
@@ -565,7 +566,7 @@ def main(argv=None):
     if args.launch_host:
         from . import bench_launch
         return bench_launch.run(args)
-    if args.stamps:
+    if args.stamps is not None:
         from . import bench_stamps
         return bench_stamps.run(args)
     if args.builds:

@@ -16,7 +16,8 @@ global timer ticks coarsely; the start offsets carry its tick).  A timing of
 the stamped build is not the default build's (its stores are few, but it is
 another binary).
 
-    vllm-dsa-varlen-bench --stamps [--cases 16,4,16384 64,4,8192 ...] [--heads 64|32] [--json f]
+    vllm-dsa-varlen-bench --stamps [default RAMP=1 ...] [--cases 16,4,16384 64,4,8192 ...]
+        [--heads 64|32] [--json f]
 """
 
 from __future__ import annotations
@@ -120,12 +121,20 @@ def clear_stamps(torch, kern) -> None:
 
 
 def run(args) -> int:
-    """``--stamps``: ``args.cases``, ``heads``, ``json``."""
+    """``--stamps [BUILD ...]``: ``args.stamps`` (builds as ``--builds`` names
+    them, cost models left out; none: the default build), ``cases``, ``heads``,
+    ``json``."""
     import torch
 
+    from .bench_builds import parse_variant
     from .bench_plan import parse_case
     from .ops import cuda_paged_mqa_logits as ck
     from .workloads import random_decode_step
+
+    builds = args.stamps or ["default"]
+    for name in builds:
+        if parse_variant(name)[1] is not None:
+            raise SystemExit(f"--stamps: {name!r}: a cost model ('@') is --builds' only")
 
     if not torch.cuda.is_available():
         raise SystemExit("--stamps: needs a CUDA GPU (sm_90)")
@@ -143,21 +152,24 @@ def run(args) -> int:
         out = torch.empty(rows.num_rows, step.max_context_len, device="cuda")
         table, ctas = ck.plan(rows.indices, ctx, step.max_context_len,
                               rows.block_table.shape[1], heads)
-        def call():
-            flush.zero_()
-            return ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
-                             rows.indices, step.max_context_len, out, schedule=(table, ctas),
-                             defines=DEFINES)
-
-        call()  # loads the build
-        kern = call()
-        clear_stamps(torch, kern)
-        call()
         c = ctas.cpu().tolist()
-        got = summarize(read_stamps(torch, kern, len(c)), [hi - lo for _, lo, hi, _ in c])
-        got["case"] = case
-        report["cases"].append(got)
-        print(f"{case}: {line(got)}", flush=True)
+        for name in builds:
+            defines = parse_variant(name)[0] + DEFINES
+
+            def call():
+                flush.zero_()
+                return ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
+                                 rows.indices, step.max_context_len, out,
+                                 schedule=(table, ctas), defines=defines)
+
+            call()  # loads the build
+            kern = call()
+            clear_stamps(torch, kern)
+            call()
+            got = summarize(read_stamps(torch, kern, len(c)), [hi - lo for _, lo, hi, _ in c])
+            got["case"], got["build"] = case, name
+            report["cases"].append(got)
+            print(f"{case} {name}: {line(got)}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

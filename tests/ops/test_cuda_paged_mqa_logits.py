@@ -872,3 +872,53 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
     thread.join()
     assert not failed, failed
     check_poisoned(step, out)
+
+
+# ------------------------------------------------ the RAMP builds (A/B: first pages first)
+
+RAMPS = ("RAMP=1", "RAMP=2")
+
+
+@pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC: {NVRTC}")
+@pytest.mark.parametrize("heads", ck.HEAD_COUNTS)
+@pytest.mark.parametrize("ramp", RAMPS)
+def test_ramp_builds_compile_without_spills(ramp, heads):
+    """The builds that ask for a ring's first page before the rest of its
+    first fill (an A/B against the default): no spills, no wgmma serialization,
+    a binary of their own."""
+    extra = () if heads == ck.HEADS else (f"-DHEADS={heads}",)
+    ramped, log = ck.compile_cubin(extra=("--ptxas-options=-v", f"-D{ramp}", *extra))
+    plain, _ = ck.compile_cubin(extra=extra)
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
+    assert "serializ" not in log.lower(), log
+    assert ramped != plain
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("heads", ck.HEAD_COUNTS)
+@pytest.mark.parametrize("shape", [(12, 4, 1500, True), (3, 1, 100, False), (40, 3, 9000, True),
+                                   (130, 2, 700, False)])
+def test_ramp_builds_write_the_default_builds_bits(shape, heads):
+    """RAMP changes only when pages are asked for: on steps where rings get
+    no page, one page or many, and CTAs several segments, each RAMP build
+    writes the default build's logits bit for bit, and nothing outside them
+    (poisoned buffers 2 rows and 40 columns larger)."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    reqs, tokens, context, variable = shape
+    step = random_decode_step(reqs, tokens, context, heads=heads, device="cuda",
+                              variable=variable, seed=reqs + heads)
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1], heads)
+    outs = []
+    for defines in [()] + [(r,) for r in RAMPS]:
+        out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
+        ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                  step.max_context_len, out[: rows.num_rows], schedule=sched, defines=defines)
+        torch.cuda.synchronize()
+        check_poisoned(step, out)
+        outs.append(out)
+    for out in outs[1:]:
+        assert _same_bits(outs[0], out)

@@ -30,6 +30,9 @@ typedef unsigned char u8;
 #ifndef STAMPS  // 1: per-CTA timestamps into stamps_sm90 (vllm-dsa-varlen-bench --stamps)
 #define STAMPS 0
 #endif
+#ifndef RAMP    // a ring's first fill: 0 all STAGES pages at once; 1 the rest once its first
+#define RAMP 0  // page has landed; 2 each page once the one before has (an A/B build)
+#endif
 #define GMAX 2
 #define STAGES 3
 #ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
@@ -430,6 +433,14 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       for (int p = first_page(s, ring); p < s.page_hi; p += NUM_MATH, ++j) {
         const int block = __ldg(bt_row + p);
         const int slot = ring * STAGES + j % STAGES;
+#if RAMP
+        // At the start every CTA's rings ask for STAGES pages at once, and a
+        // ring's first page queues behind the others' later ones: the CTA
+        // whose first page lands last sets the kernel's span (--stamps).  Ask
+        // for the first pages first.  Phase 0 of the slot waited on completes
+        // before the ring issues any later page into it: no later phase aliases.
+        if (j > 0 && j < STAGES) bar_wait(&full[ring * STAGES + (RAMP == 1 ? 0 : j - 1)], 0);
+#endif
         bar_wait(&empty[slot], ((j / STAGES) & 1) ^ 1);
         bar_expect(&full[slot], LOAD_BYTES);
 #if EVICT_FIRST
