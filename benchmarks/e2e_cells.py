@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Every (k, batch, prompt) cell of the end-to-end grid from kept runs: the
+latest measurement of each, where it came from, and the cells no run has
+measured.
+
+    python3 benchmarks/e2e_cells.py --vllm 0.27.1 DIR [DIR ...]
+
+``DIR``: folders holding an ``e2e.json`` or ``e2e.json.xz`` (``--merge``'s
+output, as ``publish_e2e.py`` keeps it) and the ``run-*.json[.xz]`` files
+beside it, oldest first: a later folder's cell replaces an earlier one's (the
+earlier one stays listed).  Runs of another vLLM version than ``--vllm`` are
+left out.  Prints a Markdown table: stock -> plugin TPOT, the gain (bracketed
+where the plugin ran stock's path on every verification step, so both modes
+did the same GPU work), the fast-steps gain where recorded, token identity,
+the plugin's path, the indexer's share of the step where a profiled window
+was that cell (the latest such window on the same path), how it was measured (a process per mode, or both engines in
+one) and the graph mode vLLM ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import lzma
+import os
+
+BATCHES = (1, 8, 32, 64)
+PROMPTS = (4096, 16384, 32768)
+KS = (1, 2, 3)
+
+
+def _load(path: str):
+    opener = lzma.open if path.endswith(".xz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def _one(folder: str, pattern: str) -> str | None:
+    found = sorted(glob.glob(os.path.join(folder, pattern)))
+    return found[0] if found else None
+
+
+def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
+    """``(vllm version, cells)`` of one kept run folder; a cell per compared
+    (k, batch, prompt) row that ran."""
+    path = _one(folder, "e2e.json") or _one(folder, "e2e.json.xz")
+    if path is None:
+        raise SystemExit(f"{folder}: no e2e.json or e2e.json.xz")
+    e2e = _load(path)
+    version, cells = None, []
+    for k, entry in e2e.get("per_k", {}).items():
+        run_path = (_one(folder, f"run-stock-k{k}.json") or _one(folder, f"run-stock-k{k}.json.xz")
+                    or _one(folder, f"run-*-k{k}.json*"))
+        run = _load(run_path) if run_path else {}
+        version = version or run.get("vllm")
+        ran_mode = (entry.get("cudagraph_mode") or {}).get("stock") or run.get("cudagraph_mode")
+        traces = entry.get("trace") or {}
+        for row in entry.get("comparison", {}).get("rows", []):
+            if row.get("skipped"):
+                cells.append({"k": int(k), "batch": row["batch"], "prompt": row["prompt"],
+                              "skipped": row["skipped"], "source": folder})
+                continue
+            if row.get("speedup") is None:
+                continue
+            paths = row.get("plugin_paths") or {}
+            share = [traces[m]["indexer_share"] for m in ("stock", "plugin")
+                     if m in traces and traces[m].get("batch") == row["batch"]
+                     and traces[m].get("prompt") == row["prompt"]]
+            fast = row.get("fast_step_ms")
+            cells.append({
+                "k": int(k), "batch": row["batch"], "prompt": row["prompt"],
+                "stock_tpot_ms": row["stock_tpot_ms"], "plugin_tpot_ms": row["plugin_tpot_ms"],
+                "gain": row["speedup"],
+                "fast_gain": fast[0] / fast[1] if fast and fast[1] else None,
+                "tokens_identical": row.get("tokens_identical"),
+                "varlen": paths.get("varlen", 0) > 0,
+                "share": share if len(share) == 2 else None,
+                "one_process": bool(run.get("same_process")),
+                "graph_mode": str(ran_mode or "?").rpartition(".")[2],
+                "source": folder})
+    return version, cells
+
+
+def grid(folders: list[str], vllm: str) -> dict:
+    """(k, batch, prompt) -> the cells measured there, oldest first."""
+    got: dict = {}
+    for folder in folders:
+        version, cells = folder_cells(folder)
+        if version != vllm:
+            continue
+        for cell in cells:
+            got.setdefault((cell["k"], cell["batch"], cell["prompt"]), []).append(cell)
+    return got
+
+
+def _prompt(n: int) -> str:
+    return f"{n // 1024}K"
+
+
+def table(got: dict, root: str = "") -> str:
+    lines = ["| k | B | L | stock → plugin TPOT ms | gain | fast steps | tokens | plugin path "
+             "| indexer share stock / plugin | how | from | earlier gains |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k in KS:
+        for b in BATCHES:
+            for p in PROMPTS:
+                ran = got.get((k, b, p), [])
+                cells = [x for x in ran if "skipped" not in x]
+                if not cells:
+                    why = f"skipped: {ran[-1]['skipped']}" if ran else "not run"
+                    lines.append(f"| {k} | {b} | {_prompt(p)} | {why} | | | | | | | | |")
+                    continue
+                c = cells[-1]
+                same = not c["varlen"]
+
+                def ratio(x):
+                    return "–" if x is None else (f"({x:.2f}×)" if same else f"{x:.2f}×")
+                traced = [x["share"] for x in cells if x["share"] and x["varlen"] == c["varlen"]]
+                share = ("–" if not traced else
+                         f"{100 * traced[-1][0]:.0f} % / {100 * traced[-1][1]:.0f} %")
+                how = ("one process" if c["one_process"] else "a process per mode") + \
+                      f", {c['graph_mode']}"
+                earlier = ", ".join(f"{x['gain']:.2f}×" for x in cells[:-1]) or "–"
+                lines.append(
+                    f"| {k} | {b} | {_prompt(p)} | {c['stock_tpot_ms']:.2f} → "
+                    f"{c['plugin_tpot_ms']:.2f} | {ratio(c['gain'])} | {ratio(c['fast_gain'])} | "
+                    f"{'identical' if c['tokens_identical'] else 'DIFFER'} | "
+                    f"{'varlen' if c['varlen'] else 'stock'} | {share} | {how} | "
+                    f"{os.path.relpath(c['source'], root) if root else c['source']} | {earlier} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folders", nargs="+", help="kept run folders, oldest first")
+    ap.add_argument("--vllm", required=True, help="the vLLM version whose runs count")
+    ap.add_argument("--root", default="", help="print sources relative to this folder")
+    args = ap.parse_args(argv)
+    print(table(grid(args.folders, args.vllm), args.root))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
