@@ -876,22 +876,34 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
 
 # ------------------------------------------------ the RAMP builds (A/B: first pages first)
 
-RAMPS = ("RAMP=1", "RAMP=2")
+RAMPS = ("RAMP=1", "RAMP=2", "STAGES=2", "STAGES=4")  # the A/B builds, one define each
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC: {NVRTC}")
 @pytest.mark.parametrize("heads", ck.HEAD_COUNTS)
 @pytest.mark.parametrize("ramp", RAMPS)
 def test_ramp_builds_compile_without_spills(ramp, heads):
-    """The builds that ask for a ring's first page before the rest of its
-    first fill (an A/B against the default): no spills, no wgmma serialization,
-    a binary of their own."""
+    """The A/B builds (a ring's first page before the rest of its first fill;
+    2 or 4 pages in flight per ring): no spills, no wgmma serialization, a
+    binary of their own, shared memory that fits."""
     extra = () if heads == ck.HEADS else (f"-DHEADS={heads}",)
     ramped, log = ck.compile_cubin(extra=("--ptxas-options=-v", f"-D{ramp}", *extra))
     plain, _ = ck.compile_cubin(extra=extra)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
     assert "serializ" not in log.lower(), log
     assert ramped != plain
+    assert ck.smem_bytes((ramp,)) <= 227 * 1024
+
+
+def test_the_stages_define_resizes_the_hosts_shared_memory():
+    """smem_bytes follows STAGES=n by a ring slot (a page and its scales) and
+    two mbarriers per math warpgroup per stage; the default is SMEM_BYTES."""
+    slot = ck.PAGE * ck.DIM + ck.PAGE * 4 + 2 * 8
+    assert ck.smem_bytes(("STAGES=3",)) == ck.SMEM_BYTES == ck.smem_bytes(("RAMP=1",))
+    for n in (2, 4):
+        assert ck.smem_bytes((f"STAGES={n}",)) - ck.SMEM_BYTES == (n - ck.STAGES) * ck.MATH * slot
+    assert (ck.smem_bytes(("STAGES=4", "HEAD_SUM_TC=1"))
+            == ck.smem_bytes(("STAGES=4",)) + ck.HEAD_SUM_TC_BYTES)
 
 
 @pytest.mark.gpu
@@ -900,10 +912,10 @@ def test_ramp_builds_compile_without_spills(ramp, heads):
 @pytest.mark.parametrize("shape", [(12, 4, 1500, True), (3, 1, 100, False), (40, 3, 9000, True),
                                    (130, 2, 700, False)])
 def test_ramp_builds_write_the_default_builds_bits(shape, heads):
-    """RAMP changes only when pages are asked for: on steps where rings get
-    no page, one page or many, and CTAs several segments, each RAMP build
-    writes the default build's logits bit for bit, and nothing outside them
-    (poisoned buffers 2 rows and 40 columns larger)."""
+    """RAMP and STAGES change only when pages are asked for: on steps where
+    rings get no page, one page or many, and CTAs several segments, each A/B
+    build writes the default build's logits bit for bit, and nothing outside
+    them (poisoned buffers 2 rows and 40 columns larger)."""
     if NVRTC is not None:
         pytest.skip(f"no NVRTC: {NVRTC}")
     reqs, tokens, context, variable = shape

@@ -96,10 +96,17 @@ GMAX = 2
 STAGES = 3
 MATH = 4
 THREADS = 128 * (MATH + 1)
-# Dynamic shared memory (every build): 1 KB of alignment slack, the page rings,
-# the double-buffered queries, the rings' scales, the weights, the mbarriers.
-SMEM_BYTES = (1024 + MATH * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
-              + MATH * STAGES * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * MATH * STAGES + 4) * 8)
+
+
+def _smem(stages: int) -> int:
+    """Dynamic shared memory with ``stages`` pages per ring: 1 KB of alignment
+    slack, the page rings, the double-buffered queries, the rings' scales, the
+    weights, the mbarriers."""
+    return (1024 + MATH * stages * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
+            + MATH * stages * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * MATH * stages + 4) * 8)
+
+
+SMEM_BYTES = _smem(STAGES)  # every build the launcher takes
 # HEAD_SUM_TC builds: each math warpgroup's double-buffered B fragments of its
 # chunk's weights (8 lane classes x 9 float4 per row group; WT_BYTES in the source).
 HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
@@ -399,8 +406,11 @@ def read_head_sum() -> str:
 
 
 def smem_bytes(defines: tuple = ()) -> int:
-    """Dynamic shared memory of a build (:data:`SMEM_BYTES`, more with ``HEAD_SUM_TC=1``)."""
-    return SMEM_BYTES + (HEAD_SUM_TC_BYTES if "HEAD_SUM_TC=1" in defines else 0)
+    """Dynamic shared memory of a build (:data:`SMEM_BYTES`; more with
+    ``HEAD_SUM_TC=1``; an A/B build's ``STAGES=n`` resizes the rings)."""
+    stages = [int(d.partition("=")[2]) for d in defines if d.startswith("STAGES=")]
+    return (_smem(stages[-1]) if stages else SMEM_BYTES) + (
+        HEAD_SUM_TC_BYTES if "HEAD_SUM_TC=1" in defines else 0)
 
 
 def rows_per_group(heads: int) -> int:

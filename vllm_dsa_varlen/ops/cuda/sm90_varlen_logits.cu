@@ -34,7 +34,9 @@ typedef unsigned char u8;
 #define RAMP 0  // page has landed; 2 each page once the one before has (an A/B build)
 #endif
 #define GMAX 2
-#define STAGES 3
+#ifndef STAGES  // pages in flight per ring (an A/B build may set 2 or 4; the host's
+#define STAGES 3  // smem_bytes reads the same define)
+#endif
 #ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
 #define MATH_REGS 104
 #endif
