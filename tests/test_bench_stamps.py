@@ -23,7 +23,8 @@ except OSError as exc:  # pragma: no cover - depends on the environment
 def _synthetic(rng, ctas, ghz, tick_ns):
     """Stamps of ``ctas`` CTAs with known parts (µs), the global timer in
     ``tick_ns`` ticks, the clock at ``ghz``; returns (stamps, items, truth)."""
-    truth = {"start": [], "prologue": [], "first": [], "math": [], "end": [], "cpi": []}
+    truth = {"start": [], "prologue": [], "first": [], "math": [], "end": [], "cpi": [],
+             "wait": [], "chain": [], "rest": []}
     stamps, items = [], []
     base_ns, base_clk = rng.randrange(10**12, 10**13), rng.randrange(10**9, 10**10)
     for c in range(ctas):
@@ -48,6 +49,18 @@ def _synthetic(rng, ctas, ghz, tick_ns):
             row[st.END_CLK + w] = cyc(prologue + ends[w])
         row[st.END_NS] = int((t_entry + (prologue + ends[0]) * 1e3) // tick_ns * tick_ns)
         row[st.SMID] = c % 132
+        for w in range(st.MATH_WGS):  # STAMPS=2's counters: per-page parts, summed
+            pages = n // st.MATH_WGS + (w < n % st.MATH_WGS)
+            if pages:
+                parts = {"wait": rng.uniform(0, 300), "chain": rng.uniform(400, 900),
+                         "rest": rng.uniform(100, 400)}
+                for key, value in parts.items():
+                    truth[key].append(value)
+                base = st.PROF + 4 * w
+                row[base + st.PROF_WAIT] = round(parts["wait"] * pages)
+                row[base + st.PROF_CHAIN] = round(parts["chain"] * pages)
+                row[base + st.PROF_PAGE] = round((parts["chain"] + parts["rest"]) * pages)
+                row[base + st.PROF_PAGES] = pages
         stamps.append(row)
         items.append(n)
         truth["start"].append(start)
@@ -83,6 +96,21 @@ def test_summary_recovers_the_parts_of_a_known_kernel(seed):
     for part in ("cycles_per_item", "math_us", "first_page_us"):
         key = {"cycles_per_item": "cpi", "math_us": "math", "first_page_us": "first"}[part]
         assert got[part]["median"] == pytest.approx(statistics.median(truth[key]), rel=0.03)
+    for key in ("wait", "chain", "rest"):  # per page of a warpgroup, cycles
+        assert got["page_cycles"][key]["median"] == pytest.approx(
+            statistics.median(truth[key]), abs=1.0)
+        assert got["page_cycles"][key]["max"] == pytest.approx(max(truth[key]), abs=1.0)
+    assert "wgmma chain" in st.line(got)
+
+
+def test_a_build_without_counters_summarises_without_them():
+    """STAMPS=1 rows (no counters): the summary and its line leave them out."""
+    rng = random.Random(7)
+    stamps, items, _ = _synthetic(rng, 60, 1.7, 32)
+    for row in stamps:
+        row[st.PROF:st.PROF + 4 * st.MATH_WGS] = [0] * (4 * st.MATH_WGS)
+    got = st.summarize(stamps, items)
+    assert got["page_cycles"] is None and "wgmma" not in st.line(got)
 
 def test_bad_stamps_are_refused_naming_them():
     with pytest.raises(ValueError, match="stamps: 2 CTA rows for 3 CTAs"):
@@ -96,19 +124,22 @@ def test_the_slots_match_the_kernel_source():
     src = ck.source()
     assert int(re.search(r"#define STAMP_SLOTS (\d+)", src).group(1)) == st.SLOTS
     assert int(re.search(r"#define STAMP_CTAS (\d+)", src).group(1)) == st.MAX_CTAS
+    assert int(re.search(r"#define PROF_SLOT (\d+)", src).group(1)) == st.PROF
+    assert st.PROF + 4 * st.MATH_WGS <= st.SLOTS and st.PROF > st.SMID
     assert f"stamps_sm90[STAMP_CTAS * STAMP_SLOTS]" in src
-    assert st.SYMBOL == b"stamps_sm90" and st.DEFINES == ("STAMPS=1",)
+    assert st.SYMBOL == b"stamps_sm90" and st.DEFINES == ("STAMPS=2",)
     assert max(st.SMID, st.END_NS, st.END_CLK + st.MATH_WGS - 1) < st.SLOTS
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
 @pytest.mark.parametrize("heads", ck.HEAD_COUNTS)
-def test_the_stamped_build_compiles_without_spills_and_only_it_has_stamps(heads):
-    """The STAMPS=1 build (64 and 32 heads) through NVRTC: no spills, no
-    wgmma serialization, the stamps' symbol in its cubin and not in the
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_stamped_build_compiles_without_spills_and_only_it_has_stamps(heads, level):
+    """The STAMPS=1 and =2 builds (64 and 32 heads) through NVRTC: no spills,
+    no wgmma serialization, the stamps' symbol in its cubin and not in the
     default build's."""
     extra = () if heads == ck.HEADS else (f"-DHEADS={heads}",)
-    stamped, log = ck.compile_cubin(extra=("--ptxas-options=-v", "-DSTAMPS=1", *extra))
+    stamped, log = ck.compile_cubin(extra=("--ptxas-options=-v", f"-DSTAMPS={level}", *extra))
     plain, _ = ck.compile_cubin(extra=extra)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
     assert "serializ" not in log.lower(), log  # the stamps keep the wgmma pipeline as it is
@@ -166,8 +197,14 @@ def test_the_stamped_build_on_the_gpu_keeps_the_logits_and_stamps_every_cta():
     stamps = st.read_stamps(torch, kern, len(c))
     assert all(r[st.ENTRY_NS] and r[st.ENTRY_CLK] < r[st.READY_CLK] for r in stamps)
     assert all(r[st.READY_CLK] <= r[st.END_CLK + w] for r in stamps for w in range(st.MATH_WGS))
-    got = st.summarize(stamps, [hi - lo for _, lo, hi, _ in c])
+    items = [hi - lo for _, lo, hi, _ in c]
+    got = st.summarize(stamps, items)
     assert 0 < got["math_us"]["max"] <= got["span_us"] < 1e4
+    for row, n in zip(stamps, items):  # the counters: every item a page of one warpgroup
+        prof = [row[st.PROF + 4 * w: st.PROF + 4 * w + 4] for w in range(st.MATH_WGS)]
+        assert sum(p[st.PROF_PAGES] for p in prof) == n
+        for w, (wait, chain, page, _) in enumerate(prof):
+            assert chain <= page and wait + page <= row[st.END_CLK + w] - row[st.READY_CLK]
     assert 0.3 < got["ns_per_cycle"] < 1.0  # a 1-3 GHz clock
 
 

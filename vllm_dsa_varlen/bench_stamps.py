@@ -1,7 +1,9 @@
 """``vllm-dsa-varlen-bench --stamps``: where the sm_90 CUDA kernel's time goes,
 CTA by CTA, from timestamps the kernel's ``STAMPS=1`` build writes
 (``ops/cuda/sm90_varlen_logits.cu``: a row of :data:`SLOTS` u64 per CTA in the
-module global ``stamps_sm90``; the default build has none of it).
+module global ``stamps_sm90``; the default build has none of it), and its
+``STAMPS=2`` build's cycle counters per math warpgroup: waiting for a page,
+the QK wgmma chain, the rest of the page.
 
 Per case, one step (``requests,tokens,context`` as ``--builds`` takes them):
 the build launched three times after an L2 flush each, the last launch's
@@ -10,11 +12,15 @@ kernel's span from the first CTA's entry to the last math warpgroup's end,
 how late the CTAs start (launch skew), the prologue (barrier set-up), the
 wait for the first page, the math warpgroups' time and the tail (the span
 past the median CTA's end), with the plan's items (pages x chunks) per CTA
-and cycles per item.  Clock cycles become µs through the CTAs' global-timer
-and clock readings from entry to ring 0's end, summed over the CTAs (the
-global timer ticks coarsely; the start offsets carry its tick).  A timing of
-the stamped build is not the default build's (its stores are few, but it is
-another binary).
+and cycles per item; per page of a math warpgroup (median over the CTAs'
+warpgroups), the cycles it waited for the page, spent in the QK wgmma chain
+(issue to completion: its own tensor-core work and the wait for the other
+warpgroups' in the queue) and in the rest (head sum, stores).  Clock cycles
+become µs through the CTAs' global-timer and clock readings from entry to
+ring 0's end, summed over the CTAs (the global timer ticks coarsely; the
+start offsets carry its tick).  A timing of the stamped build is not the
+default build's: its counters read the clock in the hot loop, so it runs a
+little slower, the same for every build it compares.
 
     vllm-dsa-varlen-bench --stamps [default RAMP=1 ...] [--cases 16,4,16384 64,4,8192 ...]
         [--heads 64|32] [--json f]
@@ -25,13 +31,16 @@ from __future__ import annotations
 import json
 import statistics
 
-SLOTS = 16       # u64 per CTA (STAMP_SLOTS in the source)
+SLOTS = 32       # u64 per CTA (STAMP_SLOTS in the source)
 MAX_CTAS = 1024  # CTAs stamped (STAMP_CTAS)
 SYMBOL = b"stamps_sm90"
-DEFINES = ("STAMPS=1",)
+DEFINES = ("STAMPS=2",)
 # the slots (the source's comment names the same)
 ENTRY_NS, ENTRY_CLK, READY_CLK, FIRST_PAGE_CLK, END_CLK, END_NS, SMID = 0, 1, 2, 3, 4, 8, 9
 MATH_WGS = 4     # END_CLK + ring, ring < MATH_WGS
+# STAMPS=2: from PROF (PROF_SLOT in the source), per math warpgroup: cycles
+# waiting for pages, in the QK wgmma chain, in the page after its data; pages
+PROF, PROF_WAIT, PROF_CHAIN, PROF_PAGE, PROF_PAGES = 16, 0, 1, 2, 3
 CASES = ["16,4,16384", "64,4,8192", "1,4,8192", "64,4,32768", "128,4,8192"]
 
 
@@ -66,12 +75,22 @@ def summarize(stamps: list[list[int]], items: list[int]) -> dict:
     def spread(xs):
         return {"median": statistics.median(xs), "max": max(xs)} if xs else None
 
+    per_page = {"wait": [], "chain": [], "rest": []}  # cycles per page, per warpgroup
+    for row in stamps:
+        for w in range(MATH_WGS):
+            wait, chain, page, pages = row[PROF + 4 * w: PROF + 4 * w + 4]
+            if pages:
+                per_page["wait"].append(wait / pages)
+                per_page["chain"].append(chain / pages)
+                per_page["rest"].append((page - chain) / pages)
     return {"ctas": len(stamps), "ctas_with_items": sum(1 for n in items if n > 0),
             "ns_per_cycle": ns, "span_us": span, "launch_skew_us": max(start),
             "prologue_us": spread(prologue), "first_page_us": spread(first),
             "math_us": spread(math), "tail_us": span - statistics.median(end),
             "items": spread([n for n in items if n > 0]),
-            "cycles_per_item": spread(per_item)}
+            "cycles_per_item": spread(per_item),
+            "page_cycles": {k: spread(v) for k, v in per_page.items()}
+            if per_page["wait"] else None}
 
 
 def line(got: dict) -> str:
@@ -80,10 +99,16 @@ def line(got: dict) -> str:
         v = got[name]
         return "-" if v is None else f"{v['median']:{fmt}} (max {v['max']:{fmt}})"
 
-    return (f"span {got['span_us']:.1f} us, skew {got['launch_skew_us']:.1f}, prologue "
+    text = (f"span {got['span_us']:.1f} us, skew {got['launch_skew_us']:.1f}, prologue "
             f"{part('prologue_us', '.2f')}, first page {part('first_page_us', '.2f')}, math "
             f"{part('math_us')}, tail {got['tail_us']:.1f}; items {part('items', '.0f')}, "
             f"cycles per item {part('cycles_per_item', '.0f')}")
+    pages = got.get("page_cycles")
+    if pages:
+        text += "; a warpgroup's page, cycles: " + ", ".join(
+            f"{name} {pages[key]['median']:.0f} (max {pages[key]['max']:.0f})"
+            for key, name in (("wait", "wait"), ("chain", "wgmma chain"), ("rest", "rest")))
+    return text
 
 
 def _stamps_global(kern) -> tuple:

@@ -27,8 +27,8 @@ typedef unsigned char u8;
 #ifndef HEAD_SUM_TC  // 1: the head sum on the tensor cores (TF32 mma.sync; group_logit_tc)
 #define HEAD_SUM_TC 0
 #endif
-#ifndef STAMPS  // 1: per-CTA timestamps into stamps_sm90 (vllm-dsa-varlen-bench --stamps)
-#define STAMPS 0
+#ifndef STAMPS  // 1: per-CTA timestamps into stamps_sm90 (vllm-dsa-varlen-bench --stamps);
+#define STAMPS 0    // 2: also each math warpgroup's cycles by part of a page
 #endif
 #ifndef RAMP    // a ring's first fill: 0 all STAGES pages at once; 1 the rest once its first
 #define RAMP 0  // page has landed; 2 each page once the one before has (an A/B build)
@@ -117,14 +117,26 @@ DEV u64 sw128_desc(const void* p) {
 // A CTA's row of STAMP_SLOTS u64, read back by the benchmark (bench_stamps.py
 // names the slots): 0 globaltimer at entry, 1 clock64 at entry, 2 clock64 once
 // the barriers are set up, 3 clock64 when ring 0's first page is ready, 4-7
-// clock64 at each math warpgroup's end, 8 globaltimer at ring 0's end, 9 %smid.
+// clock64 at each math warpgroup's end, 8 globaltimer at ring 0's end, 9 %smid;
+// STAMPS=2: from PROF_SLOT, 4 per math warpgroup (its thread 0's clock64
+// deltas summed over its pages): cycles waiting for a page, cycles in the QK
+// wgmma chain (issue to wait_group 0: its work and the tensor cores' queue),
+// cycles of the page after its data (the chain, the head sum, the stores),
+// pages.
 #define STAMP_CTAS 1024
-#define STAMP_SLOTS 16
+#define STAMP_SLOTS 32
+#define PROF_SLOT 16
 __device__ unsigned long long stamps_sm90[STAMP_CTAS * STAMP_SLOTS];
 DEV u64 global_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 DEV u64 sm_clock() { u64 t; asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)); return t; }
 DEV void stamp(int slot, u64 value) {
   if (blockIdx.x < STAMP_CTAS) stamps_sm90[blockIdx.x * STAMP_SLOTS + slot] = value;
+}
+#endif
+#if STAMPS >= 2
+__shared__ u64 prof_sm90[NUM_MATH * 4];  // the counters above, per math warpgroup
+DEV void prof_add(int field, u64 value) {
+  if (threadIdx.x % 128 == 0) prof_sm90[(threadIdx.x / 128 - 1) * 4 + field] += value;
 }
 #endif
 
@@ -169,12 +181,18 @@ DEV int first_page(const Seg& s, int r) {
 // (slot_empty) when this is the page's last group (release).
 DEV void qk_group(float (&acc)[64], const u8* page, const u8* qg, u64* slot_empty, bool release,
                   int lane) {
+#if STAMPS >= 2
+  const u64 t_chain = sm_clock();
+#endif
   mma_fence();
 #pragma unroll
   for (int kk = 0; kk < DIM / 32; ++kk)
     mma_64x128x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
   mma_commit();
   mma_wait();
+#if STAMPS >= 2
+  prof_add(1, sm_clock() - t_chain);
+#endif
   if (release) {  // every read of the slot is done: hand it back
     __syncwarp();
     if (lane == 0) bar_arrive(slot_empty);
@@ -399,6 +417,9 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
     for (int i = 0; i < NUM_MATH * STAGES; ++i) { bar_init(&full[i], 1); bar_init(&empty[i], 4); }
     for (int i = 0; i < 2; ++i) { bar_init(&q_full[i], 1); bar_init(&q_empty[i], 4 * NUM_MATH); }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#if STAMPS >= 2
+    for (int i = 0; i < NUM_MATH * 4; ++i) prof_sm90[i] = 0;
+#endif
   }
   __syncthreads();
 #if STAMPS
@@ -491,7 +512,14 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 #endif
     for (int p = first_page(s, ring); p < s.page_hi; p += NUM_MATH, ++j) {
       const int slot = ring * STAGES + j % STAGES;
+#if STAMPS >= 2
+      const u64 t_wait = sm_clock();
+#endif
       bar_wait(&full[slot], (j / STAGES) & 1);
+#if STAMPS >= 2
+      const u64 t_page = sm_clock();
+      prof_add(0, t_page - t_wait);
+#endif
 #if STAMPS
       if (j == 0 && ring == 0 && threadIdx.x % 128 == 0) stamp(3, sm_clock());
 #endif
@@ -543,6 +571,10 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 #endif
         }
       }
+#if STAMPS >= 2
+      prof_add(2, sm_clock() - t_page);
+      prof_add(3, 1);
+#endif
     }
     __syncwarp();
     if (lane == 0) bar_arrive(&q_empty[b]);
@@ -551,6 +583,9 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
   if (threadIdx.x % 128 == 0) {
     stamp(4 + ring, sm_clock());
     if (ring == 0) stamp(8, global_ns());
+#if STAMPS >= 2
+    for (int i = 0; i < 4; ++i) stamp(PROF_SLOT + 4 * ring + i, prof_sm90[4 * ring + i]);
+#endif
   }
 #endif
 }
