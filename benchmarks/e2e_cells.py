@@ -13,8 +13,8 @@ left out.  Prints a Markdown table: stock -> plugin TPOT, the gain (bracketed
 where the plugin ran stock's path on every verification step, so both modes
 did the same GPU work), the fast-steps gain where recorded, token identity,
 the plugin's path, the indexer's share of the step where a profiled window
-was that cell (the latest such window on the same path), how it was measured (a process per mode, or both engines in
-one) and the graph mode vLLM ran.
+was that cell (the latest such window on the same path), how it was measured
+(a process per mode, or both engines in one) and the graph mode vLLM ran.
 """
 
 from __future__ import annotations

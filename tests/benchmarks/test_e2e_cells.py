@@ -20,7 +20,8 @@ def _row(rng, batch, prompt, varlen):
     return {"batch": batch, "prompt": prompt, "stock_tpot_ms": stock, "plugin_tpot_ms": plugin,
             "speedup": stock / plugin, "fast_step_ms": [stock * 0.9, plugin * 0.9],
             "tokens_identical": rng.random() < 0.5,
-            "plugin_paths": {"varlen": 254 if varlen else 0, "stock_flattened": 0 if varlen else 254}}
+            "plugin_paths": {"varlen": 254 if varlen else 0,
+                             "stock_flattened": 0 if varlen else 254}}
 
 
 def _folder(tmp_path, name, version, k, rows, same_process=False, trace=None, xz=True):
@@ -29,7 +30,7 @@ def _folder(tmp_path, name, version, k, rows, same_process=False, trace=None, xz
     entry = {"cudagraph_mode": {"stock": "CUDAGraphMode.FULL_AND_PIECEWISE"},
              "comparison": {"rows": rows}, "trace": trace or {}}
     run = {"vllm": version, "same_process": same_process, "cudagraph_mode": "x"}
-    for fname, data in ((f"e2e.json", {"per_k": {str(k): entry}}),
+    for fname, data in (("e2e.json", {"per_k": {str(k): entry}}),
                         (f"run-stock-k{k}.json", run)):
         if xz:
             with lzma.open(folder / (fname + ".xz"), "wt") as f:
