@@ -4,9 +4,12 @@ merged by case): one row per case with every path's graph-replay time, its ratio
 to the floor, and the eager time.
 
     python3 benchmarks/summarize.py bench.json [bench-vdg.json ...]
+
+(``.json.xz`` files, as ``docs/results/`` keeps them, are read as they are.)
 """
 
 import json
+import lzma
 import sys
 
 COLUMNS = [("cuda-sm90", "sm_90 CUDA"), ("triton-portable", "portable Triton"),
@@ -18,7 +21,7 @@ COLUMNS = [("cuda-sm90", "sm_90 CUDA"), ("triton-portable", "portable Triton"),
 def load(paths):
     rows, floors, order = {}, {}, []
     for path in paths:
-        with open(path) as f:
+        with (lzma.open(path, "rt") if path.endswith(".xz") else open(path)) as f:
             data = json.load(f)
         for r in data["results"]:
             if r["case"] not in order:
