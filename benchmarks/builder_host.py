@@ -21,6 +21,10 @@ n tokens, graph-padded as vLLM pads a FULL decode graph: padding requests of
   kernel or a DeepGEMM call counts as one op;
 * ``host_ops``: ATen ops on host tensors; ``syncs``: scalar reads of device
   tensors (must be 0);
+* ``py_calls``: Python function calls per ``build()`` (cProfile over
+  :data:`PROFILED_BUILDS` builds; C functions count too): the host cost that
+  does not depend on the CPU's speed of the moment (not counted with
+  ``--by-function``, whose wrappers would add theirs);
 * with ``--by-function``: the plugin's functions' inclusive µs and device
   ops per call.
 
@@ -33,8 +37,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import functools
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -45,6 +51,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+PROFILED_BUILDS = 20  # builds under cProfile per batch (py_calls)
+
+
+def python_calls(build, builds: int = PROFILED_BUILDS) -> float:
+    """Python (and C) function calls per call of ``build()``, over ``builds`` calls."""
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        for _ in range(builds):
+            build()
+    finally:
+        prof.disable()
+    return sum(entry[1] for entry in pstats.Stats(prof).stats.values()) / builds
+
 
 # The functions of the plugin's builder modules whose cost is broken down.
 PLUGIN_FUNCTIONS = ("_split_outcome", "_record_stock_only", "_decode_splits", "step_facts",
@@ -248,8 +269,11 @@ def measure(mode: str, k: int, batches, calls: int, context: int, by_function: b
                 finally:
                     _COUNTER.pop()
                 steps = stats.snapshot()["steps"]
+                calls_per_build = (None if costs.us or by_function
+                                   else python_calls(lambda: builder.build(0, cm)))
                 entry = dict(requests=len(real), padded_tokens=num_tokens,
                              us=round(statistics.median(times), 1), dev_ops=counter.dev_ops,
+                             py_calls=calls_per_build,
                              host_ops=counter.host_ops, views=counter.views,
                              syncs=counter.syncs, ops=counter.log,
                              path=max(steps, key=steps.get) if any(steps.values()) else None)
@@ -325,14 +349,18 @@ def main(argv=None) -> int:
         args.cudagraph_mode, line, args.adaptive)))
     print(f"µs: medians of {args.rounds} rounds, stock's and the plugin's alternating; "
           f"plugin extra: its µs minus stock's in the same round (median [min, max])")
-    print(f"{'batch':>10} {'tokens':>6} | {'stock us':>8} {'ops':>4} | {'plugin us':>9} {'ops':>4}"
-          f" {'host':>4} {'syncs':>5} | {'plugin extra':>22} | plugin path")
+    print(f"{'batch':>10} {'tokens':>6} | {'stock us':>8} {'ops':>4} {'calls':>5} | "
+          f"{'plugin us':>9} {'ops':>4} {'calls':>5} {'host':>4} {'syncs':>5} | "
+          f"{'plugin extra':>22} | plugin path")
     for label, *_ in batches:
         s, q = res["stock"][label], res["plugin"][label]
         extra = "{:>6} [{}, {}]".format(*q["extra_us"])
-        print(f"{label:>10} {s['padded_tokens']:>6} | {s['us']:>8} {s['dev_ops']:>4} | "
-              f"{q['us']:>9} {q['dev_ops']:>4} {q['host_ops']:>4} {q['syncs']:>5} | "
-              f"{extra:>22} | {q['path']}")
+
+        def calls(entry):
+            return "-" if entry.get("py_calls") is None else f"{entry['py_calls']:.0f}"
+        print(f"{label:>10} {s['padded_tokens']:>6} | {s['us']:>8} {s['dev_ops']:>4} "
+              f"{calls(s):>5} | {q['us']:>9} {q['dev_ops']:>4} {calls(q):>5} "
+              f"{q['host_ops']:>4} {q['syncs']:>5} | {extra:>22} | {q['path']}")
         for name, c in q.get("functions", {}).items():
             print(f"{'':>12} {name:<32} {c['us']:>8} us {c['dev_ops']:>3} ops")
     if args.json:

@@ -62,3 +62,23 @@ def test_modes_alternate_and_the_extra_is_taken_within_a_round(rounds):
     assert "extra_us" not in got["stock"]["B1 x4"]
     with pytest.raises(ValueError, match="--rounds: expected an int >= 1"):
         bh.interleaved(0, run)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_python_calls_count_each_call_of_a_build(seed):
+    """python_calls counts calls per build: a function making n known calls
+    reads n more than an empty one (each is one call itself), whatever the
+    count of profiled builds."""
+    rng = random.Random(seed)
+    n, builds = rng.randint(1, 40), rng.randint(1, 30)
+
+    def leaf():
+        return None
+
+    def build():
+        for _ in range(n):
+            leaf()
+
+    base = bh.python_calls(lambda: None, builds)
+    assert base >= 1
+    assert bh.python_calls(build, builds) - base == pytest.approx(n)
