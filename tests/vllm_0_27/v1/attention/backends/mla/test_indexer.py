@@ -1,6 +1,6 @@
 """The patched DeepseekV32IndexerMetadataBuilder, driven through vLLM 0.27.1's own build()."""
 
-
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -724,10 +724,9 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, mode, plain_
 def test_steps_left_to_stock_count_as_their_lengths_say(monkeypatch, seed):
     """A step left to stock's own build counts its path without reading the
     requests' lengths when they are uniform and unpadded; every kind of such
-    step (uniform, graph-padded, variable, one-token) counts exactly as
-    counting from its lengths does (:func:`_record_step`)."""
-    from vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla import indexer as pix
-
+    step (uniform, graph-padded, variable, one-token) counts as its lengths
+    say: stock flattened, native where no request has two tokens, variable
+    where the real requests' lengths differ (graph padding does not count)."""
     builder = _hopper_next4_builder(monkeypatch, "FULL_AND_PIECEWISE")
     gen = torch.Generator().manual_seed(seed)
     kinds = []
@@ -747,10 +746,12 @@ def test_steps_left_to_stock_count_as_their_lengths_say(monkeypatch, seed):
         md = builder.build(0, cm)
         got = stats.snapshot()
         assert md.decode.indices is None, lens  # left to stock
-        stats.reset()
-        pix._record_step(builder, cm, md, "stock_flattened")
-        assert got == stats.snapshot(), lens
+        real = [n for n in lens if n]
+        path = "stock_flattened" if max(real) > 1 else "stock_native"
+        assert {p for p, c in got["steps"].items() if c} == {path}, lens
         assert sum(got["steps"].values()) == 1
+        assert sum(got["variable"].values()) == (min(real) != max(real)), lens
+        assert sum(got["mixed"].values()) == 0
 
 
 def launcher_module():
@@ -832,3 +833,35 @@ def test_a_failed_ids_write_is_not_taken_for_a_held_layout(monkeypatch):
     md, bt = _build(builder, [4, 4], [300, 400])
     assert md.decode.indices.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     _check_varlen_decode(md, builder, [4, 4], [300, 400], bt)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_step_facts_of_uniform_unpadded_steps_are_what_the_lengths_give(seed):
+    """step_facts reads two host offsets on a uniform step without graph
+    padding; on every kind of step (uniform, padded, variable, one-token, with
+    prefills after the decodes) its facts equal those of the requests' lengths
+    (``StepFacts.from_decode_lens``)."""
+    from vllm_dsa_varlen.policy import StepFacts
+    from vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla import indexer as pix
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        n = rng.randint(1, 12)
+        kind = rng.choice(["uniform", "padded", "variable", "plain"])
+        top = 1 if kind == "plain" else rng.randint(2, 4)
+        lens = ([top] * n if kind in ("uniform", "plain") else
+                [rng.randint(1, top) for _ in range(n)])
+        if kind == "padded":
+            lens = [top] * n + [0] * rng.randint(1, 3)
+        decodes = len(lens)
+        prefills = [rng.randint(5, 40) for _ in range(rng.choice([0, 0, 2]))]
+        rows = sum(lens) if kind != "padded" else decodes * top
+        starts = [0]
+        for x in lens + prefills:
+            starts.append(starts[-1] + x)
+        cm = SimpleNamespace(num_reqs=decodes + len(prefills),
+                             max_query_len=max(lens + prefills),
+                             query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32),
+                             max_seq_len=rng.randint(1, 70000))
+        want = StepFacts.from_decode_lens(lens, rows=rows, max_context=cm.max_seq_len)
+        assert pix.step_facts(cm, decodes, rows) == want, (kind, lens, prefills)

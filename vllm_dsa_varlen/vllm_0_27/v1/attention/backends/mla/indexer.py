@@ -449,15 +449,28 @@ def _step_decode_lens(builder: Any, common: Any, num_decodes: int) -> list[int]:
     return lens
 
 
+def _uniform_unpadded(common: Any, num_decodes: int, num_decode_tokens: int) -> bool:
+    """Every request a decode of ``max_query_len`` tokens, no graph padding:
+    :func:`vllm_dsa_varlen.policy.uniform_unpadded` (O(1), two host offsets)."""
+    return policy.uniform_unpadded(common.num_reqs, common.max_query_len, num_decodes,
+                                   num_decode_tokens, common.query_start_loc_cpu)
+
+
 def step_facts(common: Any, num_decodes: int, num_decode_tokens: int,
                decode_lens: list[int] | None = None) -> policy.StepFacts:
     """:class:`vllm_dsa_varlen.policy.StepFacts` of a step's decode part, from
     host-known values only (``decode_lens``: the step's
-    :func:`_decode_lens_cpu`, when the caller has them)."""
+    :func:`_decode_lens_cpu`, when the caller has them).  O(1) on a uniform
+    step without graph padding (the facts ``from_decode_lens`` would find)."""
+    max_context = max(0, int(common.max_seq_len))
+    if _uniform_unpadded(common, num_decodes, num_decode_tokens):
+        return policy.StepFacts(rows=num_decode_tokens, requests=num_decodes,
+                                max_run=common.max_query_len, uniform=True,
+                                max_context=max_context, tokens=num_decode_tokens)
     if decode_lens is None:
         decode_lens = _decode_lens_cpu(common, num_decodes)
-    return policy.StepFacts.from_decode_lens(
-        decode_lens, rows=num_decode_tokens, max_context=max(0, int(common.max_seq_len)))
+    return policy.StepFacts.from_decode_lens(decode_lens, rows=num_decode_tokens,
+                                             max_context=max_context)
 
 
 def _decode_splits(builder: Any, common: Any) -> tuple[tuple, tuple]:
@@ -505,11 +518,15 @@ def _record_step(builder: Any, common: Any, metadata: Any, path: str | None) -> 
     (flattened, split, or native).  A stock call on one row per token is
     "flattened" only where requests carry several tokens (a plain step's rows
     are stock's native ones); graph-padding requests (no tokens) do not make a
-    step variable."""
+    step variable.  O(1) on a uniform step without graph padding, else the
+    requests' lengths are read."""
     num_decodes = getattr(metadata, "num_decodes", 0)
     if not num_decodes:
         return
-    lens = [n for n in _step_decode_lens(builder, common, num_decodes) if n > 0] or [0]
+    if _uniform_unpadded(common, num_decodes, metadata.num_decode_tokens):
+        lens = [common.max_query_len]  # (O(1): the requests' lengths, all equal)
+    else:
+        lens = [n for n in _step_decode_lens(builder, common, num_decodes) if n > 0] or [0]
     if path is None:
         if getattr(builder, "use_flattening", False):
             path = "stock_flattened"
@@ -524,23 +541,6 @@ def _record_step(builder: Any, common: Any, metadata: Any, path: str | None) -> 
         path = "stock_native"
     stats.record(path, variable=min(lens) != max(lens),
                  mixed=getattr(metadata, "num_prefills", 0) > 0)
-
-
-def _record_stock_only(builder: Any, common: Any, metadata: Any) -> None:
-    """Count a step of :func:`_stock_only_step` as :func:`_record_step` would
-    (stock's flattened call, native where every request has one token), in
-    O(1) where the decodes are uniform and unpadded
-    (:func:`vllm_dsa_varlen.policy.uniform_unpadded`); other steps read the
-    requests' lengths (graph-padding requests do not make a step variable)."""
-    num_decodes = getattr(metadata, "num_decodes", 0)
-    longest = common.max_query_len
-    if num_decodes and policy.uniform_unpadded(common.num_reqs, longest, num_decodes,
-                                               metadata.num_decode_tokens,
-                                               common.query_start_loc_cpu):
-        stats.record("stock_flattened" if longest > 1 else "stock_native", variable=False,
-                     mixed=getattr(metadata, "num_prefills", 0) > 0)
-        return
-    _record_step(builder, common, metadata, "stock_flattened")
 
 
 def _graph_kernel(builder: Any) -> str:
@@ -644,7 +644,8 @@ def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
             return metadata
         if _stock_only_step(self, common_attn_metadata):
             metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
-            _record_stock_only(self, common_attn_metadata, metadata)
+            # stock's flattened call (native where every request has one token)
+            _record_step(self, common_attn_metadata, metadata, "stock_flattened")
             return metadata
         split_mode = path.per_step == "split"
         outcome = _split_outcome(self, common_attn_metadata) if split_mode else None
