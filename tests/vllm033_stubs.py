@@ -91,15 +91,17 @@ def make_builder(monkeypatch, *, next_n: int, width: int = 64, page: int = 64,
 
 def last_step_choice(builder, cm):
     """The plugin builder's classification of its last step ``cm``; a step
-    left to stock before classifying (``last_step_stock_only``) is classified
-    here, and that classification must leave it to stock too."""
+    left to stock before classifying (``last_step_stock_only``: flattened or
+    native) is classified here, and that classification must leave it to
+    stock too."""
     from vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla import indexer as ours
 
     if not builder.last_step_stock_only:
         return builder.last_step_choice
     assert builder.last_step_choice is None
     choice = ours.classify_step(builder, cm)
-    assert choice.stock == "flattened" and not choice.plan and not choice.varlen, choice
+    assert choice.stock in ("flattened", "native") and not choice.plan and not choice.varlen, \
+        choice
     return choice
 
 

@@ -352,10 +352,12 @@ def test_varlen_equals_stock_run_on_native_steps(world, next_n, lens, table):
             if table == "all_win":
                 mp.setattr(policy, "MEASURED", ALL_WIN)
             builder = world.builder(mp, next_n, False, "dense", mode)
-            md = builder.build(0, decode_batch(lens, seqs, block_table))
+            cm = decode_batch(lens, seqs, block_table)
+            md = builder.build(0, cm)
             if mode == "auto":
-                assert builder.last_step_choice.stock == "native"
-                assert builder.last_step_choice.varlen is (table == "all_win")
+                choice = last_step_choice(builder, cm)
+                assert choice.stock == "native"
+                assert choice.varlen is (table == "all_win")
             logits, ctx, token_row = decode_branch(md, q_tok, w_tok, world.kv_cache, max_len)
             index = torch.tensor(token_row, dtype=torch.long)
             ids = md.decode.indices

@@ -635,3 +635,60 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, next_n, adap
     # stock's uniform branch ran (never under adaptive verification), DeepGEMM was called
     assert (uniform_kernel.launches > 0) is not adaptive
     assert dg.calls_to("fp8_fp4_paged_mqa_logits")
+
+
+@pytest.mark.parametrize("next_n", [2, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_native_steps_no_rule_can_take_skip_the_classification(monkeypatch, next_n, seed):
+    """A native builder (SM90, next_n 2 or 4, the measured table: no rule
+    against stock's native kernel): an all-decode uniform step without graph
+    padding of a length the native kernel takes is left to stock before any
+    classification, and classifying it would find the same (stock native, not
+    varlen) and count it the same; graph-padded, variable, mixed and
+    flattened (3-token) steps are classified.  With a rule against native
+    (every step wins) nothing is skipped."""
+    import random
+
+    _hopper(monkeypatch)
+    _stub_stock_triton(monkeypatch)
+    patches.apply_all(line="0.33")
+    builder = make_builder(monkeypatch, next_n=next_n, max_seqs=64)
+    assert not builder.use_flattening
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    seen = set()
+    for _ in range(30):
+        kind = rng.choice(["uniform", "plain", "padded", "variable", "mixed", "three"])
+        n = rng.randint(1, 12)
+        run = {"plain": 1, "three": 3}.get(kind, next_n)
+        if kind == "three" and next_n == 2:
+            run = 2
+        lens = ([run] * n if kind in ("uniform", "plain", "three") else
+                [run] * n + [0] * rng.randint(1, 3) if kind == "padded" else
+                [rng.randint(1, next_n) for _ in range(n)] if kind == "variable" else
+                [next_n] * n + [rng.randint(next_n + 1, 40)])
+        seqs = [x + rng.randint(1, 3000) if x else 0 for x in lens]
+        size = len(lens) * max(lens) if kind == "padded" else sum(lens)
+        cm = decode_batch(lens, seqs, _table(gen, len(lens)), num_tokens=size)
+        stats.reset()
+        builder.build(0, cm)
+        got = stats.snapshot()
+        choice = ours.classify_step(builder, cm)
+        skipped = builder.last_step_stock_only
+        one = lens[0]
+        want_skip = (kind != "mixed" and 0 not in lens and lens == [one] * len(lens)
+                     and (one == 1 or ix._supports_native_decode(one)))
+        assert skipped == want_skip, (kind, lens)
+        seen.add(skipped)
+        if skipped:
+            assert choice.stock == "native" and not choice.varlen and not choice.plan
+            assert got["steps"]["stock_native"] == 1 and sum(got["steps"].values()) == 1
+            assert sum(got["variable"].values()) == sum(got["mixed"].values()) == 0
+        else:
+            assert builder.last_step_choice == choice
+    assert seen == {True, False}
+    _all_win(monkeypatch)
+    for lens in ([next_n] * 5, [1] * 7):
+        cm = decode_batch(lens, [x + 100 for x in lens], _table(gen, len(lens)))
+        builder.build(0, cm)
+        assert not builder.last_step_stock_only and builder.last_step_choice.varlen

@@ -405,19 +405,45 @@ def _stock_only_step(builder: Any, cm: Any) -> bool:
     return builder.use_flattening and _left_to_stock(builder, cm, longest)
 
 
-def _record_stock_only(cm: Any, metadata: Any) -> None:
-    """Count a step of :func:`_stock_only_step` as :func:`classify_step` and
-    :func:`step_path` would (stock's flattened call), from the decode count
-    stock's build found; graph-padding requests (no tokens) do not make it
-    variable."""
+def _native_stock_only(builder: Any, cm: Any) -> bool:
+    """A native-kernel builder's step that stock's native kernel serves and no
+    rule can send to varlen, decided before :func:`classify_step` from O(1)
+    host ints: every request a decode of ``max_query_len`` tokens with no graph
+    padding (:func:`vllm_dsa_varlen.policy.uniform_unpadded`; with
+    ``max_query_len <= decode_threshold`` and no PCP vLLM's split counts every
+    request a decode), a length stock's native kernel takes, and no rule
+    against it for such runs (:func:`vllm_dsa_varlen.policy.min_varlen_rows`).
+    :func:`classify_step` would find stock native, not varlen; a graph-padded
+    replay of the same key is classified and finds the same."""
+    if builder.use_flattening or builder.use_pcp:
+        return False
+    longest = int(cm.max_query_len)
+    next_n = builder.num_speculative_tokens + 1
+    if not 1 <= longest <= min(next_n, builder.decode_threshold):
+        return False
+    if longest > 1 and not _ix._supports_native_decode(longest):
+        return False
+    if policy.min_varlen_rows("native", kernel=builder.varlen_graph_kernel,
+                              max_run=longest) is not None:
+        return False
+    return uniform_unpadded(cm.num_reqs, longest, cm.num_reqs, cm.num_actual_tokens,
+                            cm.query_start_loc_cpu)
+
+
+def _record_stock_only(cm: Any, metadata: Any, stock: str) -> None:
+    """Count a step left to stock before classifying (:func:`_stock_only_step`:
+    ``stock`` "flattened"; :func:`_native_stock_only`: "native", uniform by
+    construction) as :func:`classify_step` and :func:`step_path` would, from
+    the decode count stock's build found; graph-padding requests (no tokens) do
+    not make a step variable."""
     num_decodes = getattr(metadata, "num_decodes", 0)
     if not num_decodes:
         return
-    variable = not (uniform_unpadded(cm.num_reqs, cm.max_query_len, num_decodes,
-                                     metadata.num_decode_tokens, cm.query_start_loc_cpu)
-                    or StepFacts.from_query_starts(
-                        cm.query_start_loc_cpu[: num_decodes + 1]).uniform)
-    stats.record("stock_flattened", variable=variable,
+    variable = stock != "native" and not (
+        uniform_unpadded(cm.num_reqs, cm.max_query_len, num_decodes,
+                         metadata.num_decode_tokens, cm.query_start_loc_cpu)
+        or StepFacts.from_query_starts(cm.query_start_loc_cpu[: num_decodes + 1]).uniform)
+    stats.record(f"stock_{stock}", variable=variable,
                  mixed=getattr(metadata, "num_prefills", 0) > 0)
 
 
@@ -563,11 +589,13 @@ def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         if not getattr(self, "use_varlen", False):
             return original(self, common_prefix_len, common_attn_metadata, fast_build)
-        self.last_step_stock_only = _stock_only_step(self, common_attn_metadata)
-        if self.last_step_stock_only:
+        stock_only = ("flattened" if _stock_only_step(self, common_attn_metadata) else
+                      "native" if _native_stock_only(self, common_attn_metadata) else None)
+        self.last_step_stock_only = stock_only is not None
+        if stock_only:
             self.last_step_choice = None
             metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
-            _record_stock_only(common_attn_metadata, metadata)
+            _record_stock_only(common_attn_metadata, metadata, stock_only)
             return metadata
         choice = classify_step(self, common_attn_metadata)
         self.last_step_choice = choice
