@@ -62,6 +62,8 @@ import time
 
 MODES = {"stock": "stock", "plugin": "auto"}
 BOTH = "both"  # a child running both modes' engines in one process
+# the cudagraph_mode each --graph-mode asks vLLM for
+GRAPH_MODES = {"default": "FULL_AND_PIECEWISE", "full": "FULL", "none": "FULL_DECODE_ONLY"}
 
 TINY_CONFIG = {
     "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
@@ -921,10 +923,6 @@ def parent(args) -> int:
                 runs = this
         result["per_k"][str(k)] = k_entry(runs, repeats)
     return finish(args, result)
-
-
-# the cudagraph_mode each --graph-mode asks vLLM for
-GRAPH_MODES = {"default": "FULL_AND_PIECEWISE", "full": "FULL", "none": "FULL_DECODE_ONLY"}
 
 
 def graph_mode_notes(runs: dict) -> list[str]:
