@@ -692,3 +692,27 @@ def test_native_steps_no_rule_can_take_skip_the_classification(monkeypatch, next
         cm = decode_batch(lens, [x + 100 for x in lens], _table(gen, len(lens)))
         builder.build(0, cm)
         assert not builder.last_step_stock_only and builder.last_step_choice.varlen
+
+
+def test_planned_prepare_reads_its_arguments_by_name_or_position(monkeypatch):
+    """During a planned build the wrapped ``_prepare_decode_tensors`` hands the
+    planner the same arguments whether stock passes them by name (as 0.33.0
+    does) or by position."""
+    seen = []
+    monkeypatch.setattr(ours, "_plan_varlen_rows",
+                        lambda builder, stock, *args: seen.append(args) or "planned")
+
+    def original(self, seq_lens, block_table, decode_lens, decode_lens_cpu, query_start_loc,
+                 num_decodes, num_decode_tokens, use_native, next_n, max_decode_len):
+        return "stock"
+
+    wrapped = ours.wrap_prepare_decode_tensors(original)
+    builder = type("B", (), {"_varlen_planning": True})()
+    values = dict(seq_lens="s", block_table="b", decode_lens="d", decode_lens_cpu="dc",
+                  query_start_loc="q", num_decodes=3, num_decode_tokens=9, use_native=False,
+                  next_n=3, max_decode_len=3)
+    assert wrapped(builder, **values) == "planned"
+    assert wrapped(builder, *values.values()) == "planned"
+    assert seen[0] == seen[1] == ("s", "b", "dc", 3, 9, 3)
+    builder._varlen_planning = False
+    assert wrapped(builder, **values) == "stock"

@@ -525,6 +525,11 @@ def _plan_varlen_rows(builder: Any, stock: Callable[[], Any], seq_lens: torch.Te
     return rows.context_lens, rows.block_table, one_token_each, rows.num_rows, False
 
 
+# the arguments of stock's _prepare_decode_tensors a planned build reads
+_PREPARE_ARGS = frozenset(("seq_lens", "block_table", "decode_lens_cpu", "num_decodes",
+                           "num_decode_tokens", "max_decode_len"))
+
+
 def wrap_prepare_decode_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
     """``_prepare_decode_tensors`` replacement.  During a planned build:
     ``(int32 [R], int32 [R, W], int32 [R] of 1, R, False)`` (see
@@ -536,7 +541,10 @@ def wrap_prepare_decode_tensors(original: Callable[..., Any]) -> Callable[..., A
     def _prepare_decode_tensors(self, *args, **kwargs):
         if not getattr(self, "_varlen_planning", False):
             return original(self, *args, **kwargs)
-        a = signature.bind(self, *args, **kwargs).arguments
+        # stock passes every argument by name: no binding (its parameter walk
+        # was a third of the plugin's Python calls on a varlen step)
+        a = (kwargs if not args and _PREPARE_ARGS <= kwargs.keys()
+             else signature.bind(self, *args, **kwargs).arguments)
         return _plan_varlen_rows(self, functools.partial(original, self, *args, **kwargs),
                                  a["seq_lens"], a["block_table"], a["decode_lens_cpu"],
                                  a["num_decodes"], a["num_decode_tokens"], a["max_decode_len"])
