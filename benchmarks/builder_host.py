@@ -269,7 +269,7 @@ def measure(mode: str, k: int, batches, calls: int, context: int, by_function: b
                 finally:
                     _COUNTER.pop()
                 steps = stats.snapshot()["steps"]
-                calls_per_build = (None if costs.us or by_function
+                calls_per_build = (None if by_function
                                    else python_calls(lambda: builder.build(0, cm)))
                 entry = dict(requests=len(real), padded_tokens=num_tokens,
                              us=round(statistics.median(times), 1), dev_ops=counter.dev_ops,
@@ -352,12 +352,12 @@ def main(argv=None) -> int:
     print(f"{'batch':>10} {'tokens':>6} | {'stock us':>8} {'ops':>4} {'calls':>5} | "
           f"{'plugin us':>9} {'ops':>4} {'calls':>5} {'host':>4} {'syncs':>5} | "
           f"{'plugin extra':>22} | plugin path")
+    def calls(entry):
+        return "-" if entry.get("py_calls") is None else f"{entry['py_calls']:.0f}"
+
     for label, *_ in batches:
         s, q = res["stock"][label], res["plugin"][label]
         extra = "{:>6} [{}, {}]".format(*q["extra_us"])
-
-        def calls(entry):
-            return "-" if entry.get("py_calls") is None else f"{entry['py_calls']:.0f}"
         print(f"{label:>10} {s['padded_tokens']:>6} | {s['us']:>8} {s['dev_ops']:>4} "
               f"{calls(s):>5} | {q['us']:>9} {q['dev_ops']:>4} {calls(q):>5} "
               f"{q['host_ops']:>4} {q['syncs']:>5} | {extra:>22} | {q['path']}")

@@ -340,12 +340,11 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
     max_run, uniform = lens_facts.max_run, lens_facts.uniform
     if max_run == 0:  # only graph-padding requests: nothing to choose
         return None
-    next_n = builder.num_speculative_tokens + 1
     if builder.use_flattening:
         stock = "flattened"
     elif not uniform and _split(builder, cm, require_uniform=True)[0] < num_decodes:
         stock = "split"
-    elif max_run <= 1 or (max_run <= next_n and _ix._supports_native_decode(max_run)):
+    elif _native_serves(builder, max_run):
         stock = "native"
     else:
         stock = "flattened"
@@ -361,6 +360,13 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
         return StepChoice(facts, stock, varlen=False, plan=False)
     varlen = varlen_wins(facts, stock, kernel=builder.varlen_graph_kernel)
     return StepChoice(facts, stock, varlen, plan=varlen or stock == "flattened")
+
+
+def _native_serves(builder: Any, max_run: int) -> bool:
+    """Whether stock's native kernel takes a uniform step of ``max_run``-token
+    requests (one token each, or up to ``next_n`` where DeepGEMM has the size)."""
+    next_n = builder.num_speculative_tokens + 1
+    return max_run <= 1 or (max_run <= next_n and _ix._supports_native_decode(max_run))
 
 
 def _left_to_stock(builder: Any, cm: Any, max_run: int) -> bool:
@@ -418,10 +424,7 @@ def _native_stock_only(builder: Any, cm: Any) -> bool:
     if builder.use_flattening or builder.use_pcp:
         return False
     longest = int(cm.max_query_len)
-    next_n = builder.num_speculative_tokens + 1
-    if not 1 <= longest <= min(next_n, builder.decode_threshold):
-        return False
-    if longest > 1 and not _ix._supports_native_decode(longest):
+    if not 1 <= longest <= builder.decode_threshold or not _native_serves(builder, longest):
         return False
     if policy.min_varlen_rows("native", kernel=builder.varlen_graph_kernel,
                               max_run=longest) is not None:
