@@ -7,7 +7,7 @@ measured.
 
 ``DIR``: folders holding an ``e2e.json`` or ``e2e.json.xz`` (``--merge``'s
 output, as ``publish_e2e.py`` keeps it) and the ``run-*.json[.xz]`` files
-beside it, oldest first: a later folder's cell replaces an earlier one's (the
+beside it (the vLLM version is read from them, else from ``e2e.json``), oldest first: a later folder's cell replaces an earlier one's (the
 earlier one stays listed).  Runs of another vLLM version than ``--vllm`` are
 left out.  Prints a Markdown table: stock -> plugin TPOT, the gain (bracketed
 where the plugin ran stock's path on every verification step, so both modes
@@ -53,13 +53,18 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
         run_path = (_one(folder, f"run-stock-k{k}.json") or _one(folder, f"run-stock-k{k}.json.xz")
                     or _one(folder, f"run-*-k{k}.json*"))
         run = _load(run_path) if run_path else {}
-        version = version or run.get("vllm")
+        # e2e.json names the version itself since ba1c79d's runs; before, only run files did
+        named = [v for v in (entry.get("vllm") or {}).values() if v]
+        version = version or run.get("vllm") or (named[0] if named else None)
+        one_process = bool(run.get("same_process")) or any(
+            r.get("mode") == "both" for r in e2e.get("runs", []) if str(r.get("k")) == k)
         ran_mode = (entry.get("cudagraph_mode") or {}).get("stock") or run.get("cudagraph_mode")
         traces = entry.get("trace") or {}
         for row in entry.get("comparison", {}).get("rows", []):
             if row.get("skipped"):
                 cells.append({"k": int(k), "batch": row["batch"], "prompt": row["prompt"],
-                              "skipped": row["skipped"], "source": folder})
+                              "skipped": row["skipped"], "one_process": one_process,
+                              "source": folder})
                 continue
             if row.get("speedup") is None:
                 continue
@@ -76,17 +81,24 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
                 "tokens_identical": row.get("tokens_identical"),
                 "varlen": paths.get("varlen", 0) > 0,
                 "share": share if len(share) == 2 else None,
-                "one_process": bool(run.get("same_process")),
+                "one_process": one_process,
                 "graph_mode": str(ran_mode or "?").rpartition(".")[2],
                 "source": folder})
     return version, cells
 
 
 def grid(folders: list[str], vllm: str) -> dict:
-    """(k, batch, prompt) -> the cells measured there, oldest first."""
+    """(k, batch, prompt) -> the cells measured there, oldest first.  A folder
+    written ``DIR@VERSION`` is taken as a run of that vLLM version where its
+    files do not name one (a run whose run files did not come back)."""
     got: dict = {}
-    for folder in folders:
+    for spec in folders:
+        folder, _, given = spec.partition("@")
         version, cells = folder_cells(folder)
+        if version is None:
+            version = given or None
+        elif given and given != version:
+            raise SystemExit(f"{folder}: its files name vLLM {version}, not {given}")
         if version != vllm:
             continue
         for cell in cells:
@@ -108,7 +120,11 @@ def table(got: dict, root: str = "") -> str:
                 ran = got.get((k, b, p), [])
                 cells = [x for x in ran if "skipped" not in x]
                 if not cells:
-                    why = f"skipped: {ran[-1]['skipped']}" if ran else "not run"
+                    why = "not run"
+                    if ran:
+                        where = " in one process (two engines' KV caches)" \
+                            if ran[-1]["one_process"] else ""
+                        why = f"skipped{where}: {ran[-1]['skipped']}"
                     lines.append(f"| {k} | {b} | {_prompt(p)} | {why} | | | | | | | | |")
                     continue
                 c = cells[-1]
@@ -133,7 +149,8 @@ def table(got: dict, root: str = "") -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("folders", nargs="+", help="kept run folders, oldest first")
+    ap.add_argument("folders", nargs="+", help="kept run folders, oldest first; DIR@VERSION names the vLLM version of "
+                         "a folder whose files do not")
     ap.add_argument("--vllm", required=True, help="the vLLM version whose runs count")
     ap.add_argument("--root", default="", help="print sources relative to this folder")
     args = ap.parse_args(argv)

@@ -944,7 +944,8 @@ def k_entry(runs: dict, repeats: list[dict]) -> dict:
     """One k's part of e2e.json from its processes' results (``runs``: the
     first repeat's, by mode; ``repeats``: every repeat's)."""
     runs = {m: r for m, r in runs.items() if r and "cases" in r}
-    entry = {"init_s": {m: r["init_s"] for m, r in runs.items()},
+    entry = {"vllm": {m: r.get("vllm") for m, r in runs.items()},
+             "init_s": {m: r["init_s"] for m, r in runs.items()},
              "cudagraph_mode": {m: r.get("cudagraph_mode") for m, r in runs.items()},
              "graph_mode_notes": graph_mode_notes(runs),
              "cudagraph_capture_sizes": {m: r.get("cudagraph_capture_sizes")

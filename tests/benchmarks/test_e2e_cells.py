@@ -24,14 +24,20 @@ def _row(rng, batch, prompt, varlen):
                              "stock_flattened": 0 if varlen else 254}}
 
 
-def _folder(tmp_path, name, version, k, rows, same_process=False, trace=None, xz=True):
+def _folder(tmp_path, name, version, k, rows, same_process=False, trace=None, xz=True,
+            run_files=True, e2e_version=None):
     folder = tmp_path / name
     folder.mkdir()
     entry = {"cudagraph_mode": {"stock": "CUDAGraphMode.FULL_AND_PIECEWISE"},
              "comparison": {"rows": rows}, "trace": trace or {}}
+    if e2e_version:
+        entry["vllm"] = {"stock": e2e_version, "plugin": e2e_version}
+    runs = [{"mode": "both" if same_process else "stock", "k": k}]
     run = {"vllm": version, "same_process": same_process, "cudagraph_mode": "x"}
-    for fname, data in (("e2e.json", {"per_k": {str(k): entry}}),
-                        (f"run-stock-k{k}.json", run)):
+    files = [("e2e.json", {"per_k": {str(k): entry}, "runs": runs})]
+    if run_files:
+        files.append((f"run-stock-k{k}.json", run))
+    for fname, data in files:
         if xz:
             with lzma.open(folder / (fname + ".xz"), "wt") as f:
                 json.dump(data, f)
@@ -46,6 +52,7 @@ def test_the_latest_run_of_a_cell_wins_and_the_earlier_stay_listed(tmp_path, see
     old = [_row(rng, 64, 16384, True), _row(rng, 1, 4096, False)]
     new = [_row(rng, 64, 16384, True)]
     other = [_row(rng, 8, 4096, True)]
+    old.append({"batch": 32, "prompt": 32768, "skipped": "does not fit the KV cache (5 tokens)"})
     new.append({"batch": 64, "prompt": 32768, "skipped": "does not fit the KV cache (9 tokens)"})
     trace = {m: {"batch": 64, "prompt": 16384, "indexer_share": s}
              for m, s in (("stock", 0.35), ("plugin", 0.26))}
@@ -53,7 +60,7 @@ def test_the_latest_run_of_a_cell_wins_and_the_earlier_stay_listed(tmp_path, see
                _folder(tmp_path, "b", "0.27.1", 3, new, same_process=True),
                _folder(tmp_path, "c", "0.33.0", 3, other)]
     got = cells.grid(folders, "0.27.1")
-    assert set(got) == {(3, 64, 16384), (3, 1, 4096), (3, 64, 32768)}  # not 0.33.0's
+    assert set(got) == {(3, 64, 16384), (3, 1, 4096), (3, 64, 32768), (3, 32, 32768)}
     assert [c["source"] for c in got[(3, 64, 16384)]] == folders[:2]
     lines = {tuple(x.strip() for x in line.split("|")[1:4]): line
              for line in cells.table(got).splitlines()[2:]}
@@ -62,12 +69,38 @@ def test_the_latest_run_of_a_cell_wins_and_the_earlier_stay_listed(tmp_path, see
     assert f"{new[0]['speedup']:.2f}×" in line and "one process" in line
     assert f"{old[0]['speedup']:.2f}×" in line.split("|")[-2]  # the earlier gain listed
     assert "35 % / 26 %" in line  # the earlier window of the same path
+    assert "| skipped: does not fit the KV cache (5 tokens) |" in lines[("3", "32", "32K")]
     stock_only = lines[("3", "1", "4K")]
     assert f"({old[1]['speedup']:.2f}×)" in stock_only and "| stock |" in stock_only
     assert "not run" in lines[("1", "8", "4K")] and "not run" in lines[("3", "8", "4K")]
-    assert "skipped: does not fit the KV cache (9 tokens)" in lines[("3", "64", "32K")]
+    assert ("skipped in one process (two engines' KV caches): does not fit the KV cache "
+            "(9 tokens)") in lines[("3", "64", "32K")]
 
 
 def test_a_folder_without_its_comparison_is_refused_naming_it(tmp_path):
     with pytest.raises(SystemExit, match="empty: no e2e.json"):
         cells.grid([str(tmp_path / "empty")], "0.27.1")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_version_comes_from_the_run_files_else_e2e_json_else_the_folder_argument(
+        tmp_path, seed):
+    rng = random.Random(seed)
+    rows = [_row(rng, 32, 16384, False),
+            {"batch": 32, "prompt": 32768, "skipped": "does not fit the KV cache (7 tokens)"}]
+    named = _folder(tmp_path, "named", None, 1, rows, same_process=True, run_files=False,
+                    e2e_version="0.27.1")
+    bare = _folder(tmp_path, "bare", None, 2, [_row(rng, 64, 4096, False)],
+                   same_process=True, run_files=False)
+    got = cells.grid([named, bare], "0.27.1")
+    assert set(got) == {(1, 32, 16384), (1, 32, 32768)}  # the bare folder names no version
+    lines = {tuple(x.strip() for x in line.split("|")[1:4]): line
+             for line in cells.table(got).splitlines()[2:]}
+    assert "one process" in lines[("1", "32", "16K")]  # from e2e.json's runs, no run file
+    assert "skipped in one process (two engines' KV caches): does not fit" \
+        in lines[("1", "32", "32K")]
+    got = cells.grid([named, bare + "@0.27.1"], "0.27.1")
+    assert (2, 64, 4096) in got and got[(2, 64, 4096)][0]["one_process"]
+    assert (2, 64, 4096) not in cells.grid([named, bare + "@0.33.0"], "0.27.1")
+    with pytest.raises(SystemExit, match="named: its files name vLLM 0.27.1, not 0.33.0"):
+        cells.grid([named + "@0.33.0"], "0.27.1")

@@ -565,3 +565,16 @@ def test_a_graph_mode_vllm_lowered_is_named_and_one_it_kept_is_not():
     assert len(notes) == 1 and notes[0].startswith("stock: --graph-mode full")
     assert notes[0].endswith("FULL_AND_PIECEWISE")
     assert e2e.graph_mode_notes({"stock": {"graph_mode": "full"}}) == []  # mode unknown
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_k_entry_names_each_modes_vllm_version(seed):
+    """e2e.json says which vLLM ran each mode (a run whose run files are lost
+    still places in the grid)."""
+    rng = random.Random(seed)
+    versions = {m: rng.choice(["0.27.1", "0.33.0"]) for m in ("stock", "plugin")}
+    runs = {m: {"vllm": v, "init_s": rng.uniform(1, 9), "jit": {}, "cases": []}
+            for m, v in versions.items()}
+    entry = e2e.k_entry(runs, [runs])
+    assert entry["vllm"] == versions
+    assert e2e.k_entry({"stock": runs["stock"]}, [])["vllm"] == {"stock": versions["stock"]}
