@@ -874,19 +874,31 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
     check_poisoned(step, out)
 
 
-# ------------------------------------------------ the RAMP builds (A/B: first pages first)
+# ------------------------------------------------ the A/B builds (same arithmetic)
 
-RAMPS = ("RAMP=1", "RAMP=2", "STAGES=2", "STAGES=4")  # the A/B builds, one define each
+# one define each: a ring's first page before the rest of its first fill (RAMP=3:
+# only in CTAs of <= 96 items: the GPU test's last step has ~117 per CTA); 2 or 4
+# pages in flight per ring; a lane's weights read 16 bytes at a time (64 heads)
+RAMPS = ("RAMP=1", "RAMP=2", "RAMP=3", "STAGES=2", "STAGES=4", "WEIGHTS_V4=1")
+HEADS_64_ONLY = ("WEIGHTS_V4=1",)
+
+
+def _ab_builds(heads):
+    return [r for r in RAMPS if heads == 64 or r not in HEADS_64_ONLY]
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC: {NVRTC}")
 @pytest.mark.parametrize("heads", ck.HEAD_COUNTS)
 @pytest.mark.parametrize("ramp", RAMPS)
 def test_ramp_builds_compile_without_spills(ramp, heads):
-    """The A/B builds (a ring's first page before the rest of its first fill;
-    2 or 4 pages in flight per ring): no spills, no wgmma serialization, a
-    binary of their own, shared memory that fits."""
+    """The A/B builds: no spills, no wgmma serialization, a binary of their
+    own, shared memory that fits; a 64-head-only build refuses 32 heads at
+    compile time, naming itself."""
     extra = () if heads == ck.HEADS else (f"-DHEADS={heads}",)
+    if ramp not in _ab_builds(heads):
+        with pytest.raises(RuntimeError, match="WEIGHTS_V4 is a build of the 64-head"):
+            ck.compile_cubin(extra=(f"-D{ramp}", *extra))
+        return
     ramped, log = ck.compile_cubin(extra=("--ptxas-options=-v", f"-D{ramp}", *extra))
     plain, _ = ck.compile_cubin(extra=extra)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
@@ -904,18 +916,22 @@ def test_the_stages_define_resizes_the_hosts_shared_memory():
         assert ck.smem_bytes((f"STAGES={n}",)) - ck.SMEM_BYTES == (n - ck.STAGES) * ck.MATH * slot
     assert (ck.smem_bytes(("STAGES=4", "HEAD_SUM_TC=1"))
             == ck.smem_bytes(("STAGES=4",)) + ck.HEAD_SUM_TC_BYTES)
+    # WEIGHTS_V4: per math warpgroup 2 buffers x GMAX groups x 4 lane classes x 9 float4
+    assert ck.smem_bytes(("WEIGHTS_V4=1",)) - ck.SMEM_BYTES == ck.MATH * 2 * ck.GMAX * 4 * 9 * 16
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("heads", ck.HEAD_COUNTS)
 @pytest.mark.parametrize("shape", [(12, 4, 1500, True), (3, 1, 100, False), (40, 3, 9000, True),
-                                   (130, 2, 700, False)])
+                                   (130, 2, 700, False), (33, 4, 30000, False)])
 def test_ramp_builds_write_the_default_builds_bits(shape, heads):
-    """RAMP and STAGES change only when pages are asked for: on steps where
-    rings get no page, one page or many, and CTAs several segments, each A/B
-    build writes the default build's logits bit for bit, and nothing outside
-    them (poisoned buffers 2 rows and 40 columns larger)."""
+    """RAMP and STAGES change only when pages are asked for, WEIGHTS_V4 only how
+    the weights are read (the same products summed in the same order): on steps
+    where rings get no page, one page or many, chunks a half group, and CTAs
+    several segments, each A/B build writes the default build's logits bit for
+    bit, and nothing outside them (poisoned buffers 2 rows and 40 columns
+    larger)."""
     if NVRTC is not None:
         pytest.skip(f"no NVRTC: {NVRTC}")
     reqs, tokens, context, variable = shape
@@ -925,7 +941,7 @@ def test_ramp_builds_write_the_default_builds_bits(shape, heads):
     ctx = rows.context_lens.view(-1, 1)
     sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1], heads)
     outs = []
-    for defines in [()] + [(r,) for r in RAMPS]:
+    for defines in [()] + [(r,) for r in _ab_builds(heads)]:
         out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
         ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
                   step.max_context_len, out[: rows.num_rows], schedule=sched, defines=defines)

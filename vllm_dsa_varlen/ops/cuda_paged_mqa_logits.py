@@ -110,6 +110,9 @@ SMEM_BYTES = _smem(STAGES)  # every build the launcher takes
 # HEAD_SUM_TC builds: each math warpgroup's double-buffered B fragments of its
 # chunk's weights (8 lane classes x 9 float4 per row group; WT_BYTES in the source).
 HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
+# WEIGHTS_V4 builds (an A/B build, 64 heads): each math warpgroup's double-buffered
+# copy of its chunk's weights by quad lane (4 classes x 9 float4 per row group).
+WEIGHTS_V4_BYTES = MATH * 2 * GMAX * 4 * 9 * 16
 
 # The build by run-length hint (``defines_for``): a step's pages are read once,
 # so with one row group per page (hints <= 2) the page loads carry an L2
@@ -407,10 +410,12 @@ def read_head_sum() -> str:
 
 def smem_bytes(defines: tuple = ()) -> int:
     """Dynamic shared memory of a build (:data:`SMEM_BYTES`; more with
-    ``HEAD_SUM_TC=1``; an A/B build's ``STAGES=n`` resizes the rings)."""
+    ``HEAD_SUM_TC=1`` or ``WEIGHTS_V4=1``; an A/B build's ``STAGES=n`` resizes
+    the rings)."""
     stages = [int(d.partition("=")[2]) for d in defines if d.startswith("STAGES=")]
     return (_smem(stages[-1]) if stages else SMEM_BYTES) + (
-        HEAD_SUM_TC_BYTES if "HEAD_SUM_TC=1" in defines else 0)
+        HEAD_SUM_TC_BYTES if "HEAD_SUM_TC=1" in defines else 0) + (
+        WEIGHTS_V4_BYTES if "WEIGHTS_V4=1" in defines else 0)
 
 
 def rows_per_group(heads: int) -> int:
