@@ -11,7 +11,8 @@ beside it (the vLLM version is read from them, else from ``e2e.json``), oldest f
 earlier one stays listed).  Runs of another vLLM version than ``--vllm`` are
 left out.  Prints a Markdown table: stock -> plugin TPOT, the gain (bracketed
 where the plugin ran stock's path on every verification step, so both modes
-did the same GPU work), the fast-steps gain where recorded, token identity,
+did the same GPU work), the fast-steps gain where recorded, in one process the median of the
+round pairs' ratios (their range, their number), token identity,
 the plugin's path, the indexer's share of the step where a profiled window
 was that cell (the latest such window on the same path), how it was measured
 (a process per mode, or both engines in one) and the graph mode vLLM ran.
@@ -24,6 +25,7 @@ import glob
 import json
 import lzma
 import os
+import statistics
 
 BATCHES = (1, 8, 32, 64)
 PROMPTS = (4096, 16384, 32768)
@@ -39,6 +41,25 @@ def _load(path: str):
 def _one(folder: str, pattern: str) -> str | None:
     found = sorted(glob.glob(os.path.join(folder, pattern)))
     return found[0] if found else None
+
+
+def _round_pairs(folder: str, k: str) -> dict:
+    """(batch, prompt) -> stock ÷ plugin TPOT of each round, from the folder's
+    two run files (empty when one is missing).  In one process the two
+    engines' rounds of a case alternate, so a pair met the same host phase."""
+    runs = []
+    for mode in ("stock", "plugin"):
+        path = _one(folder, f"run-{mode}-k{k}.json") or _one(folder, f"run-{mode}-k{k}.json.xz")
+        if path is None:
+            return {}
+        runs.append(_load(path))
+    pairs = {}
+    for s, p in zip(runs[0].get("cases", []), runs[1].get("cases", [])):
+        ratios = [a["tpot_ms"] / b["tpot_ms"]
+                  for a, b in zip(s.get("rounds") or [], p.get("rounds") or []) if b.get("tpot_ms")]
+        if ratios:
+            pairs[(s["batch"], s["prompt"])] = ratios
+    return pairs
 
 
 def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
@@ -60,6 +81,7 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
             r.get("mode") == "both" for r in e2e.get("runs", []) if str(r.get("k")) == k)
         ran_mode = (entry.get("cudagraph_mode") or {}).get("stock") or run.get("cudagraph_mode")
         traces = entry.get("trace") or {}
+        pairs = _round_pairs(folder, k) if one_process else {}
         for row in entry.get("comparison", {}).get("rows", []):
             if row.get("skipped"):
                 cells.append({"k": int(k), "batch": row["batch"], "prompt": row["prompt"],
@@ -78,6 +100,7 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
                 "stock_tpot_ms": row["stock_tpot_ms"], "plugin_tpot_ms": row["plugin_tpot_ms"],
                 "gain": row["speedup"],
                 "fast_gain": fast[0] / fast[1] if fast and fast[1] else None,
+                "pairs": pairs.get((row["batch"], row["prompt"])),
                 "tokens_identical": row.get("tokens_identical"),
                 "varlen": paths.get("varlen", 0) > 0,
                 "share": share if len(share) == 2 else None,
@@ -111,9 +134,9 @@ def _prompt(n: int) -> str:
 
 
 def table(got: dict, root: str = "") -> str:
-    lines = ["| k | B | L | stock → plugin TPOT ms | gain | fast steps | tokens | plugin path "
-             "| indexer share stock / plugin | how | from | earlier gains |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| k | B | L | stock → plugin TPOT ms | gain | fast steps | round pairs | tokens "
+             "| plugin path | indexer share stock / plugin | how | from | earlier gains |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in KS:
         for b in BATCHES:
             for p in PROMPTS:
@@ -125,7 +148,7 @@ def table(got: dict, root: str = "") -> str:
                         where = " in one process (two engines' KV caches)" \
                             if ran[-1]["one_process"] else ""
                         why = f"skipped{where}: {ran[-1]['skipped']}"
-                    lines.append(f"| {k} | {b} | {_prompt(p)} | {why} | | | | | | | | |")
+                    lines.append(f"| {k} | {b} | {_prompt(p)} | {why} | | | | | | | | | |")
                     continue
                 c = cells[-1]
                 same = not c["varlen"]
@@ -138,9 +161,14 @@ def table(got: dict, root: str = "") -> str:
                 how = ("one process" if c["one_process"] else "a process per mode") + \
                       f", {c['graph_mode']}"
                 earlier = ", ".join(f"{x['gain']:.2f}×" for x in cells[:-1]) or "–"
+                pairs = "–"
+                if c.get("pairs"):
+                    r = sorted(c["pairs"])
+                    pairs = f"{ratio(statistics.median(r))} {r[0]:.2f}–{r[-1]:.2f}, {len(r)}"
                 lines.append(
                     f"| {k} | {b} | {_prompt(p)} | {c['stock_tpot_ms']:.2f} → "
                     f"{c['plugin_tpot_ms']:.2f} | {ratio(c['gain'])} | {ratio(c['fast_gain'])} | "
+                    f"{pairs} | "
                     f"{'identical' if c['tokens_identical'] else 'DIFFER'} | "
                     f"{'varlen' if c['varlen'] else 'stock'} | {share} | {how} | "
                     f"{os.path.relpath(c['source'], root) if root else c['source']} | {earlier} |")

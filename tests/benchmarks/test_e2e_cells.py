@@ -6,6 +6,7 @@ import json
 import lzma
 import os
 import random
+import statistics
 
 import pytest
 
@@ -104,3 +105,32 @@ def test_the_version_comes_from_the_run_files_else_e2e_json_else_the_folder_argu
     assert (2, 64, 4096) not in cells.grid([named, bare + "@0.33.0"], "0.27.1")
     with pytest.raises(SystemExit, match="named: its files name vLLM 0.27.1, not 0.33.0"):
         cells.grid([named + "@0.33.0"], "0.27.1")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_round_pairs_are_shown_for_engines_in_one_process_only(tmp_path, seed):
+    """One process: the median of each round pair's stock ÷ plugin TPOT, its
+    range and count, from the two run files; a process per mode: none."""
+    rng = random.Random(seed)
+    n = rng.randint(2, 6)
+    stock = [rng.uniform(9, 20) for _ in range(n)]
+    plugin = [rng.uniform(9, 20) for _ in range(n)]
+    ratios = sorted(a / b for a, b in zip(stock, plugin))
+    want = statistics.median(ratios)
+    for one in (True, False):
+        folder = tmp_path / f"run-{one}"
+        folder.mkdir()
+        entry = {"comparison": {"rows": [_row(rng, 8, 16384, False)]}}
+        (folder / "e2e.json").write_text(json.dumps({"per_k": {"3": entry}}))
+        for mode, tpots in (("stock", stock), ("plugin", plugin)):
+            run = {"vllm": "0.27.1", "same_process": one,
+                   "cases": [{"batch": 8, "prompt": 16384,
+                              "rounds": [{"tpot_ms": t} for t in tpots]}]}
+            (folder / f"run-{mode}-k3.json").write_text(json.dumps(run))
+        got = cells.grid([str(folder)], "0.27.1")
+        line = [x for x in cells.table(got).splitlines() if x.startswith("| 3 | 8 | 16K")][0]
+        column = line.split("|")[7].strip()
+        if one:
+            assert column == f"({want:.2f}×) {ratios[0]:.2f}–{ratios[-1]:.2f}, {n}"
+        else:
+            assert column == "–"
