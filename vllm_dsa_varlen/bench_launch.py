@@ -168,12 +168,12 @@ def driver_floor(ck, args, out, sched, defines) -> dict:
     fn = int(kern.fn)
 
     def by_ctypes():
-        err = lib(fn, programs, 1, 1, ck.THREADS, 1, 1, kern.smem, ck._stream(index),
+        err = lib(fn, programs, 1, 1, kern.threads, 1, 1, kern.smem, ck._stream(index),
                   kern.params_addr, None)
         if err:
             raise RuntimeError(f"cuLaunchKernel: {err}")
     return {"cuLaunchKernel alone (cuda-python)": lambda: launch_function(
-                drv, kern.fn, kern.ctx, programs, ck.THREADS, kern.smem, ck._stream(index),
+                drv, kern.fn, kern.ctx, programs, kern.threads, kern.smem, ck._stream(index),
                 kern.params_addr),
             "cuLaunchKernel alone (ctypes)": by_ctypes}
 

@@ -876,35 +876,38 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
 
 # ------------------------------------------------ the A/B builds (same arithmetic)
 
-# one define each: a ring's first page before the rest of its first fill (RAMP=3:
-# only in CTAs of <= 96 items: the GPU test's last step has ~117 per CTA); 2 or 4
-# pages in flight per ring; a lane's weights read 16 bytes at a time (64 heads)
-RAMPS = ("RAMP=1", "RAMP=2", "RAMP=3", "STAGES=2", "STAGES=4", "WEIGHTS_V4=1")
-HEADS_64_ONLY = ("WEIGHTS_V4=1",)
+# a ring's first page before the rest of its first fill (RAMP=3: only in CTAs of
+# <= 96 items: the GPU test's last step has ~117 per CTA); 2 or 4 pages in flight
+# per ring; 3 math warpgroups (152 registers), with the chunk's weights held in
+# registers (64 heads)
+AB_BUILDS = (("RAMP=1",), ("RAMP=2",), ("RAMP=3",), ("STAGES=2",), ("STAGES=4",),
+             ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"))
+HEADS_64_ONLY = ("WEIGHTS_REG=1",)
 
 
 def _ab_builds(heads):
-    return [r for r in RAMPS if heads == 64 or r not in HEADS_64_ONLY]
+    return [d for d in AB_BUILDS if heads == 64 or not set(d) & set(HEADS_64_ONLY)]
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC: {NVRTC}")
 @pytest.mark.parametrize("heads", ck.HEAD_COUNTS)
-@pytest.mark.parametrize("ramp", RAMPS)
-def test_ramp_builds_compile_without_spills(ramp, heads):
+@pytest.mark.parametrize("defines", AB_BUILDS, ids="+".join)
+def test_ab_builds_compile_without_spills(defines, heads):
     """The A/B builds: no spills, no wgmma serialization, a binary of their
     own, shared memory that fits; a 64-head-only build refuses 32 heads at
     compile time, naming itself."""
     extra = () if heads == ck.HEADS else (f"-DHEADS={heads}",)
-    if ramp not in _ab_builds(heads):
-        with pytest.raises(RuntimeError, match="WEIGHTS_V4 is a build of the 64-head"):
-            ck.compile_cubin(extra=(f"-D{ramp}", *extra))
+    flags = tuple(f"-D{d}" for d in defines)
+    if defines not in _ab_builds(heads):
+        with pytest.raises(RuntimeError, match="WEIGHTS_REG is a build of 3 math warpgroups"):
+            ck.compile_cubin(extra=(*flags, *extra))
         return
-    ramped, log = ck.compile_cubin(extra=("--ptxas-options=-v", f"-D{ramp}", *extra))
+    built, log = ck.compile_cubin(extra=("--ptxas-options=-v", *flags, *extra))
     plain, _ = ck.compile_cubin(extra=extra)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
     assert "serializ" not in log.lower(), log
-    assert ramped != plain
-    assert ck.smem_bytes((ramp,)) <= 227 * 1024
+    assert built != plain
+    assert ck.smem_bytes(defines) <= 227 * 1024
 
 
 def test_the_stages_define_resizes_the_hosts_shared_memory():
@@ -916,8 +919,13 @@ def test_the_stages_define_resizes_the_hosts_shared_memory():
         assert ck.smem_bytes((f"STAGES={n}",)) - ck.SMEM_BYTES == (n - ck.STAGES) * ck.MATH * slot
     assert (ck.smem_bytes(("STAGES=4", "HEAD_SUM_TC=1"))
             == ck.smem_bytes(("STAGES=4",)) + ck.HEAD_SUM_TC_BYTES)
-    # WEIGHTS_V4: per math warpgroup 2 buffers x GMAX groups x 4 lane classes x 9 float4
-    assert ck.smem_bytes(("WEIGHTS_V4=1",)) - ck.SMEM_BYTES == ck.MATH * 2 * ck.GMAX * 4 * 9 * 16
+    # NUM_MATH=3: one ring (STAGES slots, their scales and mbarriers) fewer, 128 threads fewer
+    ring = ck.STAGES * slot
+    assert ck.smem_bytes(("NUM_MATH=3",)) == ck.SMEM_BYTES - ring
+    assert ck.smem_bytes(("NUM_MATH=3", "STAGES=4")) == ck.smem_bytes(("STAGES=4",)) - 4 * slot
+    assert ck.threads() == ck.THREADS == 640 and ck.threads(("NUM_MATH=3",)) == 512
+    assert (ck.smem_bytes(("NUM_MATH=3", "HEAD_SUM_TC=1"))
+            == ck.smem_bytes(("NUM_MATH=3",)) + ck.HEAD_SUM_TC_BYTES * 3 // 4)
 
 
 @pytest.mark.gpu
@@ -925,13 +933,13 @@ def test_the_stages_define_resizes_the_hosts_shared_memory():
 @pytest.mark.parametrize("heads", ck.HEAD_COUNTS)
 @pytest.mark.parametrize("shape", [(12, 4, 1500, True), (3, 1, 100, False), (40, 3, 9000, True),
                                    (130, 2, 700, False), (33, 4, 30000, False)])
-def test_ramp_builds_write_the_default_builds_bits(shape, heads):
-    """RAMP and STAGES change only when pages are asked for, WEIGHTS_V4 only how
-    the weights are read (the same products summed in the same order): on steps
-    where rings get no page, one page or many, chunks a half group, and CTAs
-    several segments, each A/B build writes the default build's logits bit for
-    bit, and nothing outside them (poisoned buffers 2 rows and 40 columns
-    larger)."""
+def test_ab_builds_write_the_default_builds_bits(shape, heads):
+    """RAMP and STAGES change only when pages are asked for, NUM_MATH=3 which
+    warpgroup takes a page and WEIGHTS_REG where the weights are read from (the
+    same products summed in the same order): on steps where rings get no page,
+    one page or many, chunks a half group, and CTAs several segments, each A/B
+    build writes the default build's logits bit for bit, and nothing outside
+    them (poisoned buffers 2 rows and 40 columns larger)."""
     if NVRTC is not None:
         pytest.skip(f"no NVRTC: {NVRTC}")
     reqs, tokens, context, variable = shape
@@ -941,7 +949,7 @@ def test_ramp_builds_write_the_default_builds_bits(shape, heads):
     ctx = rows.context_lens.view(-1, 1)
     sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1], heads)
     outs = []
-    for defines in [()] + [(r,) for r in _ab_builds(heads)]:
+    for defines in [()] + _ab_builds(heads):
         out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
         ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
                   step.max_context_len, out[: rows.num_rows], schedule=sched, defines=defines)

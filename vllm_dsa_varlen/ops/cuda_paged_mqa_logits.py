@@ -98,21 +98,18 @@ MATH = 4
 THREADS = 128 * (MATH + 1)
 
 
-def _smem(stages: int) -> int:
-    """Dynamic shared memory with ``stages`` pages per ring: 1 KB of alignment
-    slack, the page rings, the double-buffered queries, the rings' scales, the
-    weights, the mbarriers."""
-    return (1024 + MATH * stages * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
-            + MATH * stages * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * MATH * stages + 4) * 8)
+def _smem(stages: int, math: int = MATH) -> int:
+    """Dynamic shared memory with ``stages`` pages per ring and ``math`` math
+    warpgroups (a ring each): 1 KB of alignment slack, the page rings, the
+    double-buffered queries, the rings' scales, the weights, the mbarriers."""
+    return (1024 + math * stages * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
+            + math * stages * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * math * stages + 4) * 8)
 
 
 SMEM_BYTES = _smem(STAGES)  # every build the launcher takes
 # HEAD_SUM_TC builds: each math warpgroup's double-buffered B fragments of its
 # chunk's weights (8 lane classes x 9 float4 per row group; WT_BYTES in the source).
 HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
-# WEIGHTS_V4 builds (an A/B build, 64 heads): each math warpgroup's double-buffered
-# copy of its chunk's weights by quad lane (4 classes x 9 float4 per row group).
-WEIGHTS_V4_BYTES = MATH * 2 * GMAX * 4 * 9 * 16
 
 # The build by run-length hint (``defines_for``): a step's pages are read once,
 # so with one row group per page (hints <= 2) the page loads carry an L2
@@ -205,11 +202,11 @@ class _Loaded:
     ``ctx``: driver handles), with the parameter block its launches rewrite:
     ``params`` (packed whole by each launch, :data:`_PACK`) and the array of
     its fields' addresses (``params_addr``) that ``cuLaunchKernel`` reads;
-    ``smem``: its dynamic shared memory.  ``lock``: one launch at a time
-    fills the block."""
+    ``smem``: its dynamic shared memory; ``threads``: its CTA size.  ``lock``:
+    one launch at a time fills the block."""
 
-    def __init__(self, fn, ctx, smem: int):
-        self.fn, self.ctx, self.smem = fn, ctx, smem
+    def __init__(self, fn, ctx, smem: int, threads: int = THREADS):
+        self.fn, self.ctx, self.smem, self.threads = fn, ctx, smem, threads
         self.params = _Params()
         base = ctypes.addressof(self.params)
         self._ptrs = (ctypes.c_void_p * len(PARAMS))(
@@ -223,7 +220,7 @@ def _load(device: torch.device, defines: tuple) -> _Loaded:
     cubin, _ = compile_cubin(extra=tuple(f"-D{d}" for d in defines))
     smem = smem_bytes(defines)
     fn, ctx, module = load_function(_driver(), device, cubin, KERNEL_NAME, smem)
-    loaded = _Loaded(fn, ctx, smem)
+    loaded = _Loaded(fn, ctx, smem, threads(defines))
     loaded.module = module
     return loaded
 
@@ -408,14 +405,29 @@ def read_head_sum() -> str:
     return value
 
 
+def _define(defines: tuple, name: str, default: int) -> int:
+    """The value of ``name=n`` in ``defines`` (the last one), else ``default``."""
+    values = [int(d.partition("=")[2]) for d in defines if d.startswith(name + "=")]
+    return values[-1] if values else default
+
+
+def math_warpgroups(defines: tuple = ()) -> int:
+    """Math warpgroups of a build: :data:`MATH`, or an A/B build's ``NUM_MATH=3``."""
+    return _define(defines, "NUM_MATH", MATH)
+
+
+def threads(defines: tuple = ()) -> int:
+    """Threads per CTA of a build: a producer and its math warpgroups."""
+    return 128 * (math_warpgroups(defines) + 1)
+
+
 def smem_bytes(defines: tuple = ()) -> int:
     """Dynamic shared memory of a build (:data:`SMEM_BYTES`; more with
-    ``HEAD_SUM_TC=1`` or ``WEIGHTS_V4=1``; an A/B build's ``STAGES=n`` resizes
-    the rings)."""
-    stages = [int(d.partition("=")[2]) for d in defines if d.startswith("STAGES=")]
-    return (_smem(stages[-1]) if stages else SMEM_BYTES) + (
-        HEAD_SUM_TC_BYTES if "HEAD_SUM_TC=1" in defines else 0) + (
-        WEIGHTS_V4_BYTES if "WEIGHTS_V4=1" in defines else 0)
+    ``HEAD_SUM_TC=1``; an A/B build's ``STAGES=n`` resizes the rings,
+    ``NUM_MATH=3`` drops one)."""
+    math = math_warpgroups(defines)
+    return _smem(_define(defines, "STAGES", STAGES), math) + (
+        HEAD_SUM_TC_BYTES * math // MATH if "HEAD_SUM_TC=1" in defines else 0)
 
 
 def rows_per_group(heads: int) -> int:
@@ -681,5 +693,5 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
 
 def _launch(kern: _Loaded, programs: int, stream: int) -> None:
     """``cuLaunchKernel`` of ``kern`` with its parameter block as it stands."""
-    launch_function(_driver(), kern.fn, kern.ctx, programs, THREADS, kern.smem, stream,
+    launch_function(_driver(), kern.fn, kern.ctx, programs, kern.threads, kern.smem, stream,
                     kern.params_addr)

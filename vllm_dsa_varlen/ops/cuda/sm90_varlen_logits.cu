@@ -30,9 +30,6 @@ typedef unsigned char u8;
 #ifndef STAMPS  // 1: per-CTA timestamps into stamps_sm90 (vllm-dsa-varlen-bench --stamps);
 #define STAMPS 0    // 2: also each math warpgroup's cycles by part of a page
 #endif
-#ifndef WEIGHTS_V4  // 1: each math warpgroup reads a lane's weights 16 bytes at a time from
-#define WEIGHTS_V4 0  // its own permuted copy of the chunk's (an A/B build; same arithmetic)
-#endif
 #ifndef RAMP    // a ring's first fill: 0 all STAGES pages at once; 1 the rest once its first
 #define RAMP 0  // page has landed; 2 each page once the one before has; 3 as 2 in a CTA of
 #endif          // at most RAMP_ITEMS items, else as 0 (A/B builds)
@@ -43,13 +40,21 @@ typedef unsigned char u8;
 #ifndef STAGES  // pages in flight per ring (an A/B build may set 2 or 4; the host's
 #define STAGES 3  // smem_bytes reads the same define)
 #endif
+#ifndef NUM_MATH       // math warpgroups (an A/B build may take 3: 152 registers each)
+#define NUM_MATH 4
+#endif
 #ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
-#define MATH_REGS 104
+#define MATH_REGS (NUM_MATH == 4 ? 104 : 152)
+#endif
+#ifndef WEIGHTS_REG    // 1: a lane keeps its chunk's weights in registers for the chunk's
+#define WEIGHTS_REG 0  // pages instead of reading them per page (an A/B build, NUM_MATH=3)
 #endif
 #ifndef PRODUCER_REGS
 #define PRODUCER_REGS 40
 #endif
-#define NUM_MATH 4
+#if NUM_MATH != 4 && NUM_MATH != 3
+#error "NUM_MATH: 4 or 3 math warpgroups"
+#endif
 #define THREADS (128 * (NUM_MATH + 1))
 #define PAGE 64
 #define DIM 128
@@ -57,6 +62,9 @@ typedef unsigned char u8;
 #define HEADS 64
 #endif
 #define RG (128 / HEADS)   // rows per row group
+#if WEIGHTS_REG && (NUM_MATH != 3 || HEAD_SUM_TC || RG != 2)
+#error "WEIGHTS_REG is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
+#endif
 #define HB (HEADS / 8)     // 8-column blocks per row
 #define ROWS_MAX (GMAX * RG)
 #define PAGE_BYTES (PAGE * DIM)
@@ -68,16 +76,7 @@ typedef unsigned char u8;
 // 128-bit loads); each math warpgroup keeps its own copy, double-buffered.
 #define WT_CLASS_F4 9
 #define WT_GROUP_BYTES (8 * WT_CLASS_F4 * 16)
-// WEIGHTS_V4: a row group's weights by quad lane q (4 classes of 8 float4 at a
-// stride of 9 float4: one 128-bit load per two 8-column blocks, conflict-free),
-// each math warpgroup's own copy, double-buffered.
-#define WV_CLASS_F4 9
-#define WV_GROUP_BYTES (4 * WV_CLASS_F4 * 16)
-#define WT_BYTES (HEAD_SUM_TC ? NUM_MATH * 2 * GMAX * WT_GROUP_BYTES \
-                  : WEIGHTS_V4 ? NUM_MATH * 2 * GMAX * WV_GROUP_BYTES : 0)
-#if WEIGHTS_V4 && (HEAD_SUM_TC || RG != 2)
-#error "WEIGHTS_V4 is a build of the 64-head CUDA-core head sum"
-#endif
+#define WT_BYTES (HEAD_SUM_TC ? NUM_MATH * 2 * GMAX * WT_GROUP_BYTES : 0)
 #define DEV __device__ __forceinline__
 
 struct __align__(64) TmaMap { u64 bytes[16]; };
@@ -214,11 +213,24 @@ DEV void qk_group(float (&acc)[64], const u8* page, const u8* qg, u64* slot_empt
   }
 }
 
+// A lane's weights of 8-column block n of its row group (heads 8 (n % 8) + 2q,
+// + 1 of row n / 8): read from the chunk's copy in shared memory per page, or
+// (WEIGHTS_REG) held in registers for the chunk's pages.
+struct SmemWeights {
+  const float* p;  // the group's weights, at this lane's 2q
+  DEV float2 operator[](int n) const { return *reinterpret_cast<const float2*>(p + 8 * n); }
+};
+struct RegWeights {
+  float2 v[16];
+  DEV float2 operator[](int n) const { return v[n]; }
+};
+
 // One row group of one page (two rows x 64 heads): qk_group, then relu *
 // weight summed over each row's heads, in the thread (16 columns per row;
 // n_end = 8: row 2g only), then across the quad; returns this lane's (token,
 // row) logit before the scale.
-DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const float* wq,
+template <class Weights>
+DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const Weights& wq,
                       u64* slot_empty, bool release, int lane, int n_end) {
   const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
   qk_group(acc, page, qg, slot_empty, release, lane);
@@ -226,12 +238,7 @@ DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const floa
 #pragma unroll
   for (int n = 0; n < 16; ++n) {  // columns 8n + 2 * (lane & 3) + {0, 1}: row n / 8
     if (n >= n_end) break;
-#if WEIGHTS_V4
-    const float4 w4 = reinterpret_cast<const float4*>(wq)[n >> 1];  // blocks 2u, 2u + 1
-    const float2 wv = (n & 1) ? make_float2(w4.z, w4.w) : make_float2(w4.x, w4.y);
-#else
-    const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * n);
-#endif
+    const float2 wv = wq[n];
     const float a0 = fmaxf(acc[4 * n + 0], 0.f), a1 = fmaxf(acc[4 * n + 1], 0.f);
     const float a2 = fmaxf(acc[4 * n + 2], 0.f), a3 = fmaxf(acc[4 * n + 3], 0.f);
     if (n < 8) { s00 = fmaf(a0, wv.x, s00); s00 = fmaf(a1, wv.y, s00);
@@ -407,29 +414,6 @@ DEV float2 group_logit4_tc(float (&acc)[64], const u8* page, const u8* qg, const
 #endif
 #endif
 
-#if WEIGHTS_V4
-// A chunk's weights (rows [0, n_rows) of w, HEADS each) in WEIGHTS_V4's order
-// (wv: this warpgroup's buffer of GMAX groups): class q holds, for blocks n =
-// 0..15 of its group (row 2 * group + n / 8), heads 8 (n % 8) + 2q and + 1,
-// block after block; rows past n_rows are 0.  Each of the warpgroup's threads
-// writes 2 of the <= 256 floats, then the warpgroup meets at its named barrier
-// (id 1 + ring).
-DEV void weights_v4(u8* wv, const float* w, int n_rows, int ring, int tid) {
-  const int groups = (n_rows + RG - 1) / RG;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int idx = tid + 128 * i;
-    if (idx < groups * 128) {
-      const int gi = idx >> 7, q = (idx >> 5) & 3, e = idx & 31, n = e >> 1;
-      const int row = RG * gi + n / HB;
-      const float x = row < n_rows ? w[row * HEADS + 8 * (n % HB) + 2 * q + (e & 1)] : 0.f;
-      reinterpret_cast<float*>(wv + gi * WV_GROUP_BYTES)[4 * WV_CLASS_F4 * q + e] = x;
-    }
-  }
-  asm volatile("bar.sync %0, 128;" :: "r"(1 + ring) : "memory");
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant__ TmaMap q_map,
                    const u8* __restrict__ kv, long long stride_block,
@@ -445,7 +429,7 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
   u8* q_buf = kv_ring + NUM_MATH * STAGES * SLOT_BYTES;           // [2][GMAX][Q_GROUP_BYTES]
   float* sc_ring = reinterpret_cast<float*>(q_buf + 2 * GMAX * Q_GROUP_BYTES);  // [NUM_MATH][STAGES][PAGE]
   float* w_buf = sc_ring + NUM_MATH * STAGES * PAGE;              // [2][ROWS_MAX][HEADS]
-  u8* wt_buf = reinterpret_cast<u8*>(w_buf + 2 * ROWS_MAX * HEADS);  // [NUM_MATH][2][GMAX] (TC, V4)
+  u8* wt_buf = reinterpret_cast<u8*>(w_buf + 2 * ROWS_MAX * HEADS);  // [NUM_MATH][2][GMAX] (TC)
   u64* full = reinterpret_cast<u64*>(wt_buf + WT_BYTES);
   u64* empty = full + NUM_MATH * STAGES;
   u64* q_full = empty + NUM_MATH * STAGES;
@@ -479,6 +463,9 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 
   if (wg == 0) {  // producers
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(PRODUCER_REGS));
+#if NUM_MATH < 4
+    if (warp >= NUM_MATH) return;  // rings 0 .. NUM_MATH - 1
+#endif
     if (lane != 0) return;
     const int ring = warp;
     int j = 0;
@@ -550,9 +537,14 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       lim[g] = (r < s.n_rows) ? min(__ldg(ctx + s.first_row + r), s.kv_len) : 0;
     }
     bar_wait(&q_full[b], (k >> 1) & 1);
-#if WEIGHTS_V4
-    u8* wv_seg = wt_buf + (ring * 2 + b) * GMAX * WV_GROUP_BYTES;
-    weights_v4(wv_seg, w_buf + b * ROWS_MAX * HEADS, s.n_rows, ring, threadIdx.x % 128);
+#if WEIGHTS_REG
+    RegWeights wreg[GMAX];  // (rows past the chunk's: never read)
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+      for (int n = 0; n < 16; ++n)
+        wreg[g].v[n] = *reinterpret_cast<const float2*>(
+            w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3) + 8 * n);
 #endif
 #if HEAD_SUM_TC
     u8* wt_seg = wt_buf + (ring * 2 + b) * GMAX * WT_GROUP_BYTES;
@@ -594,11 +586,10 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
               ? group_logit_tc(acc, page, qg, wt, &empty[slot], g == groups - 1, lane, false)
               : group_logit_tc(acc, page, qg, wt, &empty[slot], g == groups - 1, lane, true);
 #else
-#if WEIGHTS_V4
-          const float* wq = reinterpret_cast<const float*>(wv_seg + g * WV_GROUP_BYTES)
-                            + 4 * WV_CLASS_F4 * (lane & 3);
+#if WEIGHTS_REG
+          const RegWeights& wq = wreg[g];
 #else
-          const float* wq = w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3);
+          const SmemWeights wq{w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3)};
 #endif
           const float v = 2 * g + 1 < s.n_rows
               ? group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 16)
