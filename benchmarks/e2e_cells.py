@@ -7,13 +7,14 @@ measured.
 
 ``DIR``: folders holding an ``e2e.json`` or ``e2e.json.xz`` (``--merge``'s
 output, as ``publish_e2e.py`` keeps it) and the ``run-*.json[.xz]`` files
-beside it (the vLLM version is read from them, else from ``e2e.json``), oldest first: a later folder's cell replaces an earlier one's (the
-earlier one stays listed).  Runs of another vLLM version than ``--vllm`` are
-left out.  Prints a Markdown table: stock -> plugin TPOT, the gain (bracketed
+beside it (the vLLM version is read from them, else from ``e2e.json``),
+oldest first: a later folder's cell replaces an earlier one's (the earlier
+one stays listed).  Runs of another vLLM version than ``--vllm`` are left
+out.  Prints a Markdown table: stock -> plugin TPOT, the gain (bracketed
 where the plugin ran stock's path on every verification step, so both modes
-did the same GPU work), the fast-steps gain where recorded, in one process the median of the
-round pairs' ratios (their range, their number), token identity,
-the plugin's path, the indexer's share of the step where a profiled window
+did the same GPU work), the fast-steps gain where recorded, in one process
+the median of the round pairs' ratios (their range, their number), token
+identity, the plugin's path, the indexer's share of the step where a profiled window
 was that cell (the latest such window on the same path), how it was measured
 (a process per mode, or both engines in one) and the graph mode vLLM ran.
 """
@@ -177,8 +178,9 @@ def table(got: dict, root: str = "") -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("folders", nargs="+", help="kept run folders, oldest first; DIR@VERSION names the vLLM version of "
-                         "a folder whose files do not")
+    ap.add_argument("folders", nargs="+",
+                    help="kept run folders, oldest first; DIR@VERSION names the vLLM version "
+                         "of a folder whose files do not")
     ap.add_argument("--vllm", required=True, help="the vLLM version whose runs count")
     ap.add_argument("--root", default="", help="print sources relative to this folder")
     args = ap.parse_args(argv)

@@ -15,7 +15,9 @@
 // over heads on the tensor cores instead (group_logit_tc).  Segments come from
 // the planner (a run's chunk of <= 2 row groups and a range of its pages):
 // int32 [R, 8] rows (first row, rows, KV length, first item, items, block-table
-// row), the CTA's first segment and item range.
+// row), the CTA's first segment and item range.  A/B builds (the macros
+// below; each must write the default build's bits): RAMP, STAGES, NUM_MATH=3
+// (three math warpgroups, 152 registers) with WEIGHTS_REG, STAMPS.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
