@@ -2,6 +2,7 @@
 its build syntax, its per-step sums, its options (CPU)."""
 
 import random
+import statistics
 
 import pytest
 
@@ -68,3 +69,20 @@ def test_builds_without_a_gpu_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="--builds: needs a CUDA GPU"):
         bench.main(["--builds", "default"])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_paired_ratios_divide_each_round_by_the_base_paths_same_round(seed):
+    """A path's time over the base path's in the same round: median, min and
+    max of those ratios (not the ratio of the medians); the base and
+    single-round runs get none."""
+    rng = random.Random(seed)
+    n = rng.randint(2, 9)
+    times = {name: [rng.uniform(5, 200) for _ in range(n)] for name in ("default", "A", "dg")}
+    got = variants.paired_ratios(times, "default")
+    assert set(got) == {"A", "dg"}
+    for name in ("A", "dg"):
+        r = [t / b for t, b in zip(times[name], times["default"])]
+        assert got[name]["median"] == pytest.approx(statistics.median(r))
+        assert (got[name]["min"], got[name]["max"]) == (pytest.approx(min(r)), pytest.approx(max(r)))
+    assert variants.paired_ratios({k: v[:1] for k, v in times.items()}, "default") == {}

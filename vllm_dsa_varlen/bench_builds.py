@@ -20,6 +20,7 @@ build, which ``launch`` takes from the queries' shape).
 from __future__ import annotations
 
 import json
+import statistics
 
 CASES = ["64,4,32768", "64,2,32768", "64,3,32768", "64,-4,32768", "128,-4,8192", "64,6,8192"]
 REP_MS = 30  # do_bench repetition time per timed call (ms) unless --rep-ms says otherwise
@@ -30,6 +31,19 @@ def parse_variant(text: str):
     body, _, cost = text.partition("@")
     defines = () if body in ("", "default") else tuple(body.split("+"))
     return defines, (tuple(int(x) for x in cost.split(",")) if cost else None)
+
+
+def paired_ratios(times: dict, base: str) -> dict:
+    """Per path other than ``base``: its time ÷ ``base``'s in the same round
+    (rounds interleave every path, so a pair met the same machine state), as
+    ``{"median", "min", "max"}``; rounds of 2 or more only."""
+    out = {}
+    for name, ts in times.items():
+        if name == base or len(ts) < 2 or len(ts) != len(times[base]):
+            continue
+        r = sorted(t / b for t, b in zip(ts, times[base]))
+        out[name] = {"median": statistics.median(r), "min": r[0], "max": r[-1]}
+    return out
 
 
 def run(args) -> int:
@@ -121,7 +135,8 @@ def run(args) -> int:
                 times[k].append(graph_replay_us(torch, do_bench, fn, args.rep_ms))
         res = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         spread = max((max(v) - min(v)) / min(v) for v in times.values())
-        record = {"case": case, "rows": rows.num_rows, "times_us": times, "median_us": res}
+        record = {"case": case, "rows": rows.num_rows, "times_us": times, "median_us": res,
+                  "paired_vs_" + first: paired_ratios(times, first)}
         if topk_ops is not None:
             record["per_step_us"] = per_step(res, first, abs(tokens), tokens < 0, args.layers)
         report["cases"].append(record)
@@ -130,6 +145,11 @@ def run(args) -> int:
         print(f"{label:22s} " + "  ".join(f"{k} {us:7.1f}" for k, us in res.items())
               + (f"  (median of {args.rounds}; widest spread {spread:.1%})" if args.rounds > 1
                  else ""), flush=True)
+        if args.rounds > 1:
+            print(f"{'':22s} ÷ {first}, per round, median [min, max]: " + "  ".join(
+                f"{k} {r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]"
+                for k, r in record["paired_vs_" + first].items()
+                if k not in ("plan", "dg-meta")), flush=True)
         print(f"{'':22s} cycles/page at 1.7 GHz: " + "  ".join(
             f"{k} {us * 1e-6 / (pages / sms) * 1.7e9:5.0f}" for k, us in res.items()
             if k in variants), flush=True)
