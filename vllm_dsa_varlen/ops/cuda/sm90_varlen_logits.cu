@@ -226,6 +226,10 @@ struct RegWeights {
   float2 v[16];
   DEV float2 operator[](int n) const { return v[n]; }
 };
+// Row group g's weights in the chunk's copy (buffer b), at lane's 2q.
+DEV SmemWeights group_weights(const float* w_buf, int b, int g, int lane) {
+  return {w_buf + (b * ROWS_MAX + RG * g) * HEADS + 2 * (lane & 3)};
+}
 
 // One row group of one page (two rows x 64 heads): qk_group, then relu *
 // weight summed over each row's heads, in the thread (16 columns per row;
@@ -544,9 +548,7 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 #pragma unroll
     for (int g = 0; g < GMAX; ++g)
 #pragma unroll
-      for (int n = 0; n < 16; ++n)
-        wreg[g].v[n] = *reinterpret_cast<const float2*>(
-            w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3) + 8 * n);
+      for (int n = 0; n < 16; ++n) wreg[g].v[n] = group_weights(w_buf, b, g, lane)[n];
 #endif
 #if HEAD_SUM_TC
     u8* wt_seg = wt_buf + (ring * 2 + b) * GMAX * WT_GROUP_BYTES;
@@ -591,7 +593,7 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 #if WEIGHTS_REG
           const RegWeights& wq = wreg[g];
 #else
-          const SmemWeights wq{w_buf + (b * GMAX + g) * 2 * HEADS + 2 * (lane & 3)};
+          const SmemWeights wq = group_weights(w_buf, b, g, lane);
 #endif
           const float v = 2 * g + 1 < s.n_rows
               ? group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 16)
@@ -608,7 +610,7 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
               ? group_logit4_tc(acc, page, qg, wt, &empty[slot], g == groups - 1, lane, RG)
               : group_logit4_tc(acc, page, qg, wt, &empty[slot], g == groups - 1, lane, present);
 #else
-          const float* wq = w_buf + (b * ROWS_MAX + RG * g) * HEADS + 2 * (lane & 3);
+          const float* wq = group_weights(w_buf, b, g, lane).p;
           const float2 v = present == RG
               ? group_logit4(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, RG)
               : group_logit4(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, present);
