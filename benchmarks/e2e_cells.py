@@ -44,18 +44,12 @@ def _one(folder: str, pattern: str) -> str | None:
     return found[0] if found else None
 
 
-def _round_pairs(folder: str, k: str) -> dict:
-    """(batch, prompt) -> stock ÷ plugin TPOT of each round, from the folder's
-    two run files (empty when one is missing).  In one process the two
-    engines' rounds of a case alternate, so a pair met the same host phase."""
-    runs = []
-    for mode in ("stock", "plugin"):
-        path = _one(folder, f"run-{mode}-k{k}.json") or _one(folder, f"run-{mode}-k{k}.json.xz")
-        if path is None:
-            return {}
-        runs.append(_load(path))
+def _round_pairs(stock: dict, plugin: dict) -> dict:
+    """(batch, prompt) -> stock ÷ plugin TPOT of each round, from the two run
+    files.  In one process the two engines' rounds of a case alternate, so a
+    pair met the same host phase."""
     pairs = {}
-    for s, p in zip(runs[0].get("cases", []), runs[1].get("cases", [])):
+    for s, p in zip(stock.get("cases", []), plugin.get("cases", [])):
         ratios = [a["tpot_ms"] / b["tpot_ms"]
                   for a, b in zip(s.get("rounds") or [], p.get("rounds") or []) if b.get("tpot_ms")]
         if ratios:
@@ -72,8 +66,8 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
     e2e = _load(path)
     version, cells = None, []
     for k, entry in e2e.get("per_k", {}).items():
-        run_path = (_one(folder, f"run-stock-k{k}.json") or _one(folder, f"run-stock-k{k}.json.xz")
-                    or _one(folder, f"run-*-k{k}.json*"))
+        stock_path = _one(folder, f"run-stock-k{k}.json") or _one(folder, f"run-stock-k{k}.json.xz")
+        run_path = stock_path or _one(folder, f"run-*-k{k}.json*")
         run = _load(run_path) if run_path else {}
         # e2e.json names the version itself since ba1c79d's runs; before, only run files did
         named = [v for v in (entry.get("vllm") or {}).values() if v]
@@ -82,7 +76,10 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
             r.get("mode") == "both" for r in e2e.get("runs", []) if str(r.get("k")) == k)
         ran_mode = (entry.get("cudagraph_mode") or {}).get("stock") or run.get("cudagraph_mode")
         traces = entry.get("trace") or {}
-        pairs = _round_pairs(folder, k) if one_process else {}
+        plugin_path = (_one(folder, f"run-plugin-k{k}.json")
+                       or _one(folder, f"run-plugin-k{k}.json.xz"))
+        pairs = (_round_pairs(run, _load(plugin_path))
+                 if one_process and stock_path and plugin_path else {})
         for row in entry.get("comparison", {}).get("rows", []):
             if row.get("skipped"):
                 cells.append({"k": int(k), "batch": row["batch"], "prompt": row["prompt"],
