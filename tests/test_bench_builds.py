@@ -55,7 +55,8 @@ def test_per_step_sums_the_paths_each_line_takes():
 @pytest.mark.parametrize("argv, flag", [(["--deepgemm"], "--deepgemm"),
                                         (["--topk-lib", "x.so"], "--topk-lib"),
                                         (["--layers", "3"], "--layers"),
-                                        (["--rounds", "2"], "--rounds")])
+                                        (["--rounds", "2"], "--rounds"),
+                                        (["--fixed-order"], "--fixed-order")])
 def test_builds_options_only_with_builds(argv, flag, capsys):
     """The --builds options are refused without --builds (naming the flag),
     rather than silently ignored."""
@@ -86,3 +87,25 @@ def test_paired_ratios_divide_each_round_by_the_base_paths_same_round(seed):
         assert got[name]["median"] == pytest.approx(statistics.median(r))
         assert (got[name]["min"], got[name]["max"]) == (pytest.approx(min(r)), pytest.approx(max(r)))
     assert variants.paired_ratios({k: v[:1] for k, v in times.items()}, "default") == {}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_round_order_rotates_so_each_path_leads_and_follows_each_equally(seed):
+    """Over ``n`` rounds of ``n`` paths every path is timed once per round,
+    leads exactly once and sits at every position exactly once; ``fixed``
+    keeps the given order (the control for a position effect)."""
+    rng = random.Random(seed)
+    names = [f"p{i}" for i in range(rng.randint(1, 9))]
+    rng.shuffle(names)
+    n = len(names)
+    orders = [variants.round_order(names, r) for r in range(n)]
+    for order in orders:
+        assert sorted(order) == sorted(names)
+    for pos in range(n):
+        assert sorted(o[pos] for o in orders) == sorted(names)
+    # the same cycle each round: a path's predecessor never changes but the first's
+    for order in orders:
+        i = order.index(names[0])
+        assert order[i:] + order[:i] == names
+    assert variants.round_order(names, n + 1) == orders[1 % n]
+    assert all(variants.round_order(names, r, fixed=True) == names for r in range(n))

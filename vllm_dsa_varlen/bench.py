@@ -537,6 +537,9 @@ def main(argv=None):
     parser.add_argument("--deepgemm", action="store_true",
                         help="--builds: DeepGEMM beside (deep_gemm, else vllm_deep_gemm): "
                         "flattened, native, stock 0.33's split; its metadata beside the plan")
+    parser.add_argument("--fixed-order", action="store_true",
+                        help="--builds: time the paths in the given order every round (default: "
+                        "each round rotated by one, so each path leads equally often)")
     parser.add_argument("--topk-lib", help="--builds: vLLM's _C extension (.so): its decode "
                         "top-k on each path's rows, and per-step figures")
     parser.add_argument("--layers", type=int, default=None,
@@ -553,6 +556,7 @@ def main(argv=None):
         ("--rounds", "--plan-timing or --builds", args.rounds is not None,
          args.plan_timing or bool(args.builds)),
         ("--deepgemm", "--builds", args.deepgemm, bool(args.builds)),
+        ("--fixed-order", "--builds", args.fixed_order, bool(args.builds)),
         ("--topk-lib", "--builds", bool(args.topk_lib), bool(args.builds)),
         ("--layers", "--builds", args.layers is not None, bool(args.builds)),
         ("--calls", "--launch-host", args.calls is not None, args.launch_host),

@@ -46,6 +46,18 @@ def paired_ratios(times: dict, base: str) -> dict:
     return out
 
 
+def round_order(names: list, r: int, fixed: bool = False) -> list:
+    """The order in which round ``r`` times ``names``: rotated by ``r`` (each
+    path leads equally often over ``len(names)`` rounds, so a machine state
+    that favours whatever runs first or after a light path, such as clocks
+    recovering during the previous round's small timings, is spread over
+    every path), or the given order every round with ``fixed``."""
+    if fixed or not names:
+        return list(names)
+    k = r % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
 def run(args) -> int:
     """``--builds``: ``args.builds`` (build names), ``cases``, ``rounds``,
     ``rep_ms``, ``heads``, ``deepgemm``, ``topk_lib``, ``layers``, ``json``."""
@@ -77,6 +89,7 @@ def run(args) -> int:
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "deepgemm": getattr(dg, "__version__", None) if dg else None,
               "variants": args.variants, "rounds": args.rounds, "layers": args.layers,
+              "order": "fixed" if args.fixed_order else "rotated",
               "cases": []}
     variants = {v: parse_variant(v) for v in args.variants}
 
@@ -130,9 +143,9 @@ def run(args) -> int:
             extra.update(topk_calls(torch, topk_ops, step, out, dg, sms))
         calls.update(extra)
         times = {k: [] for k in calls}
-        for _ in range(args.rounds):
-            for k, fn in calls.items():
-                times[k].append(graph_replay_us(torch, do_bench, fn, args.rep_ms))
+        for r in range(args.rounds):
+            for k in round_order(list(calls), r, args.fixed_order):
+                times[k].append(graph_replay_us(torch, do_bench, calls[k], args.rep_ms))
         res = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         spread = max((max(v) - min(v)) / min(v) for v in times.values())
         record = {"case": case, "rows": rows.num_rows, "times_us": times, "median_us": res,

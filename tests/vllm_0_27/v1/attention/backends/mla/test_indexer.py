@@ -644,8 +644,10 @@ def _hopper_next4_builder(monkeypatch, mode: str):
     return builder
 
 
+@pytest.mark.parametrize("graph_kernel", ["cuda_sm90", "portable"])
 @pytest.mark.parametrize("mode,plain_to_stock", [("FULL_AND_PIECEWISE", True), ("FULL", False)])
-def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, mode, plain_to_stock):
+def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, mode, plain_to_stock,
+                                                       graph_kernel):
     """SM90, next_n 4, the measured table: a step whose padded token count is
     below every rule's rows goes to stock's own build.  For each FULL-graph
     size, a capture-like batch (size / 4 dummy requests of 4 tokens) and
@@ -657,10 +659,17 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, mode, plain_
     from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, quantize_kv_fp8
     from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as dispatch
 
+    from vllm_dsa_varlen.ops import launcher
+
+    monkeypatch.setattr(launcher, "graph_kernel", lambda *a, **k: graph_kernel)
     builder = _hopper_next4_builder(monkeypatch, mode)
-    # The table's smallest row bound, read off the rules here: 64 rows of 3-4 tokens.
-    assert min(max(r.min_rows, r.min_requests) for r in policy.MEASURED
-               if r.stock == "flattened") == 64
+    assert builder.varlen_graph_kernel == graph_kernel
+    # The table's smallest row bound for 3-4-token steps, read off the rules
+    # here: 16 rows with the CUDA sm_90 kernel, 64 with the portable one.
+    kernel = builder.varlen_graph_kernel
+    bound = min(max(r.min_rows, r.min_requests) for r in policy.MEASURED
+                if r.stock == "flattened" and r.kernel in (None, kernel) and r.min_run <= 4)
+    assert bound == (16 if kernel == "cuda_sm90" else 64)
     heads, dim, page, blocks = 4, 128, 64, 64
     gen = torch.Generator().manual_seed(7)
     kv = quantize_kv_fp8(torch.randn((blocks, page, dim), generator=gen))
@@ -676,7 +685,7 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, mode, plain_
         lens, seqs, bt, cm = batch([4] * n, [4] * n, size, 0)  # capture: dummy contexts
         cap = builder.build(0, cm).decode
         stock_built = cap.indices is None
-        assert stock_built == (size < 64)
+        assert stock_built == (size < bound)
         varlen = varlen_ids_of(cap.schedule_metadata) is not None
         replays = [([4] * n, [int(x) + 4 for x in torch.randint(1, 2000, (n,), generator=gen)])]
         if n > 1:
