@@ -538,8 +538,9 @@ def main(argv=None):
                         help="--builds: DeepGEMM beside (deep_gemm, else vllm_deep_gemm): "
                         "flattened, native, stock 0.33's split; its metadata beside the plan")
     parser.add_argument("--fixed-order", action="store_true",
-                        help="--builds: time the paths in the given order every round (default: "
-                        "each round rotated by one, so each path leads equally often)")
+                        help="--builds: time the paths in the given order every round (default: a "
+                        "balanced Latin square, each path leading and following every other "
+                        "equally often over a cycle of rounds)")
     parser.add_argument("--topk-lib", help="--builds: vLLM's _C extension (.so): its decode "
                         "top-k on each path's rows, and per-step figures")
     parser.add_argument("--layers", type=int, default=None,

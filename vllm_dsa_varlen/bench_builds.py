@@ -1,7 +1,8 @@
 """``vllm-dsa-varlen-bench --builds``: the sm_90 CUDA kernel's builds (``-D``
 macros of ``ops/cuda/sm90_varlen_logits.cu``) and schedule cost models side
 by side, each checked against the torch reference on small steps, then timed
-in one process, rounds interleaved (CUDA-graph replay, L2 flushed, the plan
+in one process, rounds interleaved in a balanced order (:func:`round_order`;
+CUDA-graph replay, L2 flushed, the plan
 made outside the timed call); with ``--deepgemm`` DeepGEMM's flattened,
 native and split paths and its metadata beside them, with ``--topk-lib``
 vLLM's decode top-k and the per-step figures (:func:`per_step`).
@@ -46,16 +47,33 @@ def paired_ratios(times: dict, base: str) -> dict:
     return out
 
 
+def order_cycle(n: int) -> int:
+    """Rounds in one cycle of :func:`round_order` for ``n`` paths."""
+    return n if n % 2 == 0 or n == 1 else 2 * n
+
+
 def round_order(names: list, r: int, fixed: bool = False) -> list:
-    """The order in which round ``r`` times ``names``: rotated by ``r`` (each
-    path leads equally often over ``len(names)`` rounds, so a machine state
-    that favours whatever runs first or after a light path, such as clocks
-    recovering during the previous round's small timings, is spread over
-    every path), or the given order every round with ``fixed``."""
-    if fixed or not names:
+    """The order in which round ``r`` times ``names``: a balanced Latin square
+    (Williams): over one cycle (:func:`order_cycle` rounds) every path runs
+    once per round, leads equally often, and follows every other path equally
+    often.  A timed path inherits the machine state its predecessor left (on
+    the H200 a large step timed right after the light schedule timings read
+    3-5 % faster than the same binary timed after a large step), so only a
+    balance of predecessors makes paths comparable.  ``fixed``: the given
+    order every round (the control)."""
+    n = len(names)
+    if fixed or n < 2:
         return list(names)
-    k = r % len(names)
-    return list(names[k:]) + list(names[:k])
+    seq, lo, hi = [0], 1, n - 1
+    while len(seq) < n:
+        seq.append(lo)
+        lo += 1
+        if len(seq) < n:
+            seq.append(hi)
+            hi -= 1
+    r %= order_cycle(n)
+    row = [names[(j + r) % n] for j in seq]
+    return row if r < n else row[::-1]
 
 
 def run(args) -> int:
@@ -89,7 +107,7 @@ def run(args) -> int:
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "deepgemm": getattr(dg, "__version__", None) if dg else None,
               "variants": args.variants, "rounds": args.rounds, "layers": args.layers,
-              "order": "fixed" if args.fixed_order else "rotated",
+              "order": "fixed" if args.fixed_order else "balanced",
               "cases": []}
     variants = {v: parse_variant(v) for v in args.variants}
 
@@ -143,6 +161,10 @@ def run(args) -> int:
             extra.update(topk_calls(torch, topk_ops, step, out, dg, sms))
         calls.update(extra)
         times = {k: [] for k in calls}
+        if args.rounds % order_cycle(len(calls)) and not args.fixed_order:
+            print(f"  note: {args.rounds} rounds are not whole cycles of "
+                  f"{order_cycle(len(calls))} (the predecessor balance of {len(calls)} paths)",
+                  flush=True)
         for r in range(args.rounds):
             for k in round_order(list(calls), r, args.fixed_order):
                 times[k].append(graph_replay_us(torch, do_bench, calls[k], args.rep_ms))
