@@ -214,14 +214,17 @@ MEASURED: tuple[Rule, ...] = (
          note="variable steps up to 4 tokens at >= 8K contexts with >= 2.6 tokens per request: "
               "B64 L8K 1..4 1.22x, B128 L8K 1..4 1.57x, B64 L32K 1..4 1.41x DeepGEMM flattened "
               "(CUDA sm_90 kernel; at 8K the Gluon and portable kernels lost, 0.93x / 0.70x)"),
-    # Small uniform steps (h200-744ee8f, one process beside DeepGEMM 2.8.1,
-    # 9 rounds): from 16 rows the CUDA kernel was never slower than DeepGEMM
-    # flattened at any context measured (2K-32K); at 4 rows (B1) it lost at 4K.
-    # No context bound: a captured graph's kernel is chosen without contexts.
-    Rule("flattened", min_run=3, max_run_le=4, min_rows=16, uniform=True, kernel="cuda_sm90",
-         note="uniform 3-4 tokens, 16-63 rows: B4 4 tok 1.06-1.17x (4K-32K), B8 4 tok "
-              "1.05-1.29x (2K-32K), B8 3 tok 1.01-1.14x (4K-32K) DeepGEMM flattened (CUDA "
-              "sm_90 kernel; B1 4 tok 0.93x at 4K)"),
+    # Small uniform steps (h200-744ee8f, h200-320b823: one process beside
+    # DeepGEMM 2.8.1, rounds in a balanced order): the CUDA kernel was never
+    # slower than DeepGEMM flattened from 32 rows of 4 tokens (1K-32K) or 18
+    # rows of 3 tokens (2K-32K); at 16 rows of 4 tokens it lost at 1K.  No
+    # context bound: a captured graph's kernel is chosen without contexts.
+    Rule("flattened", min_run=4, max_run_le=4, min_rows=32, uniform=True, kernel="cuda_sm90",
+         note="uniform 4 tokens, 32-63 rows: B8 1.02-1.30x DeepGEMM flattened (1K-32K; CUDA "
+              "sm_90 kernel); B4 (16 rows) 1.06-1.17x at 4K-32K but 0.94x at 1K"),
+    Rule("flattened", min_run=3, max_run_le=3, min_rows=18, uniform=True, kernel="cuda_sm90",
+         note="uniform 3 tokens, 18-63 rows: B6 L2K 1.02x, B8 1.01-1.14x (4K-32K) DeepGEMM "
+              "flattened (CUDA sm_90 kernel); B4 (12 rows) L2K 0.95x"),
     Rule("flattened", min_run=8, max_run_le=8, min_requests=64, min_context=8192,
          min_tokens_per_request=4.5, uniform=False, kernel="cuda_sm90",
          note="variable steps up to 8 tokens, B64 L8K 1..8 (4.67 tokens per request): 1.19x "

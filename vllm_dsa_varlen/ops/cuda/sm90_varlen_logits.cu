@@ -33,8 +33,8 @@ typedef unsigned char u8;
 #define STAMPS 0    // 2: also each math warpgroup's cycles by part of a page
 #endif
 #ifndef RAMP    // a ring's first fill: 0 all STAGES pages at once; 1 the rest once its first
-#define RAMP 0  // page has landed; 2 each page once the one before has; 3 as 2 in a CTA of
-#endif          // at most RAMP_ITEMS items, else as 0 (A/B builds)
+#define RAMP 3  // page has landed; 2 each page once the one before has; 3 (the default) as 2
+#endif          // in a CTA of at most RAMP_ITEMS items, else as 0 (0-2: A/B builds)
 #ifndef RAMP_ITEMS
 #define RAMP_ITEMS 96
 #endif
@@ -498,8 +498,8 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
         // whose first page lands last sets the kernel's span (--stamps).  Ask
         // for the first pages first.  Phase 0 of the slot waited on completes
         // before the ring issues any later page into it: no later phase aliases.
-        // RAMP=3: only where a CTA has few items (H200, ba1c79d: RAMP=2 took 3-7 %
-        // off CTAs of <= 64 items and added 4-5 % at >= 248).
+        // RAMP=3: only where a CTA has few items (H200, 320b823, paths in a
+        // balanced order: -3.5 to -8 % at <= 64 items per CTA, level at >= 124).
         if (j > 0 && j < STAGES && (RAMP != 3 || hi - lo <= RAMP_ITEMS))
           bar_wait(&full[ring * STAGES + (RAMP == 1 ? 0 : j - 1)], 0);
 #endif
