@@ -2,8 +2,7 @@
 macros of ``ops/cuda/sm90_varlen_logits.cu``) and schedule cost models side
 by side, each checked against the torch reference on small steps, then timed
 in one process, rounds interleaved in a balanced order (:func:`round_order`;
-CUDA-graph replay, L2 flushed, the plan
-made outside the timed call); with ``--deepgemm`` DeepGEMM's flattened,
+CUDA-graph replay, L2 flushed, the plan made outside the timed call); with ``--deepgemm`` DeepGEMM's flattened,
 native and split paths and its metadata beside them, with ``--topk-lib``
 vLLM's decode top-k and the per-step figures (:func:`per_step`).
 

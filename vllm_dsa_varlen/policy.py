@@ -175,8 +175,8 @@ class Rule:
 # like the measured rows where varlen was at least as fast as DeepGEMM
 # flattened; the "split" rule was timed against an emulation of stock's
 # split path (see its note).  No rule replaces stock's native kernel: against
-# DeepGEMM native next_n = 2 and (vLLM 0.33) next_n = 4 varlen's margins are
-# within the spread between device calls, or against it (small batches).
+# DeepGEMM native next_n = 2 and (vLLM 0.33) next_n = 4, in one process with
+# the paths in a balanced order, varlen read 0.96-1.05x (h200-c63c922).
 # Where no rule matches, stock is kept.
 MEASURED: tuple[Rule, ...] = (
     # A non-uniform step that stock splits to the prefill path: the prefill
@@ -220,10 +220,10 @@ MEASURED: tuple[Rule, ...] = (
     # rows of 3 tokens (2K-32K); at 16 rows of 4 tokens it lost at 1K.  No
     # context bound: a captured graph's kernel is chosen without contexts.
     Rule("flattened", min_run=4, max_run_le=4, min_rows=32, uniform=True, kernel="cuda_sm90",
-         note="uniform 4 tokens, 32-63 rows: B8 1.02-1.30x DeepGEMM flattened (1K-32K; CUDA "
+         note="uniform 4 tokens, 32-63 rows: B8 1.02-1.36x DeepGEMM flattened (1K-32K; CUDA "
               "sm_90 kernel); B4 (16 rows) 1.06-1.17x at 4K-32K but 0.94x at 1K"),
     Rule("flattened", min_run=3, max_run_le=3, min_rows=18, uniform=True, kernel="cuda_sm90",
-         note="uniform 3 tokens, 18-63 rows: B6 L2K 1.02x, B8 1.01-1.14x (4K-32K) DeepGEMM "
+         note="uniform 3 tokens, 18-63 rows: B6 L2K 1.02x, B8 1.01-1.19x (4K-32K) DeepGEMM "
               "flattened (CUDA sm_90 kernel); B4 (12 rows) L2K 0.95x"),
     Rule("flattened", min_run=8, max_run_le=8, min_requests=64, min_context=8192,
          min_tokens_per_request=4.5, uniform=False, kernel="cuda_sm90",

@@ -656,10 +656,9 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, mode, plain_
     decision, and the kernel call as captured (the capture's metadata tensors,
     whose buffers each replay build refreshes) computes the replay batch's
     logits: against the reference on the independent per-token rows."""
+    from vllm_dsa_varlen.ops import launcher
     from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, quantize_kv_fp8
     from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as dispatch
-
-    from vllm_dsa_varlen.ops import launcher
 
     monkeypatch.setattr(launcher, "graph_kernel", lambda *a, **k: graph_kernel)
     builder = _hopper_next4_builder(monkeypatch, mode)
