@@ -520,7 +520,9 @@ def _dummy_lens(num_tokens: int, num_reqs: int) -> list[int]:
     (4, True, 4, "FULL_AND_PIECEWISE"),   # adaptive verification: variable-length decode graphs
     (4, False, 3, "FULL_AND_PIECEWISE"),  # native builder, a uniform 3-token key: stock flattens
 ])
-def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, next_n, adaptive, run, mode):
+@pytest.mark.parametrize("graph_kernel", ["portable", "cuda_sm90"])
+def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, next_n, adaptive, run, mode,
+                                                       graph_kernel):
     """SM90, the measured table: a flattened step whose token count is below
     every rule's rows is left to stock's own build.  For FULL-graph sizes on
     both sides of the bound, a capture-like batch (vLLM's dummy: ``size / run``
@@ -546,15 +548,19 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, next_n, adap
                         max_context_len, **_: paged_mqa_logits_ref(
                             q, kv_cache, weights, context_lens, block_table, max_context_len,
                             indices))
+    monkeypatch.setattr(launcher, "graph_kernel", lambda *a, **k: graph_kernel)
     patches.apply_all(line="0.33")
     max_seqs = 64
     builder = make_builder(monkeypatch, next_n=next_n, adaptive=adaptive, max_seqs=max_seqs)
+    assert builder.varlen_graph_kernel == graph_kernel
     builder.vllm_config.compilation_config.cudagraph_mode = getattr(CUDAGraphMode, mode)
     assert builder.use_flattening is (next_n == 3 or adaptive)
     mixed = mode == "FULL" or adaptive
-    # The table's smallest row bound for runs of 2..4 tokens, read off the rules: 64.
-    assert min(max(r.min_rows, r.min_requests) for r in policy.MEASURED
-               if r.stock == "flattened" and r.min_run <= 4 and r.kernel is None) == 64
+    # The table's smallest row bound for runs of 2..4 tokens, read off the rules:
+    # 64, and 18 with the CUDA sm_90 kernel (uniform 3 tokens from 18 rows).
+    bound = min(max(r.min_rows, r.min_requests) for r in policy.MEASURED
+                if r.stock == "flattened" and r.min_run <= 4 and r.kernel in (None, graph_kernel))
+    assert bound == (18 if graph_kernel == "cuda_sm90" else 64)
     heads, dim, page, blocks = 4, 128, 64, 64
     gen = torch.Generator().manual_seed(7)
     kv = quantize_kv_fp8(torch.randn((blocks, page, dim), generator=gen))
@@ -581,7 +587,9 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, next_n, adap
             cm.max_query_len = size  # a mixed graph's capture promises any query length
         assert cap_choice.stock == "flattened"
         left = not cap_choice.plan
-        assert left == (size < 64) and not (left and cap_choice.varlen)
+        assert left == (size < bound) and not (left and cap_choice.varlen)
+        if not mixed:  # a uniform 3-token capture: its own rule (18 or 64 rows) decides
+            assert cap_choice.varlen == (size >= bound)
         decided[size] = left
         real = [reqs, max(1, reqs // 2)]
         replays = []
@@ -626,7 +634,7 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, next_n, adap
             want = paged_mqa_logits_ref(q, kv, w, ctx.unsqueeze(-1), rows_bt, max_len)
             valid = valid_mask(ctx.unsqueeze(-1), max_len)
             torch.testing.assert_close(got.float()[valid], want[valid], rtol=1e-5, atol=1e-5)
-    assert decided == {s: s < 64 for s in decided} and set(decided.values()) == {True, False}
+    assert decided == {s: s < bound for s in decided} and set(decided.values()) == {True, False}
     # Plain steps: no rule has 1-token runs, so where a graph's key fixes the run
     # length they are left to stock at any size; else the next_n bound holds.
     for reqs in (5, max_seqs):
