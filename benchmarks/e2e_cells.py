@@ -64,6 +64,10 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
     if path is None:
         raise SystemExit(f"{folder}: no e2e.json or e2e.json.xz")
     e2e = _load(path)
+    if e2e.get("control") or any(e.get("second") == "control"
+                                 for e in e2e.get("per_k", {}).values()):
+        raise SystemExit(f"{folder}: an A/A control run (stock's engine twice, --control), "
+                         "not a stock / plugin comparison: no grid cells")
     version, cells = None, []
     for k, entry in e2e.get("per_k", {}).items():
         stock_path = _one(folder, f"run-stock-k{k}.json") or _one(folder, f"run-stock-k{k}.json.xz")

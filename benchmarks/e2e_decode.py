@@ -62,6 +62,11 @@ import time
 
 MODES = {"stock": "stock", "plugin": "auto"}
 BOTH = "both"  # a child running both modes' engines in one process
+# --control: a child running stock's engine twice in one process (the second
+# named "control", in the plugin's place): an A/A run, the noise floor of the
+# round pairs where both engines do the same work
+CONTROL = "control"
+ENGINE_ENV = {**MODES, CONTROL: MODES["stock"]}
 # the cudagraph_mode each --graph-mode asks vLLM for
 GRAPH_MODES = {"default": "FULL_AND_PIECEWISE", "full": "FULL", "none": "FULL_DECODE_ONLY"}
 
@@ -363,6 +368,8 @@ def fast_step_ms(case: dict, q: float = FAST_QUANTILE) -> float | None:
 def child_modes(mode: str) -> tuple[str, ...]:
     """The engines a child process runs: one mode, or ``both`` (stock's and
     the plugin's engines in one process, rounds alternating)."""
+    if mode == CONTROL:
+        return ("stock", CONTROL)
     return tuple(MODES) if mode == BOTH else (mode,)
 
 
@@ -615,14 +622,15 @@ def _child(args, results: dict) -> None:
         # Both engines in one process: the plugin's whole patch set first (the
         # env at its first load decides what it patches); each engine's
         # builders then read VLLM_DSA_VARLEN as they are made, so the stock
-        # engine's builders take stock's path through the pass-through wrappers.
+        # engine's builders take stock's path through the pass-through wrappers
+        # (--control: both engines are such stock engines).
         import vllm_dsa_varlen
 
         os.environ["VLLM_DSA_VARLEN"] = MODES["plugin"]
         vllm_dsa_varlen.register()
     engines, llms = [], []  # the LLM objects kept alive beside their engines
     for mode in modes:
-        os.environ["VLLM_DSA_VARLEN"] = MODES[mode]
+        os.environ["VLLM_DSA_VARLEN"] = ENGINE_ENV[mode]
         t0 = time.perf_counter()
         if len(modes) > 1:
             own = OwnEngine(lambda: LLM(**kwargs))
@@ -634,7 +642,7 @@ def _child(args, results: dict) -> None:
         llms.append(llm)
         engines.append((mode, engine, results[mode]))
         results[mode].update(_run_header(args, mode, engine, kwargs, init_s, torch))
-    os.environ["VLLM_DSA_VARLEN"] = MODES[modes[-1]]
+    os.environ["VLLM_DSA_VARLEN"] = ENGINE_ENV[modes[-1]]
     vocab = engines[0][1].model_config.get_vocab_size()
     dg_dir = os.path.join(os.environ.get("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm")),
                           "deep_gemm")
@@ -655,7 +663,7 @@ def _child(args, results: dict) -> None:
 def _run_header(args, mode: str, engine, kwargs: dict, init_s: float, torch) -> dict:
     """A run file's facts about its engine (before any case)."""
     head = {"mode": mode, "k": args.k, "init_s": init_s, "graph_mode": args.graph_mode,
-            "same_process": args.mode == BOTH,
+            "same_process": args.mode in (BOTH, CONTROL), "control": args.mode == CONTROL,
             "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
             "cases": [], "jit": {}}
@@ -797,14 +805,16 @@ def compare(stock: dict, plugin: dict) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| k | B | L | stock tok/s | plugin tok/s | stock TPOT ms | plugin TPOT ms | gain | "
-             "tokens equal | plugin decode steps by path | indexer share stock / plugin | "
-             "indexer build() us stock / plugin | host probe us stock / plugin |",
+    seconds = {e.get("second", "plugin") for e in result["per_k"].values()}
+    who = seconds.pop() if len(seconds) == 1 else "plugin"
+    lines = [f"| k | B | L | stock tok/s | {who} tok/s | stock TPOT ms | {who} TPOT ms | gain | "
+             f"tokens equal | {who} decode steps by path | indexer share stock / {who} | "
+             f"indexer build() us stock / {who} | host probe us stock / {who} |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k, entry in sorted(result["per_k"].items(), key=lambda kv: int(kv[0])):
         share = entry.get("indexer_share", {})
         sh = " / ".join(f"{share[m]:.0%}" if share.get(m) is not None else "-"
-                        for m in ("stock", "plugin"))
+                        for m in ("stock", entry.get("second", "plugin")))
         spread = {(x["batch"], x["prompt"]): x for x in entry.get("repeats", [])}
         for r in entry["comparison"]["rows"]:
             if "skipped" in r:
@@ -846,8 +856,8 @@ def log_facts(path: str) -> dict:
 
 
 def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
-    """One process (``mode``: one engine's, or :data:`BOTH`); ``{mode: its
-    result or None if it wrote none}`` for each engine it ran."""
+    """One process (``mode``: one engine's, :data:`BOTH` or :data:`CONTROL`);
+    ``{mode: its result or None if it wrote none}`` for each engine it ran."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode,
            "--k", str(k), "--model", args.model, "--out", args.out, "--repeat", str(rep)]
     for name in ("batch", "prompt"):
@@ -877,15 +887,16 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
     return out
 
 
-def repeat_spread(repeats: list[dict]) -> list[dict]:
+def repeat_spread(repeats: list[dict], second: str = "plugin") -> list[dict]:
     """Per case: each repeat's TPOT for both modes and the plugin's gain
-    (stock / plugin TPOT) per repeat, with its median and range."""
+    (stock / plugin TPOT; ``second``: the mode in the plugin's place) per
+    repeat, with its median and range."""
     import statistics
 
     out = []
-    pairs = [(r["stock"], r["plugin"]) for r in repeats
-             if r.get("stock") and r.get("plugin") and "cases" in r["stock"]
-             and "cases" in r["plugin"]]
+    pairs = [(r["stock"], r[second]) for r in repeats
+             if r.get("stock") and r.get(second) and "cases" in r["stock"]
+             and "cases" in r[second]]
     if not pairs:
         return out
     for i, case in enumerate(pairs[0][0]["cases"]):
@@ -905,12 +916,13 @@ def parent(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     if args.model is None:
         args.model = write_tiny_config(os.path.join(args.out, "model"), args.layers)
-    result = {"model": args.model, "layers": args.layers, "per_k": {}, "runs": []}
+    result = {"model": args.model, "layers": args.layers, "per_k": {}, "runs": [],
+              "control": bool(args.control)}
     for k in args.k:
         runs, repeats = {}, []
         for rep in range(args.repeats):
             if args.same_process:
-                this = run_child(args, BOTH, k, rep, result)
+                this = run_child(args, CONTROL if args.control else BOTH, k, rep, result)
             else:
                 # alternate the order (stock, plugin / plugin, stock, ...) so a
                 # drift between processes shows as spread, not as a gain
@@ -955,9 +967,11 @@ def k_entry(runs: dict, repeats: list[dict]) -> dict:
                        for m, r in runs.items() if "trace" in r},
              "indexer_share": {m: r["trace"]["indexer_share"]
                                for m, r in runs.items() if "trace" in r}}
-    if "stock" in runs and "plugin" in runs:
-        entry["comparison"] = compare(runs["stock"], runs["plugin"])
-        entry["repeats"] = repeat_spread(repeats)
+    second = CONTROL if CONTROL in runs else "plugin"
+    if "stock" in runs and second in runs:
+        entry["second"] = second  # the "plugin" columns' engine (control: stock again)
+        entry["comparison"] = compare(runs["stock"], runs[second])
+        entry["repeats"] = repeat_spread(repeats, second)
     entry["host_probe_us"] = {m: r.get("host_probe_us") for m, r in runs.items()}
     entry["mixed_window"] = {m: r.get("mixed_window") for m, r in runs.items()}
     return entry
@@ -1067,12 +1081,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "stock's path through the plugin's pass-through wrappers (with "
                          "torch.compile both engines compile: ~400 s at 61 layers on the "
                          "H200; --graph-mode none starts both in ~20 s)")
+    ap.add_argument("--control", action="store_true",
+                    help="with --same-process: an A/A control, stock's engine twice (the "
+                         "second named 'control', in the plugin's columns): the round pairs' "
+                         "spread where both engines do the same work")
     ap.add_argument("--cpus", default=None,
                     help="pin each engine process to these CPUs (e.g. 0-7 or 0,2,4): a host "
                          "whose speed changes between processes (see the host probe per "
                          "round) varies less on a fixed set")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--mode", choices=[*MODES, BOTH], help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=[*MODES, BOTH, CONTROL], help=argparse.SUPPRESS)
     ap.add_argument("--repeat", type=int, default=0, help=argparse.SUPPRESS)
     return ap
 
@@ -1085,6 +1103,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.same_process and sorted(args.modes) != sorted(MODES):
         parser.error(f"--same-process: runs both modes ({', '.join(MODES)}); "
                      f"got --modes {' '.join(args.modes)}")
+    if args.control and not args.same_process:
+        parser.error("--control: only with --same-process (stock's engine twice in one process)")
     if args.cpus is not None:
         try:
             args.cpu_set = parse_cpus(args.cpus)

@@ -135,7 +135,7 @@ def test_capture_sizes_cover_every_case_and_shrinking_batches(k):
 # options only the parent process reads (the child gets its k, mode and repeat
 # from run_child itself)
 PARENT_ONLY = {"out", "model", "k", "repeats", "modes", "merge", "child", "mode", "repeat", "help",
-               "same_process"}
+               "same_process", "control"}
 
 
 def test_every_engine_option_reaches_the_engine_process(tmp_path, monkeypatch):
@@ -578,3 +578,61 @@ def test_a_k_entry_names_each_modes_vllm_version(seed):
     entry = e2e.k_entry(runs, [runs])
     assert entry["vllm"] == versions
     assert e2e.k_entry({"stock": runs["stock"]}, [])["vllm"] == {"stock": versions["stock"]}
+
+
+def test_control_is_a_same_process_option(tmp_path):
+    with pytest.raises(SystemExit):
+        e2e.main(["--out", str(tmp_path), "--control"])
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_same_process_control_runs_stocks_engine_twice_and_compares_the_pair(
+        tmp_path, monkeypatch, control, capsys):
+    """--same-process --control: one child process of mode ``control`` whose
+    engines are stock's twice (the second named "control", both with
+    VLLM_DSA_VARLEN=stock); e2e.json says so, compares stock with the control
+    in the plugin's columns and names it in the table; the grid refuses such a
+    folder.  Without --control: the child runs stock and the plugin."""
+    rng = random.Random()
+    tpot = {m: [rng.uniform(9, 20) for _ in range(3)] for m in ("stock", "plugin", "control")}
+    seen = []
+
+    def fake_run(cmd, env, stdout, stderr):
+        mode = cmd[cmd.index("--mode") + 1]
+        out, k = cmd[cmd.index("--out") + 1], cmd[cmd.index("--k") + 1]
+        seen.append(mode)
+        for m in e2e.child_modes(mode):
+            run = _run([[1, 2, 3]])
+            run["cases"][0].update(tpot_ms=tpot[m][0], rounds=[{"tpot_ms": t} for t in tpot[m]])
+            run.update(init_s=1.0, jit={}, mode=m, control=mode == e2e.CONTROL)
+            with open(os.path.join(out, f"run-{m}-k{k}.json"), "w") as f:
+                json.dump(run, f)
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    monkeypatch.setattr(e2e, "log_facts", lambda path: {})
+    argv = ["--out", str(tmp_path), "--model", "m", "--k", "2", "--batch", "3", "--prompt",
+            "4096", "--same-process"] + (["--control"] if control else [])
+    assert e2e.main(argv) == 0
+    second = "control" if control else "plugin"
+    assert seen == [e2e.CONTROL if control else e2e.BOTH]
+    assert e2e.child_modes(seen[0]) == ("stock", second)
+    assert e2e.ENGINE_ENV["control"] == e2e.MODES["stock"] == "stock"
+    got = json.load(open(tmp_path / "e2e.json"))
+    assert got["control"] is control
+    entry = got["per_k"]["2"]
+    assert entry["second"] == second
+    row = entry["comparison"]["rows"][0]
+    assert (row["stock_tpot_ms"], row["plugin_tpot_ms"]) == (tpot["stock"][0], tpot[second][0])
+    assert f"| {second} TPOT ms |" in capsys.readouterr().out
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "e2e_cells.py")
+    spec = importlib.util.spec_from_file_location("e2e_cells", path)
+    cells = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cells)
+    if control:
+        with pytest.raises(SystemExit, match="A/A control"):
+            cells.folder_cells(str(tmp_path))
+    else:
+        _, got_cells = cells.folder_cells(str(tmp_path))
+        pairs = [a / b for a, b in zip(tpot["stock"], tpot["plugin"])]
+        assert got_cells[0]["pairs"] == pytest.approx(pairs)
