@@ -39,17 +39,18 @@ def _xz_bytes(data: bytes, dst: str) -> None:
 
 
 def _identity_differs(runs: dict[str, dict], name: str) -> bool:
-    """Whether run ``name`` (``run-<mode>-k<k>[-rN]``) and the other mode's run
-    of the same k and repeat have different identity tokens (also when that
-    run is missing: nothing to compare against, the evidence is kept)."""
+    """Whether run ``name`` (``run-<mode>-k<k>[-rN]``) and the other engine's
+    run of the same k and repeat (stock's and the plugin's, or stock's and its
+    ``--control`` twin) have different identity tokens (also when that run is
+    missing: nothing to compare against, the evidence is kept)."""
     mode = name.split("-")[1]
-    tokens = []
-    for other in e2e_decode.MODES:
-        run = runs.get(name.replace(f"run-{mode}-", f"run-{other}-", 1))
-        if run is None:
-            return True
-        tokens.append((run.get("identity") or {}).get("tokens"))
-    return tokens[0] != tokens[1]
+    pair = [runs.get(name.replace(f"run-{mode}-", f"run-{other}-", 1))
+            for other in e2e_decode.ENGINE_ENV]
+    pair = [run for run in pair if run is not None]
+    if len(pair) != 2:
+        return True
+    return ((pair[0].get("identity") or {}).get("tokens")
+            != (pair[1].get("identity") or {}).get("tokens"))
 
 
 def kernel_events(trace: dict) -> list[dict]:

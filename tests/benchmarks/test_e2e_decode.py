@@ -427,10 +427,12 @@ def _publish_module():
     return mod
 
 
+@pytest.mark.parametrize("second", ["plugin", "control"])
 @pytest.mark.parametrize("same_tokens", [True, False])
-def test_the_kept_copy_is_small_and_reproduces_the_summaries(tmp_path, same_tokens):
-    """A synthetic run folder: the kept copy drops the identity run's top-2
-    unless the tokens differ, keeps the kernel events (the summary reproduces
+def test_the_kept_copy_is_small_and_reproduces_the_summaries(tmp_path, same_tokens, second):
+    """A synthetic run folder (stock's and the plugin's runs, or stock's and
+    its --control twin's): the kept copy drops the identity run's top-2 unless
+    the pair's tokens differ, keeps the kernel events (the summary reproduces
     from them) and counts the host events per name."""
     import lzma
 
@@ -440,7 +442,7 @@ def test_the_kept_copy_is_small_and_reproduces_the_summaries(tmp_path, same_toke
     rng = random.Random()
     names = ["varlen_logits_sm90", "void deep_gemm::sm90_fp8_paged_mqa_logits<1u>", "gemm_x",
              "cooperative_topk_cs4"]
-    for mode in ("stock", "plugin"):
+    for mode in ("stock", second):
         events = [{"cat": "kernel", "name": rng.choice(names), "ts": i, "dur": rng.uniform(1, 50),
                    "args": {"correlation": i}} for i in range(200)]
         events += [{"cat": rng.choice(pub.HOST_CATEGORIES), "name": rng.choice("abc"), "ts": i,
@@ -455,10 +457,10 @@ def test_the_kept_copy_is_small_and_reproduces_the_summaries(tmp_path, same_toke
     (out / "e2e.json").write_text("{}")
     written = pub.publish(str(out), str(dest))
     assert sorted(os.path.basename(p) for p in written) == sorted(
-        ["e2e.json.xz", "log-plugin-k2.txt.xz", "log-stock-k2.txt.xz", "run-plugin-k2.json.xz",
-         "run-stock-k2.json.xz", "trace-plugin-k2.kernels.json.xz",
+        ["e2e.json.xz", f"log-{second}-k2.txt.xz", "log-stock-k2.txt.xz",
+         f"run-{second}-k2.json.xz", "run-stock-k2.json.xz", f"trace-{second}-k2.kernels.json.xz",
          "trace-stock-k2.kernels.json.xz", "trace-host-ops.json"])
-    for mode in ("stock", "plugin"):
+    for mode in ("stock", second):
         run = json.loads(lzma.open(dest / f"run-{mode}-k2.json.xz").read())
         assert ("top2" in run["identity"]) is (not same_tokens)
         kept = json.loads(lzma.open(dest / f"trace-{mode}-k2.kernels.json.xz").read())
