@@ -366,8 +366,9 @@ def fast_step_ms(case: dict, q: float = FAST_QUANTILE) -> float | None:
 
 
 def child_modes(mode: str) -> tuple[str, ...]:
-    """The engines a child process runs: one mode, or ``both`` (stock's and
-    the plugin's engines in one process, rounds alternating)."""
+    """The engines a child process runs: one mode, ``both`` (stock's and the
+    plugin's engines in one process, rounds alternating) or ``control``
+    (stock's engine twice, the second named "control")."""
     if mode == CONTROL:
         return ("stock", CONTROL)
     return tuple(MODES) if mode == BOTH else (mode,)
