@@ -416,22 +416,18 @@ def add_paths(a: dict | None, b: dict) -> dict:
             for kind, counts in b.items()}
 
 
-def round_order(engines: list, rnd: int) -> list:
-    """The engines' order in round ``rnd``: as given in even rounds, reversed
-    in odd ones (a drift within the process shows as spread, not as gain)."""
-    return list(engines) if rnd % 2 == 0 else list(reversed(engines))
-
-
 def run_cases(engines, args, prompts_of, build_timer, jit_state) -> dict:
     """The warm-up pass and the measured cases of each engine of ``engines``
     (``[(mode, engine, result)]``: one, or stock's and the plugin's in one
     process) into its ``result["cases"]``; returns ``jit_state()`` taken after
     the warm-up.  With two engines every case's rounds alternate between them
-    (:func:`round_order`), so both meet the same host and GPU.  Counters and
+    (``bench_graph.round_order``: for two engines, as given in even rounds and
+    reversed in odd ones), so both meet the same host and GPU.  Counters and
     ``build()`` times are taken per round, so each engine's are its own.
     ``prompts_of(length, count=...)`` gives the prompts; cases whose requests
     do not fit an engine's KV cache at once are recorded as skipped."""
     from vllm_dsa_varlen import stats
+    from vllm_dsa_varlen.bench_graph import round_order
 
     fits = {}
     for mode, engine, result in engines:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import statistics
 
+from .bench_graph import order_cycle, round_order
+
 CASES = ["64,4,32768", "64,2,32768", "64,3,32768", "64,-4,32768", "128,-4,8192", "64,6,8192"]
 REP_MS = 30  # do_bench repetition time per timed call (ms) unless --rep-ms says otherwise
 
@@ -44,35 +46,6 @@ def paired_ratios(times: dict, base: str) -> dict:
         r = sorted(t / b for t, b in zip(ts, times[base]))
         out[name] = {"median": statistics.median(r), "min": r[0], "max": r[-1]}
     return out
-
-
-def order_cycle(n: int) -> int:
-    """Rounds in one cycle of :func:`round_order` for ``n`` paths."""
-    return n if n % 2 == 0 or n == 1 else 2 * n
-
-
-def round_order(names: list, r: int, fixed: bool = False) -> list:
-    """The order in which round ``r`` times ``names``: a balanced Latin square
-    (Williams): over one cycle (:func:`order_cycle` rounds) every path runs
-    once per round, leads equally often, and follows every other path equally
-    often.  A timed path inherits the machine state its predecessor left (on
-    the H200 a large step timed right after the light schedule timings read
-    3-5 % faster than the same binary timed after a large step), so only a
-    balance of predecessors makes paths comparable.  ``fixed``: the given
-    order every round (the control)."""
-    n = len(names)
-    if fixed or n < 2:
-        return list(names)
-    seq, lo, hi = [0], 1, n - 1
-    while len(seq) < n:
-        seq.append(lo)
-        lo += 1
-        if len(seq) < n:
-            seq.append(hi)
-            hi -= 1
-    r %= order_cycle(n)
-    row = [names[(j + r) % n] for j in seq]
-    return row if r < n else row[::-1]
 
 
 def run(args) -> int:
