@@ -276,3 +276,52 @@ def test_uniform_unpadded_holds_exactly_for_uniform_steps_without_padding(seed):
         want = (decodes == n and longest >= 1 and all(x == longest for x in lens)
                 and rows == sum(lens))
         assert uniform_unpadded(n, longest, decodes, rows, starts) == want, (lens, decodes, rows)
+
+
+def _random_rule(rng: random.Random) -> Rule:
+    lo = rng.randint(1, 8)
+    return Rule(rng.choice(policy.STOCK_KINDS), min_run=lo,
+                max_run_le=rng.choice([None, lo + rng.randint(0, 4)]),
+                min_rows=rng.choice([0, rng.randint(1, 256)]),
+                min_requests=rng.choice([0, rng.randint(1, 64)]),
+                min_context=rng.choice([0, 0, rng.randint(1, 65536)]),
+                min_tokens_per_request=rng.choice([0.0, rng.uniform(1, 6)]),
+                uniform=rng.choice([None, True, False]),
+                kernel=rng.choice([None, "cuda_sm90", "triton"]), note="random")
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_uniform_step_wins_is_varlen_wins_at_every_context_or_says_it_cannot(seed):
+    """The kept answer for a uniform unpadded step equals varlen_wins on that
+    step's facts at any context length; where a rule that could match bounds
+    contexts it answers None (the caller decides from the facts)."""
+    rng = random.Random(seed)
+    table = tuple(_random_rule(rng) for _ in range(rng.randint(0, 6)))
+    for _ in range(40):
+        run = rng.randint(1, 8)
+        rows = run * rng.randint(1, 96)
+        stock = rng.choice(policy.STOCK_KINDS)
+        kernel = rng.choice([None, "cuda_sm90", "triton"])
+        known = policy.uniform_step_wins(rows, run, stock, kernel, table)
+        bounded = any(r.min_context > 0 and r.uniform is not False and r.stock == stock
+                      and (r.kernel is None or r.kernel == kernel) for r in table)
+        assert (known is None) == bounded
+        for context in (0, 1, rng.randint(1, 1 << 17)):
+            facts = StepFacts(rows=rows, requests=rows // run, max_run=run, uniform=True,
+                              max_context=context, tokens=rows)
+            want = varlen_wins(facts, stock, table, kernel)
+            if known is not None:
+                assert known == want, (facts, stock, kernel, table)
+        # asked again: the kept answer
+        assert policy.uniform_step_wins(rows, run, stock, kernel, table) == known
+
+
+def test_uniform_step_wins_follows_the_table_and_refuses_partial_requests(monkeypatch):
+    facts = StepFacts(rows=128, requests=32, max_run=4, uniform=True, tokens=128)
+    before = policy.uniform_step_wins(128, 4, "flattened", "cuda_sm90")
+    assert before == varlen_wins(facts, "flattened", kernel="cuda_sm90")
+    # a table swapped in at call time is a new table, never a stale answer
+    monkeypatch.setattr(policy, "MEASURED", ())
+    assert policy.uniform_step_wins(128, 4, "flattened", "cuda_sm90") is False
+    with pytest.raises(ValueError, match="rows"):
+        policy.uniform_step_wins(10, 4, "flattened")

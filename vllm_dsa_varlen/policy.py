@@ -272,4 +272,51 @@ def varlen_wins(step: StepFacts, stock: str, table: tuple[Rule, ...] | None = No
     if step.rows == 0:
         return False
     rules = MEASURED if table is None else table
-    return any(rule.stock == stock and rule.matches(step, kernel) for rule in rules)
+    for rule in _rules_for(rules, stock, kernel):
+        if rule.matches(step, kernel):
+            return True
+    return False
+
+
+_RULES_FOR: dict = {}
+
+
+def uniform_step_wins(rows: int, max_run: int, stock: str, kernel: str | None = None,
+                      table: tuple[Rule, ...] | None = None) -> bool | None:
+    """:func:`varlen_wins` for a uniform step without padding (``rows //
+    max_run`` requests of ``max_run`` tokens, every row a token) when no rule
+    that could match it bounds contexts: the answer then depends on the three
+    ints alone and is kept (builders ask on every step).  ``None`` where a
+    rule bounds contexts (the caller decides from :class:`StepFacts`)."""
+    if max_run < 1 or rows % max_run:
+        raise ValueError(f"rows: {rows} rows are not whole requests of {max_run} tokens")
+    rules = MEASURED if table is None else table
+    key = (id(rules), rows, max_run, stock, kernel)
+    known = _UNIFORM.get(key)
+    if known is not None and known[0] is rules:
+        return known[1]
+    if any(r.min_context > 0 and r.uniform is not False for r in _rules_for(rules, stock, kernel)):
+        answer = None
+    else:
+        facts = StepFacts(rows=rows, requests=rows // max_run, max_run=max_run, uniform=True,
+                          tokens=rows)
+        answer = varlen_wins(facts, stock, table, kernel)
+    if len(_UNIFORM) >= 4096:  # step shapes are few (capture sizes); a bound all the same
+        _UNIFORM.clear()
+    _UNIFORM[key] = (rules, answer)
+    return answer
+
+
+_UNIFORM: dict = {}
+
+
+def _rules_for(rules: tuple[Rule, ...], stock: str, kernel: str | None) -> tuple[Rule, ...]:
+    """The rules of ``rules`` against ``stock`` that ``kernel`` may match, kept per table
+    (a step's decision reads a few rules, not the table)."""
+    key = (id(rules), stock, kernel)
+    known = _RULES_FOR.get(key)
+    if known is not None and known[0] is rules:
+        return known[1]
+    kept = tuple(r for r in rules if r.stock == stock and (r.kernel is None or r.kernel == kernel))
+    _RULES_FOR[key] = (rules, kept)
+    return kept

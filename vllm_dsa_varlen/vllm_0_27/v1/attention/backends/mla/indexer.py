@@ -205,6 +205,7 @@ def _setup_varlen(builder: Any) -> None:
     builder._varlen_final_ctx = None
     builder._varlen_common = None
     builder._varlen_step_lens = None
+    builder._varlen_uniform_memo = None
     log_decode_path(path)
     if not path.use_varlen:
         return
@@ -449,21 +450,35 @@ def _step_decode_lens(builder: Any, common: Any, num_decodes: int) -> list[int]:
     return lens
 
 
-def _uniform_unpadded(common: Any, num_decodes: int, num_decode_tokens: int) -> bool:
+def _uniform_unpadded(common: Any, num_decodes: int, num_decode_tokens: int,
+                      builder: Any = None) -> bool:
     """Every request a decode of ``max_query_len`` tokens, no graph padding:
-    :func:`vllm_dsa_varlen.policy.uniform_unpadded` (O(1), two host offsets)."""
-    return policy.uniform_unpadded(common.num_reqs, common.max_query_len, num_decodes,
-                                   num_decode_tokens, common.query_start_loc_cpu)
+    :func:`vllm_dsa_varlen.policy.uniform_unpadded` (O(1), two host offsets).
+    With ``builder``, the answer is kept for the build that is running (the
+    step's facts, then its count ask the same; ``build`` clears it when it
+    starts and when it ends, as vLLM's drafter rewrites ``common`` between
+    builds)."""
+    memo = getattr(builder, "_varlen_uniform_memo", None)
+    key = (num_decodes, num_decode_tokens)
+    if memo is not None and memo[0] is common and memo[1] == key:
+        return memo[2]
+    answer = policy.uniform_unpadded(common.num_reqs, common.max_query_len, num_decodes,
+                                     num_decode_tokens, common.query_start_loc_cpu)
+    if builder is not None:
+        builder._varlen_uniform_memo = (common, key, answer)
+    return answer
 
 
 def step_facts(common: Any, num_decodes: int, num_decode_tokens: int,
-               decode_lens: list[int] | None = None) -> policy.StepFacts:
+               decode_lens: list[int] | None = None, builder: Any = None) -> policy.StepFacts:
     """:class:`vllm_dsa_varlen.policy.StepFacts` of a step's decode part, from
     host-known values only (``decode_lens``: the step's
-    :func:`_decode_lens_cpu`, when the caller has them).  O(1) on a uniform
-    step without graph padding (the facts ``from_decode_lens`` would find)."""
+    :func:`_decode_lens_cpu`, when the caller has them; ``builder``: the
+    builder whose build is running, which keeps the uniformity answer).  O(1)
+    on a uniform step without graph padding (the facts ``from_decode_lens``
+    would find)."""
     max_context = max(0, int(common.max_seq_len))
-    if _uniform_unpadded(common, num_decodes, num_decode_tokens):
+    if _uniform_unpadded(common, num_decodes, num_decode_tokens, builder):
         return policy.StepFacts(rows=num_decode_tokens, requests=num_decodes,
                                 max_run=common.max_query_len, uniform=True,
                                 max_context=max_context, tokens=num_decode_tokens)
@@ -493,7 +508,8 @@ def _split_outcome(builder: Any, common: Any) -> str:
     stock, ours = _decode_splits(builder, common)
     if ours[0] == stock[0]:
         return "stock_native"
-    facts = step_facts(common, ours[0], ours[2], _step_decode_lens(builder, common, ours[0]))
+    facts = step_facts(common, ours[0], ours[2], _step_decode_lens(builder, common, ours[0]),
+                       builder)
     if policy.varlen_wins(facts, "split",
                           kernel=builder.varlen_graph_kernel):
         return "split_avoided"
@@ -504,11 +520,17 @@ def _kernel_takes_varlen(builder: Any, common: Any, metadata: Any) -> bool:
     """Per step: whether the kernel call goes to the varlen kernel."""
     if builder.decode_path.per_step != "flattened":
         return True
-    num_decodes = metadata.num_decodes
-    return policy.varlen_wins(
-        step_facts(common, num_decodes, metadata.num_decode_tokens,
-                   _step_decode_lens(builder, common, num_decodes)), "flattened",
-        kernel=builder.varlen_graph_kernel)
+    num_decodes, rows = metadata.num_decodes, metadata.num_decode_tokens
+    kernel = builder.varlen_graph_kernel
+    if _uniform_unpadded(common, num_decodes, rows, builder):
+        # O(1) and kept per step shape where no rule reads contexts
+        known = policy.uniform_step_wins(rows, common.max_query_len, "flattened", kernel)
+        if known is not None:
+            return known
+        return policy.varlen_wins(step_facts(common, num_decodes, rows, None, builder),
+                                  "flattened", kernel=kernel)
+    facts = step_facts(common, num_decodes, rows, _step_decode_lens(builder, common, num_decodes))
+    return policy.varlen_wins(facts, "flattened", kernel=kernel)
 
 
 def _record_step(builder: Any, common: Any, metadata: Any, path: str | None) -> None:
@@ -523,7 +545,9 @@ def _record_step(builder: Any, common: Any, metadata: Any, path: str | None) -> 
     num_decodes = getattr(metadata, "num_decodes", 0)
     if not num_decodes:
         return
-    if _uniform_unpadded(common, num_decodes, metadata.num_decode_tokens):
+    if common.max_query_len <= 1:
+        lens = [1]  # one token per request: not variable (padding requests are not requests)
+    elif _uniform_unpadded(common, num_decodes, metadata.num_decode_tokens, builder):
         lens = [common.max_query_len]  # (O(1): the requests' lengths, all equal)
     else:
         lens = [n for n in _step_decode_lens(builder, common, num_decodes) if n > 0] or [0]
@@ -620,7 +644,12 @@ def _full_graphs_replay_mixed_batches(builder: Any) -> bool:
     MTP drafter runs PIECEWISE graphs, outside which the indexer op runs."""
     mode = getattr(getattr(builder.vllm_config, "compilation_config", None),
                    "cudagraph_mode", None)
-    return mode is None or mode.mixed_mode() == CUDAGraphMode.FULL
+    memo = getattr(builder, "_varlen_mixed_full", None)
+    if memo is not None and memo[0] is mode:  # asked on every build: the mode's answer kept
+        return memo[1]
+    answer = mode is None or mode.mixed_mode() == CUDAGraphMode.FULL
+    builder._varlen_mixed_full = (mode, answer)
+    return answer
 
 
 def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -630,11 +659,11 @@ def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        self._varlen_step_lens = None
+        self._varlen_step_lens = self._varlen_uniform_memo = None
         try:
             return _build(self, common_prefix_len, common_attn_metadata, fast_build)
         finally:
-            self._varlen_step_lens = None
+            self._varlen_step_lens = self._varlen_uniform_memo = None
 
     def _build(self, common_prefix_len, common_attn_metadata, fast_build):
         path = getattr(self, "decode_path", None)

@@ -330,7 +330,9 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
         return None
     max_context = max(0, int(cm.max_seq_len))
     longest = cm.max_query_len
-    if uniform_unpadded(cm.num_reqs, longest, num_decodes, rows, cm.query_start_loc_cpu):
+    plain_uniform = uniform_unpadded(cm.num_reqs, longest, num_decodes, rows,
+                                     cm.query_start_loc_cpu)
+    if plain_uniform:
         # (O(1): what from_query_starts would find)
         lens_facts = StepFacts(rows=rows, requests=num_decodes, max_run=longest, uniform=True,
                                max_context=max_context, tokens=rows)
@@ -358,7 +360,12 @@ def classify_step(builder: Any, cm: Any) -> StepChoice | None:
         facts = lens_facts
     if stock == "flattened" and _left_to_stock(builder, cm, max_run):
         return StepChoice(facts, stock, varlen=False, plan=False)
-    varlen = varlen_wins(facts, stock, kernel=builder.varlen_graph_kernel)
+    kernel = builder.varlen_graph_kernel
+    # a uniform step without padding: kept per step shape where no rule reads contexts
+    varlen = (policy.uniform_step_wins(rows, max_run, stock, kernel)
+              if plain_uniform and stock != "native" else None)
+    if varlen is None:
+        varlen = varlen_wins(facts, stock, kernel=kernel)
     return StepChoice(facts, stock, varlen, plan=varlen or stock == "flattened")
 
 
