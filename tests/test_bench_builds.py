@@ -31,7 +31,8 @@ def test_per_step_sums_the_paths_each_line_takes():
     steps, flattened otherwise; stock 0.27 native only up to 2 tokens."""
     layers = 61
     for tokens, variable, native in ((4, False, "dg-native4"), (2, False, "dg-native2"),
-                                     (3, False, None), (4, True, "dg-native4")):
+                                     (3, False, None), (3, False, "dg-native4"),
+                                     (4, True, "dg-native4")):
         res = _times(**({native: 77.0} if native else {}), **({"dg-split": 300.0} if variable
                                                               else {}))
         got = variants.per_step(res, "default", tokens, variable, layers)
@@ -39,7 +40,7 @@ def test_per_step_sums_the_paths_each_line_takes():
         flat = res["dg-meta"] + layers * (res["dg-flat"] + res["topk-rows"])
         if variable:
             want33 = res["dg-meta"] + layers * (res["dg-split"] + res["topk-rows"])
-        elif native:
+        elif native and tokens != 3:  # vLLM 0.33 on SM90 flattens 3-token steps
             want33 = res["dg-meta"] + layers * (res[native] + res["topk-padded"])
         else:
             want33 = flat

@@ -259,7 +259,7 @@ def per_step(res: dict, ours: str, tokens: int, variable: bool, layers: int) -> 
     flat = meta + layers * (res["dg-flat"] + res["topk-rows"])
     if variable and "dg-split" in res:
         got["stock 0.33"] = meta + layers * (res["dg-split"] + res["topk-rows"])
-    elif native and not variable:
+    elif native and not variable and tokens in (1, 2, 4):  # SM90's native sizes; 3 is flattened
         got["stock 0.33"] = meta + layers * (res[native] + res["topk-padded"])
     else:
         got["stock 0.33"] = flat
