@@ -219,6 +219,9 @@ MEASURED: tuple[Rule, ...] = (
     # slower than DeepGEMM flattened from 32 rows of 4 tokens (1K-32K) or 18
     # rows of 3 tokens (2K-32K); at 16 rows of 4 tokens it lost at 1K.  No
     # context bound: a captured graph's kernel is chosen without contexts.
+    # In vLLM 0.27.1's engine (61 layers) these steps gain at 16K-32K (B8: k = 2
+    # 1.01-1.02x, k = 3 faster) and at 4K pay the varlen build's host time
+    # (+95 us a step at 01f2093) for a kernel gain <= 0.04 ms (BENCHMARKS.md).
     Rule("flattened", min_run=4, max_run_le=4, min_rows=32, uniform=True, kernel="cuda_sm90",
          note="uniform 4 tokens, 32-63 rows: B8 1.02-1.36x DeepGEMM flattened (1K-32K; CUDA "
               "sm_90 kernel); B4 (16 rows) 1.06-1.17x at 4K-32K but 0.94x at 1K"),
