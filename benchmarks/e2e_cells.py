@@ -106,6 +106,7 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
                 "varlen": paths.get("varlen", 0) > 0,
                 "share": share if len(share) == 2 else None,
                 "one_process": one_process,
+                "lockstep": bool(run.get("lockstep")),
                 "graph_mode": str(ran_mode or "?").rpartition(".")[2],
                 "source": folder})
     return version, cells
@@ -160,6 +161,7 @@ def table(got: dict, root: str = "") -> str:
                 share = ("–" if not traced else
                          f"{100 * traced[-1][0]:.0f} % / {100 * traced[-1][1]:.0f} %")
                 how = ("one process" if c["one_process"] else "a process per mode") + \
+                      (", steps in lockstep" if c.get("lockstep") else "") + \
                       f", {c['graph_mode']}"
                 earlier = ", ".join(f"{x['gain']:.2f}×" for x in cells[:-1]) or "–"
                 pairs = "–"

@@ -302,31 +302,74 @@ def _paths_since(before: dict) -> dict:
     return {kind: {p: after[kind][p] - before[kind][p] for p in after[kind]} for kind in after}
 
 
-def _run_case(engine, prompts, new_tokens, tag, logprobs=None):
-    """Add ``prompts`` and step the engine to completion; per-step host times and
-    token counts, plus every request's tokens (and logprobs when asked)."""
-    ids = _add(engine, tag, prompts, new_tokens, logprobs)
-    tokens = {rid: [] for rid in ids}
-    lps = {rid: [] for rid in ids}
-    cached = {}
-    steps = []
-    while engine.has_unfinished_requests():
+class _Stepper:
+    """One engine's requests of a case, stepped one ``engine.step()`` at a time:
+    per-step host times and token counts, every request's tokens (and
+    logprobs when asked)."""
+
+    def __init__(self, engine, prompts, new_tokens, tag, logprobs=None):
+        self.engine, self.logprobs = engine, logprobs
+        self.ids = _add(engine, tag, prompts, new_tokens, logprobs)
+        self.tokens = {rid: [] for rid in self.ids}
+        self.lps = {rid: [] for rid in self.ids}
+        self.cached, self.steps = {}, []
+
+    def done(self) -> bool:
+        return not self.engine.has_unfinished_requests()
+
+    def step(self) -> None:
         t0 = time.perf_counter()
-        outs = engine.step()
+        outs = self.engine.step()
         dt = time.perf_counter() - t0
         new = 0
         for o in outs:
             c = o.outputs[0]
-            tokens[o.request_id].extend(c.token_ids)
+            self.tokens[o.request_id].extend(c.token_ids)
             new += len(c.token_ids)
             if o.num_cached_tokens is not None:
-                cached[o.request_id] = o.num_cached_tokens
-            if logprobs and c.logprobs:
+                self.cached[o.request_id] = o.num_cached_tokens
+            if self.logprobs and c.logprobs:
                 for pos in c.logprobs:
-                    lps[o.request_id].append(sorted(
+                    self.lps[o.request_id].append(sorted(
                         ((tok, lp.logprob) for tok, lp in pos.items()), key=lambda t: -t[1]))
-        steps.append((dt, new, sum(1 for r in ids if tokens[r])))
-    return ids, tokens, lps, cached, steps
+        self.steps.append((dt, new, sum(1 for r in self.ids if self.tokens[r])))
+
+    def result(self):
+        return self.ids, self.tokens, self.lps, self.cached, self.steps
+
+
+def _run_case(engine, prompts, new_tokens, tag, logprobs=None):
+    """Add ``prompts`` and step the engine to completion; per-step host times and
+    token counts, plus every request's tokens (and logprobs when asked)."""
+    stepper = _Stepper(engine, prompts, new_tokens, tag, logprobs)
+    while not stepper.done():
+        stepper.step()
+    return stepper.result()
+
+
+def _run_lockstep(order, prompts, new_tokens, tag, build_timer) -> dict:
+    """The same requests on every engine of ``order`` (``[(mode, engine)]``),
+    their steps alternating: one step of each engine in turn, the first of
+    ``order`` first, until all are done; each step timed alone (the others
+    idle), so the engines meet the host's phases step by step, not round by
+    round.  ``{mode: (_run_case's result, counter growth, build() times)}``,
+    the decode-path counters and ``build()`` times taken around each engine's
+    own steps."""
+    from vllm_dsa_varlen import stats
+
+    steppers = [(mode, _Stepper(engine, prompts, new_tokens, tag)) for mode, engine in order]
+    paths: dict = {mode: None for mode, _ in steppers}
+    builds: dict = {mode: [] for mode, _ in steppers}
+    build_timer.take()  # what ran before the round is no engine's step here
+    while not all(s.done() for _, s in steppers):
+        for mode, stepper in steppers:
+            if stepper.done():
+                continue
+            before = stats.snapshot()
+            stepper.step()
+            paths[mode] = add_paths(paths[mode], _paths_since(before))
+            builds[mode].append(build_timer.take())
+    return {mode: (s.result(), paths[mode], merge_builds(builds[mode])) for mode, s in steppers}
 
 
 def _decode_figures(steps, batch, tokens):
@@ -416,14 +459,24 @@ def add_paths(a: dict | None, b: dict) -> dict:
             for kind, counts in b.items()}
 
 
+def _round_record(steps, batch, ids, tokens, cached, probe, probe_after, gpu0, gpu1) -> dict:
+    """One engine's round of a case: its decode figures, the host probes and GPU
+    states around the round, its cached prompt tokens and requests' tokens."""
+    return {**_decode_figures(steps, batch, tokens), "host_probe_us": probe,
+            "host_probe_after_us": probe_after, "gpu_before": gpu0, "gpu_after": gpu1,
+            "cached_tokens": sum(cached.values()), "tokens": [tokens[r] for r in ids]}
+
+
 def run_cases(engines, args, prompts_of, build_timer, jit_state) -> dict:
     """The warm-up pass and the measured cases of each engine of ``engines``
     (``[(mode, engine, result)]``: one, or stock's and the plugin's in one
     process) into its ``result["cases"]``; returns ``jit_state()`` taken after
     the warm-up.  With two engines every case's rounds alternate between them
     (``bench_graph.round_order``: for two engines, as given in even rounds and
-    reversed in odd ones), so both meet the same host and GPU.  Counters and
-    ``build()`` times are taken per round, so each engine's are its own.
+    reversed in odd ones), so both meet the same host and GPU; with
+    ``args.lockstep`` their steps alternate within each round
+    (:func:`_run_lockstep`).  Counters and ``build()`` times are taken per
+    round (per step in lockstep), so each engine's are its own.
     ``prompts_of(length, count=...)`` gives the prompts; cases whose requests
     do not fit an engine's KV cache at once are recorded as skipped."""
     from vllm_dsa_varlen import stats
@@ -470,19 +523,28 @@ def run_cases(engines, args, prompts_of, build_timer, jit_state) -> dict:
             paths: dict = {mode: None for mode, _, _ in live}
             builds: dict = {mode: [] for mode, _, _ in live}
             for rnd in range(args.case_rounds):
-                for mode, engine, _ in round_order(live, rnd):
+                order = round_order(live, rnd)
+                tag = f"B{batch}-L{length}-r{rnd}"
+                if getattr(args, "lockstep", False) and len(order) > 1:
+                    probe, gpu0 = host_probe_us(5000), gpu_state()
+                    got = _run_lockstep([(m, e) for m, e, _ in order], prompts,
+                                        args.new_tokens, tag, build_timer)
+                    probe_after, gpu1 = host_probe_us(5000), gpu_state()
+                    for mode, ((ids, tokens, _, cached, steps), grew, took) in got.items():
+                        cases[mode]["rounds"].append(_round_record(
+                            steps, batch, ids, tokens, cached, probe, probe_after, gpu0, gpu1))
+                        builds[mode].append(took)
+                        paths[mode] = add_paths(paths[mode], grew)
+                    continue
+                for mode, engine, _ in order:
                     before = stats.snapshot()
                     build_timer.take()
                     probe = host_probe_us(5000)
                     gpu0 = gpu_state()
-                    ids, tokens, _, cached, steps = _run_case(
-                        engine, prompts, args.new_tokens, f"B{batch}-L{length}-r{rnd}")
-                    cases[mode]["rounds"].append({
-                        **_decode_figures(steps, batch, tokens), "host_probe_us": probe,
-                        "host_probe_after_us": host_probe_us(5000),
-                        "gpu_before": gpu0, "gpu_after": gpu_state(),
-                        "cached_tokens": sum(cached.values()),
-                        "tokens": [tokens[r] for r in ids]})
+                    ids, tokens, _, cached, steps = _run_case(engine, prompts, args.new_tokens, tag)
+                    cases[mode]["rounds"].append(_round_record(
+                        steps, batch, ids, tokens, cached, probe, host_probe_us(5000), gpu0,
+                        gpu_state()))
                     builds[mode].append(build_timer.take())
                     paths[mode] = add_paths(paths[mode], _paths_since(before))
             for mode, _, result in live:
@@ -661,6 +723,7 @@ def _run_header(args, mode: str, engine, kwargs: dict, init_s: float, torch) -> 
     """A run file's facts about its engine (before any case)."""
     head = {"mode": mode, "k": args.k, "init_s": init_s, "graph_mode": args.graph_mode,
             "same_process": args.mode in (BOTH, CONTROL), "control": args.mode == CONTROL,
+            "lockstep": bool(getattr(args, "lockstep", False)),
             "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
             "cases": [], "jit": {}}
@@ -861,6 +924,8 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
         cmd += [f"--{name}", *map(str, getattr(args, name))]
     if args.cpus:
         cmd += ["--cpus", args.cpus]
+    if getattr(args, "lockstep", False):
+        cmd += ["--lockstep"]
     for name in ("new_tokens", "warm_tokens", "case_rounds", "layers", "graph_mode", "load_format",
                  "kv_cache_dtype", "force_sparse_prefill", "max_batched_tokens",
                  "gpu_memory_utilization", "trace_steps", "attention_backend", "capture_sizes",
@@ -914,7 +979,7 @@ def parent(args) -> int:
     if args.model is None:
         args.model = write_tiny_config(os.path.join(args.out, "model"), args.layers)
     result = {"model": args.model, "layers": args.layers, "per_k": {}, "runs": [],
-              "control": bool(args.control)}
+              "control": bool(args.control), "lockstep": bool(args.lockstep)}
     for k in args.k:
         runs, repeats = {}, []
         for rep in range(args.repeats):
@@ -1082,6 +1147,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --same-process: an A/A control, stock's engine twice (the "
                          "second named 'control', in the plugin's columns): the round pairs' "
                          "spread where both engines do the same work")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="with --same-process: within each round the two engines' steps "
+                         "alternate (one step of each in turn, each timed alone), so a pair "
+                         "meets the host's phases step by step rather than round by round")
     ap.add_argument("--cpus", default=None,
                     help="pin each engine process to these CPUs (e.g. 0-7 or 0,2,4): a host "
                          "whose speed changes between processes (see the host probe per "
@@ -1102,6 +1171,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"got --modes {' '.join(args.modes)}")
     if args.control and not args.same_process:
         parser.error("--control: only with --same-process (stock's engine twice in one process)")
+    if args.lockstep and not args.same_process:
+        parser.error("--lockstep: only with --same-process (two engines in one process)")
     if args.cpus is not None:
         try:
             args.cpu_set = parse_cpus(args.cpus)

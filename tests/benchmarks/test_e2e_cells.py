@@ -134,3 +134,22 @@ def test_round_pairs_are_shown_for_engines_in_one_process_only(tmp_path, seed):
             assert column == f"({want:.2f}×) {ratios[0]:.2f}–{ratios[-1]:.2f}, {n}"
         else:
             assert column == "–"
+
+
+def test_a_lockstep_run_says_so_in_its_how(tmp_path):
+    """A one-process run whose engines stepped in lockstep is named so in the
+    "how" column; one that alternated rounds is not."""
+    rng = random.Random()
+    for lockstep in (True, False):
+        folder = tmp_path / f"run-{lockstep}"
+        folder.mkdir()
+        entry = {"comparison": {"rows": [_row(rng, 8, 4096, True)]}}
+        (folder / "e2e.json").write_text(json.dumps({"per_k": {"2": entry}}))
+        run = {"vllm": "0.27.1", "same_process": True, "lockstep": lockstep,
+               "cudagraph_mode": "FULL_DECODE_ONLY", "cases": []}
+        (folder / "run-stock-k2.json").write_text(json.dumps(run))
+        line = [x for x in cells.table(cells.grid([str(folder)], "0.27.1")).splitlines()
+                if x.startswith("| 2 | 8 | 4K")][0]
+        how = line.split("|")[11].strip()
+        assert how.startswith("one process")
+        assert ("lockstep" in how) == lockstep, how

@@ -150,6 +150,10 @@ def test_every_engine_option_reaches_the_engine_process(tmp_path, monkeypatch):
         if action.dest not in dests:
             continue
         flag = action.option_strings[0]
+        if action.nargs == 0:  # a switch: given, so the child must be given it too
+            want[flag] = None
+            argv.append(flag)
+            continue
         if action.choices:
             value = list(action.choices)[-1]
         elif action.type is float:
@@ -171,8 +175,9 @@ def test_every_engine_option_reaches_the_engine_process(tmp_path, monkeypatch):
     cmd = seen["cmd"]
     for flag, value in want.items():
         assert flag in cmd, flag
-        i = cmd.index(flag)
-        assert cmd[i + 1] == value, (flag, cmd[i + 1], value)
+        if value is not None:
+            i = cmd.index(flag)
+            assert cmd[i + 1] == value, (flag, cmd[i + 1], value)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -638,3 +643,84 @@ def test_same_process_control_runs_stocks_engine_twice_and_compares_the_pair(
         _, got_cells = cells.folder_cells(str(tmp_path))
         pairs = [a / b for a, b in zip(tpot["stock"], tpot["plugin"])]
         assert got_cells[0]["pairs"] == pytest.approx(pairs)
+
+
+class _StepTimer:
+    """A build timer fed by the fake engines: every step of an engine "builds"
+    once, at that engine's own cost, so a take attributed to the wrong engine's
+    step shows as the other's cost."""
+
+    def __init__(self):
+        self.calls, self.us = 0, 0.0
+
+    def build(self, us: float) -> None:
+        self.calls += 1
+        self.us += us
+
+    def take(self):
+        out = {"calls": self.calls, "us_per_call": self.us / self.calls if self.calls else None,
+               "by_tokens": ({"24": {"calls": self.calls, "us_per_call": self.us / self.calls}}
+                             if self.calls else {})}
+        self.calls, self.us = 0, 0.0
+        return out
+
+
+class _SteppingEngine(FakeEngine):
+    def __init__(self, *a, timer, cost, steps, **kw):
+        super().__init__(*a, **kw)
+        self.timer, self.cost, self.step_log = timer, cost, steps
+
+    def step(self):
+        self.timer.build(self.cost)
+        self.step_log.append(self.name)
+        return super().step()
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 4])
+def test_lockstep_rounds_alternate_steps_and_keep_each_engines_own_builds_and_counters(rounds):
+    """--lockstep: within a round the two engines step in turn (the round's first
+    engine first, the first alternating by round as in the round order), each
+    engine's build() times and counters are its own steps', and its figures
+    and tokens are what it would produce alone."""
+    from types import SimpleNamespace
+
+    from vllm_dsa_varlen import stats
+
+    stats.reset()
+    rng = random.Random()
+    new = rng.randrange(3, 9)
+    args = SimpleNamespace(prompt=[64], batch=[2], new_tokens=new, warm_tokens=2,
+                           case_rounds=rounds, k=2, mode="both", lockstep=True)
+    timer, steps = _StepTimer(), []
+    costs = {"stock": rng.uniform(100, 200), "plugin": rng.uniform(300, 400)}
+    results = {"stock": {"cases": []}, "plugin": {"cases": []}}
+    paths = {"stock": "stock_flattened", "plugin": "varlen"}
+    engines = [(m, _SteppingEngine(10**6, paths[m], None, m, timer=timer, cost=costs[m],
+                                   steps=steps), results[m]) for m in ("stock", "plugin")]
+    prompts_of = lambda length, first=0, count=2: [  # noqa: E731
+        e2e.prompt_ids(i, length, 4096) for i in range(first, first + count)]
+    e2e.run_cases(engines, args, prompts_of, timer, lambda: {"jit": 0})
+    # the measured steps: after the warm-up's (every engine's warm-up first)
+    warm = len(steps) - rounds * 2 * new
+    measured = steps[warm:]
+    for rnd in range(rounds):
+        first, second = ("stock", "plugin") if rnd % 2 == 0 else ("plugin", "stock")
+        assert measured[rnd * 2 * new:(rnd + 1) * 2 * new] == [first, second] * new
+    alone = e2e._run_case(FakeEngine(10**6), prompts_of(64), new, "alone")
+    for mode, result in results.items():
+        (case,) = result["cases"]
+        assert len(case["rounds"]) == rounds and case["rounds_tokens_equal"]
+        assert case["tokens"] == [alone[1][r] for r in alone[0]]
+        assert case["indexer_build"]["calls"] == rounds * new
+        assert case["indexer_build"]["us_per_call"] == pytest.approx(costs[mode])
+        assert case["paths"]["steps"][paths[mode]] == rounds * new
+        assert sum(case["paths"]["steps"].values()) == rounds * new
+        assert all(r["decode_steps"] == new - 1 for r in case["rounds"])
+
+
+def test_lockstep_is_a_same_process_option_and_reaches_the_child(tmp_path):
+    with pytest.raises(SystemExit):
+        e2e.main(["--out", str(tmp_path), "--lockstep"])
+    args = e2e.build_parser().parse_args(["--out", str(tmp_path), "--same-process",
+                                          "--lockstep"])
+    assert args.lockstep
