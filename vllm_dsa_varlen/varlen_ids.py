@@ -25,7 +25,6 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, NamedTuple
 
 import torch
@@ -82,16 +81,23 @@ def ids_hold(holder: Any, run_len: int, num_rows: int) -> bool:
     return held_len == run_len and held_rows >= num_rows
 
 
-@contextlib.contextmanager
-def ids_written(holder: Any, layout: tuple[int, int] | None, skip: bool = False):
+class ids_written:  # noqa: N801 -- a context manager used as a function, as contextlib.suppress
     """Around a write of ``holder``'s id buffer: the record is cleared first (a
     write that fails leaves it unknown) and set to ``layout`` after (``(n,
     rows)``: ``ids[r] == r // n`` for ``r < rows``; ``None``: any other ids).
-    ``skip``: no write happens, the record stands."""
-    if skip:
-        yield
-        return
-    holder._varlen_ids_layout = (0, 0)
-    yield
-    if layout is not None:
-        holder._varlen_ids_layout = layout
+    ``skip``: no write happens, the record stands.  (A class, not a generator:
+    builders enter it on every step, and this costs half the Python calls.)"""
+
+    __slots__ = ("holder", "layout", "skip")
+
+    def __init__(self, holder: Any, layout: tuple[int, int] | None, skip: bool = False):
+        self.holder, self.layout, self.skip = holder, layout, skip
+
+    def __enter__(self) -> None:
+        if not self.skip:
+            self.holder._varlen_ids_layout = (0, 0)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None and not self.skip and self.layout is not None:
+            self.holder._varlen_ids_layout = self.layout
+        return False
