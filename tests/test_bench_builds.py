@@ -112,3 +112,22 @@ def test_round_order_balances_leaders_and_predecessors_over_a_cycle(n):
         assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
     assert [variants.round_order(names, r + cycle) for r in range(cycle)] == orders
     assert all(variants.round_order(names, r, fixed=True) == names for r in range(cycle))
+
+
+@pytest.mark.parametrize("paths", range(1, 12))
+def test_case_rounds_default_to_one_whole_balanced_cycle(paths):
+    """Without --rounds a case runs one whole cycle of the balanced order (every
+    path leading and following every other equally often), one round in a fixed
+    order; --rounds is taken as given, a bad one refused."""
+    from vllm_dsa_varlen.bench_graph import order_cycle, round_order
+
+    rounds = variants.case_rounds(None, paths)
+    assert rounds == order_cycle(paths)
+    names = list(range(paths))
+    leads = [round_order(names, r)[0] for r in range(rounds)]
+    assert sorted(leads) == sorted(names * (rounds // paths))
+    assert variants.case_rounds(None, paths, fixed_order=True) == 1
+    asked = random.randint(1, 30)
+    assert variants.case_rounds(asked, paths) == asked
+    with pytest.raises(ValueError, match="--rounds"):
+        variants.case_rounds(0, paths)

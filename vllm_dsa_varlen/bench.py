@@ -532,8 +532,9 @@ def main(argv=None):
                       "process (vllm_dsa_varlen.bench_builds): 'default', 'MACRO=v+MACRO=v', "
                       "optionally '@c0,c1' for the plan's cost model; needs a GPU")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="--plan-timing, --builds: timed rounds, interleaved (default 5 and "
-                        "1; median)")
+                        help="--plan-timing, --builds: timed rounds, interleaved (default 5; "
+                        "--builds: one whole cycle of the balanced order per case, 1 with "
+                        "--fixed-order; median)")
     parser.add_argument("--deepgemm", action="store_true",
                         help="--builds: DeepGEMM beside (deep_gemm, else vllm_deep_gemm): "
                         "flattened, native, stock 0.33's split; its metadata beside the plan")

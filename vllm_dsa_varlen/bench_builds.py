@@ -64,7 +64,8 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("--builds: needs a CUDA GPU (sm_90)")
     args.cases = args.cases or CASES
-    args.rounds = args.rounds or 1
+    # no --rounds: one whole cycle of the balanced order per case (its paths'
+    # count decides; 1 in a fixed order)
     args.rep_ms = args.rep_ms or REP_MS
     args.heads = args.heads or 64
     if args.heads not in ck.HEAD_COUNTS:
@@ -133,16 +134,18 @@ def run(args) -> int:
             extra.update(topk_calls(torch, topk_ops, step, out, dg, sms))
         calls.update(extra)
         times = {k: [] for k in calls}
-        if args.rounds % order_cycle(len(calls)) and not args.fixed_order:
-            print(f"  note: {args.rounds} rounds are not whole cycles of "
+        rounds = case_rounds(args.rounds, len(calls), args.fixed_order)
+        if rounds % order_cycle(len(calls)) and not args.fixed_order:
+            print(f"  note: {rounds} rounds are not whole cycles of "
                   f"{order_cycle(len(calls))} (the predecessor balance of {len(calls)} paths)",
                   flush=True)
-        for r in range(args.rounds):
+        for r in range(rounds):
             for k in round_order(list(calls), r, args.fixed_order):
                 times[k].append(graph_replay_us(torch, do_bench, calls[k], args.rep_ms))
         res = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         spread = max((max(v) - min(v)) / min(v) for v in times.values())
-        record = {"case": case, "rows": rows.num_rows, "times_us": times, "median_us": res,
+        record = {"case": case, "rows": rows.num_rows, "rounds": rounds, "times_us": times,
+                  "median_us": res,
                   "paired_vs_" + first: paired_ratios(times, first)}
         if topk_ops is not None:
             record["per_step_us"] = per_step(res, first, abs(tokens), tokens < 0, args.layers)
@@ -150,9 +153,9 @@ def run(args) -> int:
         label = (f"B{reqs} L{context} {'1..' + str(-tokens) if tokens < 0 else tokens}tok"
                  + ("" if args.heads == 64 else f" H{args.heads}"))
         print(f"{label:22s} " + "  ".join(f"{k} {us:7.1f}" for k, us in res.items())
-              + (f"  (median of {args.rounds}; widest spread {spread:.1%})" if args.rounds > 1
+              + (f"  (median of {rounds}; widest spread {spread:.1%})" if rounds > 1
                  else ""), flush=True)
-        if args.rounds > 1:
+        if rounds > 1:
             print(f"{'':22s} ÷ {first}, per round, median [min, max]: " + "  ".join(
                 f"{k} {r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]"
                 for k, r in record["paired_vs_" + first].items()
@@ -168,6 +171,17 @@ def run(args) -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
     return 0
+
+
+def case_rounds(asked: int | None, paths: int, fixed_order: bool = False) -> int:
+    """Timed rounds of a case: ``asked`` (``--rounds``), else one whole cycle of
+    the balanced order for its ``paths`` (:func:`.bench_graph.order_cycle`;
+    1 in a fixed order)."""
+    if asked is not None:
+        if asked < 1:
+            raise ValueError(f"--rounds: expected >= 1, got {asked}")
+        return asked
+    return 1 if fixed_order else order_cycle(paths)
 
 
 def deepgemm_calls(torch, step, dg, sms, ours, out):
