@@ -724,3 +724,29 @@ def test_planned_prepare_reads_its_arguments_by_name_or_position(monkeypatch):
     assert seen[0] == seen[1] == ("s", "b", "dc", 3, 9, 3)
     builder._varlen_planning = False
     assert wrapped(builder, **values) == "stock"
+
+
+def test_a_common_rewritten_in_place_is_decided_afresh(monkeypatch):
+    """vLLM's drafter rewrites its common metadata object between builds: the
+    stock-only answer a build keeps for its own second question never carries
+    into the next build of the same object.  A 4-request 3-token step (12 rows,
+    under the CUDA kernel's 18-row rule) is left to stock; the same object
+    rewritten to 8 such requests (24 rows) is planned and takes varlen."""
+    from vllm_dsa_varlen.ops import launcher
+
+    _hopper(monkeypatch)
+    fake_uniform_decode_kernel(monkeypatch)
+    monkeypatch.setattr(launcher, "graph_kernel", lambda *a, **k: "cuda_sm90")
+    patches.apply_all(line="0.33")
+    builder = make_builder(monkeypatch, next_n=3, adaptive=False, max_seqs=64)
+    assert builder.use_flattening and builder.varlen_graph_kernel == "cuda_sm90"
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    seqs = [3 + int(x) for x in torch.randint(1, 4000, (8,), generator=gen)]
+    cm = decode_batch([3] * 4, seqs[:4], _table(gen, 4), num_tokens=12)
+    builder.build(0, cm)
+    assert builder.last_step_stock_only
+    cm.__dict__.update(decode_batch([3] * 8, seqs, _table(gen, 8), num_tokens=24).__dict__)
+    decode = builder.build(0, cm).decode
+    choice = last_step_choice(builder, cm)
+    assert not builder.last_step_stock_only and choice.varlen and choice.stock == "flattened"
+    assert varlen_ids_of(decode.schedule_metadata) is not None

@@ -398,10 +398,18 @@ def _left_to_stock(builder: Any, cm: Any, max_run: int) -> bool:
     refreshes (padding rows with context 0).  No PCP.  Host ints only."""
     if builder.use_pcp:
         return False
+    # asked twice in a varlen build (the stock-only exit, then classify_step):
+    # the answer is kept for the build that is running (``build`` clears it
+    # when it starts; vLLM's drafter rewrites ``cm`` between builds)
+    memo = getattr(builder, "_varlen_left_memo", None)
+    if memo is not None and memo[0] is cm and memo[1] == max_run:
+        return memo[2]
     runs = builder.decode_threshold if _full_graphs_replay_mixed_batches(builder) else max_run
     bound = policy.min_varlen_rows("flattened", kernel=builder.varlen_graph_kernel,
                                    max_run=runs)
-    return bound is None or cm.num_actual_tokens < bound
+    answer = bound is None or cm.num_actual_tokens < bound
+    builder._varlen_left_memo = (cm, max_run, answer)
+    return answer
 
 
 def _stock_only_step(builder: Any, cm: Any) -> bool:
@@ -607,6 +615,7 @@ def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         if not getattr(self, "use_varlen", False):
             return original(self, common_prefix_len, common_attn_metadata, fast_build)
+        self._varlen_left_memo = None  # the build's own (see _left_to_stock)
         stock_only = ("flattened" if _stock_only_step(self, common_attn_metadata) else
                       "native" if _native_stock_only(self, common_attn_metadata) else None)
         self.last_step_stock_only = stock_only is not None
