@@ -57,6 +57,7 @@ import json
 import os
 import re
 import subprocess
+import statistics
 import sys
 import time
 
@@ -406,6 +407,24 @@ def fast_step_ms(case: dict, q: float = FAST_QUANTILE) -> float | None:
     if not times:
         return None
     return times[min(len(times) - 1, int(q * len(times)))]
+
+
+def step_pairs(stock_case: dict, plugin_case: dict) -> dict | None:
+    """Stock ÷ plugin time of each decode step paired with the other engine's
+    step of the same round and index: their median, 10 % and 90 % quantiles
+    and count.  With ``--lockstep`` a pair ran back to back, so it met the
+    same host phase (the statistic the phases move least); ``None`` where the
+    runs kept no step times."""
+    ratios = sorted(a / b for rs, rp in zip(stock_case.get("rounds") or [],
+                                            plugin_case.get("rounds") or [])
+                    for a, b in zip(rs.get("step_ms") or (), rp.get("step_ms") or ()) if b > 0)
+    if not ratios:
+        return None
+
+    def q(f: float) -> float:
+        return ratios[min(len(ratios) - 1, int(f * len(ratios)))]
+
+    return {"median": statistics.median(ratios), "p10": q(0.1), "p90": q(0.9), "n": len(ratios)}
 
 
 def child_modes(mode: str) -> tuple[str, ...]:
@@ -842,6 +861,7 @@ def compare(stock: dict, plugin: dict) -> dict:
                      "stock_tpot_ms": s["tpot_ms"], "plugin_tpot_ms": p["tpot_ms"],
                      "speedup": (s["tpot_ms"] / p["tpot_ms"]) if p["tpot_ms"] else None,
                      "fast_step_ms": [fast_step_ms(s), fast_step_ms(p)],
+                     "step_pairs": step_pairs(s, p),
                      "tokens_identical": div is None, "first_divergence": div,
                      "indexer_build_us": [(x.get("indexer_build") or {}).get("us_per_call")
                                           for x in (s, p)],
@@ -890,6 +910,10 @@ def table(result: dict) -> str:
             fast = r.get("fast_step_ms") or (None, None)
             if None not in fast:
                 gain += f" (fast steps {fast[0] / fast[1]:.3f}x)"
+            pairs = r.get("step_pairs")
+            if pairs:
+                gain += (f" (step pairs {pairs['median']:.3f}x, {pairs['p10']:.3f}-"
+                         f"{pairs['p90']:.3f}, {pairs['n']})")
             lines.append(
                 f"| {k} | {r['batch']} | {r['prompt'] // 1024}K | {r['stock_tok_s']:.0f} | "
                 f"{r['plugin_tok_s']:.0f} | {r['stock_tpot_ms']:.2f} | {r['plugin_tpot_ms']:.2f} | "

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import random
+import statistics
 
 import pytest
 
@@ -724,3 +725,29 @@ def test_lockstep_is_a_same_process_option_and_reaches_the_child(tmp_path):
     args = e2e.build_parser().parse_args(["--out", str(tmp_path), "--same-process",
                                           "--lockstep"])
     assert args.lockstep
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_step_pairs_pair_each_step_with_the_other_engines_same_step(seed):
+    """Step pairs: stock ÷ plugin of the steps with the same round and index
+    (a run whose rounds have different lengths pairs the common steps); a
+    host phase that slows both engines' step alike leaves its pair at 1."""
+    rng = random.Random(seed)
+    rounds_s, rounds_p, want = [], [], []
+    for _ in range(rng.randint(1, 4)):
+        n = rng.randint(1, 40)
+        base = [rng.uniform(10, 14) * rng.choice([1.0, 1.5]) for _ in range(n)]  # phases
+        gain = rng.uniform(0.9, 1.1)
+        s = [b * gain for b in base]
+        p = list(base) + [rng.uniform(10, 14)] * rng.randint(0, 3)  # extra steps: unpaired
+        rounds_s.append({"step_ms": s})
+        rounds_p.append({"step_ms": p})
+        want += [gain] * n
+    got = e2e.step_pairs({"rounds": rounds_s}, {"rounds": rounds_p})
+    want.sort()
+    assert got["n"] == len(want)
+    assert got["median"] == pytest.approx(statistics.median(want))
+    assert got["p10"] <= got["median"] <= got["p90"]
+    assert min(want) - 1e-9 <= got["p10"] and got["p90"] <= max(want) + 1e-9
+    assert e2e.step_pairs({"rounds": [{}]}, {"rounds": [{}]}) is None
+    assert e2e.step_pairs({}, {}) is None
