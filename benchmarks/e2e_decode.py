@@ -52,6 +52,7 @@ for a host without a package index).
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import os
@@ -280,6 +281,47 @@ class BuildTimer:
         return out
 
 
+class GcClock:
+    """Python's garbage collector while the cases run (``gc.callbacks``):
+    collections and pause milliseconds per generation since the last
+    :meth:`take`.  Two engines in one process share one collector; a pause
+    counts toward the step (or round) it fell in.  A plugin that allocates
+    more per step collects more often: this is where that would show."""
+
+    def __init__(self):
+        self._t0 = None
+        self._reset()
+        gc.callbacks.append(self._callback)
+
+    def _reset(self) -> None:
+        self.count, self.seconds = [0, 0, 0], [0.0, 0.0, 0.0]
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            g = min(2, int(info.get("generation", 2)))
+            self.count[g] += 1
+            self.seconds[g] += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def take(self) -> dict:
+        out = {"collections": list(self.count), "ms": [round(1e3 * x, 3) for x in self.seconds]}
+        self._reset()
+        return out
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+
+def add_gc(a: dict | None, b: dict) -> dict:
+    """Two :meth:`GcClock.take` results added."""
+    if a is None:
+        return {k: list(v) for k, v in b.items()}
+    return {k: [round(x + y, 3) for x, y in zip(a[k], b[k])] for k in b}
+
+
 def _add(engine, tag: str, prompts, new_tokens: int, logprobs=None) -> list[str]:
     """Add greedy requests (``ignore_eos``, token ids only, new tokens per
     step) for ``prompts``; their ids."""
@@ -348,20 +390,24 @@ def _run_case(engine, prompts, new_tokens, tag, logprobs=None):
     return stepper.result()
 
 
-def _run_lockstep(order, prompts, new_tokens, tag, build_timer) -> dict:
+def _run_lockstep(order, prompts, new_tokens, tag, build_timer, gc_clock=None) -> dict:
     """The same requests on every engine of ``order`` (``[(mode, engine)]``),
     their steps alternating: one step of each engine in turn, the first of
     ``order`` first, until all are done; each step timed alone (the others
     idle), so the engines meet the host's phases step by step, not round by
-    round.  ``{mode: (_run_case's result, counter growth, build() times)}``,
-    the decode-path counters and ``build()`` times taken around each engine's
+    round.  ``{mode: (_run_case's result, counter growth, build() times, the
+    collector's work)}``, the decode-path counters, ``build()`` times and
+    garbage collections (``gc_clock``, when given) taken around each engine's
     own steps."""
     from vllm_dsa_varlen import stats
 
     steppers = [(mode, _Stepper(engine, prompts, new_tokens, tag)) for mode, engine in order]
     paths: dict = {mode: None for mode, _ in steppers}
     builds: dict = {mode: [] for mode, _ in steppers}
+    collected: dict = {mode: None for mode, _ in steppers}
     build_timer.take()  # what ran before the round is no engine's step here
+    if gc_clock is not None:
+        gc_clock.take()
     while not all(s.done() for _, s in steppers):
         for mode, stepper in steppers:
             if stepper.done():
@@ -370,7 +416,10 @@ def _run_lockstep(order, prompts, new_tokens, tag, build_timer) -> dict:
             stepper.step()
             paths[mode] = add_paths(paths[mode], _paths_since(before))
             builds[mode].append(build_timer.take())
-    return {mode: (s.result(), paths[mode], merge_builds(builds[mode])) for mode, s in steppers}
+            if gc_clock is not None:
+                collected[mode] = add_gc(collected[mode], gc_clock.take())
+    return {mode: (s.result(), paths[mode], merge_builds(builds[mode]), collected[mode])
+            for mode, s in steppers}
 
 
 def _decode_figures(steps, batch, tokens):
@@ -478,15 +527,20 @@ def add_paths(a: dict | None, b: dict) -> dict:
             for kind, counts in b.items()}
 
 
-def _round_record(steps, batch, ids, tokens, cached, probe, probe_after, gpu0, gpu1) -> dict:
+def _round_record(steps, batch, ids, tokens, cached, probe, probe_after, gpu0, gpu1,
+                  collected=None) -> dict:
     """One engine's round of a case: its decode figures, the host probes and GPU
-    states around the round, its cached prompt tokens and requests' tokens."""
-    return {**_decode_figures(steps, batch, tokens), "host_probe_us": probe,
-            "host_probe_after_us": probe_after, "gpu_before": gpu0, "gpu_after": gpu1,
-            "cached_tokens": sum(cached.values()), "tokens": [tokens[r] for r in ids]}
+    states around the round, its cached prompt tokens and requests' tokens, the
+    garbage collector's work in it (when clocked)."""
+    record = {**_decode_figures(steps, batch, tokens), "host_probe_us": probe,
+              "host_probe_after_us": probe_after, "gpu_before": gpu0, "gpu_after": gpu1,
+              "cached_tokens": sum(cached.values()), "tokens": [tokens[r] for r in ids]}
+    if collected is not None:
+        record["gc"] = collected
+    return record
 
 
-def run_cases(engines, args, prompts_of, build_timer, jit_state) -> dict:
+def run_cases(engines, args, prompts_of, build_timer, jit_state, gc_clock=None) -> dict:
     """The warm-up pass and the measured cases of each engine of ``engines``
     (``[(mode, engine, result)]``: one, or stock's and the plugin's in one
     process) into its ``result["cases"]``; returns ``jit_state()`` taken after
@@ -547,11 +601,13 @@ def run_cases(engines, args, prompts_of, build_timer, jit_state) -> dict:
                 if getattr(args, "lockstep", False) and len(order) > 1:
                     probe, gpu0 = host_probe_us(5000), gpu_state()
                     got = _run_lockstep([(m, e) for m, e, _ in order], prompts,
-                                        args.new_tokens, tag, build_timer)
+                                        args.new_tokens, tag, build_timer, gc_clock)
                     probe_after, gpu1 = host_probe_us(5000), gpu_state()
-                    for mode, ((ids, tokens, _, cached, steps), grew, took) in got.items():
+                    for mode, ((ids, tokens, _, cached, steps), grew, took, collected) \
+                            in got.items():
                         cases[mode]["rounds"].append(_round_record(
-                            steps, batch, ids, tokens, cached, probe, probe_after, gpu0, gpu1))
+                            steps, batch, ids, tokens, cached, probe, probe_after, gpu0, gpu1,
+                            collected))
                         builds[mode].append(took)
                         paths[mode] = add_paths(paths[mode], grew)
                     continue
@@ -560,10 +616,13 @@ def run_cases(engines, args, prompts_of, build_timer, jit_state) -> dict:
                     build_timer.take()
                     probe = host_probe_us(5000)
                     gpu0 = gpu_state()
+                    if gc_clock is not None:
+                        gc_clock.take()
                     ids, tokens, _, cached, steps = _run_case(engine, prompts, args.new_tokens, tag)
+                    collected = gc_clock.take() if gc_clock is not None else None
                     cases[mode]["rounds"].append(_round_record(
                         steps, batch, ids, tokens, cached, probe, host_probe_us(5000), gpu0,
-                        gpu_state()))
+                        gpu_state(), collected))
                     builds[mode].append(build_timer.take())
                     paths[mode] = add_paths(paths[mode], _paths_since(before))
             for mode, _, result in live:
@@ -571,6 +630,12 @@ def run_cases(engines, args, prompts_of, build_timer, jit_state) -> dict:
                 mid = median_round(case["rounds"])
                 case.update({key: v for key, v in mid.items()
                              if key not in ("tokens", "step_ms")})
+                collected = None  # the collector's work over every round of the case
+                for r in case["rounds"]:
+                    if "gc" in r:
+                        collected = add_gc(collected, r["gc"])
+                if collected is not None:
+                    case["gc"] = collected
                 case.update({"indexer_build": merge_builds(builds[mode]),
                              "prompt_tokens": sum(len(p) for p in prompts),
                              "paths": paths[mode],
@@ -729,8 +794,12 @@ def _child(args, results: dict) -> None:
     def prompts_of(length: int, first: int = 0, count: int = max_batch):
         return [prompt_ids(i, length, vocab) for i in range(first, first + count)]
 
-    jit0 = run_cases(engines, args, prompts_of, build_timer,
-                     lambda: _jit_state(triton_dir, dg_dir))
+    gc_clock = GcClock()
+    try:
+        jit0 = run_cases(engines, args, prompts_of, build_timer,
+                         lambda: _jit_state(triton_dir, dg_dir), gc_clock)
+    finally:
+        gc_clock.close()
     jit1 = _jit_state(triton_dir, dg_dir)
     for mode, engine, result in engines:
         result["jit"] = {"before": jit0, "after": jit1}
@@ -862,6 +931,7 @@ def compare(stock: dict, plugin: dict) -> dict:
                      "speedup": (s["tpot_ms"] / p["tpot_ms"]) if p["tpot_ms"] else None,
                      "fast_step_ms": [fast_step_ms(s), fast_step_ms(p)],
                      "step_pairs": step_pairs(s, p),
+                     "gc": [s.get("gc"), p.get("gc")],
                      "tokens_identical": div is None, "first_divergence": div,
                      "indexer_build_us": [(x.get("indexer_build") or {}).get("us_per_call")
                                           for x in (s, p)],

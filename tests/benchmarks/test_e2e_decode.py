@@ -751,3 +751,67 @@ def test_step_pairs_pair_each_step_with_the_other_engines_same_step(seed):
     assert min(want) - 1e-9 <= got["p10"] and got["p90"] <= max(want) + 1e-9
     assert e2e.step_pairs({"rounds": [{}]}, {"rounds": [{}]}) is None
     assert e2e.step_pairs({}, {}) is None
+
+
+def test_gc_clock_counts_collections_and_pauses_per_generation():
+    import gc
+
+    clock = e2e.GcClock()
+    gc_was = gc.isenabled()
+    gc.disable()  # only the collections made here
+    try:
+        clock.take()
+        n = random.randint(1, 4)
+        for _ in range(n):
+            gc.collect(2)
+        got = clock.take()
+        assert got["collections"] == [0, 0, n] and all(ms >= 0 for ms in got["ms"])
+        assert got["ms"][2] > 0
+        assert clock.take() == {"collections": [0, 0, 0], "ms": [0.0, 0.0, 0.0]}  # reset
+    finally:
+        clock.close()
+        if gc_was:
+            gc.enable()
+    assert clock._callback not in gc.callbacks
+    a = {"collections": [1, 2, 3], "ms": [0.5, 1.0, 2.0]}
+    assert e2e.add_gc(None, a) == a and e2e.add_gc(a, a) == {"collections": [2, 4, 6],
+                                                            "ms": [1.0, 2.0, 4.0]}
+
+
+@pytest.mark.parametrize("lockstep", [True, False])
+def test_each_collection_counts_toward_the_engine_whose_step_ran_it(lockstep):
+    """The collector clocked, rounds alternating or steps in lockstep: a
+    collection inside one engine's step counts toward that engine's rounds,
+    never the other's."""
+    import gc
+    from types import SimpleNamespace
+
+    from vllm_dsa_varlen import stats
+
+    class Collecting(FakeEngine):
+        def step(self):
+            if self.name == "plugin":
+                gc.collect(0)
+            return super().step()
+
+    stats.reset()
+    new = random.randint(3, 7)
+    args = SimpleNamespace(prompt=[64], batch=[2], new_tokens=new, warm_tokens=1,
+                           case_rounds=2, k=2, mode="both", lockstep=lockstep)
+    results = {"stock": {"cases": []}, "plugin": {"cases": []}}
+    engines = [(m, Collecting(10**6, None, None, m), results[m]) for m in ("stock", "plugin")]
+    clock = e2e.GcClock()
+    gc_was = gc.isenabled()
+    gc.disable()  # only the fake engine's own collections
+    try:
+        e2e.run_cases(engines, args, lambda length, first=0, count=2: [
+            e2e.prompt_ids(i, length, 4096) for i in range(first, first + count)],
+            _FakeTimer(), lambda: {"jit": 0}, clock)
+    finally:
+        clock.close()
+        if gc_was:
+            gc.enable()
+    (stock,), (plugin,) = results["stock"]["cases"], results["plugin"]["cases"]
+    assert stock["gc"]["collections"] == [0, 0, 0]
+    assert plugin["gc"]["collections"][0] == 2 * new  # every step of both rounds
+    assert all(r["gc"]["collections"][0] == new for r in plugin["rounds"])
