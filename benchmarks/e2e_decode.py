@@ -428,8 +428,6 @@ def _decode_figures(steps, batch, tokens):
     t = sum(s[0] for s in steps[start + 1:])
     n = sum(s[1] for s in steps[start + 1:])
     total = sum(len(v) for v in tokens.values())
-    import statistics
-
     return {
         "decode_steps": len(steps) - start - 1, "decode_s": t, "decode_tokens": n,
         "step_ms_median": (1e3 * statistics.median(s[0] for s in steps[start + 1:])
@@ -453,9 +451,13 @@ def fast_step_ms(case: dict, q: float = FAST_QUANTILE) -> float | None:
     the same, the low quantile compares two engines' own per-step costs better
     than their means; ``None`` for runs that did not keep step times."""
     times = sorted(t for r in case.get("rounds", []) for t in r.get("step_ms", ()))
-    if not times:
-        return None
-    return times[min(len(times) - 1, int(q * len(times)))]
+    return _quantile(times, q) if times else None
+
+
+def _quantile(ordered: list, q: float) -> float:
+    """The ``q`` quantile of the sorted, non-empty ``ordered`` (the value at
+    ``floor(q * n)``, the last one for ``q = 1``)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def step_pairs(stock_case: dict, plugin_case: dict) -> dict | None:
@@ -469,11 +471,8 @@ def step_pairs(stock_case: dict, plugin_case: dict) -> dict | None:
                     for a, b in zip(rs.get("step_ms") or (), rp.get("step_ms") or ()) if b > 0)
     if not ratios:
         return None
-
-    def q(f: float) -> float:
-        return ratios[min(len(ratios) - 1, int(f * len(ratios)))]
-
-    return {"median": statistics.median(ratios), "p10": q(0.1), "p90": q(0.9), "n": len(ratios)}
+    return {"median": statistics.median(ratios), "p10": _quantile(ratios, 0.1),
+            "p90": _quantile(ratios, 0.9), "n": len(ratios)}
 
 
 def child_modes(mode: str) -> tuple[str, ...]:
@@ -1047,8 +1046,6 @@ def repeat_spread(repeats: list[dict], second: str = "plugin") -> list[dict]:
     """Per case: each repeat's TPOT for both modes and the plugin's gain
     (stock / plugin TPOT; ``second``: the mode in the plugin's place) per
     repeat, with its median and range."""
-    import statistics
-
     out = []
     pairs = [(r["stock"], r[second]) for r in repeats
              if r.get("stock") and r.get(second) and "cases" in r["stock"]
