@@ -1262,7 +1262,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"got --modes {' '.join(args.modes)}")
     if args.control and not args.same_process:
         parser.error("--control: only with --same-process (stock's engine twice in one process)")
-    if args.lockstep and not args.same_process:
+    # a one-process child (mode both / control) was started by a --same-process parent
+    one_process = args.same_process or (args.child and args.mode in (BOTH, CONTROL))
+    if args.lockstep and not one_process:
         parser.error("--lockstep: only with --same-process (two engines in one process)")
     if args.cpus is not None:
         try:

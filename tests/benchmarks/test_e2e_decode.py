@@ -727,6 +727,36 @@ def test_lockstep_is_a_same_process_option_and_reaches_the_child(tmp_path):
     assert args.lockstep
 
 
+@pytest.mark.parametrize("control", [False, True])
+def test_a_lockstep_child_passes_the_checks_and_runs_in_lockstep(tmp_path, monkeypatch, control):
+    """The command a one-process lockstep parent hands its child is accepted
+    by the child's own argument checks (the child has no --same-process: its
+    mode says it) and reaches child() with lockstep on; a one-engine child
+    given --lockstep is refused."""
+    argv = ["--out", str(tmp_path), "--same-process", "--lockstep", "--k", "3"]
+    parser = e2e.build_parser()
+    args = parser.parse_args(argv + (["--control"] if control else []))
+    seen = {}
+
+    def fake_run(cmd, env, stdout, stderr):
+        seen["cmd"] = cmd
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    monkeypatch.setattr(e2e, "log_facts", lambda path: {})
+    mode = e2e.CONTROL if control else e2e.BOTH
+    e2e.run_child(args, mode, 3, 0, {"runs": []})
+    child_argv = seen["cmd"][2:]
+    ran = {}
+    monkeypatch.setattr(e2e, "child", lambda a: ran.setdefault("args", a))
+    assert e2e.main(child_argv) == 0
+    assert ran["args"].lockstep and ran["args"].mode == mode
+    one_engine = list(child_argv)
+    one_engine[one_engine.index("--mode") + 1] = "plugin"
+    with pytest.raises(SystemExit):
+        e2e.main(one_engine)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_step_pairs_pair_each_step_with_the_other_engines_same_step(seed):
     """Step pairs: stock ÷ plugin of the steps with the same round and index
