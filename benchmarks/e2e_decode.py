@@ -689,6 +689,8 @@ def engine_kwargs(args, engines: int = 1) -> dict:
         kwargs["attention_config"] = {"backend": args.attention_backend}
     if args.force_sparse_prefill:
         kwargs.setdefault("attention_config", {})["sparse_mla_force_mqa"] = True
+    if args.async_scheduling != "default":
+        kwargs["async_scheduling"] = args.async_scheduling == "on"
     return kwargs
 
 
@@ -821,6 +823,7 @@ def _run_header(args, mode: str, engine, kwargs: dict, init_s: float, torch) -> 
         cc = engine.vllm_config.compilation_config
         head["cudagraph_mode"] = str(cc.cudagraph_mode)
         head["cudagraph_capture_sizes"] = list(cc.cudagraph_capture_sizes or [])
+        head["async_scheduling"] = engine.vllm_config.scheduler_config.async_scheduling
     except Exception as e:  # noqa: BLE001
         head["config_error"] = repr(e)
     head["host_probe_us"] = {"start": host_probe_us()}
@@ -1022,7 +1025,7 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
     for name in ("new_tokens", "warm_tokens", "case_rounds", "layers", "graph_mode", "load_format",
                  "kv_cache_dtype", "force_sparse_prefill", "max_batched_tokens",
                  "gpu_memory_utilization", "trace_steps", "attention_backend", "capture_sizes",
-                 "trace_batch"):
+                 "trace_batch", "async_scheduling"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = dict(os.environ, VLLM_DSA_VARLEN=MODES.get(mode, MODES["plugin"]))
     t0 = time.perf_counter()
@@ -1214,6 +1217,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "vLLM's default, short prefills through FlashAttention (needs its "
                          "extension to load)")
     ap.add_argument("--max-batched-tokens", type=int, default=16384)
+    ap.add_argument("--async-scheduling", default="default", choices=["default", "on", "off"],
+                    help="vLLM's async scheduling (a step's host work overlapping the previous "
+                         "step's GPU work): default: vLLM's choice (on for MTP in 0.27.1); off: "
+                         "every step host then GPU, so a step's time is its own under --lockstep")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--trace-steps", type=int, default=3, help="profiled decode steps (0: none)")
     ap.add_argument("--trace-batch", type=int, default=0,

@@ -845,3 +845,17 @@ def test_each_collection_counts_toward_the_engine_whose_step_ran_it(lockstep):
     assert stock["gc"]["collections"] == [0, 0, 0]
     assert plugin["gc"]["collections"][0] == 2 * new  # every step of both rounds
     assert all(r["gc"]["collections"][0] == new for r in plugin["rounds"])
+
+
+@pytest.mark.parametrize("choice", ["default", "on", "off"])
+def test_async_scheduling_reaches_the_engine_arguments_only_when_asked(tmp_path, choice):
+    """--async-scheduling on/off sets vLLM's async_scheduling; default leaves it
+    to vLLM (no key), so an unchanged command runs what vLLM would."""
+    args = e2e.build_parser().parse_args(["--out", str(tmp_path), "--k", "2",
+                                          "--async-scheduling", choice])
+    args.k = args.k[0]
+    kwargs = e2e.engine_kwargs(args)
+    if choice == "default":
+        assert "async_scheduling" not in kwargs
+    else:
+        assert kwargs["async_scheduling"] is (choice == "on")
