@@ -107,6 +107,8 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
                 "share": share if len(share) == 2 else None,
                 "one_process": one_process,
                 "lockstep": bool(run.get("lockstep")),
+                "step_pairs": row.get("step_pairs"),
+                "async_off": run.get("async_scheduling") is False,
                 "graph_mode": str(ran_mode or "?").rpartition(".")[2],
                 "source": folder})
     return version, cells
@@ -136,7 +138,7 @@ def _prompt(n: int) -> str:
 
 
 def table(got: dict, root: str = "") -> str:
-    lines = ["| k | B | L | stock → plugin TPOT ms | gain | fast steps | round pairs | tokens "
+    lines = ["| k | B | L | stock → plugin TPOT ms | gain | fast steps | round / step pairs | tokens "
              "| plugin path | indexer share stock / plugin | how | from | earlier gains |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in KS:
@@ -162,10 +164,15 @@ def table(got: dict, root: str = "") -> str:
                          f"{100 * traced[-1][0]:.0f} % / {100 * traced[-1][1]:.0f} %")
                 how = ("one process" if c["one_process"] else "a process per mode") + \
                       (", steps in lockstep" if c.get("lockstep") else "") + \
+                      (", async scheduling off" if c.get("async_off") else "") + \
                       f", {c['graph_mode']}"
                 earlier = ", ".join(f"{x['gain']:.2f}×" for x in cells[:-1]) or "–"
                 pairs = "–"
-                if c.get("pairs"):
+                steps = c.get("step_pairs") if c.get("lockstep") else None
+                if steps:  # lockstep: each step against the other engine's same step
+                    pairs = (f"steps {ratio(steps['median'])} {steps['p10']:.2f}–"
+                             f"{steps['p90']:.2f} (10–90 %), {steps['n']}")
+                elif c.get("pairs"):
                     r = sorted(c["pairs"])
                     pairs = f"{ratio(statistics.median(r))} {r[0]:.2f}–{r[-1]:.2f}, {len(r)}"
                 lines.append(

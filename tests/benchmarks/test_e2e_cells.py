@@ -153,3 +153,28 @@ def test_a_lockstep_run_says_so_in_its_how(tmp_path):
         how = line.split("|")[11].strip()
         assert how.startswith("one process")
         assert ("lockstep" in how) == lockstep, how
+
+
+@pytest.mark.parametrize("async_scheduling", [None, True, False])
+def test_a_lockstep_cell_shows_its_step_pairs_and_its_async_scheduling(tmp_path, async_scheduling):
+    """A lockstep run's pairs column gives the row's step pairs (median, 10-90 %
+    range, count), not round pairs; "how" names async scheduling where the run
+    turned it off, and only there."""
+    rng = random.Random()
+    row = _row(rng, 8, 4096, True)
+    q = sorted(rng.uniform(0.9, 1.1) for _ in range(3))
+    n = rng.randint(10, 400)
+    row["step_pairs"] = {"median": q[1], "p10": q[0], "p90": q[2], "n": n}
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "e2e.json").write_text(json.dumps({"per_k": {"2": {"comparison": {"rows": [row]}}}}))
+    run = {"vllm": "0.27.1", "same_process": True, "lockstep": True,
+           "cudagraph_mode": "FULL_DECODE_ONLY", "cases": []}
+    if async_scheduling is not None:
+        run["async_scheduling"] = async_scheduling
+    (folder / "run-stock-k2.json").write_text(json.dumps(run))
+    line = [x for x in cells.table(cells.grid([str(folder)], "0.27.1")).splitlines()
+            if x.startswith("| 2 | 8 | 4K")][0]
+    column, how = line.split("|")[7].strip(), line.split("|")[11].strip()
+    assert column == f"steps {q[1]:.2f}× {q[0]:.2f}–{q[2]:.2f} (10–90 %), {n}"
+    assert ("async scheduling off" in how) == (async_scheduling is False), how
