@@ -27,6 +27,10 @@ import json
 import lzma
 import os
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e_decode  # noqa: E402
 
 BATCHES = (1, 8, 32, 64)
 PROMPTS = (4096, 16384, 32768)
@@ -78,7 +82,6 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
         one_process = bool(run.get("same_process")) or any(
             r.get("mode") == "both" for r in e2e.get("runs", []) if str(r.get("k")) == k)
         ran_mode = (entry.get("cudagraph_mode") or {}).get("stock") or run.get("cudagraph_mode")
-        traces = entry.get("trace") or {}
         plugin_path = (_one(folder, f"run-plugin-k{k}.json")
                        or _one(folder, f"run-plugin-k{k}.json.xz"))
         pairs = (_round_pairs(run, _load(plugin_path))
@@ -92,9 +95,8 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
             if row.get("speedup") is None:
                 continue
             paths = row.get("plugin_paths") or {}
-            share = [traces[m]["indexer_share"] for m in ("stock", "plugin")
-                     if m in traces and traces[m].get("batch") == row["batch"]
-                     and traces[m].get("prompt") == row["prompt"]]
+            share = [x for x in (e2e_decode.case_share(entry, m, row["batch"], row["prompt"])
+                                 for m in ("stock", "plugin")) if x is not None]
             fast = row.get("fast_step_ms")
             cells.append({
                 "k": int(k), "batch": row["batch"], "prompt": row["prompt"],

@@ -858,30 +858,64 @@ def _after_cases(args, mode: str, engine, result: dict, prompts_of, torch) -> No
     result["identity"] = {"batch": max_batch, "prompt": length,
                           "tokens": [tokens[r] for r in ids], "top2": [lps[r] for r in ids]}
 
-    # one profiled window of decode steps at the largest case (first repeat only)
+    # profiled windows of decode steps (first repeat only): the largest case,
+    # or with --trace-cases every, each case that fits
     if args.trace_steps and args.repeat == 0:
-        from torch.profiler import ProfilerActivity, profile
-
         capacity = result.get("kv_capacity_tokens")
-        length = max((x for x in args.prompt if fitting_batches(args, x, capacity)),
-                     default=min(args.prompt))
-        traced = args.trace_batch or max(fitting_batches(args, length, capacity), default=1)
-        _add(engine, "trace", prompts_of(length, count=traced), args.new_tokens)
-        for _ in range(8):  # past the prefill, into steady decode
+        traces = [_trace_window(args, mode, engine, prompts_of, torch, batch, length, name)
+                  for batch, length, name in trace_cases(args, capacity)]
+        result["trace"] = traces[-1]
+        if len(traces) > 1:
+            result["traces"] = traces
+
+
+def trace_cases(args, capacity: int | None) -> list[tuple[int, int, str]]:
+    """The profiled windows' ``(batch, prompt, file suffix)``: with
+    ``--trace-cases largest`` one, the longest prompt that fits at
+    ``--trace-batch`` or its largest fitting batch (suffix ""); with ``every``
+    each fitting (batch, prompt) case, the largest last (suffix
+    ``-b<B>-<L>k``; where none fits, the one window as with ``largest``)."""
+    fits = {x: fitting_batches(args, x, capacity) for x in args.prompt}
+    every = [(b, x, f"-b{b}-{x // 1024}k") for x in sorted(fits) for b in sorted(fits[x])]
+    if getattr(args, "trace_cases", "largest") == "every" and every:
+        return every
+    length = max((x for x in args.prompt if fits[x]), default=min(args.prompt))
+    return [(args.trace_batch or max(fits[length], default=1), length, "")]
+
+
+def _trace_window(args, mode: str, engine, prompts_of, torch, batch: int, length: int,
+                  suffix: str) -> dict:
+    """``args.trace_steps`` decode steps of ``batch`` requests at ``length``
+    under the torch profiler, past the prefill; the trace kept gzip'd and
+    summarised (:func:`summarize_trace`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _add(engine, "trace", prompts_of(length, count=batch), args.new_tokens)
+    for _ in range(8):  # past the prefill, into steady decode
+        engine.step()
+    path = os.path.join(args.out, f"trace-{mode}-k{args.k}{suffix}{_rep(args.repeat)}.json")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.trace_steps):
             engine.step()
-        path = os.path.join(args.out, f"trace-{mode}-k{args.k}{_rep(args.repeat)}.json")
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.trace_steps):
-                engine.step()
-            torch.cuda.synchronize()
-        prof.export_chrome_trace(path)
-        with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
-            dst.write(src.read())
-        os.remove(path)
-        while engine.has_unfinished_requests():
-            engine.step()
-        result["trace"] = {"file": os.path.basename(path) + ".gz", "batch": traced,
-                           "prompt": length, **summarize_trace(path + ".gz", args.trace_steps)}
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+        dst.write(src.read())
+    os.remove(path)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"file": os.path.basename(path) + ".gz", "batch": batch, "prompt": length,
+            **summarize_trace(path + ".gz", args.trace_steps)}
+
+
+def case_share(entry: dict, mode: str, batch: int, prompt: int) -> float | None:
+    """The indexer's share of the step traced for ``mode`` at this case in a
+    k's e2e.json entry (its ``traces`` or its one ``trace``); ``None`` where no
+    trace ran at that case."""
+    for t in [*(entry.get("traces") or {}).get(mode, ()), (entry.get("trace") or {}).get(mode)]:
+        if t and t.get("batch") == batch and t.get("prompt") == prompt:
+            return t.get("indexer_share")
+    return None
 
 
 # ---------------------------------------------------------------------------- parent
@@ -964,9 +998,6 @@ def table(result: dict) -> str:
              f"indexer build() us stock / {who} | host probe us stock / {who} |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k, entry in sorted(result["per_k"].items(), key=lambda kv: int(kv[0])):
-        share = entry.get("indexer_share", {})
-        sh = " / ".join(f"{share[m]:.0%}" if share.get(m) is not None else "-"
-                        for m in ("stock", entry.get("second", "plugin")))
         spread = {(x["batch"], x["prompt"]): x for x in entry.get("repeats", [])}
         for r in entry["comparison"]["rows"]:
             if "skipped" in r:
@@ -974,6 +1005,9 @@ def table(result: dict) -> str:
                              f"skipped: {r['skipped']} |" + " |" * 9)
                 continue
             paths = ", ".join(f"{p} {n}" for p, n in r["plugin_paths"].items() if n)
+            shares = [case_share(entry, m, r["batch"], r["prompt"])
+                      for m in ("stock", entry.get("second", "plugin"))]
+            sh = " / ".join("-" if x is None else f"{x:.0%}" for x in shares)
             gain = f"{r['speedup']:.3f}x"
             rep = spread.get((r["batch"], r["prompt"]))
             if rep and len(rep["tpot_ms"]) > 1:
@@ -1025,7 +1059,7 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
     for name in ("new_tokens", "warm_tokens", "case_rounds", "layers", "graph_mode", "load_format",
                  "kv_cache_dtype", "force_sparse_prefill", "max_batched_tokens",
                  "gpu_memory_utilization", "trace_steps", "attention_backend", "capture_sizes",
-                 "trace_batch", "async_scheduling"):
+                 "trace_batch", "async_scheduling", "trace_cases"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = dict(os.environ, VLLM_DSA_VARLEN=MODES.get(mode, MODES["plugin"]))
     t0 = time.perf_counter()
@@ -1123,6 +1157,9 @@ def k_entry(runs: dict, repeats: list[dict]) -> dict:
                        for m, r in runs.items() if "trace" in r},
              "indexer_share": {m: r["trace"]["indexer_share"]
                                for m, r in runs.items() if "trace" in r}}
+    traces = {m: r["traces"] for m, r in runs.items() if r.get("traces")}
+    if traces:
+        entry["traces"] = traces
     second = CONTROL if CONTROL in runs else "plugin"
     if "stock" in runs and second in runs:
         entry["second"] = second  # the "plugin" columns' engine (control: stock again)
@@ -1223,6 +1260,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "every step host then GPU, so a step's time is its own under --lockstep")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--trace-steps", type=int, default=3, help="profiled decode steps (0: none)")
+    ap.add_argument("--trace-cases", default="largest", choices=["largest", "every"],
+                    help="largest: one profiled window (the longest prompt that fits, at "
+                         "--trace-batch or its largest batch); every: one per case that fits "
+                         "(trace-<mode>-k<k>-b<B>-<L>k.json.gz), so every row has its indexer "
+                         "share")
     ap.add_argument("--trace-batch", type=int, default=0,
                     help="requests in the profiled window (default: the largest batch); a "
                          "small batch shows the host's share of a host-bound step")

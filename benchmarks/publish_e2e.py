@@ -92,14 +92,18 @@ def publish(out: str, dest: str) -> list[str]:
         if not _identity_differs(runs, name) and "identity" in run:
             run = dict(run, identity={k: v for k, v in run["identity"].items() if k != "top2"})
         _xz_bytes(json.dumps(run, separators=(",", ":")).encode(), put(name + ".json.xz"))
+    steps_of = {}  # a trace file -> its profiled steps, from the run that wrote it
+    for run in runs.values():
+        for t in [run.get("trace"), *run.get("traces", ())]:
+            if t and "file" in t:
+                steps_of[t["file"]] = t.get("steps", 1)
     hosts = {}
     for src in sorted(glob.glob(os.path.join(out, "trace-*.json.gz"))):
         with gzip.open(src, "rt") as f:
             trace = json.load(f)
         kept = {"traceEvents": kernel_events(trace)}
         name = os.path.basename(src)[: -len(".json.gz")]
-        # its run (trace-<mode>-k<k>[-rN] beside run-<mode>-k<k>[-rN]) says how many steps
-        steps = (runs.get("run" + name[len("trace"):], {}).get("trace") or {}).get("steps", 1)
+        steps = steps_of.get(os.path.basename(src), 1)
         full, reduced = (e2e_decode.summarize_from_events(ev["traceEvents"], steps)
                          for ev in (trace, kept))
         if full != reduced:

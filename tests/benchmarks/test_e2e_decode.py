@@ -859,3 +859,95 @@ def test_async_scheduling_reaches_the_engine_arguments_only_when_asked(tmp_path,
         assert "async_scheduling" not in kwargs
     else:
         assert kwargs["async_scheduling"] is (choice == "on")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_trace_cases_largest_is_one_window_and_every_is_each_fitting_case(tmp_path, seed):
+    """--trace-cases largest: one window at the longest prompt that fits, at
+    --trace-batch or its largest fitting batch; every: each fitting (batch,
+    prompt) once, the largest last, each with its own file suffix."""
+    rng = random.Random(seed)
+    batches = sorted(rng.sample([1, 2, 4, 8, 16, 32, 64], rng.randint(1, 4)))
+    prompts = sorted(rng.sample([1024, 4096, 16384, 32768], rng.randint(1, 3)))
+    argv = ["--out", str(tmp_path), "--k", "2", "--batch", *map(str, batches),
+            "--prompt", *map(str, prompts), "--new-tokens", "32"]
+    args = e2e.build_parser().parse_args(argv)
+    args.k = 2
+    capacity = rng.choice([None, rng.randint(10_000, 3_000_000)])
+    fits = {(b, x) for b in batches for x in prompts if e2e.case_fits(b, x, 32, 2, capacity)}
+    args.trace_cases = "every"
+    every = e2e.trace_cases(args, capacity)
+    args.trace_cases = "largest"
+    (one,) = e2e.trace_cases(args, capacity)
+    if fits:
+        assert {(b, x) for b, x, _ in every} == fits and len(every) == len(fits)
+        assert len({s for _, _, s in every}) == len(every)
+        assert (every[-1][0], every[-1][1]) == max(fits, key=lambda c: (c[1], c[0]))
+    else:  # nothing fits: the one window of "largest"
+        assert every == [one]
+    if fits:
+        longest = max(x for _, x in fits)
+        assert one == (max(b for b, x in fits if x == longest), longest, "")
+    args.trace_batch = 3
+    assert e2e.trace_cases(args, capacity)[0][0] == 3
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rows_indexer_share_is_its_own_cases_trace_or_none(seed):
+    """The table's indexer share of a row comes from the trace at that row's
+    case (in `traces` or the one `trace`); rows with no trace show '-', not
+    another case's share."""
+    rng = random.Random(seed)
+    cases = [(b, x) for b in (1, 8, 32) for x in (4096, 16384)]
+    traced = rng.sample(cases, rng.randint(1, len(cases)))
+    share = {c: (rng.uniform(0.05, 0.5), rng.uniform(0.05, 0.5)) for c in traced}
+
+    def t(mode, c):
+        return {"batch": c[0], "prompt": c[1], "indexer_share": share[c][mode == "plugin"]}
+    entry = {"traces": {m: [t(m, c) for c in traced[:-1]] for m in ("stock", "plugin")},
+             "trace": {m: t(m, traced[-1]) for m in ("stock", "plugin")}}
+    rows = []
+    for b, x in cases:
+        rows.append({"batch": b, "prompt": x, "stock_tok_s": 1.0, "plugin_tok_s": 1.0,
+                     "stock_tpot_ms": 10.0, "plugin_tpot_ms": 10.0, "speedup": 1.0,
+                     "tokens_identical": True, "plugin_paths": {"varlen": 1},
+                     "indexer_build_us": [1.0, 1.0]})
+    entry["comparison"] = {"rows": rows}
+    text = e2e.table({"per_k": {"2": entry}})
+    for b, x in cases:
+        assert e2e.case_share(entry, "plugin", b, x) == (share[(b, x)][1] if (b, x) in share
+                                                         else None)
+        line = [s for s in text.splitlines() if s.startswith(f"| 2 | {b} | {x // 1024}K |")][0]
+        cell = line.split("|")[11].strip()
+        want = (f"{share[(b, x)][0]:.0%} / {share[(b, x)][1]:.0%}" if (b, x) in share
+                else "- / -")
+        assert cell == want, (cell, want)
+
+
+def test_per_case_traces_are_kept_with_their_own_step_counts(tmp_path):
+    """publish_e2e keeps every per-case trace of a run (--trace-cases every),
+    each summary reproduced from its kernel events with the step count its run
+    recorded for that file."""
+    import lzma
+
+    pub = _publish_module()
+    out, dest = tmp_path / "out", tmp_path / "kept"
+    out.mkdir()
+    rng = random.Random()
+    traces = []
+    for i, (b, steps) in enumerate(((1, 2), (8, 5))):
+        name = f"trace-plugin-k2-b{b}-4k.json.gz"
+        events = [{"cat": "kernel", "name": rng.choice(["varlen_logits_sm90", "gemm_x"]),
+                   "ts": j, "dur": rng.uniform(1, 50)} for j in range(60)]
+        with gzip.open(out / name, "wt") as f:
+            json.dump({"traceEvents": events}, f)
+        traces.append({"file": name, "steps": steps, "batch": b, "prompt": 4096})
+    run = {"mode": "plugin", "trace": traces[-1], "traces": traces}
+    (out / "run-plugin-k2.json").write_text(json.dumps(run))
+    (out / "e2e.json").write_text("{}")
+    pub.publish(str(out), str(dest))
+    for t in traces:
+        kept = json.loads(lzma.open(dest / t["file"].replace(".json.gz", ".kernels.json.xz")).read())
+        full = json.load(gzip.open(out / t["file"], "rt"))
+        assert e2e.summarize_from_events(kept["traceEvents"], t["steps"]) == \
+            e2e.summarize_from_events(full["traceEvents"], t["steps"])
