@@ -1256,8 +1256,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batched-tokens", type=int, default=16384)
     ap.add_argument("--async-scheduling", default="default", choices=["default", "on", "off"],
                     help="vLLM's async scheduling (a step's host work overlapping the previous "
-                         "step's GPU work): default: vLLM's choice (on for MTP in 0.27.1); off: "
-                         "every step host then GPU, so a step's time is its own under --lockstep")
+                         "step's GPU work): default: vLLM's choice (on for MTP), off under "
+                         "--lockstep, where two engines' pipelined steps would hold each other's "
+                         "GPU work; off: every step its host then its GPU work")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--trace-steps", type=int, default=3, help="profiled decode steps (0: none)")
     ap.add_argument("--trace-cases", default="largest", choices=["largest", "every"],
@@ -1290,7 +1291,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lockstep", action="store_true",
                     help="with --same-process: within each round the two engines' steps "
                          "alternate (one step of each in turn, each timed alone), so a pair "
-                         "meets the host's phases step by step rather than round by round")
+                         "meets the host's phases step by step rather than round by round; "
+                         "turns vLLM's async scheduling off unless --async-scheduling on")
     ap.add_argument("--cpus", default=None,
                     help="pin each engine process to these CPUs (e.g. 0-7 or 0,2,4): a host "
                          "whose speed changes between processes (see the host probe per "
@@ -1315,6 +1317,9 @@ def main(argv: list[str] | None = None) -> int:
     one_process = args.same_process or (args.child and args.mode in (BOTH, CONTROL))
     if args.lockstep and not one_process:
         parser.error("--lockstep: only with --same-process (two engines in one process)")
+    if args.lockstep and args.async_scheduling == "default":
+        # each step timed alone needs each step to end with its own GPU work
+        args.async_scheduling = "off"
     if args.cpus is not None:
         try:
             args.cpu_set = parse_cpus(args.cpus)

@@ -951,3 +951,17 @@ def test_per_case_traces_are_kept_with_their_own_step_counts(tmp_path):
         full = json.load(gzip.open(out / t["file"], "rt"))
         assert e2e.summarize_from_events(kept["traceEvents"], t["steps"]) == \
             e2e.summarize_from_events(full["traceEvents"], t["steps"])
+
+
+@pytest.mark.parametrize("asked", [None, "on", "off"])
+def test_lockstep_turns_async_scheduling_off_unless_asked_on(tmp_path, monkeypatch, asked):
+    """Under --lockstep the engines' steps must each end with their own GPU
+    work: async scheduling goes off by default (the child is handed "off"), and
+    an explicit choice stands; without --lockstep the default is vLLM's."""
+    seen = {}
+    monkeypatch.setattr(e2e, "parent", lambda a: seen.setdefault("args", a) and 0)
+    extra = [] if asked is None else ["--async-scheduling", asked]
+    e2e.main(["--out", str(tmp_path), "--same-process", "--lockstep", *extra])
+    assert seen.pop("args").async_scheduling == (asked or "off")
+    e2e.main(["--out", str(tmp_path), "--same-process", *extra])
+    assert seen.pop("args").async_scheduling == (asked or "default")
