@@ -139,6 +139,20 @@ PARENT_ONLY = {"out", "model", "k", "repeats", "modes", "merge", "child", "mode"
                "same_process", "control"}
 
 
+def _child_command(monkeypatch, args, mode: str) -> list:
+    """The command line run_child starts the ``mode`` child with (k = 3, no process run)."""
+    seen = {}
+
+    def fake_run(cmd, env, stdout, stderr):
+        seen["cmd"] = cmd
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    monkeypatch.setattr(e2e, "log_facts", lambda path: {})
+    e2e.run_child(args, mode, 3, 0, {"runs": []})
+    return seen["cmd"]
+
+
 def test_every_engine_option_reaches_the_engine_process(tmp_path, monkeypatch):
     """run_child hands the child process every option that shapes the engine
     run, with the value given (a new option left out of its list would
@@ -164,16 +178,7 @@ def test_every_engine_option_reaches_the_engine_process(tmp_path, monkeypatch):
         want[flag] = str(value)
         argv += [flag, str(value)] if action.nargs is None else [flag, str(value)]
     args = parser.parse_args(argv)
-    seen = {}
-
-    def fake_run(cmd, env, stdout, stderr):
-        seen["cmd"] = cmd
-        return type("Done", (), {"returncode": 0})()
-
-    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
-    monkeypatch.setattr(e2e, "log_facts", lambda path: {})
-    e2e.run_child(args, "plugin", 3, 0, {"runs": []})
-    cmd = seen["cmd"]
+    cmd = _child_command(monkeypatch, args, "plugin")
     for flag, value in want.items():
         assert flag in cmd, flag
         if value is not None:
@@ -736,17 +741,8 @@ def test_a_lockstep_child_passes_the_checks_and_runs_in_lockstep(tmp_path, monke
     argv = ["--out", str(tmp_path), "--same-process", "--lockstep", "--k", "3"]
     parser = e2e.build_parser()
     args = parser.parse_args(argv + (["--control"] if control else []))
-    seen = {}
-
-    def fake_run(cmd, env, stdout, stderr):
-        seen["cmd"] = cmd
-        return type("Done", (), {"returncode": 0})()
-
-    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
-    monkeypatch.setattr(e2e, "log_facts", lambda path: {})
     mode = e2e.CONTROL if control else e2e.BOTH
-    e2e.run_child(args, mode, 3, 0, {"runs": []})
-    child_argv = seen["cmd"][2:]
+    child_argv = _child_command(monkeypatch, args, mode)[2:]
     ran = {}
     monkeypatch.setattr(e2e, "child", lambda a: ran.setdefault("args", a))
     assert e2e.main(child_argv) == 0
