@@ -95,8 +95,8 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
             if row.get("speedup") is None:
                 continue
             paths = row.get("plugin_paths") or {}
-            share = [x for x in (e2e_decode.case_share(entry, m, row["batch"], row["prompt"])
-                                 for m in ("stock", "plugin")) if x is not None]
+            share = [e2e_decode.case_share(entry, m, row["batch"], row["prompt"])
+                     for m in ("stock", "plugin")]
             fast = row.get("fast_step_ms")
             cells.append({
                 "k": int(k), "batch": row["batch"], "prompt": row["prompt"],
@@ -106,7 +106,7 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
                 "pairs": pairs.get((row["batch"], row["prompt"])),
                 "tokens_identical": row.get("tokens_identical"),
                 "varlen": paths.get("varlen", 0) > 0,
-                "share": share if len(share) == 2 else None,
+                "share": share,
                 "one_process": one_process,
                 "lockstep": bool(run.get("lockstep")),
                 "step_pairs": row.get("step_pairs"),
@@ -161,9 +161,13 @@ def table(got: dict, root: str = "") -> str:
 
                 def ratio(x):
                     return "–" if x is None else (f"({x:.2f}×)" if same else f"{x:.2f}×")
-                traced = [x["share"] for x in cells if x["share"] and x["varlen"] == c["varlen"]]
-                share = ("–" if not traced else
-                         f"{100 * traced[-1][0]:.0f} % / {100 * traced[-1][1]:.0f} %")
+                # stock's share from the cell's latest trace of stock; the plugin's
+                # from the latest traced run on the path its latest run took
+                stock = [x["share"][0] for x in cells if x["share"][0] is not None]
+                plugin = [x["share"][1] for x in cells
+                          if x["share"][1] is not None and x["varlen"] == c["varlen"]]
+                share = ("–" if not (stock or plugin) else " / ".join(
+                    f"{100 * v[-1]:.0f} %" if v else "–" for v in (stock, plugin)))
                 how = ("one process" if c["one_process"] else "a process per mode") + \
                       (", steps in lockstep" if c.get("lockstep") else "") + \
                       (", async scheduling off" if c.get("async_off") else "") + \

@@ -178,3 +178,31 @@ def test_a_lockstep_cell_shows_its_step_pairs_and_its_async_scheduling(tmp_path,
     column, how = line.split("|")[7].strip(), line.split("|")[11].strip()
     assert column == f"steps {q[1]:.2f}× {q[0]:.2f}–{q[2]:.2f} (10–90 %), {n}"
     assert ("async scheduling off" in how) == (async_scheduling is False), how
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stocks_share_comes_from_any_trace_the_plugins_only_from_its_own_path(tmp_path, seed):
+    """A cell whose latest run took varlen shows stock's share from its latest
+    trace of stock on any path, and the plugin's only from a trace taken on
+    the path its latest run took ("–" where none was)."""
+    rng = random.Random(seed)
+    s_old, p_old, s_new, p_new = (round(rng.uniform(0.05, 0.5), 2) for _ in range(4))
+
+    def trace(s, p):
+        return {m: {"batch": 8, "prompt": 16384, "indexer_share": v}
+                for m, v in (("stock", s), ("plugin", p))}
+    stock_path = _folder(tmp_path, "a", "0.27.1", 2, [_row(rng, 8, 16384, False)],
+                         trace=trace(s_old, p_old))
+    varlen_untraced = _folder(tmp_path, "b", "0.27.1", 2, [_row(rng, 8, 16384, True)])
+    varlen_traced = _folder(tmp_path, "c", "0.27.1", 2, [_row(rng, 8, 16384, True)],
+                            trace=trace(s_new, p_new))
+
+    def share(folders):
+        got = cells.grid(folders, "0.27.1")
+        line = [x for x in cells.table(got).splitlines() if x.startswith("| 2 | 8 | 16K")][0]
+        return line.split("|")[10].strip()
+    assert share([stock_path]) == f"{100 * s_old:.0f} % / {100 * p_old:.0f} %"
+    assert share([stock_path, varlen_untraced]) == f"{100 * s_old:.0f} % / –"
+    assert share([stock_path, varlen_untraced, varlen_traced]) == \
+        f"{100 * s_new:.0f} % / {100 * p_new:.0f} %"
+    assert share([varlen_untraced]) == "–"
