@@ -1154,9 +1154,7 @@ def k_entry(runs: dict, repeats: list[dict]) -> dict:
                                          for m, r in runs.items()},
              "jit": {m: r["jit"] for m, r in runs.items()},
              "trace": {m: {x: y for x, y in r["trace"].items()}
-                       for m, r in runs.items() if "trace" in r},
-             "indexer_share": {m: r["trace"]["indexer_share"]
-                               for m, r in runs.items() if "trace" in r}}
+                       for m, r in runs.items() if "trace" in r}}
     traces = {m: r["traces"] for m, r in runs.items() if r.get("traces")}
     if traces:
         entry["traces"] = traces
