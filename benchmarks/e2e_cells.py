@@ -15,7 +15,8 @@ where the plugin ran stock's path on every verification step, so both modes
 did the same GPU work), the fast-steps gain where recorded, in one process
 the median of the round pairs' ratios (their range, their number), token
 identity, the plugin's path, the indexer's share of the step where a profiled window
-was that cell (the latest such window on the same path), how it was measured
+was that cell (stock's latest; the plugin's latest on the path of the cell's
+latest run; a ``--trace-only`` folder gives windows alone), how it was measured
 (a process per mode, or both engines in one) and the graph mode vLLM ran.
 """
 
@@ -95,8 +96,6 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
             if row.get("speedup") is None:
                 continue
             paths = row.get("plugin_paths") or {}
-            share = [e2e_decode.case_share(entry, m, row["batch"], row["prompt"])
-                     for m in ("stock", "plugin")]
             fast = row.get("fast_step_ms")
             cells.append({
                 "k": int(k), "batch": row["batch"], "prompt": row["prompt"],
@@ -106,14 +105,35 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
                 "pairs": pairs.get((row["batch"], row["prompt"])),
                 "tokens_identical": row.get("tokens_identical"),
                 "varlen": paths.get("varlen", 0) > 0,
-                "share": share,
                 "one_process": one_process,
                 "lockstep": bool(run.get("lockstep")),
                 "step_pairs": row.get("step_pairs"),
                 "async_off": run.get("async_scheduling") is False,
                 "graph_mode": str(ran_mode or "?").rpartition(".")[2],
                 "source": folder})
+        cells += _windows(folder, int(k), entry, cells)
     return version, cells
+
+
+def _windows(folder: str, k: int, entry: dict, cells: list[dict]) -> list[dict]:
+    """A k's profiled windows as grid entries (``window``: the mode traced,
+    its indexer share, and for the plugin whether it took varlen: from the
+    window's own path counts where kept, else from its run's row of that
+    case).  A ``--trace-only`` run gives windows alone."""
+    rows = {(c["batch"], c["prompt"]): c for c in cells
+            if c["k"] == k and "skipped" not in c and "window" not in c}
+    out = []
+    for (batch, prompt), by_mode in sorted(e2e_decode.trace_windows(entry).items()):
+        for mode, w in sorted(by_mode.items()):
+            if w.get("indexer_share") is None:
+                continue
+            if w.get("paths") is not None:
+                varlen = w["paths"].get("varlen", 0) > 0
+            else:
+                varlen = rows[(batch, prompt)]["varlen"] if (batch, prompt) in rows else None
+            out.append({"k": k, "batch": batch, "prompt": prompt, "window": mode,
+                        "share": w["indexer_share"], "varlen": varlen, "source": folder})
+    return out
 
 
 def grid(folders: list[str], vllm: str) -> dict:
@@ -147,6 +167,8 @@ def table(got: dict, root: str = "") -> str:
         for b in BATCHES:
             for p in PROMPTS:
                 ran = got.get((k, b, p), [])
+                windows = [x for x in ran if "window" in x]
+                ran = [x for x in ran if "window" not in x]
                 cells = [x for x in ran if "skipped" not in x]
                 if not cells:
                     why = "not run"
@@ -161,11 +183,11 @@ def table(got: dict, root: str = "") -> str:
 
                 def ratio(x):
                     return "–" if x is None else (f"({x:.2f}×)" if same else f"{x:.2f}×")
-                # stock's share from the cell's latest trace of stock; the plugin's
-                # from the latest traced run on the path its latest run took
-                stock = [x["share"][0] for x in cells if x["share"][0] is not None]
-                plugin = [x["share"][1] for x in cells
-                          if x["share"][1] is not None and x["varlen"] == c["varlen"]]
+                # stock's share from the cell's latest window of stock; the plugin's
+                # from its latest window on the path the cell's latest run took
+                stock = [x["share"] for x in windows if x["window"] == "stock"]
+                plugin = [x["share"] for x in windows
+                          if x["window"] == "plugin" and x["varlen"] == c["varlen"]]
                 share = ("–" if not (stock or plugin) else " / ".join(
                     f"{100 * v[-1]:.0f} %" if v else "–" for v in (stock, plugin)))
                 how = ("one process" if c["one_process"] else "a process per mode") + \

@@ -37,7 +37,9 @@ counted) and the tokens.  After the table, per k: an identity run (the largest
 B at the shortest L, with the top-2 logprobs of every position, so a
 divergence shows its margin) and one profiled window of decode steps (a
 torch-profiler Chrome trace, gzip'd; the indexer's share of the step's GPU
-time and the schedule's per-step cost from the kernels' names).
+time and the schedule's per-step cost from the kernels' names; with
+``--trace-cases every`` one per case, with ``--trace-only`` those windows
+alone, for rows whose times came from other runs).
 
 The gain is stock's TPOT over the plugin's (median rounds); "fast steps" beside
 it is the same ratio of the decode-step times' 25 % quantile pooled over the
@@ -100,6 +102,9 @@ KERNEL_CLASSES = (
     ("topk", r"topk|top_k"),
     ("indexer_cache", r"indexer_k_quant|indexer.*cache|cp_gather_indexer"),
 )
+# decode steps before a profiled window starts (past the prefill, JIT compiles
+# and the first steps' allocations)
+TRACE_SETTLE = 8
 INDEXER = ("plan", "logits_varlen", "deepgemm_metadata", "logits_deepgemm", "topk",
            "indexer_cache")
 
@@ -797,8 +802,13 @@ def _child(args, results: dict) -> None:
 
     gc_clock = GcClock()
     try:
-        jit0 = run_cases(engines, args, prompts_of, build_timer,
-                         lambda: _jit_state(triton_dir, dg_dir), gc_clock)
+        if getattr(args, "trace_only", False):  # no measured case: the windows alone
+            for _, engine, result in engines:
+                result["kv_capacity_tokens"] = kv_capacity_tokens(engine)
+            jit0 = _jit_state(triton_dir, dg_dir)
+        else:
+            jit0 = run_cases(engines, args, prompts_of, build_timer,
+                             lambda: _jit_state(triton_dir, dg_dir), gc_clock)
     finally:
         gc_clock.close()
     jit1 = _jit_state(triton_dir, dg_dir)
@@ -813,6 +823,7 @@ def _run_header(args, mode: str, engine, kwargs: dict, init_s: float, torch) -> 
     head = {"mode": mode, "k": args.k, "init_s": init_s, "graph_mode": args.graph_mode,
             "same_process": args.mode in (BOTH, CONTROL), "control": args.mode == CONTROL,
             "lockstep": bool(getattr(args, "lockstep", False)),
+            "trace_only": bool(getattr(args, "trace_only", False)),
             "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
             "cases": [], "jit": {}}
@@ -832,9 +843,13 @@ def _run_header(args, mode: str, engine, kwargs: dict, init_s: float, torch) -> 
 
 
 def _after_cases(args, mode: str, engine, result: dict, prompts_of, torch) -> None:
-    """An engine's mixed window, identity run and profiled steps (after the cases)."""
+    """An engine's mixed window, identity run and profiled steps (after the
+    cases); with ``--trace-only`` the profiled steps alone."""
     from vllm_dsa_varlen import stats
 
+    if getattr(args, "trace_only", False):
+        _traces(args, mode, engine, result, prompts_of, torch)
+        return
     max_batch = max(args.batch)
     # a mixed window: half the requests decode while the other half prefill
     # (chunked prefill), the steps where vLLM runs the indexer op outside the
@@ -858,8 +873,12 @@ def _after_cases(args, mode: str, engine, result: dict, prompts_of, torch) -> No
     result["identity"] = {"batch": max_batch, "prompt": length,
                           "tokens": [tokens[r] for r in ids], "top2": [lps[r] for r in ids]}
 
-    # profiled windows of decode steps (first repeat only): the largest case,
-    # or with --trace-cases every, each case that fits
+    _traces(args, mode, engine, result, prompts_of, torch)
+
+
+def _traces(args, mode: str, engine, result: dict, prompts_of, torch) -> None:
+    """Profiled windows of decode steps (first repeat only): the largest case,
+    or with --trace-cases every (or --trace-only), each case that fits."""
     if args.trace_steps and args.repeat == 0:
         capacity = result.get("kv_capacity_tokens")
         traces = [_trace_window(args, mode, engine, prompts_of, torch, batch, length, name)
@@ -877,7 +896,8 @@ def trace_cases(args, capacity: int | None) -> list[tuple[int, int, str]]:
     ``-b<B>-<L>k``; where none fits, the one window as with ``largest``)."""
     fits = {x: fitting_batches(args, x, capacity) for x in args.prompt}
     every = [(b, x, f"-b{b}-{x // 1024}k") for x in sorted(fits) for b in sorted(fits[x])]
-    if getattr(args, "trace_cases", "largest") == "every" and every:
+    if (getattr(args, "trace_cases", "largest") == "every"
+            or getattr(args, "trace_only", False)) and every:
         return every
     length = max((x for x in args.prompt if fits[x]), default=min(args.prompt))
     return [(args.trace_batch or max(fits[length], default=1), length, "")]
@@ -886,25 +906,43 @@ def trace_cases(args, capacity: int | None) -> list[tuple[int, int, str]]:
 def _trace_window(args, mode: str, engine, prompts_of, torch, batch: int, length: int,
                   suffix: str) -> dict:
     """``args.trace_steps`` decode steps of ``batch`` requests at ``length``
-    under the torch profiler, past the prefill; the trace kept gzip'd and
-    summarised (:func:`summarize_trace`)."""
+    under the torch profiler, the trace kept gzip'd and summarised
+    (:func:`summarize_trace`).  The prompts are prefilled first (one token
+    each, into the prefix cache), so the window's requests start decoding
+    together rather than one prefill chunk apart; the profiler starts once
+    every request has its first token and at least :data:`TRACE_SETTLE`
+    steps ran.  Kept with the summary: the decode-path counters' growth over
+    the profiled steps (``paths``: the path the window took) and the requests
+    still decoding at each profiled step (``decoding``: ``batch`` each where
+    the window was the whole case)."""
     from torch.profiler import ProfilerActivity, profile
 
-    _add(engine, "trace", prompts_of(length, count=batch), args.new_tokens)
-    for _ in range(8):  # past the prefill, into steady decode
-        engine.step()
+    from vllm_dsa_varlen import stats
+
+    prompts = prompts_of(length, count=batch)
+    _run_case(engine, prompts, 1, "trace-prefill")
+    stepper = _Stepper(engine, prompts, args.new_tokens, "trace")
+    while not stepper.done() and (len(stepper.steps) < TRACE_SETTLE
+                                  or not all(stepper.tokens[r] for r in stepper.ids)):
+        stepper.step()
     path = os.path.join(args.out, f"trace-{mode}-k{args.k}{suffix}{_rep(args.repeat)}.json")
+    decoding = []
+    before = stats.snapshot()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.trace_steps):
-            engine.step()
+            decoding.append(sum(1 for r in stepper.ids
+                                if 0 < len(stepper.tokens[r]) < args.new_tokens))
+            stepper.step()
         torch.cuda.synchronize()
+    paths = _paths_since(before)
     prof.export_chrome_trace(path)
     with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
         dst.write(src.read())
     os.remove(path)
-    while engine.has_unfinished_requests():
-        engine.step()
+    while not stepper.done():
+        stepper.step()
     return {"file": os.path.basename(path) + ".gz", "batch": batch, "prompt": length,
+            "decoding": decoding, "paths": paths["steps"],
             **summarize_trace(path + ".gz", args.trace_steps)}
 
 
@@ -912,10 +950,8 @@ def case_share(entry: dict, mode: str, batch: int, prompt: int) -> float | None:
     """The indexer's share of the step traced for ``mode`` at this case in a
     k's e2e.json entry (its ``traces`` or its one ``trace``); ``None`` where no
     trace ran at that case."""
-    for t in [*(entry.get("traces") or {}).get(mode, ()), (entry.get("trace") or {}).get(mode)]:
-        if t and t.get("batch") == batch and t.get("prompt") == prompt:
-            return t.get("indexer_share")
-    return None
+    window = (trace_windows(entry).get((batch, prompt)) or {}).get(mode) or {}
+    return window.get("indexer_share")
 
 
 # ---------------------------------------------------------------------------- parent
@@ -1031,6 +1067,45 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def trace_windows(entry: dict) -> dict:
+    """A k's e2e.json entry's profiled windows: ``{(batch, prompt): {mode:
+    window}}`` from its ``traces`` and its one ``trace``."""
+    out: dict = {}
+    for mode, t in (entry.get("trace") or {}).items():
+        if t and "batch" in t:
+            out.setdefault((t["batch"], t["prompt"]), {})[mode] = t
+    for mode, ts in (entry.get("traces") or {}).items():
+        for t in ts:
+            out.setdefault((t["batch"], t["prompt"]), {})[mode] = t
+    return out
+
+
+def share_table(result: dict) -> str:
+    """Every profiled window, per k and case: the indexer's share of the
+    step's GPU time and its GPU time per step, per mode; the second mode's
+    decode-path counts over the window and the requests decoding at each
+    profiled step."""
+    lines = ["| k | B | L | indexer share stock / {0} | indexer us per step stock / {0} | "
+             "GPU ms per step stock / {0} | {0} window's paths | decoding per step |",
+             "|---|---|---|---|---|---|---|---|"]
+    second = "plugin"
+    for k, entry in sorted(result["per_k"].items(), key=lambda kv: int(kv[0])):
+        second = entry.get("second") or (CONTROL if CONTROL in (entry.get("traces") or {})
+                                         else "plugin")
+        for (b, x), w in sorted(trace_windows(entry).items()):
+            def col(key, scale=1.0, fmt="{:.0f}", w=w):
+                return " / ".join("-" if (w.get(m) or {}).get(key) is None
+                                  else fmt.format(scale * w[m][key]) for m in ("stock", second))
+            own = w.get(second) or {}
+            paths = ", ".join(f"{p} {n}" for p, n in (own.get("paths") or {}).items() if n) or "-"
+            lines.append(f"| {k} | {b} | {x // 1024}K | {col('indexer_share', 100, '{:.0f} %')} | "
+                         f"{col('indexer_us_per_step')} | "
+                         f"{col('gpu_us_per_step', 1e-3, '{:.2f}')} | {paths} | "
+                         f"{' '.join(map(str, own.get('decoding') or [])) or '-'} |")
+    lines[0] = lines[0].format(second)
+    return "\n".join(lines)
+
+
 def log_facts(path: str) -> dict:
     """From a run's log: the CUDA-graph capture lines (kind and count) and the
     plugin's decode-path lines."""
@@ -1054,8 +1129,9 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
         cmd += [f"--{name}", *map(str, getattr(args, name))]
     if args.cpus:
         cmd += ["--cpus", args.cpus]
-    if getattr(args, "lockstep", False):
-        cmd += ["--lockstep"]
+    for flag in ("lockstep", "trace_only"):
+        if getattr(args, flag, False):
+            cmd += [f"--{flag.replace('_', '-')}"]
     for name in ("new_tokens", "warm_tokens", "case_rounds", "layers", "graph_mode", "load_format",
                  "kv_cache_dtype", "force_sparse_prefill", "max_batched_tokens",
                  "gpu_memory_utilization", "trace_steps", "attention_backend", "capture_sizes",
@@ -1107,7 +1183,8 @@ def parent(args) -> int:
     if args.model is None:
         args.model = write_tiny_config(os.path.join(args.out, "model"), args.layers)
     result = {"model": args.model, "layers": args.layers, "per_k": {}, "runs": [],
-              "control": bool(args.control), "lockstep": bool(args.lockstep)}
+              "control": bool(args.control), "lockstep": bool(args.lockstep),
+              "trace_only": bool(args.trace_only)}
     for k in args.k:
         runs, repeats = {}, []
         for rep in range(args.repeats):
@@ -1195,8 +1272,11 @@ def merge(args) -> int:
 def finish(args, result: dict) -> int:
     with open(os.path.join(args.out, "e2e.json"), "w") as f:
         json.dump(result, f, indent=1, allow_nan=False)
-    if all("comparison" in e for e in result["per_k"].values()) and result["per_k"]:
+    if all("comparison" in e for e in result["per_k"].values()) and result["per_k"] \
+            and any(e["comparison"]["rows"] for e in result["per_k"].values()):
         print(table(result))
+    if any(trace_windows(e) for e in result["per_k"].values()):
+        print(share_table(result))
     for k, e in result["per_k"].items():
         for note in e.get("graph_mode_notes", ()):
             print(f"k={k} {note}")
@@ -1264,6 +1344,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "--trace-batch or its largest batch); every: one per case that fits "
                          "(trace-<mode>-k<k>-b<B>-<L>k.json.gz), so every row has its indexer "
                          "share")
+    ap.add_argument("--trace-only", action="store_true",
+                    help="no measured case, mixed window or identity run: only a profiled "
+                         "window per fitting case (as --trace-cases every), each case's "
+                         "prompts prefilled first; the indexer's share for rows whose times "
+                         "came from other runs (benchmarks/e2e_cells.py joins them)")
     ap.add_argument("--trace-batch", type=int, default=0,
                     help="requests in the profiled window (default: the largest batch); a "
                          "small batch shows the host's share of a host-bound step")
@@ -1315,6 +1400,10 @@ def main(argv: list[str] | None = None) -> int:
     one_process = args.same_process or (args.child and args.mode in (BOTH, CONTROL))
     if args.lockstep and not one_process:
         parser.error("--lockstep: only with --same-process (two engines in one process)")
+    if args.trace_only and args.trace_steps < 1:
+        parser.error(f"--trace-only: needs --trace-steps >= 1, got {args.trace_steps}")
+    if args.trace_only and args.lockstep:
+        parser.error("--trace-only: runs no measured case, so no steps in --lockstep")
     if args.lockstep and args.async_scheduling == "default":
         # each step timed alone needs each step to end with its own GPU work
         args.async_scheduling = "off"

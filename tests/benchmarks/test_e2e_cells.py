@@ -62,7 +62,7 @@ def test_the_latest_run_of_a_cell_wins_and_the_earlier_stay_listed(tmp_path, see
                _folder(tmp_path, "c", "0.33.0", 3, other)]
     got = cells.grid(folders, "0.27.1")
     assert set(got) == {(3, 64, 16384), (3, 1, 4096), (3, 64, 32768), (3, 32, 32768)}
-    assert [c["source"] for c in got[(3, 64, 16384)]] == folders[:2]
+    assert [c["source"] for c in got[(3, 64, 16384)] if "window" not in c] == folders[:2]
     lines = {tuple(x.strip() for x in line.split("|")[1:4]): line
              for line in cells.table(got).splitlines()[2:]}
     assert len(lines) == len(cells.KS) * len(cells.BATCHES) * len(cells.PROMPTS)
@@ -206,3 +206,40 @@ def test_stocks_share_comes_from_any_trace_the_plugins_only_from_its_own_path(tm
     assert share([stock_path, varlen_untraced, varlen_traced]) == \
         f"{100 * s_new:.0f} % / {100 * p_new:.0f} %"
     assert share([varlen_untraced]) == "–"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_trace_only_folder_gives_shares_to_cells_measured_elsewhere(tmp_path, seed):
+    """A --trace-only run (windows, no measured case) adds no cell of its own;
+    its stock window gives a measured cell stock's share, its plugin window
+    the plugin's only where the window's own path counts match the path of
+    the cell's latest run; a window at a cell no run measured leaves it "not run"."""
+    rng = random.Random(seed)
+    varlen = rng.random() < 0.5
+    measured = _folder(tmp_path, "m", "0.27.1", 3, [_row(rng, 32, 4096, varlen)])
+    s, p, q = (round(rng.uniform(0.05, 0.5), 2) for _ in range(3))
+    same = {"varlen": 128 if varlen else 0, "stock_native": 64}
+    other = {"varlen": 0 if varlen else 128, "stock_native": 64}
+
+    def window(b, share, paths):
+        return {"batch": b, "prompt": 4096, "indexer_share": share, "paths": paths}
+    for name, paths in (("t-same", same), ("t-other", other)):
+        folder = tmp_path / name
+        folder.mkdir()
+        traces = {"stock": [window(32, s, {"stock_native": 192}), window(1, q, {})],
+                  "plugin": [window(32, p, paths), window(1, q, paths)]}
+        entry = {"comparison": {"rows": []}, "traces": traces, "trace": {}}
+        (folder / "e2e.json").write_text(json.dumps({"per_k": {"3": entry}}))
+        (folder / "run-stock-k3.json").write_text(json.dumps(
+            {"vllm": "0.27.1", "trace_only": True, "cases": []}))
+
+    def line(folders, b):
+        got = cells.grid(folders, "0.27.1")
+        return [x for x in cells.table(got).splitlines() if x.startswith(f"| 3 | {b} | 4K")][0]
+    assert line([measured], 32).split("|")[10].strip() == "–"
+    with_same = line([measured, str(tmp_path / "t-same")], 32)
+    assert with_same.split("|")[10].strip() == f"{100 * s:.0f} % / {100 * p:.0f} %"
+    assert with_same.split("|")[12].strip() == measured  # the times' run, not the windows'
+    assert line([measured, str(tmp_path / "t-other")], 32).split("|")[10].strip() == \
+        f"{100 * s:.0f} % / –"
+    assert "not run" in line([measured, str(tmp_path / "t-same")], 1)

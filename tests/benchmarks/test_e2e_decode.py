@@ -232,20 +232,30 @@ class FakeEngine:
     ``path``: every step counted on the decode-path counters as that path;
     ``log``: a list shared by engines, of ``(name, request id)`` as added."""
 
-    def __init__(self, capacity_tokens: int, path: str | None = None, log=None, name=""):
+    def __init__(self, capacity_tokens: int, path: str | None = None, log=None, name="",
+                 prefill_steps: int = 0):
         from types import SimpleNamespace
 
         self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(
             num_gpu_blocks=capacity_tokens // 64, block_size=64))
         self.live, self.added, self.path = {}, [], path
         self.log, self.name = log, name
+        # prefill_steps > 0: a prompt not seen before waits that many steps
+        # behind every unseen prompt added before it (chunked prefill, one
+        # request at a time), a seen one (prefix cache) none
+        self.prefill_steps, self.seen, self.queue = prefill_steps, set(), 0
 
     def add_request(self, rid, prompt, params):
         ids = prompt["prompt_token_ids"]
         self.added.append((rid, len(ids)))
         if self.log is not None:
             self.log.append((self.name, rid))
-        self.live[rid] = [params.max_tokens, sum(ids) % 1000]
+        wait = 0
+        if self.prefill_steps and tuple(ids) not in self.seen:
+            self.seen.add(tuple(ids))
+            self.queue += self.prefill_steps
+            wait = self.queue
+        self.live[rid] = [params.max_tokens, sum(ids) % 1000, wait]
 
     def has_unfinished_requests(self):
         return bool(self.live)
@@ -254,7 +264,14 @@ class FakeEngine:
         from types import SimpleNamespace
 
         outs = []
+        self.queue = max(0, self.queue - 1)
         for rid, state in list(self.live.items()):
+            if state[2] > 1:  # still prefilling
+                state[2] -= 1
+                outs.append(SimpleNamespace(request_id=rid, num_cached_tokens=0, outputs=[
+                    SimpleNamespace(token_ids=[], logprobs=None)]))
+                continue
+            state[2] = 0
             state[0] -= 1
             state[1] = (state[1] * 31 + 7) % 1000
             outs.append(SimpleNamespace(request_id=rid, num_cached_tokens=0, outputs=[
@@ -961,3 +978,79 @@ def test_lockstep_turns_async_scheduling_off_unless_asked_on(tmp_path, monkeypat
     assert seen.pop("args").async_scheduling == (asked or "off")
     e2e.main(["--out", str(tmp_path), "--same-process", *extra])
     assert seen.pop("args").async_scheduling == (asked or "default")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_profiled_window_is_the_whole_batch_decoding_past_its_prefill(tmp_path, seed):
+    """A profiled window starts once every request of the case decodes (its
+    prompts prefilled first), so each profiled step has the whole batch
+    decoding, even where a prefill takes many steps per request; the window
+    keeps the decode-path counts of its steps and its trace file."""
+    from types import SimpleNamespace
+
+    from vllm_dsa_varlen import stats
+
+    pytest.importorskip("vllm")
+    rng = random.Random(seed)
+    batch, steps = rng.randint(6, 16), rng.randint(1, 4)
+    new = e2e.TRACE_SETTLE + steps + rng.randint(1, 6)
+    args = e2e.build_parser().parse_args(
+        ["--out", str(tmp_path), "--new-tokens", str(new), "--trace-steps", str(steps)])
+    args.k = 2
+    engine = FakeEngine(10**8, path="varlen", prefill_steps=rng.randint(2, 4))
+
+    def prompts_of(length, first=0, count=16):
+        return [e2e.prompt_ids(i, length, 4096) for i in range(first, first + count)]
+
+    fake_torch = SimpleNamespace(cuda=SimpleNamespace(synchronize=lambda: None))
+    stats.reset()
+    w = e2e._trace_window(args, "plugin", engine, prompts_of, fake_torch, batch, 1024, "-x")
+    assert w["decoding"] == [batch] * steps
+    assert w["paths"]["varlen"] == steps and w["batch"] == batch and w["prompt"] == 1024
+    assert (tmp_path / w["file"]).exists() and w["steps"] == steps
+    assert not engine.has_unfinished_requests()
+    # the same engine without the prefill first: the window would start with
+    # requests still prefilling (what this guards against)
+    late = FakeEngine(10**8, prefill_steps=3)
+    stepper = e2e._Stepper(late, prompts_of(2048, count=batch), new, "t")
+    for _ in range(e2e.TRACE_SETTLE):
+        stepper.step()
+    assert not all(stepper.tokens[r] for r in stepper.ids)
+
+
+def test_trace_only_needs_profiled_steps_refuses_lockstep_and_traces_every_case(tmp_path):
+    with pytest.raises(SystemExit):
+        e2e.main(["--out", str(tmp_path), "--trace-only", "--trace-steps", "0"])
+    with pytest.raises(SystemExit):
+        e2e.main(["--out", str(tmp_path), "--trace-only", "--same-process", "--lockstep"])
+    args = e2e.build_parser().parse_args(["--out", str(tmp_path), "--trace-only", "--batch",
+                                          "1", "8", "--prompt", "4096", "16384"])
+    args.k = 3
+    assert [(b, x) for b, x, _ in e2e.trace_cases(args, None)] == \
+        [(1, 4096), (8, 4096), (1, 16384), (8, 16384)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_share_table_lists_every_window_with_its_modes_figures(seed):
+    """The printed window table: a line per traced (k, batch, prompt), each
+    mode's share and times from its own window, the plugin's path counts."""
+    rng = random.Random(seed)
+    cases = rng.sample([(b, x) for b in (1, 8, 32, 64) for x in (4096, 16384, 32768)], 4)
+
+    def w(b, x):
+        return {"batch": b, "prompt": x, "indexer_share": rng.uniform(0.05, 0.5),
+                "indexer_us_per_step": rng.uniform(100, 3000),
+                "gpu_us_per_step": rng.uniform(5000, 30000),
+                "paths": {"varlen": rng.randint(0, 3), "stock_native": rng.randint(0, 3)},
+                "decoding": [b] * 3}
+    traces = {m: [w(b, x) for b, x in cases] for m in ("stock", "plugin")}
+    text = e2e.share_table({"per_k": {"2": {"traces": traces}}})
+    for i, (b, x) in enumerate(cases):
+        line = [s for s in text.splitlines() if s.startswith(f"| 2 | {b} | {x // 1024}K |")]
+        assert len(line) == 1
+        cols = [c.strip() for c in line[0].split("|")[1:-1]]
+        s, p = traces["stock"][i], traces["plugin"][i]
+        assert cols[3] == f"{100 * s['indexer_share']:.0f} % / {100 * p['indexer_share']:.0f} %"
+        assert cols[5] == f"{s['gpu_us_per_step'] / 1e3:.2f} / {p['gpu_us_per_step'] / 1e3:.2f}"
+        want = ", ".join(f"{k} {n}" for k, n in p["paths"].items() if n) or "-"
+        assert cols[6] == want and cols[7] == f"{b} {b} {b}"
