@@ -895,7 +895,9 @@ def trace_cases(args, capacity: int | None) -> list[tuple[int, int, str]]:
     each fitting (batch, prompt) case, the largest last (suffix
     ``-b<B>-<L>k``; where none fits, the one window as with ``largest``)."""
     fits = {x: fitting_batches(args, x, capacity) for x in args.prompt}
-    every = [(b, x, f"-b{b}-{x // 1024}k") for x in sorted(fits) for b in sorted(fits[x])]
+    skip = set(getattr(args, "trace_skip", None) or ())
+    every = [(b, x, f"-b{b}-{x // 1024}k") for x in sorted(fits) for b in sorted(fits[x])
+             if (b, x) not in skip]
     if (getattr(args, "trace_cases", "largest") == "every"
             or getattr(args, "trace_only", False)) and every:
         return every
@@ -1137,6 +1139,8 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
                  "gpu_memory_utilization", "trace_steps", "attention_backend", "capture_sizes",
                  "trace_batch", "async_scheduling", "trace_cases"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if getattr(args, "trace_skip", None):
+        cmd += ["--trace-skip", *(f"{b}x{x}" for b, x in args.trace_skip)]
     env = dict(os.environ, VLLM_DSA_VARLEN=MODES.get(mode, MODES["plugin"]))
     t0 = time.perf_counter()
     log = os.path.join(args.out, f"log-{mode}-k{k}{_rep(rep)}.txt")
@@ -1287,6 +1291,14 @@ def finish(args, result: dict) -> int:
     return 0 if all(r["rc"] == 0 for r in result["runs"]) else 1
 
 
+def parse_case(text: str) -> tuple[int, int]:
+    """``BxL`` (batch x prompt length, e.g. ``32x32768``) as ``(B, L)``."""
+    b, sep, x = text.partition("x")
+    if not sep or not b.isdigit() or not x.isdigit() or int(b) < 1 or int(x) < 1:
+        raise argparse.ArgumentTypeError(f"expected BxL (e.g. 32x32768), got {text!r}")
+    return int(b), int(x)
+
+
 def parse_cpus(text: str) -> set[int]:
     """``"0-3,8,10-11"`` -> ``{0, 1, 2, 3, 8, 10, 11}`` (a clear error otherwise)."""
     cpus: set[int] = set()
@@ -1349,6 +1361,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "window per fitting case (as --trace-cases every), each case's "
                          "prompts prefilled first; the indexer's share for rows whose times "
                          "came from other runs (benchmarks/e2e_cells.py joins them)")
+    ap.add_argument("--trace-skip", type=parse_case, nargs="+", default=[], metavar="BxL",
+                    help="cases given no window of their own under --trace-cases every or "
+                         "--trace-only (e.g. 32x32768: one traced before; its prefill costs "
+                         "the most)")
     ap.add_argument("--trace-batch", type=int, default=0,
                     help="requests in the profiled window (default: the largest batch); a "
                          "small batch shows the host's share of a host-bound step")

@@ -173,6 +173,8 @@ def test_every_engine_option_reaches_the_engine_process(tmp_path, monkeypatch):
             value = list(action.choices)[-1]
         elif action.type is float:
             value = round(random.uniform(0.1, 0.9), 3)
+        elif action.type is e2e.parse_case:
+            value = f"{random.randint(1, 64)}x{random.randint(1, 9) * 4096}"
         else:
             value = random.randint(2, 999)
         want[flag] = str(value)
@@ -1028,6 +1030,22 @@ def test_trace_only_needs_profiled_steps_refuses_lockstep_and_traces_every_case(
     args.k = 3
     assert [(b, x) for b, x, _ in e2e.trace_cases(args, None)] == \
         [(1, 4096), (8, 4096), (1, 16384), (8, 16384)]
+    args.trace_skip = [(8, 4096), (1, 16384)]
+    assert [(b, x) for b, x, _ in e2e.trace_cases(args, None)] == [(1, 4096), (8, 16384)]
+
+
+def test_trace_skip_takes_bxl_cases_and_reaches_the_child(tmp_path, monkeypatch):
+    for bad in ("32", "x4096", "32x", "0x4096", "ax4096"):
+        with pytest.raises(SystemExit):
+            e2e.build_parser().parse_args(["--out", str(tmp_path), "--trace-skip", bad])
+    args = e2e.build_parser().parse_args(["--out", str(tmp_path), "--model", "m", "--trace-only",
+                                          "--trace-skip", "32x32768", "64x16384"])
+    assert args.trace_skip == [(32, 32768), (64, 16384)]
+    cmd = _child_command(monkeypatch, args, "plugin")
+    i = cmd.index("--trace-skip")
+    assert cmd[i + 1:i + 3] == ["32x32768", "64x16384"] and "--trace-only" in cmd
+    child = e2e.build_parser().parse_args(cmd[2:])
+    assert child.trace_skip == args.trace_skip
 
 
 @pytest.mark.parametrize("seed", range(3))
