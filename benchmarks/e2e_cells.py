@@ -111,15 +111,18 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
                 "async_off": run.get("async_scheduling") is False,
                 "graph_mode": str(ran_mode or "?").rpartition(".")[2],
                 "source": folder})
-        cells += _windows(folder, int(k), entry, cells)
+        cells += _windows(folder, int(k), entry, cells, ran_mode)
     return version, cells
 
 
-def _windows(folder: str, k: int, entry: dict, cells: list[dict]) -> list[dict]:
+def _windows(folder: str, k: int, entry: dict, cells: list[dict],
+             graph_mode=None) -> list[dict]:
     """A k's profiled windows as grid entries (``window``: the mode traced,
-    its indexer share, and for the plugin whether it took varlen: from the
-    window's own path counts where kept, else from its run's row of that
-    case).  A ``--trace-only`` run gives windows alone."""
+    its indexer share, the graph mode its engine ran (``graph_mode``: the
+    run's, where the entry does not name each mode's), and for the plugin
+    whether it took varlen: from the window's own path counts where kept, else
+    from its kernels, else from its run's row of that case).  A
+    ``--trace-only`` run gives windows alone."""
     rows = {(c["batch"], c["prompt"]): c for c in cells
             if c["k"] == k and "skipped" not in c and "window" not in c}
     out = []
@@ -127,12 +130,17 @@ def _windows(folder: str, k: int, entry: dict, cells: list[dict]) -> list[dict]:
         for mode, w in sorted(by_mode.items()):
             if w.get("indexer_share") is None:
                 continue
+            kernels = w.get("by_class_us_per_step") or {}
             if w.get("paths") is not None:
                 varlen = w["paths"].get("varlen", 0) > 0
+            elif kernels.get("logits_varlen") or kernels.get("logits_deepgemm"):
+                varlen = bool(kernels.get("logits_varlen"))  # the kernels that ran
             else:
                 varlen = rows[(batch, prompt)]["varlen"] if (batch, prompt) in rows else None
+            ran = (entry.get("cudagraph_mode") or {}).get(mode) or graph_mode
             out.append({"k": k, "batch": batch, "prompt": prompt, "window": mode,
-                        "share": w["indexer_share"], "varlen": varlen, "source": folder})
+                        "share": w["indexer_share"], "varlen": varlen,
+                        "graph_mode": str(ran or "?").rpartition(".")[2], "source": folder})
     return out
 
 
@@ -153,6 +161,13 @@ def grid(folders: list[str], vllm: str) -> dict:
         for cell in cells:
             got.setdefault((cell["k"], cell["batch"], cell["prompt"]), []).append(cell)
     return got
+
+
+def _pick(windows: list[dict], graph_mode: str) -> dict | None:
+    """The latest of ``windows`` (oldest first) traced in ``graph_mode``, else
+    the latest of any mode; ``None`` where there is none."""
+    same = [w for w in windows if w["graph_mode"] == graph_mode]
+    return (same or windows or [None])[-1]
 
 
 def _prompt(n: int) -> str:
@@ -185,11 +200,15 @@ def table(got: dict, root: str = "") -> str:
                     return "–" if x is None else (f"({x:.2f}×)" if same else f"{x:.2f}×")
                 # stock's share from the cell's latest window of stock; the plugin's
                 # from its latest window on the path the cell's latest run took
-                stock = [x["share"] for x in windows if x["window"] == "stock"]
-                plugin = [x["share"] for x in windows
-                          if x["window"] == "plugin" and x["varlen"] == c["varlen"]]
+                # (a window in the cell's graph mode where one was; else one of
+                # another mode, marked ‡: the rest of the step differs there)
+                stock = _pick([x for x in windows if x["window"] == "stock"], c["graph_mode"])
+                plugin = _pick([x for x in windows if x["window"] == "plugin"
+                                and x["varlen"] == c["varlen"]], c["graph_mode"])
                 share = ("–" if not (stock or plugin) else " / ".join(
-                    f"{100 * v[-1]:.0f} %" if v else "–" for v in (stock, plugin)))
+                    "–" if v is None else f"{100 * v['share']:.0f} %"
+                    + ("" if v["graph_mode"] == c["graph_mode"] else " ‡")
+                    for v in (stock, plugin)))
                 how = ("one process" if c["one_process"] else "a process per mode") + \
                       (", steps in lockstep" if c.get("lockstep") else "") + \
                       (", async scheduling off" if c.get("async_off") else "") + \

@@ -1249,10 +1249,41 @@ def k_entry(runs: dict, repeats: list[dict]) -> dict:
     return entry
 
 
+def rebuilt_run(out: str, mode: str, k: int, steps: int) -> dict | None:
+    """The run file of a process stopped before it wrote one (a command's time
+    limit), as far as its files say: its profiled windows rebuilt from its
+    per-case trace files (``trace-<mode>-k<k>-b<B>-<L>k.json.gz``, each
+    summarised over ``steps`` steps), the vLLM version and graph mode from its
+    log; no cases, no path counts (a window's kernels show which path ran).
+    ``None`` where no such trace file is in ``out``."""
+    import glob
+
+    pattern = re.compile(rf"trace-{re.escape(mode)}-k{k}-b(\d+)-(\d+)k\.json\.gz$")
+    found = [(m, f) for f in glob.glob(os.path.join(out, f"trace-{mode}-k{k}-b*"))
+             if (m := pattern.search(os.path.basename(f)))]
+    if not found:
+        return None
+    windows = sorted(({"file": os.path.basename(f), "batch": int(m.group(1)),
+                       "prompt": int(m.group(2)) * 1024, **summarize_trace(f, steps)}
+                      for m, f in found), key=lambda w: (w["prompt"], w["batch"]))
+    run = {"mode": mode, "k": k, "cases": [], "init_s": None, "jit": {},
+           "rebuilt_from_traces": True, "traces": windows, "trace": windows[-1]}
+    log = os.path.join(out, f"log-{mode}-k{k}.txt")
+    if os.path.exists(log):
+        with open(log, errors="replace") as f:
+            text = f.read()
+        if m := re.search(r"LLM engine \(v([^)\s]+)\)", text):
+            run["vllm"] = m.group(1)
+        if m := re.search(r"cudagraph_mode'?: <CUDAGraphMode\.(\w+)", text):
+            run["cudagraph_mode"] = m.group(1)
+    return run
+
+
 def merge(args) -> int:
     """e2e.json and the table from ``run-{mode}-k{k}[-rN].json`` files already
     in ``--out`` (processes run by separate invocations, e.g. one mode per call
-    on a machine that limits a command's time)."""
+    on a machine that limits a command's time); a process stopped before its
+    run file gives the windows its trace files hold (:func:`rebuilt_run`)."""
     result = {"model": None, "layers": args.layers, "per_k": {}, "runs": [], "merged": True}
     for k in args.k:
         repeats = []
@@ -1265,6 +1296,10 @@ def merge(args) -> int:
                         this[mode] = json.load(f)
                     result["runs"].append({"mode": mode, "k": k, "repeat": rep, "rc": 0,
                                            "file": os.path.basename(path)})
+                elif rep == 0 and (run := rebuilt_run(args.out, mode, k, args.trace_steps)):
+                    this[mode] = run  # its rc unknown: the merge exits non-zero
+                    result["runs"].append({"mode": mode, "k": k, "repeat": rep, "rc": None,
+                                           "rebuilt_from": [t["file"] for t in run["traces"]]})
             repeats.append(this)
         if repeats and repeats[0]:
             result["per_k"][str(k)] = k_entry(repeats[0], repeats)

@@ -231,7 +231,8 @@ def test_a_trace_only_folder_gives_shares_to_cells_measured_elsewhere(tmp_path, 
         entry = {"comparison": {"rows": []}, "traces": traces, "trace": {}}
         (folder / "e2e.json").write_text(json.dumps({"per_k": {"3": entry}}))
         (folder / "run-stock-k3.json").write_text(json.dumps(
-            {"vllm": "0.27.1", "trace_only": True, "cases": []}))
+            {"vllm": "0.27.1", "trace_only": True, "cases": [],
+             "cudagraph_mode": "CUDAGraphMode.FULL_AND_PIECEWISE"}))
 
     def line(folders, b):
         got = cells.grid(folders, "0.27.1")
@@ -243,3 +244,37 @@ def test_a_trace_only_folder_gives_shares_to_cells_measured_elsewhere(tmp_path, 
     assert line([measured, str(tmp_path / "t-other")], 32).split("|")[10].strip() == \
         f"{100 * s:.0f} % / –"
     assert "not run" in line([measured, str(tmp_path / "t-same")], 1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_window_of_the_cells_graph_mode_wins_and_another_modes_is_marked(tmp_path, seed):
+    """A cell's share comes from a window traced in the graph mode its run ran
+    where there is one (even an older one); else from another mode's window,
+    marked ‡; a window rebuilt from trace files (no path counts) takes the
+    plugin's path from its kernels."""
+    rng = random.Random(seed)
+    measured = _folder(tmp_path, "m", "0.27.1", 2, [_row(rng, 8, 16384, True)])
+    a, b, c = (round(rng.uniform(0.05, 0.5), 2) for _ in range(3))
+
+    def folder(name, mode, stock, plugin, kernels):
+        f = tmp_path / name
+        f.mkdir()
+        w = {"batch": 8, "prompt": 16384}
+        traces = {"stock": [dict(w, indexer_share=stock)],
+                  "plugin": [dict(w, indexer_share=plugin, by_class_us_per_step=kernels)]}
+        entry = {"traces": traces, "cudagraph_mode": {"stock": mode, "plugin": mode}}
+        (f / "e2e.json").write_text(json.dumps({"per_k": {"2": entry}}))
+        (f / "run-stock-k2.json").write_text(json.dumps({"vllm": "0.27.1", "cases": []}))
+        return str(f)
+    varlen_k = {"logits_varlen": 400.0, "logits_deepgemm": 10.0}
+    same = folder("same", "CUDAGraphMode.FULL_AND_PIECEWISE", a, b, varlen_k)
+    other = folder("other", "CUDAGraphMode.FULL_DECODE_ONLY", c, c, varlen_k)
+    flat = folder("flat", "CUDAGraphMode.FULL_AND_PIECEWISE", a, b, {"logits_deepgemm": 400.0})
+
+    def share(folders):
+        got = cells.grid(folders, "0.27.1")
+        line = [x for x in cells.table(got).splitlines() if x.startswith("| 2 | 8 | 16K")][0]
+        return line.split("|")[10].strip()
+    assert share([measured, other]) == f"{100 * c:.0f} % ‡ / {100 * c:.0f} % ‡"
+    assert share([measured, same, other]) == f"{100 * a:.0f} % / {100 * b:.0f} %"
+    assert share([measured, flat]) == f"{100 * a:.0f} % / –"  # stock's kernels: not varlen

@@ -1072,3 +1072,40 @@ def test_the_share_table_lists_every_window_with_its_modes_figures(seed):
         assert cols[5] == f"{s['gpu_us_per_step'] / 1e3:.2f} / {p['gpu_us_per_step'] / 1e3:.2f}"
         want = ", ".join(f"{k} {n}" for k, n in p["paths"].items() if n) or "-"
         assert cols[6] == want and cols[7] == f"{b} {b} {b}"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_merge_rebuilds_the_windows_of_a_process_stopped_before_its_run_file(tmp_path, seed):
+    """--merge with one mode's run file missing but its per-case trace files
+    and log present: that mode's windows are rebuilt from the traces (each
+    summary as summarize_trace gives it, batch and prompt from the file name,
+    vLLM version and graph mode from the log); the merge says the run is
+    incomplete (non-zero exit); a trace of another k or mode is not taken."""
+    rng = random.Random(seed)
+    out = tmp_path / "out"
+    out.mkdir()
+    cases = rng.sample([(b, x) for b in (1, 8, 32, 64) for x in (4096, 16384, 32768)], 3)
+    for b, x in cases + [(2, 4096)]:
+        k = 3 if (b, x) != (2, 4096) else 2
+        events = [{"cat": "kernel", "name": rng.choice(["varlen_logits_sm90", "gemm_x", "topk_y"]),
+                   "ts": j, "dur": rng.uniform(1, 50)} for j in range(40)]
+        with gzip.open(out / f"trace-plugin-k{k}-b{b}-{x // 1024}k.json.gz", "wt") as f:
+            json.dump({"traceEvents": events}, f)
+    (out / "log-plugin-k3.txt").write_text(
+        "INFO Initializing a V1 LLM engine (v0.27.1) with config: ... "
+        "'cudagraph_mode': <CUDAGraphMode.FULL_DECODE_ONLY: (2, 0)>, ...\n")
+    stock = {"mode": "stock", "k": 3, "cases": [], "init_s": 1.0, "jit": {}, "vllm": "0.27.1",
+             "traces": [{"batch": 1, "prompt": 4096, "indexer_share": 0.1}]}
+    (out / "run-stock-k3.json").write_text(json.dumps(stock))
+    rc = e2e.main(["--out", str(out), "--merge", "--k", "3", "--trace-steps", "3"])
+    assert rc != 0
+    got = json.loads((out / "e2e.json").read_text())
+    entry = got["per_k"]["3"]
+    windows = entry["traces"]["plugin"]
+    assert sorted((w["batch"], w["prompt"]) for w in windows) == sorted(cases)
+    for w in windows:
+        want = e2e.summarize_trace(str(out / w["file"]), 3)
+        assert {k: w[k] for k in want} == json.loads(json.dumps(want))
+    assert entry["vllm"]["plugin"] == "0.27.1"
+    assert entry["cudagraph_mode"]["plugin"] == "FULL_DECODE_ONLY"
+    assert entry["traces"].get("stock") is None or entry["traces"]["stock"] == stock["traces"]
