@@ -1088,7 +1088,8 @@ def share_table(result: dict) -> str:
     decode-path counts over the window and the requests decoding at each
     profiled step."""
     lines = ["| k | B | L | indexer share stock / {0} | indexer us per step stock / {0} | "
-             "GPU ms per step stock / {0} | {0} window's paths | decoding per step |",
+             "GPU ms per step stock / {0} | {0} window's paths | "
+             "requests decoding per step stock / {0} |",
              "|---|---|---|---|---|---|---|---|"]
     second = "plugin"
     for k, entry in sorted(result["per_k"].items(), key=lambda kv: int(kv[0])):
@@ -1099,11 +1100,17 @@ def share_table(result: dict) -> str:
                 return " / ".join("-" if (w.get(m) or {}).get(key) is None
                                   else fmt.format(scale * w[m][key]) for m in ("stock", second))
             own = w.get(second) or {}
-            paths = ", ".join(f"{p} {n}" for p, n in (own.get("paths") or {}).items() if n) or "-"
+            paths = ", ".join(f"{p} {n}" for p, n in (own.get("paths") or {}).items() if n)
+            if not paths and own.get("paths") is None:  # a rebuilt window: its kernels
+                ran = own.get("by_class_us_per_step") or {}
+                paths = ("kernels: varlen" if ran.get("logits_varlen") else
+                         "kernels: DeepGEMM" if ran.get("logits_deepgemm") else "")
+            paths = paths or "-"
             lines.append(f"| {k} | {b} | {x // 1024}K | {col('indexer_share', 100, '{:.0f} %')} | "
                          f"{col('indexer_us_per_step')} | "
                          f"{col('gpu_us_per_step', 1e-3, '{:.2f}')} | {paths} | "
-                         f"{' '.join(map(str, own.get('decoding') or [])) or '-'} |")
+                         + " / ".join(" ".join(map(str, (w.get(m) or {}).get("decoding") or []))
+                                      or "-" for m in ("stock", second)) + " |")
     lines[0] = lines[0].format(second)
     return "\n".join(lines)
 

@@ -1071,7 +1071,7 @@ def test_the_share_table_lists_every_window_with_its_modes_figures(seed):
         assert cols[3] == f"{100 * s['indexer_share']:.0f} % / {100 * p['indexer_share']:.0f} %"
         assert cols[5] == f"{s['gpu_us_per_step'] / 1e3:.2f} / {p['gpu_us_per_step'] / 1e3:.2f}"
         want = ", ".join(f"{k} {n}" for k, n in p["paths"].items() if n) or "-"
-        assert cols[6] == want and cols[7] == f"{b} {b} {b}"
+        assert cols[6] == want and cols[7] == f"{b} {b} {b} / {b} {b} {b}"
 
 
 @pytest.mark.parametrize("seed", range(3))
