@@ -170,6 +170,19 @@ def _pick(windows: list[dict], graph_mode: str) -> dict | None:
     return (same or windows or [None])[-1]
 
 
+def _pair(stock: list[dict], plugin: list[dict], graph_mode: str):
+    """Stock's and the plugin's windows of a cell (each oldest first) as one
+    pair: the latest of each in ``graph_mode`` where both have one, else in the
+    mode of the plugin's latest window that stock also has, else each by
+    :func:`_pick`."""
+    both = {w["graph_mode"] for w in stock} & {w["graph_mode"] for w in plugin}
+    if both:
+        mode = graph_mode if graph_mode in both else next(
+            w["graph_mode"] for w in reversed(plugin) if w["graph_mode"] in both)
+        return _pick(stock, mode), _pick(plugin, mode)
+    return _pick(stock, graph_mode), _pick(plugin, graph_mode)
+
+
 def _prompt(n: int) -> str:
     return f"{n // 1024}K"
 
@@ -200,11 +213,12 @@ def table(got: dict, root: str = "") -> str:
                     return "–" if x is None else (f"({x:.2f}×)" if same else f"{x:.2f}×")
                 # stock's share from the cell's latest window of stock; the plugin's
                 # from its latest window on the path the cell's latest run took
-                # (a window in the cell's graph mode where one was; else one of
-                # another mode, marked ‡: the rest of the step differs there)
-                stock = _pick([x for x in windows if x["window"] == "stock"], c["graph_mode"])
-                plugin = _pick([x for x in windows if x["window"] == "plugin"
-                                and x["varlen"] == c["varlen"]], c["graph_mode"])
+                # (both from one graph mode where they can be, the cell's first; else
+                # each its own; a window of another mode than the cell's marked ‡:
+                # the rest of the step differs there)
+                stock, plugin = _pair([x for x in windows if x["window"] == "stock"],
+                                      [x for x in windows if x["window"] == "plugin"
+                                       and x["varlen"] == c["varlen"]], c["graph_mode"])
                 share = ("–" if not (stock or plugin) else " / ".join(
                     "–" if v is None else f"{100 * v['share']:.0f} %"
                     + ("" if v["graph_mode"] == c["graph_mode"] else " ‡")

@@ -278,3 +278,32 @@ def test_a_window_of_the_cells_graph_mode_wins_and_another_modes_is_marked(tmp_p
     assert share([measured, other]) == f"{100 * c:.0f} % ‡ / {100 * c:.0f} % ‡"
     assert share([measured, same, other]) == f"{100 * a:.0f} % / {100 * b:.0f} %"
     assert share([measured, flat]) == f"{100 * a:.0f} % / –"  # stock's kernels: not varlen
+
+
+def test_a_cells_two_shares_come_from_one_graph_mode_where_they_can(tmp_path):
+    """Stock traced in the cell's graph mode but the plugin only in another:
+    both shares are taken from the other mode (one pair, marked ‡), not
+    stock's from one mode beside the plugin's from another."""
+    rng = random.Random()
+    measured = _folder(tmp_path, "m", "0.27.1", 3, [_row(rng, 8, 16384, True)])
+    a, b, c = (round(rng.uniform(0.05, 0.5), 2) for _ in range(3))
+
+    def folder(name, mode, traces):
+        f = tmp_path / name
+        f.mkdir()
+        entry = {"traces": traces, "cudagraph_mode": {"stock": mode, "plugin": mode}}
+        (f / "e2e.json").write_text(json.dumps({"per_k": {"3": entry}}))
+        (f / "run-stock-k3.json").write_text(json.dumps({"vllm": "0.27.1", "cases": []}))
+        return str(f)
+    w = {"batch": 8, "prompt": 16384}
+    own = folder("own", "CUDAGraphMode.FULL_AND_PIECEWISE",
+                 {"stock": [dict(w, indexer_share=a)]})
+    other = folder("other", "CUDAGraphMode.FULL_DECODE_ONLY", {
+        "stock": [dict(w, indexer_share=b)],
+        "plugin": [dict(w, indexer_share=c, by_class_us_per_step={"logits_varlen": 1.0})]})
+    got = cells.grid([measured, own, other], "0.27.1")
+    line = [x for x in cells.table(got).splitlines() if x.startswith("| 3 | 8 | 16K")][0]
+    assert line.split("|")[10].strip() == f"{100 * b:.0f} % ‡ / {100 * c:.0f} % ‡"
+    got = cells.grid([measured, other], "0.27.1")  # nothing in the cell's own mode
+    line = [x for x in cells.table(got).splitlines() if x.startswith("| 3 | 8 | 16K")][0]
+    assert line.split("|")[10].strip() == f"{100 * b:.0f} % ‡ / {100 * c:.0f} % ‡"
