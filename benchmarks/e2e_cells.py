@@ -31,7 +31,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import e2e_decode  # noqa: E402
+import e2e_trace  # noqa: E402
 
 BATCHES = (1, 8, 32, 64)
 PROMPTS = (4096, 16384, 32768)
@@ -126,7 +126,7 @@ def _windows(folder: str, k: int, entry: dict, cells: list[dict],
     rows = {(c["batch"], c["prompt"]): c for c in cells
             if c["k"] == k and "skipped" not in c and "window" not in c}
     out = []
-    for (batch, prompt), by_mode in sorted(e2e_decode.trace_windows(entry).items()):
+    for (batch, prompt), by_mode in sorted(e2e_trace.trace_windows(entry).items()):
         for mode, w in sorted(by_mode.items()):
             if w.get("indexer_share") is None:
                 continue

@@ -64,6 +64,10 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_trace import (  # noqa: E402
+    case_share, rebuilt_run, share_table, summarize_trace, trace_windows)
+
 MODES = {"stock": "stock", "plugin": "auto"}
 BOTH = "both"  # a child running both modes' engines in one process
 # --control: a child running stock's engine twice in one process (the second
@@ -92,21 +96,9 @@ TINY_CONFIG = {
     "attention_dropout": 0.0, "initializer_range": 0.02, "ep_size": 1,
 }
 
-# Kernel names -> what they are, for the trace summary (first match wins).
-KERNEL_CLASSES = (
-    ("plan", r"varlen_plan|plan_sm90|sm90_plan"),
-    ("logits_varlen", r"varlen_logits_sm90|_varlen_paged_mqa_logits|gluon.*logits"),
-    ("deepgemm_metadata", r"paged_mqa_logits_metadata|smxx_paged_mqa_logits_metadata"),
-    ("logits_deepgemm", r"paged_mqa_logits"),
-    ("prefill_logits", r"mqa_logits"),
-    ("topk", r"topk|top_k"),
-    ("indexer_cache", r"indexer_k_quant|indexer.*cache|cp_gather_indexer"),
-)
 # decode steps before a profiled window starts (past the prefill, JIT compiles
 # and the first steps' allocations)
 TRACE_SETTLE = 8
-INDEXER = ("plan", "logits_varlen", "deepgemm_metadata", "logits_deepgemm", "topk",
-           "indexer_cache")
 
 
 def write_tiny_config(path: str, layers: int) -> str:
@@ -124,44 +116,6 @@ def prompt_ids(i: int, length: int, vocab: int) -> list[int]:
     rng = random.Random(1000003 * i + length)
     n = int(length * rng.uniform(0.7, 1.3))
     return [rng.randrange(2, vocab) for _ in range(n)]
-
-
-def classify(name: str) -> str:
-    for cls, pattern in KERNEL_CLASSES:
-        if re.search(pattern, name):
-            return cls
-    return "other"
-
-
-def summarize_trace(trace_path: str, steps: int) -> dict:
-    """Per-step GPU time by kernel class over a profiled window of ``steps`` steps."""
-    with gzip.open(trace_path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    return summarize_from_events(events, steps)
-
-
-def summarize_from_events(events: list[dict], steps: int) -> dict:
-    """:func:`summarize_trace` of a trace's ``traceEvents``."""
-    per_class: dict[str, float] = {}
-    names: dict[str, float] = {}
-    for e in events:
-        if e.get("cat") != "kernel" or "dur" not in e:
-            continue
-        cls = classify(e["name"])
-        per_class[cls] = per_class.get(cls, 0.0) + e["dur"]
-        names[e["name"][:120]] = names.get(e["name"][:120], 0.0) + e["dur"]
-    total = sum(per_class.values())
-    indexer = sum(v for k, v in per_class.items() if k in INDEXER)
-    return {
-        "steps": steps,
-        "gpu_us_per_step": total / steps,
-        "indexer_us_per_step": indexer / steps,
-        "indexer_share": indexer / total if total else None,
-        "plan_us_per_step": per_class.get("plan", 0.0) / steps,
-        "by_class_us_per_step": {k: v / steps for k, v in sorted(per_class.items())},
-        "top_kernels_us_per_step": {k: v / steps for k, v in
-                                    sorted(names.items(), key=lambda kv: -kv[1])[:12]},
-    }
 
 
 # ----------------------------------------------------------------------------- child
@@ -948,14 +902,6 @@ def _trace_window(args, mode: str, engine, prompts_of, torch, batch: int, length
             **summarize_trace(path + ".gz", args.trace_steps)}
 
 
-def case_share(entry: dict, mode: str, batch: int, prompt: int) -> float | None:
-    """The indexer's share of the step traced for ``mode`` at this case in a
-    k's e2e.json entry (its ``traces`` or its one ``trace``); ``None`` where no
-    trace ran at that case."""
-    window = (trace_windows(entry).get((batch, prompt)) or {}).get(mode) or {}
-    return window.get("indexer_share")
-
-
 # ---------------------------------------------------------------------------- parent
 
 def _rep(i: int) -> str:
@@ -1066,52 +1012,6 @@ def table(result: dict) -> str:
                 + " | " + " / ".join("-" if u is None else f"{u:.1f}"
                                      for u in r.get("host_probe_us", (None, None)))
                 + " |")
-    return "\n".join(lines)
-
-
-def trace_windows(entry: dict) -> dict:
-    """A k's e2e.json entry's profiled windows: ``{(batch, prompt): {mode:
-    window}}`` from its ``traces`` and its one ``trace``."""
-    out: dict = {}
-    for mode, t in (entry.get("trace") or {}).items():
-        if t and "batch" in t:
-            out.setdefault((t["batch"], t["prompt"]), {})[mode] = t
-    for mode, ts in (entry.get("traces") or {}).items():
-        for t in ts:
-            out.setdefault((t["batch"], t["prompt"]), {})[mode] = t
-    return out
-
-
-def share_table(result: dict) -> str:
-    """Every profiled window, per k and case: the indexer's share of the
-    step's GPU time and its GPU time per step, per mode; the second mode's
-    decode-path counts over the window and the requests decoding at each
-    profiled step."""
-    lines = ["| k | B | L | indexer share stock / {0} | indexer us per step stock / {0} | "
-             "GPU ms per step stock / {0} | {0} window's paths | "
-             "requests decoding per step stock / {0} |",
-             "|---|---|---|---|---|---|---|---|"]
-    second = "plugin"
-    for k, entry in sorted(result["per_k"].items(), key=lambda kv: int(kv[0])):
-        second = entry.get("second") or (CONTROL if CONTROL in (entry.get("traces") or {})
-                                         else "plugin")
-        for (b, x), w in sorted(trace_windows(entry).items()):
-            def col(key, scale=1.0, fmt="{:.0f}", w=w):
-                return " / ".join("-" if (w.get(m) or {}).get(key) is None
-                                  else fmt.format(scale * w[m][key]) for m in ("stock", second))
-            own = w.get(second) or {}
-            paths = ", ".join(f"{p} {n}" for p, n in (own.get("paths") or {}).items() if n)
-            if not paths and own.get("paths") is None:  # a rebuilt window: its kernels
-                ran = own.get("by_class_us_per_step") or {}
-                paths = ("kernels: varlen" if ran.get("logits_varlen") else
-                         "kernels: DeepGEMM" if ran.get("logits_deepgemm") else "")
-            paths = paths or "-"
-            lines.append(f"| {k} | {b} | {x // 1024}K | {col('indexer_share', 100, '{:.0f} %')} | "
-                         f"{col('indexer_us_per_step')} | "
-                         f"{col('gpu_us_per_step', 1e-3, '{:.2f}')} | {paths} | "
-                         + " / ".join(" ".join(map(str, (w.get(m) or {}).get("decoding") or []))
-                                      or "-" for m in ("stock", second)) + " |")
-    lines[0] = lines[0].format(second)
     return "\n".join(lines)
 
 
@@ -1254,36 +1154,6 @@ def k_entry(runs: dict, repeats: list[dict]) -> dict:
     entry["host_probe_us"] = {m: r.get("host_probe_us") for m, r in runs.items()}
     entry["mixed_window"] = {m: r.get("mixed_window") for m, r in runs.items()}
     return entry
-
-
-def rebuilt_run(out: str, mode: str, k: int, steps: int) -> dict | None:
-    """The run file of a process stopped before it wrote one (a command's time
-    limit), as far as its files say: its profiled windows rebuilt from its
-    per-case trace files (``trace-<mode>-k<k>-b<B>-<L>k.json.gz``, each
-    summarised over ``steps`` steps), the vLLM version and graph mode from its
-    log; no cases, no path counts (a window's kernels show which path ran).
-    ``None`` where no such trace file is in ``out``."""
-    import glob
-
-    pattern = re.compile(rf"trace-{re.escape(mode)}-k{k}-b(\d+)-(\d+)k\.json\.gz$")
-    found = [(m, f) for f in glob.glob(os.path.join(out, f"trace-{mode}-k{k}-b*"))
-             if (m := pattern.search(os.path.basename(f)))]
-    if not found:
-        return None
-    windows = sorted(({"file": os.path.basename(f), "batch": int(m.group(1)),
-                       "prompt": int(m.group(2)) * 1024, **summarize_trace(f, steps)}
-                      for m, f in found), key=lambda w: (w["prompt"], w["batch"]))
-    run = {"mode": mode, "k": k, "cases": [], "init_s": None, "jit": {},
-           "rebuilt_from_traces": True, "traces": windows, "trace": windows[-1]}
-    log = os.path.join(out, f"log-{mode}-k{k}.txt")
-    if os.path.exists(log):
-        with open(log, errors="replace") as f:
-            text = f.read()
-        if m := re.search(r"LLM engine \(v([^)\s]+)\)", text):
-            run["vllm"] = m.group(1)
-        if m := re.search(r"cudagraph_mode'?: <CUDAGraphMode\.(\w+)", text):
-            run["cudagraph_mode"] = m.group(1)
-    return run
 
 
 def merge(args) -> int:

@@ -29,6 +29,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_decode  # noqa: E402
+import e2e_trace  # noqa: E402
 
 HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver")
 
@@ -104,7 +105,7 @@ def publish(out: str, dest: str) -> list[str]:
         kept = {"traceEvents": kernel_events(trace)}
         name = os.path.basename(src)[: -len(".json.gz")]
         steps = steps_of.get(os.path.basename(src), 1)
-        full, reduced = (e2e_decode.summarize_from_events(ev["traceEvents"], steps)
+        full, reduced = (e2e_trace.summarize_from_events(ev["traceEvents"], steps)
                          for ev in (trace, kept))
         if full != reduced:
             raise RuntimeError(f"{src}: the kernel events do not reproduce the summary")

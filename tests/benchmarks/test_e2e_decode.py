@@ -14,6 +14,7 @@ _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "e2e_d
 _spec = importlib.util.spec_from_file_location("e2e_decode", _PATH)
 e2e = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(e2e)
+import e2e_trace  # noqa: E402  (beside e2e_decode, on the path it set)
 
 
 def test_prompts_are_the_same_in_every_process_and_differ_between_requests():
@@ -65,26 +66,6 @@ def test_compare_reports_speed_and_identity():
     row = e2e.compare(stock, plugin)["rows"][0]
     assert row["speedup"] == pytest.approx(2.0 / 1.6)
     assert not row["tokens_identical"] and row["first_divergence"]["position"] == 2
-
-
-def test_trace_summary_classifies_kernels_per_step(tmp_path):
-    events = [
-        {"cat": "kernel", "name": "varlen_logits_sm90", "dur": 40.0},
-        {"cat": "kernel", "name": "varlen_plan_sm90", "dur": 6.0},
-        {"cat": "kernel", "name": "void persistent_topk_kernel<...>", "dur": 20.0},
-        {"cat": "kernel", "name": "void deep_gemm::sm90_fp8_paged_mqa_logits<...>", "dur": 30.0},
-        {"cat": "kernel", "name": "ampere_bf16_gemm", "dur": 104.0},
-        {"cat": "cpu_op", "name": "varlen_logits_sm90", "dur": 999.0},  # not a kernel
-    ]
-    path = tmp_path / "t.json.gz"
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": events}, f)
-    s = e2e.summarize_trace(str(path), steps=2)
-    assert s["gpu_us_per_step"] == pytest.approx(100.0)
-    assert s["indexer_us_per_step"] == pytest.approx(48.0)
-    assert s["indexer_share"] == pytest.approx(0.48)
-    assert s["plan_us_per_step"] == pytest.approx(3.0)
-    assert s["by_class_us_per_step"]["logits_deepgemm"] == pytest.approx(15.0)
 
 
 def test_log_facts_reads_captures_and_plugin_lines(tmp_path):
@@ -495,8 +476,8 @@ def test_the_kept_copy_is_small_and_reproduces_the_summaries(tmp_path, same_toke
         assert ("top2" in run["identity"]) is (not same_tokens)
         kept = json.loads(lzma.open(dest / f"trace-{mode}-k2.kernels.json.xz").read())
         full = json.load(gzip.open(out / f"trace-{mode}-k2.json.gz", "rt"))
-        assert e2e.summarize_from_events(kept["traceEvents"], 3) == \
-            e2e.summarize_from_events(full["traceEvents"], 3)
+        assert e2e_trace.summarize_from_events(kept["traceEvents"], 3) == \
+            e2e_trace.summarize_from_events(full["traceEvents"], 3)
         assert all(set(ev) == {"cat", "name", "dur"} for ev in kept["traceEvents"])
     hosts = json.loads((dest / "trace-host-ops.json").read_text())
     assert sum(c for c, _ in hosts["trace-stock-k2"].values()) == 50
@@ -964,8 +945,8 @@ def test_per_case_traces_are_kept_with_their_own_step_counts(tmp_path):
     for t in traces:
         kept = json.loads(lzma.open(dest / t["file"].replace(".json.gz", ".kernels.json.xz")).read())
         full = json.load(gzip.open(out / t["file"], "rt"))
-        assert e2e.summarize_from_events(kept["traceEvents"], t["steps"]) == \
-            e2e.summarize_from_events(full["traceEvents"], t["steps"])
+        assert e2e_trace.summarize_from_events(kept["traceEvents"], t["steps"]) == \
+            e2e_trace.summarize_from_events(full["traceEvents"], t["steps"])
 
 
 @pytest.mark.parametrize("asked", [None, "on", "off"])
@@ -1049,32 +1030,6 @@ def test_trace_skip_takes_bxl_cases_and_reaches_the_child(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_the_share_table_lists_every_window_with_its_modes_figures(seed):
-    """The printed window table: a line per traced (k, batch, prompt), each
-    mode's share and times from its own window, the plugin's path counts."""
-    rng = random.Random(seed)
-    cases = rng.sample([(b, x) for b in (1, 8, 32, 64) for x in (4096, 16384, 32768)], 4)
-
-    def w(b, x):
-        return {"batch": b, "prompt": x, "indexer_share": rng.uniform(0.05, 0.5),
-                "indexer_us_per_step": rng.uniform(100, 3000),
-                "gpu_us_per_step": rng.uniform(5000, 30000),
-                "paths": {"varlen": rng.randint(0, 3), "stock_native": rng.randint(0, 3)},
-                "decoding": [b] * 3}
-    traces = {m: [w(b, x) for b, x in cases] for m in ("stock", "plugin")}
-    text = e2e.share_table({"per_k": {"2": {"traces": traces}}})
-    for i, (b, x) in enumerate(cases):
-        line = [s for s in text.splitlines() if s.startswith(f"| 2 | {b} | {x // 1024}K |")]
-        assert len(line) == 1
-        cols = [c.strip() for c in line[0].split("|")[1:-1]]
-        s, p = traces["stock"][i], traces["plugin"][i]
-        assert cols[3] == f"{100 * s['indexer_share']:.0f} % / {100 * p['indexer_share']:.0f} %"
-        assert cols[5] == f"{s['gpu_us_per_step'] / 1e3:.2f} / {p['gpu_us_per_step'] / 1e3:.2f}"
-        want = ", ".join(f"{k} {n}" for k, n in p["paths"].items() if n) or "-"
-        assert cols[6] == want and cols[7] == f"{b} {b} {b} / {b} {b} {b}"
-
-
-@pytest.mark.parametrize("seed", range(3))
 def test_merge_rebuilds_the_windows_of_a_process_stopped_before_its_run_file(tmp_path, seed):
     """--merge with one mode's run file missing but its per-case trace files
     and log present: that mode's windows are rebuilt from the traces (each
@@ -1104,7 +1059,7 @@ def test_merge_rebuilds_the_windows_of_a_process_stopped_before_its_run_file(tmp
     windows = entry["traces"]["plugin"]
     assert sorted((w["batch"], w["prompt"]) for w in windows) == sorted(cases)
     for w in windows:
-        want = e2e.summarize_trace(str(out / w["file"]), 3)
+        want = e2e_trace.summarize_trace(str(out / w["file"]), 3)
         assert {k: w[k] for k in want} == json.loads(json.dumps(want))
     assert entry["vllm"]["plugin"] == "0.27.1"
     assert entry["cudagraph_mode"]["plugin"] == "FULL_DECODE_ONLY"
