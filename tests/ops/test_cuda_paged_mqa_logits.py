@@ -233,6 +233,23 @@ def test_tensor_core_build_sums_heads_on_the_tensor_cores():
     assert tc["QGMMA.64x128x32.F32.E4M3.E4M3"] == fp["QGMMA.64x128x32.F32.E4M3.E4M3"] == 16
 
 
+@pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
+                    reason=f"needs NVRTC and cuobjdump (NVRTC: {NVRTC})")
+@pytest.mark.parametrize("head_sum", ["fp32", "tf32"])
+def test_half_mma_build_runs_a_half_groups_qk_over_its_one_row(head_sum):
+    """SASS of the HALF_MMA build: each row group's half copy (a chunk's odd
+    last row; two groups unrolled) chains DIM / 32 = 4 m64n64 wgmmas in place
+    of the m64n128 ones, its full copy keeps them, and its head sum is the
+    default build's (the same FMNMX / FFMA or TF32 mma counts)."""
+    half = _sass_ops(ck.defines_for(4, head_sum) + ("HALF_MMA=1",))
+    base = _sass_ops(ck.defines_for(4, head_sum))
+    assert base["QGMMA.64x128x32.F32.E4M3.E4M3"] == 2 * 2 * 4
+    assert base["QGMMA.64x64x32.F32.E4M3.E4M3"] == 0
+    assert half["QGMMA.64x128x32.F32.E4M3.E4M3"] == half["QGMMA.64x64x32.F32.E4M3.E4M3"] == 2 * 4
+    for op in ("FMNMX", "FFMA", "HMMA.1688.F32.TF32"):
+        assert half[op] == base[op], op
+
+
 def test_cpu_tensors_are_refused_and_named_kernels_checked():
     step = make_decode_step([2, 1], [70, 20], heads=64)
     assert ck.unsupported_reason(step.q, step.kv_cache) == "not an sm_90 GPU"
@@ -880,11 +897,12 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
 # every CTA (RAMP=1, 2; the default RAMP=3 ramps only in CTAs of <= 96 items: the
 # GPU test's last step has ~117 per CTA); 2 or 4 pages in flight
 # per ring; 3 math warpgroups (152 registers), with the chunk's weights held in
-# registers (64 heads), with 4 pages per ring (the default's 12 pages in flight)
+# registers (64 heads), with 4 pages per ring (the default's 12 pages in flight);
+# a half group's QK as an m64n64 wgmma over its one row (64 heads)
 AB_BUILDS = (("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",), ("STAGES=4",),
              ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"),
-             ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"))
-HEADS_64_ONLY = ("WEIGHTS_REG=1",)
+             ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=1",))
+HEADS_64_ONLY = ("WEIGHTS_REG=1", "HALF_MMA=1")
 
 
 def _ab_builds(heads):
@@ -901,7 +919,8 @@ def test_ab_builds_compile_without_spills(defines, heads):
     extra = () if heads == ck.HEADS else (f"-DHEADS={heads}",)
     flags = tuple(f"-D{d}" for d in defines)
     if defines not in _ab_builds(heads):
-        with pytest.raises(RuntimeError, match="WEIGHTS_REG is a build of 3 math warpgroups"):
+        name = next(d for d in defines if d in HEADS_64_ONLY).partition("=")[0]
+        with pytest.raises(RuntimeError, match=f"{name} is a build of "):
             ck.compile_cubin(extra=(*flags, *extra))
         return
     built, log = ck.compile_cubin(extra=("--ptxas-options=-v", *flags, *extra))

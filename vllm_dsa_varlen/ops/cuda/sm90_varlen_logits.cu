@@ -17,7 +17,7 @@
 // int32 [R, 8] rows (first row, rows, KV length, first item, items, block-table
 // row), the CTA's first segment and item range.  A/B builds (the macros
 // below; each must write the default build's bits): RAMP, STAGES, NUM_MATH=3
-// (three math warpgroups, 152 registers) with WEIGHTS_REG, STAMPS.
+// (three math warpgroups, 152 registers) with WEIGHTS_REG, HALF_MMA, STAMPS.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -51,6 +51,9 @@ typedef unsigned char u8;
 #ifndef WEIGHTS_REG    // 1: a lane keeps its chunk's weights in registers for the chunk's
 #define WEIGHTS_REG 0  // pages instead of reading them per page (an A/B build, NUM_MATH=3)
 #endif
+#ifndef HALF_MMA      // 1: a chunk's odd last row (a half group, 64 heads) runs an m64n64
+#define HALF_MMA 0    // wgmma over its own 64 heads instead of the group's m64n128 (an A/B
+#endif                // build: half the tensor work of 3-row and 1-row chunks)
 #ifndef PRODUCER_REGS
 #define PRODUCER_REGS 40
 #endif
@@ -66,6 +69,9 @@ typedef unsigned char u8;
 #define RG (128 / HEADS)   // rows per row group
 #if WEIGHTS_REG && (NUM_MATH != 3 || HEAD_SUM_TC || RG != 2)
 #error "WEIGHTS_REG is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
+#endif
+#if HALF_MMA && RG != 2
+#error "HALF_MMA is a build of 64 heads (a half group is one row of a two-row group)"
 #endif
 #define HB (HEADS / 8)     // 8-column blocks per row
 #define ROWS_MAX (GMAX * RG)
@@ -168,6 +174,17 @@ DEV void mma_64x128x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// The first 64 columns of mma_64x128x32 (d[0, 32): the same registers hold
+// the same (token, column) elements in both shapes), for a half group.
+DEV void mma_64x64x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
 struct Seg { int first_row, n_rows, kv_len, page_lo, page_hi, item_base, bt_row; };
 
 // Segment k of this CTA's item range [lo, hi), its fields warp-uniform (the
@@ -194,16 +211,21 @@ DEV int first_page(const Seg& s, int r) {
 }
 
 // One row group of one page: the wgmma chain into acc, the slot handed back
-// (slot_empty) when this is the page's last group (release).
+// (slot_empty) when this is the page's last group (release).  half (HALF_MMA
+// builds): the group's first row only (its 64 heads: columns [0, 64), acc[0, 32)).
 DEV void qk_group(float (&acc)[64], const u8* page, const u8* qg, u64* slot_empty, bool release,
-                  int lane) {
+                  int lane, bool half = false) {
 #if STAMPS >= 2
   const u64 t_chain = sm_clock();
 #endif
   mma_fence();
 #pragma unroll
-  for (int kk = 0; kk < DIM / 32; ++kk)
-    mma_64x128x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
+  for (int kk = 0; kk < DIM / 32; ++kk) {
+    if (HALF_MMA && RG == 2 && half)
+      mma_64x64x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
+    else
+      mma_64x128x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
+  }
   mma_commit();
   mma_wait();
 #if STAMPS >= 2
@@ -239,7 +261,7 @@ template <class Weights>
 DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const Weights& wq,
                       u64* slot_empty, bool release, int lane, int n_end) {
   const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
-  qk_group(acc, page, qg, slot_empty, release, lane);
+  qk_group(acc, page, qg, slot_empty, release, lane, n_end == 8);
   float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;   // s[token half][row]
 #pragma unroll
   for (int n = 0; n < 16; ++n) {  // columns 8n + 2 * (lane & 3) + {0, 1}: row n / 8
@@ -369,7 +391,7 @@ DEV void weights_tf32(u8* wt, const float* w, int n_rows, int ring, int tid) {
 DEV float group_logit_tc(float (&acc)[64], const u8* page, const u8* qg, const float4* wt,
                          u64* slot_empty, bool release, int lane, bool half) {
   const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
-  qk_group(acc, page, qg, slot_empty, release, lane);
+  qk_group(acc, page, qg, slot_empty, release, lane, half);
   float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // rows 0, 1
 #pragma unroll
   for (int u = 0; u < 4; ++u) {  // the two rows' chains interleaved
@@ -581,9 +603,10 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
         if (g < groups) {
           const u8* qg = q_buf + (b * GMAX + g) * Q_GROUP_BYTES;
 #if RG == 2
-          // a chunk's odd last row (a half group) runs the full wgmma but only its
-          // row's epilogue, in a code copy of its own (calls 47-48: one copy with
-          // a branch inside the epilogue cost full groups 1-2 %)
+          // a chunk's odd last row (a half group) runs the full wgmma (HALF_MMA: its
+          // row's 64 heads only) and only its row's epilogue, in a code copy of
+          // its own (calls 47-48: one copy with a branch inside the epilogue cost
+          // full groups 1-2 %)
 #if HEAD_SUM_TC
           const float4* wt = wt_lane + g * (WT_GROUP_BYTES / 16);
           const float v = 2 * g + 1 < s.n_rows
