@@ -235,19 +235,25 @@ def test_tensor_core_build_sums_heads_on_the_tensor_cores():
 
 @pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
                     reason=f"needs NVRTC and cuobjdump (NVRTC: {NVRTC})")
-@pytest.mark.parametrize("head_sum", ["fp32", "tf32"])
-def test_half_mma_build_runs_a_half_groups_qk_over_its_one_row(head_sum):
-    """SASS of the HALF_MMA build: each row group's half copy (a chunk's odd
-    last row; two groups unrolled) chains DIM / 32 = 4 m64n64 wgmmas in place
-    of the m64n128 ones, its full copy keeps them, and its head sum is the
-    default build's (the same FMNMX / FFMA or TF32 mma counts)."""
-    half = _sass_ops(ck.defines_for(4, head_sum) + ("HALF_MMA=1",))
-    base = _sass_ops(ck.defines_for(4, head_sum))
+@pytest.mark.parametrize("heads, head_sum, n64, n128", [
+    (64, "fp32", 1, 1), (64, "tf32", 1, 1), (32, "fp32", 1, 2), (32, "tf32", 0, 2)])
+def test_half_mma_build_runs_a_partial_groups_qk_over_its_present_rows(heads, head_sum, n64,
+                                                                       n128):
+    """SASS of the HALF_MMA build, per row group (two unrolled) DIM / 32 = 4
+    wgmmas a copy: 64 heads: the half copy (a chunk's odd last row) m64n64,
+    the full copy m64n128, the head sum the default build's; 32 heads: a copy
+    for one or two present rows (m64n64) beside the full and three-row copies
+    (m64n128); the tensor-core head sum at 32 heads keeps its one partial copy."""
+    extra = () if heads == ck.HEADS else (f"HEADS={heads}",)
+    half = _sass_ops(ck.defines_for(4, head_sum) + extra + ("HALF_MMA=1",))
+    base = _sass_ops(ck.defines_for(4, head_sum) + extra)
     assert base["QGMMA.64x128x32.F32.E4M3.E4M3"] == 2 * 2 * 4
     assert base["QGMMA.64x64x32.F32.E4M3.E4M3"] == 0
-    assert half["QGMMA.64x128x32.F32.E4M3.E4M3"] == half["QGMMA.64x64x32.F32.E4M3.E4M3"] == 2 * 4
-    for op in ("FMNMX", "FFMA", "HMMA.1688.F32.TF32"):
-        assert half[op] == base[op], op
+    assert half["QGMMA.64x64x32.F32.E4M3.E4M3"] == 2 * 4 * n64
+    assert half["QGMMA.64x128x32.F32.E4M3.E4M3"] == 2 * 4 * n128
+    assert half["HMMA.1688.F32.TF32"] == base["HMMA.1688.F32.TF32"]
+    if heads == 64:
+        assert half["FMNMX"] == base["FMNMX"] and half["FFMA"] == base["FFMA"]
 
 
 def test_cpu_tensors_are_refused_and_named_kernels_checked():
@@ -898,11 +904,11 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
 # GPU test's last step has ~117 per CTA); 2 or 4 pages in flight
 # per ring; 3 math warpgroups (152 registers), with the chunk's weights held in
 # registers (64 heads), with 4 pages per ring (the default's 12 pages in flight);
-# a half group's QK as an m64n64 wgmma over its one row (64 heads)
+# a row group with absent rows runs an m64n64 wgmma where its present rows fit
 AB_BUILDS = (("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",), ("STAGES=4",),
              ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"),
              ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=1",))
-HEADS_64_ONLY = ("WEIGHTS_REG=1", "HALF_MMA=1")
+HEADS_64_ONLY = ("WEIGHTS_REG=1",)
 
 
 def _ab_builds(heads):

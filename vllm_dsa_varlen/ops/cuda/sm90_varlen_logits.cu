@@ -51,9 +51,9 @@ typedef unsigned char u8;
 #ifndef WEIGHTS_REG    // 1: a lane keeps its chunk's weights in registers for the chunk's
 #define WEIGHTS_REG 0  // pages instead of reading them per page (an A/B build, NUM_MATH=3)
 #endif
-#ifndef HALF_MMA      // 1: a chunk's odd last row (a half group, 64 heads) runs an m64n64
-#define HALF_MMA 0    // wgmma over its own 64 heads instead of the group's m64n128 (an A/B
-#endif                // build: half the tensor work of 3-row and 1-row chunks)
+#ifndef HALF_MMA      // 1: a row group with absent rows (a chunk's last) runs its QK wgmma
+#define HALF_MMA 0    // over half its columns where its present rows fit there (m64n64: a
+#endif                // 64-head half group, 1-2 of 4 rows at 32 heads): an A/B build
 #ifndef PRODUCER_REGS
 #define PRODUCER_REGS 40
 #endif
@@ -69,9 +69,6 @@ typedef unsigned char u8;
 #define RG (128 / HEADS)   // rows per row group
 #if WEIGHTS_REG && (NUM_MATH != 3 || HEAD_SUM_TC || RG != 2)
 #error "WEIGHTS_REG is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
-#endif
-#if HALF_MMA && RG != 2
-#error "HALF_MMA is a build of 64 heads (a half group is one row of a two-row group)"
 #endif
 #define HB (HEADS / 8)     // 8-column blocks per row
 #define ROWS_MAX (GMAX * RG)
@@ -175,7 +172,8 @@ DEV void mma_64x128x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
 }
 
 // The first 64 columns of mma_64x128x32 (d[0, 32): the same registers hold
-// the same (token, column) elements in both shapes), for a half group.
+// the same (token, column) elements in both), for a row group's present rows
+// (HALF_MMA).
 DEV void mma_64x64x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -211,20 +209,20 @@ DEV int first_page(const Seg& s, int r) {
 }
 
 // One row group of one page: the wgmma chain into acc, the slot handed back
-// (slot_empty) when this is the page's last group (release).  half (HALF_MMA
-// builds): the group's first row only (its 64 heads: columns [0, 64), acc[0, 32)).
+// (slot_empty) when this is the page's last group (release).  cols (HALF_MMA
+// builds; a constant at each call): 64: the group's first 64 columns only
+// (acc[0, 32): its present rows' heads where they fit there).
 DEV void qk_group(float (&acc)[64], const u8* page, const u8* qg, u64* slot_empty, bool release,
-                  int lane, bool half = false) {
+                  int lane, int cols = 128) {
 #if STAMPS >= 2
   const u64 t_chain = sm_clock();
 #endif
   mma_fence();
 #pragma unroll
   for (int kk = 0; kk < DIM / 32; ++kk) {
-    if (HALF_MMA && RG == 2 && half)
-      mma_64x64x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
-    else
-      mma_64x128x32(acc, sw128_desc(page + 32 * kk), sw128_desc(qg + 32 * kk), kk > 0);
+    const u64 a = sw128_desc(page + 32 * kk), b = sw128_desc(qg + 32 * kk);
+    if (HALF_MMA && cols == 64) mma_64x64x32(acc, a, b, kk > 0);
+    else mma_64x128x32(acc, a, b, kk > 0);
   }
   mma_commit();
   mma_wait();
@@ -261,7 +259,7 @@ template <class Weights>
 DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const Weights& wq,
                       u64* slot_empty, bool release, int lane, int n_end) {
   const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
-  qk_group(acc, page, qg, slot_empty, release, lane, n_end == 8);
+  qk_group(acc, page, qg, slot_empty, release, lane, n_end == 8 ? 64 : 128);
   float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;   // s[token half][row]
 #pragma unroll
   for (int n = 0; n < 16; ++n) {  // columns 8n + 2 * (lane & 3) + {0, 1}: row n / 8
@@ -290,8 +288,8 @@ DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const Weig
 // of its tokens g and g + 8 (.x, .y), summed across the quad (6 shuffles).
 // present: the group's rows that exist (4 in the full copy).
 DEV float2 group_logit4(float (&acc)[64], const u8* page, const u8* qg, const float* wq,
-                        u64* slot_empty, bool release, int lane, int present) {
-  qk_group(acc, page, qg, slot_empty, release, lane);
+                        u64* slot_empty, bool release, int lane, int present, int cols = 128) {
+  qk_group(acc, page, qg, slot_empty, release, lane, cols);
   float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // [token half][row]
 #pragma unroll
   for (int n = 0; n < 16; ++n) {  // columns 8n + 2 * (lane & 3) + {0, 1}: row n / 4
@@ -391,7 +389,7 @@ DEV void weights_tf32(u8* wt, const float* w, int n_rows, int ring, int tid) {
 DEV float group_logit_tc(float (&acc)[64], const u8* page, const u8* qg, const float4* wt,
                          u64* slot_empty, bool release, int lane, bool half) {
   const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
-  qk_group(acc, page, qg, slot_empty, release, lane, half);
+  qk_group(acc, page, qg, slot_empty, release, lane, half ? 64 : 128);
   float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // rows 0, 1
 #pragma unroll
   for (int u = 0; u < 4; ++u) {  // the two rows' chains interleaved
@@ -634,9 +632,18 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
               : group_logit4_tc(acc, page, qg, wt, &empty[slot], g == groups - 1, lane, present);
 #else
           const float* wq = group_weights(w_buf, b, g, lane).p;
+#if HALF_MMA  // one or two present rows: a copy of its own with the m64n64 wgmma
+          // (n32 / n96 copies as well: ptxas serialises the wgmmas, registers)
+          const float2 v = present == RG
+              ? group_logit4(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, RG)
+              : present > 2
+              ? group_logit4(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, present)
+              : group_logit4(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, present, 64);
+#else
           const float2 v = present == RG
               ? group_logit4(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, RG)
               : group_logit4(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, present);
+#endif
 #endif
           float* o = out + (long long)(s.first_row + RG * g + q_hi) * stride_out;
           if (pos < lim[g]) o[pos] = v.x * scale0;
