@@ -13,8 +13,8 @@ import torch
 
 from vllm_dsa_varlen.ops import head_sum_precision as hp
 from vllm_dsa_varlen.ops.reference import (
-    head_sum_tf32, paged_mqa_logits_ref, quantize_kv_fp8, round_bf16, round_tf32, split_tf32,
-    truncate_tf32)
+    head_sum_abs_split, head_sum_tf32, linear_query, paged_mqa_logits_ref, quantize_kv_fp8,
+    round_bf16, round_tf32, split_query_fp8, split_tf32, truncate_tf32)
 
 
 def _bits(x: float) -> int:
@@ -138,6 +138,77 @@ def test_reference_takes_the_tf32_head_sum():
                              compute_dtype=torch.float64)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_query_split_carries_about_twelve_bits_and_each_part_is_fp8(seed):
+    """split_query_fp8: every part holds e4m3 values, its scale its rest's
+    amax / 448 (so a part reaches +-448), and the parts' sum leaves a rest
+    below 2^-11 of the row's amax with three parts (each part keeps 3+1 bits,
+    each rest shrinks by at least 2^-4 of the one before); zero rows give zero
+    parts and scales."""
+    gen = torch.Generator().manual_seed(seed)
+    qp = torch.randn(6, 128, generator=gen, dtype=torch.float64) * torch.exp(
+        3 * torch.randn(6, 1, generator=gen, dtype=torch.float64))
+    qp[2] = 0
+    values, scales = split_query_fp8(qp, 3)
+    assert values.shape == (6, 3, 128) and scales.shape == (6, 3) and scales.dtype == torch.float32
+    assert torch.equal(values, values.to(torch.float8_e4m3fn).float())
+    live = [r for r in range(6) if r != 2]
+    assert values[live, 0].abs().amax(dim=-1).eq(448).all()
+    rest = qp - (values.double() * scales.double()[:, :, None]).sum(dim=1)
+    amax = qp.abs().amax(dim=-1)
+    assert (rest[live].abs().amax(dim=-1) <= amax[live] * 2.0 ** -11).all()
+    assert values[2].eq(0).all() and scales[2].eq(0).all()
+    one, _ = split_query_fp8(qp, 1)
+    assert torch.equal(one[:, 0], values[:, 0])
+
+
+def test_the_abs_split_head_sum_is_relu_of_the_same_products():
+    """head_sum_abs_split against the float64 head sum of the same fp8 q, k:
+    within 2^-11 of the row's largest |logit| (the query split's rounding);
+    with one head's weight alone it is that head's relu (the halves cancel
+    where its q . k is negative, to the split's rounding); the linear query
+    is the weighted sum over heads."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(3, 8, 128, generator=gen).mul(100).to(torch.float8_e4m3fn).float()
+    k = torch.randn(300, 128, generator=gen).mul(100).to(torch.float8_e4m3fn).float()
+    w = torch.randn(3, 8, generator=gen)
+    qk = torch.einsum("rhd,nd->rhn", q.double(), k.double()).float()
+    exact = (qk.double().relu() * w.double()[:, :, None]).sum(dim=1)
+    got = head_sum_abs_split(qk, w, q, k)
+    err = (got.double() - exact).abs().amax(dim=-1) / exact.abs().amax(dim=-1)
+    assert (err < 2.0 ** -11).all(), err
+    assert torch.allclose(linear_query(q, w), torch.einsum("rh,rhd->rd", w.double(), q.double()))
+    one = torch.zeros_like(w)
+    one[:, 3] = 2.0  # one head: its relu, twice; where its q . k < 0 the two halves cancel
+    got = head_sum_abs_split(qk, one, q, k).double()
+    want = 2.0 * qk[:, 3].double().relu()
+    scale = want.abs().amax(dim=-1, keepdim=True)
+    assert ((got - want).abs() <= scale * 2.0 ** -12).all()
+    assert (qk[:, 3] < 0).any() and (qk[:, 3] > 0).any()
+
+
+def test_reference_takes_the_abs_split_head_sum():
+    """paged_mqa_logits_ref(head_sum="abs_split"): the fp32 reference's
+    positions, values within the split's rounding of it, not equal to it."""
+    gen = torch.Generator().manual_seed(12)
+    heads, dim, page, blocks = 64, 128, 64, 6
+    kv = quantize_kv_fp8(torch.randn((blocks, page, dim), generator=gen))
+    q = torch.randn((3, 1, heads, dim), generator=gen).to(torch.float8_e4m3fn)
+    w = torch.randn((3, heads), generator=gen)
+    ids = torch.tensor([0, 0, 1], dtype=torch.int32)
+    ctx = torch.tensor([[200], [201], [90]], dtype=torch.int32)
+    bt = torch.randperm(blocks, generator=gen)[:4].int().repeat(3, 1)
+    fp32 = paged_mqa_logits_ref(q, kv, w, ctx, bt, 256, indices=ids)
+    split = paged_mqa_logits_ref(q, kv, w, ctx, bt, 256, indices=ids, head_sum="abs_split")
+    fin = torch.isfinite(fp32)
+    assert torch.equal(fin, torch.isfinite(split))
+    err = (split[fin] - fp32[fin]).norm() / fp32[fin].norm()
+    assert 0 < err < 1e-4, err
+    with pytest.raises(ValueError, match="compute_dtype"):
+        paged_mqa_logits_ref(q, kv, w, ctx, bt, 256, indices=ids, head_sum="abs_split",
+                             compute_dtype=torch.float64)
+
+
 # ---------------------------------------------------------------- the study
 
 def test_retention_and_calc_diff_measure_what_they_say():
@@ -180,13 +251,17 @@ def test_study_orders_the_head_sums_by_their_rounding():
     assert order == sorted(order) and order[0] > 0, order
     assert rows["bf16"].keep.mean() < rows["tf32"].keep.mean()
     assert rows["tf32"].keep.min() >= 0.99
+    # the abs-split sum: three fp8 parts of the linear query closer than two,
+    # both closer than bf16; three within the contract on every row
+    assert rows["abs_split"].calc_diff < rows["abs_split2"].calc_diff < rows["bf16"].calc_diff
+    assert rows["abs_split"].keep.min() >= hp.CONTRACT_KEEP
 
 
 def test_deepgemm_tolerances_separate_the_head_sums():
     """DeepGEMM's own check (its generator, its two references): the fp32 and
     tf32 head sums pass it; the bf16 one does not (so the check is not blind)."""
     got = hp.deepgemm_check(rows=2, context=4096)
-    for how in ("fp32", "tf32", "tf32_round"):
+    for how in ("fp32", "tf32", "tf32_round", "abs_split"):
         ref, sim = got[how]
         assert ref < 1e-3 and sim < 5e-6, (how, ref, sim)
     assert got["bf16"][1] > 5e-6

@@ -28,6 +28,10 @@ accumulation error, which every path shares):
 * ``tf32_trunc``: both operands truncated to TF32 (float32 registers handed
   to the tensor core unconverted: no conversion instruction at all);
 * ``bf16``: both operands rounded to bfloat16, for comparison;
+* ``abs_split``: ``relu(x) = (x + |x|) / 2`` (:func:`..reference.head_sum_abs_split`):
+  the absolute part in float32 (an FMA with the operand's absolute value,
+  no max), the linear part as the token's dot with ``sum_h w[h] q[h]`` in
+  three e4m3 parts (fp8 tensor-core products); ``abs_split2``: two parts;
 * ``fp64``: the exact head sum, to show the float32 path's own noise.
 
 Serving-like inputs (:func:`serving_inputs`): q per (token, head) and k per
@@ -49,9 +53,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import FP8_MAX, head_sum_tf32, round_bf16, round_tf32, truncate_tf32
+from .reference import (FP8_MAX, head_sum_abs_split, head_sum_tf32, round_bf16, round_tf32,
+                        truncate_tf32)
 
-HEAD_SUMS = ("fp32", "tf32", "tf32_round", "tf32_trunc", "bf16", "fp64")
+HEAD_SUMS = ("fp32", "tf32", "tf32_round", "tf32_trunc", "bf16", "abs_split", "abs_split2",
+             "fp64")
 TOPK = 2048
 CONTRACT_KEEP = 0.999  # the share of the fp32 path's top-k every row must keep
 
@@ -135,9 +141,16 @@ def qk_fp32(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.einsum("rhd,nd->rhn", q.double(), k.double()).float()
 
 
-def head_sum(qk: torch.Tensor, w: torch.Tensor, k_scale: torch.Tensor, how: str) -> torch.Tensor:
+def head_sum(qk: torch.Tensor, w: torch.Tensor, k_scale: torch.Tensor, how: str,
+             q: torch.Tensor | None = None, k: torch.Tensor | None = None) -> torch.Tensor:
     """Logits ``[R, N]`` from ``qk [R, H, N]`` float32, ``w [R, H]`` and
-    ``k_scale [N]`` by head sum ``how`` (:data:`HEAD_SUMS`)."""
+    ``k_scale [N]`` by head sum ``how`` (:data:`HEAD_SUMS`); the abs-split
+    sums also read the fp8 ``q [R, H, D]`` and ``k [N, D]`` they were made of."""
+    if how in ("abs_split", "abs_split2"):
+        if q is None or k is None:
+            raise ValueError(f"how={how!r}: needs q and k")
+        parts = 3 if how == "abs_split" else 2
+        return head_sum_abs_split(qk, w, q, k, parts) * k_scale.float()
     a = qk.relu()
     if how == "fp32":
         return (a * w.float()[:, :, None]).sum(dim=1) * k_scale.float()
@@ -200,7 +213,8 @@ def study(inputs: Inputs, hows=HEAD_SUMS, k: int = TOPK) -> list[Row]:
     base = head_sum(qk, inputs.w, inputs.k_scale, "fp32")
     out = []
     for how in hows:
-        got = base if how == "fp32" else head_sum(qk, inputs.w, inputs.k_scale, how)
+        got = base if how == "fp32" else head_sum(qk, inputs.w, inputs.k_scale, how,
+                                                  inputs.q, inputs.k)
         out.append(Row(how, topk_retention(base, got, k), calc_diff(got, base)))
     return out
 
@@ -222,7 +236,7 @@ def deepgemm_check(rows: int = 4, context: int = 8192, hows=HEAD_SUMS, seed: int
     qk = qk_fp32(inputs.q, inputs.k)
     return {how: (calc_diff(got, bf16_ref), calc_diff(got, simulated))
             for how in hows
-            for got in [head_sum(qk, inputs.w, inputs.k_scale, how)]}
+            for got in [head_sum(qk, inputs.w, inputs.k_scale, how, inputs.q, inputs.k)]}
 
 
 # ------------------------------------------------------ on the GPU (sm_90)
