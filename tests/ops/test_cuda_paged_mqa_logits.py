@@ -904,10 +904,12 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
 # GPU test's last step has ~117 per CTA); 2 or 4 pages in flight
 # per ring; 3 math warpgroups (152 registers), with the chunk's weights held in
 # registers (64 heads), with 4 pages per ring (the default's 12 pages in flight);
-# a row group with absent rows runs an m64n64 wgmma where its present rows fit
+# a row group with absent rows runs an m64n64 wgmma where its present rows fit;
+# a chain's descriptors stepped from its first (the same descriptors)
 AB_BUILDS = (("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",), ("STAGES=4",),
              ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"),
-             ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=1",))
+             ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=1",), ("DESC_STEP=1",),
+             ("HALF_MMA=1", "DESC_STEP=1"))
 HEADS_64_ONLY = ("WEIGHTS_REG=1",)
 
 
@@ -985,3 +987,120 @@ def test_ab_builds_write_the_default_builds_bits(shape, heads):
         outs.append(out)
     for out in outs[1:]:
         assert _same_bits(outs[0], out)
+
+
+# ------------------------------------------ ABS_SPLIT: another head-sum arithmetic
+
+def _unswizzle(tiles):
+    """query_split's tiles back in logical order: [R, 8 rows, 128 bytes]."""
+    rows = tiles.shape[0]
+    chunks = tiles.view(rows, 8, 8, 16)
+    n = torch.arange(8, device=tiles.device)
+    swz = torch.arange(8, device=tiles.device)[None, :] ^ n[:, None]
+    return torch.gather(chunks, 2, swz[None, :, :, None].expand_as(chunks)).view(rows, 8, 128)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_query_split_puts_each_rows_parts_in_its_groups_tile(seed):
+    """query_split: row r of a request (position i from its first row) has its
+    three e4m3 parts of q' (split_query_fp8 of linear_query: the reference's
+    definition) at tile rows 4 (i % 2) + j of the tile at row r - i % 2, its
+    scales at the same places, zeros elsewhere (tile rows 3 and 7, an odd last
+    row's partner, rows that start no group), the 16-byte chunks swizzled as
+    the kernel's 128-byte-swizzled B operands."""
+    from vllm_dsa_varlen.ops.reference import linear_query, split_query_fp8
+
+    rng = random.Random(seed)
+    lens = [rng.randint(1, 5) for _ in range(rng.randint(1, 6))]
+    step = make_decode_step(lens, [rng.randint(70, 300) for _ in lens], heads=64, seed=seed)
+    rows = step.rows
+    q, w = step.q, step.weights
+    tiles, scales = ck.query_split(q, w, rows.indices)
+    ck.check_split((tiles, scales), rows.num_rows)
+    values, want_sc = split_query_fp8(linear_query(q.view(rows.num_rows, 64, 128).float(), w))
+    logical = _unswizzle(tiles)
+    want = torch.zeros_like(logical)
+    want_scales = torch.zeros_like(scales)
+    r = 0
+    for n in lens:
+        for i in range(n):
+            g, p = r + i - i % 2, i % 2
+            for j in range(3):
+                want[g, 4 * p + j] = values[r + i, j].to(torch.float8_e4m3fn).view(torch.uint8)
+                want_scales[g, 4 * p + j] = want_sc[r + i, j]
+        r += n
+    assert torch.equal(logical, want)
+    assert torch.equal(scales, want_scales)
+    with pytest.raises(ValueError, match="split"):
+        ck.check_split((tiles[:-1], scales), rows.num_rows)
+
+
+def test_abs_split_is_a_64_head_cuda_core_build_with_its_own_shared_memory():
+    assert ck.smem_bytes(("ABS_SPLIT=1",)) == ck.SMEM_BYTES + 2 * ck.GMAX * (1024 + 32)
+    assert ck.smem_bytes(("ABS_SPLIT=1",)) <= 227 * 1024
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    for bad in (("HEADS=32",), ("HEAD_SUM_TC=1",)):
+        with pytest.raises(RuntimeError, match="ABS_SPLIT is a build of 64 heads"):
+            ck.compile_cubin(extra=tuple(f"-D{d}" for d in ("ABS_SPLIT=1", *bad)))
+    for extra in ((), ("DESC_STEP=1",), ("EVICT_FIRST=1",)):
+        _, log = ck.compile_cubin(extra=("--ptxas-options=-v", "-DABS_SPLIT=1",
+                                         *(f"-D{d}" for d in extra)))
+        assert "0 bytes spill stores, 0 bytes spill loads" in log, log
+        assert "serializ" not in log.lower(), log
+
+
+@pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
+                    reason=f"needs NVRTC and cuobjdump (NVRTC: {NVRTC})")
+def test_abs_split_build_has_no_max_and_a_linear_chain_per_group():
+    """SASS of ABS_SPLIT: no FMNMX (|s| is an FFMA operand modifier), the
+    default's FFMA count plus the linear part's two per copy, and beside each
+    m64n128 wgmma of a copy an m64n8 one (the q' tile); DESC_STEP builds fewer
+    uniform-datapath instructions for the same wgmmas."""
+    split = _sass_ops(("ABS_SPLIT=1",))
+    base = _sass_ops(())
+    assert split["FMNMX"] == 0 and base["FMNMX"] == 2 * (64 + 32)
+    assert split["FFMA"] == base["FFMA"] + 2 * 2 * 2
+    assert split["QGMMA.64x8x32.F32.E4M3.E4M3"] == split["QGMMA.64x128x32.F32.E4M3.E4M3"] == 16
+    step = _sass_ops(("DESC_STEP=1",))
+    uniform = lambda ops: sum(n for op, n in ops.items() if op.startswith("U"))  # noqa: E731
+    assert uniform(step) < uniform(base)
+    assert step["QGMMA.64x128x32.F32.E4M3.E4M3"] == base["QGMMA.64x128x32.F32.E4M3.E4M3"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("shape", [(12, 4, 1500, True), (3, 1, 100, False), (40, 3, 9000, True),
+                                   (130, 2, 700, False), (33, 4, 30000, False)])
+@pytest.mark.parametrize("extra", [(), ("DESC_STEP=1",), ("HALF_MMA=1",)])
+def test_abs_split_build_matches_its_reference_and_keeps_the_top_k(shape, extra):
+    """ABS_SPLIT on steps with runs of 1-4 rows (groups with a partner row, an
+    odd last row, runs starting at odd rows): every valid position written and
+    nothing else, within 1e-5 of the reference's abs-split emulation and 1e-4
+    of the fp32 head sum; each row's top-2048 (or all its tokens) keeps at
+    least 99.9 % of the fp32 build's."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    reqs, tokens, context, variable = shape
+    step = random_decode_step(reqs, tokens, context, heads=64, device="cuda",
+                              variable=variable, seed=reqs + 7)
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1])
+    outs = {}
+    for name, defines in (("fp32", ()), ("split", ("ABS_SPLIT=1", *extra))):
+        out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
+        ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                  step.max_context_len, out[: rows.num_rows], schedule=sched, defines=defines)
+        torch.cuda.synchronize()
+        outs[name] = out
+    mask = check_poisoned(step, outs["split"], rel_tol=1e-5, head_sum="abs_split")
+    check_poisoned(step, outs["split"], rel_tol=1e-4)
+    a = outs["fp32"][: rows.num_rows, : step.max_context_len].masked_fill(~mask, float("-inf"))
+    b = outs["split"][: rows.num_rows, : step.max_context_len].masked_fill(~mask, float("-inf"))
+    for r in range(rows.num_rows):
+        k = min(2048, int(mask[r].sum()))
+        if k == 0:
+            continue
+        keep = set(torch.topk(a[r], k).indices.tolist()) & set(torch.topk(b[r], k).indices.tolist())
+        assert len(keep) >= 0.999 * k, (r, len(keep), k)

@@ -110,6 +110,9 @@ SMEM_BYTES = _smem(STAGES)  # every build the launcher takes
 # HEAD_SUM_TC builds: each math warpgroup's double-buffered B fragments of its
 # chunk's weights (8 lane classes x 9 float4 per row group; WT_BYTES in the source).
 HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
+# ABS_SPLIT builds: the double-buffered q' tiles and scales of a chunk's row
+# groups (LT_BUF_BYTES in the source)
+ABS_SPLIT_BYTES = 2 * GMAX * (1024 + 8 * 4)
 
 # The build by run-length hint (``defines_for``): a step's pages are read once,
 # so with one row group per page (hints <= 2) the page loads carry an L2
@@ -167,7 +170,8 @@ PARAMS = (("kv_map", _TmaMap), ("q_map", _TmaMap),
           ("w", ctypes.c_uint64), ("stride_w", ctypes.c_int32),
           ("ctx", ctypes.c_uint64), ("bt", ctypes.c_uint64), ("stride_bt", ctypes.c_int32),
           ("out", ctypes.c_uint64), ("stride_out", ctypes.c_int64),
-          ("table", ctypes.c_uint64), ("ctas", ctypes.c_uint64), ("num_segs", ctypes.c_int32))
+          ("table", ctypes.c_uint64), ("ctas", ctypes.c_uint64), ("num_segs", ctypes.c_int32),
+          ("qs", ctypes.c_uint64), ("qs_scale", ctypes.c_uint64))
 
 
 class _Params(ctypes.Structure):
@@ -423,11 +427,12 @@ def threads(defines: tuple = ()) -> int:
 
 def smem_bytes(defines: tuple = ()) -> int:
     """Dynamic shared memory of a build (:data:`SMEM_BYTES`; more with
-    ``HEAD_SUM_TC=1``; an A/B build's ``STAGES=n`` resizes the rings,
-    ``NUM_MATH=3`` drops one)."""
+    ``HEAD_SUM_TC=1`` or ``ABS_SPLIT=1``; an A/B build's ``STAGES=n`` resizes
+    the rings, ``NUM_MATH=3`` drops one)."""
     math = math_warpgroups(defines)
     return _smem(_define(defines, "STAGES", STAGES), math) + (
-        HEAD_SUM_TC_BYTES * math // MATH if "HEAD_SUM_TC=1" in defines else 0)
+        HEAD_SUM_TC_BYTES * math // MATH if "HEAD_SUM_TC=1" in defines else 0) + (
+        ABS_SPLIT_BYTES if "ABS_SPLIT=1" in defines else 0)
 
 
 def rows_per_group(heads: int) -> int:
@@ -608,10 +613,11 @@ class Prepared:
                  "q_maps", "kv_maps")
 
     def __call__(self, q: int, kv: int, w: int, ctx: int, bt: int, out: int, stride_out: int,
-                 table: int, ctas: int) -> None:
+                 table: int, ctas: int, qs: int = 0, qs_scale: int = 0) -> None:
         """Launch on the tensors at these data addresses on the device's current
         stream; ``stride_out``: the logits' row stride (left open by the
-        layout: the launcher allocates each step's logits at its own width).
+        layout: the launcher allocates each step's logits at its own width);
+        ``qs``, ``qs_scale``: an ``ABS_SPLIT`` build's :func:`query_split`.
         The block is packed whole and handed to ``cuLaunchKernel``, which
         copies it (the next launch may rewrite it at once; a capture keeps
         its own copy)."""
@@ -622,7 +628,7 @@ class Prepared:
         with kern.lock:
             _PACK.pack_into(kern.params, 0, kv_map, q_map, kv, self.stride_block, w,
                             self.stride_w, ctx, bt, self.stride_bt, out, stride_out, table, ctas,
-                            self.rows)
+                            self.rows, qs, qs_scale)
             if _current_device() == index:
                 _launch(kern, self.programs, _stream(index))
             else:
@@ -665,11 +671,13 @@ def check_schedule(schedule, rows: int, programs: int) -> None:
 
 
 def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
-           rows_max: int | None = None, schedule=None, defines: tuple = ()):
+           rows_max: int | None = None, schedule=None, defines: tuple = (), split=None):
     """Launch on checked inputs (:mod:`.launcher` checks them); ``schedule``:
     the step's :func:`plan` (made here when not given); ``defines``: a
     measured variant's macros (:func:`load`).  32 heads (``q [R, 1, 32, D]``)
-    take the ``HEADS=32`` build of ``defines``.  Returns the build launched.
+    take the ``HEADS=32`` build of ``defines``.  ``split``: an ``ABS_SPLIT``
+    build's :func:`query_split` of these queries (made here when not given).
+    Returns the build launched.
 
     Prepares the launch on every call (:func:`prepare`); the launcher keeps
     its preparations per call layout instead."""
@@ -686,9 +694,70 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     ctx = context_lens
     if not ctx.is_contiguous():  # [R, 1] or [R]: contiguous means one int per row
         ctx = ctx.reshape(-1).contiguous()
+    qs = qs_scale = 0
+    if ABS_SPLIT in defines:
+        if split is None:
+            split = query_split(q, weights, indices)
+        check_split(split, rows)
+        qs, qs_scale = split[0].data_ptr(), split[1].data_ptr()
     go(q.data_ptr(), kv_cache.data_ptr(), weights.data_ptr(), ctx.data_ptr(),
-       block_table.data_ptr(), out.data_ptr(), out.stride(0), table.data_ptr(), ctas.data_ptr())
+       block_table.data_ptr(), out.data_ptr(), out.stride(0), table.data_ptr(), ctas.data_ptr(),
+       qs, qs_scale)
     return go.kern
+
+
+# ------------------------------------------------------- ABS_SPLIT's inputs
+
+ABS_SPLIT = "ABS_SPLIT=1"
+# a row group's q' tile: 8 rows (4 per query row: its SPLIT_PARTS e4m3 parts,
+# then zeros) x DIM bytes, 128-byte swizzled as the kernel reads it; its scales
+SPLIT_TILE_ROWS = 8
+
+
+def query_split(q, weights, indices):
+    """An ``ABS_SPLIT`` build's per-step inputs (torch operations, no host sync,
+    graph safe): ``(tiles uint8 [R, 1024], scales float32 [R, 8])``.  For each
+    row group (a request's rows 2i, 2i + 1 from its first row) the tile and
+    scales at its first row hold ``q' = sum_h w_h q_h`` of each of its rows in
+    :data:`.reference.SPLIT_PARTS` e4m3 parts (:func:`.reference.split_query_fp8`,
+    the definition the reference's ``head_sum="abs_split"`` uses): tile row
+    ``4 p + j`` is part ``j`` of the group's row ``p``, rows ``4 p + 3`` zero,
+    16-byte chunk ``c`` of tile row ``n`` stored at chunk ``c ^ n`` (the
+    128-byte swizzle of the kernel's other B operands)."""
+    from .reference import SPLIT_PARTS, linear_query, split_query_fp8
+
+    rows, _, heads, dim = q.shape
+    dev = q.device
+    values, scales = split_query_fp8(
+        linear_query(q.view(rows, heads, dim).float(), weights.view(rows, heads)))
+    ids = indices.view(-1)
+    r = torch.arange(rows, device=dev)
+    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=dev), ids[1:] != ids[:-1]])
+    first = torch.cummax(torch.where(starts, r, 0), 0).values
+    parity = (r - first) % 2
+    group = (r - parity)[:, None].expand(rows, SPLIT_PARTS)
+    slot = 4 * parity[:, None] + torch.arange(SPLIT_PARTS, device=dev)[None, :]
+    tile = torch.zeros((rows, SPLIT_TILE_ROWS, dim), dtype=torch.uint8, device=dev)
+    tile[group, slot] = values.to(torch.float8_e4m3fn).view(torch.uint8)
+    sc = torch.zeros((rows, SPLIT_TILE_ROWS), dtype=torch.float32, device=dev)
+    sc[group, slot] = scales
+    chunks = tile.view(rows, SPLIT_TILE_ROWS, dim // 16, 16)
+    n = torch.arange(SPLIT_TILE_ROWS, device=dev)
+    swz = (torch.arange(dim // 16, device=dev)[None, :] ^ n[:, None])  # [tile row, chunk]
+    swizzled = torch.gather(chunks, 2, swz[None, :, :, None].expand_as(chunks))
+    return swizzled.reshape(rows, SPLIT_TILE_ROWS * dim), sc
+
+
+def check_split(split, rows: int) -> None:
+    """``ValueError`` naming ``split`` unless it is :func:`query_split`'s format."""
+    ok_ = (isinstance(split, (tuple, list)) and len(split) == 2
+           and isinstance(split[0], torch.Tensor) and isinstance(split[1], torch.Tensor)
+           and split[0].dtype == torch.uint8 and split[0].shape == (rows, SPLIT_TILE_ROWS * DIM)
+           and split[1].dtype == torch.float32 and split[1].shape == (rows, SPLIT_TILE_ROWS)
+           and split[0].is_contiguous() and split[1].is_contiguous())
+    if not ok_:
+        raise ValueError(f"split: expected (uint8 [{rows}, {SPLIT_TILE_ROWS * DIM}], float32 "
+                         f"[{rows}, {SPLIT_TILE_ROWS}]) from query_split()")
 
 
 def _launch(kern: _Loaded, programs: int, stream: int) -> None:
