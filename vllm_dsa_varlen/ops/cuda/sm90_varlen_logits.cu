@@ -17,8 +17,10 @@
 // int32 [R, 8] rows (first row, rows, KV length, first item, items, block-table
 // row), the CTA's first segment and item range.  A/B builds (the macros
 // below; each must write the default build's bits): RAMP, STAGES, NUM_MATH=3
-// (three math warpgroups, 152 registers) with WEIGHTS_REG, HALF_MMA, STAMPS.
-// ABS_SPLIT is another arithmetic (the reference's head_sum="abs_split").
+// (three math warpgroups, 152 registers) with WEIGHTS_REG, HALF_MMA,
+// DESC_STEP, STAMPS.  ABS_SPLIT is another arithmetic (the reference's
+// head_sum="abs_split"; its q' tiles and scales are the last two parameters,
+// cuda_paged_mqa_logits.query_split; other builds never read them).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
