@@ -1104,3 +1104,31 @@ def test_abs_split_build_matches_its_reference_and_keeps_the_top_k(shape, extra)
             continue
         keep = set(torch.topk(a[r], k).indices.tolist()) & set(torch.topk(b[r], k).indices.tolist())
         assert len(keep) >= 0.999 * k, (r, len(keep), k)
+
+
+def test_an_abs_split_launch_passes_its_q_prime_tiles_and_others_pass_none():
+    """With the driver stubbed (CPU tensors): an ABS_SPLIT launch writes the
+    given query_split's two addresses into the kernel's last two parameters
+    (and makes one when none is given); the default build's launch leaves
+    them 0; a split of another row count is refused, naming it."""
+    step = make_decode_step([2, 3, 1], [90, 140, 7], heads=64, seed=4)
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    out = torch.empty((rows.num_rows, step.max_context_len))
+    with host_time.stubbed(ck) as (fake, _, loaded):
+        sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1],
+                        programs=4)
+
+        def last(defines, split=None):
+            ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                      step.max_context_len, out, schedule=sched, defines=defines, split=split)
+            params = fake.launches[-1][-2]
+            ptrs = (ctypes.c_void_p * len(ck.PARAMS)).from_address(params)
+            return [ctypes.cast(ptrs[i], ctypes.POINTER(ctypes.c_uint64)).contents.value
+                    for i in (len(ck.PARAMS) - 2, len(ck.PARAMS) - 1)]
+        split = ck.query_split(step.q, step.weights, rows.indices)
+        assert last(("ABS_SPLIT=1",), split) == [split[0].data_ptr(), split[1].data_ptr()]
+        assert all(last(("ABS_SPLIT=1",)))
+        assert last(()) == [0, 0]
+        with pytest.raises(ValueError, match="split"):
+            last(("ABS_SPLIT=1",), (split[0][1:], split[1][1:]))
