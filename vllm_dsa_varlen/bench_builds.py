@@ -123,7 +123,7 @@ def run(args) -> int:
                             args.heads, **({"cost": cost} if cost else {}))
             # an ABS_SPLIT build's q' tiles made outside the timed call, as the
             # plan is (their own time per layer: the "query_split" path)
-            split = (ck.query_split(step.q, step.weights, rows.indices)
+            split = (ck.query_split(step.q, step.weights)
                      if ck.ABS_SPLIT in defines else None)
             calls[name] = lambda s=sched, d=defines, q=split: ck.launch(
                 step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
@@ -135,7 +135,7 @@ def run(args) -> int:
         extra["plan"] = lambda: ck.plan(rows.indices, ctx, step.max_context_len,
                                         rows.block_table.shape[1], args.heads)
         if any(ck.ABS_SPLIT in d for d, _ in variants.values()):
-            extra["query_split"] = lambda: ck.query_split(step.q, step.weights, rows.indices)
+            extra["query_split"] = lambda: ck.query_split(step.q, step.weights)
         if topk_ops is not None:
             extra.update(topk_calls(torch, topk_ops, step, out, dg, sms))
         calls.update(extra)

@@ -697,7 +697,7 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     qs = qs_scale = 0
     if ABS_SPLIT in defines:
         if split is None:
-            split = query_split(q, weights, indices)
+            split = query_split(q, weights)
         check_split(split, rows)
         qs, qs_scale = split[0].data_ptr(), split[1].data_ptr()
     go(q.data_ptr(), kv_cache.data_ptr(), weights.data_ptr(), ctx.data_ptr(),
@@ -709,55 +709,52 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
 # ------------------------------------------------------- ABS_SPLIT's inputs
 
 ABS_SPLIT = "ABS_SPLIT=1"
-# a row group's q' tile: 8 rows (4 per query row: its SPLIT_PARTS e4m3 parts,
-# then zeros) x DIM bytes, 128-byte swizzled as the kernel reads it; its scales
-SPLIT_TILE_ROWS = 8
+# a query row's part of a row group's q' tile: 4 tile rows (its SPLIT_PARTS
+# e4m3 parts of q', then zeros) x DIM bytes, 128-byte swizzled as at position
+# 0 of a group (tile rows 0-3) and as at position 1 (rows 4-7); its 4 scales
+SPLIT_ROW_TILES = 2
+SPLIT_SCALES = 4
 
 
-def query_split(q, weights, indices):
+def query_split(q, weights):
     """An ``ABS_SPLIT`` build's per-step inputs (torch operations, no host sync,
-    graph safe): ``(tiles uint8 [R, 1024], scales float32 [R, 8])``.  For each
-    row group (a request's rows 2i, 2i + 1 from its first row) the tile and
-    scales at its first row hold ``q' = sum_h w_h q_h`` of each of its rows in
-    :data:`.reference.SPLIT_PARTS` e4m3 parts (:func:`.reference.split_query_fp8`,
-    the definition the reference's ``head_sum="abs_split"`` uses): tile row
-    ``4 p + j`` is part ``j`` of the group's row ``p``, rows ``4 p + 3`` zero,
+    graph safe): ``(tiles uint8 [R, 1024], scales float32 [R, 4])``.  Row
+    ``r``'s ``q' = sum_h w_h q_h`` in :data:`.reference.SPLIT_PARTS` e4m3 parts
+    (:func:`.reference.split_query_fp8`, the definition the reference's
+    ``head_sum="abs_split"`` uses) as tile rows ``0 .. 2`` (row 3 zero), the
     16-byte chunk ``c`` of tile row ``n`` stored at chunk ``c ^ n`` (the
-    128-byte swizzle of the kernel's other B operands)."""
+    128-byte swizzle of the kernel's other B operands): bytes ``[0, 512)`` with
+    ``n`` the tile row (the row first in its group), ``[512, 1024)`` with ``n``
+    4 more (second); the parts' scales, then 0.  No run ids needed: the kernel
+    copies each half where the row stands in its group."""
     from .reference import SPLIT_PARTS, linear_query, split_query_fp8
 
     rows, _, heads, dim = q.shape
     dev = q.device
     values, scales = split_query_fp8(
         linear_query(q.view(rows, heads, dim).float(), weights.view(rows, heads)))
-    ids = indices.view(-1)
-    r = torch.arange(rows, device=dev)
-    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=dev), ids[1:] != ids[:-1]])
-    first = torch.cummax(torch.where(starts, r, 0), 0).values
-    parity = (r - first) % 2
-    group = (r - parity)[:, None].expand(rows, SPLIT_PARTS)
-    slot = 4 * parity[:, None] + torch.arange(SPLIT_PARTS, device=dev)[None, :]
-    tile = torch.zeros((rows, SPLIT_TILE_ROWS, dim), dtype=torch.uint8, device=dev)
-    tile[group, slot] = values.to(torch.float8_e4m3fn).view(torch.uint8)
-    sc = torch.zeros((rows, SPLIT_TILE_ROWS), dtype=torch.float32, device=dev)
-    sc[group, slot] = scales
-    chunks = tile.view(rows, SPLIT_TILE_ROWS, dim // 16, 16)
-    n = torch.arange(SPLIT_TILE_ROWS, device=dev)
-    swz = (torch.arange(dim // 16, device=dev)[None, :] ^ n[:, None])  # [tile row, chunk]
-    swizzled = torch.gather(chunks, 2, swz[None, :, :, None].expand_as(chunks))
-    return swizzled.reshape(rows, SPLIT_TILE_ROWS * dim), sc
+    tile = torch.zeros((rows, 4, dim), dtype=torch.uint8, device=dev)
+    tile[:, :SPLIT_PARTS] = values.to(torch.float8_e4m3fn).view(torch.uint8)
+    chunks = tile.view(rows, 1, 4, dim // 16, 16).expand(rows, SPLIT_ROW_TILES, 4, dim // 16, 16)
+    n = torch.arange(SPLIT_ROW_TILES * 4, device=dev).view(SPLIT_ROW_TILES, 4)
+    swz = torch.arange(dim // 16, device=dev)[None, None, :] ^ n[:, :, None]
+    swizzled = torch.gather(chunks, 3, swz[None, :, :, :, None].expand_as(chunks))
+    sc = torch.zeros((rows, SPLIT_SCALES), dtype=torch.float32, device=dev)
+    sc[:, :SPLIT_PARTS] = scales
+    return swizzled.reshape(rows, SPLIT_ROW_TILES * 4 * dim), sc
 
 
 def check_split(split, rows: int) -> None:
     """``ValueError`` naming ``split`` unless it is :func:`query_split`'s format."""
     ok_ = (isinstance(split, (tuple, list)) and len(split) == 2
            and isinstance(split[0], torch.Tensor) and isinstance(split[1], torch.Tensor)
-           and split[0].dtype == torch.uint8 and split[0].shape == (rows, SPLIT_TILE_ROWS * DIM)
-           and split[1].dtype == torch.float32 and split[1].shape == (rows, SPLIT_TILE_ROWS)
+           and split[0].dtype == torch.uint8
+           and split[0].shape == (rows, SPLIT_ROW_TILES * 4 * DIM)
+           and split[1].dtype == torch.float32 and split[1].shape == (rows, SPLIT_SCALES)
            and split[0].is_contiguous() and split[1].is_contiguous())
     if not ok_:
-        raise ValueError(f"split: expected (uint8 [{rows}, {SPLIT_TILE_ROWS * DIM}], float32 "
-                         f"[{rows}, {SPLIT_TILE_ROWS}]) from query_split()")
+        raise ValueError(f"split: expected (uint8 [{rows}, {SPLIT_ROW_TILES * 4 * DIM}], "
+                         f"float32 [{rows}, {SPLIT_SCALES}]) from query_split()")
 
 
 def _launch(kern: _Loaded, programs: int, stream: int) -> None:

@@ -19,8 +19,8 @@
 // below; each must write the default build's bits): RAMP, STAGES, NUM_MATH=3
 // (three math warpgroups, 152 registers) with WEIGHTS_REG, HALF_MMA,
 // DESC_STEP, STAMPS.  ABS_SPLIT is another arithmetic (the reference's
-// head_sum="abs_split"; its q' tiles and scales are the last two parameters,
-// cuda_paged_mqa_logits.query_split; other builds never read them).
+// head_sum="abs_split"; its rows' q' tiles and scales are the last two
+// parameters, cuda_paged_mqa_logits.query_split; other builds never read them).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -83,10 +83,14 @@ typedef unsigned char u8;
 #error "ABS_SPLIT is a build of 64 heads and the CUDA-core head sum"
 #endif
 // ABS_SPLIT: a row group's linear query q' as an 8-row B tile (one 128-byte
-// swizzled atom: rows 4r + j = row r's part j, j < 3; rows 4r + 3 zero) and its
-// 8 scales (the same order), both made per step by the launcher (query_split)
+// swizzled atom: rows 4p + j = the group's row p's part j, j < 3; rows 4p + 3
+// zero) and its 8 scales (the same order).  Made per step for every query row
+// (query_split): its four tile rows as position 0 and as position 1 would
+// swizzle them (512 bytes each) and its 4 scales; a group copies its first
+// row's position-0 half and its second row's position-1 half.
 #define LT_BYTES 1024
 #define LT_WORDS 8
+#define LT_ROW_BYTES (LT_BYTES / 2 + 4 * 4)  // what one query row brings
 #define LT_BUF_BYTES (ABS_SPLIT ? 2 * GMAX * (LT_BYTES + LT_WORDS * 4) : 0)
 #define HB (HEADS / 8)     // 8-column blocks per row
 #define ROWS_MAX (GMAX * RG)
@@ -571,15 +575,19 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
         const int b = k & 1, groups = (s.n_rows + RG - 1) / RG;
         bar_wait(&q_empty[b], ((k >> 1) & 1) ^ 1);
         bar_expect(&q_full[b], groups * Q_GROUP_BYTES + s.n_rows * HEADS * 4
-                                   + (ABS_SPLIT ? groups * (LT_BYTES + LT_WORDS * 4) : 0));
+                                   + (ABS_SPLIT ? s.n_rows * LT_ROW_BYTES : 0));
         for (int g = 0; g < groups; ++g) {
           tma_3d(q_buf + (b * GMAX + g) * Q_GROUP_BYTES, &q_map, 0, 0, s.first_row + RG * g,
                  &q_full[b]);
-#if ABS_SPLIT  // the group's q' tile and scales, stored at its first row
-          const long long r0 = s.first_row + RG * g;
-          bulk_copy(lt_buf + (b * GMAX + g) * LT_BYTES, qs + r0 * LT_BYTES, LT_BYTES, &q_full[b]);
-          bulk_copy(lt_sc + (b * GMAX + g) * LT_WORDS, qs_scale + r0 * LT_WORDS, LT_WORDS * 4,
-                    &q_full[b]);
+#if ABS_SPLIT  // each present row's half tile (at its position) and scales; an
+               // absent second row leaves its half stale: only its own columns read it
+          for (int p = 0; p < RG && RG * g + p < s.n_rows; ++p) {
+            const long long r = s.first_row + RG * g + p;
+            bulk_copy(lt_buf + (b * GMAX + g) * LT_BYTES + p * (LT_BYTES / 2),
+                      qs + r * LT_BYTES + p * (LT_BYTES / 2), LT_BYTES / 2, &q_full[b]);
+            bulk_copy(lt_sc + (b * GMAX + g) * LT_WORDS + 4 * p, qs_scale + r * 4, 16,
+                      &q_full[b]);
+          }
 #endif
         }
         bulk_copy(w_buf + b * ROWS_MAX * HEADS, w + (long long)s.first_row * stride_w,
