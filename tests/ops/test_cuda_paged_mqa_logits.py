@@ -991,42 +991,6 @@ def test_ab_builds_write_the_default_builds_bits(shape, heads):
 
 # ------------------------------------------ ABS_SPLIT: another head-sum arithmetic
 
-def _unswizzle(tiles):
-    """query_split's tiles back in logical order: [R, 2 positions, 4 tile rows,
-    128 bytes] (position p's tile rows are 4 p .. 4 p + 3 of a group's atom)."""
-    rows = tiles.shape[0]
-    chunks = tiles.view(rows, 2, 4, 8, 16)
-    n = torch.arange(8).view(2, 4)
-    swz = torch.arange(8)[None, None, :] ^ n[:, :, None]
-    return torch.gather(chunks, 3, swz[None, :, :, :, None].expand_as(chunks)).view(rows, 2, 4, 128)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_query_split_gives_each_row_its_parts_at_both_positions(seed):
-    """query_split: row r's three e4m3 parts of q' (split_query_fp8 of
-    linear_query: the reference's definition) as tile rows 0-2, tile row 3
-    zero, once swizzled as the first row of a group (chunk c of tile row n at
-    c ^ n) and once as the second (n + 4); its scales, then 0."""
-    from vllm_dsa_varlen.ops.reference import linear_query, split_query_fp8
-
-    rng = random.Random(seed)
-    lens = [rng.randint(1, 5) for _ in range(rng.randint(1, 6))]
-    step = make_decode_step(lens, [rng.randint(70, 300) for _ in lens], heads=64, seed=seed)
-    rows = step.rows.num_rows
-    tiles, scales = ck.query_split(step.q, step.weights)
-    ck.check_split((tiles, scales), rows)
-    values, want_sc = split_query_fp8(linear_query(step.q.view(rows, 64, 128).float(),
-                                                   step.weights))
-    want = torch.zeros((rows, 4, 128), dtype=torch.uint8)
-    want[:, :3] = values.to(torch.float8_e4m3fn).view(torch.uint8)
-    logical = _unswizzle(tiles)
-    assert torch.equal(logical[:, 0], want) and torch.equal(logical[:, 1], want)
-    assert not torch.equal(tiles[:, :512], tiles[:, 512:]) or not want.any()
-    assert torch.equal(scales[:, :3], want_sc) and scales[:, 3].eq(0).all()
-    with pytest.raises(ValueError, match="split"):
-        ck.check_split((tiles[:-1], scales), rows)
-
-
 def test_abs_split_is_a_64_head_cuda_core_build_with_its_own_shared_memory():
     assert ck.smem_bytes(("ABS_SPLIT=1",)) == ck.SMEM_BYTES + ck.ABS_SPLIT_BYTES
     assert ck.ABS_SPLIT_BYTES == 2 * ck.GMAX * (1024 + 32)

@@ -74,6 +74,7 @@ from .cuda_binding import driver as _driver
 from .cuda_binding import nvrtc as _nvrtc
 from .cuda_plan import COST, CTA_WORDS, TABLE_WORDS, page_cost, plan_device
 from . import cuda_plan
+from .query_split import check_split, query_split
 
 logger = logging.getLogger(__name__)
 
@@ -617,7 +618,7 @@ class Prepared:
         """Launch on the tensors at these data addresses on the device's current
         stream; ``stride_out``: the logits' row stride (left open by the
         layout: the launcher allocates each step's logits at its own width);
-        ``qs``, ``qs_scale``: an ``ABS_SPLIT`` build's :func:`query_split`.
+        ``qs``, ``qs_scale``: an ``ABS_SPLIT`` build's :func:`.query_split.query_split`.
         The block is packed whole and handed to ``cuLaunchKernel``, which
         copies it (the next launch may rewrite it at once; a capture keeps
         its own copy)."""
@@ -676,7 +677,8 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     the step's :func:`plan` (made here when not given); ``defines``: a
     measured variant's macros (:func:`load`).  32 heads (``q [R, 1, 32, D]``)
     take the ``HEADS=32`` build of ``defines``.  ``split``: an ``ABS_SPLIT``
-    build's :func:`query_split` of these queries (made here when not given).
+    build's :func:`.query_split.query_split` of these queries (made here when
+    not given).
     Returns the build launched.
 
     Prepares the launch on every call (:func:`prepare`); the launcher keeps
@@ -706,55 +708,8 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     return go.kern
 
 
-# ------------------------------------------------------- ABS_SPLIT's inputs
-
+# ABS_SPLIT builds read each row's q' tiles and scales (.query_split)
 ABS_SPLIT = "ABS_SPLIT=1"
-# a query row's part of a row group's q' tile: 4 tile rows (its SPLIT_PARTS
-# e4m3 parts of q', then zeros) x DIM bytes, 128-byte swizzled as at position
-# 0 of a group (tile rows 0-3) and as at position 1 (rows 4-7); its 4 scales
-SPLIT_ROW_TILES = 2
-SPLIT_SCALES = 4
-
-
-def query_split(q, weights):
-    """An ``ABS_SPLIT`` build's per-step inputs (torch operations, no host sync,
-    graph safe): ``(tiles uint8 [R, 1024], scales float32 [R, 4])``.  Row
-    ``r``'s ``q' = sum_h w_h q_h`` in :data:`.reference.SPLIT_PARTS` e4m3 parts
-    (:func:`.reference.split_query_fp8`, the definition the reference's
-    ``head_sum="abs_split"`` uses) as tile rows ``0 .. 2`` (row 3 zero), the
-    16-byte chunk ``c`` of tile row ``n`` stored at chunk ``c ^ n`` (the
-    128-byte swizzle of the kernel's other B operands): bytes ``[0, 512)`` with
-    ``n`` the tile row (the row first in its group), ``[512, 1024)`` with ``n``
-    4 more (second); the parts' scales, then 0.  No run ids needed: the kernel
-    copies each half where the row stands in its group."""
-    from .reference import SPLIT_PARTS, linear_query, split_query_fp8
-
-    rows, _, heads, dim = q.shape
-    dev = q.device
-    values, scales = split_query_fp8(
-        linear_query(q.view(rows, heads, dim).float(), weights.view(rows, heads)))
-    tile = torch.zeros((rows, 4, dim), dtype=torch.uint8, device=dev)
-    tile[:, :SPLIT_PARTS] = values.to(torch.float8_e4m3fn).view(torch.uint8)
-    chunks = tile.view(rows, 1, 4, dim // 16, 16).expand(rows, SPLIT_ROW_TILES, 4, dim // 16, 16)
-    n = torch.arange(SPLIT_ROW_TILES * 4, device=dev).view(SPLIT_ROW_TILES, 4)
-    swz = torch.arange(dim // 16, device=dev)[None, None, :] ^ n[:, :, None]
-    swizzled = torch.gather(chunks, 3, swz[None, :, :, :, None].expand_as(chunks))
-    sc = torch.zeros((rows, SPLIT_SCALES), dtype=torch.float32, device=dev)
-    sc[:, :SPLIT_PARTS] = scales
-    return swizzled.reshape(rows, SPLIT_ROW_TILES * 4 * dim), sc
-
-
-def check_split(split, rows: int) -> None:
-    """``ValueError`` naming ``split`` unless it is :func:`query_split`'s format."""
-    ok_ = (isinstance(split, (tuple, list)) and len(split) == 2
-           and isinstance(split[0], torch.Tensor) and isinstance(split[1], torch.Tensor)
-           and split[0].dtype == torch.uint8
-           and split[0].shape == (rows, SPLIT_ROW_TILES * 4 * DIM)
-           and split[1].dtype == torch.float32 and split[1].shape == (rows, SPLIT_SCALES)
-           and split[0].is_contiguous() and split[1].is_contiguous())
-    if not ok_:
-        raise ValueError(f"split: expected (uint8 [{rows}, {SPLIT_ROW_TILES * 4 * DIM}], "
-                         f"float32 [{rows}, {SPLIT_SCALES}]) from query_split()")
 
 
 def _launch(kern: _Loaded, programs: int, stream: int) -> None:
