@@ -41,9 +41,10 @@ query scale folded into the weights as vLLM does (``w * q_scale *
 head_dim**-0.5 * heads**-0.5``); channels of unequal size (log-normal
 spread), as activations have.  Run ``python -m
 vllm_dsa_varlen.ops.head_sum_precision`` for the table; with ``--gpu`` (an
-sm_90 GPU) the same inputs go through both builds of the CUDA kernel
-(:func:`gpu_study`): the TF32 build's top-k against the fp32 build's, each
-against the torch reference, and DeepGEMM's check on the kernel's logits.
+sm_90 GPU) the same inputs go through the CUDA kernel's builds
+(:func:`gpu_study`, :data:`GPU_BUILDS`): the TF32 and ABS_SPLIT builds' top-k
+against the fp32 build's, each against the torch reference, and DeepGEMM's
+check on the kernel's logits.
 """
 
 from __future__ import annotations
