@@ -61,8 +61,9 @@ typedef unsigned char u8;
 #define ABS_SPLIT 0   // one FFMA with |s| per element (no FMNMX), the linear part k . q' on the
 #endif                // tensor cores, q' = sum_h w_h q_h in three e4m3 parts (an m64n8 chain)
 #ifndef DESC_STEP     // 1: a wgmma chain's descriptors as its first ones plus 2 a step (32
-#define DESC_STEP 0   // bytes along K: the start-address field, 16-byte units) instead of
-#endif                // each built from its address (an A/B build: fewer uniform ops)
+#define DESC_STEP HALF_MMA  // bytes along K: the start-address field, 16-byte units) instead
+#endif                // of each built from its address (an A/B build: fewer uniform ops;
+                      // HALF_MMA's default: without it NVRTC 13.0's ptxas serialises the wgmmas)
 #ifndef PRODUCER_REGS
 #define PRODUCER_REGS 40
 #endif
@@ -81,6 +82,9 @@ typedef unsigned char u8;
 #endif
 #if ABS_SPLIT && (RG != 2 || HEAD_SUM_TC || WEIGHTS_REG)
 #error "ABS_SPLIT is a build of 64 heads and the CUDA-core head sum"
+#endif
+#if ABS_SPLIT && HALF_MMA
+#error "ABS_SPLIT with HALF_MMA: ptxas serialises the wgmmas (register resources)"
 #endif
 // ABS_SPLIT: a row group's linear query q' as an 8-row B tile (one 128-byte
 // swizzled atom: rows 4p + j = the group's row p's part j, j < 3; rows 4p + 3
@@ -525,7 +529,9 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
   u8* kv_ring = smem;                                             // [NUM_MATH][STAGES][SLOT_BYTES]
   u8* q_buf = kv_ring + NUM_MATH * STAGES * SLOT_BYTES;           // [2][GMAX][Q_GROUP_BYTES]
   u8* lt_buf = q_buf + 2 * GMAX * Q_GROUP_BYTES;                  // ABS_SPLIT: [2][GMAX][LT_BYTES]
+#if ABS_SPLIT
   float* lt_sc = reinterpret_cast<float*>(lt_buf + 2 * GMAX * LT_BYTES);  // [2][GMAX][LT_WORDS]
+#endif
   float* sc_ring = reinterpret_cast<float*>(lt_buf + LT_BUF_BYTES);  // [NUM_MATH][STAGES][PAGE]
   float* w_buf = sc_ring + NUM_MATH * STAGES * PAGE;              // [2][ROWS_MAX][HEADS]
   u8* wt_buf = reinterpret_cast<u8*>(w_buf + 2 * ROWS_MAX * HEADS);  // [NUM_MATH][2][GMAX] (TC)
