@@ -1002,7 +1002,8 @@ def test_abs_split_is_a_64_head_cuda_core_build_with_its_own_shared_memory():
             ck.compile_cubin(extra=tuple(f"-D{d}" for d in ("ABS_SPLIT=1", *bad)))
     with pytest.raises(RuntimeError, match="ABS_SPLIT with HALF_MMA: ptxas serialises"):
         ck.compile_cubin(extra=("-DABS_SPLIT=1", "-DHALF_MMA=1"))
-    for extra in ((), ("DESC_STEP=1",), ("EVICT_FIRST=1",)):
+    for extra in ((), ("DESC_STEP=1",), ("EVICT_FIRST=1",),
+                  ("DESC_STEP=1", "NUM_MATH=3", "WEIGHTS_REG=1")):
         _, log = ck.compile_cubin(extra=("--ptxas-options=-v", "-DABS_SPLIT=1",
                                          *(f"-D{d}" for d in extra)))
         assert "0 bytes spill stores, 0 bytes spill loads" in log, log
@@ -1031,7 +1032,8 @@ def test_abs_split_build_has_no_max_and_a_linear_chain_per_group():
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("shape", [(12, 4, 1500, True), (3, 1, 100, False), (40, 3, 9000, True),
                                    (130, 2, 700, False), (33, 4, 30000, False)])
-@pytest.mark.parametrize("extra", [(), ("DESC_STEP=1",)])
+@pytest.mark.parametrize("extra", [(), ("DESC_STEP=1",),
+                                   ("DESC_STEP=1", "NUM_MATH=3", "WEIGHTS_REG=1")])
 def test_abs_split_build_matches_its_reference_and_keeps_the_top_k(shape, extra):
     """ABS_SPLIT on steps with runs of 1-4 rows (groups with a partner row, an
     odd last row, runs starting at odd rows): every valid position written and

@@ -80,7 +80,7 @@ typedef unsigned char u8;
 #if WEIGHTS_REG && (NUM_MATH != 3 || HEAD_SUM_TC || RG != 2)
 #error "WEIGHTS_REG is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
 #endif
-#if ABS_SPLIT && (RG != 2 || HEAD_SUM_TC || WEIGHTS_REG)
+#if ABS_SPLIT && (RG != 2 || HEAD_SUM_TC)
 #error "ABS_SPLIT is a build of 64 heads and the CUDA-core head sum"
 #endif
 #if ABS_SPLIT && HALF_MMA
