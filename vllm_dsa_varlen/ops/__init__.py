@@ -21,6 +21,6 @@
 
 The launcher imports the kernels; the kernels import only :mod:`.common`,
 :mod:`.reference` and their own helpers (the CUDA kernel :mod:`.cuda_plan`,
-:mod:`.cuda_binding` and :mod:`.query_split`).  Nothing is imported here, so reading the reference does
-not load Triton.
+:mod:`.cuda_binding` and :mod:`.query_split`).  Nothing is imported here, so
+reading the reference does not load Triton.
 """

@@ -111,8 +111,10 @@ SMEM_BYTES = _smem(STAGES)  # every build the launcher takes
 # HEAD_SUM_TC builds: each math warpgroup's double-buffered B fragments of its
 # chunk's weights (8 lane classes x 9 float4 per row group; WT_BYTES in the source).
 HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
-# ABS_SPLIT builds: the double-buffered q' tiles and scales of a chunk's row
-# groups (LT_BUF_BYTES in the source)
+# ABS_SPLIT builds (they read each row's q' tiles and scales, .query_split): the
+# double-buffered q' tiles and scales of a chunk's row groups (LT_BUF_BYTES in
+# the source)
+ABS_SPLIT = "ABS_SPLIT=1"
 ABS_SPLIT_BYTES = 2 * GMAX * (1024 + 8 * 4)
 
 # The build by run-length hint (``defines_for``): a step's pages are read once,
@@ -433,7 +435,7 @@ def smem_bytes(defines: tuple = ()) -> int:
     math = math_warpgroups(defines)
     return _smem(_define(defines, "STAGES", STAGES), math) + (
         HEAD_SUM_TC_BYTES * math // MATH if "HEAD_SUM_TC=1" in defines else 0) + (
-        ABS_SPLIT_BYTES if "ABS_SPLIT=1" in defines else 0)
+        ABS_SPLIT_BYTES if ABS_SPLIT in defines else 0)
 
 
 def rows_per_group(heads: int) -> int:
@@ -706,10 +708,6 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
        block_table.data_ptr(), out.data_ptr(), out.stride(0), table.data_ptr(), ctas.data_ptr(),
        qs, qs_scale)
     return go.kern
-
-
-# ABS_SPLIT builds read each row's q' tiles and scales (.query_split)
-ABS_SPLIT = "ABS_SPLIT=1"
 
 
 def _launch(kern: _Loaded, programs: int, stream: int) -> None:

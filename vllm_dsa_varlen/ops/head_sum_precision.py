@@ -54,8 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import (FP8_MAX, head_sum_abs_split, head_sum_tf32, round_bf16, round_tf32,
-                        truncate_tf32)
+from .reference import (FP8_MAX, SPLIT_PARTS, head_sum_abs_split, head_sum_tf32, round_bf16,
+                        round_tf32, truncate_tf32)
 
 HEAD_SUMS = ("fp32", "tf32", "tf32_round", "tf32_trunc", "bf16", "abs_split", "abs_split2",
              "fp64")
@@ -150,7 +150,7 @@ def head_sum(qk: torch.Tensor, w: torch.Tensor, k_scale: torch.Tensor, how: str,
     if how in ("abs_split", "abs_split2"):
         if q is None or k is None:
             raise ValueError(f"how={how!r}: needs q and k")
-        parts = 3 if how == "abs_split" else 2
+        parts = SPLIT_PARTS if how == "abs_split" else 2
         return head_sum_abs_split(qk, w, q, k, parts) * k_scale.float()
     a = qk.relu()
     if how == "fp32":

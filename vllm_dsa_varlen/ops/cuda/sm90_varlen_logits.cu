@@ -20,7 +20,7 @@
 // (three math warpgroups, 152 registers) with WEIGHTS_REG, HALF_MMA,
 // DESC_STEP, STAMPS.  ABS_SPLIT is another arithmetic (the reference's
 // head_sum="abs_split"; its rows' q' tiles and scales are the last two
-// parameters, cuda_paged_mqa_logits.query_split; other builds never read them).
+// parameters, ops/query_split.py; other builds never read them).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
