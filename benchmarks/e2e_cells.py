@@ -140,6 +140,8 @@ def _windows(folder: str, k: int, entry: dict, cells: list[dict],
             ran = (entry.get("cudagraph_mode") or {}).get(mode) or graph_mode
             out.append({"k": k, "batch": batch, "prompt": prompt, "window": mode,
                         "share": w["indexer_share"], "varlen": varlen,
+                        "indexer_us": w.get("indexer_us_per_step"),
+                        "gpu_us": w.get("gpu_us_per_step"), "kernels": kernels,
                         "graph_mode": str(ran or "?").rpartition(".")[2], "source": folder})
     return out
 
@@ -246,6 +248,45 @@ def table(got: dict, root: str = "") -> str:
     return "\n".join(lines)
 
 
+def windows_table(got: dict, graph_mode: str, root: str = "") -> str:
+    """The indexer's time per decode step at every cell, from the profiled
+    windows traced in ``graph_mode``: stock's latest and the plugin's latest
+    (on whichever path it took: the last column names its logits kernel),
+    stock's logits and top-k, the step's GPU time and the share; "–" where no
+    window of that mode is kept, and the folders the windows came from."""
+    lines = ["| k | B | L | indexer µs per step stock / plugin | of which logits, top-k (stock) "
+             "| GPU ms per step stock / plugin | share stock / plugin | plugin's logits kernel |",
+             "|---|---|---|---|---|---|---|---|"]
+    sources: set[str] = set()
+    for k in KS:
+        for b in BATCHES:
+            for p in PROMPTS:
+                ran = [x for x in got.get((k, b, p), []) if x.get("window")
+                       and x["graph_mode"] == graph_mode and x.get("indexer_us") is not None]
+                if not [x for x in got.get((k, b, p), []) if "window" in x or "skipped" not in x]:
+                    continue  # a cell no run reached (B64 x 32K)
+                stock, plugin = ([x for x in ran if x["window"] == m][-1:] or [None]
+                                 for m in ("stock", "plugin"))
+                stock, plugin = stock[0], plugin[0]
+                sources |= {w["source"] for w in (stock, plugin) if w}
+
+                def col(key, fmt, scale=1.0):
+                    return " / ".join("–" if w is None else fmt.format(scale * w[key])
+                                      for w in (stock, plugin))
+                kern = (stock or {}).get("kernels") or {}
+                parts = ("–" if stock is None else
+                         f"{kern.get('logits_deepgemm', 0) + kern.get('logits_varlen', 0):.0f}, "
+                         f"{kern.get('topk', 0):.0f}")
+                own = (plugin or {}).get("kernels") or {}
+                which = ("–" if plugin is None else "varlen" if own.get("logits_varlen")
+                         else "DeepGEMM (stock's)")
+                lines.append(f"| {k} | {b} | {_prompt(p)} | {col('indexer_us', '{:.0f}')} | "
+                             f"{parts} | {col('gpu_us', '{:.2f}', 1e-3)} | "
+                             f"{col('share', '{:.0f} %', 100)} | {which} |")
+    where = sorted(os.path.relpath(s, root) if root else s for s in sources)
+    return "\n".join(lines) + "\n\nwindows from: " + ", ".join(where)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", nargs="+",
@@ -253,8 +294,12 @@ def main(argv=None) -> int:
                          "of a folder whose files do not")
     ap.add_argument("--vllm", required=True, help="the vLLM version whose runs count")
     ap.add_argument("--root", default="", help="print sources relative to this folder")
+    ap.add_argument("--windows", metavar="GRAPH_MODE",
+                    help="print the indexer's time per step at every cell from the windows "
+                         "traced in this graph mode (e.g. FULL_DECODE_ONLY) instead of the grid")
     args = ap.parse_args(argv)
-    print(table(grid(args.folders, args.vllm), args.root))
+    got = grid(args.folders, args.vllm)
+    print(windows_table(got, args.windows, args.root) if args.windows else table(got, args.root))
     return 0
 
 

@@ -307,3 +307,56 @@ def test_a_cells_two_shares_come_from_one_graph_mode_where_they_can(tmp_path):
     got = cells.grid([measured, other], "0.27.1")  # nothing in the cell's own mode
     line = [x for x in cells.table(got).splitlines() if x.startswith("| 3 | 8 | 16K")][0]
     assert line.split("|")[10].strip() == f"{100 * b:.0f} % ‡ / {100 * c:.0f} % ‡"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_windows_table_takes_each_modes_latest_window_of_the_named_graph_mode(tmp_path,
+                                                                                    seed):
+    """--windows: per cell, stock's and the plugin's latest windows traced in
+    the named graph mode (a later folder's plugin window fills a cell an
+    earlier folder left without one; a window of another mode is never
+    used), stock's logits (either kernel) and top-k, the plugin's kernel
+    named from what ran; "–" where a mode has no window there."""
+    rng = random.Random(seed)
+
+    def window(b, kernels):
+        gpu = rng.uniform(9e3, 3e4)
+        idx = sum(kernels.values()) + rng.uniform(50, 300)
+        return {"batch": b, "prompt": 16384, "indexer_share": idx / gpu,
+                "indexer_us_per_step": idx, "gpu_us_per_step": gpu,
+                "by_class_us_per_step": kernels}
+
+    def folder(name, mode, traces):
+        f = tmp_path / name
+        f.mkdir()
+        entry = {"traces": traces, "cudagraph_mode": {m: mode for m in traces}}
+        (f / "e2e.json").write_text(json.dumps({"per_k": {"2": entry}}))
+        (f / "run-stock-k2.json").write_text(json.dumps({"vllm": "0.27.1", "cases": []}))
+        return str(f)
+
+    def us():
+        return round(rng.uniform(100, 3000), 1)
+    s8, s32 = (window(b, {"logits_deepgemm": us(), "topk": us()}) for b in (8, 32))
+    p8 = window(8, {"logits_varlen": us(), "topk": us()})
+    p32 = window(32, {"logits_deepgemm": us(), "topk": us()})
+    compiled = window(32, {"logits_varlen": us(), "topk": us()})
+    first = folder("a", "CUDAGraphMode.FULL_DECODE_ONLY", {"stock": [s8, s32], "plugin": [p8]})
+    later = folder("b", "CUDAGraphMode.FULL_DECODE_ONLY", {"plugin": [p32]})
+    other = folder("c", "CUDAGraphMode.FULL_AND_PIECEWISE", {"plugin": [compiled]})
+
+    def rows(folders):
+        text = cells.windows_table(cells.grid(folders, "0.27.1"), "FULL_DECODE_ONLY")
+        return {int(x.split("|")[2]): [c.strip() for c in x.split("|")[4:9]]
+                for x in text.splitlines() if x.startswith("| 2 |")}
+    got = rows([first, other])
+    assert got[32][0] == f"{s32['indexer_us_per_step']:.0f} / –" and got[32][4] == "–"
+    assert got[8] == [
+        f"{s8['indexer_us_per_step']:.0f} / {p8['indexer_us_per_step']:.0f}",
+        f"{s8['by_class_us_per_step']['logits_deepgemm']:.0f}, "
+        f"{s8['by_class_us_per_step']['topk']:.0f}",
+        f"{s8['gpu_us_per_step'] / 1e3:.2f} / {p8['gpu_us_per_step'] / 1e3:.2f}",
+        f"{100 * s8['indexer_share']:.0f} % / {100 * p8['indexer_share']:.0f} %", "varlen"]
+    got = rows([first, other, later])
+    assert got[32][0] == f"{s32['indexer_us_per_step']:.0f} / {p32['indexer_us_per_step']:.0f}"
+    assert got[32][4] == "DeepGEMM (stock's)"
+    assert set(got) == {8, 32}  # cells no folder reached are left out
