@@ -164,7 +164,34 @@ def test_nvrtc_builds_the_kernel_for_sm90a_without_spills(hint, how, heads):
     assert cubin[:4] == b"\x7fELF"
     assert "varlen_logits_sm90" in log
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
+    assert "serializ" not in log.lower(), log
     assert ck.smem_bytes(defines) <= 227 * 1024
+
+
+@pytest.mark.parametrize("serial, named", [(False, False), (True, False), (True, True)])
+def test_a_default_build_whose_wgmmas_serialise_is_made_without_half_mma(monkeypatch, serial,
+                                                                          named):
+    """build_cubin: where ptxas reports the wgmmas serialised, the default build
+    is compiled again with HALF_MMA=0 (and says so); a build naming HALF_MMA is
+    kept as asked; a clean log keeps the first cubin."""
+    calls, said = [], []
+
+    def fake(arch=ck.ARCH, extra=(), path=ck.SOURCE):
+        calls.append(extra)
+        log = "ptxas info: wgmma.mma_async instructions are serialized" if serial else "ok"
+        return bytes([len(calls)]), log if len(calls) == 1 else "ok"
+    monkeypatch.setattr(ck, "compile_cubin", fake)
+    monkeypatch.setattr(ck, "log_once", said.append)
+    defines = ("EVICT_FIRST=1",) + (("HALF_MMA=1",) if named else ())
+    cubin = ck.build_cubin(defines)
+    assert "--ptxas-options=-v" in calls[0] and "-DEVICT_FIRST=1" in calls[0]
+    if not serial:
+        assert cubin == bytes([1]) and len(calls) == 1 and not said
+    elif named:
+        assert cubin == bytes([1]) and len(calls) == 1 and "serialised" in said[0]
+    else:
+        assert cubin == bytes([2]) and calls[1] == ("-DEVICT_FIRST=1", "-DHALF_MMA=0")
+        assert "HALF_MMA=0" in said[0]
 
 
 def _cuobjdump() -> str | None:
@@ -230,7 +257,9 @@ def test_tensor_core_build_sums_heads_on_the_tensor_cores():
     assert tc["FMNMX"] == 0 and tc["FFMA"] == 0
     assert not any(op.startswith("HMMA") for op in fp)
     assert fp["FMNMX"] == fp["FFMA"] == 2 * (64 + 32)
-    assert tc["QGMMA.64x128x32.F32.E4M3.E4M3"] == fp["QGMMA.64x128x32.F32.E4M3.E4M3"] == 16
+    # the QK wgmmas: a full copy m64n128, a half copy m64n64 (HALF_MMA, the default)
+    assert tc["QGMMA.64x128x32.F32.E4M3.E4M3"] == fp["QGMMA.64x128x32.F32.E4M3.E4M3"] == 8
+    assert tc["QGMMA.64x64x32.F32.E4M3.E4M3"] == fp["QGMMA.64x64x32.F32.E4M3.E4M3"] == 8
 
 
 @pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
@@ -239,14 +268,16 @@ def test_tensor_core_build_sums_heads_on_the_tensor_cores():
     (64, "fp32", 1, 1), (64, "tf32", 1, 1), (32, "fp32", 1, 2), (32, "tf32", 0, 2)])
 def test_half_mma_build_runs_a_partial_groups_qk_over_its_present_rows(heads, head_sum, n64,
                                                                        n128):
-    """SASS of the HALF_MMA build, per row group (two unrolled) DIM / 32 = 4
-    wgmmas a copy: 64 heads: the half copy (a chunk's odd last row) m64n64,
-    the full copy m64n128, the head sum the default build's; 32 heads: a copy
-    for one or two present rows (m64n64) beside the full and three-row copies
-    (m64n128); the tensor-core head sum at 32 heads keeps its one partial copy."""
+    """SASS of HALF_MMA=1 (the 64-head default) against HALF_MMA=0 (the
+    32-head one), per row group (two unrolled) DIM / 32 = 4 wgmmas a copy: 64
+    heads: the half copy (a chunk's odd last row) m64n64, the full copy
+    m64n128, the head sum HALF_MMA=0's; 32 heads: a copy for one or two
+    present rows (m64n64) beside the full and three-row copies (m64n128); the
+    tensor-core head sum at 32 heads keeps its one partial copy."""
     extra = () if heads == ck.HEADS else (f"HEADS={heads}",)
     half = _sass_ops(ck.defines_for(4, head_sum) + extra + ("HALF_MMA=1",))
-    base = _sass_ops(ck.defines_for(4, head_sum) + extra)
+    base = _sass_ops(ck.defines_for(4, head_sum) + extra + ("HALF_MMA=0",))
+    assert _sass_ops(ck.defines_for(4, head_sum) + extra) == (half if heads == 64 else base)
     assert base["QGMMA.64x128x32.F32.E4M3.E4M3"] == 2 * 2 * 4
     assert base["QGMMA.64x64x32.F32.E4M3.E4M3"] == 0
     assert half["QGMMA.64x64x32.F32.E4M3.E4M3"] == 2 * 4 * n64
@@ -904,17 +935,21 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
 # GPU test's last step has ~117 per CTA); 2 or 4 pages in flight
 # per ring; 3 math warpgroups (152 registers), with the chunk's weights held in
 # registers (64 heads), with 4 pages per ring (the default's 12 pages in flight);
-# a row group with absent rows runs an m64n64 wgmma where its present rows fit
-# (with stepped descriptors, its default); a chain's descriptors stepped from its
-# first (the same descriptors)
+# a row group with absent rows running its full m64n128 wgmma (HALF_MMA=0, the
+# 64-head default before), with its chain's descriptors built from addresses or
+# stepped from its first (the same descriptors); at 32 heads, where HALF_MMA=0
+# is the default, HALF_MMA=1 (1-2 present rows: m64n64) and DESC_STEP=1
 AB_BUILDS = (("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",), ("STAGES=4",),
              ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"),
-             ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=1",), ("DESC_STEP=1",))
-HEADS_64_ONLY = ("WEIGHTS_REG=1",)
+             ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=0",),
+             ("HALF_MMA=0", "DESC_STEP=1"), ("HALF_MMA=1",), ("DESC_STEP=1",))
+HEADS_64_ONLY = ("WEIGHTS_REG=1", "HALF_MMA=0")  # HALF_MMA=0: the 32-head default
+HEADS_32_ONLY = ("HALF_MMA=1", "DESC_STEP=1")  # the 64-head default's
 
 
 def _ab_builds(heads):
-    return [d for d in AB_BUILDS if heads == 64 or not set(d) & set(HEADS_64_ONLY)]
+    return [d for d in AB_BUILDS if not set(d) & set(HEADS_32_ONLY if heads == 64 else
+                                                     HEADS_64_ONLY)]
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC: {NVRTC}")
@@ -926,6 +961,10 @@ def test_ab_builds_compile_without_spills(defines, heads):
     compile time, naming itself."""
     extra = () if heads == ck.HEADS else (f"-DHEADS={heads}",)
     flags = tuple(f"-D{d}" for d in defines)
+    if set(defines) & set(HEADS_32_ONLY) and heads == 64:
+        pytest.skip("the 64-head default's own defines")
+    if set(defines) & {"HALF_MMA=0"} and heads == 32:
+        pytest.skip("the 32-head default's own define")
     if defines not in _ab_builds(heads):
         name = next(d for d in defines if d in HEADS_64_ONLY).partition("=")[0]
         with pytest.raises(RuntimeError, match=f"{name} is a build of "):
@@ -1018,11 +1057,11 @@ def test_abs_split_build_has_no_max_and_a_linear_chain_per_group():
     m64n128 wgmma of a copy an m64n8 one (the q' tile); DESC_STEP builds fewer
     uniform-datapath instructions for the same wgmmas."""
     split = _sass_ops(("ABS_SPLIT=1",))
-    base = _sass_ops(())
+    base = _sass_ops(("HALF_MMA=0",))  # ABS_SPLIT's own (no half copy)
     assert split["FMNMX"] == 0 and base["FMNMX"] == 2 * (64 + 32)
     assert split["FFMA"] == base["FFMA"] + 2 * 2 * 2
     assert split["QGMMA.64x8x32.F32.E4M3.E4M3"] == split["QGMMA.64x128x32.F32.E4M3.E4M3"] == 16
-    step = _sass_ops(("DESC_STEP=1",))
+    step = _sass_ops(("HALF_MMA=0", "DESC_STEP=1"))
     uniform = lambda ops: sum(n for op, n in ops.items() if op.startswith("U"))  # noqa: E731
     assert uniform(step) < uniform(base)
     assert step["QGMMA.64x128x32.F32.E4M3.E4M3"] == base["QGMMA.64x128x32.F32.E4M3.E4M3"]

@@ -222,9 +222,28 @@ class _Loaded:
         self.lock = threading.Lock()
 
 
+def build_cubin(defines: tuple) -> bytes:
+    """The cubin of the build with ``defines``.  The 64-head default's HALF_MMA
+    copies sit near the wgmma pipeline's register limit: where this NVRTC's
+    ptxas reports the wgmmas serialised (NVRTC 13.0 and 13.5 do not, measured),
+    the build is made again without them (``HALF_MMA=0``: the same bits, a
+    chunk's half group paying its full wgmma) and that is logged once.  A build
+    that names HALF_MMA itself is kept as asked (logged when serialised)."""
+    cubin, log = compile_cubin(extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines)))
+    if "serializ" not in log.lower():
+        return cubin
+    if any(d.startswith("HALF_MMA=") for d in defines):
+        log_once(f"vllm-dsa-varlen: ptxas serialised the wgmmas of the sm_90 build {defines}")
+        return cubin
+    log_once(f"vllm-dsa-varlen: ptxas serialised the wgmmas of the sm_90 build {defines}; "
+             "built with HALF_MMA=0 instead (the same results, slower on 3-token and "
+             "variable steps)")
+    return compile_cubin(extra=tuple(f"-D{d}" for d in (*defines, "HALF_MMA=0")))[0]
+
+
 def _load(device: torch.device, defines: tuple) -> _Loaded:
     """Compile (NVRTC) the build with ``defines`` and load it on ``device``."""
-    cubin, _ = compile_cubin(extra=tuple(f"-D{d}" for d in defines))
+    cubin = build_cubin(defines)
     smem = smem_bytes(defines)
     fn, ctx, module = load_function(_driver(), device, cubin, KERNEL_NAME, smem)
     loaded = _Loaded(fn, ctx, smem, threads(defines))

@@ -17,8 +17,8 @@
 // int32 [R, 8] rows (first row, rows, KV length, first item, items, block-table
 // row), the CTA's first segment and item range.  A/B builds (the macros
 // below; each must write the default build's bits): RAMP, STAGES, NUM_MATH=3
-// (three math warpgroups, 152 registers) with WEIGHTS_REG, HALF_MMA,
-// DESC_STEP, STAMPS.  ABS_SPLIT is another arithmetic (the reference's
+// (three math warpgroups, 152 registers) with WEIGHTS_REG, HALF_MMA (the
+// 64-head default; 0 there, with or without DESC_STEP), DESC_STEP, STAMPS.  ABS_SPLIT is another arithmetic (the reference's
 // head_sum="abs_split"; its rows' q' tiles and scales are the last two
 // parameters, ops/query_split.py; other builds never read them).
 
@@ -54,16 +54,9 @@ typedef unsigned char u8;
 #ifndef WEIGHTS_REG    // 1: a lane keeps its chunk's weights in registers for the chunk's
 #define WEIGHTS_REG 0  // pages instead of reading them per page (an A/B build, NUM_MATH=3)
 #endif
-#ifndef HALF_MMA      // 1: a row group with absent rows (a chunk's last) runs its QK wgmma
-#define HALF_MMA 0    // over half its columns where its present rows fit there (m64n64: a
-#endif                // 64-head half group, 1-2 of 4 rows at 32 heads): an A/B build
 #ifndef ABS_SPLIT     // 1: the head sum as (sum_h |s| w + k . q') / 2 (relu(x) = (x + |x|) / 2):
 #define ABS_SPLIT 0   // one FFMA with |s| per element (no FMNMX), the linear part k . q' on the
 #endif                // tensor cores, q' = sum_h w_h q_h in three e4m3 parts (an m64n8 chain)
-#ifndef DESC_STEP     // 1: a wgmma chain's descriptors as its first ones plus 2 a step (32
-#define DESC_STEP HALF_MMA  // bytes along K: the start-address field, 16-byte units) instead
-#endif                // of each built from its address (an A/B build: fewer uniform ops;
-                      // HALF_MMA's default: without it NVRTC 13.0's ptxas serialises the wgmmas)
 #ifndef PRODUCER_REGS
 #define PRODUCER_REGS 40
 #endif
@@ -77,6 +70,19 @@ typedef unsigned char u8;
 #define HEADS 64
 #endif
 #define RG (128 / HEADS)   // rows per row group
+#ifndef HALF_MMA      // 1: a row group with absent rows (a chunk's last) runs its QK wgmma
+#define HALF_MMA (HEADS == 64 && NUM_MATH == 4 && STAGES == 3 && !ABS_SPLIT)  // over
+#endif                // half its columns where its present rows fit there (m64n64): the
+                      // 64-head default; off in the A/B builds of other ring / warpgroup
+                      // shapes and at 32 heads (1-2 of 4 rows; an A/B build): its copies
+                      // serialise some of those
+#ifndef DESC_STEP     // 1: a wgmma chain's descriptors as its first ones plus 2 a step (32
+#define DESC_STEP HALF_MMA  // bytes along K: the start-address field, 16-byte units) instead
+#endif                // of each built from its address (fewer uniform ops; HALF_MMA's
+                      // default: without it NVRTC 13.0's ptxas serialises the wgmmas)
+#if HALF_MMA && !DESC_STEP
+#error "HALF_MMA without DESC_STEP: NVRTC 13.0's ptxas serialises the wgmmas"
+#endif
 #if WEIGHTS_REG && (NUM_MATH != 3 || HEAD_SUM_TC || RG != 2)
 #error "WEIGHTS_REG is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
 #endif
