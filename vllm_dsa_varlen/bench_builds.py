@@ -121,21 +121,15 @@ def run(args) -> int:
         for name, (defines, cost) in variants.items():
             sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1],
                             args.heads, **({"cost": cost} if cost else {}))
-            # an ABS_SPLIT build's q' tiles made outside the timed call, as the
-            # plan is (their own time per layer: the "query_split" path)
-            split = (ck.query_split(step.q, step.weights)
-                     if ck.ABS_SPLIT in defines else None)
-            calls[name] = lambda s=sched, d=defines, q=split: ck.launch(
+            calls[name] = lambda s=sched, d=defines: ck.launch(
                 step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
-                step.max_context_len, out, schedule=s, defines=d, split=q)
+                step.max_context_len, out, schedule=s, defines=d)
         first = next(iter(variants))
         extra = {}
         if dg is not None:
             extra.update(deepgemm_calls(torch, step, dg, sms, calls[first], out))
         extra["plan"] = lambda: ck.plan(rows.indices, ctx, step.max_context_len,
                                         rows.block_table.shape[1], args.heads)
-        if any(ck.ABS_SPLIT in d for d, _ in variants.values()):
-            extra["query_split"] = lambda: ck.query_split(step.q, step.weights)
         if topk_ops is not None:
             extra.update(topk_calls(torch, topk_ops, step, out, dg, sms))
         calls.update(extra)
@@ -165,7 +159,7 @@ def run(args) -> int:
             print(f"{'':22s} ÷ {first}, per round, median [min, max]: " + "  ".join(
                 f"{k} {r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]"
                 for k, r in record["paired_vs_" + first].items()
-                if k not in ("plan", "dg-meta", "query_split")), flush=True)
+                if k not in ("plan", "dg-meta")), flush=True)
         print(f"{'':22s} cycles/page at 1.7 GHz: " + "  ".join(
             f"{k} {us * 1e-6 / (pages / sms) * 1.7e9:5.0f}" for k, us in res.items()
             if k in variants), flush=True)

@@ -40,8 +40,7 @@ def test_every_portable_variant_compiles(compiled_variants):
     assert {(r["heads"], r["arch"], r["pairs"]) for r in portable} == {
         (h, a, p) for h in (32, 64) for a in (89, 90, 100, 120) for p in (1, 2)}
     assert not any(r["local"] for r in portable)
-    assert {r["kernel"] for r in rows} <= {"portable", "cuda_sm90", "cuda_plan_sm90",
-                                          "query_split"}
+    assert {r["kernel"] for r in rows} <= {"portable", "cuda_sm90", "cuda_plan_sm90"}
 
 
 def test_the_cuda_builds_compile_without_spills(compiled_variants):
@@ -71,11 +70,3 @@ def test_the_planner_builds_for_both_head_counts_without_spills(compiled_variant
     assert sorted(cp.HEAD_COUNTS) == sorted(ck.LAUNCHER_HEADS)
     assert all(r["ok"] and r["spills"] == 0 and 0 < r["registers"] <= 64 and r["cubin_bytes"] > 0
                for r in plan), plan
-
-
-def test_the_query_split_kernel_compiles_for_sm90(compiled_variants):
-    """The ABS_SPLIT builds' q' kernel (ops/query_split.py) builds for sm_90
-    with this environment's Triton."""
-    _, _, rows = compiled_variants
-    got = [r for r in rows if r["kernel"] == "query_split"]
-    assert len(got) == 1 and got[0]["ok"] and got[0]["arch"] == 90, got

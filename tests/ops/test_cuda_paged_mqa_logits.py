@@ -287,6 +287,20 @@ def test_half_mma_build_runs_a_partial_groups_qk_over_its_present_rows(heads, he
         assert half["FMNMX"] == base["FMNMX"] and half["FFMA"] == base["FFMA"]
 
 
+@pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
+                    reason=f"needs NVRTC and cuobjdump (NVRTC: {NVRTC})")
+def test_desc_step_build_steps_descriptors_with_fewer_uniform_instructions():
+    """SASS of DESC_STEP=1 (a chain's descriptors stepped from its first)
+    against descriptors built from each address, both without HALF_MMA (whose
+    default takes DESC_STEP): fewer uniform-datapath instructions, the same
+    wgmmas."""
+    step = _sass_ops(("HALF_MMA=0", "DESC_STEP=1"))
+    base = _sass_ops(("HALF_MMA=0",))
+    uniform = lambda ops: sum(n for op, n in ops.items() if op.startswith("U"))  # noqa: E731
+    assert uniform(step) < uniform(base)
+    assert step["QGMMA.64x128x32.F32.E4M3.E4M3"] == base["QGMMA.64x128x32.F32.E4M3.E4M3"]
+
+
 def test_cpu_tensors_are_refused_and_named_kernels_checked():
     step = make_decode_step([2, 1], [70, 20], heads=64)
     assert ck.unsupported_reason(step.q, step.kv_cache) == "not an sm_90 GPU"
@@ -1027,108 +1041,3 @@ def test_ab_builds_write_the_default_builds_bits(shape, heads):
     for out in outs[1:]:
         assert _same_bits(outs[0], out)
 
-
-# ------------------------------------------ ABS_SPLIT: another head-sum arithmetic
-
-def test_abs_split_is_a_64_head_cuda_core_build_with_its_own_shared_memory():
-    assert ck.smem_bytes(("ABS_SPLIT=1",)) == ck.SMEM_BYTES + ck.ABS_SPLIT_BYTES
-    assert ck.ABS_SPLIT_BYTES == 2 * ck.GMAX * (1024 + 32)
-    assert ck.smem_bytes(("ABS_SPLIT=1",)) <= 227 * 1024
-    if NVRTC is not None:
-        pytest.skip(f"no NVRTC: {NVRTC}")
-    for bad in (("HEADS=32",), ("HEAD_SUM_TC=1",)):
-        with pytest.raises(RuntimeError, match="ABS_SPLIT is a build of 64 heads"):
-            ck.compile_cubin(extra=tuple(f"-D{d}" for d in ("ABS_SPLIT=1", *bad)))
-    with pytest.raises(RuntimeError, match="ABS_SPLIT with HALF_MMA: ptxas serialises"):
-        ck.compile_cubin(extra=("-DABS_SPLIT=1", "-DHALF_MMA=1"))
-    for extra in ((), ("DESC_STEP=1",), ("EVICT_FIRST=1",),
-                  ("DESC_STEP=1", "NUM_MATH=3", "WEIGHTS_REG=1")):
-        _, log = ck.compile_cubin(extra=("--ptxas-options=-v", "-DABS_SPLIT=1",
-                                         *(f"-D{d}" for d in extra)))
-        assert "0 bytes spill stores, 0 bytes spill loads" in log, log
-        assert "serializ" not in log.lower(), log
-
-
-@pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
-                    reason=f"needs NVRTC and cuobjdump (NVRTC: {NVRTC})")
-def test_abs_split_build_has_no_max_and_a_linear_chain_per_group():
-    """SASS of ABS_SPLIT: no FMNMX (|s| is an FFMA operand modifier), the
-    default's FFMA count plus the linear part's two per copy, and beside each
-    m64n128 wgmma of a copy an m64n8 one (the q' tile); DESC_STEP builds fewer
-    uniform-datapath instructions for the same wgmmas."""
-    split = _sass_ops(("ABS_SPLIT=1",))
-    base = _sass_ops(("HALF_MMA=0",))  # ABS_SPLIT's own (no half copy)
-    assert split["FMNMX"] == 0 and base["FMNMX"] == 2 * (64 + 32)
-    assert split["FFMA"] == base["FFMA"] + 2 * 2 * 2
-    assert split["QGMMA.64x8x32.F32.E4M3.E4M3"] == split["QGMMA.64x128x32.F32.E4M3.E4M3"] == 16
-    step = _sass_ops(("HALF_MMA=0", "DESC_STEP=1"))
-    uniform = lambda ops: sum(n for op, n in ops.items() if op.startswith("U"))  # noqa: E731
-    assert uniform(step) < uniform(base)
-    assert step["QGMMA.64x128x32.F32.E4M3.E4M3"] == base["QGMMA.64x128x32.F32.E4M3.E4M3"]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("shape", [(12, 4, 1500, True), (3, 1, 100, False), (40, 3, 9000, True),
-                                   (130, 2, 700, False), (33, 4, 30000, False)])
-@pytest.mark.parametrize("extra", [(), ("DESC_STEP=1",),
-                                   ("DESC_STEP=1", "NUM_MATH=3", "WEIGHTS_REG=1")])
-def test_abs_split_build_matches_its_reference_and_keeps_the_top_k(shape, extra):
-    """ABS_SPLIT on steps with runs of 1-4 rows (groups with a partner row, an
-    odd last row, runs starting at odd rows): every valid position written and
-    nothing else, within 1e-5 of the reference's abs-split emulation and 1e-4
-    of the fp32 head sum; each row's top-2048 (or all its tokens) keeps at
-    least 99.9 % of the fp32 build's."""
-    if NVRTC is not None:
-        pytest.skip(f"no NVRTC: {NVRTC}")
-    reqs, tokens, context, variable = shape
-    step = random_decode_step(reqs, tokens, context, heads=64, device="cuda",
-                              variable=variable, seed=reqs + 7)
-    rows = step.rows
-    ctx = rows.context_lens.view(-1, 1)
-    sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1])
-    outs = {}
-    for name, defines in (("fp32", ()), ("split", ("ABS_SPLIT=1", *extra))):
-        out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
-        ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
-                  step.max_context_len, out[: rows.num_rows], schedule=sched, defines=defines)
-        torch.cuda.synchronize()
-        outs[name] = out
-    mask = check_poisoned(step, outs["split"], rel_tol=1e-5, head_sum="abs_split")
-    check_poisoned(step, outs["split"], rel_tol=1e-4)
-    a = outs["fp32"][: rows.num_rows, : step.max_context_len].masked_fill(~mask, float("-inf"))
-    b = outs["split"][: rows.num_rows, : step.max_context_len].masked_fill(~mask, float("-inf"))
-    for r in range(rows.num_rows):
-        k = min(2048, int(mask[r].sum()))
-        if k == 0:
-            continue
-        keep = set(torch.topk(a[r], k).indices.tolist()) & set(torch.topk(b[r], k).indices.tolist())
-        assert len(keep) >= 0.999 * k, (r, len(keep), k)
-
-
-def test_an_abs_split_launch_passes_its_q_prime_tiles_and_others_pass_none():
-    """With the driver stubbed (CPU tensors): an ABS_SPLIT launch writes the
-    given query_split's two addresses into the kernel's last two parameters
-    (and makes one when none is given); the default build's launch leaves
-    them 0; a split of another row count is refused, naming it."""
-    step = make_decode_step([2, 3, 1], [90, 140, 7], heads=64, seed=4)
-    rows = step.rows
-    ctx = rows.context_lens.view(-1, 1)
-    out = torch.empty((rows.num_rows, step.max_context_len))
-    with host_time.stubbed(ck) as (fake, _, loaded):
-        sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1],
-                        programs=4)
-
-        def last(defines, split=None):
-            ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
-                      step.max_context_len, out, schedule=sched, defines=defines, split=split)
-            params = fake.launches[-1][-2]
-            ptrs = (ctypes.c_void_p * len(ck.PARAMS)).from_address(params)
-            return [ctypes.cast(ptrs[i], ctypes.POINTER(ctypes.c_uint64)).contents.value
-                    for i in (len(ck.PARAMS) - 2, len(ck.PARAMS) - 1)]
-        split = ck.query_split(step.q, step.weights)
-        assert last(("ABS_SPLIT=1",), split) == [split[0].data_ptr(), split[1].data_ptr()]
-        assert all(last(("ABS_SPLIT=1",)))
-        assert last(()) == [0, 0]
-        with pytest.raises(ValueError, match="split"):
-            last(("ABS_SPLIT=1",), (split[0][1:], split[1][1:]))

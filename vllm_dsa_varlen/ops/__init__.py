@@ -9,8 +9,6 @@
   model, the one-launch planner kernel;
 * :mod:`.cuda_binding` — NVRTC and the CUDA driver through ``cuda-python``
   (compile, load, launch), for the CUDA kernel and its planner;
-* :mod:`.query_split` — the per-step inputs of the CUDA kernel's ``ABS_SPLIT``
-  builds (the linear part of the head sum as fp8 parts of ``sum_h w_h q_h``);
 * :mod:`.head_sum_precision` — what a cheaper head sum costs the top-k (a
   CPU study);
 * :mod:`.triton_paged_mqa_logits` — the portable Triton kernel (any fp8 GPU,
@@ -20,7 +18,7 @@
 * :mod:`.compile_check` — every variant built for its GPU target without a GPU.
 
 The launcher imports the kernels; the kernels import only :mod:`.common`,
-:mod:`.reference` and their own helpers (the CUDA kernel :mod:`.cuda_plan`,
-:mod:`.cuda_binding` and :mod:`.query_split`).  Nothing is imported here, so
-reading the reference does not load Triton.
+:mod:`.reference` and their own helpers (the CUDA kernel :mod:`.cuda_plan` and
+:mod:`.cuda_binding`).  Nothing is imported here, so reading the reference does
+not load Triton.
 """

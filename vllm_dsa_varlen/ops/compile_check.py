@@ -32,21 +32,6 @@ def compile_portable(arch: int, H: int, ROWS: int = 2, TILE_PAGES: int = 1, PER_
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def compile_query_split(arch: int = 90, H: int = 64, D: int = 128):
-    """The ABS_SPLIT builds' per-step q' kernel (:mod:`.query_split`) built for
-    ``sm_<arch>`` (run without ``TRITON_INTERPRET``)."""
-    from . import query_split as qs
-    from .reference import FP8_MAX, SPLIT_PARTS
-
-    sig = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "tiles_ptr": "*u8", "scales_ptr": "*fp32",
-           "stride_q": "i32", "stride_h": "i32", "stride_w": "i32"}
-    consts = dict(H=H, D=D, PARTS=SPLIT_PARTS, FP8_LIMIT=FP8_MAX)
-    sig.update({k: "constexpr" for k in consts})
-    src = ASTSource(qs._query_split_kernel, sig, consts)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": 4, "num_stages": 1, "enable_fp_fusion": False})
-
-
 def compile_cuda_sm90(defines: tuple = ()) -> dict:
     """The sm_90 CUDA kernel's build with ``defines`` through NVRTC (``sm_90a``):
     its registers and spills as ptxas reports them."""
@@ -76,8 +61,8 @@ def _ptxas_report(cubin: bytes, log: str) -> dict:
 def main() -> int:
     """Compile every variant a server can use and print one JSON line per kernel:
     the sm_90 CUDA kernel's builds and its planner's (where NVRTC loads), the
-    portable kernel for sm_89, sm_90, sm_100 and sm_120, the ABS_SPLIT builds'
-    q' kernel for sm_90.  Exit status 1 on any failure."""
+    portable kernel for sm_89, sm_90, sm_100 and sm_120.  Exit status 1 on any
+    failure."""
     import json
     import os
 
@@ -102,7 +87,6 @@ def main() -> int:
         jobs += [("cuda_plan_sm90", h, cp.defines_for(h), {}) for h in cp.HEAD_COUNTS]
     jobs += [("portable", h, arch, v) for h in (32, 64) for arch in (89, 90, 100, 120)
              for v in portable.portable_variants(h)]
-    jobs += [("query_split", 64, 90, {})]  # the ABS_SPLIT builds' per-step inputs
     for job in jobs:
         row = {"kernel": job[0], "heads": job[1]}
         try:
@@ -112,12 +96,6 @@ def main() -> int:
                            else compile_plan_sm90(job[1]))
                 row["ok"] = row["spills"] == 0
                 failed += not row["ok"]
-                print(json.dumps(row), flush=True)
-                continue
-            if job[0] == "query_split":
-                row["arch"] = job[2]
-                k = compile_query_split(job[2], H=job[1])
-                row.update(ok=True, shared=k.metadata.shared, name=k.name)
                 print(json.dumps(row), flush=True)
                 continue
             row["arch"], row["pairs"] = job[2], job[3]["PAIRS"]

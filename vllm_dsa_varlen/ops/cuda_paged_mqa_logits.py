@@ -74,7 +74,6 @@ from .cuda_binding import driver as _driver
 from .cuda_binding import nvrtc as _nvrtc
 from .cuda_plan import COST, CTA_WORDS, TABLE_WORDS, page_cost, plan_device
 from . import cuda_plan
-from .query_split import check_split, query_split
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +110,6 @@ SMEM_BYTES = _smem(STAGES)  # every build the launcher takes
 # HEAD_SUM_TC builds: each math warpgroup's double-buffered B fragments of its
 # chunk's weights (8 lane classes x 9 float4 per row group; WT_BYTES in the source).
 HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
-# ABS_SPLIT builds (they read each row's q' tiles and scales, .query_split): the
-# double-buffered q' tiles and scales of a chunk's row groups (LT_BUF_BYTES in
-# the source)
-ABS_SPLIT = "ABS_SPLIT=1"
-ABS_SPLIT_BYTES = 2 * GMAX * (1024 + 8 * 4)
 
 # The build by run-length hint (``defines_for``): a step's pages are read once,
 # so with one row group per page (hints <= 2) the page loads carry an L2
@@ -173,8 +167,7 @@ PARAMS = (("kv_map", _TmaMap), ("q_map", _TmaMap),
           ("w", ctypes.c_uint64), ("stride_w", ctypes.c_int32),
           ("ctx", ctypes.c_uint64), ("bt", ctypes.c_uint64), ("stride_bt", ctypes.c_int32),
           ("out", ctypes.c_uint64), ("stride_out", ctypes.c_int64),
-          ("table", ctypes.c_uint64), ("ctas", ctypes.c_uint64), ("num_segs", ctypes.c_int32),
-          ("qs", ctypes.c_uint64), ("qs_scale", ctypes.c_uint64))
+          ("table", ctypes.c_uint64), ("ctas", ctypes.c_uint64), ("num_segs", ctypes.c_int32))
 
 
 class _Params(ctypes.Structure):
@@ -449,12 +442,11 @@ def threads(defines: tuple = ()) -> int:
 
 def smem_bytes(defines: tuple = ()) -> int:
     """Dynamic shared memory of a build (:data:`SMEM_BYTES`; more with
-    ``HEAD_SUM_TC=1`` or ``ABS_SPLIT=1``; an A/B build's ``STAGES=n`` resizes
-    the rings, ``NUM_MATH=3`` drops one)."""
+    ``HEAD_SUM_TC=1``; an A/B build's ``STAGES=n`` resizes the rings,
+    ``NUM_MATH=3`` drops one)."""
     math = math_warpgroups(defines)
     return _smem(_define(defines, "STAGES", STAGES), math) + (
-        HEAD_SUM_TC_BYTES * math // MATH if "HEAD_SUM_TC=1" in defines else 0) + (
-        ABS_SPLIT_BYTES if ABS_SPLIT in defines else 0)
+        HEAD_SUM_TC_BYTES * math // MATH if "HEAD_SUM_TC=1" in defines else 0)
 
 
 def rows_per_group(heads: int) -> int:
@@ -635,11 +627,10 @@ class Prepared:
                  "q_maps", "kv_maps")
 
     def __call__(self, q: int, kv: int, w: int, ctx: int, bt: int, out: int, stride_out: int,
-                 table: int, ctas: int, qs: int = 0, qs_scale: int = 0) -> None:
+                 table: int, ctas: int) -> None:
         """Launch on the tensors at these data addresses on the device's current
         stream; ``stride_out``: the logits' row stride (left open by the
-        layout: the launcher allocates each step's logits at its own width);
-        ``qs``, ``qs_scale``: an ``ABS_SPLIT`` build's :func:`.query_split.query_split`.
+        layout: the launcher allocates each step's logits at its own width).
         The block is packed whole and handed to ``cuLaunchKernel``, which
         copies it (the next launch may rewrite it at once; a capture keeps
         its own copy)."""
@@ -650,7 +641,7 @@ class Prepared:
         with kern.lock:
             _PACK.pack_into(kern.params, 0, kv_map, q_map, kv, self.stride_block, w,
                             self.stride_w, ctx, bt, self.stride_bt, out, stride_out, table, ctas,
-                            self.rows, qs, qs_scale)
+                            self.rows)
             if _current_device() == index:
                 _launch(kern, self.programs, _stream(index))
             else:
@@ -693,14 +684,11 @@ def check_schedule(schedule, rows: int, programs: int) -> None:
 
 
 def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
-           rows_max: int | None = None, schedule=None, defines: tuple = (), split=None):
+           rows_max: int | None = None, schedule=None, defines: tuple = ()):
     """Launch on checked inputs (:mod:`.launcher` checks them); ``schedule``:
     the step's :func:`plan` (made here when not given); ``defines``: a
     measured variant's macros (:func:`load`).  32 heads (``q [R, 1, 32, D]``)
-    take the ``HEADS=32`` build of ``defines``.  ``split``: an ``ABS_SPLIT``
-    build's :func:`.query_split.query_split` of these queries (made here when
-    not given).
-    Returns the build launched.
+    take the ``HEADS=32`` build of ``defines``.  Returns the build launched.
 
     Prepares the launch on every call (:func:`prepare`); the launcher keeps
     its preparations per call layout instead."""
@@ -717,15 +705,8 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     ctx = context_lens
     if not ctx.is_contiguous():  # [R, 1] or [R]: contiguous means one int per row
         ctx = ctx.reshape(-1).contiguous()
-    qs = qs_scale = 0
-    if ABS_SPLIT in defines:
-        if split is None:
-            split = query_split(q, weights)
-        check_split(split, rows)
-        qs, qs_scale = split[0].data_ptr(), split[1].data_ptr()
     go(q.data_ptr(), kv_cache.data_ptr(), weights.data_ptr(), ctx.data_ptr(),
-       block_table.data_ptr(), out.data_ptr(), out.stride(0), table.data_ptr(), ctas.data_ptr(),
-       qs, qs_scale)
+       block_table.data_ptr(), out.data_ptr(), out.stride(0), table.data_ptr(), ctas.data_ptr())
     return go.kern
 
 

@@ -41,10 +41,9 @@ query scale folded into the weights as vLLM does (``w * q_scale *
 head_dim**-0.5 * heads**-0.5``); channels of unequal size (log-normal
 spread), as activations have.  Run ``python -m
 vllm_dsa_varlen.ops.head_sum_precision`` for the table; with ``--gpu`` (an
-sm_90 GPU) the same inputs go through the CUDA kernel's builds
-(:func:`gpu_study`, :data:`GPU_BUILDS`): the TF32 and ABS_SPLIT builds' top-k
-against the fp32 build's, each against the torch reference, and DeepGEMM's
-check on the kernel's logits.
+sm_90 GPU) the same inputs go through both builds of the CUDA kernel
+(:func:`gpu_study`): the TF32 build's top-k against the fp32 build's, each
+against the torch reference, and DeepGEMM's check on the kernel's logits.
 """
 
 from __future__ import annotations
@@ -282,22 +281,15 @@ def paged_step(parts: list[Inputs], *, device="cuda", seed: int = 0, mtp: bool =
     }
 
 
-# the CUDA kernel's builds by the head sum they compute (the cheaper ones
-# against "fp32"): "abs_split" is the ABS_SPLIT A/B build, not yet a launcher choice
-GPU_BUILDS = ("fp32", "tf32", "abs_split")
-
-
 def _run_build(step: dict, head_sum: str, max_run_len: int) -> torch.Tensor:
     """One of the CUDA kernel's builds on ``step`` (poisoned output)."""
     from . import cuda_paged_mqa_logits as ck
 
     rows = step["q"].shape[0]
     out = torch.full((rows, step["max_context_len"]), float("nan"), device=step["q"].device)
-    defines = (ck.defines_for(max_run_len, "fp32") + (ck.ABS_SPLIT,) if head_sum == "abs_split"
-               else ck.defines_for(max_run_len, head_sum))
     ck.launch(step["q"], step["kv_cache"], step["weights"], step["context_lens"],
               step["block_table"], step["indices"], step["max_context_len"], out,
-              defines=defines)
+              defines=ck.defines_for(max_run_len, head_sum))
     torch.cuda.synchronize()
     return out
 
@@ -305,27 +297,25 @@ def _run_build(step: dict, head_sum: str, max_run_len: int) -> torch.Tensor:
 def gpu_study(requests: int = 8, rows: int = 4, context: int = 32768, seeds: int = 2,
               spread: float = 0.5, k: int = TOPK, device="cuda") -> dict[str, Row]:
     """Serving-like steps (``requests`` requests of ``rows`` rows at ``context``
-    tokens) through every build of :data:`GPU_BUILDS`: per row, top-``k``
-    retention and calc_diff of (label -> :class:`Row`): each cheaper build
-    against the fp32 build (the contract's comparison), each build against the
-    torch reference (fp32 head sum; the fp8 tensor cores' own accumulation
-    error shows here), each cheaper build against its emulation."""
+    tokens) through both builds: per row, top-``k`` retention and calc_diff of
+    (label -> :class:`Row`): the TF32 build against the fp32 build (the
+    contract's comparison), each build against the torch reference (fp32
+    head sum; the fp8 tensor cores' own accumulation error shows here), the
+    TF32 build against its emulation."""
     from .reference import paged_mqa_logits_ref
 
     table: dict[str, Row] = {}
-    cheap = [how for how in GPU_BUILDS if how != "fp32"]
     for seed in range(seeds):
         parts = [serving_inputs(rows, context, channel_spread=spread, seed=1000 * seed + i)
                  for i in range(requests)]
         step = paged_step(parts, device=device, seed=seed)
-        got = {how: _run_build(step, how, rows) for how in GPU_BUILDS}
-        ref = {how: paged_mqa_logits_ref(**step, head_sum=how) for how in GPU_BUILDS}
+        got = {how: _run_build(step, how, rows) for how in ("fp32", "tf32")}
+        ref = {how: paged_mqa_logits_ref(**step, head_sum=how) for how in ("fp32", "tf32")}
         ctx = step["context_lens"].view(-1).tolist()
-        pairs = {"fp32 build vs reference": (ref["fp32"], got["fp32"])}
-        for how in cheap:
-            pairs[f"{how} build vs fp32 build"] = (got["fp32"], got[how])
-            pairs[f"{how} build vs reference"] = (ref["fp32"], got[how])
-            pairs[f"{how} build vs emulation"] = (ref[how], got[how])
+        pairs = {"tf32 build vs fp32 build": (got["fp32"], got["tf32"]),
+                 "fp32 build vs reference": (ref["fp32"], got["fp32"]),
+                 "tf32 build vs reference": (ref["fp32"], got["tf32"]),
+                 "tf32 build vs emulation": (ref["tf32"], got["tf32"])}
         for label, (a, b) in pairs.items():
             keep = torch.cat([topk_retention(a[r:r + 1, :c].cpu(), b[r:r + 1, :c].cpu(), k)
                               for r, c in enumerate(ctx)])
@@ -342,7 +332,7 @@ def gpu_deepgemm_check(context: int = 8192, rows: int = 2) -> dict[str, tuple[fl
     inputs, bf16_ref, simulated = deepgemm_inputs(rows, context)
     step = paged_step([inputs], mtp=False)
     out = {}
-    for how in GPU_BUILDS:
+    for how in ("fp32", "tf32"):
         got = _run_build(step, how, rows).cpu()
         out[how] = (calc_diff(got, bf16_ref), calc_diff(got, simulated))
     return out
@@ -358,8 +348,7 @@ def _print_rows(rows: dict[str, Row]) -> None:
 
 
 def main_gpu(args) -> int:
-    print(f"sm_90 CUDA kernel, head-sum builds {', '.join(GPU_BUILDS)}: {args.requests} "
-          f"requests x {args.rows} rows "
+    print(f"sm_90 CUDA kernel, both head-sum builds: {args.requests} requests x {args.rows} rows "
           f"at {args.context} tokens, {args.seeds} draws per channel spread; top-{TOPK} per row "
           f"over the tokens each row sees")
     for spread in args.spreads:

@@ -23,8 +23,9 @@ CUDA kernel's tensor-core head sum (its ``HEAD_SUM_TC`` build,
 bits, round to nearest even: :func:`round_tf32`), the weights carried as two
 TF32 parts (``hi = round(w)``, ``lo = round(w - hi)``), the products exact,
 each part's sum float32, their sum times the token's scale;
-``head_sum="abs_split"`` (:func:`head_sum_abs_split`) uses ``relu(x) = (x +
-|x|) / 2``: the absolute part summed in float32 on the CUDA cores (no max
+``head_sum="abs_split"`` (:func:`head_sum_abs_split`; a head sum of the
+precision study, ops/head_sum_precision.py, that no kernel computes) uses
+``relu(x) = (x + |x|) / 2``: the absolute part summed in float32 (no max
 instruction), the linear part as the token's dot with the row's weighted query
 sum carried in three fp8 parts.
 """

@@ -18,9 +18,7 @@
 // row), the CTA's first segment and item range.  A/B builds (the macros
 // below; each must write the default build's bits): RAMP, STAGES, NUM_MATH=3
 // (three math warpgroups, 152 registers) with WEIGHTS_REG, HALF_MMA (the
-// 64-head default; 0 there, with or without DESC_STEP), DESC_STEP, STAMPS.  ABS_SPLIT is another arithmetic (the reference's
-// head_sum="abs_split"; its rows' q' tiles and scales are the last two
-// parameters, ops/query_split.py; other builds never read them).
+// 64-head default; 0 there, with or without DESC_STEP), DESC_STEP, STAMPS.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -54,9 +52,6 @@ typedef unsigned char u8;
 #ifndef WEIGHTS_REG    // 1: a lane keeps its chunk's weights in registers for the chunk's
 #define WEIGHTS_REG 0  // pages instead of reading them per page (an A/B build, NUM_MATH=3)
 #endif
-#ifndef ABS_SPLIT     // 1: the head sum as (sum_h |s| w + k . q') / 2 (relu(x) = (x + |x|) / 2):
-#define ABS_SPLIT 0   // one FFMA with |s| per element (no FMNMX), the linear part k . q' on the
-#endif                // tensor cores, q' = sum_h w_h q_h in three e4m3 parts (an m64n8 chain)
 #ifndef PRODUCER_REGS
 #define PRODUCER_REGS 40
 #endif
@@ -71,7 +66,7 @@ typedef unsigned char u8;
 #endif
 #define RG (128 / HEADS)   // rows per row group
 #ifndef HALF_MMA      // 1: a row group with absent rows (a chunk's last) runs its QK wgmma
-#define HALF_MMA (HEADS == 64 && NUM_MATH == 4 && STAGES == 3 && !ABS_SPLIT)  // over
+#define HALF_MMA (HEADS == 64 && NUM_MATH == 4 && STAGES == 3)  // over
 #endif                // half its columns where its present rows fit there (m64n64): the
                       // 64-head default; off in the A/B builds of other ring / warpgroup
                       // shapes and at 32 heads (1-2 of 4 rows; an A/B build): its copies
@@ -86,22 +81,6 @@ typedef unsigned char u8;
 #if WEIGHTS_REG && (NUM_MATH != 3 || HEAD_SUM_TC || RG != 2)
 #error "WEIGHTS_REG is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
 #endif
-#if ABS_SPLIT && (RG != 2 || HEAD_SUM_TC)
-#error "ABS_SPLIT is a build of 64 heads and the CUDA-core head sum"
-#endif
-#if ABS_SPLIT && HALF_MMA
-#error "ABS_SPLIT with HALF_MMA: ptxas serialises the wgmmas (register resources)"
-#endif
-// ABS_SPLIT: a row group's linear query q' as an 8-row B tile (one 128-byte
-// swizzled atom: rows 4p + j = the group's row p's part j, j < 3; rows 4p + 3
-// zero) and its 8 scales (the same order).  Made per step for every query row
-// (query_split): its four tile rows as position 0 and as position 1 would
-// swizzle them (512 bytes each) and its 4 scales; a group copies its first
-// row's position-0 half and its second row's position-1 half.
-#define LT_BYTES 1024
-#define LT_WORDS 8
-#define LT_ROW_BYTES (LT_BYTES / 2 + 4 * 4)  // what one query row brings
-#define LT_BUF_BYTES (ABS_SPLIT ? 2 * GMAX * (LT_BYTES + LT_WORDS * 4) : 0)
 #define HB (HEADS / 8)     // 8-column blocks per row
 #define ROWS_MAX (GMAX * RG)
 #define PAGE_BYTES (PAGE * DIM)
@@ -215,29 +194,11 @@ DEV void mma_64x64x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-DEV void mma_64x8x32(float (&d)[4], u64 desc_a, u64 desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3}, %4, %5, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// The linear part of an ABS_SPLIT head sum: the group's q' tile (B) and the
-// m64n8 accumulator (tokens g, g + 8 x columns 2q, 2q + 1 of this lane);
-// NoLinear: the other builds (no chain).
-struct Linear { const u8* tile; float d[4]; };
-struct NoLinear {};
 // A descriptor moved 32 bytes along K per step: the start address (bits 0-13,
 // 16-byte units) + 2; a tile ends below 256 KB, so no carry leaves the field.
 DEV u64 desc_at(u64 first, const void* p, int kk) {
   return DESC_STEP ? first + u64(2 * kk) : sw128_desc(static_cast<const u8*>(p) + 32 * kk);
 }
-DEV void linear_mma(Linear& l, u64 desc_a, int kk) {
-  mma_64x8x32(l.d, desc_a, desc_at(sw128_desc(l.tile), l.tile, kk), kk > 0);
-}
-DEV void linear_mma(NoLinear&, u64, int) {}
 
 struct Seg { int first_row, n_rows, kv_len, page_lo, page_hi, item_base, bt_row; };
 
@@ -268,9 +229,8 @@ DEV int first_page(const Seg& s, int r) {
 // (slot_empty) when this is the page's last group (release).  cols (HALF_MMA
 // builds; a constant at each call): 64: the group's first 64 columns only
 // (acc[0, 32): its present rows' heads where they fit there).
-template <class Lin = NoLinear>
 DEV void qk_group(float (&acc)[64], const u8* page, const u8* qg, u64* slot_empty, bool release,
-                  int lane, int cols = 128, Lin&& lin = Lin{}) {
+                  int lane, int cols = 128) {
 #if STAMPS >= 2
   const u64 t_chain = sm_clock();
 #endif
@@ -281,7 +241,6 @@ DEV void qk_group(float (&acc)[64], const u8* page, const u8* qg, u64* slot_empt
     const u64 a = desc_at(a0, page, kk), b = desc_at(b0, qg, kk);
     if (HALF_MMA && cols == 64) mma_64x64x32(acc, a, b, kk > 0);
     else mma_64x128x32(acc, a, b, kk > 0);
-    linear_mma(lin, a, kk);
   }
   mma_commit();
   mma_wait();
@@ -314,33 +273,18 @@ DEV SmemWeights group_weights(const float* w_buf, int b, int g, int lane) {
 // weight summed over each row's heads, in the thread (16 columns per row;
 // n_end = 8: row 2g only), then across the quad; returns this lane's (token,
 // row) logit before the scale.
-// ABS_SPLIT (lt: the group's q' tile, lt_sc: its scales): |s| in place of
-// relu(s), and after the quad sum the row's linear part: lanes 2r and 2r + 1
-// hold row r's parts (columns 4r .. 4r + 3) for both token halves, each keeps
-// its own half and hands the other to its partner; the caller halves the sum.
 template <class Weights>
 DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const Weights& wq,
-                      u64* slot_empty, bool release, int lane, int n_end,
-                      const u8* lt = nullptr, const float* lt_sc = nullptr) {
+                      u64* slot_empty, bool release, int lane, int n_end) {
   const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
-#if ABS_SPLIT
-  Linear lin{lt, {0.f, 0.f, 0.f, 0.f}};
-  qk_group(acc, page, qg, slot_empty, release, lane, n_end == 8 ? 64 : 128, lin);
-#else
   qk_group(acc, page, qg, slot_empty, release, lane, n_end == 8 ? 64 : 128);
-#endif
   float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;   // s[token half][row]
 #pragma unroll
   for (int n = 0; n < 16; ++n) {  // columns 8n + 2 * (lane & 3) + {0, 1}: row n / 8
     if (n >= n_end) break;
     const float2 wv = wq[n];
-#if ABS_SPLIT
-    const float a0 = fabsf(acc[4 * n + 0]), a1 = fabsf(acc[4 * n + 1]);
-    const float a2 = fabsf(acc[4 * n + 2]), a3 = fabsf(acc[4 * n + 3]);
-#else
     const float a0 = fmaxf(acc[4 * n + 0], 0.f), a1 = fmaxf(acc[4 * n + 1], 0.f);
     const float a2 = fmaxf(acc[4 * n + 2], 0.f), a3 = fmaxf(acc[4 * n + 3], 0.f);
-#endif
     if (n < 8) { s00 = fmaf(a0, wv.x, s00); s00 = fmaf(a1, wv.y, s00);
                  s10 = fmaf(a2, wv.x, s10); s10 = fmaf(a3, wv.y, s10); }
     else       { s01 = fmaf(a0, wv.x, s01); s01 = fmaf(a1, wv.y, s01);
@@ -353,12 +297,6 @@ DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const Weig
   k1 += __shfl_xor_sync(0xffffffffu, o1, 1);
   float v = q_hi ? k1 : k0;
   v += __shfl_xor_sync(0xffffffffu, q_hi ? k0 : k1, 2);
-#if ABS_SPLIT
-  const float2 sc = *reinterpret_cast<const float2*>(lt_sc + 2 * (lane & 3));
-  const float lg = fmaf(sc.y, lin.d[1], sc.x * lin.d[0]);   // token g
-  const float lg8 = fmaf(sc.y, lin.d[3], sc.x * lin.d[2]);  // token g + 8
-  v += (t_hi ? lg8 : lg) + __shfl_xor_sync(0xffffffffu, t_hi ? lg : lg8, 1);
-#endif
   return v;
 }
 
@@ -526,19 +464,14 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
                    const float* __restrict__ w, int stride_w,
                    const int* __restrict__ ctx, const int* __restrict__ bt, int stride_bt,
                    float* __restrict__ out, long long stride_out,
-                   const int* __restrict__ table, const int* __restrict__ ctas, int num_segs,
-                   const u8* __restrict__ qs, const float* __restrict__ qs_scale) {
+                   const int* __restrict__ table, const int* __restrict__ ctas, int num_segs) {
   extern __shared__ __align__(1024) u8 smem_raw[];
   // 1 KB alignment for the swizzled tiles, by pointer arithmetic on the shared
   // array (a round trip through an integer loses the address space)
   u8* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   u8* kv_ring = smem;                                             // [NUM_MATH][STAGES][SLOT_BYTES]
   u8* q_buf = kv_ring + NUM_MATH * STAGES * SLOT_BYTES;           // [2][GMAX][Q_GROUP_BYTES]
-  u8* lt_buf = q_buf + 2 * GMAX * Q_GROUP_BYTES;                  // ABS_SPLIT: [2][GMAX][LT_BYTES]
-#if ABS_SPLIT
-  float* lt_sc = reinterpret_cast<float*>(lt_buf + 2 * GMAX * LT_BYTES);  // [2][GMAX][LT_WORDS]
-#endif
-  float* sc_ring = reinterpret_cast<float*>(lt_buf + LT_BUF_BYTES);  // [NUM_MATH][STAGES][PAGE]
+  float* sc_ring = reinterpret_cast<float*>(q_buf + 2 * GMAX * Q_GROUP_BYTES);  // [NUM_MATH][STAGES][PAGE]
   float* w_buf = sc_ring + NUM_MATH * STAGES * PAGE;              // [2][ROWS_MAX][HEADS]
   u8* wt_buf = reinterpret_cast<u8*>(w_buf + 2 * ROWS_MAX * HEADS);  // [NUM_MATH][2][GMAX] (TC)
   u64* full = reinterpret_cast<u64*>(wt_buf + WT_BYTES);
@@ -586,22 +519,10 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       if (ring == 0) {
         const int b = k & 1, groups = (s.n_rows + RG - 1) / RG;
         bar_wait(&q_empty[b], ((k >> 1) & 1) ^ 1);
-        bar_expect(&q_full[b], groups * Q_GROUP_BYTES + s.n_rows * HEADS * 4
-                                   + (ABS_SPLIT ? s.n_rows * LT_ROW_BYTES : 0));
-        for (int g = 0; g < groups; ++g) {
+        bar_expect(&q_full[b], groups * Q_GROUP_BYTES + s.n_rows * HEADS * 4);
+        for (int g = 0; g < groups; ++g)
           tma_3d(q_buf + (b * GMAX + g) * Q_GROUP_BYTES, &q_map, 0, 0, s.first_row + RG * g,
                  &q_full[b]);
-#if ABS_SPLIT  // each present row's half tile (at its position) and scales; an
-               // absent second row leaves its half stale: only its own columns read it
-          for (int p = 0; p < RG && RG * g + p < s.n_rows; ++p) {
-            const long long r = s.first_row + RG * g + p;
-            bulk_copy(lt_buf + (b * GMAX + g) * LT_BYTES + p * (LT_BYTES / 2),
-                      qs + r * LT_BYTES + p * (LT_BYTES / 2), LT_BYTES / 2, &q_full[b]);
-            bulk_copy(lt_sc + (b * GMAX + g) * LT_WORDS + 4 * p, qs_scale + r * 4, 16,
-                      &q_full[b]);
-          }
-#endif
-        }
         bulk_copy(w_buf + b * ROWS_MAX * HEADS, w + (long long)s.first_row * stride_w,
                   s.n_rows * HEADS * 4, &q_full[b]);
       }
@@ -713,17 +634,9 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 #else
           const SmemWeights wq = group_weights(w_buf, b, g, lane);
 #endif
-#if ABS_SPLIT
-          const u8* lt = lt_buf + (b * GMAX + g) * LT_BYTES;
-          const float* ls = lt_sc + (b * GMAX + g) * LT_WORDS;
-          const float v = 0.5f * (2 * g + 1 < s.n_rows
-              ? group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 16, lt, ls)
-              : group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 8, lt, ls));
-#else
           const float v = 2 * g + 1 < s.n_rows
               ? group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 16)
               : group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 8);
-#endif
 #endif
           if (pos < lim[g])
             out[(long long)(s.first_row + 2 * g + q_hi) * stride_out + pos] = v * scale;
