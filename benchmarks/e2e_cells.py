@@ -10,7 +10,7 @@ output, as ``publish_e2e.py`` keeps it) and the ``run-*.json[.xz]`` files
 beside it (the vLLM version is read from them, else from ``e2e.json``),
 oldest first: a later folder's cell replaces an earlier one's (the earlier
 one stays listed).  Runs of another vLLM version than ``--vllm`` are left
-out.  Prints a Markdown table: stock -> plugin TPOT, the gain (bracketed
+out.  Prints a Markdown table: stock -> plugin TPOT and output tokens/s, the gain (bracketed
 where the plugin ran stock's path on every verification step, so both modes
 did the same GPU work), the fast-steps gain where recorded, in one process
 the median of the round pairs' ratios (their range, their number), token
@@ -100,6 +100,7 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
             cells.append({
                 "k": int(k), "batch": row["batch"], "prompt": row["prompt"],
                 "stock_tpot_ms": row["stock_tpot_ms"], "plugin_tpot_ms": row["plugin_tpot_ms"],
+                "stock_tok_s": row.get("stock_tok_s"), "plugin_tok_s": row.get("plugin_tok_s"),
                 "gain": row["speedup"],
                 "fast_gain": fast[0] / fast[1] if fast and fast[1] else None,
                 "pairs": pairs.get((row["batch"], row["prompt"])),
@@ -190,9 +191,10 @@ def _prompt(n: int) -> str:
 
 
 def table(got: dict, root: str = "") -> str:
-    lines = ["| k | B | L | stock → plugin TPOT ms | gain | fast steps | round / step pairs | tokens "
-             "| plugin path | indexer share stock / plugin | how | from | earlier gains |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| k | B | L | stock → plugin TPOT ms | output tokens/s | gain | fast steps "
+             "| round / step pairs | tokens | plugin path | indexer share stock / plugin | how "
+             "| from | earlier gains |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in KS:
         for b in BATCHES:
             for p in PROMPTS:
@@ -206,7 +208,7 @@ def table(got: dict, root: str = "") -> str:
                         where = " in one process (two engines' KV caches)" \
                             if ran[-1]["one_process"] else ""
                         why = f"skipped{where}: {ran[-1]['skipped']}"
-                    lines.append(f"| {k} | {b} | {_prompt(p)} | {why} | | | | | | | | | |")
+                    lines.append(f"| {k} | {b} | {_prompt(p)} | {why} | | | | | | | | | | |")
                     continue
                 c = cells[-1]
                 same = not c["varlen"]
@@ -230,6 +232,8 @@ def table(got: dict, root: str = "") -> str:
                       (", async scheduling off" if c.get("async_off") else "") + \
                       f", {c['graph_mode']}"
                 earlier = ", ".join(f"{x['gain']:.2f}×" for x in cells[:-1]) or "–"
+                tok_s = ("–" if not (c.get("stock_tok_s") and c.get("plugin_tok_s")) else
+                         f"{c['stock_tok_s']:.0f} → {c['plugin_tok_s']:.0f}")
                 pairs = "–"
                 steps = c.get("step_pairs") if c.get("lockstep") else None
                 if steps:  # lockstep: each step against the other engine's same step
@@ -240,7 +244,8 @@ def table(got: dict, root: str = "") -> str:
                     pairs = f"{ratio(statistics.median(r))} {r[0]:.2f}–{r[-1]:.2f}, {len(r)}"
                 lines.append(
                     f"| {k} | {b} | {_prompt(p)} | {c['stock_tpot_ms']:.2f} → "
-                    f"{c['plugin_tpot_ms']:.2f} | {ratio(c['gain'])} | {ratio(c['fast_gain'])} | "
+                    f"{c['plugin_tpot_ms']:.2f} | {tok_s} | {ratio(c['gain'])} | "
+                    f"{ratio(c['fast_gain'])} | "
                     f"{pairs} | "
                     f"{'identical' if c['tokens_identical'] else 'DIFFER'} | "
                     f"{'varlen' if c['varlen'] else 'stock'} | {share} | {how} | "

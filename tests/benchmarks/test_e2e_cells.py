@@ -19,6 +19,8 @@ _spec.loader.exec_module(cells)
 def _row(rng, batch, prompt, varlen):
     stock, plugin = rng.uniform(9, 30), rng.uniform(9, 30)
     return {"batch": batch, "prompt": prompt, "stock_tpot_ms": stock, "plugin_tpot_ms": plugin,
+            "stock_tok_s": batch * 1e3 / stock * rng.uniform(0.8, 1.0),
+            "plugin_tok_s": batch * 1e3 / plugin * rng.uniform(0.8, 1.0),
             "speedup": stock / plugin, "fast_step_ms": [stock * 0.9, plugin * 0.9],
             "tokens_identical": rng.random() < 0.5,
             "plugin_paths": {"varlen": 254 if varlen else 0,
@@ -68,6 +70,8 @@ def test_the_latest_run_of_a_cell_wins_and_the_earlier_stay_listed(tmp_path, see
     assert len(lines) == len(cells.KS) * len(cells.BATCHES) * len(cells.PROMPTS)
     line = lines[("3", "64", "16K")]
     assert f"{new[0]['speedup']:.2f}×" in line and "one process" in line
+    assert line.split("|")[5].strip() == \
+        f"{new[0]['stock_tok_s']:.0f} → {new[0]['plugin_tok_s']:.0f}"  # output tokens/s
     assert f"{old[0]['speedup']:.2f}×" in line.split("|")[-2]  # the earlier gain listed
     assert "35 % / 26 %" in line  # the earlier window of the same path
     assert "| skipped: does not fit the KV cache (5 tokens) |" in lines[("3", "32", "32K")]
@@ -129,7 +133,7 @@ def test_round_pairs_are_shown_for_engines_in_one_process_only(tmp_path, seed):
             (folder / f"run-{mode}-k3.json").write_text(json.dumps(run))
         got = cells.grid([str(folder)], "0.27.1")
         line = [x for x in cells.table(got).splitlines() if x.startswith("| 3 | 8 | 16K")][0]
-        column = line.split("|")[7].strip()
+        column = line.split("|")[8].strip()
         if one:
             assert column == f"({want:.2f}×) {ratios[0]:.2f}–{ratios[-1]:.2f}, {n}"
         else:
@@ -150,7 +154,7 @@ def test_a_lockstep_run_says_so_in_its_how(tmp_path):
         (folder / "run-stock-k2.json").write_text(json.dumps(run))
         line = [x for x in cells.table(cells.grid([str(folder)], "0.27.1")).splitlines()
                 if x.startswith("| 2 | 8 | 4K")][0]
-        how = line.split("|")[11].strip()
+        how = line.split("|")[12].strip()
         assert how.startswith("one process")
         assert ("lockstep" in how) == lockstep, how
 
@@ -175,7 +179,7 @@ def test_a_lockstep_cell_shows_its_step_pairs_and_its_async_scheduling(tmp_path,
     (folder / "run-stock-k2.json").write_text(json.dumps(run))
     line = [x for x in cells.table(cells.grid([str(folder)], "0.27.1")).splitlines()
             if x.startswith("| 2 | 8 | 4K")][0]
-    column, how = line.split("|")[7].strip(), line.split("|")[11].strip()
+    column, how = line.split("|")[8].strip(), line.split("|")[12].strip()
     assert column == f"steps {q[1]:.2f}× {q[0]:.2f}–{q[2]:.2f} (10–90 %), {n}"
     assert ("async scheduling off" in how) == (async_scheduling is False), how
 
@@ -200,7 +204,7 @@ def test_stocks_share_comes_from_any_trace_the_plugins_only_from_its_own_path(tm
     def share(folders):
         got = cells.grid(folders, "0.27.1")
         line = [x for x in cells.table(got).splitlines() if x.startswith("| 2 | 8 | 16K")][0]
-        return line.split("|")[10].strip()
+        return line.split("|")[11].strip()
     assert share([stock_path]) == f"{100 * s_old:.0f} % / {100 * p_old:.0f} %"
     assert share([stock_path, varlen_untraced]) == f"{100 * s_old:.0f} % / –"
     assert share([stock_path, varlen_untraced, varlen_traced]) == \
@@ -237,11 +241,11 @@ def test_a_trace_only_folder_gives_shares_to_cells_measured_elsewhere(tmp_path, 
     def line(folders, b):
         got = cells.grid(folders, "0.27.1")
         return [x for x in cells.table(got).splitlines() if x.startswith(f"| 3 | {b} | 4K")][0]
-    assert line([measured], 32).split("|")[10].strip() == "–"
+    assert line([measured], 32).split("|")[11].strip() == "–"
     with_same = line([measured, str(tmp_path / "t-same")], 32)
-    assert with_same.split("|")[10].strip() == f"{100 * s:.0f} % / {100 * p:.0f} %"
-    assert with_same.split("|")[12].strip() == measured  # the times' run, not the windows'
-    assert line([measured, str(tmp_path / "t-other")], 32).split("|")[10].strip() == \
+    assert with_same.split("|")[11].strip() == f"{100 * s:.0f} % / {100 * p:.0f} %"
+    assert with_same.split("|")[13].strip() == measured  # the times' run, not the windows'
+    assert line([measured, str(tmp_path / "t-other")], 32).split("|")[11].strip() == \
         f"{100 * s:.0f} % / –"
     assert "not run" in line([measured, str(tmp_path / "t-same")], 1)
 
@@ -274,7 +278,7 @@ def test_a_window_of_the_cells_graph_mode_wins_and_another_modes_is_marked(tmp_p
     def share(folders):
         got = cells.grid(folders, "0.27.1")
         line = [x for x in cells.table(got).splitlines() if x.startswith("| 2 | 8 | 16K")][0]
-        return line.split("|")[10].strip()
+        return line.split("|")[11].strip()
     assert share([measured, other]) == f"{100 * c:.0f} % ‡ / {100 * c:.0f} % ‡"
     assert share([measured, same, other]) == f"{100 * a:.0f} % / {100 * b:.0f} %"
     assert share([measured, flat]) == f"{100 * a:.0f} % / –"  # stock's kernels: not varlen
@@ -303,10 +307,10 @@ def test_a_cells_two_shares_come_from_one_graph_mode_where_they_can(tmp_path):
         "plugin": [dict(w, indexer_share=c, by_class_us_per_step={"logits_varlen": 1.0})]})
     got = cells.grid([measured, own, other], "0.27.1")
     line = [x for x in cells.table(got).splitlines() if x.startswith("| 3 | 8 | 16K")][0]
-    assert line.split("|")[10].strip() == f"{100 * b:.0f} % ‡ / {100 * c:.0f} % ‡"
+    assert line.split("|")[11].strip() == f"{100 * b:.0f} % ‡ / {100 * c:.0f} % ‡"
     got = cells.grid([measured, other], "0.27.1")  # nothing in the cell's own mode
     line = [x for x in cells.table(got).splitlines() if x.startswith("| 3 | 8 | 16K")][0]
-    assert line.split("|")[10].strip() == f"{100 * b:.0f} % ‡ / {100 * c:.0f} % ‡"
+    assert line.split("|")[11].strip() == f"{100 * b:.0f} % ‡ / {100 * c:.0f} % ‡"
 
 
 @pytest.mark.parametrize("seed", range(3))

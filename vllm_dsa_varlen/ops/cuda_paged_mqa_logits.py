@@ -218,7 +218,7 @@ class _Loaded:
 def build_cubin(defines: tuple) -> bytes:
     """The cubin of the build with ``defines``.  The 64-head default's HALF_MMA
     copies sit near the wgmma pipeline's register limit: where this NVRTC's
-    ptxas reports the wgmmas serialised (NVRTC 13.0 and 13.5 do not, measured),
+    ptxas reports the wgmmas serialised (NVRTC 13.0 and 13.5 do not: the compile tests),
     the build is made again without them (``HALF_MMA=0``: the same bits, a
     chunk's half group paying its full wgmma) and that is logged once.  A build
     that names HALF_MMA itself is kept as asked (logged when serialised)."""
