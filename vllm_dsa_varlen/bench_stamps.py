@@ -20,7 +20,9 @@ become µs through the CTAs' global-timer and clock readings from entry to
 ring 0's end, summed over the CTAs (the global timer ticks coarsely; the
 start offsets carry its tick).  A timing of the stamped build is not the
 default build's: its counters read the clock in the hot loop, so it runs a
-little slower, the same for every build it compares.
+little slower, the same for every build it compares; and a stamped build
+leaves ``HALF_MMA`` off unless the build names ``HALF_MMA=1`` (with the
+stamps, some NVRTCs serialise its wgmmas).
 
     vllm-dsa-varlen-bench --stamps [default RAMP=1 ...] [--cases 16,4,16384 64,4,8192 ...]
         [--heads 64|32] [--json f]

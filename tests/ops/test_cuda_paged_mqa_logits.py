@@ -268,16 +268,16 @@ def test_tensor_core_build_sums_heads_on_the_tensor_cores():
     (64, "fp32", 1, 1), (64, "tf32", 1, 1), (32, "fp32", 1, 2), (32, "tf32", 0, 2)])
 def test_half_mma_build_runs_a_partial_groups_qk_over_its_present_rows(heads, head_sum, n64,
                                                                        n128):
-    """SASS of HALF_MMA=1 (the 64-head default) against HALF_MMA=0 (the
-    32-head one), per row group (two unrolled) DIM / 32 = 4 wgmmas a copy: 64
-    heads: the half copy (a chunk's odd last row) m64n64, the full copy
-    m64n128, the head sum HALF_MMA=0's; 32 heads: a copy for one or two
-    present rows (m64n64) beside the full and three-row copies (m64n128); the
-    tensor-core head sum at 32 heads keeps its one partial copy."""
+    """SASS of the default (HALF_MMA=1) against HALF_MMA=0, per row group (two
+    unrolled) DIM / 32 = 4 wgmmas a copy: 64 heads: the half copy (a chunk's
+    odd last row) m64n64, the full copy m64n128, the head sum HALF_MMA=0's;
+    32 heads: a copy for one or two present rows (m64n64) beside the full and
+    three-row copies (m64n128); the tensor-core head sum at 32 heads keeps its
+    one partial copy."""
     extra = () if heads == ck.HEADS else (f"HEADS={heads}",)
     half = _sass_ops(ck.defines_for(4, head_sum) + extra + ("HALF_MMA=1",))
     base = _sass_ops(ck.defines_for(4, head_sum) + extra + ("HALF_MMA=0",))
-    assert _sass_ops(ck.defines_for(4, head_sum) + extra) == (half if heads == 64 else base)
+    assert _sass_ops(ck.defines_for(4, head_sum) + extra) == half
     assert base["QGMMA.64x128x32.F32.E4M3.E4M3"] == 2 * 2 * 4
     assert base["QGMMA.64x64x32.F32.E4M3.E4M3"] == 0
     assert half["QGMMA.64x64x32.F32.E4M3.E4M3"] == 2 * 4 * n64
@@ -950,20 +950,17 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
 # per ring; 3 math warpgroups (152 registers), with the chunk's weights held in
 # registers (64 heads), with 4 pages per ring (the default's 12 pages in flight);
 # a row group with absent rows running its full m64n128 wgmma (HALF_MMA=0, the
-# 64-head default before), with its chain's descriptors built from addresses or
-# stepped from its first (the same descriptors); at 32 heads, where HALF_MMA=0
-# is the default, HALF_MMA=1 (1-2 present rows: m64n64) and DESC_STEP=1
+# default before), with its chain's descriptors built from addresses or stepped
+# from its first (the same descriptors)
 AB_BUILDS = (("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",), ("STAGES=4",),
              ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"),
              ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=0",),
-             ("HALF_MMA=0", "DESC_STEP=1"), ("HALF_MMA=1",), ("DESC_STEP=1",))
-HEADS_64_ONLY = ("WEIGHTS_REG=1", "HALF_MMA=0")  # HALF_MMA=0: the 32-head default
-HEADS_32_ONLY = ("HALF_MMA=1", "DESC_STEP=1")  # the 64-head default's
+             ("HALF_MMA=0", "DESC_STEP=1"))
+HEADS_64_ONLY = ("WEIGHTS_REG=1",)
 
 
 def _ab_builds(heads):
-    return [d for d in AB_BUILDS if not set(d) & set(HEADS_32_ONLY if heads == 64 else
-                                                     HEADS_64_ONLY)]
+    return [d for d in AB_BUILDS if heads == 64 or not set(d) & set(HEADS_64_ONLY)]
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC: {NVRTC}")
@@ -975,10 +972,6 @@ def test_ab_builds_compile_without_spills(defines, heads):
     compile time, naming itself."""
     extra = () if heads == ck.HEADS else (f"-DHEADS={heads}",)
     flags = tuple(f"-D{d}" for d in defines)
-    if set(defines) & set(HEADS_32_ONLY) and heads == 64:
-        pytest.skip("the 64-head default's own defines")
-    if set(defines) & {"HALF_MMA=0"} and heads == 32:
-        pytest.skip("the 32-head default's own define")
     if defines not in _ab_builds(heads):
         name = next(d for d in defines if d in HEADS_64_ONLY).partition("=")[0]
         with pytest.raises(RuntimeError, match=f"{name} is a build of "):

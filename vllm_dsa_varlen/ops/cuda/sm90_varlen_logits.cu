@@ -17,8 +17,8 @@
 // int32 [R, 8] rows (first row, rows, KV length, first item, items, block-table
 // row), the CTA's first segment and item range.  A/B builds (the macros
 // below; each must write the default build's bits): RAMP, STAGES, NUM_MATH=3
-// (three math warpgroups, 152 registers) with WEIGHTS_REG, HALF_MMA (the
-// 64-head default; 0 there, with or without DESC_STEP), DESC_STEP, STAMPS.
+// (three math warpgroups, 152 registers) with WEIGHTS_REG, HALF_MMA=0 (with
+// or without DESC_STEP), STAMPS.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -66,11 +66,12 @@ typedef unsigned char u8;
 #endif
 #define RG (128 / HEADS)   // rows per row group
 #ifndef HALF_MMA      // 1: a row group with absent rows (a chunk's last) runs its QK wgmma
-#define HALF_MMA (HEADS == 64 && NUM_MATH == 4 && STAGES == 3)  // over
-#endif                // half its columns where its present rows fit there (m64n64): the
-                      // 64-head default; off in the A/B builds of other ring / warpgroup
-                      // shapes and at 32 heads (1-2 of 4 rows; an A/B build): its copies
-                      // serialise some of those
+#define HALF_MMA (NUM_MATH == 4 && STAGES == 3 && !STAMPS)  // over half its columns
+#endif                // where its present rows fit there (m64n64: a 64-head half group, 1-2
+                      // of 4 rows at 32 heads): the default; off in the A/B builds of other
+                      // ring / warpgroup shapes and the stamped ones, some of whose wgmmas
+                      // serialise with it (the host's build_cubin drops it where the
+                      // default's would)
 #ifndef DESC_STEP     // 1: a wgmma chain's descriptors as its first ones plus 2 a step (32
 #define DESC_STEP HALF_MMA  // bytes along K: the start-address field, 16-byte units) instead
 #endif                // of each built from its address (fewer uniform ops; HALF_MMA's
