@@ -8,9 +8,10 @@
 // warpgroups.  A CTA's items (pages of its segments, in order) go to math
 // warpgroup i % 4; each keeps one 64 x 128 fp32 accumulator (tokens on M, a row
 // group on N: two query rows x 64 heads, or four x 32 with HEADS=32) and runs
-// the segment's row groups one after the other: wgmma, then relu * weight
-// summed over each row's heads (in the thread, then across the 4 lanes of a
-// quad; a chunk's last group with absent rows skips their part), times the
+// the segment's row groups one after the other: wgmma (m64n64 over a chunk's
+// last group's present rows where they fit half of it: HALF_MMA), then relu *
+// weight summed over each row's heads (in the thread, then across the 4 lanes
+// of a quad; a chunk's last group with absent rows skips their part), times the
 // token's scale, stored where the row may look.  The HEAD_SUM_TC build sums
 // over heads on the tensor cores instead (group_logit_tc).  Segments come from
 // the planner (a run's chunk of <= 2 row groups and a range of its pages):
