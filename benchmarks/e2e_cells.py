@@ -270,9 +270,8 @@ def windows_table(got: dict, graph_mode: str, root: str = "") -> str:
                        and x["graph_mode"] == graph_mode and x.get("indexer_us") is not None]
                 if not [x for x in got.get((k, b, p), []) if "window" in x or "skipped" not in x]:
                     continue  # a cell no run reached (B64 x 32K)
-                stock, plugin = ([x for x in ran if x["window"] == m][-1:] or [None]
+                stock, plugin = (next((x for x in reversed(ran) if x["window"] == m), None)
                                  for m in ("stock", "plugin"))
-                stock, plugin = stock[0], plugin[0]
                 sources |= {w["source"] for w in (stock, plugin) if w}
 
                 def col(key, fmt, scale=1.0):

@@ -28,7 +28,7 @@ accumulation error, which every path shares):
 * ``tf32_trunc``: both operands truncated to TF32 (float32 registers handed
   to the tensor core unconverted: no conversion instruction at all);
 * ``bf16``: both operands rounded to bfloat16, for comparison;
-* ``abs_split``: ``relu(x) = (x + |x|) / 2`` (:func:`..reference.head_sum_abs_split`):
+* ``abs_split``: ``relu(x) = (x + |x|) / 2`` (:func:`head_sum_abs_split`):
   the absolute part in float32 (an FMA with the operand's absolute value,
   no max), the linear part as the token's dot with ``sum_h w[h] q[h]`` in
   three e4m3 parts (fp8 tensor-core products); ``abs_split2``: two parts;
@@ -53,13 +53,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import (FP8_MAX, SPLIT_PARTS, head_sum_abs_split, head_sum_tf32, round_bf16,
-                        round_tf32, truncate_tf32)
+from .reference import FP8_MAX, head_sum_tf32, round_bf16, round_tf32, truncate_tf32
 
 HEAD_SUMS = ("fp32", "tf32", "tf32_round", "tf32_trunc", "bf16", "abs_split", "abs_split2",
              "fp64")
 TOPK = 2048
 CONTRACT_KEEP = 0.999  # the share of the fp32 path's top-k every row must keep
+# fp8 parts of a row's linear query in the abs-split head sum (:func:`split_query_fp8`)
+SPLIT_PARTS = 3
 
 
 # ------------------------------------------------------------------ inputs
@@ -135,6 +136,50 @@ def deepgemm_inputs(rows: int = 4, context: int = 8192, *, heads: int = 64, dim:
 
 
 # --------------------------------------------------------------- head sums
+
+def linear_query(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``q'[r] = sum_h w[r, h] * q[r, h]`` (float64 ``[R, D]``) from ``q [R, H, D]``
+    (fp8 values) and ``w [R, H]``: the query whose dot with a token is the
+    linear part of the head sum, ``sum_h w[h] * (q[h] . k)``."""
+    return (w.double()[:, :, None] * q.double()).sum(dim=1)
+
+
+def split_query_fp8(qp: torch.Tensor, parts: int = SPLIT_PARTS):
+    """``qp [R, D]`` as ``parts`` e4m3 parts with a float32 scale each, the next
+    part quantising what the ones before left (per row, scale ``amax / 448``):
+    ``(values [R, parts, D]`` float32 holding e4m3 values, ``scales [R,
+    parts]`` float32``)``; ``sum_j values[:, j] * scales[:, j]`` is ``qp`` to
+    about 12 bits with three parts.  A row of zeros gives zero scales."""
+    rest = qp.double()
+    values, scales = [], []
+    for _ in range(parts):
+        amax = rest.abs().amax(dim=-1, keepdim=True)
+        scale = (amax / FP8_MAX).float()
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
+        v = (rest / safe).float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        v = torch.where(scale > 0, v, torch.zeros_like(v))
+        values.append(v)
+        scales.append(scale.squeeze(-1))
+        rest = rest - v.double() * scale.double()
+    return torch.stack(values, dim=1), torch.stack(scales, dim=1)
+
+
+def head_sum_abs_split(qk: torch.Tensor, w: torch.Tensor, q: torch.Tensor,
+                       k: torch.Tensor, parts: int = SPLIT_PARTS) -> torch.Tensor:
+    """``sum_h relu(qk[r, h, n]) * w[r, h]`` as ``(sum_h |qk| * w + sum_h qk *
+    w) / 2`` (``relu(x) = (x + |x|) / 2``): the first sum in float32 (one FMA a
+    head with the operand's absolute value: no max), the second, linear in
+    ``q . k``, as ``k . q'`` with ``q' = sum_h w[h] q[h]`` (:func:`linear_query`)
+    in ``parts`` e4m3 parts (:func:`split_query_fp8`): each part's dot with the
+    fp8 ``k`` exact and rounded once to float32 (an fp8 tensor-core product),
+    times its scale, summed in float32.  ``qk [R, H, N]`` float32, ``w [R, H]``,
+    ``q [R, H, D]``, ``k [N, D]`` (fp8 values); returns float32 ``[R, N]``."""
+    absolute = (qk.float().abs() * w.float()[:, :, None]).sum(dim=1)
+    values, scales = split_query_fp8(linear_query(q, w), parts)
+    dots = torch.einsum("rjd,nd->rjn", values.double(), k.double()).float()
+    linear = (dots * scales[:, :, None]).sum(dim=1)
+    return 0.5 * (absolute + linear)
+
 
 def qk_fp32(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``q . k`` ``[R, H, N]``: exact (float64) and rounded once to float32."""

@@ -22,12 +22,7 @@ CUDA kernel's tensor-core head sum (its ``HEAD_SUM_TC`` build,
 :func:`head_sum_tf32`): ``relu(q . k)`` rounded to TF32 (10 stored mantissa
 bits, round to nearest even: :func:`round_tf32`), the weights carried as two
 TF32 parts (``hi = round(w)``, ``lo = round(w - hi)``), the products exact,
-each part's sum float32, their sum times the token's scale;
-``head_sum="abs_split"`` (:func:`head_sum_abs_split`; a head sum of the
-precision study, ops/head_sum_precision.py, that no kernel computes) uses
-``relu(x) = (x + |x|) / 2``: the absolute part summed in float32 (no max
-instruction), the linear part as the token's dot with the row's weighted query
-sum carried in three fp8 parts.
+each part's sum float32, their sum times the token's scale.
 """
 
 from __future__ import annotations
@@ -35,9 +30,7 @@ from __future__ import annotations
 import torch
 
 FP8_MAX = 448.0
-HEAD_SUMS = ("fp32", "tf32", "abs_split")
-# fp8 parts of a row's linear query in the abs-split head sum (:func:`split_query_fp8`)
-SPLIT_PARTS = 3
+HEAD_SUMS = ("fp32", "tf32")
 
 # TF32 keeps float32's sign and 8 exponent bits and the top 10 of its 23
 # mantissa bits; the low 13 bits of the 32-bit word are dropped.
@@ -113,50 +106,6 @@ def head_sum_tf32(qk: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             + (a * lo.double()[..., None]).sum(dim=-2).float())
 
 
-def linear_query(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``q'[r] = sum_h w[r, h] * q[r, h]`` (float64 ``[R, D]``) from ``q [R, H, D]``
-    (fp8 values) and ``w [R, H]``: the query whose dot with a token is the
-    linear part of the head sum, ``sum_h w[h] * (q[h] . k)``."""
-    return (w.double()[:, :, None] * q.double()).sum(dim=1)
-
-
-def split_query_fp8(qp: torch.Tensor, parts: int = SPLIT_PARTS):
-    """``qp [R, D]`` as ``parts`` e4m3 parts with a float32 scale each, the next
-    part quantising what the ones before left (per row, scale ``amax / 448``):
-    ``(values [R, parts, D]`` float32 holding e4m3 values, ``scales [R,
-    parts]`` float32``)``; ``sum_j values[:, j] * scales[:, j]`` is ``qp`` to
-    about 12 bits with three parts.  A row of zeros gives zero scales."""
-    rest = qp.double()
-    values, scales = [], []
-    for _ in range(parts):
-        amax = rest.abs().amax(dim=-1, keepdim=True)
-        scale = (amax / FP8_MAX).float()
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
-        v = (rest / safe).float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-        v = torch.where(scale > 0, v, torch.zeros_like(v))
-        values.append(v)
-        scales.append(scale.squeeze(-1))
-        rest = rest - v.double() * scale.double()
-    return torch.stack(values, dim=1), torch.stack(scales, dim=1)
-
-
-def head_sum_abs_split(qk: torch.Tensor, w: torch.Tensor, q: torch.Tensor,
-                       k: torch.Tensor, parts: int = SPLIT_PARTS) -> torch.Tensor:
-    """``sum_h relu(qk[r, h, n]) * w[r, h]`` as ``(sum_h |qk| * w + sum_h qk *
-    w) / 2`` (``relu(x) = (x + |x|) / 2``): the first sum in float32 (one FMA a
-    head with the operand's absolute value: no max), the second, linear in
-    ``q . k``, as ``k . q'`` with ``q' = sum_h w[h] q[h]`` (:func:`linear_query`)
-    in ``parts`` e4m3 parts (:func:`split_query_fp8`): each part's dot with the
-    fp8 ``k`` exact and rounded once to float32 (an fp8 tensor-core product),
-    times its scale, summed in float32.  ``qk [R, H, N]`` float32, ``w [R, H]``,
-    ``q [R, H, D]``, ``k [N, D]`` (fp8 values); returns float32 ``[R, N]``."""
-    absolute = (qk.float().abs() * w.float()[:, :, None]).sum(dim=1)
-    values, scales = split_query_fp8(linear_query(q, w), parts)
-    dots = torch.einsum("rjd,nd->rjn", values.double(), k.double()).float()
-    linear = (dots * scales[:, :, None]).sum(dim=1)
-    return 0.5 * (absolute + linear)
-
-
 def _row_logits(q_rows, weights_rows, values, scales, bt_row, kv_len, page, dtype,
                 head_sum="fp32"):
     """Logits ``[n_rows, kv_len]`` of rows sharing one request's KV."""
@@ -167,8 +116,6 @@ def _row_logits(q_rows, weights_rows, values, scales, bt_row, kv_len, page, dtyp
     qk = torch.einsum("rhd,nd->rhn", q_rows.to(dtype), k)
     if head_sum == "tf32":
         return head_sum_tf32(qk, weights_rows) * s.float()[None, :]
-    if head_sum == "abs_split":
-        return head_sum_abs_split(qk, weights_rows, q_rows, k) * s.float()[None, :]
     return (qk.relu() * weights_rows.to(dtype)[:, :, None]).sum(dim=1) * s[None, :]
 
 
@@ -189,9 +136,8 @@ def paged_mqa_logits_ref(
     ``compute_dtype``)."""
     if head_sum not in HEAD_SUMS:
         raise ValueError(f"head_sum: expected one of {HEAD_SUMS}, got {head_sum!r}")
-    if head_sum != "fp32" and compute_dtype != torch.float32:
-        raise ValueError(f"compute_dtype: the {head_sum} head sum takes float32 q . k, "
-                         f"got {compute_dtype}")
+    if head_sum == "tf32" and compute_dtype != torch.float32:
+        raise ValueError(f"compute_dtype: the tf32 head sum takes float32 q . k, got {compute_dtype}")
     values, scales = split_fused_kv(kv_cache)
     page = values.shape[1]
     batch, next_n, heads, _ = q.shape
