@@ -49,6 +49,14 @@ def test_per_step_sums_the_paths_each_line_takes():
                   if native and not variable and tokens <= 2 else flat)
         assert got["stock 0.27"] == want27
         assert got["plugin / stock 0.33"] == got["plugin"] / want33
+        assert "plugin, own top-k" not in got
+    # the project's top-k beside vLLM's: a second plugin figure, stock unchanged
+    res = _times(**{"dg-native4": 77.0, "topk-rows-ours": 4.0})
+    got = variants.per_step(res, "default", 4, False, layers)
+    own = res["plan"] + layers * (res["default"] + 4.0)
+    assert got["plugin, own top-k"] == own
+    assert got["stock 0.33"] == res["dg-meta"] + layers * (77.0 + res["topk-padded"])
+    assert got["plugin, own top-k / stock 0.33"] == own / got["stock 0.33"]
     # without DeepGEMM only the plugin's figure
     res = {"default": 10.0, "plan": 5.0, "topk-rows": 3.0}
     assert variants.per_step(res, "default", 4, False, 2) == {"plugin": 5.0 + 2 * 13.0}

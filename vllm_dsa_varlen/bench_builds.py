@@ -255,7 +255,28 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048):
               f"sets agree with torch.topk {min(agree):.4f} (worst of {len(agree)} rows)",
               flush=True)
         calls[name] = fn
+        calls[name + "-ours"] = own_topk_call(torch, name, logits, lens, k)
     return calls
+
+
+def own_topk_call(torch, name, logits, lens, k):
+    """This project's decode top-k (:func:`.ops.cuda_topk.decode_topk`) on the
+    same rows, checked against the reference's contract on every eighth row
+    first (``SystemExit`` where it fails)."""
+    from .ops.cuda_topk import decode_topk
+    from .ops.reference import topk_selection_ok
+
+    out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=logits.device)
+    fn = lambda: decode_topk(logits, lens, k, out=out)  # noqa: E731
+    fn()
+    some = torch.arange(0, logits.shape[0], 8, device=logits.device)
+    errors = topk_selection_ok(logits[some].cpu(), lens.reshape(-1)[some].cpu(), k,
+                               out[some].cpu())
+    print(f"  {name}-ours (decode_topk): {len(errors)} of {some.numel()} rows off the "
+          f"contract{': ' + errors[0] if errors else ''}", flush=True)
+    if errors:
+        raise SystemExit(f"decode_topk failed its check on {name}")
+    return fn
 
 
 def per_step(res: dict, ours: str, tokens: int, variable: bool, layers: int) -> dict:
@@ -266,6 +287,8 @@ def per_step(res: dict, ours: str, tokens: int, variable: bool, layers: int) -> 
     flattened otherwise; ``stock 0.27``: native for 1 and 2 tokens, flattened
     otherwise (DeepGEMM 2.8's kernels standing in for 0.27's 2.6.1)."""
     got = {"plugin": res["plan"] + layers * (res[ours] + res["topk-rows"])}
+    if "topk-rows-ours" in res:  # the plugin with this project's top-k too
+        got["plugin, own top-k"] = res["plan"] + layers * (res[ours] + res["topk-rows-ours"])
     if "dg-flat" not in res:
         return got
     meta = res["dg-meta"]
@@ -282,6 +305,8 @@ def per_step(res: dict, ours: str, tokens: int, variable: bool, layers: int) -> 
     else:
         got["stock 0.27"] = flat
     for k in ("stock 0.33", "stock 0.27"):
-        got[f"plugin / {k}"] = got["plugin"] / got[k]
+        for mine in ("plugin", "plugin, own top-k"):
+            if mine in got:
+                got[f"{mine} / {k}"] = got[mine] / got[k]
     return got
 

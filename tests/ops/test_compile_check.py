@@ -40,7 +40,8 @@ def test_every_portable_variant_compiles(compiled_variants):
     assert {(r["heads"], r["arch"], r["pairs"]) for r in portable} == {
         (h, a, p) for h in (32, 64) for a in (89, 90, 100, 120) for p in (1, 2)}
     assert not any(r["local"] for r in portable)
-    assert {r["kernel"] for r in rows} <= {"portable", "cuda_sm90", "cuda_plan_sm90"}
+    assert {r["kernel"] for r in rows} <= {"portable", "cuda_sm90", "cuda_plan_sm90",
+                                           "cuda_topk"}
 
 
 def test_the_cuda_builds_compile_without_spills(compiled_variants):
@@ -56,6 +57,8 @@ def test_the_cuda_builds_compile_without_spills(compiled_variants):
          (32, ["EVICT_FIRST=1", "HEADS=32"])])
     assert set(ck.LAUNCHER_HEADS) == {32, 64}
     assert all(r["ok"] and r["spills"] == 0 and r["cubin_bytes"] > 0 for r in cuda), cuda
+    topk = [r for r in rows if r["kernel"] == "cuda_topk"]
+    assert len(topk) == 1 and topk[0]["ok"] and topk[0]["spills"] == 0, topk
 
 
 def test_the_planner_builds_for_both_head_counts_without_spills(compiled_variants):

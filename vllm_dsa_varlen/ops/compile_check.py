@@ -1,7 +1,7 @@
 """Compile the kernels for a GPU target without a GPU: the portable Triton
 kernel through ``triton.compile`` with an explicit ``GPUTarget`` (its ``asm``
 holds TTGIR / PTX, ``n_regs`` is unset without a driver), the sm_90 CUDA
-kernel and its schedule planner through NVRTC.  What the CPU tests use to prove every variant builds
+kernel, its schedule planner and the decode top-k through NVRTC.  What the CPU tests use to prove every variant builds
 with the Triton and NVRTC installed."""
 
 from __future__ import annotations
@@ -49,6 +49,14 @@ def compile_plan_sm90(heads: int) -> dict:
     return _ptxas_report(*cp.compile_cubin(extra=("--ptxas-options=-v",), heads=heads))
 
 
+def compile_topk() -> dict:
+    """The decode top-k kernel through NVRTC (``sm_90a``): its registers and
+    spills as ptxas reports them."""
+    from . import cuda_topk as ct
+
+    return _ptxas_report(*ct.compile_cubin(extra=("--ptxas-options=-v",)))
+
+
 def _ptxas_report(cubin: bytes, log: str) -> dict:
     import re
 
@@ -85,15 +93,17 @@ def main() -> int:
         jobs += [("cuda_sm90", h, ck.defines_for(n) + (() if h == ck.HEADS else (f"HEADS={h}",)),
                   {}) for h in ck.LAUNCHER_HEADS for n in (1, ck.ROWS_MAX)]
         jobs += [("cuda_plan_sm90", h, cp.defines_for(h), {}) for h in cp.HEAD_COUNTS]
+        jobs += [("cuda_topk", None, (), {})]
     jobs += [("portable", h, arch, v) for h in (32, 64) for arch in (89, 90, 100, 120)
              for v in portable.portable_variants(h)]
     for job in jobs:
         row = {"kernel": job[0], "heads": job[1]}
         try:
-            if job[0] in ("cuda_sm90", "cuda_plan_sm90"):
+            if job[0] in ("cuda_sm90", "cuda_plan_sm90", "cuda_topk"):
                 row["defines"] = list(job[2])
                 row.update(compile_cuda_sm90(job[2]) if job[0] == "cuda_sm90"
-                           else compile_plan_sm90(job[1]))
+                           else compile_plan_sm90(job[1]) if job[0] == "cuda_plan_sm90"
+                           else compile_topk())
                 row["ok"] = row["spills"] == 0
                 failed += not row["ok"]
                 print(json.dumps(row), flush=True)

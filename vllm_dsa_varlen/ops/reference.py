@@ -207,3 +207,50 @@ def valid_mask(context_lens: torch.Tensor, max_context_len: int,
         ctx = torch.minimum(ctx, ctx[last])
     cols = torch.arange(max_context_len, device=ctx.device)
     return cols[None, :] < ctx[:, None]
+
+
+def topk_ref(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """The indexer's decode top-k: per row ``r`` the columns of the ``k``
+    largest of ``logits[r, :lengths[r]]`` (``torch.topk``), int32 ``[R, k]``;
+    a row with ``length <= k`` gets ``0 .. length - 1``, then ``-1``.  Order
+    and the choice among values tied at the k-th are not part of the
+    contract (:func:`topk_selection_ok` checks a result against it).
+    ``lengths``: ``R`` integers in any shape, clamped to ``[0, width]``."""
+    rows, width = logits.shape
+    lens = lengths.reshape(-1).long().clamp(0, width).tolist()
+    out = torch.full((rows, k), -1, dtype=torch.int32, device=logits.device)
+    for r, n in enumerate(lens):
+        if n <= k:
+            out[r, :n] = torch.arange(n, dtype=torch.int32, device=logits.device)
+        else:
+            out[r] = torch.topk(logits[r, :n], k).indices.to(torch.int32)
+    return out
+
+
+def topk_selection_ok(logits: torch.Tensor, lengths: torch.Tensor, k: int,
+                      got: torch.Tensor) -> list[str]:
+    """What is wrong with ``got`` as the top-k of :func:`topk_ref`'s contract
+    (empty: nothing): per row, ``min(length, k)`` distinct columns below the
+    row's length then ``-1`` in the remaining slots (any order), and the
+    selected values, sorted, equal :func:`topk_ref`'s (so every selected
+    value is at least every unselected one; ties chosen freely)."""
+    rows, width = logits.shape
+    lens = lengths.reshape(-1).long().clamp(0, width).tolist()
+    ref = topk_ref(logits, lengths, k)
+    errors = []
+    for r, n in enumerate(lens):
+        row = got[r].long()
+        want = min(n, k)
+        sel = row[row >= 0]
+        if (row == -1).sum() != k - want or sel.numel() != want:
+            errors.append(f"row {r}: {sel.numel()} columns selected and "
+                          f"{int((row == -1).sum())} -1 slots, want {want} and {k - want}")
+            continue
+        if want and (sel.max() >= n or sel.unique().numel() != want):
+            errors.append(f"row {r}: a column repeated or past the length {n}")
+            continue
+        mine = logits[r, sel].sort().values
+        theirs = logits[r, ref[r, :want].long()].sort().values
+        if not torch.equal(mine, theirs):
+            errors.append(f"row {r}: selected values differ from torch.topk's")
+    return errors

@@ -1,0 +1,252 @@
+"""The decode top-k kernel (ops/cuda_topk.py, cuda/decode_topk.cu) against
+the torch reference's contract (``reference.topk_ref``,
+``topk_selection_ok``): on the CPU a host model of the kernel's radix select
+(its digits, bin search, early stop and tie slots) on random rows of many
+value distributions, the launcher's checks and kernel arguments against the
+kernel's signature, its NVRTC build; on an sm_90 GPU the kernel itself into
+poisoned outputs (rows staged in shared memory and rows read from global
+memory, aligned and unaligned rows, ties, infinities, every length edge,
+k of 2048, 512 and 7) and inside a CUDA-graph replay with new contents."""
+
+from __future__ import annotations
+
+import ctypes
+import zlib
+
+import pytest
+import torch
+
+from vllm_dsa_varlen.ops import cuda_binding as cb
+from vllm_dsa_varlen.ops import cuda_topk as ct
+from vllm_dsa_varlen.ops.reference import topk_ref, topk_selection_ok
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+POISON = -7
+
+NVRTC = None
+try:
+    cb.nvrtc()
+except OSError as exc:  # pragma: no cover - depends on the environment
+    NVRTC = str(exc)
+
+KINDS = ("normal", "positive", "ties", "equal", "inf", "narrow", "negative")
+
+
+def random_logits(kind: str, rows: int, width: int, gen: torch.Generator) -> torch.Tensor:
+    """float32 ``[rows, width]`` of one value distribution (CPU)."""
+    x = torch.randn(rows, width, generator=gen)
+    if kind == "positive":   # relu-weighted head sums: non-negative, few octaves
+        return x.abs() * 10
+    if kind == "ties":
+        return torch.randint(0, 40, (rows, width), generator=gen).float()
+    if kind == "equal":
+        return torch.ones(rows, width)
+    if kind == "inf":
+        x[torch.rand(rows, width, generator=gen) < 0.3] = float("-inf")
+        x[:, ::997] = float("inf")
+        return x
+    if kind == "narrow":     # one exponent and the top mantissa bits shared
+        return 1000 + x * 1e-4
+    if kind == "negative":
+        return -x.abs() - 1
+    return x * 3
+
+
+def random_lengths(rows: int, width: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """int32 ``[rows]``: every edge (0, 1, k - 1, k, k + 1, the width) then
+    random lengths."""
+    edges = [0, 1, k - 1, k, k + 1, width]
+    rnd = torch.randint(0, width + 1, (rows,), generator=gen)
+    out = [min(max(e, 0), width) for e in edges] + rnd.tolist()
+    return torch.tensor(out[:rows], dtype=torch.int32)
+
+
+# ------------------------------------------------------------ the host model
+
+def order_keys(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's order-preserving keys of float32 ``x`` (as int64)."""
+    b = x.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    return torch.where(b >= 0x80000000, (~b) & 0xFFFFFFFF, b | 0x80000000)
+
+
+def model_select(row: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The kernel's steps for one row (int32 ``[k]``): three 11/11/10-bit
+    digits, each histogram over the keys in the threshold's bin so far, the
+    bin holding the ``k - above``-th key found from the top, stopping when it
+    holds exactly the keys still needed; then every key above the threshold
+    prefix and the first ``k - above`` equal to it."""
+    out = torch.full((k,), -1, dtype=torch.int32)
+    if n <= k:
+        out[:n] = torch.arange(n, dtype=torch.int32)
+        return out
+    keys = order_keys(row[:n])
+    prefix, shift, above = 0, 32, 0
+    for sh, bits in ((21, 11), (10, 11), (0, 10)):
+        inside = keys[(keys >> shift) == prefix]
+        hist = torch.bincount((inside >> sh) & ((1 << bits) - 1), minlength=ct.BINS).tolist()
+        need, seen = k - above, 0
+        for b in range(ct.BINS - 1, -1, -1):
+            if seen < need <= seen + hist[b]:
+                break
+            seen += hist[b]
+        prefix, shift, above, in_bin = (prefix << bits) | b, sh, above + seen, hist[b]
+        if in_bin == k - above:
+            break
+    pre = keys >> shift
+    hi = torch.nonzero(pre > prefix).flatten()
+    eq = torch.nonzero(pre == prefix).flatten()[: k - above]
+    assert hi.numel() == above
+    out[:] = torch.cat([hi, eq]).to(torch.int32)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [2048, 7])
+def test_host_model_meets_the_contract(kind, k):
+    gen = torch.Generator().manual_seed(zlib.crc32(f'{kind} {k}'.encode()))
+    width = 9000
+    logits = random_logits(kind, 10, width, gen)
+    lens = random_lengths(10, width, k, gen)
+    got = torch.stack([model_select(logits[r], int(lens[r]), k) for r in range(10)])
+    assert topk_selection_ok(logits, lens, k, got) == []
+
+
+def test_the_checker_catches_wrong_selections():
+    """topk_selection_ok refuses a smaller value swapped in, a repeated or
+    out-of-range column, and a -1 slot too many."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 500, generator=gen)
+    lens = torch.tensor([500, 300, 20])
+    good = topk_ref(logits, lens, 16)
+    assert topk_selection_ok(logits, lens, 16, good) == []
+    worst = int(logits[0].argmin())
+    for bad_row in (worst, int(good[0, 1]), 600):
+        bad = good.clone()
+        bad[0, 0] = bad_row
+        assert topk_selection_ok(logits, lens, 16, bad)
+    bad = good.clone()
+    bad[2, 3] = -1
+    assert topk_selection_ok(logits, lens, 16, bad)
+
+
+# ------------------------------------------------------------ launcher, build
+
+def test_check_args_names_the_bad_argument():
+    logits = torch.zeros(4, 100)
+    lens = torch.full((4,), 50, dtype=torch.int32)
+    cases = [((logits.double(), lens, 8, None), "logits"),
+             ((logits.t(), torch.zeros(100, dtype=torch.int32), 8, None), "logits"),
+             ((logits, lens.float(), 8, None), "lengths"),
+             ((logits, lens[:3], 8, None), "lengths"),
+             ((logits, lens, 0, None), "k"),
+             ((logits, lens, True, None), "k"),
+             ((logits, lens, 8, torch.zeros(4, 8)), "out"),
+             ((logits, lens, 8, torch.zeros(4, 9, dtype=torch.int32)), "out"),
+             ((logits, lens, 8, torch.zeros(8, 4, dtype=torch.int32).t()), "out")]
+    for args, name in cases:
+        with pytest.raises(ValueError, match=f"^{name}: expected"):
+            ct.check_args(*args)
+    with pytest.raises(ValueError, match="^logits: expected a CUDA tensor"):
+        ct.decode_topk(logits, lens, 8)
+    flat = ct.check_args(logits, lens.long().view(2, 2), 8, None)
+    assert flat.dtype == torch.int32 and flat.shape == (4,) and flat.is_contiguous()
+    ct.check_args(logits, lens, 8, torch.zeros(4, 20, dtype=torch.int32)[:, :8])
+
+
+def test_kernel_args_match_the_signature():
+    with open(ct.SOURCE) as f:
+        src = f.read()
+    start = src.index("(", src.index(ct.KERNEL_NAME.decode() + "("))
+    sizes = {"int": 4, "i64": 8}
+    want = []
+    for p in src[start + 1:src.index(")", start)].split(","):
+        words = [w for w in p.replace("*", " * ").split() if w not in ("const", "__restrict__")]
+        want.append((words[-1], 8 if "*" in words else sizes[" ".join(words[:-1])]))
+    args = ct.kernel_args(0x1000, 4096, 0x2000, 4000, 2048, 0x3000, 2048, 4000)
+    assert [(n, ctypes.sizeof(v)) for n, v in args.items()] == want
+
+
+def test_shared_memory_fits_at_every_width():
+    for width in (1, 3, 4, 2048, 56015, 56016, 56017, 163840, 2**31 - 1):
+        stage = ct.stage_for(width)
+        assert stage % 4 == 0 and stage >= min(width, ct.MAX_STAGE)
+        assert ct.smem_bytes(width) <= ct.MAX_SMEM and ct.HEADER_BYTES % 16 == 0
+
+
+@pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
+def test_nvrtc_builds_the_kernel_without_spills():
+    from vllm_dsa_varlen.ops.compile_check import compile_topk
+
+    report = compile_topk()
+    assert report["spills"] == 0 and report["registers"] <= 64, report
+
+
+# ------------------------------------------------------------ on the GPU
+
+def _run_poisoned(logits, lens, k, extra_cols=5):
+    buf = torch.full((logits.shape[0] + 1, k + extra_cols), POISON, dtype=torch.int32,
+                     device="cuda")
+    ct.decode_topk(logits, lens, k, out=buf[:-1, :k])
+    torch.cuda.synchronize()
+    assert (buf[:, k:] == POISON).all() and (buf[-1] == POISON).all(), "written outside out"
+    return buf[:-1, :k]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("width", [3000, 33000, 60000])
+@pytest.mark.parametrize("k", [2048, 512, 7])
+def test_kernel_meets_the_contract(kind, width, k):
+    """Rows staged in shared memory (3000, 33000 columns) and read again from
+    global memory (60000 > MAX_STAGE)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f'{kind} {width} {k}'.encode()))
+    rows = 12
+    logits = random_logits(kind, rows, width, gen)
+    lens = random_lengths(rows, width, k, gen)
+    got = _run_poisoned(logits.cuda(), lens.cuda(), k)
+    assert topk_selection_ok(logits, lens, k, got.cpu()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_unaligned_rows_and_wide_lengths(offset):
+    """Rows that start off a 16-byte boundary (odd strides, a sliced start),
+    lengths as int64 ``[B, next_n]``, lengths past the width (clamped) and
+    negative (0)."""
+    gen = torch.Generator().manual_seed(offset)
+    base = torch.randn(9, 20001 + offset, generator=gen) * 5
+    logits = base[:, offset:offset + 20000 - offset]  # stride 20001 + offset
+    lens = torch.randint(0, 20000, (3, 3), generator=gen)
+    lens[0, 0], lens[0, 1] = 10**6, -5
+    got = _run_poisoned(logits.cuda(), lens.cuda(), 2048)
+    assert topk_selection_ok(logits, lens, 2048, got.cpu()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_replays_in_a_graph_with_new_contents():
+    rows, width, k = 64, 40000, 2048
+    logits = torch.empty(rows, width, device="cuda")
+    lens = torch.empty(rows, dtype=torch.int32, device="cuda")
+    out = torch.full((rows, k), POISON, dtype=torch.int32, device="cuda")
+    logits.normal_()
+    lens.fill_(width)
+    ct.decode_topk(logits, lens, k, out=out)  # load before capture
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        ct.decode_topk(logits, lens, k, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(100 + seed)
+        host = random_logits(KINDS[seed], rows, width, gen)
+        hl = random_lengths(rows, width, k, gen)
+        logits.copy_(host)
+        lens.copy_(hl)
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert topk_selection_ok(host, hl, k, out.cpu()) == []

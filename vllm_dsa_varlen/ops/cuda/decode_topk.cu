@@ -1,0 +1,203 @@
+// The indexer's decode top-k: per row r, the column indices of the k largest
+// of logits[r, 0 : len[r]] (fp32), written to out[r, 0 : k] in no particular
+// order; a row with len <= k gets 0 .. len - 1 and then -1.  Ties at the k-th
+// value are broken arbitrarily (any k of the tied columns).  Loaded by
+// vllm_dsa_varlen/ops/cuda_topk.py (NVRTC, sm_90a), which checks the inputs;
+// ops/reference.py (topk_ref) defines the result.
+//
+// One CTA of THREADS threads per row, an exact radix select on the logits'
+// order-preserving 32-bit keys (negative floats bit-flipped, positive ones
+// with the sign bit set: unsigned order = float order), most significant
+// digit first:
+//   1. the row is read once from global memory (16-byte loads where the row
+//      start is aligned), its keys staged in shared memory when it has at
+//      most `stage` columns (the launcher sizes the stage from the logits'
+//      width, a shape fact: graph safe), and a histogram of the top DIGIT0
+//      bits made with shared-memory atomics;
+//   2. a block-wide suffix sum over the bins finds the bin that holds the
+//      k-th largest key: `above` keys lie in higher bins; if the bin holds
+//      exactly the `k - above` keys still needed, the threshold is found;
+//      else the next digit is histogrammed over the keys in that bin only
+//      (staged keys, or the row read again), down to the full key;
+//   3. one pass writes the selected columns: every key whose prefix is above
+//      the threshold's, and the first `k - above` keys equal to it (a
+//      counter), to slots given out per warp (ballot + one atomic).
+// Every loop runs the same trip count in every thread (a function of the
+// row's length), so the warp-wide ballots see full warps.  Nothing leaves the
+// GPU; rows are independent, the grid is the row count.
+
+typedef unsigned int u32;
+typedef long long i64;
+
+#define THREADS 1024
+#define WARPS (THREADS / 32)
+#define BINS 2048                 // 11-bit digits: 11 + 11 + 10 = 32
+#define FULL 0xffffffffu
+
+__device__ __forceinline__ u32 order_key(float x) {
+  u32 b = __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// The pass's digit: shift and width of digit p (0, 1, 2) of a 32-bit key.
+__device__ __forceinline__ int digit_shift(int p) { return p == 0 ? 21 : p == 1 ? 10 : 0; }
+
+// Four consecutive keys from column i (i % 4 == 0) of the row: `valid` of
+// them in range (0..4).
+struct Keys4 { u32 k[4]; };
+
+__device__ __forceinline__ Keys4 load4_global(const float* __restrict__ row, int i, int n,
+                                              bool aligned) {
+  Keys4 r;
+  if (aligned && i + 3 < n) {
+    float4 v = __ldg(reinterpret_cast<const float4*>(row + i));
+    r.k[0] = order_key(v.x); r.k[1] = order_key(v.y);
+    r.k[2] = order_key(v.z); r.k[3] = order_key(v.w);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) r.k[j] = i + j < n ? order_key(__ldg(row + i + j)) : 0u;
+  }
+  return r;
+}
+
+__device__ __forceinline__ Keys4 load4_staged(const u32* __restrict__ keys, int i) {
+  uint4 v = *reinterpret_cast<const uint4*>(keys + i);
+  Keys4 r;
+  r.k[0] = v.x; r.k[1] = v.y; r.k[2] = v.z; r.k[3] = v.w;
+  return r;
+}
+
+// Block-wide: the bin of `hist` (BINS counters) holding the `need`-th
+// largest counted key; writes (bin, keys in higher bins, keys in the bin) to
+// sel[0..2].  Thread t owns bins BINS-1-2t and BINS-2-2t (descending).
+__device__ void find_bin(const int* __restrict__ hist, int need, int* __restrict__ warp_sums,
+                         int* __restrict__ sel) {
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int b0 = BINS - 1 - 2 * t, b1 = b0 - 1;
+  const int h0 = hist[b0], h1 = hist[b1];
+  int incl = h0 + h1;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    int v = __shfl_up_sync(FULL, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int w = warp_sums[lane];
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      int v = __shfl_up_sync(FULL, w, d);
+      if (lane >= d) w += v;
+    }
+    warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  const int before = (warp ? warp_sums[warp - 1] : 0) + incl - h0 - h1;
+  if (before < need && before + h0 >= need) {
+    sel[0] = b0; sel[1] = before; sel[2] = h0;
+  } else if (before + h0 < need && before + h0 + h1 >= need) {
+    sel[0] = b1; sel[1] = before + h0; sel[2] = h1;
+  }
+  __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restrict__ lens,
+            int width, int k, int* __restrict__ out, i64 out_stride, int stage) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  int* hist = reinterpret_cast<int*>(smem);               // BINS
+  int* warp_sums = hist + BINS;                           // WARPS
+  int* sel = warp_sums + WARPS;                           // bin, above, in bin, slots, ties
+  u32* keys = reinterpret_cast<u32*>(sel + 16);           // stage (16-byte aligned)
+
+  const int r = blockIdx.x, t = threadIdx.x, lane = t & 31;
+  int n = lens[r];
+  n = n < 0 ? 0 : n > width ? width : n;
+  int* __restrict__ orow = out + (i64)r * out_stride;
+  if (n <= k) {
+    for (int i = t; i < k; i += THREADS) orow[i] = i < n ? i : -1;
+    return;
+  }
+  const float* __restrict__ row = logits + (i64)r * row_stride;
+  const bool aligned = (reinterpret_cast<unsigned long long>(row) & 15) == 0;
+  const bool staged = n <= stage;
+  const int span = 4 * THREADS;                            // columns per loop trip
+  const int trips = (n + span - 1) / span;
+
+  // Pass 0: read the row, stage its keys, histogram the top digit.
+  for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
+  __syncthreads();
+  for (int it = 0; it < trips; ++it) {
+    const int i = it * span + 4 * t;
+    if (i < n) {
+      Keys4 v = load4_global(row, i, n, aligned);
+      if (staged) *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (i + j < n) atomicAdd(&hist[v.k[j] >> 21], 1);
+    }
+  }
+  __syncthreads();
+  find_bin(hist, k, warp_sums, sel);
+
+  // Narrow the threshold digit by digit until its bin holds exactly the keys
+  // still needed or the whole key is fixed.
+  u32 prefix = (u32)sel[0];        // the threshold key's top bits so far
+  int shift = 21;                  // prefix = key >> shift
+  int above = sel[1];              // keys with a larger prefix
+  int in_bin = sel[2];
+  for (int p = 1; p < 3 && in_bin != k - above; ++p) {
+    const int next = digit_shift(p);
+    for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
+    __syncthreads();
+    for (int it = 0; it < trips; ++it) {
+      const int i = it * span + 4 * t;
+      if (i < n) {
+        Keys4 v = staged ? load4_staged(keys, i) : load4_global(row, i, n, aligned);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (i + j < n && (v.k[j] >> shift) == prefix)
+            atomicAdd(&hist[(v.k[j] >> next) & ((1u << (shift - next)) - 1)], 1);
+      }
+    }
+    __syncthreads();
+    find_bin(hist, k - above, warp_sums, sel);
+    prefix = (prefix << (shift - next)) | (u32)sel[0];
+    shift = next;
+    above += sel[1];
+    in_bin = sel[2];
+  }
+
+  // Select: prefix above the threshold's, or equal and among the first
+  // k - above such keys.  Slots: [0, above) for the former, [above, k) for
+  // the latter, handed out per warp.
+  const int ties = k - above;
+  if (t == 0) { sel[3] = 0; sel[4] = 0; }
+  __syncthreads();
+  const u32 lt = (1u << lane) - 1;
+  for (int it = 0; it < trips; ++it) {
+    const int i = it * span + 4 * t;
+    Keys4 v;
+    if (i < n) v = staged ? load4_staged(keys, i) : load4_global(row, i, n, aligned);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const bool in = i + j < n;
+      const u32 pre = in ? v.k[j] >> shift : 0u;
+      const bool hi = in && pre > prefix, eq = in && pre == prefix;
+      const u32 mhi = __ballot_sync(FULL, hi), meq = __ballot_sync(FULL, eq);
+      int base_hi = 0, base_eq = 0;
+      if (lane == 0) {
+        if (mhi) base_hi = atomicAdd(&sel[3], __popc(mhi));
+        if (meq) base_eq = atomicAdd(&sel[4], __popc(meq));
+      }
+      base_hi = __shfl_sync(FULL, base_hi, 0);
+      base_eq = __shfl_sync(FULL, base_eq, 0);
+      if (hi) orow[base_hi + __popc(mhi & lt)] = i + j;
+      if (eq) {
+        const int slot = base_eq + __popc(meq & lt);
+        if (slot < ties) orow[above + slot] = i + j;
+      }
+    }
+  }
+}

@@ -1,0 +1,165 @@
+"""The indexer's decode top-k in one launch (``cuda/decode_topk.cu``).
+
+:func:`decode_topk` writes, per row, the columns of the ``k`` largest
+logits among the row's first ``lengths[r]`` (an exact radix select, one CTA
+per row; the source says how), the contract of vLLM's decode top-k ops
+(``persistent_topk``, ``cooperative_topk``): int32 ``[R, k]``, no order, a
+row with ``length <= k`` gets ``0 .. length - 1`` and then ``-1``; ties at
+the k-th value broken arbitrarily.  :func:`.reference.topk_ref` defines it.
+
+Graph safe: the grid is the row count, the shared memory a function of the
+logits' width (:func:`stage_for`: rows up to that many columns are staged in
+shared memory, longer ones read again from global memory), nothing depends
+on tensor contents; no host sync.  Lengths past the width are clamped to it,
+negative ones to 0 (the kernel cannot raise).  Compiled by NVRTC and loaded
+through the driver (:mod:`.cuda_binding`) once per process and device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import torch
+
+from . import cuda_binding as cb
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "decode_topk.cu")
+KERNEL_NAME = b"decode_topk"
+THREADS = 1024
+BINS = 2048
+HEADER_BYTES = 4 * (BINS + 32 + 16)  # histogram, warp sums, selection words
+MAX_SMEM = 227 * 1024                # sm_90's dynamic shared memory per CTA
+MAX_STAGE = (MAX_SMEM - HEADER_BYTES) // 16 * 4  # staged columns, a multiple of 4
+
+_lock = threading.Lock()
+_LOADED: dict = {}
+
+_stream = cb.current_stream
+_current_device = cb.current_device
+
+
+def _fail(name: str, expected: str, got) -> None:
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def stage_for(width: int) -> int:
+    """Columns a row may have to be staged in shared memory, for logits
+    ``width`` columns wide: the width rounded up to 4, at most
+    :data:`MAX_STAGE`."""
+    return min((int(width) + 3) // 4 * 4, MAX_STAGE)
+
+
+def smem_bytes(width: int) -> int:
+    """Dynamic shared memory of a launch over logits ``width`` columns wide."""
+    return HEADER_BYTES + 4 * stage_for(width)
+
+
+def compile_cubin(arch: str = cb.ARCH, extra: tuple = ()) -> tuple[bytes, str]:
+    """The kernel by NVRTC (no GPU needed): ``(cubin, log)``."""
+    return cb.compile_source(SOURCE, arch, tuple(extra))
+
+
+class _Loaded:
+    def __init__(self, device: torch.device):
+        cubin, _ = compile_cubin()
+        self.fn, self.ctx, self.module = cb.load_function(cb.driver(), device, cubin,
+                                                          KERNEL_NAME, MAX_SMEM)
+
+
+def load(device) -> _Loaded:
+    """Compile (NVRTC) and load the kernel on ``device`` once per process."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    got = _LOADED.get(index)
+    if got is None:
+        with _lock:
+            got = _LOADED.get(index)
+            if got is None:
+                got = _LOADED[index] = _Loaded(torch.device("cuda", index))
+    return got
+
+
+def kernel_args(logits: int, row_stride: int, lens: int, width: int, k: int, out: int,
+                out_stride: int, stage: int) -> dict:
+    """The kernel's parameters by name, in its order (``decode_topk`` in the
+    source; a test compares), as the ctypes values ``cuLaunchKernel`` copies."""
+    c = ctypes
+    return {"logits": c.c_uint64(logits), "row_stride": c.c_int64(row_stride),
+            "lens": c.c_uint64(lens), "width": c.c_int32(width), "k": c.c_int32(k),
+            "out": c.c_uint64(out), "out_stride": c.c_int64(out_stride),
+            "stage": c.c_int32(stage)}
+
+
+def check_args(logits: torch.Tensor, lengths: torch.Tensor, k: int,
+               out: torch.Tensor | None) -> torch.Tensor:
+    """Validate :func:`decode_topk`'s arguments but their device being a GPU
+    (``ValueError`` naming the argument); returns the lengths as contiguous int32 ``[R]`` (converted
+    where they are another integer dtype or layout)."""
+    if not isinstance(logits, torch.Tensor):
+        _fail("logits", "a tensor", type(logits))
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        _fail("logits", "float32 [rows, width]", f"{logits.dtype} {tuple(logits.shape)}")
+    if logits.shape[1] and logits.stride(1) != 1:
+        _fail("logits", "unit column stride", logits.stride())
+    rows, width = logits.shape
+    if width >= 2**31 or (rows and logits.stride(0) < width):
+        _fail("logits", "rows of fewer than 2^31 columns, not overlapping", logits.stride())
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < 2**31:
+        _fail("k", "an int >= 1", k)
+    if not isinstance(lengths, torch.Tensor) or lengths.device != logits.device:
+        _fail("lengths", f"a tensor on {logits.device}", getattr(lengths, "device",
+                                                                  type(lengths)))
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool or lengths.is_complex():
+        _fail("lengths", "an integer tensor", lengths.dtype)
+    if lengths.numel() != rows:
+        _fail("lengths", f"{rows} values (one per row)", tuple(lengths.shape))
+    flat = lengths.reshape(-1)
+    if flat.dtype != torch.int32:
+        flat = flat.to(torch.int32)
+    if flat.stride(0) != 1:
+        flat = flat.contiguous()
+    if out is not None:
+        if (not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or out.dim() != 2
+                or out.shape[0] != rows or out.shape[1] != k or out.device != logits.device
+                or (k > 1 and out.stride(1) != 1) or (rows > 1 and out.stride(0) < k)):
+            _fail("out", f"int32 [{rows}, {k}] on {logits.device}, unit column stride",
+                  f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))} "
+                  f"stride {out.stride() if isinstance(out, torch.Tensor) else None}")
+    return flat
+
+
+def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The columns of each row's ``k`` largest logits, int32 ``[R, k]``, from
+    one launch on the current stream.  ``logits``: float32 ``[R, W]`` on an
+    sm_90 GPU, unit column stride (any row stride); ``lengths``: an integer
+    tensor of ``R`` values (e.g. ``[R]``, ``[R, 1]`` or ``[B, next_n]`` with
+    ``B * next_n == R``: row ``r`` reads ``lengths.reshape(-1)[r]``); ``out``:
+    int32 ``[R, k]``, unit column stride (e.g. a view of a wider buffer),
+    written in place."""
+    if not isinstance(logits, torch.Tensor) or not logits.is_cuda:
+        _fail("logits", "a CUDA tensor", getattr(logits, "device", type(logits)))
+    flat = check_args(logits, lengths, k, out)
+    rows, width = logits.shape
+    dev = logits.device
+    if out is None:
+        out = torch.empty((rows, k), dtype=torch.int32, device=dev)
+    if rows == 0:
+        return out
+    kern = load(dev)
+    stage = stage_for(width)
+    vals = kernel_args(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
+                       out.data_ptr(), out.stride(0) if rows > 1 else k, stage)
+    array = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals.values()])
+    index = dev.index if dev.index is not None else _current_device()
+    if _current_device() == index:
+        cb.launch_function(cb.driver(), kern.fn, kern.ctx, rows, THREADS, smem_bytes(width),
+                           _stream(index), ctypes.addressof(array))
+    else:
+        with torch.cuda.device(index):
+            cb.launch_function(cb.driver(), kern.fn, kern.ctx, rows, THREADS,
+                               smem_bytes(width), _stream(index), ctypes.addressof(array))
+    del flat  # a converted copy lived until the launch was queued
+    return out
