@@ -144,6 +144,12 @@ PATCHES: tuple[Patch, ...] = (
           "by the schedule tensor) to DeepGEMM-with-indices or the project's varlen "
           "kernel; untagged calls (every call in `stock` mode) are stock's call through "
           "the DeepGEMM adapter", api=True),
+    Patch(_SAI, "torch", f"{_OUR_SAI}:torch_with_own_topk",
+          "the decode top-k is `torch.ops._C.persistent_topk` / `cooperative_topk` reached "
+          "through this module global: a view of torch whose two top-k ops run the "
+          "project's top-k kernel where it serves (vllm_dsa_varlen.topk: sm_90, "
+          "VLLM_DSA_VARLEN_TOPK=auto), the same op otherwise; every other name is torch's",
+          wraps=True),
     Patch(_IX, "get_paged_mqa_logits_metadata", f"{_OUR_IX}:get_paged_mqa_logits_metadata",
           "the builder's build() calls this module global: during a varlen build pass "
           "the step's run ids to DeepGEMM's scheduler (Triton needs no schedule)"),
@@ -179,10 +185,19 @@ PATCHES: tuple[Patch, ...] = (
           "to the project's varlen kernel; every other call is stock's, `indices` passed "
           "through",
           upstream=_V033, wraps=True),
+    Patch(_SAI, "get_indexer_topk", f"{_OUR_SAI_33}:wrap_get_indexer_topk",
+          "the indexer op looks this module global up per call for its decode top-k: with "
+          "the `auto` backend the project's top-k kernel runs first where it serves "
+          "(vllm_dsa_varlen.topk: sm_90, VLLM_DSA_VARLEN_TOPK=auto), vLLM's otherwise",
+          upstream=_V033, wraps=True),
     Patch(_GLM5N, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI_33}:wrap_paged_mqa_logits",
           "GLM-5-Next's indexer op (NVIDIA) has its own copy of the decode call on the "
           "same builder's metadata: the same dispatch, so its varlen steps reach the "
           "project's kernel instead of DeepGEMM with ids it cannot take on SM90",
+          upstream=_V033, wraps=True),
+    Patch(_GLM5N, "get_indexer_topk", f"{_OUR_SAI_33}:wrap_get_indexer_topk",
+          "GLM-5-Next's indexer op (NVIDIA) looks its own copy of this global up for its "
+          "decode top-k: the same choice",
           upstream=_V033, wraps=True),
     Patch(_IX, "DeepseekV32IndexerMetadataBuilder.__init__", f"{_OUR_IX_33}:wrap_init",
           "decide once whether the project's varlen kernel serves this builder (SM100 with "

@@ -22,6 +22,13 @@ run ids ride on ``schedule_metadata`` (:mod:`vllm_dsa_varlen.varlen_ids`):
   (FP8 cache only; an MXFP4 step raises);
 * no tag: exactly the stock call (through :mod:`vllm_dsa_varlen.vllm_0_27.utils.deep_gemm`,
   which passes stock's arguments unchanged).
+
+The decode top-k after it is ``torch.ops._C.persistent_topk`` or
+``cooperative_topk``, reached through the module global ``torch``:
+:func:`torch_with_own_topk` replaces that global with a view of ``torch``
+whose ``ops._C`` sends those two calls to :func:`vllm_dsa_varlen.topk.dispatch`
+(the project's top-k where it serves, else the same op); every other name is
+torch's own.
 """
 
 from __future__ import annotations
@@ -84,3 +91,54 @@ def fp8_fp4_paged_mqa_logits(
                                                indices=ids)
     return _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
                           max_model_len, clean_logits, tag.max_run_len, tag.schedules)
+
+
+class _TopkOps:
+    """``torch.ops._C`` as the indexer op sees it: its two decode top-k ops
+    (``(logits, seq_lens, topk_indices, workspace, k, max_seq_len)``) go
+    through :func:`vllm_dsa_varlen.topk.dispatch`; the rest is ``_C``'s."""
+
+    def __init__(self, ops):
+        self._ops = ops
+
+    def persistent_topk(self, logits, seq_lens, topk_indices, workspace, k, max_seq_len):
+        from vllm_dsa_varlen import topk
+
+        topk.dispatch(logits, seq_lens, topk_indices, k, lambda: self._ops._C.persistent_topk(
+            logits, seq_lens, topk_indices, workspace, k, max_seq_len))
+
+    def cooperative_topk(self, logits, seq_lens, topk_indices, workspace, k, max_seq_len):
+        from vllm_dsa_varlen import topk
+
+        topk.dispatch(logits, seq_lens, topk_indices, k, lambda: self._ops._C.cooperative_topk(
+            logits, seq_lens, topk_indices, workspace, k, max_seq_len))
+
+    def __getattr__(self, name):
+        return getattr(self._ops._C, name)
+
+
+class _Ops:
+    def __init__(self, ops):
+        self._C = _TopkOps(ops)
+        self._ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+
+class _Torch:
+    """``torch`` for the indexer op's module: ``ops._C``'s decode top-k ops
+    dispatched (:class:`_TopkOps`), every other attribute torch's."""
+
+    def __init__(self, torch_module):
+        self._torch = torch_module
+        self.ops = _Ops(torch_module.ops)
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
+def torch_with_own_topk(original):
+    """Factory: the module global ``torch`` of vLLM 0.27.1's indexer op
+    module, replaced by :class:`_Torch` around the original."""
+    return _Torch(original)

@@ -89,3 +89,39 @@ def wrap_paged_mqa_logits(original: Callable[..., Any]) -> Callable[..., Any]:
                              max_model_len, tag.max_run_len, tag.schedules)
 
     return fp8_fp4_paged_mqa_logits
+
+
+class _DecodeTopk:
+    """vLLM's decode top-k module for one backend, called as the indexer op
+    calls it, with the project's top-k first in line (:func:`vllm_dsa_varlen.topk.dispatch`)."""
+
+    def __init__(self, stock: Callable[..., Any]):
+        self.stock = stock
+
+    def __call__(self, logits, seq_lens, next_n, topk_indices, topk_tokens, max_seq_len):
+        from vllm_dsa_varlen import topk
+
+        topk.dispatch(logits, seq_lens, topk_indices, topk_tokens,
+                      lambda: self.stock(logits, seq_lens, next_n, topk_indices, topk_tokens,
+                                         max_seq_len))
+
+    def __getattr__(self, name: str) -> Any:  # resolve_backend, ... of stock's module
+        return getattr(self.stock, name)
+
+
+def wrap_get_indexer_topk(original: Callable[[str], Any]) -> Callable[[str], Any]:
+    """Factory: the op module's ``get_indexer_topk(backend)`` (stock caches
+    one top-k module per backend) around stock's ``original``: the configured
+    ``auto`` backend gets the project's top-k where it serves
+    (:mod:`vllm_dsa_varlen.topk`); a backend the user named is stock's."""
+    cache: dict[str, Any] = {}
+
+    @functools.wraps(original)
+    def get_indexer_topk(backend: str):
+        got = cache.get(backend)
+        if got is None:
+            stock = original(backend)
+            got = cache[backend] = _DecodeTopk(stock) if backend == "auto" else stock
+        return got
+
+    return get_indexer_topk

@@ -1,0 +1,117 @@
+"""The decode top-k choice (vllm_dsa_varlen/topk.py): the setting, the pure
+per-device decision, the per-call layout check, and the dispatch (the
+project's kernel where it serves, vLLM's call otherwise, with its own
+arguments)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_dsa_varlen import topk
+from vllm_dsa_varlen.ops import cuda_topk
+from vllm_dsa_varlen.ops.reference import topk_ref, topk_selection_ok
+
+
+def test_read_topk():
+    assert topk.read_topk({}) == "auto"
+    assert topk.read_topk({topk.TOPK_ENV: " VLLM "}) == "vllm"
+    with pytest.raises(ValueError, match=topk.TOPK_ENV):
+        topk.read_topk({topk.TOPK_ENV: "cuda"})
+
+
+def test_choose_topk_table():
+    own = dict(mode="auto", setting="auto", capability=(9, 0), kernel_error=None)
+    assert topk.choose_topk(**own).own
+    for change, words in [({"mode": "off"}, "VLLM_DSA_VARLEN=off"),
+                          ({"mode": "stock"}, "VLLM_DSA_VARLEN=stock"),
+                          ({"setting": "vllm"}, "VLLM_DSA_VARLEN_TOPK=vllm"),
+                          ({"capability": (10, 0)}, "sm_100"),
+                          ({"capability": (8, 9)}, "sm_89"),
+                          ({"capability": None}, "unknown"),
+                          ({"kernel_error": "OSError: no NVRTC"}, "no NVRTC")]:
+        got = topk.choose_topk(**{**own, **change})
+        assert not got.own and words in got.reason, (change, got)
+
+
+def _call(rows=6, width=300, k=16, gen=None):
+    gen = gen or torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, width, generator=gen)
+    lens = torch.randint(0, width + 1, (rows, 1), generator=gen, dtype=torch.int32)
+    out = torch.full((rows, k + 4), -7, dtype=torch.int32)[:, :k]
+    return logits, lens, out, k
+
+
+def test_layout_ok_accepts_the_indexer_ops_calls_and_refuses_others():
+    logits, lens, out, k = _call()
+    assert topk.layout_ok(logits, lens, out, k)
+    assert topk.layout_ok(logits, lens.view(3, 2).long(), out, k)  # [B, next_n], int64
+    assert not topk.serves(logits, lens, out, k)  # a CPU tensor: never the kernel
+    bad = [(logits.double(), lens, out, k), (logits.t().contiguous().t(), lens, out, k),
+           (logits, lens.float(), out, k), (logits, lens[:5], out, k),
+           (logits, lens, out.long(), k), (logits, lens, out[:, :8], k),
+           (logits, lens, out, 0), (logits, lens, out, True), (logits[0], lens, out, k),
+           (logits, lens, torch.zeros(k, 6, dtype=torch.int32).t(), k)]
+    for args in bad:
+        assert not topk.layout_ok(*args), [getattr(a, "shape", a) for a in args]
+
+
+@pytest.fixture
+def kernel_here(monkeypatch):
+    """The dispatch as on an sm_90 GPU with the kernel loaded, on CPU
+    tensors: serves() = layout_ok(), the decision 'own', and a stand-in for
+    the kernel that writes the reference's selection (calls recorded)."""
+    calls = []
+
+    def fake(logits, lengths, k, out=None):
+        calls.append(logits)
+        out.copy_(topk_ref(logits, lengths, k))
+        return out
+
+    monkeypatch.setattr(topk, "serves", topk.layout_ok)
+    monkeypatch.setattr(topk, "decide", lambda index: topk.TopkChoice(True, "test"))
+    monkeypatch.setattr(cuda_topk, "decode_topk", fake)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return calls
+
+
+def test_dispatch_takes_the_kernel_where_it_serves(kernel_here):
+    logits, lens, out, k = _call()
+    stock = []
+    topk.dispatch(logits, lens, out, k, lambda: stock.append(1))
+    assert stock == [] and len(kernel_here) == 1
+    assert topk_selection_ok(logits, lens, k, out) == []
+
+
+def test_dispatch_leaves_other_calls_to_stock(kernel_here, monkeypatch):
+    logits, lens, out, k = _call()
+    stock = []
+    topk.dispatch(logits.double(), lens, out, k, lambda: stock.append(1))
+    monkeypatch.setattr(topk, "decide", lambda index: topk.TopkChoice(False, "test"))
+    topk.dispatch(logits, lens, out, k, lambda: stock.append(2))
+    assert stock == [1, 2] and kernel_here == []
+    assert (out == -7).all()
+
+
+def test_decide_once_per_device_from_the_environment(monkeypatch):
+    """decide() reads the settings and the device once, logs, and caches;
+    VLLM_DSA_VARLEN_TOPK=vllm never loads the kernel."""
+    topk.reset()
+    loads = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(cuda_topk, "load", lambda device: loads.append(device))
+    monkeypatch.setenv(topk.TOPK_ENV, "vllm")
+    assert not topk.decide(3).own and loads == []
+    monkeypatch.setenv(topk.TOPK_ENV, "auto")
+    assert not topk.decide(3).own  # cached
+    topk.reset()
+    assert topk.decide(3).own and len(loads) == 1
+    topk.reset()
+
+    def broken(device):
+        raise OSError("no NVRTC library")
+
+    monkeypatch.setattr(cuda_topk, "load", broken)
+    got = topk.decide(0)
+    assert not got.own and "no NVRTC library" in got.reason
+    topk.reset()

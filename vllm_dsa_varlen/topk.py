@@ -1,0 +1,154 @@
+"""The indexer's decode top-k: this project's kernel in place of vLLM's where it serves.
+
+vLLM's decode top-k (``persistent_topk``, ``cooperative_topk`` from its
+``_C`` extension) reads the logits the indexer's decode kernel wrote, once
+per layer.  :func:`.ops.cuda_topk.decode_topk` meets the same contract
+(:func:`.ops.reference.topk_ref`) in one launch; BENCHMARKS.md times the two
+side by side.  ``VLLM_DSA_VARLEN_TOPK``:
+
+* ``auto`` (default): the project's top-k for every decode step on an sm_90
+  GPU where its kernel compiles and loads (NVRTC through ``cuda-python``),
+  whatever kernel wrote the logits; vLLM's elsewhere and for calls it does
+  not serve (:func:`serves`: float32 logits with unit column stride, one
+  length per row, an int32 output of ``[rows, k]``);
+* ``vllm``: vLLM's top-k always.
+
+``VLLM_DSA_VARLEN=off`` or ``stock`` keeps vLLM's too.  The decision per
+process and device is made once (:func:`choose_topk`, pure; logged once),
+the per-call check reads tensor metadata only (no sync, graph safe).  The
+vLLM-line modules call :func:`dispatch` from their patched call sites.
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+from .config import MODE_ENV, read_mode
+
+TOPK_ENV = "VLLM_DSA_VARLEN_TOPK"
+TOPK_SETTINGS = ("auto", "vllm")
+CAPABILITY = (9, 0)
+
+logger = logging.getLogger("vllm.dsa_varlen")
+
+
+def read_topk(environ: Mapping[str, str] | None = None) -> str:
+    """``VLLM_DSA_VARLEN_TOPK`` -> ``"auto"`` | ``"vllm"`` (unset or empty:
+    ``"auto"``); ``ValueError`` naming the variable otherwise."""
+    env = os.environ if environ is None else environ
+    raw = env.get(TOPK_ENV)
+    if raw is None or raw.strip() == "":
+        return "auto"
+    value = raw.strip().lower()
+    if value not in TOPK_SETTINGS:
+        raise ValueError(f"{TOPK_ENV}={raw!r} is not valid: expected one of "
+                         f"{', '.join(TOPK_SETTINGS)} (default auto)")
+    return value
+
+
+@dataclass(frozen=True)
+class TopkChoice:
+    """Whether the project's top-k serves a device (``own``) and why."""
+
+    own: bool
+    reason: str
+
+
+def choose_topk(*, mode: str, setting: str, capability: tuple[int, int] | None,
+                kernel_error: str | None) -> TopkChoice:
+    """The top-k for a device (pure): vLLM's under ``VLLM_DSA_VARLEN=off`` /
+    ``stock`` or ``VLLM_DSA_VARLEN_TOPK=vllm``, off sm_90, or where the
+    kernel failed to compile or load (``kernel_error``); the project's
+    otherwise."""
+    if mode in ("off", "stock"):
+        return TopkChoice(False, f"{MODE_ENV}={mode}")
+    if setting == "vllm":
+        return TopkChoice(False, f"{TOPK_ENV}=vllm")
+    if capability is None or tuple(capability) != CAPABILITY:
+        cap = "unknown" if capability is None else f"sm_{capability[0]}{capability[1]}"
+        return TopkChoice(False, f"the project's top-k kernel is built for sm_90 (device {cap})")
+    if kernel_error is not None:
+        return TopkChoice(False, f"the project's top-k kernel is unavailable: {kernel_error}")
+    return TopkChoice(True, "sm_90: one launch per layer (ops.cuda_topk)")
+
+
+_choices: dict[int, TopkChoice] = {}
+_lock = threading.Lock()
+
+
+def decide(index: int) -> TopkChoice:
+    """:func:`choose_topk` for device ``index`` from the environment, once per
+    process (logged once)."""
+    got = _choices.get(index)
+    if got is not None:
+        return got
+    with _lock:
+        got = _choices.get(index)
+        if got is None:
+            mode, setting = read_mode(), read_topk()
+            capability = torch.cuda.get_device_capability(index)
+            error = None
+            if mode == "auto" and setting == "auto" and tuple(capability) == CAPABILITY:
+                try:
+                    from .ops import cuda_topk
+
+                    cuda_topk.load(torch.device("cuda", index))
+                except Exception as exc:  # noqa: BLE001 - any failure: vLLM's top-k
+                    error = f"{type(exc).__name__}: {exc}"
+            got = _choices[index] = choose_topk(mode=mode, setting=setting,
+                                                capability=capability, kernel_error=error)
+            logger.log(logging.WARNING if error else logging.INFO,
+                       "vllm-dsa-varlen: decode top-k on cuda:%d: %s (%s)", index,
+                       "the project's" if got.own else "vLLM's", got.reason)
+    return got
+
+
+def layout_ok(logits, lengths, out, k) -> bool:
+    """The call's tensors are laid out as the project's kernel takes them
+    (metadata only, any device): float32 ``[R, W]`` logits with unit column
+    stride, ``R`` integer lengths on the logits' device, int32 ``out`` of
+    ``[R, k]`` with unit column stride there, ``k >= 1``."""
+    return (isinstance(logits, torch.Tensor) and logits.dim() == 2
+            and logits.dtype == torch.float32 and logits.stride(1) == 1
+            and isinstance(lengths, torch.Tensor) and lengths.device == logits.device
+            and not lengths.dtype.is_floating_point and lengths.dtype != torch.bool
+            and lengths.numel() == logits.shape[0]
+            and isinstance(out, torch.Tensor) and out.dtype == torch.int32
+            and out.device == logits.device
+            and isinstance(k, int) and not isinstance(k, bool) and k >= 1
+            and tuple(out.shape) == (logits.shape[0], k) and (k < 2 or out.stride(1) == 1))
+
+
+def serves(logits, lengths, out, k) -> bool:
+    """:func:`layout_ok` on a CUDA device."""
+    return isinstance(logits, torch.Tensor) and logits.is_cuda and layout_ok(logits, lengths,
+                                                                            out, k)
+
+
+def dispatch(logits, lengths, out, k, stock: Callable[[], object]) -> None:
+    """The decode top-k of ``logits`` into ``out``: the project's kernel
+    where it serves this device and call, else ``stock()`` (vLLM's call,
+    its own arguments)."""
+    if serves(logits, lengths, out, k):
+        index = logits.device.index
+        if index is None:
+            index = torch.cuda.current_device()
+        if decide(index).own:
+            from .ops.cuda_topk import decode_topk
+
+            decode_topk(logits, lengths, k, out=out)
+            return
+    stock()
+
+
+def reset() -> None:
+    """Forget the per-device decisions (tests; a changed environment)."""
+    with _lock:
+        _choices.clear()
