@@ -78,13 +78,16 @@ def device():
 @pytest.fixture
 def clean_plugin(monkeypatch):
     """The plugin's env unset and its patch registry undone, before and after."""
-    from vllm_dsa_varlen import config, patches
+    from vllm_dsa_varlen import config, patches, topk
 
     monkeypatch.delenv(config.MODE_ENV, raising=False)
     monkeypatch.delenv(config.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(topk.TOPK_ENV, raising=False)
     patches.undo_all()
+    topk.reset()
     yield
     patches.undo_all()
+    topk.reset()
 
 
 @pytest.fixture

@@ -346,3 +346,45 @@ def test_triton_backend_clean_logits(monkeypatch):
                                step.max_context_len, ids)
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
     assert torch.all(logits[torch.arange(step.max_context_len)[None, :] >= ctx] == -math.inf)
+
+
+def test_the_op_modules_torch_sends_the_decode_topk_through_the_choice(monkeypatch):
+    """The indexer op module's ``torch`` global is a view of torch (every name
+    torch's) whose ``ops._C.persistent_topk`` / ``cooperative_topk`` go
+    through vllm_dsa_varlen.topk.dispatch: the project's kernel where it
+    serves, the op itself, with its own arguments, otherwise; undone, the
+    module's torch is torch again."""
+    from vllm_dsa_varlen import topk
+    from vllm_dsa_varlen.ops import cuda_topk
+    from vllm_dsa_varlen.ops.reference import topk_ref, topk_selection_ok
+
+    assert sai.torch is torch
+    patches.apply_all(line="0.27")
+    view = sai.torch
+    assert view is not torch and view.float32 is torch.float32 and view.Tensor is torch.Tensor
+    assert view.ops.aten is torch.ops.aten and view.cuda is torch.cuda
+    seen = []
+    fake_c = SimpleNamespace(
+        persistent_topk=lambda *a: seen.append(("persistent", a)),
+        cooperative_topk=lambda *a: seen.append(("cooperative", a)), other="other")
+    c_ops = ours._TopkOps(SimpleNamespace(_C=fake_c))
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 200, generator=gen)
+    lens = torch.tensor([[200], [7], [150], [0]], dtype=torch.int32)
+    out = torch.full((4, 16), -7, dtype=torch.int32)
+    work = torch.empty(8, dtype=torch.uint8)
+    c_ops.persistent_topk(logits, lens, out, work, 16, 200)  # a CPU call: the op's
+    c_ops.cooperative_topk(logits, lens, out, work, 16, 200)
+    assert [s[0] for s in seen] == ["persistent", "cooperative"]
+    assert all(s[1][0] is logits and s[1][3] is work and s[1][4:] == (16, 200) for s in seen)
+    assert c_ops.other == "other" and (out == -7).all()
+    # as on an sm_90 GPU with the kernel loaded: the kernel, not the op
+    monkeypatch.setattr(topk, "serves", topk.layout_ok)
+    monkeypatch.setattr(topk, "decide", lambda index: topk.TopkChoice(True, "test"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_topk, "decode_topk",
+                        lambda lg, ln, k, out=None: out.copy_(topk_ref(lg, ln, k)))
+    c_ops.persistent_topk(logits, lens, out, work, 16, 200)
+    assert len(seen) == 2 and topk_selection_ok(logits, lens, 16, out) == []
+    patches.undo_all()
+    assert sai.torch is torch

@@ -110,3 +110,38 @@ def test_bad_varlen_calls_fail_loudly(monkeypatch):
              indices=ids)
     with pytest.raises(RuntimeError, match="not the run ids"):
         call((q, None), kv, w, ctx, bt, schedule, max_model_len=128, indices=ids.clone())
+
+
+@pytest.mark.parametrize("module", [sai, glm], ids=["sparse_attn_indexer", "glm5next"])
+def test_decode_topk_goes_through_the_choice(monkeypatch, module):
+    """``get_indexer_topk("auto")`` gives stock's module behind the project's
+    choice (one per backend); a backend the user named is stock's own; a call
+    the kernel does not serve reaches stock's module with its own arguments,
+    one it serves (as on sm_90) the kernel; undone, stock's function."""
+    from vllm_dsa_varlen import topk
+    from vllm_dsa_varlen.ops import cuda_topk
+    from vllm_dsa_varlen.ops.reference import topk_ref, topk_selection_ok
+
+    stock_get = module.get_indexer_topk
+    patches.apply_all(line="0.33")
+    auto = module.get_indexer_topk("auto")
+    assert auto is module.get_indexer_topk("auto") and auto.stock is stock_get("auto")
+    assert module.get_indexer_topk("persistent") is stock_get("persistent")
+    assert auto.resolve_backend == stock_get("auto").resolve_backend
+    seen = []
+    monkeypatch.setattr(auto, "stock", lambda *a: seen.append(a))
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 300, generator=gen)
+    lens = torch.tensor([[300, 12], [299, 0]], dtype=torch.int32)  # [B, next_n]
+    out = torch.full((4, 32), -7, dtype=torch.int32)
+    auto(logits, lens, 2, out, 32, 300)  # a CPU call: stock's
+    assert len(seen) == 1 and seen[0][0] is logits and seen[0][2:] == (2, out, 32, 300)
+    monkeypatch.setattr(topk, "serves", topk.layout_ok)
+    monkeypatch.setattr(topk, "decide", lambda index: topk.TopkChoice(True, "test"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_topk, "decode_topk",
+                        lambda lg, ln, k, out=None: out.copy_(topk_ref(lg, ln, k)))
+    auto(logits, lens, 2, out, 32, 300)
+    assert len(seen) == 1 and topk_selection_ok(logits, lens, 32, out) == []
+    patches.undo_all()
+    assert module.get_indexer_topk is stock_get
