@@ -66,7 +66,10 @@ def test_per_step_sums_the_paths_each_line_takes():
                                         (["--topk-lib", "x.so"], "--topk-lib"),
                                         (["--layers", "3"], "--layers"),
                                         (["--rounds", "2"], "--rounds"),
-                                        (["--fixed-order"], "--fixed-order")])
+                                        (["--fixed-order"], "--fixed-order"),
+                                        (["--topk-builds", "default"], "--topk-builds"),
+                                        (["--builds", "default", "--topk-builds", "default"],
+                                         "--topk-builds")])
 def test_builds_options_only_with_builds(argv, flag, capsys):
     """The --builds options are refused without --builds (naming the flag),
     rather than silently ignored."""

@@ -546,6 +546,9 @@ def main(argv=None):
                         "top-k on each path's rows, and per-step figures")
     parser.add_argument("--layers", type=int, default=None,
                         help="--builds --topk-lib: indexer layers per decode step (default 61)")
+    parser.add_argument("--topk-builds", nargs="+", default=None,
+                        help="--builds --topk-lib: builds of this project's top-k kernel timed "
+                        "beside vLLM's (default: default; e.g. default SELECT_BALLOT=1)")
     parser.add_argument("--calls", type=int, default=None,
                         help="--launch-host: calls per timed round (default 50)")
     parser.add_argument("--fake", action="store_true", help="--launch-host: the launch on CPU "
@@ -561,6 +564,8 @@ def main(argv=None):
         ("--fixed-order", "--builds", args.fixed_order, bool(args.builds)),
         ("--topk-lib", "--builds", bool(args.topk_lib), bool(args.builds)),
         ("--layers", "--builds", args.layers is not None, bool(args.builds)),
+        ("--topk-builds", "--builds --topk-lib", args.topk_builds is not None,
+         bool(args.builds and args.topk_lib)),
         ("--calls", "--launch-host", args.calls is not None, args.launch_host),
         ("--fake", "--launch-host", args.fake, args.launch_host),
         ("--base", "--launch-host", bool(args.base), args.launch_host)) if given and not on]

@@ -131,7 +131,8 @@ def run(args) -> int:
         extra["plan"] = lambda: ck.plan(rows.indices, ctx, step.max_context_len,
                                         rows.block_table.shape[1], args.heads)
         if topk_ops is not None:
-            extra.update(topk_calls(torch, topk_ops, step, out, dg, sms))
+            extra.update(topk_calls(torch, topk_ops, step, out, dg, sms,
+                                    builds=getattr(args, "topk_builds", None) or ("default",)))
         calls.update(extra)
         times = {k: [] for k in calls}
         rounds = case_rounds(args.rounds, len(calls), args.fixed_order)
@@ -218,12 +219,15 @@ def load_topk(torch, lib):
     return torch.ops._C
 
 
-def topk_calls(torch, ops, step, out, dg, sms, k=2048):
+def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",)):
     """vLLM's decode top-k (``cooperative_topk`` up to 32 rows on sm_90, else
     ``persistent_topk``, as vLLM 0.27.1's indexer picks) on the step's varlen
     rows (``topk-rows``: what the plugin and stock's flattened call feed it) and
     on its padded native rows (``topk-padded``, next_n 4 or the uniform length
-    1/2/4); each checked against ``torch.topk`` on a few rows first."""
+    1/2/4); each checked against ``torch.topk`` on a few rows first; beside
+    each, this project's top-k in each of ``builds`` (``default`` or
+    ``MACRO=v+...`` of ``cuda/decode_topk.cu``: ``<layout>-ours`` for the
+    default, ``<layout>-ours[<build>]`` for another)."""
     rows = step.rows
     ctx2d = rows.context_lens.view(-1, 1).contiguous()
     width = out.shape[1]
@@ -255,11 +259,14 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048):
               f"sets agree with torch.topk {min(agree):.4f} (worst of {len(agree)} rows)",
               flush=True)
         calls[name] = fn
-        calls[name + "-ours"] = own_topk_call(torch, name, logits, lens, k)
+        for build in builds:
+            defines = parse_variant(build)[0]
+            label = name + "-ours" + (f"[{build}]" if defines else "")
+            calls[label] = own_topk_call(torch, label, logits, lens, k, defines)
     return calls
 
 
-def own_topk_call(torch, name, logits, lens, k):
+def own_topk_call(torch, name, logits, lens, k, defines=()):
     """This project's decode top-k (:func:`.ops.cuda_topk.decode_topk`) on the
     same rows, checked against the reference's contract on every eighth row
     first (``SystemExit`` where it fails)."""
@@ -267,12 +274,12 @@ def own_topk_call(torch, name, logits, lens, k):
     from .ops.reference import topk_selection_ok
 
     out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=logits.device)
-    fn = lambda: decode_topk(logits, lens, k, out=out)  # noqa: E731
+    fn = lambda: decode_topk(logits, lens, k, out=out, defines=defines)  # noqa: E731
     fn()
     some = torch.arange(0, logits.shape[0], 8, device=logits.device)
     errors = topk_selection_ok(logits[some].cpu(), lens.reshape(-1)[some].cpu(), k,
                                out[some].cpu())
-    print(f"  {name}-ours (decode_topk): {len(errors)} of {some.numel()} rows off the "
+    print(f"  {name} (decode_topk): {len(errors)} of {some.numel()} rows off the "
           f"contract{': ' + errors[0] if errors else ''}", flush=True)
     if errors:
         raise SystemExit(f"decode_topk failed its check on {name}")

@@ -183,10 +183,10 @@ def test_nvrtc_builds_the_kernel_without_spills():
 
 # ------------------------------------------------------------ on the GPU
 
-def _run_poisoned(logits, lens, k, extra_cols=5):
+def _run_poisoned(logits, lens, k, extra_cols=5, defines=()):
     buf = torch.full((logits.shape[0] + 1, k + extra_cols), POISON, dtype=torch.int32,
                      device="cuda")
-    ct.decode_topk(logits, lens, k, out=buf[:-1, :k])
+    ct.decode_topk(logits, lens, k, out=buf[:-1, :k], defines=defines)
     torch.cuda.synchronize()
     assert (buf[:, k:] == POISON).all() and (buf[-1] == POISON).all(), "written outside out"
     return buf[:-1, :k]
@@ -206,6 +206,19 @@ def test_kernel_meets_the_contract(kind, width, k):
     lens = random_lengths(rows, width, k, gen)
     got = _run_poisoned(logits.cuda(), lens.cuda(), k)
     assert topk_selection_ok(logits, lens, k, got.cpu()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("kind", ["positive", "ties", "narrow"])
+@pytest.mark.parametrize("width", [33000, 60000])
+def test_ab_build_meets_the_contract(kind, width):
+    """The SELECT_BALLOT=1 build (slots per key by ballots) as the default."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"ballot {kind} {width}".encode()))
+    logits = random_logits(kind, 12, width, gen)
+    lens = random_lengths(12, width, 2048, gen)
+    got = _run_poisoned(logits.cuda(), lens.cuda(), 2048, defines=("SELECT_BALLOT=1",))
+    assert topk_selection_ok(logits, lens, 2048, got.cpu()) == []
 
 
 @pytest.mark.gpu

@@ -62,22 +62,25 @@ def compile_cubin(arch: str = cb.ARCH, extra: tuple = ()) -> tuple[bytes, str]:
 
 
 class _Loaded:
-    def __init__(self, device: torch.device):
-        cubin, _ = compile_cubin()
+    def __init__(self, device: torch.device, defines: tuple = ()):
+        cubin, _ = compile_cubin(extra=tuple(f"-D{d}" for d in defines))
         self.fn, self.ctx, self.module = cb.load_function(cb.driver(), device, cubin,
                                                           KERNEL_NAME, MAX_SMEM)
 
 
-def load(device) -> _Loaded:
-    """Compile (NVRTC) and load the kernel on ``device`` once per process."""
+def load(device, defines: tuple = ()) -> _Loaded:
+    """Compile (NVRTC) and load the kernel on ``device`` once per process
+    and build (``defines``: macros of the source's A/B builds, e.g.
+    ``("SELECT_BALLOT=1",)``; the default build takes none)."""
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    got = _LOADED.get(index)
+    key = (index, tuple(defines))
+    got = _LOADED.get(key)
     if got is None:
         with _lock:
-            got = _LOADED.get(index)
+            got = _LOADED.get(key)
             if got is None:
-                got = _LOADED[index] = _Loaded(torch.device("cuda", index))
+                got = _LOADED[key] = _Loaded(torch.device("cuda", index), tuple(defines))
     return got
 
 
@@ -131,14 +134,14 @@ def check_args(logits: torch.Tensor, lengths: torch.Tensor, k: int,
 
 
 def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, defines: tuple = ()) -> torch.Tensor:
     """The columns of each row's ``k`` largest logits, int32 ``[R, k]``, from
     one launch on the current stream.  ``logits``: float32 ``[R, W]`` on an
     sm_90 GPU, unit column stride (any row stride); ``lengths``: an integer
     tensor of ``R`` values (e.g. ``[R]``, ``[R, 1]`` or ``[B, next_n]`` with
     ``B * next_n == R``: row ``r`` reads ``lengths.reshape(-1)[r]``); ``out``:
     int32 ``[R, k]``, unit column stride (e.g. a view of a wider buffer),
-    written in place."""
+    written in place; ``defines``: an A/B build (:func:`load`)."""
     if not isinstance(logits, torch.Tensor) or not logits.is_cuda:
         _fail("logits", "a CUDA tensor", getattr(logits, "device", type(logits)))
     flat = check_args(logits, lengths, k, out)
@@ -148,7 +151,7 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
         out = torch.empty((rows, k), dtype=torch.int32, device=dev)
     if rows == 0:
         return out
-    kern = load(dev)
+    kern = load(dev, defines)
     stage = stage_for(width)
     vals = kernel_args(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
                        out.data_ptr(), out.stride(0) if rows > 1 else k, stage)

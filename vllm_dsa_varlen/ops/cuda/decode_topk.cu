@@ -20,8 +20,9 @@
 //      else the next digit is histogrammed over the keys in that bin only
 //      (staged keys, or the row read again), down to the full key;
 //   3. one pass writes the selected columns: every key whose prefix is above
-//      the threshold's, and the first `k - above` keys equal to it (a
-//      counter), to slots given out per warp (ballot + one atomic).
+//      the threshold's, and the first `k - above` keys equal to it, to slots
+//      given out per warp and trip (a warp scan of the threads' counts, one
+//      atomic).
 // Every loop runs the same trip count in every thread (a function of the
 // row's length), so the warp-wide ballots see full warps.  Nothing leaves the
 // GPU; rows are independent, the grid is the row count.
@@ -33,6 +34,10 @@ typedef long long i64;
 #define WARPS (THREADS / 32)
 #define BINS 2048                 // 11-bit digits: 11 + 11 + 10 = 32
 #define FULL 0xffffffffu
+
+#ifndef SELECT_BALLOT
+#define SELECT_BALLOT 0           // 1: the select pass hands out slots per key (two ballots)
+#endif
 
 __device__ __forceinline__ u32 order_key(float x) {
   u32 b = __float_as_uint(x);
@@ -108,7 +113,7 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   extern __shared__ __align__(16) unsigned char smem[];
   int* hist = reinterpret_cast<int*>(smem);               // BINS
   int* warp_sums = hist + BINS;                           // WARPS
-  int* sel = warp_sums + WARPS;                           // bin, above, in bin, slots, ties
+  int* sel = warp_sums + WARPS;                           // bin, above, in bin, slot counters
   u32* keys = reinterpret_cast<u32*>(sel + 16);           // stage (16-byte aligned)
 
   const int r = blockIdx.x, t = threadIdx.x, lane = t & 31;
@@ -171,10 +176,12 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
 
   // Select: prefix above the threshold's, or equal and among the first
   // k - above such keys.  Slots: [0, above) for the former, [above, k) for
-  // the latter, handed out per warp.
+  // the latter.
   const int ties = k - above;
   if (t == 0) { sel[3] = 0; sel[4] = 0; }
   __syncthreads();
+#if SELECT_BALLOT
+  // Per key: two ballots, lane 0 takes the warp's slots (one atomic each).
   const u32 lt = (1u << lane) - 1;
   for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * t;
@@ -200,4 +207,51 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
       }
     }
   }
+#else
+  // Per trip: a thread's four keys' counts (above, equal; <= 4 each) packed
+  // in one word, an exclusive warp scan of it, lane 31 takes the warp's
+  // slots of both kinds with one 64-bit atomic (sel[3..4]: above in the low
+  // word, equal in the high one; a warp adds at most 128 of each per trip).
+  unsigned long long* slots = reinterpret_cast<unsigned long long*>(sel + 4);
+  if (t == 0) *slots = 0ull;
+  __syncthreads();
+  for (int it = 0; it < trips; ++it) {
+    const int i = it * span + 4 * t;
+    u32 mhi = 0, meq = 0;
+    if (i < n) {
+      Keys4 v = staged ? load4_staged(keys, i) : load4_global(row, i, n, aligned);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u32 pre = v.k[j] >> shift;
+        if (i + j < n) {
+          mhi |= (u32)(pre > prefix) << j;
+          meq |= (u32)(pre == prefix) << j;
+        }
+      }
+    }
+    const u32 mine = (u32)__popc(mhi) | ((u32)__popc(meq) << 16);
+    u32 incl = mine;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const u32 x = __shfl_up_sync(FULL, incl, d);
+      if (lane >= d) incl += x;
+    }
+    unsigned long long base = 0;
+    if (lane == 31 && incl)
+      base = atomicAdd(slots, (unsigned long long)(incl & 0xffffu) |
+                                  ((unsigned long long)(incl >> 16) << 32));
+    base = __shfl_sync(FULL, base, 31);
+    const u32 excl = incl - mine;
+    int at_hi = (int)(base & 0xffffffffu) + (int)(excl & 0xffffu);
+    int at_eq = (int)(base >> 32) + (int)(excl >> 16);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (mhi >> j & 1) orow[at_hi++] = i + j;
+      if (meq >> j & 1) {
+        if (at_eq < ties) orow[above + at_eq] = i + j;
+        ++at_eq;
+      }
+    }
+  }
+#endif
 }
