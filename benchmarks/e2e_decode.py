@@ -665,18 +665,24 @@ class OwnEngine:
     calls ``make()`` (it returns the ``LLM``) with the registries holding only
     the new engine's wrappers (the others' are added back after) and keeps its
     workspace manager; every call on the engine puts that manager back first
-    (one attribute store per call)."""
+    (one attribute store per call), and so its decode top-k choice
+    (``own_topk``: ``vllm_dsa_varlen.topk.force``; False keeps vLLM's, None
+    the plugin's own decision), which is per process otherwise."""
 
     REGISTRIES = (("vllm.compilation.cuda_graph", "CUDAGraphWrapper"),
                   ("vllm.compilation.breakable_cudagraph", "BreakableCUDAGraphWrapper"))
 
-    def __init__(self, make):
+    def __init__(self, make, own_topk: bool | None = None):
         import importlib
         import weakref
 
         from vllm.v1.worker import workspace
 
+        from vllm_dsa_varlen import topk
+
         self._workspace = workspace
+        self._topk, self._own_topk = topk, own_topk
+        topk.force(own_topk)
         held = []
         for module, name in self.REGISTRIES:
             try:
@@ -703,6 +709,7 @@ class OwnEngine:
 
         def call(*args, **kwargs):
             self._workspace._manager = self._manager
+            self._topk.force(self._own_topk)
             return attr(*args, **kwargs)
 
         return call
@@ -736,7 +743,8 @@ def _child(args, results: dict) -> None:
         os.environ["VLLM_DSA_VARLEN"] = ENGINE_ENV[mode]
         t0 = time.perf_counter()
         if len(modes) > 1:
-            own = OwnEngine(lambda: LLM(**kwargs))
+            own = OwnEngine(lambda: LLM(**kwargs),
+                            own_topk=None if ENGINE_ENV[mode] == MODES["plugin"] else False)
             llm, engine = own.llm, own
         else:
             llm = LLM(**kwargs)

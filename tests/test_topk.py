@@ -115,3 +115,26 @@ def test_decide_once_per_device_from_the_environment(monkeypatch):
     got = topk.decide(0)
     assert not got.own and "no NVRTC library" in got.reason
     topk.reset()
+
+
+def test_force_overrides_the_decision(kernel_here):
+    """force(False) keeps vLLM's call where the kernel would serve, force(True)
+    takes the kernel whatever decide() says, None decides again; the layout
+    check holds in every case."""
+    logits, lens, out, k = _call()
+    stock = []
+    try:
+        topk.force(False)
+        topk.dispatch(logits, lens, out, k, lambda: stock.append("forced off"))
+        assert stock == ["forced off"] and kernel_here == []
+        topk.force(True)
+        topk.dispatch(logits.double(), lens, out, k, lambda: stock.append("layout"))
+        assert stock[-1] == "layout"
+        topk.dispatch(logits, lens, out, k, lambda: stock.append("never"))
+        assert len(kernel_here) == 1 and stock[-1] != "never"
+        topk.force(None)
+        topk.dispatch(logits, lens, out, k, lambda: stock.append("never"))
+        assert len(kernel_here) == 2
+    finally:
+        topk.reset()
+    assert topk._forced is None

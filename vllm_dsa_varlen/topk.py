@@ -81,6 +81,16 @@ def choose_topk(*, mode: str, setting: str, capability: tuple[int, int] | None,
 
 _choices: dict[int, TopkChoice] = {}
 _lock = threading.Lock()
+_forced: bool | None = None
+
+
+def force(own: bool | None) -> None:
+    """Override the per-device decision for the calls that follow (``None``:
+    decide again): a harness stepping a stock engine and the plugin's in one
+    process sets it per engine, since the decision is per process.  The
+    kernel's layout check still applies."""
+    global _forced
+    _forced = own
 
 
 def decide(index: int) -> TopkChoice:
@@ -140,7 +150,7 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object]) -> None:
         index = logits.device.index
         if index is None:
             index = torch.cuda.current_device()
-        if decide(index).own:
+        if _forced if _forced is not None else decide(index).own:
             from .ops.cuda_topk import decode_topk
 
             decode_topk(logits, lengths, k, out=out)
@@ -150,5 +160,7 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object]) -> None:
 
 def reset() -> None:
     """Forget the per-device decisions (tests; a changed environment)."""
+    global _forced
     with _lock:
         _choices.clear()
+        _forced = None

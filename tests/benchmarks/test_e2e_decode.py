@@ -519,7 +519,7 @@ def test_engines_in_one_process_keep_their_own_graphs_and_workspace(monkeypatch)
             self.vllm_config = "config"
 
         def step(self):
-            seen.append((self, workspace._manager))
+            seen.append((self, workspace._manager, topk._forced))
             return []
 
     def make():  # an engine start as vLLM's: profile (clear all), then capture
@@ -532,7 +532,9 @@ def test_engines_in_one_process_keep_their_own_graphs_and_workspace(monkeypatch)
         workspace._manager = manager
         return type("LLM", (), {"llm_engine": Engine(manager), "wrappers": wrappers})()
 
-    first = e2e.OwnEngine(make)
+    from vllm_dsa_varlen import topk
+
+    first = e2e.OwnEngine(make, own_topk=False)
     second = e2e.OwnEngine(make)
     assert all(w.graphs == "captured" for w in first.llm.wrappers + second.llm.wrappers)
     for cls in classes:  # every engine's wrappers back in their class's registry
@@ -541,8 +543,13 @@ def test_engines_in_one_process_keep_their_own_graphs_and_workspace(monkeypatch)
     assert first.vllm_config == "config"
     for own in random.choices([first, second], k=6):
         own.step()
-    assert all(mgr is engine.manager for engine, mgr in seen)
-    assert {engine for engine, _ in seen} <= {first.engine, second.engine}
+    assert all(mgr is engine.manager for engine, mgr, _ in seen)
+    assert {engine for engine, _, _ in seen} <= {first.engine, second.engine}
+    # each engine's top-k choice in force during its calls: vLLM's for the
+    # first, the plugin's own decision for the second
+    assert all(forced is (False if engine is first.engine else None)
+               for engine, _, forced in seen)
+    topk.reset()
 
 
 @pytest.mark.parametrize("seed", range(4))
