@@ -166,11 +166,15 @@ def test_kernel_args_match_the_signature():
     assert [(n, ctypes.sizeof(v)) for n, v in args.items()] == want
 
 
-def test_shared_memory_fits_at_every_width():
-    for width in (1, 3, 4, 2048, 56015, 56016, 56017, 163840, 2**31 - 1):
-        stage = ct.stage_for(width)
-        assert stage % 4 == 0 and stage >= min(width, ct.MAX_STAGE)
-        assert ct.smem_bytes(width) <= ct.MAX_SMEM and ct.HEADER_BYTES % 16 == 0
+@pytest.mark.parametrize("defines", [(), ("HIST_COPIES=4",)])
+def test_shared_memory_fits_at_every_width(defines):
+    head = ct.header_bytes(defines)
+    most = (ct.MAX_SMEM - head) // 4
+    assert head % 16 == 0 and head == ct.HEADER_BYTES * (not defines) + 32960 * bool(defines)
+    for width in (1, 3, 4, 2048, most - 1, most, most + 1, 163840, 2**31 - 1):
+        stage = ct.stage_for(width, defines)
+        assert stage % 4 == 0 and min(width, most - 3) <= stage <= most
+        assert ct.smem_bytes(width, defines) <= ct.MAX_SMEM
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
@@ -211,13 +215,16 @@ def test_kernel_meets_the_contract(kind, width, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("kind", ["positive", "ties", "narrow"])
-@pytest.mark.parametrize("width", [33000, 60000])
-def test_ab_build_meets_the_contract(kind, width):
-    """The SELECT_BALLOT=1 build (slots per key by ballots) as the default."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"ballot {kind} {width}".encode()))
+@pytest.mark.parametrize("width", [33000, 52000, 60000])
+@pytest.mark.parametrize("build", ["SELECT_BALLOT=1", "HIST_COPIES=4"])
+def test_ab_builds_meet_the_contract(kind, width, build):
+    """The A/B builds as the default: slots per key by ballots; four pass-0
+    histograms (a smaller stage: 52000 columns are read from global memory
+    there, staged in the default)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{build} {kind} {width}".encode()))
     logits = random_logits(kind, 12, width, gen)
     lens = random_lengths(12, width, 2048, gen)
-    got = _run_poisoned(logits.cuda(), lens.cuda(), 2048, defines=("SELECT_BALLOT=1",))
+    got = _run_poisoned(logits.cuda(), lens.cuda(), 2048, defines=(build,))
     assert topk_selection_ok(logits, lens, 2048, got.cpu()) == []
 
 

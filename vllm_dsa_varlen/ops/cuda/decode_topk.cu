@@ -35,6 +35,11 @@ typedef long long i64;
 #define BINS 2048                 // 11-bit digits: 11 + 11 + 10 = 32
 #define FULL 0xffffffffu
 
+#ifndef HIST_COPIES
+#define HIST_COPIES 1             // pass 0's histogram copies (warp w adds to copy w % HIST_COPIES)
+#endif
+static_assert(HIST_COPIES >= 1 && WARPS % HIST_COPIES == 0, "HIST_COPIES divides the warps");
+
 #ifndef SELECT_BALLOT
 #define SELECT_BALLOT 0           // 1: the select pass hands out slots per key (two ballots)
 #endif
@@ -111,10 +116,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restrict__ lens,
             int width, int k, int* __restrict__ out, i64 out_stride, int stage) {
   extern __shared__ __align__(16) unsigned char smem[];
-  int* hist = reinterpret_cast<int*>(smem);               // BINS
-  int* warp_sums = hist + BINS;                           // WARPS
+  int* hist = reinterpret_cast<int*>(smem);               // BINS x HIST_COPIES
+  int* warp_sums = hist + BINS * HIST_COPIES;             // WARPS
   int* sel = warp_sums + WARPS;                           // bin, above, in bin, slot counters
   u32* keys = reinterpret_cast<u32*>(sel + 16);           // stage (16-byte aligned)
+  // (the launcher's HEADER_BYTES: 4 * (BINS * HIST_COPIES + WARPS + 16))
 
   const int r = blockIdx.x, t = threadIdx.x, lane = t & 31;
   int n = lens[r];
@@ -131,8 +137,9 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   const int trips = (n + span - 1) / span;
 
   // Pass 0: read the row, stage its keys, histogram the top digit.
-  for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
+  for (int i = t; i < BINS * HIST_COPIES; i += THREADS) hist[i] = 0;
   __syncthreads();
+  int* const my_hist = hist + ((t >> 5) % HIST_COPIES) * BINS;
   for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * t;
     if (i < n) {
@@ -140,10 +147,19 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
       if (staged) *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        if (i + j < n) atomicAdd(&hist[v.k[j] >> 21], 1);
+        if (i + j < n) atomicAdd(&my_hist[v.k[j] >> 21], 1);
     }
   }
   __syncthreads();
+#if HIST_COPIES > 1
+  for (int b = t; b < BINS; b += THREADS) {
+    int sum = hist[b];
+#pragma unroll
+    for (int c = 1; c < HIST_COPIES; ++c) sum += hist[c * BINS + b];
+    hist[b] = sum;
+  }
+  __syncthreads();
+#endif
   find_bin(hist, k, warp_sums, sel);
 
   // Narrow the threshold digit by digit until its bin holds exactly the keys
