@@ -35,6 +35,11 @@ What is left out, and why (``--keep`` puts an entry back):
   compute something wrong.
 * with ``--dense-only``: ``vllm/_moe_C_stable_libtorch.abi3.so`` (MoE kernels;
   its import is optional in vLLM), for dense test models.
+* with ``--sm90-only``: in every shared library of the tree, the payloads of
+  the CUDA fat binary's entries for other GPUs than sm_90 (machine code and
+  PTX) are zeroed in place (:func:`prune_fatbins`; the file's layout and the
+  sm_90 entries are unchanged, so it loads and runs on Hopper as before and
+  compresses to a fraction): for a GPU host that is an H100 / H200.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import argparse
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -113,6 +119,75 @@ def add_deep_gemm(version: str, site: str, tmp: str) -> None:
                 shutil.copyfileobj(src, out)
 
 
+FATBIN_MAGIC = 0xBA55ED50
+
+
+def _fatbin_section(data: bytes) -> tuple[int, int] | None:
+    """(offset, size) of the ``.nv_fatbin`` section of a 64-bit little-endian
+    ELF file's bytes, or None."""
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return None
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    if not shoff or shstrndx >= shnum:
+        return None
+    str_off, = struct.unpack_from("<Q", data, shoff + shstrndx * shentsize + 0x18)
+    for i in range(shnum):
+        base = shoff + i * shentsize
+        name_at, = struct.unpack_from("<I", data, base)
+        end = data.index(b"\0", str_off + name_at)
+        if data[str_off + name_at:end] == b".nv_fatbin":
+            off, size = struct.unpack_from("<QQ", data, base + 0x18)
+            return off, size
+    return None
+
+
+def prune_fatbins(path: str, keep_arch: int = 90) -> tuple[int, int]:
+    """Zero, in place, the payload of every entry of ``path``'s CUDA fat
+    binary whose target is not ``sm_<keep_arch>`` (``.nv_fatbin``: containers
+    of a 16-byte header, then entries of a header holding kind, size and
+    target, then payload); returns (bytes kept, bytes zeroed)."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    found = _fatbin_section(data)
+    if found is None:
+        return 0, 0
+    pos, end = found[0], found[0] + found[1]
+    kept = zeroed = 0
+    while pos + 16 <= end:
+        magic, _, header, size = struct.unpack_from("<IHHQ", data, pos)
+        if magic != FATBIN_MAGIC:
+            pos += 8  # alignment padding between containers
+            continue
+        entry, last = pos + header, pos + header + size
+        while entry < last:
+            _, _, entry_header, payload = struct.unpack_from("<HHIQ", data, entry)
+            arch, = struct.unpack_from("<I", data, entry + 28)
+            start = entry + entry_header
+            if arch == keep_arch:
+                kept += payload
+            else:
+                data[start:start + payload] = bytes(payload)
+                zeroed += payload
+            entry = start + payload
+        pos = last
+    if zeroed:
+        with open(path, "wb") as f:
+            f.write(data)
+    return kept, zeroed
+
+
+def prune_tree(site: str, keep_arch: int = 90) -> tuple[int, int]:
+    """:func:`prune_fatbins` on every ``.so`` under ``site``."""
+    kept = zeroed = 0
+    for root, _, files in os.walk(site):
+        for name in files:
+            if name.endswith(".so") or ".so." in name:
+                k, z = prune_fatbins(os.path.join(root, name), keep_arch)
+                kept, zeroed = kept + k, zeroed + z
+    return kept, zeroed
+
+
 def install_deps(requirements: str, site: str, python: str) -> None:
     args = ["install", "-q", "--no-deps", "--only-binary=:all:", "--target", site,
             "--python-version", python, "--implementation", "cp", "-r", requirements]
@@ -167,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fa-standin", action="store_true",
                     help="replace the FlashAttention extensions by an empty module (see above)")
     ap.add_argument("--dense-only", action="store_true", help="leave out the MoE extension")
+    ap.add_argument("--sm90-only", action="store_true",
+                    help="zero the CUDA fat binaries' entries for other GPUs (see above)")
     ap.add_argument("--keep", action="append", default=[], help="a left-out path to keep")
     ap.add_argument("--out", default=".device/offline", help="output folder (emptied first)")
     ap.add_argument("--part-mib", type=int, default=20, help="part size in MiB (default 20)")
@@ -194,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
             add_deep_gemm(args.deep_gemm_from, site, os.path.join(tmp, "other"))
             print(f"deep_gemm: vendored by vllm {args.deep_gemm_from}")
         install_deps(args.deps, site, args.python)
+        if args.sm90_only:
+            kept, zeroed = prune_tree(site)
+            print(f"--sm90-only: {zeroed / 2**20:.0f} MiB of other GPUs' code zeroed, "
+                  f"{kept / 2**20:.0f} MiB of sm_90's kept")
         pth = sorted(f for f in os.listdir(site) if f.endswith(".pth"))
         if pth:  # PYTHONPATH does not read them: offline-gpu-install.sh must name their folders
             print(f".pth files in the tree (offline-gpu-install.sh names their folders): "

@@ -1,0 +1,94 @@
+"""scripts/stage-offline-gpu.py's --sm90-only pruning on synthetic ELF files:
+a fat binary of two containers with entries for several GPUs keeps its sm_90
+entries byte for byte and its layout, every other payload zeroed; files
+without a fat binary (or not ELF) are left alone."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import struct
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location(
+    "stage_offline_gpu", os.path.join(ROOT, "scripts", "stage-offline-gpu.py"))
+stage = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(stage)
+
+
+def _entry(kind: int, arch: int, payload: bytes) -> bytes:
+    header = bytearray(64)
+    struct.pack_into("<HHIQ", header, 0, kind, 0x101, 64, len(payload))
+    struct.pack_into("<I", header, 28, arch)
+    return bytes(header) + payload
+
+
+def _container(entries: list[bytes]) -> bytes:
+    body = b"".join(entries)
+    return struct.pack("<IHHQ", stage.FATBIN_MAGIC, 1, 16, len(body)) + body
+
+
+def _elf(sections: dict[str, bytes]) -> tuple[bytes, dict[str, int]]:
+    """A 64-bit little-endian ELF image with these sections (and .shstrtab)."""
+    names = [""] + list(sections) + [".shstrtab"]
+    strtab = b"\0".join(n.encode() for n in names) + b"\0"
+    blobs = [b""] + list(sections.values()) + [strtab]
+    data, offsets = bytearray(64), []
+    for blob in blobs:
+        data += bytes(-len(data) % 8)
+        offsets.append(len(data))
+        data += blob
+    data += bytes(-len(data) % 8)
+    shoff = len(data)
+    name_at = [strtab.index(n.encode() + b"\0") if n else 0 for n in names]
+    for i, blob in enumerate(blobs):
+        sh = bytearray(64)
+        struct.pack_into("<I", sh, 0, name_at[i])
+        struct.pack_into("<QQ", sh, 0x18, offsets[i] if i else 0, len(blob))
+        data += sh
+    data[:4], data[4], data[5] = b"\x7fELF", 2, 1
+    struct.pack_into("<Q", data, 0x28, shoff)
+    struct.pack_into("<HHH", data, 0x3A, 64, len(blobs), len(blobs) - 1)
+    return bytes(data), dict(zip(names[1:-1], offsets[1:-1]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_prune_keeps_sm90_and_zeroes_the_rest(tmp_path, seed):
+    rnd = random.Random(seed)
+
+    def blob():
+        return bytes(rnd.randrange(1, 256) for _ in range(rnd.randint(1, 300)))
+
+    entries = [[(kind, arch, blob()) for kind in (1, 2) for arch in rnd.sample(
+        [75, 80, 86, 89, 90, 100, 120], 4) + [90]] for _ in range(2)]
+    fatbin = _container([_entry(*e) for e in entries[0]]) + bytes(8) + \
+        _container([_entry(*e) for e in entries[1]])
+    image, offsets = _elf({".text": blob(), ".nv_fatbin": fatbin, ".data": blob()})
+    path = tmp_path / "lib.so"
+    path.write_bytes(image)
+    kept, zeroed = stage.prune_fatbins(str(path))
+    got = path.read_bytes()
+    assert len(got) == len(image)
+    flat = [e for c in entries for e in c]
+    assert kept == sum(len(p) for _, a, p in flat if a == 90)
+    assert zeroed == sum(len(p) for _, a, p in flat if a != 90)
+    start = offsets[".nv_fatbin"]
+    assert got[:start] == image[:start]  # other sections untouched
+    assert got[start + len(fatbin):] == image[start + len(fatbin):]
+    for kind, arch, payload in flat:  # each payload: itself if sm_90, else zeros
+        at = image.index(payload, start)
+        assert got[at:at + len(payload)] == (payload if arch == 90 else bytes(len(payload)))
+    assert stage.prune_fatbins(str(path)) == (kept, zeroed)  # again: the same file
+    assert path.read_bytes() == got
+
+
+def test_prune_leaves_other_files_alone(tmp_path):
+    plain, _ = _elf({".text": b"abc" * 50})
+    for name, data in (("a.so", plain), ("b.so", b"not an elf file at all")):
+        path = tmp_path / name
+        path.write_bytes(data)
+        assert stage.prune_fatbins(str(path)) == (0, 0)
+        assert path.read_bytes() == data
