@@ -16,13 +16,18 @@ from vllm_dsa_varlen.ops.reference import topk_ref, topk_selection_ok
 def test_read_topk():
     assert topk.read_topk({}) == "auto"
     assert topk.read_topk({topk.TOPK_ENV: " VLLM "}) == "vllm"
+    assert topk.read_topk({topk.TOPK_ENV: "own"}) == "own"
     with pytest.raises(ValueError, match=topk.TOPK_ENV):
         topk.read_topk({topk.TOPK_ENV: "cuda"})
 
 
 def test_choose_topk_table():
-    own = dict(mode="auto", setting="auto", capability=(9, 0), kernel_error=None)
+    own = dict(mode="auto", setting="own", capability=(9, 0), kernel_error=None)
     assert topk.choose_topk(**own).own
+    auto = {**own, "setting": "auto"}
+    assert topk.choose_topk(**auto, measured=True).own
+    got = topk.choose_topk(**auto, measured=False)
+    assert not got.own and "not measured faster" in got.reason
     for change, words in [({"mode": "off"}, "VLLM_DSA_VARLEN=off"),
                           ({"mode": "stock"}, "VLLM_DSA_VARLEN=stock"),
                           ({"setting": "vllm"}, "VLLM_DSA_VARLEN_TOPK=vllm"),
@@ -95,18 +100,25 @@ def test_dispatch_leaves_other_calls_to_stock(kernel_here, monkeypatch):
 
 def test_decide_once_per_device_from_the_environment(monkeypatch):
     """decide() reads the settings and the device once, logs, and caches;
-    VLLM_DSA_VARLEN_TOPK=vllm never loads the kernel."""
+    VLLM_DSA_VARLEN_TOPK=vllm never loads the kernel, nor does auto until the
+    kernel is marked measured faster."""
     topk.reset()
     loads = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setattr(cuda_topk, "load", lambda device: loads.append(device))
     monkeypatch.setenv(topk.TOPK_ENV, "vllm")
     assert not topk.decide(3).own and loads == []
-    monkeypatch.setenv(topk.TOPK_ENV, "auto")
+    monkeypatch.setenv(topk.TOPK_ENV, "own")
     assert not topk.decide(3).own  # cached
     topk.reset()
     assert topk.decide(3).own and len(loads) == 1
+    for measured in (False, True):
+        topk.reset()
+        monkeypatch.setattr(topk, "MEASURED_FASTER", measured)
+        monkeypatch.setenv(topk.TOPK_ENV, "auto")
+        assert topk.decide(0).own is measured and len(loads) == 1 + measured
     topk.reset()
+    monkeypatch.setenv(topk.TOPK_ENV, "own")
 
     def broken(device):
         raise OSError("no NVRTC library")

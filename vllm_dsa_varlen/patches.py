@@ -147,8 +147,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_SAI, "torch", f"{_OUR_SAI}:torch_with_own_topk",
           "the decode top-k is `torch.ops._C.persistent_topk` / `cooperative_topk` reached "
           "through this module global: a view of torch whose two top-k ops run the "
-          "project's top-k kernel where it serves (vllm_dsa_varlen.topk: sm_90, "
-          "VLLM_DSA_VARLEN_TOPK=auto), the same op otherwise; every other name is torch's",
+          "project's top-k kernel where it is chosen and serves (vllm_dsa_varlen.topk: "
+          "sm_90, VLLM_DSA_VARLEN_TOPK), the same op otherwise; every other name is torch's",
           wraps=True),
     Patch(_IX, "get_paged_mqa_logits_metadata", f"{_OUR_IX}:get_paged_mqa_logits_metadata",
           "the builder's build() calls this module global: during a varlen build pass "
@@ -187,8 +187,8 @@ PATCHES: tuple[Patch, ...] = (
           upstream=_V033, wraps=True),
     Patch(_SAI, "get_indexer_topk", f"{_OUR_SAI_33}:wrap_get_indexer_topk",
           "the indexer op looks this module global up per call for its decode top-k: with "
-          "the `auto` backend the project's top-k kernel runs first where it serves "
-          "(vllm_dsa_varlen.topk: sm_90, VLLM_DSA_VARLEN_TOPK=auto), vLLM's otherwise",
+          "the `auto` backend the project's top-k kernel runs where it is chosen and serves "
+          "(vllm_dsa_varlen.topk: sm_90, VLLM_DSA_VARLEN_TOPK), vLLM's otherwise",
           upstream=_V033, wraps=True),
     Patch(_GLM5N, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI_33}:wrap_paged_mqa_logits",
           "GLM-5-Next's indexer op (NVIDIA) has its own copy of the decode call on the "

@@ -6,12 +6,15 @@ per layer.  :func:`.ops.cuda_topk.decode_topk` meets the same contract
 (:func:`.ops.reference.topk_ref`) in one launch; BENCHMARKS.md times the two
 side by side.  ``VLLM_DSA_VARLEN_TOPK``:
 
-* ``auto`` (default): the project's top-k for every decode step on an sm_90
-  GPU where its kernel compiles and loads (NVRTC through ``cuda-python``),
-  whatever kernel wrote the logits; vLLM's elsewhere and for calls it does
-  not serve (:func:`serves`: float32 logits with unit column stride, one
-  length per row, an int32 output of ``[rows, k]``);
-* ``vllm``: vLLM's top-k always.
+* ``own``: the project's top-k for every decode step on an sm_90 GPU where
+  its kernel compiles and loads (NVRTC through ``cuda-python``), whatever
+  kernel wrote the logits; vLLM's elsewhere and for calls it does not serve
+  (:func:`serves`: float32 logits with unit column stride, one length per
+  row, an int32 output of ``[rows, k]``);
+* ``vllm``: vLLM's top-k always;
+* ``auto`` (default): ``own`` where the kernel was measured faster than
+  vLLM's on this GPU (:data:`MEASURED_FASTER`, with the measurement named
+  there), else ``vllm``.
 
 ``VLLM_DSA_VARLEN=off`` or ``stock`` keeps vLLM's too.  The decision per
 process and device is made once (:func:`choose_topk`, pure; logged once),
@@ -33,15 +36,19 @@ import torch
 from .config import MODE_ENV, read_mode
 
 TOPK_ENV = "VLLM_DSA_VARLEN_TOPK"
-TOPK_SETTINGS = ("auto", "vllm")
+TOPK_SETTINGS = ("auto", "vllm", "own")
 CAPABILITY = (9, 0)
+# Whether ``auto`` takes the project's top-k on sm_90: only once it was
+# measured faster than vLLM's there (the bench's --topk-lib, BENCHMARKS.md).
+# Not yet: the kernel has not run on a GPU.
+MEASURED_FASTER = False
 
 logger = logging.getLogger("vllm.dsa_varlen")
 
 
 def read_topk(environ: Mapping[str, str] | None = None) -> str:
-    """``VLLM_DSA_VARLEN_TOPK`` -> ``"auto"`` | ``"vllm"`` (unset or empty:
-    ``"auto"``); ``ValueError`` naming the variable otherwise."""
+    """``VLLM_DSA_VARLEN_TOPK`` -> ``"auto"`` | ``"vllm"`` | ``"own"`` (unset
+    or empty: ``"auto"``); ``ValueError`` naming the variable otherwise."""
     env = os.environ if environ is None else environ
     raw = env.get(TOPK_ENV)
     if raw is None or raw.strip() == "":
@@ -62,21 +69,24 @@ class TopkChoice:
 
 
 def choose_topk(*, mode: str, setting: str, capability: tuple[int, int] | None,
-                kernel_error: str | None) -> TopkChoice:
+                kernel_error: str | None, measured: bool = False) -> TopkChoice:
     """The top-k for a device (pure): vLLM's under ``VLLM_DSA_VARLEN=off`` /
-    ``stock`` or ``VLLM_DSA_VARLEN_TOPK=vllm``, off sm_90, or where the
-    kernel failed to compile or load (``kernel_error``); the project's
-    otherwise."""
+    ``stock`` or ``VLLM_DSA_VARLEN_TOPK=vllm``, with ``auto`` unless the
+    kernel was ``measured`` faster, off sm_90, or where the kernel failed to
+    compile or load (``kernel_error``); the project's otherwise."""
     if mode in ("off", "stock"):
         return TopkChoice(False, f"{MODE_ENV}={mode}")
     if setting == "vllm":
         return TopkChoice(False, f"{TOPK_ENV}=vllm")
+    if setting == "auto" and not measured:
+        return TopkChoice(False, f"{TOPK_ENV}=auto: the project's top-k is not measured faster "
+                                 f"than vLLM's yet ({TOPK_ENV}=own takes it)")
     if capability is None or tuple(capability) != CAPABILITY:
         cap = "unknown" if capability is None else f"sm_{capability[0]}{capability[1]}"
         return TopkChoice(False, f"the project's top-k kernel is built for sm_90 (device {cap})")
     if kernel_error is not None:
         return TopkChoice(False, f"the project's top-k kernel is unavailable: {kernel_error}")
-    return TopkChoice(True, "sm_90: one launch per layer (ops.cuda_topk)")
+    return TopkChoice(True, f"sm_90, {TOPK_ENV}={setting}: one launch per layer (ops.cuda_topk)")
 
 
 _choices: dict[int, TopkChoice] = {}
@@ -105,7 +115,8 @@ def decide(index: int) -> TopkChoice:
             mode, setting = read_mode(), read_topk()
             capability = torch.cuda.get_device_capability(index)
             error = None
-            if mode == "auto" and setting == "auto" and tuple(capability) == CAPABILITY:
+            wanted = setting == "own" or (setting == "auto" and MEASURED_FASTER)
+            if mode == "auto" and wanted and tuple(capability) == CAPABILITY:
                 try:
                     from .ops import cuda_topk
 
@@ -113,7 +124,8 @@ def decide(index: int) -> TopkChoice:
                 except Exception as exc:  # noqa: BLE001 - any failure: vLLM's top-k
                     error = f"{type(exc).__name__}: {exc}"
             got = _choices[index] = choose_topk(mode=mode, setting=setting,
-                                                capability=capability, kernel_error=error)
+                                                capability=capability, kernel_error=error,
+                                                measured=MEASURED_FASTER)
             logger.log(logging.WARNING if error else logging.INFO,
                        "vllm-dsa-varlen: decode top-k on cuda:%d: %s (%s)", index,
                        "the project's" if got.own else "vLLM's", got.reason)
