@@ -216,15 +216,17 @@ def test_kernel_meets_the_contract(kind, width, k):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("kind", ["positive", "ties", "narrow"])
 @pytest.mark.parametrize("width", [33000, 52000, 60000])
-@pytest.mark.parametrize("build", ["SELECT_BALLOT=1", "HIST_COPIES=4"])
+@pytest.mark.parametrize("build", ["SELECT_BALLOT=1", "HIST_COPIES=4", "AGG=1", "PREFETCH=1",
+                                   "AGG=1+PREFETCH=1"])
 def test_ab_builds_meet_the_contract(kind, width, build):
     """The A/B builds as the default: slots per key by ballots; four pass-0
     histograms (a smaller stage: 52000 columns are read from global memory
-    there, staged in the default)."""
+    there, staged in the default); warp-aggregated histogram adds; pass 0's
+    next load issued early."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{build} {kind} {width}".encode()))
     logits = random_logits(kind, 12, width, gen)
     lens = random_lengths(12, width, 2048, gen)
-    got = _run_poisoned(logits.cuda(), lens.cuda(), 2048, defines=(build,))
+    got = _run_poisoned(logits.cuda(), lens.cuda(), 2048, defines=tuple(build.split("+")))
     assert topk_selection_ok(logits, lens, 2048, got.cpu()) == []
 
 

@@ -40,6 +40,14 @@ typedef long long i64;
 #endif
 static_assert(HIST_COPIES >= 1 && WARPS % HIST_COPIES == 0, "HIST_COPIES divides the warps");
 
+#ifndef AGG
+#define AGG 0                     // 1: histogram adds aggregated per warp (equal bins: one atomic)
+#endif
+
+#ifndef PREFETCH
+#define PREFETCH 0                // 1: pass 0 issues the next trip's load before this trip's adds
+#endif
+
 #ifndef SELECT_BALLOT
 #define SELECT_BALLOT 0           // 1: the select pass hands out slots per key (two ballots)
 #endif
@@ -75,6 +83,18 @@ __device__ __forceinline__ Keys4 load4_staged(const u32* __restrict__ keys, int 
   Keys4 r;
   r.k[0] = v.x; r.k[1] = v.y; r.k[2] = v.z; r.k[3] = v.w;
   return r;
+}
+
+// Add one to bin `bin` of `h` for each lane with `valid`; AGG: lanes of a
+// warp with equal bins add once (__match_any_sync), since logits cluster in
+// few bins and same-address shared atomics serialize.  Called by full warps.
+__device__ __forceinline__ void hist_add(int* __restrict__ h, u32 bin, bool valid) {
+#if AGG
+  const u32 peers = __match_any_sync(FULL, valid ? bin : 0xffffffffu);
+  if (valid && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&h[bin], __popc(peers));
+#else
+  if (valid) atomicAdd(&h[bin], 1);
+#endif
 }
 
 // Block-wide: the bin of `hist` (BINS counters) holding the `need`-th
@@ -140,15 +160,26 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   for (int i = t; i < BINS * HIST_COPIES; i += THREADS) hist[i] = 0;
   __syncthreads();
   int* const my_hist = hist + ((t >> 5) % HIST_COPIES) * BINS;
+#if PREFETCH
+  Keys4 next = {{0u, 0u, 0u, 0u}};
+  if (4 * t < n) next = load4_global(row, 4 * t, n, aligned);
+#endif
   for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * t;
+    Keys4 v = {{0u, 0u, 0u, 0u}};
+#if PREFETCH
+    v = next;
+    if (i + span < n) next = load4_global(row, i + span, n, aligned);
+    if (staged && i < n)
+      *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
+#else
     if (i < n) {
-      Keys4 v = load4_global(row, i, n, aligned);
+      v = load4_global(row, i, n, aligned);
       if (staged) *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        if (i + j < n) atomicAdd(&my_hist[v.k[j] >> 21], 1);
     }
+#endif
+#pragma unroll
+    for (int j = 0; j < 4; ++j) hist_add(my_hist, v.k[j] >> 21, i + j < n);
   }
   __syncthreads();
 #if HIST_COPIES > 1
@@ -174,13 +205,12 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
     __syncthreads();
     for (int it = 0; it < trips; ++it) {
       const int i = it * span + 4 * t;
-      if (i < n) {
-        Keys4 v = staged ? load4_staged(keys, i) : load4_global(row, i, n, aligned);
+      Keys4 v = {{0u, 0u, 0u, 0u}};
+      if (i < n) v = staged ? load4_staged(keys, i) : load4_global(row, i, n, aligned);
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (i + j < n && (v.k[j] >> shift) == prefix)
-            atomicAdd(&hist[(v.k[j] >> next) & ((1u << (shift - next)) - 1)], 1);
-      }
+      for (int j = 0; j < 4; ++j)
+        hist_add(hist, (v.k[j] >> next) & ((1u << (shift - next)) - 1),
+                 i + j < n && (v.k[j] >> shift) == prefix);
     }
     __syncthreads();
     find_bin(hist, k - above, warp_sums, sel);
