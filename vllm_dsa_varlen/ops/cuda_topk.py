@@ -29,20 +29,9 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "decod
 KERNEL_NAME = b"decode_topk"
 THREADS = 1024
 BINS = 2048
-HEADER_BYTES = 4 * (BINS + 32 + 16)  # histogram, warp sums, selection words (default build)
+HEADER_BYTES = 4 * (BINS + 32 + 16)  # histogram, warp sums, selection words
 MAX_SMEM = 227 * 1024                # sm_90's dynamic shared memory per CTA
 MAX_STAGE = (MAX_SMEM - HEADER_BYTES) // 16 * 4  # staged columns, a multiple of 4
-
-
-def header_bytes(defines: tuple = ()) -> int:
-    """Shared memory before the stage in build ``defines`` (``HIST_COPIES=c``:
-    ``c`` histograms)."""
-    copies = 1
-    for d in defines:
-        name, _, value = d.partition("=")
-        if name == "HIST_COPIES":
-            copies = int(value)
-    return 4 * (BINS * copies + 32 + 16)
 
 _lock = threading.Lock()
 _LOADED: dict = {}
@@ -55,17 +44,16 @@ def _fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
-def stage_for(width: int, defines: tuple = ()) -> int:
+def stage_for(width: int) -> int:
     """Columns a row may have to be staged in shared memory, for logits
-    ``width`` columns wide: the width rounded up to 4, at most what fits
-    beside the build's header (:data:`MAX_STAGE` for the default)."""
-    most = (MAX_SMEM - header_bytes(defines)) // 16 * 4
-    return min((int(width) + 3) // 4 * 4, most)
+    ``width`` columns wide: the width rounded up to 4, at most
+    :data:`MAX_STAGE`."""
+    return min((int(width) + 3) // 4 * 4, MAX_STAGE)
 
 
-def smem_bytes(width: int, defines: tuple = ()) -> int:
+def smem_bytes(width: int) -> int:
     """Dynamic shared memory of a launch over logits ``width`` columns wide."""
-    return header_bytes(defines) + 4 * stage_for(width, defines)
+    return HEADER_BYTES + 4 * stage_for(width)
 
 
 def compile_cubin(arch: str = cb.ARCH, extra: tuple = ()) -> tuple[bytes, str]:
@@ -82,8 +70,8 @@ class _Loaded:
 
 def load(device, defines: tuple = ()) -> _Loaded:
     """Compile (NVRTC) and load the kernel on ``device`` once per process
-    and build (``defines``: macros of the source's A/B builds, e.g.
-    ``("SELECT_BALLOT=1",)``; the default build takes none)."""
+    and build (``defines``: ``-D`` macros of an A/B build of the source; the
+    default build takes none)."""
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, tuple(defines))
@@ -164,18 +152,18 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     if rows == 0:
         return out
     kern = load(dev, defines)
-    stage = stage_for(width, defines)
+    stage = stage_for(width)
     vals = kernel_args(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
                        out.data_ptr(), out.stride(0) if rows > 1 else k, stage)
     array = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals.values()])
     index = dev.index if dev.index is not None else _current_device()
     if _current_device() == index:
         cb.launch_function(cb.driver(), kern.fn, kern.ctx, rows, THREADS,
-                           smem_bytes(width, defines), _stream(index), ctypes.addressof(array))
+                           smem_bytes(width), _stream(index), ctypes.addressof(array))
     else:
         with torch.cuda.device(index):
             cb.launch_function(cb.driver(), kern.fn, kern.ctx, rows, THREADS,
-                               smem_bytes(width, defines), _stream(index),
+                               smem_bytes(width), _stream(index),
                                ctypes.addressof(array))
     del flat  # a converted copy lived until the launch was queued
     return out

@@ -21,8 +21,7 @@
 //      (staged keys, or the row read again), down to the full key;
 //   3. one pass writes the selected columns: every key whose prefix is above
 //      the threshold's, and the first `k - above` keys equal to it, to slots
-//      given out per warp and trip (a warp scan of the threads' counts, one
-//      atomic).
+//      given out per warp (two ballots and an atomic per key and kind).
 // Every loop runs the same trip count in every thread (a function of the
 // row's length), so the warp-wide ballots see full warps.  Nothing leaves the
 // GPU; rows are independent, the grid is the row count.
@@ -35,22 +34,6 @@ typedef long long i64;
 #define BINS 2048                 // 11-bit digits: 11 + 11 + 10 = 32
 #define FULL 0xffffffffu
 
-#ifndef HIST_COPIES
-#define HIST_COPIES 1             // pass 0's histogram copies (warp w adds to copy w % HIST_COPIES)
-#endif
-static_assert(HIST_COPIES >= 1 && WARPS % HIST_COPIES == 0, "HIST_COPIES divides the warps");
-
-#ifndef AGG
-#define AGG 0                     // 1: histogram adds aggregated per warp (equal bins: one atomic)
-#endif
-
-#ifndef PREFETCH
-#define PREFETCH 0                // 1: pass 0 issues the next trip's load before this trip's adds
-#endif
-
-#ifndef SELECT_BALLOT
-#define SELECT_BALLOT 0           // 1: the select pass hands out slots per key (two ballots)
-#endif
 
 __device__ __forceinline__ u32 order_key(float x) {
   u32 b = __float_as_uint(x);
@@ -85,16 +68,11 @@ __device__ __forceinline__ Keys4 load4_staged(const u32* __restrict__ keys, int 
   return r;
 }
 
-// Add one to bin `bin` of `h` for each lane with `valid`; AGG: lanes of a
-// warp with equal bins add once (__match_any_sync), since logits cluster in
-// few bins and same-address shared atomics serialize.  Called by full warps.
+// Add one to bin `bin` of `h` for each lane with `valid` (shared-memory
+// atomics; aggregating equal bins per warp with __match_any_sync measured
+// 1.5-3x slower on the H200).
 __device__ __forceinline__ void hist_add(int* __restrict__ h, u32 bin, bool valid) {
-#if AGG
-  const u32 peers = __match_any_sync(FULL, valid ? bin : 0xffffffffu);
-  if (valid && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&h[bin], __popc(peers));
-#else
   if (valid) atomicAdd(&h[bin], 1);
-#endif
 }
 
 // Block-wide: the bin of `hist` (BINS counters) holding the `need`-th
@@ -136,11 +114,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restrict__ lens,
             int width, int k, int* __restrict__ out, i64 out_stride, int stage) {
   extern __shared__ __align__(16) unsigned char smem[];
-  int* hist = reinterpret_cast<int*>(smem);               // BINS x HIST_COPIES
-  int* warp_sums = hist + BINS * HIST_COPIES;             // WARPS
+  int* hist = reinterpret_cast<int*>(smem);               // BINS
+  int* warp_sums = hist + BINS;                           // WARPS
   int* sel = warp_sums + WARPS;                           // bin, above, in bin, slot counters
   u32* keys = reinterpret_cast<u32*>(sel + 16);           // stage (16-byte aligned)
-  // (the launcher's HEADER_BYTES: 4 * (BINS * HIST_COPIES + WARPS + 16))
 
   const int r = blockIdx.x, t = threadIdx.x, lane = t & 31;
   int n = lens[r];
@@ -157,40 +134,19 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   const int trips = (n + span - 1) / span;
 
   // Pass 0: read the row, stage its keys, histogram the top digit.
-  for (int i = t; i < BINS * HIST_COPIES; i += THREADS) hist[i] = 0;
+  for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
   __syncthreads();
-  int* const my_hist = hist + ((t >> 5) % HIST_COPIES) * BINS;
-#if PREFETCH
-  Keys4 next = {{0u, 0u, 0u, 0u}};
-  if (4 * t < n) next = load4_global(row, 4 * t, n, aligned);
-#endif
   for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * t;
     Keys4 v = {{0u, 0u, 0u, 0u}};
-#if PREFETCH
-    v = next;
-    if (i + span < n) next = load4_global(row, i + span, n, aligned);
-    if (staged && i < n)
-      *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
-#else
     if (i < n) {
       v = load4_global(row, i, n, aligned);
       if (staged) *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
     }
-#endif
 #pragma unroll
-    for (int j = 0; j < 4; ++j) hist_add(my_hist, v.k[j] >> 21, i + j < n);
+    for (int j = 0; j < 4; ++j) hist_add(hist, v.k[j] >> 21, i + j < n);
   }
   __syncthreads();
-#if HIST_COPIES > 1
-  for (int b = t; b < BINS; b += THREADS) {
-    int sum = hist[b];
-#pragma unroll
-    for (int c = 1; c < HIST_COPIES; ++c) sum += hist[c * BINS + b];
-    hist[b] = sum;
-  }
-  __syncthreads();
-#endif
   find_bin(hist, k, warp_sums, sel);
 
   // Narrow the threshold digit by digit until its bin holds exactly the keys
@@ -222,12 +178,12 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
 
   // Select: prefix above the threshold's, or equal and among the first
   // k - above such keys.  Slots: [0, above) for the former, [above, k) for
-  // the latter.
+  // the latter; per key two ballots, lane 0 takes the warp's slots (one
+  // atomic each; a warp scan of the threads' counts with one 64-bit atomic
+  // per trip measured 3-6 % slower).
   const int ties = k - above;
   if (t == 0) { sel[3] = 0; sel[4] = 0; }
   __syncthreads();
-#if SELECT_BALLOT
-  // Per key: two ballots, lane 0 takes the warp's slots (one atomic each).
   const u32 lt = (1u << lane) - 1;
   for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * t;
@@ -253,51 +209,4 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
       }
     }
   }
-#else
-  // Per trip: a thread's four keys' counts (above, equal; <= 4 each) packed
-  // in one word, an exclusive warp scan of it, lane 31 takes the warp's
-  // slots of both kinds with one 64-bit atomic (sel[3..4]: above in the low
-  // word, equal in the high one; a warp adds at most 128 of each per trip).
-  unsigned long long* slots = reinterpret_cast<unsigned long long*>(sel + 4);
-  if (t == 0) *slots = 0ull;
-  __syncthreads();
-  for (int it = 0; it < trips; ++it) {
-    const int i = it * span + 4 * t;
-    u32 mhi = 0, meq = 0;
-    if (i < n) {
-      Keys4 v = staged ? load4_staged(keys, i) : load4_global(row, i, n, aligned);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const u32 pre = v.k[j] >> shift;
-        if (i + j < n) {
-          mhi |= (u32)(pre > prefix) << j;
-          meq |= (u32)(pre == prefix) << j;
-        }
-      }
-    }
-    const u32 mine = (u32)__popc(mhi) | ((u32)__popc(meq) << 16);
-    u32 incl = mine;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const u32 x = __shfl_up_sync(FULL, incl, d);
-      if (lane >= d) incl += x;
-    }
-    unsigned long long base = 0;
-    if (lane == 31 && incl)
-      base = atomicAdd(slots, (unsigned long long)(incl & 0xffffu) |
-                                  ((unsigned long long)(incl >> 16) << 32));
-    base = __shfl_sync(FULL, base, 31);
-    const u32 excl = incl - mine;
-    int at_hi = (int)(base & 0xffffffffu) + (int)(excl & 0xffffu);
-    int at_eq = (int)(base >> 32) + (int)(excl >> 16);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (mhi >> j & 1) orow[at_hi++] = i + j;
-      if (meq >> j & 1) {
-        if (at_eq < ties) orow[above + at_eq] = i + j;
-        ++at_eq;
-      }
-    }
-  }
-#endif
 }
