@@ -36,6 +36,9 @@ def _sm100():
 
 
 def test_signatures_are_read_from_the_pybind_docstrings(dg, caps):
+    if dsa_dg.param_names(dg.get_paged_mqa_logits_metadata) == ("args", "kwargs"):
+        pytest.skip("this deep_gemm wraps its functions in Python (*args, **kwargs), as vLLM "
+                    "0.33's vendored copy does: no pybind signature to read")
     names = dsa_dg.param_names(dg.fp8_fp4_paged_mqa_logits)
     print("fp8_fp4_paged_mqa_logits:", names)
     print("get_paged_mqa_logits_metadata:", dsa_dg.param_names(dg.get_paged_mqa_logits_metadata))
