@@ -547,8 +547,8 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=None,
                         help="--builds --topk-lib: indexer layers per decode step (default 61)")
     parser.add_argument("--topk-builds", nargs="+", default=None,
-                        help="--builds --topk-lib: builds of this project's top-k kernel timed "
-                        "beside vLLM's (default: default; or MACRO=v builds of cuda/decode_topk.cu)")
+                        help="--builds --topk-lib: builds of this project's top-k kernel "
+                        "timed beside vLLM's (default: default; MACRO=v: cuda/decode_topk.cu)")
     parser.add_argument("--calls", type=int, default=None,
                         help="--launch-host: calls per timed round (default 50)")
     parser.add_argument("--fake", action="store_true", help="--launch-host: the launch on CPU "
