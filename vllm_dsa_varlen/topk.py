@@ -14,7 +14,7 @@ side by side.  ``VLLM_DSA_VARLEN_TOPK``:
 * ``vllm``: vLLM's top-k always;
 * ``auto`` (default): ``own`` where the kernel was measured faster than
   vLLM's on this GPU (:data:`MEASURED_FASTER`, with the measurement named
-  there), else ``vllm``.
+  there), else ``vllm`` (so far everywhere).
 
 ``VLLM_DSA_VARLEN=off`` or ``stock`` keeps vLLM's too.  The decision per
 process and device is made once (:func:`choose_topk`, pure; logged once),
@@ -40,7 +40,9 @@ TOPK_SETTINGS = ("auto", "vllm", "own")
 CAPABILITY = (9, 0)
 # Whether ``auto`` takes the project's top-k on sm_90: only once it was
 # measured faster than vLLM's there (the bench's --topk-lib, BENCHMARKS.md).
-# Not yet: the kernel has not run on a GPU.
+# Not so far: on the H200 (docs/results/h200-5957140) it was 1.01-1.16x
+# vLLM's time from B16 up and 2.1x on 128K rows, faster only at B1 (0.76x)
+# and B64 L32K 2 tok (0.93x).
 MEASURED_FASTER = False
 
 logger = logging.getLogger("vllm.dsa_varlen")
@@ -80,7 +82,7 @@ def choose_topk(*, mode: str, setting: str, capability: tuple[int, int] | None,
         return TopkChoice(False, f"{TOPK_ENV}=vllm")
     if setting == "auto" and not measured:
         return TopkChoice(False, f"{TOPK_ENV}=auto: the project's top-k is not measured faster "
-                                 f"than vLLM's yet ({TOPK_ENV}=own takes it)")
+                                 f"than vLLM's ({TOPK_ENV}=own takes it)")
     if capability is None or tuple(capability) != CAPABILITY:
         cap = "unknown" if capability is None else f"sm_{capability[0]}{capability[1]}"
         return TopkChoice(False, f"the project's top-k kernel is built for sm_90 (device {cap})")
