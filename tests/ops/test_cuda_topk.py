@@ -167,12 +167,14 @@ def test_kernel_args_match_the_signature():
 
 
 def test_shared_memory_fits_at_every_width():
-    most = (ct.MAX_SMEM - ct.HEADER_BYTES) // 4
+    with open(ct.SOURCE) as f:
+        assert f"#define CAND {ct.CAND} " in f.read()
+    most = (ct.MAX_SMEM - ct.HEADER_BYTES - 4 * ct.CAND) // 4
     assert ct.HEADER_BYTES % 16 == 0 and ct.MAX_STAGE == most // 4 * 4
     for width in (1, 3, 4, 2048, most - 1, most, most + 1, 163840, 2**31 - 1):
         stage = ct.stage_for(width)
         assert stage % 4 == 0 and min(width, most - 3) <= stage <= most
-        assert ct.smem_bytes(width) <= ct.MAX_SMEM
+        assert ct.smem_bytes(width) == ct.HEADER_BYTES + 4 * (stage + ct.CAND) <= ct.MAX_SMEM
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
@@ -185,10 +187,10 @@ def test_nvrtc_builds_the_kernel_without_spills():
 
 # ------------------------------------------------------------ on the GPU
 
-def _run_poisoned(logits, lens, k, extra_cols=5):
+def _run_poisoned(logits, lens, k, extra_cols=5, defines=()):
     buf = torch.full((logits.shape[0] + 1, k + extra_cols), POISON, dtype=torch.int32,
                      device="cuda")
-    ct.decode_topk(logits, lens, k, out=buf[:-1, :k])
+    ct.decode_topk(logits, lens, k, out=buf[:-1, :k], defines=defines)
     torch.cuda.synchronize()
     assert (buf[:, k:] == POISON).all() and (buf[-1] == POISON).all(), "written outside out"
     return buf[:-1, :k]
@@ -208,6 +210,20 @@ def test_kernel_meets_the_contract(kind, width, k):
     lens = random_lengths(rows, width, k, gen)
     got = _run_poisoned(logits.cuda(), lens.cuda(), k)
     assert topk_selection_ok(logits, lens, k, got.cpu()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("width", [3000, 33000, 60000])
+def test_compact_build_meets_the_contract(kind, width):
+    """The COMPACT=1 build (a staged row's first-digit bin listed, then
+    narrowed alone; wide bins and unstaged rows take the default path)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"compact {kind} {width}".encode()))
+    logits = random_logits(kind, 12, width, gen)
+    lens = random_lengths(12, width, 2048, gen)
+    got = _run_poisoned(logits.cuda(), lens.cuda(), 2048, defines=("COMPACT=1",))
+    assert topk_selection_ok(logits, lens, 2048, got.cpu()) == []
 
 
 @pytest.mark.gpu

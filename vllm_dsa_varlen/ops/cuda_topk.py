@@ -30,8 +30,9 @@ KERNEL_NAME = b"decode_topk"
 THREADS = 1024
 BINS = 2048
 HEADER_BYTES = 4 * (BINS + 32 + 16)  # histogram, warp sums, selection words
+CAND = 4096                          # candidate slots after the stage (the COMPACT build's)
 MAX_SMEM = 227 * 1024                # sm_90's dynamic shared memory per CTA
-MAX_STAGE = (MAX_SMEM - HEADER_BYTES) // 16 * 4  # staged columns, a multiple of 4
+MAX_STAGE = (MAX_SMEM - HEADER_BYTES - 4 * CAND) // 16 * 4  # staged columns, a multiple of 4
 
 _lock = threading.Lock()
 _LOADED: dict = {}
@@ -53,7 +54,7 @@ def stage_for(width: int) -> int:
 
 def smem_bytes(width: int) -> int:
     """Dynamic shared memory of a launch over logits ``width`` columns wide."""
-    return HEADER_BYTES + 4 * stage_for(width)
+    return HEADER_BYTES + 4 * stage_for(width) + 4 * CAND
 
 
 def compile_cubin(arch: str = cb.ARCH, extra: tuple = ()) -> tuple[bytes, str]:

@@ -33,6 +33,11 @@ typedef long long i64;
 #define WARPS (THREADS / 32)
 #define BINS 2048                 // 11-bit digits: 11 + 11 + 10 = 32
 #define FULL 0xffffffffu
+#define CAND 4096                 // candidate slots after the stage (the launcher's CAND)
+
+#ifndef COMPACT
+#define COMPACT 0                 // 1: a staged row's first-digit bin compacted, then narrowed alone
+#endif
 
 
 __device__ __forceinline__ u32 order_key(float x) {
@@ -148,6 +153,85 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   }
   __syncthreads();
   find_bin(hist, k, warp_sums, sel);
+
+#if COMPACT
+  // The first digit's bin, if it holds at most CAND keys of a staged row:
+  // one pass writes the keys above it and lists its keys' columns (after the
+  // stage); the next digits and the select then read that list only.
+  if (staged && sel[2] != k - sel[1] && sel[2] <= CAND) {
+    const u32 b0 = (u32)sel[0];
+    const int in0 = sel[2];
+    u32* cand = keys + stage;
+    const u32 lt = (1u << lane) - 1;
+    if (t == 0) { sel[3] = 0; sel[4] = 0; sel[5] = 0; }
+    __syncthreads();
+    for (int it = 0; it < trips; ++it) {
+      const int i = it * span + 4 * t;
+      Keys4 v = {{0u, 0u, 0u, 0u}};
+      if (i < n) v = load4_staged(keys, i);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const bool in = i + j < n;
+        const u32 d = v.k[j] >> 21;
+        const bool hi = in && d > b0, eq = in && d == b0;
+        const u32 mhi = __ballot_sync(FULL, hi), meq = __ballot_sync(FULL, eq);
+        int base_hi = 0, base_c = 0;
+        if (lane == 0) {
+          if (mhi) base_hi = atomicAdd(&sel[3], __popc(mhi));
+          if (meq) base_c = atomicAdd(&sel[5], __popc(meq));
+        }
+        base_hi = __shfl_sync(FULL, base_hi, 0);
+        base_c = __shfl_sync(FULL, base_c, 0);
+        if (hi) orow[base_hi + __popc(mhi & lt)] = i + j;
+        if (eq) cand[base_c + __popc(meq & lt)] = i + j;
+      }
+    }
+    __syncthreads();
+    u32 prefix = b0;
+    int shift = 21, above = sel[1], in_bin = in0;
+    const int ctrips = (in0 + THREADS - 1) / THREADS;
+    for (int p = 1; p < 3 && in_bin != k - above; ++p) {
+      const int next = digit_shift(p);
+      for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
+      __syncthreads();
+      for (int it = 0; it < ctrips; ++it) {
+        const int c = it * THREADS + t;
+        const u32 key = c < in0 ? keys[cand[c]] : 0u;
+        hist_add(hist, (key >> next) & ((1u << (shift - next)) - 1),
+                 c < in0 && (key >> shift) == prefix);
+      }
+      __syncthreads();
+      find_bin(hist, k - above, warp_sums, sel);
+      prefix = (prefix << (shift - next)) | (u32)sel[0];
+      shift = next;
+      above += sel[1];
+      in_bin = sel[2];
+    }
+    // Keys above the threshold take slots after the first pass's (sel[3]
+    // counts on), equal ones the first k - above slots from `above`.
+    const int ties = k - above;
+    for (int it = 0; it < ctrips; ++it) {
+      const int c = it * THREADS + t;
+      const int col = c < in0 ? (int)cand[c] : 0;
+      const u32 pre = c < in0 ? keys[col] >> shift : 0u;
+      const bool hi = c < in0 && pre > prefix, eq = c < in0 && pre == prefix;
+      const u32 mhi = __ballot_sync(FULL, hi), meq = __ballot_sync(FULL, eq);
+      int base_hi = 0, base_eq = 0;
+      if (lane == 0) {
+        if (mhi) base_hi = atomicAdd(&sel[3], __popc(mhi));
+        if (meq) base_eq = atomicAdd(&sel[4], __popc(meq));
+      }
+      base_hi = __shfl_sync(FULL, base_hi, 0);
+      base_eq = __shfl_sync(FULL, base_eq, 0);
+      if (hi) orow[base_hi + __popc(mhi & lt)] = col;
+      if (eq) {
+        const int slot = base_eq + __popc(meq & lt);
+        if (slot < ties) orow[above + slot] = col;
+      }
+    }
+    return;
+  }
+#endif
 
   // Narrow the threshold digit by digit until its bin holds exactly the keys
   // still needed or the whole key is fixed.
