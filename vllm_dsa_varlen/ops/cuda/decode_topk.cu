@@ -37,7 +37,7 @@ typedef long long i64;
 
 #ifndef COMPACT
 #define COMPACT 0                 // 1: a staged row's first-digit bin compacted, then narrowed alone
-#endif
+#endif                            //    (H200: 0.92-0.98x from B16 up, 1.03-1.10x at B128 L8K, B1)
 
 
 __device__ __forceinline__ u32 order_key(float x) {
