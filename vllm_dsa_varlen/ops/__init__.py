@@ -8,7 +8,9 @@
 * :mod:`.cuda_plan` — that kernel's per-step schedule: its format, its cost
   model, the one-launch planner kernel;
 * :mod:`.cuda_binding` — NVRTC and the CUDA driver through ``cuda-python``
-  (compile, load, launch), for the CUDA kernel and its planner;
+  (compile, load, launch), for the CUDA kernels;
+* :mod:`.cuda_topk` — the indexer's decode top-k in one launch (sm_90; chosen
+  by :mod:`vllm_dsa_varlen.topk`);
 * :mod:`.head_sum_precision` — what a cheaper head sum costs the top-k (a
   CPU study);
 * :mod:`.triton_paged_mqa_logits` — the portable Triton kernel (any fp8 GPU,
