@@ -150,3 +150,20 @@ def test_force_overrides_the_decision(kernel_here):
     finally:
         topk.reset()
     assert topk._forced is None
+
+
+def test_a_device_decided_for_vllm_skips_the_layout_check(monkeypatch):
+    """Once a device's decision is vLLM's, dispatch calls stock's op at once
+    (no per-call layout check: eager steps pay nothing for the choice)."""
+    topk.reset()
+    checks = []
+    monkeypatch.setattr(topk, "serves", lambda *a: checks.append(1) or False)
+    topk._choices[None] = topk.TopkChoice(False, "test")  # CPU tensors' device index
+    stock = []
+    logits, lens, out, k = _call()
+    topk.dispatch(logits, lens, out, k, lambda: stock.append(1))
+    assert stock == [1] and checks == []
+    topk.reset()
+    topk.dispatch(logits, lens, out, k, lambda: stock.append(2))
+    assert stock == [1, 2] and checks == [1]  # undecided: checked (and refused)
+    topk.reset()

@@ -160,6 +160,15 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object]) -> None:
     """The decode top-k of ``logits`` into ``out``: the project's kernel
     where it serves this device and call, else ``stock()`` (vLLM's call,
     its own arguments)."""
+    if _forced is False:
+        stock()
+        return
+    if _forced is None:  # the decision made for this device: no layout check where it is vLLM's
+        device = getattr(logits, "device", None)
+        known = _choices.get(getattr(device, "index", None))
+        if known is not None and not known.own:
+            stock()
+            return
     if serves(logits, lengths, out, k):
         index = logits.device.index
         if index is None:
