@@ -12,7 +12,7 @@
 //   1. the row is read once from global memory (16-byte loads where the row
 //      start is aligned), its keys staged in shared memory when it has at
 //      most `stage` columns (the launcher sizes the stage from the logits'
-//      width, a shape fact: graph safe), and a histogram of the top DIGIT0
+//      width, a shape fact: graph safe), and a histogram of the top 11
 //      bits made with shared-memory atomics;
 //   2. a block-wide suffix sum over the bins finds the bin that holds the
 //      k-th largest key: `above` keys lie in higher bins; if the bin holds
