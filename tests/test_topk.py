@@ -56,7 +56,8 @@ def test_layout_ok_accepts_the_indexer_ops_calls_and_refuses_others():
            (logits, lens.float(), out, k), (logits, lens[:5], out, k),
            (logits, lens, out.long(), k), (logits, lens, out[:, :8], k),
            (logits, lens, out, 0), (logits, lens, out, True), (logits[0], lens, out, k),
-           (logits, lens, torch.zeros(k, 6, dtype=torch.int32).t(), k)]
+           (logits, lens, torch.zeros(k, 6, dtype=torch.int32).t(), k),
+           (logits.as_strided(logits.shape, (100, 1)), lens, out, k)]  # rows overlapping
     for args in bad:
         assert not topk.layout_ok(*args), [getattr(a, "shape", a) for a in args]
 

@@ -34,6 +34,7 @@ from typing import Callable, Mapping
 import torch
 
 from .config import MODE_ENV, read_mode
+from .ops import cuda_topk
 
 TOPK_ENV = "VLLM_DSA_VARLEN_TOPK"
 TOPK_SETTINGS = ("auto", "vllm", "own")
@@ -120,8 +121,6 @@ def decide(index: int) -> TopkChoice:
             wanted = setting == "own" or (setting == "auto" and MEASURED_FASTER)
             if mode == "auto" and wanted and tuple(capability) == CAPABILITY:
                 try:
-                    from .ops import cuda_topk
-
                     cuda_topk.load(torch.device("cuda", index))
                 except Exception as exc:  # noqa: BLE001 - any failure: vLLM's top-k
                     error = f"{type(exc).__name__}: {exc}"
@@ -136,18 +135,13 @@ def decide(index: int) -> TopkChoice:
 
 def layout_ok(logits, lengths, out, k) -> bool:
     """The call's tensors are laid out as the project's kernel takes them
-    (metadata only, any device): float32 ``[R, W]`` logits with unit column
-    stride, ``R`` integer lengths on the logits' device, int32 ``out`` of
-    ``[R, k]`` with unit column stride there, ``k >= 1``."""
-    return (isinstance(logits, torch.Tensor) and logits.dim() == 2
-            and logits.dtype == torch.float32 and logits.stride(1) == 1
-            and isinstance(lengths, torch.Tensor) and lengths.device == logits.device
-            and not lengths.dtype.is_floating_point and lengths.dtype != torch.bool
-            and lengths.numel() == logits.shape[0]
-            and isinstance(out, torch.Tensor) and out.dtype == torch.int32
-            and out.device == logits.device
-            and isinstance(k, int) and not isinstance(k, bool) and k >= 1
-            and tuple(out.shape) == (logits.shape[0], k) and (k < 2 or out.stride(1) == 1))
+    (metadata only, any device; the kernel's own rule,
+    :func:`.ops.cuda_topk.layout_problem`), with an ``out`` to write: float32
+    ``[R, W]`` logits with unit column stride, ``R`` integer lengths on the
+    logits' device, int32 ``out`` of ``[R, k]`` with unit column stride
+    there, ``k >= 1``."""
+    return (isinstance(out, torch.Tensor)
+            and cuda_topk.layout_problem(logits, lengths, k, out) is None)
 
 
 def serves(logits, lengths, out, k) -> bool:
@@ -174,9 +168,7 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object]) -> None:
         if index is None:
             index = torch.cuda.current_device()
         if _forced if _forced is not None else decide(index).own:
-            from .ops.cuda_topk import decode_topk
-
-            decode_topk(logits, lengths, k, out=out)
+            cuda_topk.decode_topk(logits, lengths, k, out=out)
             return
     stock()
 

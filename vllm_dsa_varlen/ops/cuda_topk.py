@@ -96,41 +96,52 @@ def kernel_args(logits: int, row_stride: int, lens: int, width: int, k: int, out
             "stage": c.c_int32(stage)}
 
 
+def layout_problem(logits, lengths, k, out) -> tuple[str, str, object] | None:
+    """The first way :func:`decode_topk`'s arguments are not laid out as the
+    kernel takes them, as ``(argument, expected, got)``, or ``None``
+    (metadata only, any device: their device being a GPU is not checked)."""
+    if not isinstance(logits, torch.Tensor):
+        return "logits", "a tensor", type(logits)
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        return "logits", "float32 [rows, width]", f"{logits.dtype} {tuple(logits.shape)}"
+    if logits.shape[1] and logits.stride(1) != 1:
+        return "logits", "unit column stride", logits.stride()
+    rows, width = logits.shape
+    if width >= 2**31 or (rows and logits.stride(0) < width):
+        return "logits", "rows of fewer than 2^31 columns, not overlapping", logits.stride()
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < 2**31:
+        return "k", "an int >= 1", k
+    if not isinstance(lengths, torch.Tensor) or lengths.device != logits.device:
+        return "lengths", f"a tensor on {logits.device}", getattr(lengths, "device",
+                                                                   type(lengths))
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool or lengths.is_complex():
+        return "lengths", "an integer tensor", lengths.dtype
+    if lengths.numel() != rows:
+        return "lengths", f"{rows} values (one per row)", tuple(lengths.shape)
+    if out is not None:
+        if (not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or out.dim() != 2
+                or out.shape[0] != rows or out.shape[1] != k or out.device != logits.device
+                or (k > 1 and out.stride(1) != 1) or (rows > 1 and out.stride(0) < k)):
+            return ("out", f"int32 [{rows}, {k}] on {logits.device}, unit column stride",
+                    f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))} "
+                    f"stride {out.stride() if isinstance(out, torch.Tensor) else None}")
+    return None
+
+
 def check_args(logits: torch.Tensor, lengths: torch.Tensor, k: int,
                out: torch.Tensor | None) -> torch.Tensor:
     """Validate :func:`decode_topk`'s arguments but their device being a GPU
-    (``ValueError`` naming the argument); returns the lengths as contiguous int32 ``[R]`` (converted
-    where they are another integer dtype or layout)."""
-    if not isinstance(logits, torch.Tensor):
-        _fail("logits", "a tensor", type(logits))
-    if logits.dtype != torch.float32 or logits.dim() != 2:
-        _fail("logits", "float32 [rows, width]", f"{logits.dtype} {tuple(logits.shape)}")
-    if logits.shape[1] and logits.stride(1) != 1:
-        _fail("logits", "unit column stride", logits.stride())
-    rows, width = logits.shape
-    if width >= 2**31 or (rows and logits.stride(0) < width):
-        _fail("logits", "rows of fewer than 2^31 columns, not overlapping", logits.stride())
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < 2**31:
-        _fail("k", "an int >= 1", k)
-    if not isinstance(lengths, torch.Tensor) or lengths.device != logits.device:
-        _fail("lengths", f"a tensor on {logits.device}", getattr(lengths, "device",
-                                                                  type(lengths)))
-    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool or lengths.is_complex():
-        _fail("lengths", "an integer tensor", lengths.dtype)
-    if lengths.numel() != rows:
-        _fail("lengths", f"{rows} values (one per row)", tuple(lengths.shape))
+    (:func:`layout_problem`; ``ValueError`` naming the argument); returns the
+    lengths as contiguous int32 ``[R]`` (converted where they are another
+    integer dtype or layout)."""
+    problem = layout_problem(logits, lengths, k, out)
+    if problem is not None:
+        _fail(*problem)
     flat = lengths.reshape(-1)
     if flat.dtype != torch.int32:
         flat = flat.to(torch.int32)
     if flat.stride(0) != 1:
         flat = flat.contiguous()
-    if out is not None:
-        if (not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or out.dim() != 2
-                or out.shape[0] != rows or out.shape[1] != k or out.device != logits.device
-                or (k > 1 and out.stride(1) != 1) or (rows > 1 and out.stride(0) < k)):
-            _fail("out", f"int32 [{rows}, {k}] on {logits.device}, unit column stride",
-                  f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))} "
-                  f"stride {out.stride() if isinstance(out, torch.Tensor) else None}")
     return flat
 
 
