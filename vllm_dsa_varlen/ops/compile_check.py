@@ -96,14 +96,15 @@ def main() -> int:
         jobs += [("cuda_topk", None, (), {})]
     jobs += [("portable", h, arch, v) for h in (32, 64) for arch in (89, 90, 100, 120)
              for v in portable.portable_variants(h)]
+    nvrtc_builds = {"cuda_sm90": lambda job: compile_cuda_sm90(job[2]),
+                    "cuda_plan_sm90": lambda job: compile_plan_sm90(job[1]),
+                    "cuda_topk": lambda job: compile_topk()}
     for job in jobs:
         row = {"kernel": job[0], "heads": job[1]}
         try:
-            if job[0] in ("cuda_sm90", "cuda_plan_sm90", "cuda_topk"):
+            if job[0] in nvrtc_builds:
                 row["defines"] = list(job[2])
-                row.update(compile_cuda_sm90(job[2]) if job[0] == "cuda_sm90"
-                           else compile_plan_sm90(job[1]) if job[0] == "cuda_plan_sm90"
-                           else compile_topk())
+                row.update(nvrtc_builds[job[0]](job))
                 row["ok"] = row["spills"] == 0
                 failed += not row["ok"]
                 print(json.dumps(row), flush=True)
