@@ -212,17 +212,29 @@ def test_kernel_meets_the_contract(kind, width, k):
     assert topk_selection_ok(logits, lens, k, got.cpu()) == []
 
 
+AB_BUILDS = [("COMPACT=1",), ("BATCH=4",), ("BATCH=8",)]
+
+
+def test_anatomy_macros_are_the_sources():
+    with open(ct.SOURCE) as f:
+        src = f.read()
+    for macro in ct.ANATOMY + tuple(d.split("=")[0] for b in AB_BUILDS for d in b):
+        assert f"#ifndef {macro}\n#define {macro} " in src, macro
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("build", AB_BUILDS, ids="+".join)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("width", [3000, 33000, 60000])
-def test_compact_build_meets_the_contract(kind, width):
-    """The COMPACT=1 build (a staged row's first-digit bin listed, then
-    narrowed alone; wide bins and unstaged rows take the default path)."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"compact {kind} {width}".encode()))
+def test_ab_builds_meet_the_contract(build, kind, width):
+    """The A/B builds: COMPACT=1 (a staged row's first-digit bin listed, then
+    narrowed alone; wide bins and unstaged rows take the default path),
+    BATCH=b (pass 0 issues b trips' loads together)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{build} {kind} {width}".encode()))
     logits = random_logits(kind, 12, width, gen)
     lens = random_lengths(12, width, 2048, gen)
-    got = _run_poisoned(logits.cuda(), lens.cuda(), 2048, defines=("COMPACT=1",))
+    got = _run_poisoned(logits.cuda(), lens.cuda(), 2048, defines=build)
     assert topk_selection_ok(logits, lens, 2048, got.cpu()) == []
 
 

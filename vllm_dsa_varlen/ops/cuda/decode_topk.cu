@@ -38,6 +38,18 @@ typedef long long i64;
 #ifndef COMPACT
 #define COMPACT 0                 // 1: a staged row's first-digit bin compacted, then narrowed alone
 #endif                            //    (H200: 0.92-0.98x from B16 up, 1.03-1.10x at B128 L8K, B1)
+#ifndef BATCH
+#define BATCH 1                   // pass 0: trips whose loads are issued together
+#endif
+// Anatomy builds (timing only; they do not meet the contract): STOP=0 returns
+// after reading the row's length, STOP=1 after pass 0 and its bin search,
+// STOP=2 after the narrowing passes; NO_HIST=1 leaves pass 0's histogram out.
+#ifndef STOP
+#define STOP 3
+#endif
+#ifndef NO_HIST
+#define NO_HIST 0
+#endif
 
 
 __device__ __forceinline__ u32 order_key(float x) {
@@ -128,6 +140,10 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   int n = lens[r];
   n = n < 0 ? 0 : n > width ? width : n;
   int* __restrict__ orow = out + (i64)r * out_stride;
+#if STOP == 0
+  if (t == 0) orow[0] = n;
+  return;
+#endif
   if (n <= k) {
     for (int i = t; i < k; i += THREADS) orow[i] = i < n ? i : -1;
     return;
@@ -141,6 +157,25 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   // Pass 0: read the row, stage its keys, histogram the top digit.
   for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
   __syncthreads();
+#if BATCH > 1
+  for (int it0 = 0; it0 < trips; it0 += BATCH) {
+    Keys4 v[BATCH];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const int i = (it0 + b) * span + 4 * t;
+      v[b] = Keys4{{0u, 0u, 0u, 0u}};
+      if (i < n) v[b] = load4_global(row, i, n, aligned);
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const int i = (it0 + b) * span + 4 * t;
+      if (staged && i < n)
+        *reinterpret_cast<uint4*>(keys + i) = make_uint4(v[b].k[0], v[b].k[1], v[b].k[2], v[b].k[3]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) hist_add(hist, v[b].k[j] >> 21, !NO_HIST && i + j < n);
+    }
+  }
+#else
   for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * t;
     Keys4 v = {{0u, 0u, 0u, 0u}};
@@ -149,10 +184,15 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
       if (staged) *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) hist_add(hist, v.k[j] >> 21, i + j < n);
+    for (int j = 0; j < 4; ++j) hist_add(hist, v.k[j] >> 21, !NO_HIST && i + j < n);
   }
+#endif
   __syncthreads();
   find_bin(hist, k, warp_sums, sel);
+#if STOP == 1
+  if (t == 0) orow[0] = sel[0];
+  return;
+#endif
 
 #if COMPACT
   // The first digit's bin, if it holds at most CAND keys of a staged row:
@@ -259,6 +299,10 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
     above += sel[1];
     in_bin = sel[2];
   }
+#if STOP == 2
+  if (t == 0) orow[0] = (int)prefix;
+  return;
+#endif
 
   // Select: prefix above the threshold's, or equal and among the first
   // k - above such keys.  Slots: [0, above) for the former, [above, k) for
