@@ -29,7 +29,7 @@ try:
 except OSError as exc:  # pragma: no cover - depends on the environment
     NVRTC = str(exc)
 
-KINDS = ("normal", "positive", "ties", "equal", "inf", "narrow", "negative")
+KINDS = ("normal", "positive", "ties", "equal", "inf", "narrow", "negative", "block")
 
 
 def random_logits(kind: str, rows: int, width: int, gen: torch.Generator) -> torch.Tensor:
@@ -49,7 +49,18 @@ def random_logits(kind: str, rows: int, width: int, gen: torch.Generator) -> tor
         return 1000 + x * 1e-4
     if kind == "negative":
         return -x.abs() - 1
+    if kind == "block":      # 2048 columns in one top bin (all of it taken at k = 2048)
+        return block_logits(rows, width, 2048, gen)
     return x * 3
+
+
+def block_logits(rows: int, width: int, count: int, gen: torch.Generator) -> torch.Tensor:
+    """float32 ``[rows, width]``: normal values but ``count`` random columns
+    per row at 100 ± 0.001 (one first-digit bin above all others)."""
+    x = torch.randn(rows, width, generator=gen)
+    cols = torch.rand(rows, width, generator=gen).argsort(dim=1)[:, :min(count, width)]
+    x.scatter_(1, cols, 100 + torch.randn(rows, cols.shape[1], generator=gen) * 1e-3)
+    return x
 
 
 def random_lengths(rows: int, width: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -168,7 +179,8 @@ def test_kernel_args_match_the_signature():
 
 def test_shared_memory_fits_at_every_width():
     with open(ct.SOURCE) as f:
-        assert f"#define CAND {ct.CAND} " in f.read()
+        src = f.read()
+    assert f"#define CAND {ct.CAND} " in src and f"#define BARS {ct.BARS} " in src
     most = (ct.MAX_SMEM - ct.HEADER_BYTES - 4 * ct.CAND) // 4
     assert ct.HEADER_BYTES % 16 == 0 and ct.MAX_STAGE == most // 4 * 4
     for width in (1, 3, 4, 2048, most - 1, most, most + 1, 163840, 2**31 - 1):
@@ -212,7 +224,8 @@ def test_kernel_meets_the_contract(kind, width, k):
     assert topk_selection_ok(logits, lens, k, got.cpu()) == []
 
 
-AB_BUILDS = [("COMPACT=1",), ("BATCH=4",), ("BATCH=8",)]
+AB_BUILDS = [("COMPACT=1",), ("COMPACT=2",), ("COMPACT=2", "BATCH=4"), ("BATCH=4",),
+             ("BATCH=8",), ("TMA=1",), ("COMPACT=2", "TMA=1")]
 
 
 def test_anatomy_macros_are_the_sources():
@@ -230,7 +243,9 @@ def test_anatomy_macros_are_the_sources():
 def test_ab_builds_meet_the_contract(build, kind, width):
     """The A/B builds: COMPACT=1 (a staged row's first-digit bin listed, then
     narrowed alone; wide bins and unstaged rows take the default path),
-    BATCH=b (pass 0 issues b trips' loads together)."""
+    COMPACT=2 (the same, slots from a count pass and a block scan), BATCH=b
+    (pass 0 issues b trips' loads together), TMA=1 (a staged aligned row
+    brought by bulk copies)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{build} {kind} {width}".encode()))
     logits = random_logits(kind, 12, width, gen)
     lens = random_lengths(12, width, 2048, gen)
@@ -280,3 +295,20 @@ def test_replays_in_a_graph_with_new_contents():
         graph.replay()
         torch.cuda.synchronize()
         assert topk_selection_ok(host, hl, k, out.cpu()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("build", [(), ("COMPACT=1",), ("COMPACT=2",), ("COMPACT=2", "TMA=1")],
+                         ids=lambda b: "+".join(b) or "default")
+@pytest.mark.parametrize("k", [2048, 6000])
+def test_first_bin_holding_exactly_the_keys_needed(build, k):
+    """Full rows whose top first-digit bin holds exactly ``k`` keys (COMPACT=2
+    writes them straight out, also past its CAND list slots at k = 6000),
+    and shorter rows where it holds fewer."""
+    gen = torch.Generator().manual_seed(k)
+    width = 40000
+    logits = block_logits(8, width, k, gen)
+    lens = torch.tensor([width] * 4 + [width - 1, 30000, k + 1, 20000], dtype=torch.int32)
+    got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=build)
+    assert topk_selection_ok(logits, lens, k, got.cpu()) == []

@@ -29,10 +29,12 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "decod
 KERNEL_NAME = b"decode_topk"
 THREADS = 1024
 BINS = 2048
-HEADER_BYTES = 4 * (BINS + 32 + 16)  # histogram, warp sums, selection words
+BARS = 16                            # mbarriers of the TMA build (one per trip of a staged row)
+HEADER_BYTES = 4 * (BINS + 32 + 16) + 8 * BARS  # histogram, warp sums, selection words, barriers
 CAND = 4096                          # candidate slots after the stage (the COMPACT build's)
 MAX_SMEM = 227 * 1024                # sm_90's dynamic shared memory per CTA
 MAX_STAGE = (MAX_SMEM - HEADER_BYTES - 4 * CAND) // 16 * 4  # staged columns, a multiple of 4
+assert MAX_STAGE <= BARS * 4 * THREADS  # a staged row's trips each have a barrier
 # Macros of the source's anatomy builds: the kernel cut short to time its
 # parts (their output is not the contract's; the benchmark does not check them).
 ANATOMY = ("STOP", "NO_HIST")

@@ -28,19 +28,25 @@
 
 typedef unsigned int u32;
 typedef long long i64;
+typedef unsigned long long u64;
 
 #define THREADS 1024
 #define WARPS (THREADS / 32)
 #define BINS 2048                 // 11-bit digits: 11 + 11 + 10 = 32
 #define FULL 0xffffffffu
 #define CAND 4096                 // candidate slots after the stage (the launcher's CAND)
+#define BARS 16                   // TMA=1: one mbarrier per trip of a staged row (the launcher's)
 
 #ifndef COMPACT
 #define COMPACT 0                 // 1: a staged row's first-digit bin compacted, then narrowed alone
-#endif                            //    (H200: 0.92-0.98x from B16 up, 1.03-1.10x at B128 L8K, B1)
+#endif                            //    (H200: 0.92-0.98x from B16 up, 1.03-1.10x at B128 L8K, B1);
+                                  // 2: the same, slots from a count pass and a block scan
 #ifndef BATCH
 #define BATCH 1                   // pass 0: trips whose loads are issued together
 #endif
+#ifndef TMA
+#define TMA 0                     // 1: a staged row starting on 16 bytes arrives by bulk copies,
+#endif                            //    one per trip, all issued at once (pass 0 reads shared memory)
 // Anatomy builds (timing only; they do not meet the contract): STOP=0 returns
 // after reading the row's length, STOP=1 after pass 0 and its bin search,
 // STOP=2 after the narrowing passes; NO_HIST=1 leaves pass 0's histogram out.
@@ -59,6 +65,26 @@ __device__ __forceinline__ u32 order_key(float x) {
 
 // The pass's digit: shift and width of digit p (0, 1, 2) of a 32-bit key.
 __device__ __forceinline__ int digit_shift(int p) { return p == 0 ? 21 : p == 1 ? 10 : 0; }
+
+// TMA=1's bulk copies into shared memory, each completing on an mbarrier.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(u64* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait0(u64* bar) {   // the barrier's first phase
+  asm volatile("{\n.reg .pred ready;\nTOPK_WAIT:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], 0;\n"
+               "@!ready bra TOPK_WAIT;\n}\n" :: "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+               "[%0], [%1], %2, [%3];"
+               :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
 
 // Four consecutive keys from column i (i % 4 == 0) of the row: `valid` of
 // them in range (0..4).
@@ -90,6 +116,31 @@ __device__ __forceinline__ Keys4 load4_staged(const u32* __restrict__ keys, int 
 // 1.5-3x slower on the H200).
 __device__ __forceinline__ void hist_add(int* __restrict__ h, u32 bin, bool valid) {
   if (valid) atomicAdd(&h[bin], 1);
+}
+
+// Block-wide exclusive prefix sum of `v` over the threads in index order
+// (all threads call it; `warp_sums`: WARPS ints, free until the next barrier).
+__device__ __forceinline__ int block_exclusive_scan(int v, int* __restrict__ warp_sums) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int incl = v;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    int u = __shfl_up_sync(FULL, incl, d);
+    if (lane >= d) incl += u;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int w = warp_sums[lane];
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      int u = __shfl_up_sync(FULL, w, d);
+      if (lane >= d) w += u;
+    }
+    warp_sums[lane] = w;
+  }
+  __syncthreads();
+  return (warp ? warp_sums[warp - 1] : 0) + incl - v;
 }
 
 // Block-wide: the bin of `hist` (BINS counters) holding the `need`-th
@@ -134,7 +185,8 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   int* hist = reinterpret_cast<int*>(smem);               // BINS
   int* warp_sums = hist + BINS;                           // WARPS
   int* sel = warp_sums + WARPS;                           // bin, above, in bin, slot counters
-  u32* keys = reinterpret_cast<u32*>(sel + 16);           // stage (16-byte aligned)
+  u64* bars = reinterpret_cast<u64*>(sel + 16);           // BARS (TMA=1)
+  u32* keys = reinterpret_cast<u32*>(bars + BARS);        // stage (16-byte aligned)
 
   const int r = blockIdx.x, t = threadIdx.x, lane = t & 31;
   int n = lens[r];
@@ -155,8 +207,41 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   const int trips = (n + span - 1) / span;
 
   // Pass 0: read the row, stage its keys, histogram the top digit.
+#if TMA
+  const bool bulk = staged && aligned;   // then trips <= BARS (the launcher's stage)
+  if (bulk && t == 0) {
+    for (int it = 0; it < trips; ++it) mbar_init(&bars[it]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+#endif
   for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
   __syncthreads();
+#if TMA
+  if (bulk) {
+    const int n4 = n & ~3;               // the columns the copies bring; the rest from global
+    if (t == 0)
+      for (int it = 0; it < trips; ++it) {
+        const int lo = it * span, hi = min(lo + span, n4);
+        if (hi > lo) bulk_load(keys + lo, row + lo, 4u * (hi - lo), &bars[it]);
+      }
+    for (int it = 0; it < trips; ++it) {
+      const int i = it * span + 4 * t;
+      if (it * span < n4) mbar_wait0(&bars[it]);
+      Keys4 v = {{0u, 0u, 0u, 0u}};
+      if (i < n4) {
+        const float4 f = *reinterpret_cast<const float4*>(keys + i);
+        v.k[0] = order_key(f.x); v.k[1] = order_key(f.y);
+        v.k[2] = order_key(f.z); v.k[3] = order_key(f.w);
+        *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
+      } else if (i < n) {
+        v = load4_global(row, i, n, false);
+        *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) hist_add(hist, v.k[j] >> 21, !NO_HIST && i + j < n);
+    }
+  } else
+#endif
 #if BATCH > 1
   for (int it0 = 0; it0 < trips; it0 += BATCH) {
     Keys4 v[BATCH];
@@ -195,6 +280,48 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
 #endif
 
 #if COMPACT
+#if COMPACT == 2
+  // The first digit's bin, if it holds at most CAND keys of a staged row (or
+  // exactly the keys still needed): each thread counts its keys above the bin
+  // and in it, a block scan gives every thread its own output and list slots,
+  // and one pass writes the keys above the bin and lists the bin's columns
+  // (after the stage; straight to the output when the whole bin is taken);
+  // the next digits and the select then read that list only.
+  if (staged && (sel[2] <= CAND || sel[2] == k - sel[1])) {
+    const u32 b0 = (u32)sel[0];
+    const int in0 = sel[2], above0 = sel[1];
+    const bool direct = in0 == k - above0;
+    u32* cand = keys + stage;
+    const u32 lt = (1u << lane) - 1;
+    int counts = 0;                  // keys above the bin | keys in it << 16 (n < 2^16)
+    for (int it = 0; it < trips; ++it) {
+      const int i = it * span + 4 * t;
+      Keys4 v = {{0u, 0u, 0u, 0u}};
+      if (i < n) v = load4_staged(keys, i);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u32 d = v.k[j] >> 21;
+        counts += i + j < n ? (d > b0 ? 1 : d == b0 ? 1 << 16 : 0) : 0;
+      }
+    }
+    const int first = block_exclusive_scan(counts, warp_sums);
+    int slot_hi = first & 0xffff, slot_eq = first >> 16;
+    int* eq_out = direct ? orow + above0 : reinterpret_cast<int*>(cand);
+    for (int it = 0; it < trips; ++it) {
+      const int i = it * span + 4 * t;
+      Keys4 v = {{0u, 0u, 0u, 0u}};
+      if (i < n) v = load4_staged(keys, i);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u32 d = v.k[j] >> 21;
+        if (i + j < n && d > b0) orow[slot_hi++] = i + j;
+        else if (i + j < n && d == b0) eq_out[slot_eq++] = i + j;
+      }
+    }
+    if (direct) return;
+    if (t == 0) { sel[3] = above0; sel[4] = 0; }
+    __syncthreads();
+#else
   // The first digit's bin, if it holds at most CAND keys of a staged row:
   // one pass writes the keys above it and lists its keys' columns (after the
   // stage); the next digits and the select then read that list only.
@@ -227,6 +354,7 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
       }
     }
     __syncthreads();
+#endif
     u32 prefix = b0;
     int shift = 21, above = sel[1], in_bin = in0;
     const int ctrips = (in0 + THREADS - 1) / THREADS;
