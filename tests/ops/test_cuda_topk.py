@@ -180,7 +180,9 @@ def test_kernel_args_match_the_signature():
 def test_shared_memory_fits_at_every_width():
     with open(ct.SOURCE) as f:
         src = f.read()
-    assert f"#define CAND {ct.CAND} " in src and f"#define BARS {ct.BARS} " in src
+    for name in ("CAND", "BARS", "CHUNK"):
+        assert f"#define {name} {getattr(ct, name)} " in src, name
+    assert f"#ifndef THREADS\n#define THREADS {ct.THREADS} " in src
     most = (ct.MAX_SMEM - ct.HEADER_BYTES - 4 * ct.CAND) // 4
     assert ct.HEADER_BYTES % 16 == 0 and ct.MAX_STAGE == most // 4 * 4
     for width in (1, 3, 4, 2048, most - 1, most, most + 1, 163840, 2**31 - 1):
@@ -225,7 +227,13 @@ def test_kernel_meets_the_contract(kind, width, k):
 
 
 AB_BUILDS = [("COMPACT=1",), ("COMPACT=2",), ("COMPACT=2", "BATCH=4"), ("BATCH=4",),
-             ("BATCH=8",), ("TMA=1",), ("COMPACT=2", "TMA=1")]
+             ("BATCH=8",), ("TMA=1",), ("COMPACT=2", "TMA=1"), ("THREADS=512",),
+             ("THREADS=512", "COMPACT=2", "TMA=1")]
+
+
+def test_threads_of_a_build():
+    assert ct.threads_of(()) == ct.THREADS == 1024
+    assert ct.threads_of(("COMPACT=2", "THREADS=512")) == 512
 
 
 def test_anatomy_macros_are_the_sources():
@@ -245,7 +253,7 @@ def test_ab_builds_meet_the_contract(build, kind, width):
     narrowed alone; wide bins and unstaged rows take the default path),
     COMPACT=2 (the same, slots from a count pass and a block scan), BATCH=b
     (pass 0 issues b trips' loads together), TMA=1 (a staged aligned row
-    brought by bulk copies)."""
+    brought by bulk copies), THREADS=512 (CTAs of 512 threads)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{build} {kind} {width}".encode()))
     logits = random_logits(kind, 12, width, gen)
     lens = random_lengths(12, width, 2048, gen)
@@ -299,7 +307,8 @@ def test_replays_in_a_graph_with_new_contents():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("build", [(), ("COMPACT=1",), ("COMPACT=2",), ("COMPACT=2", "TMA=1")],
+@pytest.mark.parametrize("build", [(), ("COMPACT=1",), ("COMPACT=2",), ("COMPACT=2", "TMA=1"),
+                                   ("THREADS=512", "COMPACT=2", "TMA=1")],
                          ids=lambda b: "+".join(b) or "default")
 @pytest.mark.parametrize("k", [2048, 6000])
 def test_first_bin_holding_exactly_the_keys_needed(build, k):

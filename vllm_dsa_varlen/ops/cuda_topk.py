@@ -29,12 +29,13 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "decod
 KERNEL_NAME = b"decode_topk"
 THREADS = 1024
 BINS = 2048
-BARS = 16                            # mbarriers of the TMA build (one per trip of a staged row)
+BARS = 16                            # mbarriers of the TMA build, one per CHUNK staged columns
+CHUNK = 4096
 HEADER_BYTES = 4 * (BINS + 32 + 16) + 8 * BARS  # histogram, warp sums, selection words, barriers
 CAND = 4096                          # candidate slots after the stage (the COMPACT build's)
 MAX_SMEM = 227 * 1024                # sm_90's dynamic shared memory per CTA
 MAX_STAGE = (MAX_SMEM - HEADER_BYTES - 4 * CAND) // 16 * 4  # staged columns, a multiple of 4
-assert MAX_STAGE <= BARS * 4 * THREADS  # a staged row's trips each have a barrier
+assert MAX_STAGE <= BARS * CHUNK  # every chunk of a staged row has a barrier
 # Macros of the source's anatomy builds: the kernel cut short to time its
 # parts (their output is not the contract's; the benchmark does not check them).
 ANATOMY = ("STOP", "NO_HIST")
@@ -88,6 +89,16 @@ def load(device, defines: tuple = ()) -> _Loaded:
             if got is None:
                 got = _LOADED[key] = _Loaded(torch.device("cuda", index), tuple(defines))
     return got
+
+
+def threads_of(defines: tuple = ()) -> int:
+    """The block size of a build (``THREADS=v`` among its ``defines``, else
+    :data:`THREADS`)."""
+    for d in defines:
+        name, _, value = d.partition("=")
+        if name == "THREADS":
+            return int(value)
+    return THREADS
 
 
 def kernel_args(logits: int, row_stride: int, lens: int, width: int, k: int, out: int,
@@ -174,12 +185,13 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
                        out.data_ptr(), out.stride(0) if rows > 1 else k, stage)
     array = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals.values()])
     index = dev.index if dev.index is not None else _current_device()
+    threads = threads_of(defines)
     if _current_device() == index:
-        cb.launch_function(cb.driver(), kern.fn, kern.ctx, rows, THREADS,
+        cb.launch_function(cb.driver(), kern.fn, kern.ctx, rows, threads,
                            smem_bytes(width), _stream(index), ctypes.addressof(array))
     else:
         with torch.cuda.device(index):
-            cb.launch_function(cb.driver(), kern.fn, kern.ctx, rows, THREADS,
+            cb.launch_function(cb.driver(), kern.fn, kern.ctx, rows, threads,
                                smem_bytes(width), _stream(index),
                                ctypes.addressof(array))
     del flat  # a converted copy lived until the launch was queued

@@ -30,12 +30,16 @@ typedef unsigned int u32;
 typedef long long i64;
 typedef unsigned long long u64;
 
-#define THREADS 1024
+#ifndef THREADS
+#define THREADS 1024              // 512: two CTAs per SM where the stage allows (short rows)
+#endif
 #define WARPS (THREADS / 32)
+#define BPT (BINS / THREADS)      // histogram bins per thread in the bin search
 #define BINS 2048                 // 11-bit digits: 11 + 11 + 10 = 32
 #define FULL 0xffffffffu
 #define CAND 4096                 // candidate slots after the stage (the launcher's CAND)
-#define BARS 16                   // TMA=1: one mbarrier per trip of a staged row (the launcher's)
+#define BARS 16                   // TMA=1: one mbarrier per CHUNK columns of a staged row
+#define CHUNK 4096                //   (the launcher's BARS, CHUNK)
 
 #ifndef COMPACT
 #define COMPACT 0                 // 1: a staged row's first-digit bin compacted, then narrowed alone
@@ -131,13 +135,13 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* __restrict__ war
   if (lane == 31) warp_sums[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    int w = warp_sums[lane];
+    int w = lane < WARPS ? warp_sums[lane] : 0;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
       int u = __shfl_up_sync(FULL, w, d);
       if (lane >= d) w += u;
     }
-    warp_sums[lane] = w;
+    if (lane < WARPS) warp_sums[lane] = w;
   }
   __syncthreads();
   return (warp ? warp_sums[warp - 1] : 0) + incl - v;
@@ -145,40 +149,23 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* __restrict__ war
 
 // Block-wide: the bin of `hist` (BINS counters) holding the `need`-th
 // largest counted key; writes (bin, keys in higher bins, keys in the bin) to
-// sel[0..2].  Thread t owns bins BINS-1-2t and BINS-2-2t (descending).
+// sel[0..2].  Thread t owns BPT bins from BINS-1-BPT*t down.
 __device__ void find_bin(const int* __restrict__ hist, int need, int* __restrict__ warp_sums,
                          int* __restrict__ sel) {
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const int b0 = BINS - 1 - 2 * t, b1 = b0 - 1;
-  const int h0 = hist[b0], h1 = hist[b1];
-  int incl = h0 + h1;
+  const int top = BINS - 1 - BPT * (int)threadIdx.x;     // this thread's bins: top, top - 1, ...
+  int h[BPT], sum = 0;
 #pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    int v = __shfl_up_sync(FULL, incl, d);
-    if (lane >= d) incl += v;
-  }
-  if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    int w = warp_sums[lane];
+  for (int j = 0; j < BPT; ++j) { h[j] = hist[top - j]; sum += h[j]; }
+  int before = block_exclusive_scan(sum, warp_sums);
 #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      int v = __shfl_up_sync(FULL, w, d);
-      if (lane >= d) w += v;
-    }
-    warp_sums[lane] = w;  // inclusive over warps
-  }
-  __syncthreads();
-  const int before = (warp ? warp_sums[warp - 1] : 0) + incl - h0 - h1;
-  if (before < need && before + h0 >= need) {
-    sel[0] = b0; sel[1] = before; sel[2] = h0;
-  } else if (before + h0 < need && before + h0 + h1 >= need) {
-    sel[0] = b1; sel[1] = before + h0; sel[2] = h1;
+  for (int j = 0; j < BPT; ++j) {
+    if (before < need && before + h[j] >= need) { sel[0] = top - j; sel[1] = before; sel[2] = h[j]; }
+    before += h[j];
   }
   __syncthreads();
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
 decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restrict__ lens,
             int width, int k, int* __restrict__ out, i64 out_stride, int stage) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -208,9 +195,9 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
 
   // Pass 0: read the row, stage its keys, histogram the top digit.
 #if TMA
-  const bool bulk = staged && aligned;   // then trips <= BARS (the launcher's stage)
+  const bool bulk = staged && aligned;   // then n / CHUNK < BARS (the launcher's stage)
   if (bulk && t == 0) {
-    for (int it = 0; it < trips; ++it) mbar_init(&bars[it]);
+    for (int c = 0; c * CHUNK < n; ++c) mbar_init(&bars[c]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
 #endif
@@ -220,13 +207,13 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   if (bulk) {
     const int n4 = n & ~3;               // the columns the copies bring; the rest from global
     if (t == 0)
-      for (int it = 0; it < trips; ++it) {
-        const int lo = it * span, hi = min(lo + span, n4);
-        if (hi > lo) bulk_load(keys + lo, row + lo, 4u * (hi - lo), &bars[it]);
+      for (int c = 0; c * CHUNK < n4; ++c) {
+        const int lo = c * CHUNK, hi = min(lo + CHUNK, n4);
+        bulk_load(keys + lo, row + lo, 4u * (hi - lo), &bars[c]);
       }
     for (int it = 0; it < trips; ++it) {
       const int i = it * span + 4 * t;
-      if (it * span < n4) mbar_wait0(&bars[it]);
+      if (it * span < n4) mbar_wait0(&bars[it * span / CHUNK]);
       Keys4 v = {{0u, 0u, 0u, 0u}};
       if (i < n4) {
         const float4 f = *reinterpret_cast<const float4*>(keys + i);
