@@ -183,12 +183,30 @@ def test_shared_memory_fits_at_every_width():
     for name in ("CAND", "BARS", "CHUNK"):
         assert f"#define {name} {getattr(ct, name)} " in src, name
     assert f"#ifndef THREADS\n#define THREADS {ct.THREADS} " in src
-    most = (ct.MAX_SMEM - ct.HEADER_BYTES - 4 * ct.CAND) // 4
+    most = (ct.MAX_SMEM - ct.HEADER_BYTES - 8 * ct.CAND) // 4
     assert ct.HEADER_BYTES % 16 == 0 and ct.MAX_STAGE == most // 4 * 4
     for width in (1, 3, 4, 2048, most - 1, most, most + 1, 163840, 2**31 - 1):
         stage = ct.stage_for(width)
         assert stage % 4 == 0 and min(width, most - 3) <= stage <= most
-        assert ct.smem_bytes(width) == ct.HEADER_BYTES + 4 * (stage + ct.CAND) <= ct.MAX_SMEM
+        assert ct.smem_bytes(width) == ct.HEADER_BYTES + 4 * stage + 8 * ct.CAND <= ct.MAX_SMEM
+        for split in (2, 4, 8):
+            # the kernel's slice of the widest row: ceil(width / split) rounded up to 4
+            slice_ = (-(-width // split) + 3) // 4 * 4
+            assert ct.stage_for(width, split) == min(slice_, ct.MAX_STAGE)
+            assert ct.smem_bytes(width, split) <= ct.smem_bytes(width)
+
+
+def test_split_of_a_build_and_the_fewest_splits():
+    assert ct.split_of(()) is None and ct.split_of(("COMPACT=2",)) is None
+    assert ct.split_of(("TMA=1", "SPLIT=4")) == 4
+    for width in (1, 5000, ct.MAX_STAGE, ct.MAX_STAGE + 1, 4 * ct.MAX_STAGE + 1, 131072,
+                  8 * ct.MAX_STAGE, 8 * ct.MAX_STAGE + 1):
+        got = ct.min_split(width)
+        if width > 8 * ct.MAX_STAGE:
+            assert got is None
+        else:  # the smallest power of two whose slices fit
+            assert got in (1, 2, 4, 8) and -(-width // got) <= ct.MAX_STAGE
+            assert got == 1 or -(-width // (got // 2)) > ct.MAX_STAGE
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
@@ -320,4 +338,45 @@ def test_first_bin_holding_exactly_the_keys_needed(build, k):
     logits = block_logits(8, width, k, gen)
     lens = torch.tensor([width] * 4 + [width - 1, 30000, k + 1, 20000], dtype=torch.int32)
     got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=build)
+    assert topk_selection_ok(logits, lens, k, got.cpu()) == []
+
+
+SPLITS = (1, 2, 4, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("width", [3000, 33000, 100000, 300000])
+def test_split_kernel_meets_the_contract(split, kind, width):
+    """decode_topk_split: each row over a cluster of ``split`` CTAs (slices
+    staged, histograms summed across the cluster, candidates listed in CTA
+    0); splits too small for the width are refused by name."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"split {split} {kind} {width}".encode()))
+    logits = random_logits(kind, 12, width, gen)
+    lens = random_lengths(12, width, 2048, gen)
+    defines = (f"SPLIT={split}",)
+    if split < ct.min_split(width):
+        with pytest.raises(ValueError, match="defines"):
+            ct.decode_topk(logits.cuda(), lens.cuda(), 2048, defines=defines)
+        return
+    got = _run_poisoned(logits.cuda(), lens.cuda(), 2048, defines=defines)
+    assert topk_selection_ok(logits, lens, 2048, got.cpu()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("k", [2048, 6000, 7])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_split_kernel_on_block_rows_unaligned_rows_and_other_k(split, k, offset):
+    """First bins holding exactly k keys (taken whole), rows off a 16-byte
+    boundary (no bulk copies), k = 6000 (past CAND) and 7."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"split block {split} {k} {offset}".encode()))
+    width = 40000 if split == 1 else 90000  # staged by one CTA / only by several
+    base = block_logits(8, width + offset, k, gen)
+    logits = base[:, offset:]
+    lens = torch.tensor([width] * 3 + [width - 1, 30000, k + 1, 20000, 5], dtype=torch.int32)
+    got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=(f"SPLIT={split}",))
     assert topk_selection_ok(logits, lens, k, got.cpu()) == []

@@ -32,9 +32,10 @@ BINS = 2048
 BARS = 16                            # mbarriers of the TMA build, one per CHUNK staged columns
 CHUNK = 4096
 HEADER_BYTES = 4 * (BINS + 32 + 16) + 8 * BARS  # histogram, warp sums, selection words, barriers
-CAND = 4096                          # candidate slots after the stage (the COMPACT build's)
+CAND = 4096                          # listed candidates after the stage: keys, then columns
 MAX_SMEM = 227 * 1024                # sm_90's dynamic shared memory per CTA
-MAX_STAGE = (MAX_SMEM - HEADER_BYTES - 4 * CAND) // 16 * 4  # staged columns, a multiple of 4
+MAX_STAGE = (MAX_SMEM - HEADER_BYTES - 8 * CAND) // 16 * 4  # staged columns, a multiple of 4
+MAX_SPLIT = 8                        # CTAs per row in decode_topk_split (a portable cluster)
 assert MAX_STAGE <= BARS * CHUNK  # every chunk of a staged row has a barrier
 # Macros of the source's anatomy builds: the kernel cut short to time its
 # parts (their output is not the contract's; the benchmark does not check them).
@@ -51,16 +52,37 @@ def _fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
-def stage_for(width: int) -> int:
-    """Columns a row may have to be staged in shared memory, for logits
-    ``width`` columns wide: the width rounded up to 4, at most
+def stage_for(width: int, split: int = 1) -> int:
+    """Columns a CTA may have to stage in shared memory, for logits ``width``
+    columns wide and rows split over ``split`` CTAs: the width / split
+    rounded up to 4 (the split kernel's slice of the widest row), at most
     :data:`MAX_STAGE`."""
-    return min((int(width) + 3) // 4 * 4, MAX_STAGE)
+    return min(((int(width) + split - 1) // split + 3) // 4 * 4, MAX_STAGE)
 
 
-def smem_bytes(width: int) -> int:
-    """Dynamic shared memory of a launch over logits ``width`` columns wide."""
-    return HEADER_BYTES + 4 * stage_for(width) + 4 * CAND
+def smem_bytes(width: int, split: int = 1) -> int:
+    """Dynamic shared memory of a launch over logits ``width`` columns wide
+    (rows split over ``split`` CTAs)."""
+    return HEADER_BYTES + 4 * stage_for(width, split) + 8 * CAND
+
+
+def split_of(defines: tuple = ()) -> int | None:
+    """CTAs per row of a build (``SPLIT=c`` among its ``defines``: the
+    ``decode_topk_split`` kernel), ``None`` for ``decode_topk``."""
+    for d in defines:
+        name, _, value = d.partition("=")
+        if name == "SPLIT":
+            return int(value)
+    return None
+
+
+def min_split(width: int) -> int:
+    """The fewest CTAs per row (a power of two) whose slices of a
+    ``width``-column row fit the stage; ``None`` past :data:`MAX_SPLIT`."""
+    split = 1
+    while -(-int(width) // split) > MAX_STAGE:
+        split *= 2
+    return split if split <= MAX_SPLIT else None
 
 
 def compile_cubin(arch: str = cb.ARCH, extra: tuple = ()) -> tuple[bytes, str]:
@@ -71,8 +93,9 @@ def compile_cubin(arch: str = cb.ARCH, extra: tuple = ()) -> tuple[bytes, str]:
 class _Loaded:
     def __init__(self, device: torch.device, defines: tuple = ()):
         cubin, _ = compile_cubin(extra=tuple(f"-D{d}" for d in defines))
+        name = KERNEL_NAME + (b"_split" if split_of(defines) else b"")
         self.fn, self.ctx, self.module = cb.load_function(cb.driver(), device, cubin,
-                                                          KERNEL_NAME, MAX_SMEM)
+                                                          name, MAX_SMEM)
 
 
 def load(device, defines: tuple = ()) -> _Loaded:
@@ -179,20 +202,24 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
         out = torch.empty((rows, k), dtype=torch.int32, device=dev)
     if rows == 0:
         return out
+    split = split_of(defines)
+    if split is not None and not (1 <= split <= MAX_SPLIT and min_split(width)
+                                  and split >= min_split(width)):
+        _fail("defines", f"SPLIT from {min_split(width)} to {MAX_SPLIT} at width {width}",
+              split)
     kern = load(dev, defines)
-    stage = stage_for(width)
+    stage = stage_for(width, split or 1)
     vals = kernel_args(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
                        out.data_ptr(), out.stride(0) if rows > 1 else k, stage)
     array = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals.values()])
     index = dev.index if dev.index is not None else _current_device()
-    threads = threads_of(defines)
+    grid, threads, smem = rows * (split or 1), threads_of(defines), smem_bytes(width, split or 1)
     if _current_device() == index:
-        cb.launch_function(cb.driver(), kern.fn, kern.ctx, rows, threads,
-                           smem_bytes(width), _stream(index), ctypes.addressof(array))
+        cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
+                           _stream(index), ctypes.addressof(array))
     else:
         with torch.cuda.device(index):
-            cb.launch_function(cb.driver(), kern.fn, kern.ctx, rows, threads,
-                               smem_bytes(width), _stream(index),
-                               ctypes.addressof(array))
+            cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
+                               _stream(index), ctypes.addressof(array))
     del flat  # a converted copy lived until the launch was queued
     return out

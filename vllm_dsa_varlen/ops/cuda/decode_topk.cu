@@ -453,3 +453,253 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
     }
   }
 }
+
+// ---------------------------------------------------------------------------
+// decode_topk_split: the same contract, each row split over a cluster of
+// SPLIT CTAs (one CTA per row when SPLIT is 1).  CTA q of row r's cluster
+// stages columns [q*S, (q+1)*S) of the row (S = the row's length / SPLIT,
+// rounded up to 4; the launcher sizes the stage so every slice fits), by
+// bulk copies where the slice starts on 16 bytes.  Then:
+//   1. each CTA histograms its slice's top digit; every CTA sums the
+//      cluster's histograms (distributed shared memory) and finds the same
+//      threshold bin;
+//   2. while that bin holds more than CAND keys (and not exactly the keys
+//      still needed), the next digit is histogrammed the same way;
+//   3. each thread counts its keys above the threshold prefix and equal to
+//      it; a block scan and the cluster's totals give every thread its own
+//      slots: keys above go to the output, equal ones either to the output
+//      (the bin is taken whole, or the full key is fixed: the first k - above)
+//      or, with their keys, to a candidate list in CTA 0;
+//   4. CTA 0 narrows the candidates alone (at most CAND) and writes the rest.
+// No atomics but the histogram adds; every cluster barrier is reached by
+// every thread of every CTA of the cluster (the loop counts are functions of
+// cluster-wide sums, identical in every CTA).
+#ifndef SPLIT
+#define SPLIT 1
+#endif
+
+#if SPLIT > 1
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {   // a CTA barrier too
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+template <class T>
+__device__ __forceinline__ T* in_cta(T* p, u32 rank) {  // p's place in CTA `rank`'s shared memory
+  u64 got;
+  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(got) : "l"(p), "r"(rank));
+  return reinterpret_cast<T*>(got);
+}
+#else
+__device__ __forceinline__ u32 cluster_rank() { return 0; }
+__device__ __forceinline__ void cluster_sync() { __syncthreads(); }
+template <class T>
+__device__ __forceinline__ T* in_cta(T* p, u32) { return p; }
+#endif
+
+// The cluster's histogram (the sum of every CTA's `hist`) over this thread's
+// find_bin bins, then the bin search on it.  Call after a cluster barrier
+// that follows the last add; the caller's next cluster barrier must come
+// before any `hist` is changed again.
+__device__ __forceinline__ void cluster_find_bin(const int* __restrict__ hist, int need,
+                                                 int* __restrict__ warp_sums,
+                                                 int* __restrict__ sel) {
+  const int top = BINS - 1 - BPT * (int)threadIdx.x;
+  int h[BPT], sum = 0;
+#pragma unroll
+  for (int j = 0; j < BPT; ++j) h[j] = 0;
+#pragma unroll
+  for (int c = 0; c < SPLIT; ++c) {
+    const int* hc = in_cta(hist, (u32)c);
+#pragma unroll
+    for (int j = 0; j < BPT; ++j) h[j] += hc[top - j];
+  }
+#pragma unroll
+  for (int j = 0; j < BPT; ++j) sum += h[j];
+  int before = block_exclusive_scan(sum, warp_sums);
+#pragma unroll
+  for (int j = 0; j < BPT; ++j) {
+    if (before < need && before + h[j] >= need) { sel[0] = top - j; sel[1] = before; sel[2] = h[j]; }
+    before += h[j];
+  }
+  __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+#if SPLIT > 1
+__cluster_dims__(SPLIT, 1, 1)
+#endif
+decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* __restrict__ lens,
+                  int width, int k, int* __restrict__ out, i64 out_stride, int stage) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  int* hist = reinterpret_cast<int*>(smem);               // BINS
+  int* warp_sums = hist + BINS;                           // WARPS
+  int* sel = warp_sums + WARPS;                           // bin, above, in bin; [8]: slice totals
+  u64* bars = reinterpret_cast<u64*>(sel + 16);           // BARS
+  u32* keys = reinterpret_cast<u32*>(bars + BARS);        // stage (16-byte aligned)
+  u32* cand_keys = keys + stage;                          // CAND (CTA 0's are the list)
+  int* cand_cols = reinterpret_cast<int*>(cand_keys + CAND);  // CAND
+
+  const int r = blockIdx.x / SPLIT, t = threadIdx.x;
+  const u32 q = cluster_rank();
+  int n = lens[r];
+  n = n < 0 ? 0 : n > width ? width : n;
+  int* __restrict__ orow = out + (i64)r * out_stride;
+  if (n <= k) {                                           // the same in every CTA of the cluster
+    if (q == 0)
+      for (int i = t; i < k; i += THREADS) orow[i] = i < n ? i : -1;
+    return;
+  }
+  const int S = ((n + SPLIT - 1) / SPLIT + 3) & ~3;       // <= stage (the launcher's)
+  const int lo = (int)q * S;
+  const int m = max(0, min(n, lo + S) - lo);              // this CTA's columns
+  const float* __restrict__ row = logits + (i64)r * row_stride + lo;
+  const bool aligned = (reinterpret_cast<unsigned long long>(row) & 15) == 0;
+  const int span = 4 * THREADS;
+  const int trips = (m + span - 1) / span;
+  const int m4 = aligned ? (m & ~3) : 0;                  // columns the bulk copies bring
+
+  // Pass 0: stage the slice, histogram its top digit.
+  if (t == 0 && m4 > 0) {
+    for (int c = 0; c * CHUNK < m4; ++c) mbar_init(&bars[c]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
+  __syncthreads();
+  if (t == 0)
+    for (int c = 0; c * CHUNK < m4; ++c) {
+      const int a = c * CHUNK, b = min(a + CHUNK, m4);
+      bulk_load(keys + a, row + a, 4u * (b - a), &bars[c]);
+    }
+  for (int it = 0; it < trips; ++it) {
+    const int i = it * span + 4 * t;
+    if (it * span < m4) mbar_wait0(&bars[it * span / CHUNK]);
+    Keys4 v = {{0u, 0u, 0u, 0u}};
+    if (i < m4) {
+      const float4 f = *reinterpret_cast<const float4*>(keys + i);
+      v.k[0] = order_key(f.x); v.k[1] = order_key(f.y);
+      v.k[2] = order_key(f.z); v.k[3] = order_key(f.w);
+    } else if (i < m) {
+      v = load4_global(row, i, m, aligned);
+    }
+    if (i < m) *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) hist_add(hist, v.k[j] >> 21, i + j < m);
+  }
+  cluster_sync();
+  cluster_find_bin(hist, k, warp_sums, sel);
+  u32 prefix = (u32)sel[0];        // the threshold key's top bits so far
+  int shift = 21;                  // prefix = key >> shift
+  int above = sel[1];              // keys with a larger prefix, cluster-wide
+  int in_bin = sel[2];
+
+  // Narrow over the slices while the bin is too wide to list.
+  for (int p = 1; p < 3 && in_bin != k - above && in_bin > CAND; ++p) {
+    const int next = digit_shift(p);
+    cluster_sync();                // every CTA has read every `hist`
+    for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
+    __syncthreads();
+    for (int it = 0; it < trips; ++it) {
+      const int i = it * span + 4 * t;
+      Keys4 v = {{0u, 0u, 0u, 0u}};
+      if (i < m) v = load4_staged(keys, i);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        hist_add(hist, (v.k[j] >> next) & ((1u << (shift - next)) - 1),
+                 i + j < m && (v.k[j] >> shift) == prefix);
+    }
+    cluster_sync();
+    cluster_find_bin(hist, k - above, warp_sums, sel);
+    prefix = (prefix << (shift - next)) | (u32)sel[0];
+    shift = next;
+    above += sel[1];
+    in_bin = sel[2];
+  }
+
+  // Slots: count, block scan, the cluster's totals before this CTA.
+  const int need = k - above;
+  const bool take = in_bin == need || shift == 0;  // else in_bin <= CAND: listed in CTA 0
+  int counts = 0;                                  // above | equal << 16 (a slice < 2^16 columns)
+  for (int it = 0; it < trips; ++it) {
+    const int i = it * span + 4 * t;
+    Keys4 v = {{0u, 0u, 0u, 0u}};
+    if (i < m) v = load4_staged(keys, i);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const u32 pre = v.k[j] >> shift;
+      counts += i + j < m ? (pre > prefix ? 1 : pre == prefix ? 1 << 16 : 0) : 0;
+    }
+  }
+  const int first = block_exclusive_scan(counts, warp_sums);
+  if (t == THREADS - 1) sel[8] = first + counts;   // this slice's totals
+  cluster_sync();
+  int slot_hi = first & 0xffff, slot_eq = first >> 16;
+  for (u32 c = 0; c < q; ++c) {
+    const int v = *in_cta(&sel[8], c);
+    slot_hi += v & 0xffff;
+    slot_eq += v >> 16;
+  }
+  u32* list_keys = in_cta(cand_keys, 0);
+  int* list_cols = in_cta(cand_cols, 0);
+  for (int it = 0; it < trips; ++it) {
+    const int i = it * span + 4 * t;
+    Keys4 v = {{0u, 0u, 0u, 0u}};
+    if (i < m) v = load4_staged(keys, i);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const u32 pre = v.k[j] >> shift;
+      if (i + j >= m) continue;
+      if (pre > prefix) {
+        orow[slot_hi++] = lo + i + j;
+      } else if (pre == prefix) {
+        if (!take) { list_keys[slot_eq] = v.k[j]; list_cols[slot_eq] = lo + i + j; }
+        else if (slot_eq < need) orow[above + slot_eq] = lo + i + j;
+        ++slot_eq;
+      }
+    }
+  }
+  cluster_sync();                  // the list is whole; no CTA reads another's memory after this
+  if (take || q != 0) return;
+
+  // CTA 0: narrow the listed keys (in_bin <= CAND of them) and write the rest.
+  const int listed = in_bin, base = above;
+  const int ctrips = (listed + THREADS - 1) / THREADS;
+  while (in_bin != k - above && shift > 0) {
+    const int next = shift == 21 ? 10 : 0;
+    for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
+    __syncthreads();
+    for (int it = 0; it < ctrips; ++it) {
+      const int c = it * THREADS + t;
+      const u32 key = c < listed ? cand_keys[c] : 0u;
+      hist_add(hist, (key >> next) & ((1u << (shift - next)) - 1),
+               c < listed && (key >> shift) == prefix);
+    }
+    __syncthreads();
+    find_bin(hist, k - above, warp_sums, sel);
+    prefix = (prefix << (shift - next)) | (u32)sel[0];
+    shift = next;
+    above += sel[1];
+    in_bin = sel[2];
+  }
+  const int ties = k - above;
+  counts = 0;
+  for (int it = 0; it < ctrips; ++it) {
+    const int c = it * THREADS + t;
+    const u32 pre = c < listed ? cand_keys[c] >> shift : 0u;
+    counts += c < listed ? (pre > prefix ? 1 : pre == prefix ? 1 << 16 : 0) : 0;
+  }
+  const int cfirst = block_exclusive_scan(counts, warp_sums);
+  slot_hi = base + (cfirst & 0xffff);
+  slot_eq = cfirst >> 16;
+  for (int it = 0; it < ctrips; ++it) {
+    const int c = it * THREADS + t;
+    if (c >= listed) continue;
+    const u32 pre = cand_keys[c] >> shift;
+    if (pre > prefix) orow[slot_hi++] = cand_cols[c];
+    else if (pre == prefix && slot_eq++ < ties) orow[above + slot_eq - 1] = cand_cols[c];
+  }
+}
