@@ -246,7 +246,8 @@ def test_kernel_meets_the_contract(kind, width, k):
 
 AB_BUILDS = [("COMPACT=1",), ("COMPACT=2",), ("COMPACT=2", "BATCH=4"), ("BATCH=4",),
              ("BATCH=8",), ("TMA=1",), ("COMPACT=2", "TMA=1"), ("THREADS=512",),
-             ("THREADS=512", "COMPACT=2", "TMA=1")]
+             ("THREADS=512", "COMPACT=2", "TMA=1"), ("SPLIT=1", "MINB=2"), ("SPLIT=2", "MINB=2"),
+             ("SPLIT=1", "THREADS=512", "MINB=4")]
 
 
 def test_threads_of_a_build():
@@ -326,7 +327,8 @@ def test_replays_in_a_graph_with_new_contents():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("build", [(), ("COMPACT=1",), ("COMPACT=2",), ("COMPACT=2", "TMA=1"),
-                                   ("THREADS=512", "COMPACT=2", "TMA=1")],
+                                   ("THREADS=512", "COMPACT=2", "TMA=1"), ("SPLIT=1", "MINB=2"), ("SPLIT=2", "MINB=2"),
+             ("SPLIT=1", "THREADS=512", "MINB=4")],
                          ids=lambda b: "+".join(b) or "default")
 @pytest.mark.parametrize("k", [2048, 6000])
 def test_first_bin_holding_exactly_the_keys_needed(build, k):

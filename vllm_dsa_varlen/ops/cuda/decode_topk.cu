@@ -123,28 +123,30 @@ __device__ __forceinline__ void hist_add(int* __restrict__ h, u32 bin, bool vali
 }
 
 // Block-wide exclusive prefix sum of `v` over the threads in index order
-// (all threads call it; `warp_sums`: WARPS ints, free until the next barrier).
-__device__ __forceinline__ int block_exclusive_scan(int v, int* __restrict__ warp_sums) {
+// (all threads call it; `warp_sums`: WARPS words, free until the next
+// barrier).  Unsigned: packed counts (low | high << 16) add without overflow.
+__device__ __forceinline__ u32 block_exclusive_scan(u32 v, int* __restrict__ warp_sums) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int incl = v;
+  u32* sums = reinterpret_cast<u32*>(warp_sums);
+  u32 incl = v;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
-    int u = __shfl_up_sync(FULL, incl, d);
+    u32 u = __shfl_up_sync(FULL, incl, d);
     if (lane >= d) incl += u;
   }
-  if (lane == 31) warp_sums[warp] = incl;
+  if (lane == 31) sums[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    int w = lane < WARPS ? warp_sums[lane] : 0;
+    u32 w = lane < WARPS ? sums[lane] : 0u;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-      int u = __shfl_up_sync(FULL, w, d);
+      u32 u = __shfl_up_sync(FULL, w, d);
       if (lane >= d) w += u;
     }
-    if (lane < WARPS) warp_sums[lane] = w;
+    if (lane < WARPS) sums[lane] = w;
   }
   __syncthreads();
-  return (warp ? warp_sums[warp - 1] : 0) + incl - v;
+  return (warp ? sums[warp - 1] : 0u) + incl - v;
 }
 
 // Block-wide: the bin of `hist` (BINS counters) holding the `need`-th
@@ -156,7 +158,7 @@ __device__ void find_bin(const int* __restrict__ hist, int need, int* __restrict
   int h[BPT], sum = 0;
 #pragma unroll
   for (int j = 0; j < BPT; ++j) { h[j] = hist[top - j]; sum += h[j]; }
-  int before = block_exclusive_scan(sum, warp_sums);
+  int before = (int)block_exclusive_scan((u32)sum, warp_sums);
 #pragma unroll
   for (int j = 0; j < BPT; ++j) {
     if (before < need && before + h[j] >= need) { sel[0] = top - j; sel[1] = before; sel[2] = h[j]; }
@@ -280,7 +282,7 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
     const bool direct = in0 == k - above0;
     u32* cand = keys + stage;
     const u32 lt = (1u << lane) - 1;
-    int counts = 0;                  // keys above the bin | keys in it << 16 (n < 2^16)
+    u32 counts = 0;                  // keys above the bin | keys in it << 16 (n < 2^16)
     for (int it = 0; it < trips; ++it) {
       const int i = it * span + 4 * t;
       Keys4 v = {{0u, 0u, 0u, 0u}};
@@ -288,11 +290,11 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const u32 d = v.k[j] >> 21;
-        counts += i + j < n ? (d > b0 ? 1 : d == b0 ? 1 << 16 : 0) : 0;
+        counts += i + j < n ? (d > b0 ? 1u : d == b0 ? 1u << 16 : 0u) : 0u;
       }
     }
-    const int first = block_exclusive_scan(counts, warp_sums);
-    int slot_hi = first & 0xffff, slot_eq = first >> 16;
+    const u32 first = block_exclusive_scan(counts, warp_sums);
+    int slot_hi = (int)(first & 0xffff), slot_eq = (int)(first >> 16);
     int* eq_out = direct ? orow + above0 : reinterpret_cast<int*>(cand);
     for (int it = 0; it < trips; ++it) {
       const int i = it * span + 4 * t;
@@ -520,7 +522,7 @@ __device__ __forceinline__ void cluster_find_bin(const int* __restrict__ hist, i
   }
 #pragma unroll
   for (int j = 0; j < BPT; ++j) sum += h[j];
-  int before = block_exclusive_scan(sum, warp_sums);
+  int before = (int)block_exclusive_scan((u32)sum, warp_sums);
 #pragma unroll
   for (int j = 0; j < BPT; ++j) {
     if (before < need && before + h[j] >= need) { sel[0] = top - j; sel[1] = before; sel[2] = h[j]; }
@@ -529,7 +531,11 @@ __device__ __forceinline__ void cluster_find_bin(const int* __restrict__ hist, i
   __syncthreads();
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+#ifndef MINB
+#define MINB 1                    // CTAs per SM the registers must allow (2: 32 per thread at 1024)
+#endif
+
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 #if SPLIT > 1
 __cluster_dims__(SPLIT, 1, 1)
 #endif
@@ -623,7 +629,7 @@ decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* _
   // Slots: count, block scan, the cluster's totals before this CTA.
   const int need = k - above;
   const bool take = in_bin == need || shift == 0;  // else in_bin <= CAND: listed in CTA 0
-  int counts = 0;                                  // above | equal << 16 (a slice < 2^16 columns)
+  u32 counts = 0;                                  // above | equal << 16 (a slice < 2^16 columns)
   for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * t;
     Keys4 v = {{0u, 0u, 0u, 0u}};
@@ -631,17 +637,17 @@ decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* _
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const u32 pre = v.k[j] >> shift;
-      counts += i + j < m ? (pre > prefix ? 1 : pre == prefix ? 1 << 16 : 0) : 0;
+      counts += i + j < m ? (pre > prefix ? 1u : pre == prefix ? 1u << 16 : 0u) : 0u;
     }
   }
-  const int first = block_exclusive_scan(counts, warp_sums);
-  if (t == THREADS - 1) sel[8] = first + counts;   // this slice's totals
+  const u32 first = block_exclusive_scan(counts, warp_sums);
+  if (t == THREADS - 1) sel[8] = (int)(first + counts);   // this slice's totals
   cluster_sync();
-  int slot_hi = first & 0xffff, slot_eq = first >> 16;
+  int slot_hi = (int)(first & 0xffff), slot_eq = (int)(first >> 16);
   for (u32 c = 0; c < q; ++c) {
-    const int v = *in_cta(&sel[8], c);
-    slot_hi += v & 0xffff;
-    slot_eq += v >> 16;
+    const u32 v = (u32)*in_cta(&sel[8], c);
+    slot_hi += (int)(v & 0xffff);
+    slot_eq += (int)(v >> 16);
   }
   u32* list_keys = in_cta(cand_keys, 0);
   int* list_cols = in_cta(cand_cols, 0);
@@ -690,11 +696,11 @@ decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* _
   for (int it = 0; it < ctrips; ++it) {
     const int c = it * THREADS + t;
     const u32 pre = c < listed ? cand_keys[c] >> shift : 0u;
-    counts += c < listed ? (pre > prefix ? 1 : pre == prefix ? 1 << 16 : 0) : 0;
+    counts += c < listed ? (pre > prefix ? 1u : pre == prefix ? 1u << 16 : 0u) : 0u;
   }
-  const int cfirst = block_exclusive_scan(counts, warp_sums);
-  slot_hi = base + (cfirst & 0xffff);
-  slot_eq = cfirst >> 16;
+  const u32 cfirst = block_exclusive_scan(counts, warp_sums);
+  slot_hi = base + (int)(cfirst & 0xffff);
+  slot_eq = (int)(cfirst >> 16);
   for (int it = 0; it < ctrips; ++it) {
     const int c = it * THREADS + t;
     if (c >= listed) continue;
