@@ -259,9 +259,9 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",)):
               f"sets agree with torch.topk {min(agree):.4f} (worst of {len(agree)} rows)",
               flush=True)
         calls[name] = fn
-        for build in builds:
-            defines = parse_variant(build)[0]
-            label = name + "-ours" + (f"[{build}]" if defines else "")
+        for build in builds:  # "plan": the launch plan's build for the shape
+            defines = None if build == "plan" else parse_variant(build)[0]
+            label = name + "-ours" + (f"[{build}]" if defines != () else "")
             try:
                 calls[label] = own_topk_call(torch, label, logits, lens, k, defines)
             except ValueError as exc:  # a build that does not take this shape (SPLIT too small)
@@ -280,7 +280,7 @@ def own_topk_call(torch, name, logits, lens, k, defines=()):
     out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=logits.device)
     fn = lambda: decode_topk(logits, lens, k, out=out, defines=defines)  # noqa: E731
     fn()
-    if any(d.split("=")[0] in ANATOMY for d in defines):
+    if any(d.split("=")[0] in ANATOMY for d in defines or ()):
         print(f"  {name} (decode_topk): an anatomy build, timed only", flush=True)
         return fn
     some = torch.arange(0, logits.shape[0], 8, device=logits.device)

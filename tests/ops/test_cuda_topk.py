@@ -382,3 +382,27 @@ def test_split_kernel_on_block_rows_unaligned_rows_and_other_k(split, k, offset)
     lens = torch.tensor([width] * 3 + [width - 1, 30000, k + 1, 20000, 5], dtype=torch.int32)
     got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=(f"SPLIT={split}",))
     assert topk_selection_ok(logits, lens, k, got.cpu()) == []
+
+
+def test_launch_plan_fits_and_spreads():
+    """Every plan names a build among plan_builds(), its slices fit the stage,
+    it spreads few rows over the SMs (never past SPREAD unless the width
+    needs it, never more CTAs than twice the SMs when rows are few), and
+    MINB=2 only where two CTAs' shared memory fits an SM."""
+    gen = torch.Generator().manual_seed(11)
+    builds = set(ct.plan_builds())
+    for _ in range(400):
+        rows = int(torch.randint(1, 2000, (1,), generator=gen))
+        width = int(torch.randint(1, 9 * ct.MAX_STAGE, (1,), generator=gen))
+        sms = int(torch.randint(1, 200, (1,), generator=gen))
+        plan = ct.launch_plan(rows, width, sms)
+        if width > ct.MAX_SPLIT * ct.MAX_STAGE:
+            assert plan is None
+            continue
+        assert plan in builds
+        split, minb = ct.split_of(plan), int(plan[1].split("=")[1])
+        least = ct.min_split(width)
+        assert split >= least and -(-width // split) <= ct.MAX_STAGE
+        assert split == least or (split <= ct.SPREAD and rows * split <= sms)
+        assert split == ct.SPREAD or split == least or rows * split * 2 > sms
+        assert (minb == 2) == (2 * (ct.smem_bytes(width, split) + 1024) <= ct.SM_SMEM)

@@ -46,6 +46,14 @@ _LOADED: dict = {}
 
 _stream = cb.current_stream
 _current_device = cb.current_device
+_SMS: dict = {}
+
+
+def _sms(index: int) -> int:
+    got = _SMS.get(index)
+    if got is None:
+        got = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return got
 
 
 def _fail(name: str, expected: str, got) -> None:
@@ -124,6 +132,33 @@ def threads_of(defines: tuple = ()) -> int:
     return THREADS
 
 
+SM_SMEM = 228 * 1024                 # shared memory per SM on sm_90 (each CTA also takes 1 KB)
+SPREAD = 4                           # CTAs per row that spreading few rows over the SMs goes to
+
+
+def launch_plan(rows: int, width: int, sms: int) -> tuple[str, ...] | None:
+    """The build of ``decode_topk_split`` for a call (shape facts only: graph
+    safe): ``SPLIT`` the fewest CTAs per row whose slices fit the stage
+    (:func:`min_split`), doubled up to :data:`SPREAD` while twice as many
+    CTAs still fit on the ``sms`` SMs at once; ``MINB=2`` (registers for two
+    CTAs per SM) where two CTAs' shared memory fits an SM.  ``None`` for
+    rows wider than :data:`MAX_SPLIT` slices."""
+    split = min_split(width)
+    if split is None:
+        return None
+    while split < SPREAD and rows * split * 2 <= sms:
+        split *= 2
+    minb = 2 if 2 * (smem_bytes(width, split) + 1024) <= SM_SMEM else 1
+    return (f"SPLIT={split}", f"MINB={minb}")
+
+
+def plan_builds() -> list[tuple[str, ...]]:
+    """Every build :func:`launch_plan` can name (what a server loads at
+    start-up, so no decode step compiles)."""
+    splits = [1 << i for i in range(MAX_SPLIT.bit_length())]
+    return [(f"SPLIT={s}", f"MINB={m}") for s in splits for m in (1, 2)]
+
+
 def kernel_args(logits: int, row_stride: int, lens: int, width: int, k: int, out: int,
                 out_stride: int, stage: int) -> dict:
     """The kernel's parameters by name, in its order (``decode_topk`` in the
@@ -185,14 +220,15 @@ def check_args(logits: torch.Tensor, lengths: torch.Tensor, k: int,
 
 
 def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
-                out: torch.Tensor | None = None, defines: tuple = ()) -> torch.Tensor:
+                out: torch.Tensor | None = None, defines: tuple | None = ()) -> torch.Tensor:
     """The columns of each row's ``k`` largest logits, int32 ``[R, k]``, from
     one launch on the current stream.  ``logits``: float32 ``[R, W]`` on an
     sm_90 GPU, unit column stride (any row stride); ``lengths``: an integer
     tensor of ``R`` values (e.g. ``[R]``, ``[R, 1]`` or ``[B, next_n]`` with
     ``B * next_n == R``: row ``r`` reads ``lengths.reshape(-1)[r]``); ``out``:
     int32 ``[R, k]``, unit column stride (e.g. a view of a wider buffer),
-    written in place; ``defines``: an A/B build (:func:`load`)."""
+    written in place; ``defines``: an A/B build (:func:`load`), ``None`` for
+    :func:`launch_plan`'s."""
     if not isinstance(logits, torch.Tensor) or not logits.is_cuda:
         _fail("logits", "a CUDA tensor", getattr(logits, "device", type(logits)))
     flat = check_args(logits, lengths, k, out)
@@ -202,6 +238,9 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
         out = torch.empty((rows, k), dtype=torch.int32, device=dev)
     if rows == 0:
         return out
+    if defines is None:
+        index = dev.index if dev.index is not None else _current_device()
+        defines = launch_plan(rows, width, _sms(index)) or ()
     split = split_of(defines)
     if split is not None and not (1 <= split <= MAX_SPLIT and min_split(width)
                                   and split >= min_split(width)):
