@@ -406,3 +406,16 @@ def test_launch_plan_fits_and_spreads():
         assert split == least or (split <= ct.SPREAD and rows * split <= sms)
         assert split == ct.SPREAD or split == least or rows * split * 2 > sms
         assert (minb == 2) == (2 * (ct.smem_bytes(width, split) + 1024) <= ct.SM_SMEM)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("rows,width", [(3, 9000), (40, 21000), (200, 44000), (24, 160000),
+                                        (300, 5000)])
+def test_planned_launch_meets_the_contract(rows, width):
+    """decode_topk(defines=None): the launch plan's build for the shape."""
+    gen = torch.Generator().manual_seed(rows * width)
+    logits = random_logits("normal", rows, width, gen)
+    lens = random_lengths(rows, width, 2048, gen)
+    got = _run_poisoned(logits.cuda(), lens.cuda(), 2048, defines=None)
+    assert topk_selection_ok(logits, lens, 2048, got.cpu()) == []
