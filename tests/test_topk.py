@@ -69,8 +69,9 @@ def kernel_here(monkeypatch):
     the kernel that writes the reference's selection (calls recorded)."""
     calls = []
 
-    def fake(logits, lengths, k, out=None):
-        calls.append(logits)
+    def fake(logits, lengths, k, out=None, defines=(), bound=None):
+        assert defines is None  # the launch plan's build
+        calls.append((logits, bound))
         out.copy_(topk_ref(logits, lengths, k))
         return out
 
@@ -85,8 +86,16 @@ def test_dispatch_takes_the_kernel_where_it_serves(kernel_here):
     logits, lens, out, k = _call()
     stock = []
     topk.dispatch(logits, lens, out, k, lambda: stock.append(1))
-    assert stock == [] and len(kernel_here) == 1
+    assert stock == [] and len(kernel_here) == 1 and kernel_here[0][1] is None
     assert topk_selection_ok(logits, lens, k, out) == []
+
+
+@pytest.mark.parametrize("bound,passed", [(300, 300), (1, 1), (0, None), (-5, None),
+                                          (True, None), (2.5, None), (None, None)])
+def test_dispatch_hands_a_valid_host_bound_to_the_plan(kernel_here, bound, passed):
+    logits, lens, out, k = _call()
+    topk.dispatch(logits, lens, out, k, lambda: pytest.fail("stock called"), bound=bound)
+    assert kernel_here[-1][1] == passed and topk_selection_ok(logits, lens, k, out) == []
 
 
 def test_dispatch_leaves_other_calls_to_stock(kernel_here, monkeypatch):
@@ -106,22 +115,24 @@ def test_decide_once_per_device_from_the_environment(monkeypatch):
     topk.reset()
     loads = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
-    monkeypatch.setattr(cuda_topk, "load", lambda device: loads.append(device))
+    monkeypatch.setattr(cuda_topk, "load", lambda device, build: loads.append((device, build)))
+    every = len(cuda_topk.plan_builds())  # each build the launch plan can take, loaded at once
     monkeypatch.setenv(topk.TOPK_ENV, "vllm")
     assert not topk.decide(3).own and loads == []
     monkeypatch.setenv(topk.TOPK_ENV, "own")
     assert not topk.decide(3).own  # cached
     topk.reset()
-    assert topk.decide(3).own and len(loads) == 1
+    assert topk.decide(3).own and len(loads) == every
+    assert sorted(b for _, b in loads) == sorted(cuda_topk.plan_builds())
     for measured in (False, True):
         topk.reset()
         monkeypatch.setattr(topk, "MEASURED_FASTER", measured)
         monkeypatch.setenv(topk.TOPK_ENV, "auto")
-        assert topk.decide(0).own is measured and len(loads) == 1 + measured
+        assert topk.decide(0).own is measured and len(loads) == every * (1 + measured)
     topk.reset()
     monkeypatch.setenv(topk.TOPK_ENV, "own")
 
-    def broken(device):
+    def broken(device, build):
         raise OSError("no NVRTC library")
 
     monkeypatch.setattr(cuda_topk, "load", broken)

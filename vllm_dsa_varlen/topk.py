@@ -120,8 +120,9 @@ def decide(index: int) -> TopkChoice:
             error = None
             wanted = setting == "own" or (setting == "auto" and MEASURED_FASTER)
             if mode == "auto" and wanted and tuple(capability) == CAPABILITY:
-                try:
-                    cuda_topk.load(torch.device("cuda", index))
+                try:  # every build the launch plan may take: no decode step compiles
+                    for build in cuda_topk.plan_builds():
+                        cuda_topk.load(torch.device("cuda", index), build)
                 except Exception as exc:  # noqa: BLE001 - any failure: vLLM's top-k
                     error = f"{type(exc).__name__}: {exc}"
             got = _choices[index] = choose_topk(mode=mode, setting=setting,
@@ -150,10 +151,12 @@ def serves(logits, lengths, out, k) -> bool:
                                                                             out, k)
 
 
-def dispatch(logits, lengths, out, k, stock: Callable[[], object]) -> None:
+def dispatch(logits, lengths, out, k, stock: Callable[[], object],
+             bound: int | None = None) -> None:
     """The decode top-k of ``logits`` into ``out``: the project's kernel
     where it serves this device and call, else ``stock()`` (vLLM's call,
-    its own arguments)."""
+    its own arguments).  ``bound``: the call's host bound on the lengths
+    (vLLM's ``max_seq_len`` argument; sizes the kernel's launch plan only)."""
     if _forced is False:
         stock()
         return
@@ -168,7 +171,9 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object]) -> None:
         if index is None:
             index = torch.cuda.current_device()
         if _forced if _forced is not None else decide(index).own:
-            cuda_topk.decode_topk(logits, lengths, k, out=out)
+            if not (isinstance(bound, int) and not isinstance(bound, bool) and bound >= 1):
+                bound = None
+            cuda_topk.decode_topk(logits, lengths, k, out=out, defines=None, bound=bound)
             return
     stock()
 

@@ -1,4 +1,5 @@
-"""Compile the varlen kernels a builder will launch when the builder is made.
+"""Compile the varlen kernels (and the decode top-k's, where it is the
+project's) a builder will launch when the builder is made.
 
 Both vLLM lines' metadata builders call :func:`precompile_for` from their
 ``__init__`` when their decode path is the project's (Triton / sm_90) kernel,
@@ -35,6 +36,11 @@ def precompile_for(*, heads: int | None, head_size: int, page: int, device: Any,
 
     heads_options = launcher.SUPPORTED_HEADS if heads is None else (heads,)
     hints = tuple(n for n in (1, 2, 4, 8) if n < max_run_len) + (max(1, max_run_len),)
-    return sum(launcher.precompile(heads=h, dim=head_size - 4, page=page, device=device,
+    took = sum(launcher.precompile(heads=h, dim=head_size - 4, page=page, device=device,
                                    max_run_lens=hints)
                for h in heads_options)
+    if torch.cuda.is_available():  # the decode top-k's choice, and its builds where it is ours
+        from vllm_dsa_varlen import topk
+
+        topk.decide(device.index if device.index is not None else torch.cuda.current_device())
+    return took

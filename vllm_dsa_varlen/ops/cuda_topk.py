@@ -136,18 +136,22 @@ SM_SMEM = 228 * 1024                 # shared memory per SM on sm_90 (each CTA a
 SPREAD = 4                           # CTAs per row that spreading few rows over the SMs goes to
 
 
-def launch_plan(rows: int, width: int, sms: int) -> tuple[str, ...] | None:
-    """The build of ``decode_topk_split`` for a call (shape facts only: graph
-    safe): ``SPLIT`` the fewest CTAs per row whose slices fit the stage
-    (:func:`min_split`), doubled up to :data:`SPREAD` while twice as many
-    CTAs still fit on the ``sms`` SMs at once; ``MINB=2`` (registers for two
-    CTAs per SM) where two CTAs' shared memory fits an SM.  ``None`` for
-    rows wider than :data:`MAX_SPLIT` slices."""
-    split = min_split(width)
-    if split is None:
-        return None
+def launch_plan(rows: int, width: int, sms: int) -> tuple[str, ...]:
+    """The build of ``decode_topk_split`` for a call, from shape facts (graph
+    safe; the result is right for any lengths, only its speed depends on
+    this): ``width`` the longest row expected (the logits' width, or a host
+    bound on the lengths).  ``SPLIT``: CTAs per row, doubled up to
+    :data:`SPREAD` while twice as many CTAs still fit on the ``sms`` SMs at
+    once, and to the fewest whose slices of ``width`` columns fit the stage
+    (:func:`min_split`) where that stays within twice the SMs; ``MINB=2``
+    (registers for two CTAs per SM) where two CTAs' shared memory fits an
+    SM."""
+    split = 1
     while split < SPREAD and rows * split * 2 <= sms:
         split *= 2
+    need = min_split(width) or MAX_SPLIT
+    if need > split and rows * need <= 2 * sms:
+        split = need
     minb = 2 if 2 * (smem_bytes(width, split) + 1024) <= SM_SMEM else 1
     return (f"SPLIT={split}", f"MINB={minb}")
 
@@ -220,7 +224,8 @@ def check_args(logits: torch.Tensor, lengths: torch.Tensor, k: int,
 
 
 def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
-                out: torch.Tensor | None = None, defines: tuple | None = ()) -> torch.Tensor:
+                out: torch.Tensor | None = None, defines: tuple | None = (),
+                bound: int | None = None) -> torch.Tensor:
     """The columns of each row's ``k`` largest logits, int32 ``[R, k]``, from
     one launch on the current stream.  ``logits``: float32 ``[R, W]`` on an
     sm_90 GPU, unit column stride (any row stride); ``lengths``: an integer
@@ -228,7 +233,9 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     ``B * next_n == R``: row ``r`` reads ``lengths.reshape(-1)[r]``); ``out``:
     int32 ``[R, k]``, unit column stride (e.g. a view of a wider buffer),
     written in place; ``defines``: an A/B build (:func:`load`), ``None`` for
-    :func:`launch_plan`'s."""
+    :func:`launch_plan`'s; ``bound``: a host-known bound on the lengths (e.g.
+    vLLM's ``max_seq_len``) that sizes the plan and the stage in place of the
+    width (speed only: longer rows are still right, read from global memory)."""
     if not isinstance(logits, torch.Tensor) or not logits.is_cuda:
         _fail("logits", "a CUDA tensor", getattr(logits, "device", type(logits)))
     flat = check_args(logits, lengths, k, out)
@@ -238,21 +245,23 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
         out = torch.empty((rows, k), dtype=torch.int32, device=dev)
     if rows == 0:
         return out
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)
+                              or bound < 1):
+        _fail("bound", "an int >= 1 (a host bound on the lengths) or None", bound)
+    longest = width if bound is None else min(width, bound)
     if defines is None:
         index = dev.index if dev.index is not None else _current_device()
-        defines = launch_plan(rows, width, _sms(index)) or ()
+        defines = launch_plan(rows, longest, _sms(index))
     split = split_of(defines)
-    if split is not None and not (1 <= split <= MAX_SPLIT and min_split(width)
-                                  and split >= min_split(width)):
-        _fail("defines", f"SPLIT from {min_split(width)} to {MAX_SPLIT} at width {width}",
-              split)
+    if split is not None and split not in (1, 2, 4, 8):
+        _fail("defines", "SPLIT of 1, 2, 4 or 8", split)
     kern = load(dev, defines)
-    stage = stage_for(width, split or 1)
+    stage = stage_for(longest, split or 1)
     vals = kernel_args(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
                        out.data_ptr(), out.stride(0) if rows > 1 else k, stage)
     array = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals.values()])
     index = dev.index if dev.index is not None else _current_device()
-    grid, threads, smem = rows * (split or 1), threads_of(defines), smem_bytes(width, split or 1)
+    grid, threads, smem = rows * (split or 1), threads_of(defines), smem_bytes(longest, split or 1)
     if _current_device() == index:
         cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
                            _stream(index), ctypes.addressof(array))

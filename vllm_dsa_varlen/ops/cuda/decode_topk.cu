@@ -459,9 +459,10 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
 // ---------------------------------------------------------------------------
 // decode_topk_split: the same contract, each row split over a cluster of
 // SPLIT CTAs (one CTA per row when SPLIT is 1).  CTA q of row r's cluster
-// stages columns [q*S, (q+1)*S) of the row (S = the row's length / SPLIT,
-// rounded up to 4; the launcher sizes the stage so every slice fits), by
-// bulk copies where the slice starts on 16 bytes.  Then:
+// takes columns [q*S, (q+1)*S) of the row (S = the row's length / SPLIT,
+// rounded up to 4) and stages their keys in shared memory when S <= `stage`
+// (by bulk copies where the slice starts on 16 bytes; a longer slice is read
+// from global memory in every pass: right for any length, slower).  Then:
 //   1. each CTA histograms its slice's top digit; every CTA sums the
 //      cluster's histograms (distributed shared memory) and finds the same
 //      threshold bin;
@@ -560,14 +561,15 @@ decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* _
       for (int i = t; i < k; i += THREADS) orow[i] = i < n ? i : -1;
     return;
   }
-  const int S = ((n + SPLIT - 1) / SPLIT + 3) & ~3;       // <= stage (the launcher's)
+  const int S = ((n + SPLIT - 1) / SPLIT + 3) & ~3;
   const int lo = (int)q * S;
   const int m = max(0, min(n, lo + S) - lo);              // this CTA's columns
+  const bool staged = S <= stage;                         // else every pass reads global memory
   const float* __restrict__ row = logits + (i64)r * row_stride + lo;
   const bool aligned = (reinterpret_cast<unsigned long long>(row) & 15) == 0;
   const int span = 4 * THREADS;
   const int trips = (m + span - 1) / span;
-  const int m4 = aligned ? (m & ~3) : 0;                  // columns the bulk copies bring
+  const int m4 = aligned && staged ? (m & ~3) : 0;        // columns the bulk copies bring
 
   // Pass 0: stage the slice, histogram its top digit.
   if (t == 0 && m4 > 0) {
@@ -592,7 +594,8 @@ decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* _
     } else if (i < m) {
       v = load4_global(row, i, m, aligned);
     }
-    if (i < m) *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
+    if (staged && i < m)
+      *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
 #pragma unroll
     for (int j = 0; j < 4; ++j) hist_add(hist, v.k[j] >> 21, i + j < m);
   }
@@ -612,7 +615,7 @@ decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* _
     for (int it = 0; it < trips; ++it) {
       const int i = it * span + 4 * t;
       Keys4 v = {{0u, 0u, 0u, 0u}};
-      if (i < m) v = load4_staged(keys, i);
+      if (i < m) v = staged ? load4_staged(keys, i) : load4_global(row, i, m, aligned);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         hist_add(hist, (v.k[j] >> next) & ((1u << (shift - next)) - 1),
@@ -633,7 +636,7 @@ decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* _
   for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * t;
     Keys4 v = {{0u, 0u, 0u, 0u}};
-    if (i < m) v = load4_staged(keys, i);
+    if (i < m) v = staged ? load4_staged(keys, i) : load4_global(row, i, m, aligned);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const u32 pre = v.k[j] >> shift;
@@ -654,7 +657,7 @@ decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* _
   for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * t;
     Keys4 v = {{0u, 0u, 0u, 0u}};
-    if (i < m) v = load4_staged(keys, i);
+    if (i < m) v = staged ? load4_staged(keys, i) : load4_global(row, i, m, aligned);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const u32 pre = v.k[j] >> shift;

@@ -382,9 +382,12 @@ def test_the_op_modules_torch_sends_the_decode_topk_through_the_choice(monkeypat
     monkeypatch.setattr(topk, "serves", topk.layout_ok)
     monkeypatch.setattr(topk, "decide", lambda index: topk.TopkChoice(True, "test"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    bounds = []
     monkeypatch.setattr(cuda_topk, "decode_topk",
-                        lambda lg, ln, k, out=None: out.copy_(topk_ref(lg, ln, k)))
+                        lambda lg, ln, k, out=None, defines=(), bound=None:
+                        bounds.append(bound) or out.copy_(topk_ref(lg, ln, k)))
     c_ops.persistent_topk(logits, lens, out, work, 16, 200)
     assert len(seen) == 2 and topk_selection_ok(logits, lens, 16, out) == []
+    assert bounds == [200]  # the op's max_seq_len argument sizes the kernel's plan
     patches.undo_all()
     assert sai.torch is torch

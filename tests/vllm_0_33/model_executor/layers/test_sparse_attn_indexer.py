@@ -139,9 +139,12 @@ def test_decode_topk_goes_through_the_choice(monkeypatch, module):
     monkeypatch.setattr(topk, "serves", topk.layout_ok)
     monkeypatch.setattr(topk, "decide", lambda index: topk.TopkChoice(True, "test"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    bounds = []
     monkeypatch.setattr(cuda_topk, "decode_topk",
-                        lambda lg, ln, k, out=None: out.copy_(topk_ref(lg, ln, k)))
+                        lambda lg, ln, k, out=None, defines=(), bound=None:
+                        bounds.append(bound) or out.copy_(topk_ref(lg, ln, k)))
     auto(logits, lens, 2, out, 32, 300)
     assert len(seen) == 1 and topk_selection_ok(logits, lens, 32, out) == []
+    assert bounds == [300]  # the op's max_seq_len argument sizes the kernel's plan
     patches.undo_all()
     assert module.get_indexer_topk is stock_get

@@ -105,13 +105,13 @@ class _TopkOps:
         from vllm_dsa_varlen import topk
 
         topk.dispatch(logits, seq_lens, topk_indices, k, lambda: self._ops._C.persistent_topk(
-            logits, seq_lens, topk_indices, workspace, k, max_seq_len))
+            logits, seq_lens, topk_indices, workspace, k, max_seq_len), bound=max_seq_len)
 
     def cooperative_topk(self, logits, seq_lens, topk_indices, workspace, k, max_seq_len):
         from vllm_dsa_varlen import topk
 
         topk.dispatch(logits, seq_lens, topk_indices, k, lambda: self._ops._C.cooperative_topk(
-            logits, seq_lens, topk_indices, workspace, k, max_seq_len))
+            logits, seq_lens, topk_indices, workspace, k, max_seq_len), bound=max_seq_len)
 
     def __getattr__(self, name):
         return getattr(self._ops._C, name)

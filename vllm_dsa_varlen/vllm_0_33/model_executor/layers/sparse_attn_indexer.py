@@ -103,7 +103,7 @@ class _DecodeTopk:
 
         topk.dispatch(logits, seq_lens, topk_indices, topk_tokens,
                       lambda: self.stock(logits, seq_lens, next_n, topk_indices, topk_tokens,
-                                         max_seq_len))
+                                         max_seq_len), bound=max_seq_len)
 
     def __getattr__(self, name: str) -> Any:  # resolve_backend, ... of stock's module
         return getattr(self.stock, name)
