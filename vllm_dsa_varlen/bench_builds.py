@@ -225,9 +225,9 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",)):
     rows (``topk-rows``: what the plugin and stock's flattened call feed it) and
     on its padded native rows (``topk-padded``, next_n 4 or the uniform length
     1/2/4); each checked against ``torch.topk`` on a few rows first; beside
-    each, this project's top-k in each of ``builds`` (``default`` or
-    ``MACRO=v+...`` of ``cuda/decode_topk.cu``: ``<layout>-ours`` for the
-    default, ``<layout>-ours[<build>]`` for another)."""
+    each, this project's top-k in each of ``builds`` (``default``: the launch
+    plan's build for the shape, ``<layout>-ours``; ``MACRO=v+...`` of
+    ``cuda/decode_topk.cu``, e.g. ``SPLIT=2+MINB=1``: ``<layout>-ours[<build>]``)."""
     rows = step.rows
     ctx2d = rows.context_lens.view(-1, 1).contiguous()
     width = out.shape[1]
@@ -259,30 +259,24 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",)):
               f"sets agree with torch.topk {min(agree):.4f} (worst of {len(agree)} rows)",
               flush=True)
         calls[name] = fn
-        for build in builds:  # "plan": the launch plan's build for the shape
-            defines = None if build == "plan" else parse_variant(build)[0]
-            label = name + "-ours" + (f"[{build}]" if defines != () else "")
-            try:
-                calls[label] = own_topk_call(torch, label, logits, lens, k, defines)
-            except ValueError as exc:  # a build that does not take this shape (SPLIT too small)
-                print(f"  {label}: not timed ({exc})", flush=True)
+        for build in builds:
+            defines = parse_variant(build)[0] or None  # default: the launch plan's
+            label = name + "-ours" + (f"[{build}]" if defines else "")
+            calls[label] = own_topk_call(torch, label, logits, lens, k, defines)
     return calls
 
 
-def own_topk_call(torch, name, logits, lens, k, defines=()):
-    """This project's decode top-k (:func:`.ops.cuda_topk.decode_topk`) on the
-    same rows, checked against the reference's contract on every eighth row
-    first (``SystemExit`` where it fails); an anatomy build (``STOP=s``: the
-    kernel cut short, :data:`.ops.cuda_topk.ANATOMY`) is timed unchecked."""
-    from .ops.cuda_topk import ANATOMY, decode_topk
+def own_topk_call(torch, name, logits, lens, k, defines=None):
+    """This project's decode top-k (:func:`.ops.cuda_topk.decode_topk`; build
+    ``defines``, ``None`` for the launch plan's) on the same rows, checked
+    against the reference's contract on every eighth row first
+    (``SystemExit`` where it fails)."""
+    from .ops.cuda_topk import decode_topk
     from .ops.reference import topk_selection_ok
 
     out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=logits.device)
     fn = lambda: decode_topk(logits, lens, k, out=out, defines=defines)  # noqa: E731
     fn()
-    if any(d.split("=")[0] in ANATOMY for d in defines or ()):
-        print(f"  {name} (decode_topk): an anatomy build, timed only", flush=True)
-        return fn
     some = torch.arange(0, logits.shape[0], 8, device=logits.device)
     errors = topk_selection_ok(logits[some].cpu(), lens.reshape(-1)[some].cpu(), k,
                                out[some].cpu())

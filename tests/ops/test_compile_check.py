@@ -12,6 +12,7 @@ import pytest
 
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
 from vllm_dsa_varlen.ops import cuda_plan as cp
+from vllm_dsa_varlen.ops import cuda_topk as ct
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +58,11 @@ def test_the_cuda_builds_compile_without_spills(compiled_variants):
          (32, ["EVICT_FIRST=1", "HEADS=32"])])
     assert set(ck.LAUNCHER_HEADS) == {32, 64}
     assert all(r["ok"] and r["spills"] == 0 and r["cubin_bytes"] > 0 for r in cuda), cuda
-    topk = [r for r in rows if r["kernel"] == "cuda_topk"]
-    assert len(topk) == 1 and topk[0]["ok"] and topk[0]["spills"] == 0, topk
+    topk = [r for r in rows if r["kernel"] == "cuda_topk"]  # every build the top-k's plan takes
+    assert sorted(tuple(r["defines"]) for r in topk) == sorted(ct.plan_builds())
+    assert all(r["ok"] and r["spills"] == 0 and 0 < r["registers"] <= 64 for r in topk), topk
+    minb2 = [r for r in topk if "MINB=2" in r["defines"]]  # two 1024-thread CTAs per SM
+    assert minb2 and all(r["registers"] <= 32 for r in minb2), minb2
 
 
 def test_the_planner_builds_for_both_head_counts_without_spills(compiled_variants):

@@ -49,12 +49,13 @@ def compile_plan_sm90(heads: int) -> dict:
     return _ptxas_report(*cp.compile_cubin(extra=("--ptxas-options=-v",), heads=heads))
 
 
-def compile_topk() -> dict:
-    """The decode top-k kernel through NVRTC (``sm_90a``): its registers and
-    spills as ptxas reports them."""
+def compile_topk(defines: tuple = ()) -> dict:
+    """A build of the decode top-k kernel through NVRTC (``sm_90a``): its
+    registers and spills as ptxas reports them."""
     from . import cuda_topk as ct
 
-    return _ptxas_report(*ct.compile_cubin(extra=("--ptxas-options=-v",)))
+    return _ptxas_report(*ct.compile_cubin(
+        extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines))))
 
 
 def _ptxas_report(cubin: bytes, log: str) -> dict:
@@ -93,12 +94,14 @@ def main() -> int:
         jobs += [("cuda_sm90", h, ck.defines_for(n) + (() if h == ck.HEADS else (f"HEADS={h}",)),
                   {}) for h in ck.LAUNCHER_HEADS for n in (1, ck.ROWS_MAX)]
         jobs += [("cuda_plan_sm90", h, cp.defines_for(h), {}) for h in cp.HEAD_COUNTS]
-        jobs += [("cuda_topk", None, (), {})]
+        from . import cuda_topk as ct
+
+        jobs += [("cuda_topk", None, build, {}) for build in ct.plan_builds()]
     jobs += [("portable", h, arch, v) for h in (32, 64) for arch in (89, 90, 100, 120)
              for v in portable.portable_variants(h)]
     nvrtc_builds = {"cuda_sm90": lambda job: compile_cuda_sm90(job[2]),
                     "cuda_plan_sm90": lambda job: compile_plan_sm90(job[1]),
-                    "cuda_topk": lambda job: compile_topk()}
+                    "cuda_topk": lambda job: compile_topk(job[2])}
     for job in jobs:
         row = {"kernel": job[0], "heads": job[1]}
         try:

@@ -1,18 +1,21 @@
 """The indexer's decode top-k in one launch (``cuda/decode_topk.cu``).
 
 :func:`decode_topk` writes, per row, the columns of the ``k`` largest
-logits among the row's first ``lengths[r]`` (an exact radix select, one CTA
-per row; the source says how), the contract of vLLM's decode top-k ops
-(``persistent_topk``, ``cooperative_topk``): int32 ``[R, k]``, no order, a
-row with ``length <= k`` gets ``0 .. length - 1`` and then ``-1``; ties at
-the k-th value broken arbitrarily.  :func:`.reference.topk_ref` defines it.
+logits among the row's first ``lengths[r]`` (an exact radix select, each
+row over a cluster of 1-8 CTAs; the source says how), the contract of vLLM's
+decode top-k ops (``persistent_topk``, ``cooperative_topk``): int32
+``[R, k]``, no order, a row with ``length <= k`` gets ``0 .. length - 1`` and
+then ``-1``; ties at the k-th value broken arbitrarily.
+:func:`.reference.topk_ref` defines it.
 
-Graph safe: the grid is the row count, the shared memory a function of the
-logits' width (:func:`stage_for`: rows up to that many columns are staged in
-shared memory, longer ones read again from global memory), nothing depends
-on tensor contents; no host sync.  Lengths past the width are clamped to it,
-negative ones to 0 (the kernel cannot raise).  Compiled by NVRTC and loaded
-through the driver (:mod:`.cuda_binding`) once per process and device.
+Graph safe: the build (CTAs per row, registers per thread), the grid and the
+shared memory follow from shape facts and an optional host bound on the
+lengths (:func:`launch_plan`, :func:`stage_for`), nothing from tensor
+contents; no host sync.  The result is right for any lengths (a slice longer
+than the stage is read from global memory in every pass); only the speed
+depends on the plan.  Lengths past the width are clamped to it, negative
+ones to 0 (the kernel cannot raise).  Compiled by NVRTC and loaded through
+the driver (:mod:`.cuda_binding`) once per process, device and build.
 """
 
 from __future__ import annotations
@@ -29,17 +32,16 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "decod
 KERNEL_NAME = b"decode_topk"
 THREADS = 1024
 BINS = 2048
-BARS = 16                            # mbarriers of the TMA build, one per CHUNK staged columns
+BARS = 16                            # mbarriers, one per CHUNK staged columns
 CHUNK = 4096
-HEADER_BYTES = 4 * (BINS + 32 + 16) + 8 * BARS  # histogram, warp sums, selection words, barriers
+HEADER_BYTES = 4 * (BINS + 2 * 32 + 16) + 8 * BARS  # histogram, scan scratch, words, barriers
 CAND = 4096                          # listed candidates after the stage: keys, then columns
 MAX_SMEM = 227 * 1024                # sm_90's dynamic shared memory per CTA
+SM_SMEM = 228 * 1024                 # shared memory per SM (each CTA also takes 1 KB)
 MAX_STAGE = (MAX_SMEM - HEADER_BYTES - 8 * CAND) // 16 * 4  # staged columns, a multiple of 4
-MAX_SPLIT = 8                        # CTAs per row in decode_topk_split (a portable cluster)
-assert MAX_STAGE <= BARS * CHUNK  # every chunk of a staged row has a barrier
-# Macros of the source's anatomy builds: the kernel cut short to time its
-# parts (their output is not the contract's; the benchmark does not check them).
-ANATOMY = ("STOP", "NO_HIST")
+MAX_SPLIT = 8                        # CTAs per row (a portable cluster)
+SPREAD = 4                           # CTAs per row that spreading few rows goes up to
+assert MAX_STAGE <= BARS * CHUNK  # every chunk of a staged slice has a barrier
 
 _lock = threading.Lock()
 _LOADED: dict = {}
@@ -60,37 +62,28 @@ def _fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
-def stage_for(width: int, split: int = 1) -> int:
-    """Columns a CTA may have to stage in shared memory, for logits ``width``
-    columns wide and rows split over ``split`` CTAs: the width / split
-    rounded up to 4 (the split kernel's slice of the widest row), at most
+def stage_for(longest: int, split: int = 1) -> int:
+    """Columns a CTA may stage in shared memory when rows of up to
+    ``longest`` columns are split over ``split`` CTAs: the slice of the
+    longest row (``longest / split`` rounded up to 4), at most
     :data:`MAX_STAGE`."""
-    return min(((int(width) + split - 1) // split + 3) // 4 * 4, MAX_STAGE)
+    return min(((int(longest) + split - 1) // split + 3) // 4 * 4, MAX_STAGE)
 
 
-def smem_bytes(width: int, split: int = 1) -> int:
-    """Dynamic shared memory of a launch over logits ``width`` columns wide
-    (rows split over ``split`` CTAs)."""
-    return HEADER_BYTES + 4 * stage_for(width, split) + 8 * CAND
+def smem_bytes(longest: int, split: int = 1) -> int:
+    """Dynamic shared memory of a launch whose stage is
+    :func:`stage_for` ``(longest, split)``."""
+    return HEADER_BYTES + 4 * stage_for(longest, split) + 8 * CAND
 
 
-def split_of(defines: tuple = ()) -> int | None:
-    """CTAs per row of a build (``SPLIT=c`` among its ``defines``: the
-    ``decode_topk_split`` kernel), ``None`` for ``decode_topk``."""
+def split_of(defines: tuple = ()) -> int:
+    """CTAs per row of a build (``SPLIT=c`` among its ``defines``; 1
+    without)."""
     for d in defines:
         name, _, value = d.partition("=")
         if name == "SPLIT":
             return int(value)
-    return None
-
-
-def min_split(width: int) -> int:
-    """The fewest CTAs per row (a power of two) whose slices of a
-    ``width``-column row fit the stage; ``None`` past :data:`MAX_SPLIT`."""
-    split = 1
-    while -(-int(width) // split) > MAX_STAGE:
-        split *= 2
-    return split if split <= MAX_SPLIT else None
+    return 1
 
 
 def compile_cubin(arch: str = cb.ARCH, extra: tuple = ()) -> tuple[bytes, str]:
@@ -101,15 +94,14 @@ def compile_cubin(arch: str = cb.ARCH, extra: tuple = ()) -> tuple[bytes, str]:
 class _Loaded:
     def __init__(self, device: torch.device, defines: tuple = ()):
         cubin, _ = compile_cubin(extra=tuple(f"-D{d}" for d in defines))
-        name = KERNEL_NAME + (b"_split" if split_of(defines) else b"")
         self.fn, self.ctx, self.module = cb.load_function(cb.driver(), device, cubin,
-                                                          name, MAX_SMEM)
+                                                          KERNEL_NAME, MAX_SMEM)
 
 
 def load(device, defines: tuple = ()) -> _Loaded:
     """Compile (NVRTC) and load the kernel on ``device`` once per process
-    and build (``defines``: ``-D`` macros of an A/B build of the source; the
-    default build takes none)."""
+    and build (``defines``: the source's ``-D`` macros, e.g. ``("SPLIT=2",
+    "MINB=1")``; none: one CTA per row)."""
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, tuple(defines))
@@ -122,45 +114,28 @@ def load(device, defines: tuple = ()) -> _Loaded:
     return got
 
 
-def threads_of(defines: tuple = ()) -> int:
-    """The block size of a build (``THREADS=v`` among its ``defines``, else
-    :data:`THREADS`)."""
-    for d in defines:
-        name, _, value = d.partition("=")
-        if name == "THREADS":
-            return int(value)
-    return THREADS
-
-
-SM_SMEM = 228 * 1024                 # shared memory per SM on sm_90 (each CTA also takes 1 KB)
-SPREAD = 4                           # CTAs per row that spreading few rows over the SMs goes to
-
-
-def launch_plan(rows: int, width: int, sms: int) -> tuple[str, ...]:
-    """The build of ``decode_topk_split`` for a call, from shape facts (graph
-    safe; the result is right for any lengths, only its speed depends on
-    this): ``width`` the longest row expected (the logits' width, or a host
-    bound on the lengths).  ``SPLIT``: CTAs per row, doubled up to
-    :data:`SPREAD` while twice as many CTAs still fit on the ``sms`` SMs at
-    once, and to the fewest whose slices of ``width`` columns fit the stage
-    (:func:`min_split`) where that stays within twice the SMs; ``MINB=2``
-    (registers for two CTAs per SM) where two CTAs' shared memory fits an
-    SM."""
+def launch_plan(rows: int, longest: int, sms: int) -> tuple[str, ...]:
+    """The build for a call, from shape facts (graph safe; the result is
+    right for any lengths, only its speed depends on this): ``rows`` and
+    ``longest``, the longest row expected (the logits' width or a host bound
+    on the lengths), on ``sms`` SMs.  ``SPLIT``: CTAs per row, doubled up to
+    :data:`SPREAD` while twice as many CTAs still fit on the SMs at once
+    (rows from ~SMs / 2 up get one CTA each: more cost more in per-CTA work
+    than they spread, measured on the H200); ``MINB=2`` (registers for two
+    CTAs per SM) where there are more CTAs than SMs and two CTAs' shared
+    memory fits an SM."""
     split = 1
     while split < SPREAD and rows * split * 2 <= sms:
         split *= 2
-    need = min_split(width) or MAX_SPLIT
-    if need > split and rows * need <= 2 * sms:
-        split = need
-    minb = 2 if 2 * (smem_bytes(width, split) + 1024) <= SM_SMEM else 1
-    return (f"SPLIT={split}", f"MINB={minb}")
+    two = rows * split > sms and 2 * (smem_bytes(longest, split) + 1024) <= SM_SMEM
+    return (f"SPLIT={split}", f"MINB={2 if two else 1}")
 
 
 def plan_builds() -> list[tuple[str, ...]]:
     """Every build :func:`launch_plan` can name (what a server loads at
     start-up, so no decode step compiles)."""
-    splits = [1 << i for i in range(MAX_SPLIT.bit_length())]
-    return [(f"SPLIT={s}", f"MINB={m}") for s in splits for m in (1, 2)]
+    splits = [1 << i for i in range(SPREAD.bit_length())]
+    return [(f"SPLIT={s}", "MINB=1") for s in splits] + [("SPLIT=1", "MINB=2")]
 
 
 def kernel_args(logits: int, row_stride: int, lens: int, width: int, k: int, out: int,
@@ -224,7 +199,7 @@ def check_args(logits: torch.Tensor, lengths: torch.Tensor, k: int,
 
 
 def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
-                out: torch.Tensor | None = None, defines: tuple | None = (),
+                out: torch.Tensor | None = None, defines: tuple | None = None,
                 bound: int | None = None) -> torch.Tensor:
     """The columns of each row's ``k`` largest logits, int32 ``[R, k]``, from
     one launch on the current stream.  ``logits``: float32 ``[R, W]`` on an
@@ -232,8 +207,8 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     tensor of ``R`` values (e.g. ``[R]``, ``[R, 1]`` or ``[B, next_n]`` with
     ``B * next_n == R``: row ``r`` reads ``lengths.reshape(-1)[r]``); ``out``:
     int32 ``[R, k]``, unit column stride (e.g. a view of a wider buffer),
-    written in place; ``defines``: an A/B build (:func:`load`), ``None`` for
-    :func:`launch_plan`'s; ``bound``: a host-known bound on the lengths (e.g.
+    written in place; ``defines``: a build (:func:`load`: ``SPLIT=c``,
+    ``MINB=m``), ``None`` for :func:`launch_plan`'s; ``bound``: a host-known bound on the lengths (e.g.
     vLLM's ``max_seq_len``) that sizes the plan and the stage in place of the
     width (speed only: longer rows are still right, read from global memory)."""
     if not isinstance(logits, torch.Tensor) or not logits.is_cuda:
@@ -253,21 +228,21 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
         index = dev.index if dev.index is not None else _current_device()
         defines = launch_plan(rows, longest, _sms(index))
     split = split_of(defines)
-    if split is not None and split not in (1, 2, 4, 8):
+    if split not in (1, 2, 4, 8):
         _fail("defines", "SPLIT of 1, 2, 4 or 8", split)
     kern = load(dev, defines)
-    stage = stage_for(longest, split or 1)
+    stage = stage_for(longest, split)
     vals = kernel_args(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
                        out.data_ptr(), out.stride(0) if rows > 1 else k, stage)
     array = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals.values()])
     index = dev.index if dev.index is not None else _current_device()
-    grid, threads, smem = rows * (split or 1), threads_of(defines), smem_bytes(longest, split or 1)
+    grid, smem = rows * split, smem_bytes(longest, split)
     if _current_device() == index:
-        cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
+        cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, THREADS, smem,
                            _stream(index), ctypes.addressof(array))
     else:
         with torch.cuda.device(index):
-            cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
+            cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, THREADS, smem,
                                _stream(index), ctypes.addressof(array))
     del flat  # a converted copy lived until the launch was queued
     return out

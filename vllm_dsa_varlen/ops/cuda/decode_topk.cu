@@ -2,65 +2,54 @@
 // of logits[r, 0 : len[r]] (fp32), written to out[r, 0 : k] in no particular
 // order; a row with len <= k gets 0 .. len - 1 and then -1.  Ties at the k-th
 // value are broken arbitrarily (any k of the tied columns).  Loaded by
-// vllm_dsa_varlen/ops/cuda_topk.py (NVRTC, sm_90a), which checks the inputs;
-// ops/reference.py (topk_ref) defines the result.
+// vllm_dsa_varlen/ops/cuda_topk.py (NVRTC, sm_90a), which checks the inputs
+// and picks the build (SPLIT, MINB) and the stage; ops/reference.py
+// (topk_ref) defines the result.
 //
-// One CTA of THREADS threads per row, an exact radix select on the logits'
-// order-preserving 32-bit keys (negative floats bit-flipped, positive ones
-// with the sign bit set: unsigned order = float order), most significant
-// digit first:
-//   1. the row is read once from global memory (16-byte loads where the row
-//      start is aligned), its keys staged in shared memory when it has at
-//      most `stage` columns (the launcher sizes the stage from the logits'
-//      width, a shape fact: graph safe), and a histogram of the top 11
-//      bits made with shared-memory atomics;
-//   2. a block-wide suffix sum over the bins finds the bin that holds the
-//      k-th largest key: `above` keys lie in higher bins; if the bin holds
-//      exactly the `k - above` keys still needed, the threshold is found;
-//      else the next digit is histogrammed over the keys in that bin only
-//      (staged keys, or the row read again), down to the full key;
-//   3. one pass writes the selected columns: every key whose prefix is above
-//      the threshold's, and the first `k - above` keys equal to it, to slots
-//      given out per warp (two ballots and an atomic per key and kind).
-// Every loop runs the same trip count in every thread (a function of the
-// row's length), so the warp-wide ballots see full warps.  Nothing leaves the
-// GPU; rows are independent, the grid is the row count.
+// An exact radix select on the logits' order-preserving 32-bit keys
+// (negative floats bit-flipped, positive ones with the sign bit set: unsigned
+// order = float order), digits of 11, 11 and 10 bits, each row over a cluster
+// of SPLIT CTAs (one CTA per row when SPLIT is 1).  CTA q of row r's cluster
+// takes columns [q*S, (q+1)*S) of the row (S = the row's length / SPLIT,
+// rounded up to 4) and stages their keys in shared memory when S <= `stage`
+// (by bulk copies where the slice starts on 16 bytes; a longer slice is read
+// from global memory in every pass: right for any length, slower).  Then:
+//   1. each CTA histograms its slice's top digit (shared-memory atomics);
+//      every CTA sums the cluster's histograms (distributed shared memory)
+//      and finds the same bin holding the k-th largest key, `above` keys
+//      lying in higher bins;
+//   2. while that bin holds more than CAND keys (and not exactly the k -
+//      above keys still needed), the next digit is histogrammed the same
+//      way over the keys in the bin;
+//   3. each thread counts its keys above the threshold prefix and equal to
+//      it; a block scan and the cluster's totals give every thread its own
+//      slots: keys above go to the output, equal ones either to the output
+//      (the bin taken whole, or the full key fixed: the first k - above) or,
+//      with their keys, to a candidate list in CTA 0;
+//   4. CTA 0 narrows the candidates alone (at most CAND) and writes the rest.
+// No atomics but the histogram adds; every cluster barrier is reached by
+// every thread of every CTA of the cluster (the loop counts are functions of
+// cluster-wide sums, identical in every CTA).  Rows are independent; the
+// grid is rows x SPLIT.  Nothing leaves the GPU.
 
 typedef unsigned int u32;
 typedef long long i64;
 typedef unsigned long long u64;
 
-#ifndef THREADS
-#define THREADS 1024              // 512: two CTAs per SM where the stage allows (short rows)
-#endif
+#define THREADS 1024
 #define WARPS (THREADS / 32)
-#define BPT (BINS / THREADS)      // histogram bins per thread in the bin search
 #define BINS 2048                 // 11-bit digits: 11 + 11 + 10 = 32
+#define BPT (BINS / THREADS)      // histogram bins per thread in the bin search
 #define FULL 0xffffffffu
-#define CAND 4096                 // candidate slots after the stage (the launcher's CAND)
-#define BARS 16                   // TMA=1: one mbarrier per CHUNK columns of a staged row
+#define CAND 4096                 // listed candidates after the stage (the launcher's CAND)
+#define BARS 16                   // one mbarrier per CHUNK columns of a staged slice
 #define CHUNK 4096                //   (the launcher's BARS, CHUNK)
-
-#ifndef COMPACT
-#define COMPACT 0                 // 1: a staged row's first-digit bin compacted, then narrowed alone
-#endif                            //    (H200: 0.92-0.98x from B16 up, 1.03-1.10x at B128 L8K, B1);
-                                  // 2: the same, slots from a count pass and a block scan
-#ifndef BATCH
-#define BATCH 1                   // pass 0: trips whose loads are issued together
+#ifndef SPLIT
+#define SPLIT 1                   // CTAs per row (a cluster): 1, 2, 4, 8
 #endif
-#ifndef TMA
-#define TMA 0                     // 1: a staged row starting on 16 bytes arrives by bulk copies,
-#endif                            //    one per trip, all issued at once (pass 0 reads shared memory)
-// Anatomy builds (timing only; they do not meet the contract): STOP=0 returns
-// after reading the row's length, STOP=1 after pass 0 and its bin search,
-// STOP=2 after the narrowing passes; NO_HIST=1 leaves pass 0's histogram out.
-#ifndef STOP
-#define STOP 3
+#ifndef MINB
+#define MINB 1                    // CTAs per SM the registers must allow (2: 32 per thread)
 #endif
-#ifndef NO_HIST
-#define NO_HIST 0
-#endif
-
 
 __device__ __forceinline__ u32 order_key(float x) {
   u32 b = __float_as_uint(x);
@@ -70,7 +59,7 @@ __device__ __forceinline__ u32 order_key(float x) {
 // The pass's digit: shift and width of digit p (0, 1, 2) of a 32-bit key.
 __device__ __forceinline__ int digit_shift(int p) { return p == 0 ? 21 : p == 1 ? 10 : 0; }
 
-// TMA=1's bulk copies into shared memory, each completing on an mbarrier.
+// Bulk copies into shared memory, each completing on an mbarrier.
 __device__ __forceinline__ u32 smem_u32(const void* p) {
   return static_cast<u32>(__cvta_generic_to_shared(p));
 }
@@ -123,364 +112,35 @@ __device__ __forceinline__ void hist_add(int* __restrict__ h, u32 bin, bool vali
 }
 
 // Block-wide exclusive prefix sum of `v` over the threads in index order
-// (all threads call it; `warp_sums`: WARPS words, free until the next
-// barrier).  Unsigned: packed counts (low | high << 16) add without overflow.
-__device__ __forceinline__ u32 block_exclusive_scan(u32 v, int* __restrict__ warp_sums) {
+// (all threads call it; `scratch`: WARPS words of T, free until the next
+// barrier).  Unsigned, so packed counts (low | high << half the width) add
+// without overflow.
+template <class T>
+__device__ __forceinline__ T block_exclusive_scan(T v, void* __restrict__ scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  u32* sums = reinterpret_cast<u32*>(warp_sums);
-  u32 incl = v;
+  T* sums = reinterpret_cast<T*>(scratch);
+  T incl = v;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
-    u32 u = __shfl_up_sync(FULL, incl, d);
+    T u = __shfl_up_sync(FULL, incl, d);
     if (lane >= d) incl += u;
   }
   if (lane == 31) sums[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    u32 w = lane < WARPS ? sums[lane] : 0u;
+    T w = lane < WARPS ? sums[lane] : T(0);
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-      u32 u = __shfl_up_sync(FULL, w, d);
+      T u = __shfl_up_sync(FULL, w, d);
       if (lane >= d) w += u;
     }
     if (lane < WARPS) sums[lane] = w;
   }
   __syncthreads();
-  return (warp ? sums[warp - 1] : 0u) + incl - v;
+  return (warp ? sums[warp - 1] : T(0)) + incl - v;
 }
 
-// Block-wide: the bin of `hist` (BINS counters) holding the `need`-th
-// largest counted key; writes (bin, keys in higher bins, keys in the bin) to
-// sel[0..2].  Thread t owns BPT bins from BINS-1-BPT*t down.
-__device__ void find_bin(const int* __restrict__ hist, int need, int* __restrict__ warp_sums,
-                         int* __restrict__ sel) {
-  const int top = BINS - 1 - BPT * (int)threadIdx.x;     // this thread's bins: top, top - 1, ...
-  int h[BPT], sum = 0;
-#pragma unroll
-  for (int j = 0; j < BPT; ++j) { h[j] = hist[top - j]; sum += h[j]; }
-  int before = (int)block_exclusive_scan((u32)sum, warp_sums);
-#pragma unroll
-  for (int j = 0; j < BPT; ++j) {
-    if (before < need && before + h[j] >= need) { sel[0] = top - j; sel[1] = before; sel[2] = h[j]; }
-    before += h[j];
-  }
-  __syncthreads();
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
-decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restrict__ lens,
-            int width, int k, int* __restrict__ out, i64 out_stride, int stage) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  int* hist = reinterpret_cast<int*>(smem);               // BINS
-  int* warp_sums = hist + BINS;                           // WARPS
-  int* sel = warp_sums + WARPS;                           // bin, above, in bin, slot counters
-  u64* bars = reinterpret_cast<u64*>(sel + 16);           // BARS (TMA=1)
-  u32* keys = reinterpret_cast<u32*>(bars + BARS);        // stage (16-byte aligned)
-
-  const int r = blockIdx.x, t = threadIdx.x, lane = t & 31;
-  int n = lens[r];
-  n = n < 0 ? 0 : n > width ? width : n;
-  int* __restrict__ orow = out + (i64)r * out_stride;
-#if STOP == 0
-  if (t == 0) orow[0] = n;
-  return;
-#endif
-  if (n <= k) {
-    for (int i = t; i < k; i += THREADS) orow[i] = i < n ? i : -1;
-    return;
-  }
-  const float* __restrict__ row = logits + (i64)r * row_stride;
-  const bool aligned = (reinterpret_cast<unsigned long long>(row) & 15) == 0;
-  const bool staged = n <= stage;
-  const int span = 4 * THREADS;                            // columns per loop trip
-  const int trips = (n + span - 1) / span;
-
-  // Pass 0: read the row, stage its keys, histogram the top digit.
-#if TMA
-  const bool bulk = staged && aligned;   // then n / CHUNK < BARS (the launcher's stage)
-  if (bulk && t == 0) {
-    for (int c = 0; c * CHUNK < n; ++c) mbar_init(&bars[c]);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-#endif
-  for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
-  __syncthreads();
-#if TMA
-  if (bulk) {
-    const int n4 = n & ~3;               // the columns the copies bring; the rest from global
-    if (t == 0)
-      for (int c = 0; c * CHUNK < n4; ++c) {
-        const int lo = c * CHUNK, hi = min(lo + CHUNK, n4);
-        bulk_load(keys + lo, row + lo, 4u * (hi - lo), &bars[c]);
-      }
-    for (int it = 0; it < trips; ++it) {
-      const int i = it * span + 4 * t;
-      if (it * span < n4) mbar_wait0(&bars[it * span / CHUNK]);
-      Keys4 v = {{0u, 0u, 0u, 0u}};
-      if (i < n4) {
-        const float4 f = *reinterpret_cast<const float4*>(keys + i);
-        v.k[0] = order_key(f.x); v.k[1] = order_key(f.y);
-        v.k[2] = order_key(f.z); v.k[3] = order_key(f.w);
-        *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
-      } else if (i < n) {
-        v = load4_global(row, i, n, false);
-        *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) hist_add(hist, v.k[j] >> 21, !NO_HIST && i + j < n);
-    }
-  } else
-#endif
-#if BATCH > 1
-  for (int it0 = 0; it0 < trips; it0 += BATCH) {
-    Keys4 v[BATCH];
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      const int i = (it0 + b) * span + 4 * t;
-      v[b] = Keys4{{0u, 0u, 0u, 0u}};
-      if (i < n) v[b] = load4_global(row, i, n, aligned);
-    }
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      const int i = (it0 + b) * span + 4 * t;
-      if (staged && i < n)
-        *reinterpret_cast<uint4*>(keys + i) = make_uint4(v[b].k[0], v[b].k[1], v[b].k[2], v[b].k[3]);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) hist_add(hist, v[b].k[j] >> 21, !NO_HIST && i + j < n);
-    }
-  }
-#else
-  for (int it = 0; it < trips; ++it) {
-    const int i = it * span + 4 * t;
-    Keys4 v = {{0u, 0u, 0u, 0u}};
-    if (i < n) {
-      v = load4_global(row, i, n, aligned);
-      if (staged) *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) hist_add(hist, v.k[j] >> 21, !NO_HIST && i + j < n);
-  }
-#endif
-  __syncthreads();
-  find_bin(hist, k, warp_sums, sel);
-#if STOP == 1
-  if (t == 0) orow[0] = sel[0];
-  return;
-#endif
-
-#if COMPACT
-#if COMPACT == 2
-  // The first digit's bin, if it holds at most CAND keys of a staged row (or
-  // exactly the keys still needed): each thread counts its keys above the bin
-  // and in it, a block scan gives every thread its own output and list slots,
-  // and one pass writes the keys above the bin and lists the bin's columns
-  // (after the stage; straight to the output when the whole bin is taken);
-  // the next digits and the select then read that list only.
-  if (staged && (sel[2] <= CAND || sel[2] == k - sel[1])) {
-    const u32 b0 = (u32)sel[0];
-    const int in0 = sel[2], above0 = sel[1];
-    const bool direct = in0 == k - above0;
-    u32* cand = keys + stage;
-    const u32 lt = (1u << lane) - 1;
-    u32 counts = 0;                  // keys above the bin | keys in it << 16 (n < 2^16)
-    for (int it = 0; it < trips; ++it) {
-      const int i = it * span + 4 * t;
-      Keys4 v = {{0u, 0u, 0u, 0u}};
-      if (i < n) v = load4_staged(keys, i);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const u32 d = v.k[j] >> 21;
-        counts += i + j < n ? (d > b0 ? 1u : d == b0 ? 1u << 16 : 0u) : 0u;
-      }
-    }
-    const u32 first = block_exclusive_scan(counts, warp_sums);
-    int slot_hi = (int)(first & 0xffff), slot_eq = (int)(first >> 16);
-    int* eq_out = direct ? orow + above0 : reinterpret_cast<int*>(cand);
-    for (int it = 0; it < trips; ++it) {
-      const int i = it * span + 4 * t;
-      Keys4 v = {{0u, 0u, 0u, 0u}};
-      if (i < n) v = load4_staged(keys, i);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const u32 d = v.k[j] >> 21;
-        if (i + j < n && d > b0) orow[slot_hi++] = i + j;
-        else if (i + j < n && d == b0) eq_out[slot_eq++] = i + j;
-      }
-    }
-    if (direct) return;
-    if (t == 0) { sel[3] = above0; sel[4] = 0; }
-    __syncthreads();
-#else
-  // The first digit's bin, if it holds at most CAND keys of a staged row:
-  // one pass writes the keys above it and lists its keys' columns (after the
-  // stage); the next digits and the select then read that list only.
-  if (staged && sel[2] != k - sel[1] && sel[2] <= CAND) {
-    const u32 b0 = (u32)sel[0];
-    const int in0 = sel[2];
-    u32* cand = keys + stage;
-    const u32 lt = (1u << lane) - 1;
-    if (t == 0) { sel[3] = 0; sel[4] = 0; sel[5] = 0; }
-    __syncthreads();
-    for (int it = 0; it < trips; ++it) {
-      const int i = it * span + 4 * t;
-      Keys4 v = {{0u, 0u, 0u, 0u}};
-      if (i < n) v = load4_staged(keys, i);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const bool in = i + j < n;
-        const u32 d = v.k[j] >> 21;
-        const bool hi = in && d > b0, eq = in && d == b0;
-        const u32 mhi = __ballot_sync(FULL, hi), meq = __ballot_sync(FULL, eq);
-        int base_hi = 0, base_c = 0;
-        if (lane == 0) {
-          if (mhi) base_hi = atomicAdd(&sel[3], __popc(mhi));
-          if (meq) base_c = atomicAdd(&sel[5], __popc(meq));
-        }
-        base_hi = __shfl_sync(FULL, base_hi, 0);
-        base_c = __shfl_sync(FULL, base_c, 0);
-        if (hi) orow[base_hi + __popc(mhi & lt)] = i + j;
-        if (eq) cand[base_c + __popc(meq & lt)] = i + j;
-      }
-    }
-    __syncthreads();
-#endif
-    u32 prefix = b0;
-    int shift = 21, above = sel[1], in_bin = in0;
-    const int ctrips = (in0 + THREADS - 1) / THREADS;
-    for (int p = 1; p < 3 && in_bin != k - above; ++p) {
-      const int next = digit_shift(p);
-      for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
-      __syncthreads();
-      for (int it = 0; it < ctrips; ++it) {
-        const int c = it * THREADS + t;
-        const u32 key = c < in0 ? keys[cand[c]] : 0u;
-        hist_add(hist, (key >> next) & ((1u << (shift - next)) - 1),
-                 c < in0 && (key >> shift) == prefix);
-      }
-      __syncthreads();
-      find_bin(hist, k - above, warp_sums, sel);
-      prefix = (prefix << (shift - next)) | (u32)sel[0];
-      shift = next;
-      above += sel[1];
-      in_bin = sel[2];
-    }
-    // Keys above the threshold take slots after the first pass's (sel[3]
-    // counts on), equal ones the first k - above slots from `above`.
-    const int ties = k - above;
-    for (int it = 0; it < ctrips; ++it) {
-      const int c = it * THREADS + t;
-      const int col = c < in0 ? (int)cand[c] : 0;
-      const u32 pre = c < in0 ? keys[col] >> shift : 0u;
-      const bool hi = c < in0 && pre > prefix, eq = c < in0 && pre == prefix;
-      const u32 mhi = __ballot_sync(FULL, hi), meq = __ballot_sync(FULL, eq);
-      int base_hi = 0, base_eq = 0;
-      if (lane == 0) {
-        if (mhi) base_hi = atomicAdd(&sel[3], __popc(mhi));
-        if (meq) base_eq = atomicAdd(&sel[4], __popc(meq));
-      }
-      base_hi = __shfl_sync(FULL, base_hi, 0);
-      base_eq = __shfl_sync(FULL, base_eq, 0);
-      if (hi) orow[base_hi + __popc(mhi & lt)] = col;
-      if (eq) {
-        const int slot = base_eq + __popc(meq & lt);
-        if (slot < ties) orow[above + slot] = col;
-      }
-    }
-    return;
-  }
-#endif
-
-  // Narrow the threshold digit by digit until its bin holds exactly the keys
-  // still needed or the whole key is fixed.
-  u32 prefix = (u32)sel[0];        // the threshold key's top bits so far
-  int shift = 21;                  // prefix = key >> shift
-  int above = sel[1];              // keys with a larger prefix
-  int in_bin = sel[2];
-  for (int p = 1; p < 3 && in_bin != k - above; ++p) {
-    const int next = digit_shift(p);
-    for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
-    __syncthreads();
-    for (int it = 0; it < trips; ++it) {
-      const int i = it * span + 4 * t;
-      Keys4 v = {{0u, 0u, 0u, 0u}};
-      if (i < n) v = staged ? load4_staged(keys, i) : load4_global(row, i, n, aligned);
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        hist_add(hist, (v.k[j] >> next) & ((1u << (shift - next)) - 1),
-                 i + j < n && (v.k[j] >> shift) == prefix);
-    }
-    __syncthreads();
-    find_bin(hist, k - above, warp_sums, sel);
-    prefix = (prefix << (shift - next)) | (u32)sel[0];
-    shift = next;
-    above += sel[1];
-    in_bin = sel[2];
-  }
-#if STOP == 2
-  if (t == 0) orow[0] = (int)prefix;
-  return;
-#endif
-
-  // Select: prefix above the threshold's, or equal and among the first
-  // k - above such keys.  Slots: [0, above) for the former, [above, k) for
-  // the latter; per key two ballots, lane 0 takes the warp's slots (one
-  // atomic each; a warp scan of the threads' counts with one 64-bit atomic
-  // per trip measured 3-6 % slower).
-  const int ties = k - above;
-  if (t == 0) { sel[3] = 0; sel[4] = 0; }
-  __syncthreads();
-  const u32 lt = (1u << lane) - 1;
-  for (int it = 0; it < trips; ++it) {
-    const int i = it * span + 4 * t;
-    Keys4 v;
-    if (i < n) v = staged ? load4_staged(keys, i) : load4_global(row, i, n, aligned);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const bool in = i + j < n;
-      const u32 pre = in ? v.k[j] >> shift : 0u;
-      const bool hi = in && pre > prefix, eq = in && pre == prefix;
-      const u32 mhi = __ballot_sync(FULL, hi), meq = __ballot_sync(FULL, eq);
-      int base_hi = 0, base_eq = 0;
-      if (lane == 0) {
-        if (mhi) base_hi = atomicAdd(&sel[3], __popc(mhi));
-        if (meq) base_eq = atomicAdd(&sel[4], __popc(meq));
-      }
-      base_hi = __shfl_sync(FULL, base_hi, 0);
-      base_eq = __shfl_sync(FULL, base_eq, 0);
-      if (hi) orow[base_hi + __popc(mhi & lt)] = i + j;
-      if (eq) {
-        const int slot = base_eq + __popc(meq & lt);
-        if (slot < ties) orow[above + slot] = i + j;
-      }
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------
-// decode_topk_split: the same contract, each row split over a cluster of
-// SPLIT CTAs (one CTA per row when SPLIT is 1).  CTA q of row r's cluster
-// takes columns [q*S, (q+1)*S) of the row (S = the row's length / SPLIT,
-// rounded up to 4) and stages their keys in shared memory when S <= `stage`
-// (by bulk copies where the slice starts on 16 bytes; a longer slice is read
-// from global memory in every pass: right for any length, slower).  Then:
-//   1. each CTA histograms its slice's top digit; every CTA sums the
-//      cluster's histograms (distributed shared memory) and finds the same
-//      threshold bin;
-//   2. while that bin holds more than CAND keys (and not exactly the keys
-//      still needed), the next digit is histogrammed the same way;
-//   3. each thread counts its keys above the threshold prefix and equal to
-//      it; a block scan and the cluster's totals give every thread its own
-//      slots: keys above go to the output, equal ones either to the output
-//      (the bin is taken whole, or the full key is fixed: the first k - above)
-//      or, with their keys, to a candidate list in CTA 0;
-//   4. CTA 0 narrows the candidates alone (at most CAND) and writes the rest.
-// No atomics but the histogram adds; every cluster barrier is reached by
-// every thread of every CTA of the cluster (the loop counts are functions of
-// cluster-wide sums, identical in every CTA).
-#ifndef SPLIT
-#define SPLIT 1
-#endif
-
+// Clusters (SPLIT > 1): rank, barrier, a pointer into another CTA's shared memory.
 #if SPLIT > 1
 __device__ __forceinline__ u32 cluster_rank() {
   u32 r;
@@ -504,26 +164,28 @@ template <class T>
 __device__ __forceinline__ T* in_cta(T* p, u32) { return p; }
 #endif
 
-// The cluster's histogram (the sum of every CTA's `hist`) over this thread's
-// find_bin bins, then the bin search on it.  Call after a cluster barrier
-// that follows the last add; the caller's next cluster barrier must come
-// before any `hist` is changed again.
-__device__ __forceinline__ void cluster_find_bin(const int* __restrict__ hist, int need,
-                                                 int* __restrict__ warp_sums,
-                                                 int* __restrict__ sel) {
+// Block-wide: the bin holding the `need`-th largest key counted in the sum
+// of CTAS CTAs' `hist` (CTAS > 1: this cluster's CTAs 0 .. CTAS-1, through
+// distributed shared memory; call after a cluster barrier that follows the
+// last add, and change no `hist` before the next cluster barrier); writes
+// (bin, keys in higher bins, keys in the bin) to sel[0..2].  Thread t owns
+// BPT bins from BINS-1-BPT*t down.
+template <int CTAS>
+__device__ void find_bin(const int* __restrict__ hist, int need,
+                                         int* __restrict__ warp_sums, int* __restrict__ sel) {
   const int top = BINS - 1 - BPT * (int)threadIdx.x;
   int h[BPT], sum = 0;
 #pragma unroll
   for (int j = 0; j < BPT; ++j) h[j] = 0;
 #pragma unroll
-  for (int c = 0; c < SPLIT; ++c) {
-    const int* hc = in_cta(hist, (u32)c);
+  for (int c = 0; c < CTAS; ++c) {
+    const int* hc = CTAS > 1 ? in_cta(hist, (u32)c) : hist;
 #pragma unroll
     for (int j = 0; j < BPT; ++j) h[j] += hc[top - j];
   }
 #pragma unroll
   for (int j = 0; j < BPT; ++j) sum += h[j];
-  int before = (int)block_exclusive_scan((u32)sum, warp_sums);
+  int before = (int)block_exclusive_scan<u32>((u32)sum, warp_sums);
 #pragma unroll
   for (int j = 0; j < BPT; ++j) {
     if (before < need && before + h[j] >= need) { sel[0] = top - j; sel[1] = before; sel[2] = h[j]; }
@@ -532,20 +194,16 @@ __device__ __forceinline__ void cluster_find_bin(const int* __restrict__ hist, i
   __syncthreads();
 }
 
-#ifndef MINB
-#define MINB 1                    // CTAs per SM the registers must allow (2: 32 per thread at 1024)
-#endif
-
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 #if SPLIT > 1
 __cluster_dims__(SPLIT, 1, 1)
 #endif
-decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* __restrict__ lens,
-                  int width, int k, int* __restrict__ out, i64 out_stride, int stage) {
+decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restrict__ lens,
+            int width, int k, int* __restrict__ out, i64 out_stride, int stage) {
   extern __shared__ __align__(16) unsigned char smem[];
   int* hist = reinterpret_cast<int*>(smem);               // BINS
-  int* warp_sums = hist + BINS;                           // WARPS
-  int* sel = warp_sums + WARPS;                           // bin, above, in bin; [8]: slice totals
+  int* warp_sums = hist + BINS;                           // 2 * WARPS (the scans' scratch)
+  int* sel = warp_sums + 2 * WARPS;                       // bin, above, in bin; [8, 9]: slice totals
   u64* bars = reinterpret_cast<u64*>(sel + 16);           // BARS
   u32* keys = reinterpret_cast<u32*>(bars + BARS);        // stage (16-byte aligned)
   u32* cand_keys = keys + stage;                          // CAND (CTA 0's are the list)
@@ -600,7 +258,7 @@ decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* _
     for (int j = 0; j < 4; ++j) hist_add(hist, v.k[j] >> 21, i + j < m);
   }
   cluster_sync();
-  cluster_find_bin(hist, k, warp_sums, sel);
+  find_bin<SPLIT>(hist, k, warp_sums, sel);
   u32 prefix = (u32)sel[0];        // the threshold key's top bits so far
   int shift = 21;                  // prefix = key >> shift
   int above = sel[1];              // keys with a larger prefix, cluster-wide
@@ -622,7 +280,7 @@ decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* _
                  i + j < m && (v.k[j] >> shift) == prefix);
     }
     cluster_sync();
-    cluster_find_bin(hist, k - above, warp_sums, sel);
+    find_bin<SPLIT>(hist, k - above, warp_sums, sel);
     prefix = (prefix << (shift - next)) | (u32)sel[0];
     shift = next;
     above += sel[1];
@@ -632,7 +290,7 @@ decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* _
   // Slots: count, block scan, the cluster's totals before this CTA.
   const int need = k - above;
   const bool take = in_bin == need || shift == 0;  // else in_bin <= CAND: listed in CTA 0
-  u32 counts = 0;                                  // above | equal << 16 (a slice < 2^16 columns)
+  u32 n_hi = 0, n_eq = 0;                          // this thread's keys above / equal
   for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * t;
     Keys4 v = {{0u, 0u, 0u, 0u}};
@@ -640,18 +298,28 @@ decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* _
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const u32 pre = v.k[j] >> shift;
-      counts += i + j < m ? (pre > prefix ? 1u : pre == prefix ? 1u << 16 : 0u) : 0u;
+      n_hi += i + j < m && pre > prefix;
+      n_eq += i + j < m && pre == prefix;
     }
   }
-  const u32 first = block_exclusive_scan(counts, warp_sums);
-  if (t == THREADS - 1) sel[8] = (int)(first + counts);   // this slice's totals
-  cluster_sync();
-  int slot_hi = (int)(first & 0xffff), slot_eq = (int)(first >> 16);
-  for (u32 c = 0; c < q; ++c) {
-    const u32 v = (u32)*in_cta(&sel[8], c);
-    slot_hi += (int)(v & 0xffff);
-    slot_eq += (int)(v >> 16);
+  // Two scans: a slice read from global memory may hold 2^16 equal keys or more.
+  const u32 first_hi = block_exclusive_scan<u32>(n_hi, warp_sums);
+  const u32 first_eq = block_exclusive_scan<u32>(n_eq, warp_sums + WARPS);
+  if (t == THREADS - 1) {                          // this slice's totals
+    sel[8] = (int)(first_hi + n_hi);
+    sel[9] = (int)(first_eq + n_eq);
   }
+  cluster_sync();
+  if (SPLIT > 1 && t == 0) {                      // the totals of the slices before this one
+    int hi = 0, eq = 0;
+#pragma unroll 1
+    for (u32 c = 0; c < q; ++c) { hi += *in_cta(&sel[8], c); eq += *in_cta(&sel[9], c); }
+    sel[10] = hi;
+    sel[11] = eq;
+  }
+  __syncthreads();
+  int slot_hi = (int)first_hi + (SPLIT > 1 ? sel[10] : 0);
+  int slot_eq = (int)first_eq + (SPLIT > 1 ? sel[11] : 0);
   u32* list_keys = in_cta(cand_keys, 0);
   int* list_cols = in_cta(cand_cols, 0);
   for (int it = 0; it < trips; ++it) {
@@ -688,20 +356,20 @@ decode_topk_split(const float* __restrict__ logits, i64 row_stride, const int* _
                c < listed && (key >> shift) == prefix);
     }
     __syncthreads();
-    find_bin(hist, k - above, warp_sums, sel);
+    find_bin<1>(hist, k - above, warp_sums, sel);
     prefix = (prefix << (shift - next)) | (u32)sel[0];
     shift = next;
     above += sel[1];
     in_bin = sel[2];
   }
   const int ties = k - above;
-  counts = 0;
+  u32 ccounts = 0;                                 // above | equal << 16 (at most CAND listed)
   for (int it = 0; it < ctrips; ++it) {
     const int c = it * THREADS + t;
     const u32 pre = c < listed ? cand_keys[c] >> shift : 0u;
-    counts += c < listed ? (pre > prefix ? 1u : pre == prefix ? 1u << 16 : 0u) : 0u;
+    ccounts += c < listed ? (pre > prefix ? 1u : pre == prefix ? 1u << 16 : 0u) : 0u;
   }
-  const u32 cfirst = block_exclusive_scan(counts, warp_sums);
+  const u32 cfirst = block_exclusive_scan<u32>(ccounts, warp_sums);
   slot_hi = base + (int)(cfirst & 0xffff);
   slot_eq = (int)(cfirst >> 16);
   for (int it = 0; it < ctrips; ++it) {
