@@ -23,20 +23,30 @@ def test_read_topk():
 
 def test_choose_topk_table():
     own = dict(mode="auto", setting="own", capability=(9, 0), kernel_error=None)
-    assert topk.choose_topk(**own).own
-    auto = {**own, "setting": "auto"}
-    assert topk.choose_topk(**auto, measured=True).own
-    got = topk.choose_topk(**auto, measured=False)
-    assert not got.own and "not measured faster" in got.reason
-    for change, words in [({"mode": "off"}, "VLLM_DSA_VARLEN=off"),
-                          ({"mode": "stock"}, "VLLM_DSA_VARLEN=stock"),
-                          ({"setting": "vllm"}, "VLLM_DSA_VARLEN_TOPK=vllm"),
-                          ({"capability": (10, 0)}, "sm_100"),
-                          ({"capability": (8, 9)}, "sm_89"),
-                          ({"capability": None}, "unknown"),
-                          ({"kernel_error": "OSError: no NVRTC"}, "no NVRTC")]:
-        got = topk.choose_topk(**{**own, **change})
-        assert not got.own and words in got.reason, (change, got)
+    got = topk.choose_topk(**own)
+    assert got.own and not got.per_call
+    got = topk.choose_topk(**{**own, "setting": "auto"})
+    assert got.own and got.per_call and "measured faster" in got.reason
+    for setting in ("own", "auto"):
+        for change, words in [({"mode": "off"}, "VLLM_DSA_VARLEN=off"),
+                              ({"mode": "stock"}, "VLLM_DSA_VARLEN=stock"),
+                              ({"setting": "vllm"}, "VLLM_DSA_VARLEN_TOPK=vllm"),
+                              ({"capability": (10, 0)}, "sm_100"),
+                              ({"capability": (8, 9)}, "sm_89"),
+                              ({"capability": None}, "unknown"),
+                              ({"kernel_error": "OSError: no NVRTC"}, "no NVRTC")]:
+            got = topk.choose_topk(**{**own, "setting": setting, **change})
+            assert not got.own and words in got.reason, (change, got)
+
+
+def test_measured_faster_rule():
+    """auto's per-call rule: few rows (at most SMs / 2) or a host bound of
+    LONG_ROWS columns or more; no bound means no long-row claim."""
+    for rows, bound, sms, want in [(66, None, 132, True), (67, None, 132, False),
+                                   (67, topk.LONG_ROWS, 132, True),
+                                   (512, topk.LONG_ROWS - 1, 132, False),
+                                   (512, 163840, 132, True), (1, 1, 2, True), (2, 5, 2, False)]:
+        assert topk.measured_faster(rows, bound, sms) is want, (rows, bound, sms)
 
 
 def _call(rows=6, width=300, k=16, gen=None):
@@ -110,8 +120,8 @@ def test_dispatch_leaves_other_calls_to_stock(kernel_here, monkeypatch):
 
 def test_decide_once_per_device_from_the_environment(monkeypatch):
     """decide() reads the settings and the device once, logs, and caches;
-    VLLM_DSA_VARLEN_TOPK=vllm never loads the kernel, nor does auto until the
-    kernel is marked measured faster."""
+    VLLM_DSA_VARLEN_TOPK=vllm never loads the kernel; own and auto load every
+    build the launch plan can take."""
     topk.reset()
     loads = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
@@ -124,11 +134,9 @@ def test_decide_once_per_device_from_the_environment(monkeypatch):
     topk.reset()
     assert topk.decide(3).own and len(loads) == every
     assert sorted(b for _, b in loads) == sorted(cuda_topk.plan_builds())
-    for measured in (False, True):
-        topk.reset()
-        monkeypatch.setattr(topk, "MEASURED_FASTER", measured)
-        monkeypatch.setenv(topk.TOPK_ENV, "auto")
-        assert topk.decide(0).own is measured and len(loads) == every * (1 + measured)
+    topk.reset()
+    monkeypatch.setenv(topk.TOPK_ENV, "auto")  # loads too: the per-call rule may take it
+    assert topk.decide(0).own and topk.decide(0).per_call and len(loads) == 2 * every
     topk.reset()
     monkeypatch.setenv(topk.TOPK_ENV, "own")
 
@@ -179,3 +187,20 @@ def test_a_device_decided_for_vllm_skips_the_layout_check(monkeypatch):
     topk.dispatch(logits, lens, out, k, lambda: stock.append(2))
     assert stock == [1, 2] and checks == [1]  # undecided: checked (and refused)
     topk.reset()
+
+
+def test_auto_routes_each_call_by_the_measured_rule(kernel_here, monkeypatch):
+    """Under auto the decision is per call: the kernel where measured_faster
+    says so (few rows; a bound of LONG_ROWS up), vLLM's op elsewhere."""
+    monkeypatch.setattr(topk, "decide",
+                        lambda index: topk.TopkChoice(True, "test", per_call=True))
+    monkeypatch.setattr(cuda_topk, "sms", lambda index: 8)
+    for rows, bound, ours in [(4, None, True), (5, None, False), (5, 1000, False),
+                              (5, topk.LONG_ROWS, True)]:
+        logits, lens, out, k = _call(rows=rows)
+        stock = []
+        before = len(kernel_here)
+        topk.dispatch(logits, lens, out, k, lambda: stock.append(1), bound=bound)
+        assert (len(kernel_here) - before, len(stock)) == ((1, 0) if ours else (0, 1))
+        if ours:
+            assert topk_selection_ok(logits, lens, k, out) == []

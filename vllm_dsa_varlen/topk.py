@@ -12,9 +12,10 @@ side by side.  ``VLLM_DSA_VARLEN_TOPK``:
   (:func:`serves`: float32 logits with unit column stride, one length per
   row, an int32 output of ``[rows, k]``);
 * ``vllm``: vLLM's top-k always;
-* ``auto`` (default): ``own`` where the kernel was measured faster than
-  vLLM's on this GPU (:data:`MEASURED_FASTER`, with the measurement named
-  there), else ``vllm`` (so far everywhere).
+* ``auto`` (default): the project's top-k on sm_90 for the calls where it
+  was measured faster than vLLM's (:func:`measured_faster`: few rows, or a
+  host bound on the lengths of :data:`LONG_ROWS` columns or more), vLLM's
+  for the others.
 
 ``VLLM_DSA_VARLEN=off`` or ``stock`` keeps vLLM's too.  The decision per
 process and device is made once (:func:`choose_topk`, pure; logged once),
@@ -39,12 +40,22 @@ from .ops import cuda_topk
 TOPK_ENV = "VLLM_DSA_VARLEN_TOPK"
 TOPK_SETTINGS = ("auto", "vllm", "own")
 CAPABILITY = (9, 0)
-# Whether ``auto`` takes the project's top-k on sm_90: only once it was
-# measured faster than vLLM's there (the bench's --topk-lib, BENCHMARKS.md).
-# Not so far: on the H200 (docs/results/h200-5957140) it was 1.01-1.16x
-# vLLM's time from B16 up and 2.1x on 128K rows, faster only at B1 (0.76x)
-# and B64 L32K 2 tok (0.93x).
-MEASURED_FASTER = False
+# Where ``auto`` takes the project's top-k, from its measurement beside vLLM
+# 0.27.1's ``persistent_topk`` / ``cooperative_topk`` on the H200 (one
+# process, rounds interleaved; BENCHMARKS.md, docs/results/h200-316efc6):
+# 0.69-0.94x vLLM's time with at most SMs / 2 rows (B1, B8 L128K, B16 L16K)
+# or rows of 32K columns and more (B64 L32K 2, 3, 1..4, 4 tokens), 1.02-1.20x
+# with many shorter rows (B32 L16K, B128 L8K, B256 L4K).
+LONG_ROWS = 32768
+
+
+def measured_faster(rows: int, bound: int | None, sms: int) -> bool:
+    """Whether ``auto`` takes the project's top-k for a call of ``rows`` rows
+    on ``sms`` SMs whose lengths the host bounds by ``bound`` (``None``: no
+    bound known; the logits' width is no bound, vLLM sizes it for the
+    longest context the engine allows)."""
+    return rows * 2 <= sms or (bound is not None and bound >= LONG_ROWS)
+
 
 logger = logging.getLogger("vllm.dsa_varlen")
 
@@ -65,30 +76,34 @@ def read_topk(environ: Mapping[str, str] | None = None) -> str:
 
 @dataclass(frozen=True)
 class TopkChoice:
-    """Whether the project's top-k serves a device (``own``) and why."""
+    """Whether the project's top-k serves a device (``own``), for every call
+    it serves or, under ``auto``, where :func:`measured_faster` (``per_call``),
+    and why."""
 
     own: bool
     reason: str
+    per_call: bool = False
 
 
 def choose_topk(*, mode: str, setting: str, capability: tuple[int, int] | None,
-                kernel_error: str | None, measured: bool = False) -> TopkChoice:
+                kernel_error: str | None) -> TopkChoice:
     """The top-k for a device (pure): vLLM's under ``VLLM_DSA_VARLEN=off`` /
-    ``stock`` or ``VLLM_DSA_VARLEN_TOPK=vllm``, with ``auto`` unless the
-    kernel was ``measured`` faster, off sm_90, or where the kernel failed to
-    compile or load (``kernel_error``); the project's otherwise."""
+    ``stock`` or ``VLLM_DSA_VARLEN_TOPK=vllm``, off sm_90, or where the
+    kernel failed to compile or load (``kernel_error``); the project's
+    otherwise, per call under ``auto``."""
     if mode in ("off", "stock"):
         return TopkChoice(False, f"{MODE_ENV}={mode}")
     if setting == "vllm":
         return TopkChoice(False, f"{TOPK_ENV}=vllm")
-    if setting == "auto" and not measured:
-        return TopkChoice(False, f"{TOPK_ENV}=auto: the project's top-k is not measured faster "
-                                 f"than vLLM's ({TOPK_ENV}=own takes it)")
     if capability is None or tuple(capability) != CAPABILITY:
         cap = "unknown" if capability is None else f"sm_{capability[0]}{capability[1]}"
         return TopkChoice(False, f"the project's top-k kernel is built for sm_90 (device {cap})")
     if kernel_error is not None:
         return TopkChoice(False, f"the project's top-k kernel is unavailable: {kernel_error}")
+    if setting == "auto":
+        return TopkChoice(True, f"sm_90, {TOPK_ENV}=auto: the project's where measured faster "
+                                f"(at most SMs / 2 rows, or rows bounded at {LONG_ROWS} columns "
+                                f"or more), vLLM's elsewhere", per_call=True)
     return TopkChoice(True, f"sm_90, {TOPK_ENV}={setting}: one launch per layer (ops.cuda_topk)")
 
 
@@ -118,16 +133,14 @@ def decide(index: int) -> TopkChoice:
             mode, setting = read_mode(), read_topk()
             capability = torch.cuda.get_device_capability(index)
             error = None
-            wanted = setting == "own" or (setting == "auto" and MEASURED_FASTER)
-            if mode == "auto" and wanted and tuple(capability) == CAPABILITY:
+            if mode == "auto" and setting != "vllm" and tuple(capability) == CAPABILITY:
                 try:  # every build the launch plan may take: no decode step compiles
                     for build in cuda_topk.plan_builds():
                         cuda_topk.load(torch.device("cuda", index), build)
                 except Exception as exc:  # noqa: BLE001 - any failure: vLLM's top-k
                     error = f"{type(exc).__name__}: {exc}"
             got = _choices[index] = choose_topk(mode=mode, setting=setting,
-                                                capability=capability, kernel_error=error,
-                                                measured=MEASURED_FASTER)
+                                                capability=capability, kernel_error=error)
             logger.log(logging.WARNING if error else logging.INFO,
                        "vllm-dsa-varlen: decode top-k on cuda:%d: %s (%s)", index,
                        "the project's" if got.own else "vLLM's", got.reason)
@@ -170,9 +183,12 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object],
         index = logits.device.index
         if index is None:
             index = torch.cuda.current_device()
-        if _forced if _forced is not None else decide(index).own:
-            if not (isinstance(bound, int) and not isinstance(bound, bool) and bound >= 1):
-                bound = None
+        if not (isinstance(bound, int) and not isinstance(bound, bool) and bound >= 1):
+            bound = None
+        choice = None if _forced is not None else decide(index)
+        if _forced or (choice is not None and choice.own and (
+                not choice.per_call
+                or measured_faster(logits.shape[0], bound, cuda_topk.sms(index)))):
             cuda_topk.decode_topk(logits, lengths, k, out=out, defines=None, bound=bound)
             return
     stock()

@@ -51,7 +51,8 @@ _current_device = cb.current_device
 _SMS: dict = {}
 
 
-def _sms(index: int) -> int:
+def sms(index: int) -> int:
+    """SMs of CUDA device ``index`` (read once per process)."""
     got = _SMS.get(index)
     if got is None:
         got = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -226,7 +227,7 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     longest = width if bound is None else min(width, bound)
     if defines is None:
         index = dev.index if dev.index is not None else _current_device()
-        defines = launch_plan(rows, longest, _sms(index))
+        defines = launch_plan(rows, longest, sms(index))
     split = split_of(defines)
     if split not in (1, 2, 4, 8):
         _fail("defines", "SPLIT of 1, 2, 4 or 8", split)

@@ -387,7 +387,10 @@ def test_the_op_modules_torch_sends_the_decode_topk_through_the_choice(monkeypat
                         lambda lg, ln, k, out=None, defines=(), bound=None:
                         bounds.append(bound) or out.copy_(topk_ref(lg, ln, k)))
     c_ops.persistent_topk(logits, lens, out, work, 16, 200)
+    c_ops.cooperative_topk(logits, lens, out, work, 16, 150)
     assert len(seen) == 2 and topk_selection_ok(logits, lens, 16, out) == []
-    assert bounds == [200]  # the op's max_seq_len argument sizes the kernel's plan
+    # cooperative_topk's max_seq_len bounds the step's rows; persistent_topk's is stock's
+    # logits width (max_model_len), no bound
+    assert bounds == [None, 150]
     patches.undo_all()
     assert sai.torch is torch

@@ -104,8 +104,9 @@ class _TopkOps:
     def persistent_topk(self, logits, seq_lens, topk_indices, workspace, k, max_seq_len):
         from vllm_dsa_varlen import topk
 
+        # Stock passes the logits' width here (max_model_len), no bound on this step's rows.
         topk.dispatch(logits, seq_lens, topk_indices, k, lambda: self._ops._C.persistent_topk(
-            logits, seq_lens, topk_indices, workspace, k, max_seq_len), bound=max_seq_len)
+            logits, seq_lens, topk_indices, workspace, k, max_seq_len))
 
     def cooperative_topk(self, logits, seq_lens, topk_indices, workspace, k, max_seq_len):
         from vllm_dsa_varlen import topk
