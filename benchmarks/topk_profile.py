@@ -3,13 +3,14 @@
 (``requests,tokens,context`` as ``vllm-dsa-varlen-bench --cases``) the
 step's logits come from the project's sm_90 kernel on random queries and
 KV (the value distribution the benchmark times), then each build of
-``cuda/decode_topk.cu`` runs ``--reps`` times, in the order given, after one
-untimed launch per build (its NVRTC build and load).  Prints each build's
+``cuda/decode_topk.cu`` (``default``: the launch plan's for the shape;
+``MACRO=v+...``, e.g. ``SPLIT=2+MINB=1``) runs ``--reps`` times, in the
+order given, after one untimed launch per build (its NVRTC build and load).  Prints each build's
 median time from CUDA events (no L2 flush: the profiler's own figures are
 the point).  Run under Nsight Compute, e.g.
 
     ncu --clock-control none -k regex:decode_topk --launch-skip 2 --launch-count 2 \\
-        python3 benchmarks/topk_profile.py --builds default COMPACT=2+TMA=1 --cases 64,4,32768
+        python3 benchmarks/topk_profile.py --builds default SPLIT=2+MINB=1 --cases 64,4,32768
 
 (skips each build's load launch: builds x cases launches in order)."""
 
@@ -51,11 +52,11 @@ def main(argv=None) -> int:
     for case, logits, ctx in steps:  # one load launch per build, before any timed one
         for build in args.builds:
             out[case] = torch.empty(logits.shape[0], args.k, dtype=torch.int32, device="cuda")
-            decode_topk(logits, ctx, args.k, out=out[case], defines=parse_variant(build)[0])
+            decode_topk(logits, ctx, args.k, out=out[case], defines=parse_variant(build)[0] or None)
     torch.cuda.synchronize()
     for case, logits, ctx in steps:
         for build in args.builds:
-            defines = parse_variant(build)[0]
+            defines = parse_variant(build)[0] or None  # default: the launch plan's build
             times = []
             for _ in range(args.reps):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
