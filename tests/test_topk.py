@@ -204,3 +204,22 @@ def test_auto_routes_each_call_by_the_measured_rule(kernel_here, monkeypatch):
         assert (len(kernel_here) - before, len(stock)) == ((1, 0) if ours else (0, 1))
         if ours:
             assert topk_selection_ok(logits, lens, k, out) == []
+
+
+def test_a_bound_is_ignored_inside_a_graph_capture(kernel_here, monkeypatch):
+    """A captured launch replays at other lengths: under capture the call
+    hands no bound (neither to the plan nor to auto's rule)."""
+    monkeypatch.setattr(topk, "decide",
+                        lambda index: topk.TopkChoice(True, "test", per_call=True))
+    monkeypatch.setattr(cuda_topk, "sms", lambda index: 8)
+    for capturing, ours in [(False, True), (True, False)]:
+        monkeypatch.setattr(topk, "capturing", lambda: capturing)
+        logits, lens, out, k = _call(rows=5)  # more than SMs / 2 rows: the bound decides
+        stock = []
+        before = len(kernel_here)
+        topk.dispatch(logits, lens, out, k, lambda: stock.append(1), bound=topk.LONG_ROWS)
+        assert (len(kernel_here) - before, len(stock)) == ((1, 0) if ours else (0, 1))
+    monkeypatch.setattr(topk, "decide", lambda index: topk.TopkChoice(True, "test"))
+    logits, lens, out, k = _call(rows=5)
+    topk.dispatch(logits, lens, out, k, lambda: pytest.fail("stock called"), bound=300)
+    assert kernel_here[-1][1] is None and topk_selection_ok(logits, lens, k, out) == []

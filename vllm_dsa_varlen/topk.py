@@ -14,8 +14,8 @@ side by side.  ``VLLM_DSA_VARLEN_TOPK``:
 * ``vllm``: vLLM's top-k always;
 * ``auto`` (default): the project's top-k on sm_90 for the calls where it
   was measured faster than vLLM's (:func:`measured_faster`: few rows, or a
-  host bound on the lengths of :data:`LONG_ROWS` columns or more), vLLM's
-  for the others.
+  host bound on the lengths of :data:`LONG_ROWS` columns or more, outside
+  CUDA-graph capture), vLLM's for the others.
 
 ``VLLM_DSA_VARLEN=off`` or ``stock`` keeps vLLM's too.  The decision per
 process and device is made once (:func:`choose_topk`, pure; logged once),
@@ -52,8 +52,9 @@ LONG_ROWS = 32768
 def measured_faster(rows: int, bound: int | None, sms: int) -> bool:
     """Whether ``auto`` takes the project's top-k for a call of ``rows`` rows
     on ``sms`` SMs whose lengths the host bounds by ``bound`` (``None``: no
-    bound known; the logits' width is no bound, vLLM sizes it for the
-    longest context the engine allows)."""
+    bound known: the logits' width is none, vLLM sizes it for the longest
+    context the engine allows, nor is anything inside a CUDA-graph capture,
+    whose launch replays at other lengths)."""
     return rows * 2 <= sms or (bound is not None and bound >= LONG_ROWS)
 
 
@@ -164,12 +165,18 @@ def serves(logits, lengths, out, k) -> bool:
                                                                             out, k)
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def dispatch(logits, lengths, out, k, stock: Callable[[], object],
              bound: int | None = None) -> None:
     """The decode top-k of ``logits`` into ``out``: the project's kernel
     where it serves this device and call, else ``stock()`` (vLLM's call,
     its own arguments).  ``bound``: the call's host bound on the lengths
-    (vLLM's ``max_seq_len`` argument; sizes the kernel's launch plan only)."""
+    (vLLM's ``max_seq_len`` argument; sizes the kernel's launch plan and
+    feeds :func:`measured_faster`; ignored inside a CUDA-graph capture)."""
     if _forced is False:
         stock()
         return
@@ -183,7 +190,10 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object],
         index = logits.device.index
         if index is None:
             index = torch.cuda.current_device()
-        if not (isinstance(bound, int) and not isinstance(bound, bool) and bound >= 1):
+        if (not (isinstance(bound, int) and not isinstance(bound, bool) and bound >= 1)
+                or capturing()):
+            # A graph replays the launch at other lengths: no bound there (vLLM captures
+            # with max_seq_len = max_model_len, which bounds nothing).
             bound = None
         choice = None if _forced is not None else decide(index)
         if _forced or (choice is not None and choice.own and (
