@@ -194,7 +194,7 @@ def test_auto_routes_each_call_by_the_measured_rule(kernel_here, monkeypatch):
     says so (few rows; a bound of LONG_ROWS up), vLLM's op elsewhere."""
     monkeypatch.setattr(topk, "decide",
                         lambda index: topk.TopkChoice(True, "test", per_call=True))
-    monkeypatch.setattr(cuda_topk, "sms", lambda index: 8)
+    monkeypatch.setattr(topk, "num_sms", lambda index: 8)
     for rows, bound, ours in [(4, None, True), (5, None, False), (5, 1000, False),
                               (5, topk.LONG_ROWS, True)]:
         logits, lens, out, k = _call(rows=rows)
@@ -211,7 +211,7 @@ def test_a_bound_is_ignored_inside_a_graph_capture(kernel_here, monkeypatch):
     hands no bound (neither to the plan nor to auto's rule)."""
     monkeypatch.setattr(topk, "decide",
                         lambda index: topk.TopkChoice(True, "test", per_call=True))
-    monkeypatch.setattr(cuda_topk, "sms", lambda index: 8)
+    monkeypatch.setattr(topk, "num_sms", lambda index: 8)
     for capturing, ours in [(False, True), (True, False)]:
         monkeypatch.setattr(topk, "capturing", lambda: capturing)
         logits, lens, out, k = _call(rows=5)  # more than SMs / 2 rows: the bound decides

@@ -36,6 +36,7 @@ import torch
 
 from .config import MODE_ENV, read_mode
 from .ops import cuda_topk
+from .ops.common import num_sms
 
 TOPK_ENV = "VLLM_DSA_VARLEN_TOPK"
 TOPK_SETTINGS = ("auto", "vllm", "own")
@@ -198,7 +199,7 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object],
         choice = None if _forced is not None else decide(index)
         if _forced or (choice is not None and choice.own and (
                 not choice.per_call
-                or measured_faster(logits.shape[0], bound, cuda_topk.sms(index)))):
+                or measured_faster(logits.shape[0], bound, num_sms(index)))):
             cuda_topk.decode_topk(logits, lengths, k, out=out, defines=None, bound=bound)
             return
     stock()

@@ -27,6 +27,7 @@ import threading
 import torch
 
 from . import cuda_binding as cb
+from .common import num_sms
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "decode_topk.cu")
 KERNEL_NAME = b"decode_topk"
@@ -48,15 +49,6 @@ _LOADED: dict = {}
 
 _stream = cb.current_stream
 _current_device = cb.current_device
-_SMS: dict = {}
-
-
-def sms(index: int) -> int:
-    """SMs of CUDA device ``index`` (read once per process)."""
-    got = _SMS.get(index)
-    if got is None:
-        got = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return got
 
 
 def _fail(name: str, expected: str, got) -> None:
@@ -225,9 +217,9 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
                               or bound < 1):
         _fail("bound", "an int >= 1 (a host bound on the lengths) or None", bound)
     longest = width if bound is None else min(width, bound)
+    index = dev.index if dev.index is not None else _current_device()
     if defines is None:
-        index = dev.index if dev.index is not None else _current_device()
-        defines = launch_plan(rows, longest, sms(index))
+        defines = launch_plan(rows, longest, num_sms(index))
     split = split_of(defines)
     if split not in (1, 2, 4, 8):
         _fail("defines", "SPLIT of 1, 2, 4 or 8", split)
@@ -236,7 +228,6 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     vals = kernel_args(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
                        out.data_ptr(), out.stride(0) if rows > 1 else k, stage)
     array = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals.values()])
-    index = dev.index if dev.index is not None else _current_device()
     grid, smem = rows * split, smem_bytes(longest, split)
     if _current_device() == index:
         cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, THREADS, smem,
