@@ -201,14 +201,31 @@ def test_split_of_a_build():
     assert ct.split_of(("MINB=1", "SPLIT=4")) == 4
 
 
+# Builds beside the plan's: other thread counts, no candidate list (LIST=0) over clusters.
+OTHER_BUILDS = [("THREADS=512", "LIST=0", "MINB=4"), ("THREADS=256", "LIST=0", "MINB=8"),
+                ("THREADS=1024", "LIST=0", "MINB=2"), ("SPLIT=4", "LIST=0", "MINB=1")]
+BUILDS = list(dict.fromkeys(ct.plan_builds() + OTHER_BUILDS))
+
+
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
-@pytest.mark.parametrize("build", ct.plan_builds(), ids="+".join)
+@pytest.mark.parametrize("build", BUILDS, ids="+".join)
 def test_nvrtc_builds_every_planned_build_without_spills(build):
     from vllm_dsa_varlen.ops.compile_check import compile_topk
 
     report = compile_topk(build)
-    cap = 32 if "MINB=2" in build else 64  # registers for 2 / 1 CTAs of 1024 threads per SM
-    assert report["spills"] == 0 and 0 < report["registers"] <= cap, report
+    minb = int(dict(d.split("=") for d in build).get("MINB", 1))
+    cap = 65536 // (ct.threads_of(build) * minb)  # registers for MINB CTAs per SM
+    assert report["spills"] == 0 and 0 < report["registers"] <= min(cap, 255), report
+
+
+def test_a_build_s_threads_list_and_shared_memory():
+    assert ct.threads_of(()) == ct.THREADS and ct.threads_of(("THREADS=256",)) == 256
+    assert ct.listed(()) and ct.listed(("LIST=1",)) and not ct.listed(("LIST=0",))
+    for width in (1, 5000, ct.MAX_STAGE, 10**6):
+        assert ct.smem_bytes(width, 1, False) == ct.HEADER_BYTES + 4 * ct.stage_for(width, 1, False)
+        assert ct.stage_for(width, 1, False) >= ct.stage_for(width, 1, True)
+        assert ct.smem_bytes(width, 1, False) <= ct.MAX_SMEM
+    assert ct.stage_for(10**6, 1, False) == ct.MAX_STAGE_UNLISTED <= ct.BARS * ct.CHUNK
 
 
 # ------------------------------------------------------------ on the GPU
@@ -224,13 +241,14 @@ def _run_poisoned(logits, lens, k, extra_cols=5, defines=(), bound=None):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("build", ct.plan_builds(), ids="+".join)
+@pytest.mark.parametrize("build", BUILDS, ids="+".join)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("width", [3000, 33000, 60000, 200000])
 @pytest.mark.parametrize("k", [2048, 512, 7])
 def test_kernel_meets_the_contract(build, kind, width, k):
-    """Every build the launch plan takes (1-8 CTAs per row, a cluster summing
-    its histograms; candidates listed in CTA 0), slices staged in shared
+    """Every build the launch plan takes and the others timed beside them
+    (1-8 CTAs per row, a cluster summing its histograms; candidates listed in
+    CTA 0 or narrowed over the slices; 256-1024 threads), slices staged in shared
     memory and slices longer than the stage read from global memory in
     every pass (60000 columns over one CTA, 200000 over up to four)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f'{build} {kind} {width} {k}'.encode()))
@@ -244,7 +262,8 @@ def test_kernel_meets_the_contract(build, kind, width, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("offset", [0, 1, 3])
-def test_unaligned_rows_and_wide_lengths(offset):
+@pytest.mark.parametrize("build", [None, OTHER_BUILDS[0]], ids=["plan", "+".join(OTHER_BUILDS[0])])
+def test_unaligned_rows_and_wide_lengths(offset, build):
     """Rows that start off a 16-byte boundary (odd strides, a sliced start),
     lengths as int64 ``[B, next_n]``, lengths past the width (clamped) and
     negative (0)."""
@@ -253,7 +272,7 @@ def test_unaligned_rows_and_wide_lengths(offset):
     logits = base[:, offset:offset + 20000 - offset]  # stride 20001 + offset
     lens = torch.randint(0, 20000, (3, 3), generator=gen)
     lens[0, 0], lens[0, 1] = 10**6, -5
-    got = _run_poisoned(logits.cuda(), lens.cuda(), 2048)
+    got = _run_poisoned(logits.cuda(), lens.cuda(), 2048, defines=build)
     assert topk_selection_ok(logits, lens, 2048, got.cpu()) == []
 
 
@@ -287,7 +306,7 @@ def test_replays_in_a_graph_with_new_contents():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("build", ct.plan_builds(), ids="+".join)
+@pytest.mark.parametrize("build", BUILDS, ids="+".join)
 @pytest.mark.parametrize("k", [2048, 6000])
 def test_first_bin_holding_exactly_the_keys_needed(build, k):
     """Full rows whose top first-digit bin holds exactly ``k`` keys (written
@@ -309,7 +328,8 @@ SPLITS = (1, 2, 4, 8)
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("k", [2048, 6000, 7])
 @pytest.mark.parametrize("offset", [0, 1])
-def test_split_kernel_on_block_rows_unaligned_rows_and_other_k(split, k, offset):
+@pytest.mark.parametrize("lists", [1, 0])
+def test_split_kernel_on_block_rows_unaligned_rows_and_other_k(split, k, offset, lists):
     """8 CTAs per row too; first bins holding exactly k keys (taken whole),
     rows off a 16-byte boundary (no bulk copies), k = 6000 (past CAND) and 7."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"split block {split} {k} {offset}".encode()))
@@ -317,7 +337,7 @@ def test_split_kernel_on_block_rows_unaligned_rows_and_other_k(split, k, offset)
     base = block_logits(8, width + offset, k, gen)
     logits = base[:, offset:]
     lens = torch.tensor([width] * 3 + [width - 1, 30000, k + 1, 20000, 5], dtype=torch.int32)
-    got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=(f"SPLIT={split}",))
+    got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=(f"SPLIT={split}", f"LIST={lists}"))
     assert topk_selection_ok(logits, lens, k, got.cpu()) == []
 
 

@@ -40,9 +40,11 @@ CAND = 4096                          # listed candidates after the stage: keys, 
 MAX_SMEM = 227 * 1024                # sm_90's dynamic shared memory per CTA
 SM_SMEM = 228 * 1024                 # shared memory per SM (each CTA also takes 1 KB)
 MAX_STAGE = (MAX_SMEM - HEADER_BYTES - 8 * CAND) // 16 * 4  # staged columns, a multiple of 4
+MAX_STAGE_UNLISTED = (MAX_SMEM - HEADER_BYTES) // 16 * 4     # the same for LIST=0 builds
 MAX_SPLIT = 8                        # CTAs per row (a portable cluster)
 SPREAD = 4                           # CTAs per row that spreading few rows goes up to
-assert MAX_STAGE <= BARS * CHUNK  # every chunk of a staged slice has a barrier
+THREAD_COUNTS = (256, 512, 1024)     # a build's THREADS
+assert MAX_STAGE_UNLISTED <= BARS * CHUNK  # every chunk of a staged slice has a barrier
 
 _lock = threading.Lock()
 _LOADED: dict = {}
@@ -55,28 +57,46 @@ def _fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
-def stage_for(longest: int, split: int = 1) -> int:
+def stage_for(longest: int, split: int = 1, listed: bool = True) -> int:
     """Columns a CTA may stage in shared memory when rows of up to
     ``longest`` columns are split over ``split`` CTAs: the slice of the
     longest row (``longest / split`` rounded up to 4), at most
-    :data:`MAX_STAGE`."""
-    return min(((int(longest) + split - 1) // split + 3) // 4 * 4, MAX_STAGE)
+    :data:`MAX_STAGE` (``listed``: a build with the candidate list, ``LIST=1``)
+    or :data:`MAX_STAGE_UNLISTED`."""
+    most = MAX_STAGE if listed else MAX_STAGE_UNLISTED
+    return min(((int(longest) + split - 1) // split + 3) // 4 * 4, most)
 
 
-def smem_bytes(longest: int, split: int = 1) -> int:
+def smem_bytes(longest: int, split: int = 1, listed: bool = True) -> int:
     """Dynamic shared memory of a launch whose stage is
-    :func:`stage_for` ``(longest, split)``."""
-    return HEADER_BYTES + 4 * stage_for(longest, split) + 8 * CAND
+    :func:`stage_for` ``(longest, split, listed)``."""
+    return HEADER_BYTES + 4 * stage_for(longest, split, listed) + (8 * CAND if listed else 0)
+
+
+def _macro(defines: tuple, name: str, default: int) -> int:
+    for d in defines:
+        key, _, value = d.partition("=")
+        if key == name:
+            return int(value)
+    return default
 
 
 def split_of(defines: tuple = ()) -> int:
     """CTAs per row of a build (``SPLIT=c`` among its ``defines``; 1
     without)."""
-    for d in defines:
-        name, _, value = d.partition("=")
-        if name == "SPLIT":
-            return int(value)
-    return 1
+    return _macro(defines, "SPLIT", 1)
+
+
+def threads_of(defines: tuple = ()) -> int:
+    """Threads per CTA of a build (``THREADS=t``; 1024 without)."""
+    return _macro(defines, "THREADS", THREADS)
+
+
+def listed(defines: tuple = ()) -> bool:
+    """Whether a build lists the threshold bin's keys in CTA 0 (``LIST=1``,
+    the default) rather than narrowing over the slices to the end
+    (``LIST=0``, no candidate list in shared memory)."""
+    return _macro(defines, "LIST", 1) != 0
 
 
 def compile_cubin(arch: str = cb.ARCH, extra: tuple = ()) -> tuple[bytes, str]:
@@ -220,21 +240,23 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     index = dev.index if dev.index is not None else _current_device()
     if defines is None:
         defines = launch_plan(rows, longest, num_sms(index))
-    split = split_of(defines)
+    split, threads, lists = split_of(defines), threads_of(defines), listed(defines)
     if split not in (1, 2, 4, 8):
         _fail("defines", "SPLIT of 1, 2, 4 or 8", split)
+    if threads not in THREAD_COUNTS:
+        _fail("defines", f"THREADS of {', '.join(map(str, THREAD_COUNTS))}", threads)
     kern = load(dev, defines)
-    stage = stage_for(longest, split)
+    stage = stage_for(longest, split, lists)
     vals = kernel_args(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
                        out.data_ptr(), out.stride(0) if rows > 1 else k, stage)
     array = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals.values()])
-    grid, smem = rows * split, smem_bytes(longest, split)
+    grid, smem = rows * split, smem_bytes(longest, split, lists)
     if _current_device() == index:
-        cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, THREADS, smem,
+        cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
                            _stream(index), ctypes.addressof(array))
     else:
         with torch.cuda.device(index):
-            cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, THREADS, smem,
+            cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
                                _stream(index), ctypes.addressof(array))
     del flat  # a converted copy lived until the launch was queued
     return out

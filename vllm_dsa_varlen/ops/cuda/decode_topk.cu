@@ -18,15 +18,16 @@
 //      every CTA sums the cluster's histograms (distributed shared memory)
 //      and finds the same bin holding the k-th largest key, `above` keys
 //      lying in higher bins;
-//   2. while that bin holds more than CAND keys (and not exactly the k -
-//      above keys still needed), the next digit is histogrammed the same
-//      way over the keys in the bin;
+//   2. while that bin holds more than CAND keys (LIST=0: any number) and
+//      not exactly the k - above keys still needed, the next digit is
+//      histogrammed the same way over the keys in the bin;
 //   3. each thread counts its keys above the threshold prefix and equal to
 //      it; a block scan and the cluster's totals give every thread its own
 //      slots: keys above go to the output, equal ones either to the output
 //      (the bin taken whole, or the full key fixed: the first k - above) or,
 //      with their keys, to a candidate list in CTA 0;
-//   4. CTA 0 narrows the candidates alone (at most CAND) and writes the rest.
+//   4. CTA 0 narrows the candidates alone (at most CAND) and writes the rest
+//      (LIST=1 only: with LIST=0 step 2 has fixed the key).
 // No atomics but the histogram adds; every cluster barrier is reached by
 // every thread of every CTA of the cluster (the loop counts are functions of
 // cluster-wide sums, identical in every CTA).  Rows are independent; the
@@ -36,7 +37,9 @@ typedef unsigned int u32;
 typedef long long i64;
 typedef unsigned long long u64;
 
-#define THREADS 1024
+#ifndef THREADS
+#define THREADS 1024              // per CTA: 256, 512 or 1024
+#endif
 #define WARPS (THREADS / 32)
 #define BINS 2048                 // 11-bit digits: 11 + 11 + 10 = 32
 #define BPT (BINS / THREADS)      // histogram bins per thread in the bin search
@@ -50,6 +53,9 @@ typedef unsigned long long u64;
 #ifndef MINB
 #define MINB 1                    // CTAs per SM the registers must allow (2: 32 per thread)
 #endif
+#ifndef LIST
+#define LIST 1                    // 1: list the threshold bin's keys (<= CAND) in CTA 0 and
+#endif                            //    narrow them there; 0: narrow over the slices to the end
 
 __device__ __forceinline__ u32 order_key(float x) {
   u32 b = __float_as_uint(x);
@@ -206,8 +212,10 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   int* sel = warp_sums + 2 * WARPS;                       // bin, above, in bin; [8, 9]: slice totals
   u64* bars = reinterpret_cast<u64*>(sel + 16);           // BARS
   u32* keys = reinterpret_cast<u32*>(bars + BARS);        // stage (16-byte aligned)
+#if LIST
   u32* cand_keys = keys + stage;                          // CAND (CTA 0's are the list)
   int* cand_cols = reinterpret_cast<int*>(cand_keys + CAND);  // CAND
+#endif
 
   const int r = blockIdx.x / SPLIT, t = threadIdx.x;
   const u32 q = cluster_rank();
@@ -265,7 +273,7 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   int in_bin = sel[2];
 
   // Narrow over the slices while the bin is too wide to list.
-  for (int p = 1; p < 3 && in_bin != k - above && in_bin > CAND; ++p) {
+  for (int p = 1; p < 3 && in_bin != k - above && (!LIST || in_bin > CAND); ++p) {
     const int next = digit_shift(p);
     cluster_sync();                // every CTA has read every `hist`
     for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
@@ -289,7 +297,7 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
 
   // Slots: count, block scan, the cluster's totals before this CTA.
   const int need = k - above;
-  const bool take = in_bin == need || shift == 0;  // else in_bin <= CAND: listed in CTA 0
+  const bool take = !LIST || in_bin == need || shift == 0;  // else in_bin <= CAND: listed
   u32 n_hi = 0, n_eq = 0;                          // this thread's keys above / equal
   for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * t;
@@ -302,9 +310,9 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
       n_eq += i + j < m && pre == prefix;
     }
   }
-  // Two scans: a slice read from global memory may hold 2^16 equal keys or more.
-  const u32 first_hi = block_exclusive_scan<u32>(n_hi, warp_sums);
-  const u32 first_eq = block_exclusive_scan<u32>(n_eq, warp_sums + WARPS);
+  // One scan of both counts packed in 64 bits (a slice may hold 2^31 keys).
+  const u64 first = block_exclusive_scan<u64>((u64)n_hi | (u64)n_eq << 32, warp_sums);
+  const u32 first_hi = (u32)first, first_eq = (u32)(first >> 32);
   if (t == THREADS - 1) {                          // this slice's totals
     sel[8] = (int)(first_hi + n_hi);
     sel[9] = (int)(first_eq + n_eq);
@@ -320,8 +328,10 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   __syncthreads();
   int slot_hi = (int)first_hi + (SPLIT > 1 ? sel[10] : 0);
   int slot_eq = (int)first_eq + (SPLIT > 1 ? sel[11] : 0);
+#if LIST
   u32* list_keys = in_cta(cand_keys, 0);
   int* list_cols = in_cta(cand_cols, 0);
+#endif
   for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * t;
     Keys4 v = {{0u, 0u, 0u, 0u}};
@@ -333,13 +343,20 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
       if (pre > prefix) {
         orow[slot_hi++] = lo + i + j;
       } else if (pre == prefix) {
+#if LIST
         if (!take) { list_keys[slot_eq] = v.k[j]; list_cols[slot_eq] = lo + i + j; }
-        else if (slot_eq < need) orow[above + slot_eq] = lo + i + j;
+        else
+#endif
+        if (slot_eq < need) orow[above + slot_eq] = lo + i + j;
         ++slot_eq;
       }
     }
   }
-  cluster_sync();                  // the list is whole; no CTA reads another's memory after this
+#if SPLIT > 1
+  cluster_sync();                  // no CTA reads another's memory after this (the list is whole)
+#endif
+#if LIST
+  if (SPLIT == 1) __syncthreads();  // the list is whole
   if (take || q != 0) return;
 
   // CTA 0: narrow the listed keys (in_bin <= CAND of them) and write the rest.
@@ -379,4 +396,5 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
     if (pre > prefix) orow[slot_hi++] = cand_cols[c];
     else if (pre == prefix && slot_eq++ < ties) orow[above + slot_eq - 1] = cand_cols[c];
   }
+#endif
 }
