@@ -68,6 +68,9 @@ def test_per_step_sums_the_paths_each_line_takes():
                                         (["--rounds", "2"], "--rounds"),
                                         (["--fixed-order"], "--fixed-order"),
                                         (["--topk-builds", "default"], "--topk-builds"),
+                                        (["--topk-width", "163840"], "--topk-width"),
+                                        (["--builds", "default", "--topk-width", "9"],
+                                         "--topk-width"),
                                         (["--builds", "default", "--topk-builds", "default"],
                                          "--topk-builds")])
 def test_builds_options_only_with_builds(argv, flag, capsys):
@@ -142,3 +145,13 @@ def test_case_rounds_default_to_one_whole_balanced_cycle(paths):
     assert variants.case_rounds(asked, paths) == asked
     with pytest.raises(ValueError, match="--rounds"):
         variants.case_rounds(0, paths)
+
+
+def test_topk_build_splits_macros_from_the_bound():
+    assert variants.topk_build("default") == ((), None)
+    assert variants.topk_build("SPLIT=2+MINB=1") == (("SPLIT=2", "MINB=1"), None)
+    assert variants.topk_build("THREADS=512+bound=8192+LIST=0") == (("THREADS=512", "LIST=0"),
+                                                                    8192)
+    assert variants.topk_build("bound=100") == ((), 100)
+    with pytest.raises(ValueError, match="one bound=N"):
+        variants.topk_build("bound=1+bound=2")

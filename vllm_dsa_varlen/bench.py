@@ -549,6 +549,11 @@ def main(argv=None):
     parser.add_argument("--topk-builds", nargs="+", default=None,
                         help="--builds --topk-lib: builds of this project's top-k kernel "
                         "timed beside vLLM's (default: default; MACRO=v: cuda/decode_topk.cu)")
+    parser.add_argument("--topk-width", type=int, default=None,
+                        help="--builds --topk-lib: the top-k calls read logits of this many "
+                        "columns (the step's in the first; the rest -inf) and vLLM's gets it as "
+                        "max_seq_len, this project's no bound: a CUDA-graph-captured step's "
+                        "call, whose width is max_model_len (e.g. 163840)")
     parser.add_argument("--calls", type=int, default=None,
                         help="--launch-host: calls per timed round (default 50)")
     parser.add_argument("--fake", action="store_true", help="--launch-host: the launch on CPU "
@@ -565,6 +570,8 @@ def main(argv=None):
         ("--topk-lib", "--builds", bool(args.topk_lib), bool(args.builds)),
         ("--layers", "--builds", args.layers is not None, bool(args.builds)),
         ("--topk-builds", "--builds --topk-lib", args.topk_builds is not None,
+         bool(args.builds and args.topk_lib)),
+        ("--topk-width", "--builds --topk-lib", args.topk_width is not None,
          bool(args.builds and args.topk_lib)),
         ("--calls", "--launch-host", args.calls is not None, args.launch_host),
         ("--fake", "--launch-host", args.fake, args.launch_host),

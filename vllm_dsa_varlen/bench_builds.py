@@ -132,7 +132,8 @@ def run(args) -> int:
                                         rows.block_table.shape[1], args.heads)
         if topk_ops is not None:
             extra.update(topk_calls(torch, topk_ops, step, out, dg, sms,
-                                    builds=getattr(args, "topk_builds", None) or ("default",)))
+                                    builds=getattr(args, "topk_builds", None) or ("default",),
+                                    width=getattr(args, "topk_width", None)))
         calls.update(extra)
         times = {k: [] for k in calls}
         rounds = case_rounds(args.rounds, len(calls), args.fixed_order)
@@ -219,7 +220,20 @@ def load_topk(torch, lib):
     return torch.ops._C
 
 
-def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",)):
+def topk_build(text: str) -> tuple[tuple, int | None]:
+    """A ``--topk-builds`` entry -> (the kernel's ``-D`` macros, a host bound
+    on the lengths or ``None``): ``"default"`` is the launch plan's build,
+    ``"THREADS=512+LIST=0+bound=8192"`` a build and ``bound`` (which sizes the
+    stage, as vLLM's ``max_seq_len`` does in serving)."""
+    defines, _ = parse_variant(text)
+    bound = [d for d in defines if d.startswith("bound=")]
+    if len(bound) > 1:
+        raise ValueError(f"--topk-builds {text!r}: one bound=N at most")
+    return (tuple(d for d in defines if not d.startswith("bound=")),
+            int(bound[0].split("=", 1)[1]) if bound else None)
+
+
+def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), width=None):
     """vLLM's decode top-k (``cooperative_topk`` up to 32 rows on sm_90, else
     ``persistent_topk``, as vLLM 0.27.1's indexer picks) on the step's varlen
     rows (``topk-rows``: what the plugin and stock's flattened call feed it) and
@@ -227,10 +241,21 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",)):
     1/2/4); each checked against ``torch.topk`` on a few rows first; beside
     each, this project's top-k in each of ``builds`` (``default``: the launch
     plan's build for the shape, ``<layout>-ours``; ``MACRO=v+...`` of
-    ``cuda/decode_topk.cu``, e.g. ``SPLIT=2+MINB=1``: ``<layout>-ours[<build>]``)."""
+    ``cuda/decode_topk.cu``, e.g. ``SPLIT=2+MINB=1``: ``<layout>-ours[<build>]``;
+    :func:`topk_build`).  ``width``: logits of that many columns, the step's
+    in the first (the rest -inf), vLLM's op given it as ``max_seq_len`` and
+    this project's no bound (a captured step's call); ``None``: the step's."""
     rows = step.rows
     ctx2d = rows.context_lens.view(-1, 1).contiguous()
-    width = out.shape[1]
+    if width is None:
+        width = out.shape[1]
+    elif width < out.shape[1]:
+        raise ValueError(f"--topk-width: expected >= the step's {out.shape[1]} columns, "
+                         f"got {width}")
+    else:
+        wide = torch.full((out.shape[0], width), float("-inf"), device=out.device)
+        wide[:, :out.shape[1]] = out
+        out = wide
     calls = {}
     layouts = [("topk-rows", out, ctx2d)]
     longest, shortest = int(step.decode_lens.max()), int(step.decode_lens.min())
@@ -260,22 +285,23 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",)):
               flush=True)
         calls[name] = fn
         for build in builds:
-            defines = parse_variant(build)[0] or None  # default: the launch plan's
-            label = name + "-ours" + (f"[{build}]" if defines else "")
-            calls[label] = own_topk_call(torch, label, logits, lens, k, defines)
+            defines, bound = topk_build(build)
+            label = name + "-ours" + (f"[{build}]" if defines or bound else "")
+            calls[label] = own_topk_call(torch, label, logits, lens, k, defines or None, bound)
     return calls
 
 
-def own_topk_call(torch, name, logits, lens, k, defines=None):
+def own_topk_call(torch, name, logits, lens, k, defines=None, bound=None):
     """This project's decode top-k (:func:`.ops.cuda_topk.decode_topk`; build
-    ``defines``, ``None`` for the launch plan's) on the same rows, checked
-    against the reference's contract on every eighth row first
-    (``SystemExit`` where it fails)."""
+    ``defines``, ``None`` for the launch plan's; ``bound`` on the lengths) on
+    the same rows, checked against the reference's contract on every eighth
+    row first (``SystemExit`` where it fails)."""
     from .ops.cuda_topk import decode_topk
     from .ops.reference import topk_selection_ok
 
     out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=logits.device)
-    fn = lambda: decode_topk(logits, lens, k, out=out, defines=defines)  # noqa: E731
+    fn = lambda: decode_topk(logits, lens, k, out=out, defines=defines,  # noqa: E731
+                             bound=bound)
     fn()
     some = torch.arange(0, logits.shape[0], 8, device=logits.device)
     errors = topk_selection_ok(logits[some].cpu(), lens.reshape(-1)[some].cpu(), k,
