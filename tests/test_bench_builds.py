@@ -153,5 +153,6 @@ def test_topk_build_splits_macros_from_the_bound():
     assert variants.topk_build("THREADS=512+bound=8192+LIST=0") == (("THREADS=512", "LIST=0"),
                                                                     8192)
     assert variants.topk_build("bound=100") == ((), 100)
+    assert variants.topk_build("bound=step") == ((), "step")
     with pytest.raises(ValueError, match="one bound=N"):
         variants.topk_build("bound=1+bound=2")

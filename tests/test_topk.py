@@ -40,13 +40,20 @@ def test_choose_topk_table():
 
 
 def test_measured_faster_rule():
-    """auto's per-call rule: few rows (at most SMs / 2) or a host bound of
-    LONG_ROWS columns or more; no bound means no long-row claim."""
+    """auto's per-call rule: few rows (at most SMs / 2); a host bound of
+    LONG_ROWS columns up to a CTA's stage; more than 2 x SMs rows short enough
+    for the SHORT_ROWS build; no bound means neither of the last two."""
+    most = cuda_topk.MAX_STAGE
     for rows, bound, sms, want in [(66, None, 132, True), (67, None, 132, False),
-                                   (67, topk.LONG_ROWS, 132, True),
+                                   (67, topk.LONG_ROWS, 132, True), (67, most, 132, True),
+                                   (67, most + 1, 132, False), (512, 163840, 132, False),
                                    (512, topk.LONG_ROWS - 1, 132, False),
-                                   (512, 163840, 132, True), (1, 1, 2, True), (2, 5, 2, False)]:
+                                   (265, 8192, 132, True), (264, 8192, 132, False),
+                                   (1024, 4096, 132, True), (1024, None, 132, False),
+                                   (512, 16384, 132, False), (1, 1, 2, True), (2, 5, 2, False)]:
         assert topk.measured_faster(rows, bound, sms) is want, (rows, bound, sms)
+        if want and bound is not None and rows > 2 * sms and bound < topk.LONG_ROWS:
+            assert cuda_topk.launch_plan(rows, bound, sms) == cuda_topk.SHORT_ROWS
 
 
 def _call(rows=6, width=300, k=16, gen=None):

@@ -220,17 +220,18 @@ def load_topk(torch, lib):
     return torch.ops._C
 
 
-def topk_build(text: str) -> tuple[tuple, int | None]:
+def topk_build(text: str) -> tuple[tuple, int | str | None]:
     """A ``--topk-builds`` entry -> (the kernel's ``-D`` macros, a host bound
     on the lengths or ``None``): ``"default"`` is the launch plan's build,
     ``"THREADS=512+LIST=0+bound=8192"`` a build and ``bound`` (which sizes the
-    stage, as vLLM's ``max_seq_len`` does in serving)."""
+    plan and the stage, as vLLM's ``max_seq_len`` does in serving);
+    ``bound=step``: the step's longest row (``"step"``)."""
     defines, _ = parse_variant(text)
-    bound = [d for d in defines if d.startswith("bound=")]
+    bound = [d.split("=", 1)[1] for d in defines if d.startswith("bound=")]
     if len(bound) > 1:
         raise ValueError(f"--topk-builds {text!r}: one bound=N at most")
     return (tuple(d for d in defines if not d.startswith("bound=")),
-            int(bound[0].split("=", 1)[1]) if bound else None)
+            (bound[0] if bound[0] == "step" else int(bound[0])) if bound else None)
 
 
 def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), width=None):
@@ -286,6 +287,8 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), widt
         calls[name] = fn
         for build in builds:
             defines, bound = topk_build(build)
+            if bound == "step":
+                bound = int(flat.max())
             label = name + "-ours" + (f"[{build}]" if defines or bound else "")
             calls[label] = own_topk_call(torch, label, logits, lens, k, defines or None, bound)
     return calls

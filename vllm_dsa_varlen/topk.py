@@ -13,9 +13,10 @@ side by side.  ``VLLM_DSA_VARLEN_TOPK``:
   row, an int32 output of ``[rows, k]``);
 * ``vllm``: vLLM's top-k always;
 * ``auto`` (default): the project's top-k on sm_90 for the calls where it
-  was measured faster than vLLM's (:func:`measured_faster`: few rows, or a
-  host bound on the lengths of :data:`LONG_ROWS` columns or more, outside
-  CUDA-graph capture), vLLM's for the others.
+  was measured faster than vLLM's (:func:`measured_faster`: few rows; or,
+  outside CUDA-graph capture, a host bound on the lengths of
+  :data:`LONG_ROWS` columns up to a CTA's stage, or many short rows), vLLM's
+  for the others.
 
 ``VLLM_DSA_VARLEN=off`` or ``stock`` keeps vLLM's too.  The decision per
 process and device is made once (:func:`choose_topk`, pure; logged once),
@@ -43,10 +44,12 @@ TOPK_SETTINGS = ("auto", "vllm", "own")
 CAPABILITY = (9, 0)
 # Where ``auto`` takes the project's top-k, from its measurement beside vLLM
 # 0.27.1's ``persistent_topk`` / ``cooperative_topk`` on the H200 (one
-# process, rounds interleaved; BENCHMARKS.md, docs/results/h200-316efc6):
-# 0.69-0.94x vLLM's time with at most SMs / 2 rows (B1, B8 L128K, B16 L16K)
-# or rows of 32K columns and more (B64 L32K 2, 3, 1..4, 4 tokens), 1.02-1.20x
-# with many shorter rows (B32 L16K, B128 L8K, B256 L4K).
+# process, rounds interleaved; BENCHMARKS.md "Decode top-k"): faster with at
+# most SMs / 2 rows (B1, B8 L128K, B16 L16K), with rows of 32K columns and more
+# that one CTA stages whole (B64 L32K 2, 3, 1..4, 4 tokens) and with more than
+# 2 x SMs rows short enough for four CTAs per SM (B128 L8K 4 tok, B256 L8K 4
+# tok, on the engine's max_model_len-wide logits); slower or level with other
+# many-row steps (B64 L8K, B32 L16K, B128 L16K; rows of 64K columns and more).
 LONG_ROWS = 32768
 
 
@@ -56,7 +59,13 @@ def measured_faster(rows: int, bound: int | None, sms: int) -> bool:
     bound known: the logits' width is none, vLLM sizes it for the longest
     context the engine allows, nor is anything inside a CUDA-graph capture,
     whose launch replays at other lengths)."""
-    return rows * 2 <= sms or (bound is not None and bound >= LONG_ROWS)
+    if rows * 2 <= sms:
+        return True
+    if bound is None:
+        return False
+    if LONG_ROWS <= bound <= cuda_topk.MAX_STAGE:
+        return True
+    return rows > 2 * sms and cuda_topk.launch_plan(rows, bound, sms) == cuda_topk.SHORT_ROWS
 
 
 logger = logging.getLogger("vllm.dsa_varlen")
@@ -104,8 +113,9 @@ def choose_topk(*, mode: str, setting: str, capability: tuple[int, int] | None,
         return TopkChoice(False, f"the project's top-k kernel is unavailable: {kernel_error}")
     if setting == "auto":
         return TopkChoice(True, f"sm_90, {TOPK_ENV}=auto: the project's where measured faster "
-                                f"(at most SMs / 2 rows, or rows bounded at {LONG_ROWS} columns "
-                                f"or more), vLLM's elsewhere", per_call=True)
+                                f"(at most SMs / 2 rows; rows bounded at {LONG_ROWS}-"
+                                f"{cuda_topk.MAX_STAGE} columns; more than 2 x SMs short rows), "
+                                f"vLLM's elsewhere", per_call=True)
     return TopkChoice(True, f"sm_90, {TOPK_ENV}={setting}: one launch per layer (ops.cuda_topk)")
 
 

@@ -136,21 +136,32 @@ def launch_plan(rows: int, longest: int, sms: int) -> tuple[str, ...]:
     (rows from ~SMs / 2 up get one CTA each: more cost more in per-CTA work
     than they spread, measured on the H200); ``MINB=2`` (registers for two
     CTAs per SM) where there are more CTAs than SMs and two CTAs' shared
-    memory fits an SM.  More rows than SMs of at most ~12.1K columns (four
-    CTAs' shared memory of :data:`SHORT_ROWS` fitting an SM): :data:`SHORT_ROWS`,
-    four rows at once per SM (measured faster there, slower on fewer or
-    longer rows)."""
+    memory fits an SM.  More rows than SMs, each CTA's rows in flight per SM
+    set by shared memory: of at most ~12.1K columns, :data:`SHORT_ROWS` (four
+    per SM); of ~18.4K-26.6K columns, where the candidate list leaves room
+    for one CTA only, :data:`MID_ROWS` (two; measured faster there on the
+    H200, slower on fewer or longer rows)."""
     split = 1
     while split < SPREAD and rows * split * 2 <= sms:
         split *= 2
-    if split == 1 and rows > sms and 4 * (smem_bytes(longest, 1, False) + 1024) <= SM_SMEM:
-        return SHORT_ROWS
-    two = rows * split > sms and 2 * (smem_bytes(longest, split) + 1024) <= SM_SMEM
+    if split == 1 and rows > sms:
+        if _fit(4, smem_bytes(longest, 1, False)):
+            return SHORT_ROWS
+        if _fit(2, smem_bytes(longest, 1, False)) and not _fit(2, smem_bytes(longest)):
+            return MID_ROWS
+    two = rows * split > sms and _fit(2, smem_bytes(longest, split))
     return (f"SPLIT={split}", f"MINB={2 if two else 1}")
 
 
-# Many short rows: 512 threads, no candidate list, registers for four CTAs per SM.
+def _fit(ctas: int, smem: int) -> bool:
+    """Whether ``ctas`` CTAs of ``smem`` bytes of shared memory fit an SM."""
+    return ctas * (smem + 1024) <= SM_SMEM
+
+
+# Many rows of few columns: no candidate list (LIST=0), so that four (512 threads, 32
+# registers) or two (1024 threads) CTAs' slices fit an SM's shared memory at once.
 SHORT_ROWS = ("SPLIT=1", "THREADS=512", "LIST=0", "MINB=4")
+MID_ROWS = ("SPLIT=1", "THREADS=1024", "LIST=0", "MINB=2")
 
 
 def plan_builds() -> list[tuple[str, ...]]:
@@ -158,7 +169,7 @@ def plan_builds() -> list[tuple[str, ...]]:
     start-up, so no decode step compiles)."""
     splits = [1 << i for i in range(SPREAD.bit_length())]
     return ([(f"SPLIT={s}", "MINB=1") for s in splits] + [("SPLIT=1", "MINB=2")]
-            + [SHORT_ROWS])
+            + [SHORT_ROWS, MID_ROWS])
 
 
 def kernel_args(logits: int, row_stride: int, lens: int, width: int, k: int, out: int,
