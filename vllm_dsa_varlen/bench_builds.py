@@ -131,6 +131,8 @@ def run(args) -> int:
         extra["plan"] = lambda: ck.plan(rows.indices, ctx, step.max_context_len,
                                         rows.block_table.shape[1], args.heads)
         if topk_ops is not None:
+            calls[first]()  # the step's logits in `out` before the top-k paths check and copy them
+            torch.cuda.synchronize()
             extra.update(topk_calls(torch, topk_ops, step, out, dg, sms,
                                     builds=getattr(args, "topk_builds", None) or ("default",),
                                     width=getattr(args, "topk_width", None)))
@@ -239,7 +241,9 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), widt
     ``persistent_topk``, as vLLM 0.27.1's indexer picks) on the step's varlen
     rows (``topk-rows``: what the plugin and stock's flattened call feed it) and
     on its padded native rows (``topk-padded``, next_n 4 or the uniform length
-    1/2/4); each checked against ``torch.topk`` on a few rows first; beside
+    1/2/4: the same logits where the step is uniform in that length, else
+    random normal ones); each checked against ``torch.topk`` on a few rows
+    first (``out`` must hold the step's logits when called); beside
     each, this project's top-k in each of ``builds`` (``default``: the launch
     plan's build for the shape, ``<layout>-ours``; ``MACRO=v+...`` of
     ``cuda/decode_topk.cu``, e.g. ``SPLIT=2+MINB=1``: ``<layout>-ours[<build>]``;
@@ -263,7 +267,11 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), widt
     next_n = longest if longest == shortest and longest in (1, 2, 4) else 4 if longest <= 4 else 0
     if next_n:
         pad = step.padded(next_n)
-        logits = torch.randn((pad["context_lens"].numel(), width), device=out.device)
+        if next_n == longest == shortest and pad["context_lens"].numel() == out.shape[0]:
+            # uniform: the padded rows are the step's rows
+            logits = out
+        else:
+            logits = torch.randn((pad["context_lens"].numel(), width), device=out.device)
         layouts.append(("topk-padded", logits, pad["context_lens"].reshape(-1, next_n)))
     for name, logits, lens in layouts:
         n = logits.shape[0]
