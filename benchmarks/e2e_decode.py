@@ -607,7 +607,8 @@ def run_cases(engines, args, prompts_of, build_timer, jit_state, gc_clock=None) 
                 each = ", ".join(f"{r['tpot_ms']:.2f}" for r in case["rounds"])
                 print(f"[{mode} k={args.k}] B{batch} L{length}: "
                       f"{case['tokens_per_s']:.0f} tok/s, TPOT {case['tpot_ms']:.2f} ms "
-                      f"(rounds: {each}), paths {case['paths']['steps']}", flush=True)
+                      f"(rounds: {each}), paths {case['paths']['steps']}, top-k calls "
+                      f"{case['paths'].get('topk')}", flush=True)
     return jit0
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_dsa_varlen import topk
+from vllm_dsa_varlen import stats, topk
 from vllm_dsa_varlen.ops import cuda_topk
 from vllm_dsa_varlen.ops.reference import topk_ref, topk_selection_ok
 
@@ -207,8 +207,11 @@ def test_auto_routes_each_call_by_the_measured_rule(kernel_here, monkeypatch):
         logits, lens, out, k = _call(rows=rows)
         stock = []
         before = len(kernel_here)
+        counted = stats.snapshot()["topk"]
         topk.dispatch(logits, lens, out, k, lambda: stock.append(1), bound=bound)
         assert (len(kernel_here) - before, len(stock)) == ((1, 0) if ours else (0, 1))
+        grew = {c: n - counted[c] for c, n in stats.snapshot()["topk"].items() if n != counted[c]}
+        assert grew == {("own_eager" if ours else "vllm_eager"): 1}
         if ours:
             assert topk_selection_ok(logits, lens, k, out) == []
 
@@ -224,8 +227,11 @@ def test_a_bound_is_ignored_inside_a_graph_capture(kernel_here, monkeypatch):
         logits, lens, out, k = _call(rows=5)  # more than SMs / 2 rows: the bound decides
         stock = []
         before = len(kernel_here)
+        counted = stats.snapshot()["topk"]
         topk.dispatch(logits, lens, out, k, lambda: stock.append(1), bound=topk.LONG_ROWS)
         assert (len(kernel_here) - before, len(stock)) == ((1, 0) if ours else (0, 1))
+        key = ("own_eager" if ours else "vllm_captured")  # captured: vLLM's here (no bound)
+        assert stats.snapshot()["topk"][key] == counted[key] + 1
     monkeypatch.setattr(topk, "decide", lambda index: topk.TopkChoice(True, "test"))
     logits, lens, out, k = _call(rows=5)
     topk.dispatch(logits, lens, out, k, lambda: pytest.fail("stock called"), bound=300)

@@ -1,4 +1,5 @@
-"""Per-step decode-path counters: which path each indexer decode step took.
+"""Per-step decode-path counters: which path each indexer decode step took
+(and which decode top-k each dispatched call took).
 
 The builders record one entry per metadata build that has decode requests
 (host values only: a dict increment, no device work), so a run can say how
@@ -15,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-__all__ = ["PATHS", "record", "snapshot", "reset"]
+__all__ = ["PATHS", "TOPK", "record", "record_topk", "snapshot", "reset"]
 
 # varlen: the varlen kernel (every varlen row of the decode-path table);
 # stock_native: stock's native [B, next_n] DeepGEMM call (also plain 1-token steps);
@@ -23,6 +24,10 @@ __all__ = ["PATHS", "record", "snapshot", "reset"]
 # split_avoided: a step stock would split to the prefill path, run as a varlen decode;
 # stock_split: a step stock splits, left to stock by the per-step rules.
 PATHS = ("varlen", "stock_native", "stock_flattened", "split_avoided", "stock_split")
+# The decode top-k calls the project's dispatch decided (topk.dispatch, where the
+# project's top-k serves the device): the project's or vLLM's, run eagerly or
+# recorded into a CUDA graph (counted once per capture, not per replay).
+TOPK = ("own_eager", "own_captured", "vllm_eager", "vllm_captured")
 
 _lock = threading.Lock()
 _counts: Counter = Counter()
@@ -40,11 +45,21 @@ def record(path: str, *, variable: bool, mixed: bool) -> None:
             _counts[("mixed", path)] += 1
 
 
-def snapshot() -> dict[str, dict[str, int]]:
-    """``{"steps" | "variable" | "mixed": {path: count}}`` (every path listed)."""
+def record_topk(own: bool, captured: bool) -> None:
+    """Count one decode top-k call decided by the dispatch (:data:`TOPK`)."""
+    key = ("own_" if own else "vllm_") + ("captured" if captured else "eager")
     with _lock:
-        return {kind: {p: _counts[(kind, p)] for p in PATHS}
-                for kind in ("steps", "variable", "mixed")}
+        _counts[("topk", key)] += 1
+
+
+def snapshot() -> dict[str, dict[str, int]]:
+    """``{"steps" | "variable" | "mixed": {path: count}, "topk": {call: count}}``
+    (every path and call kind listed)."""
+    with _lock:
+        got = {kind: {p: _counts[(kind, p)] for p in PATHS}
+               for kind in ("steps", "variable", "mixed")}
+        got["topk"] = {c: _counts[("topk", c)] for c in TOPK}
+        return got
 
 
 def reset() -> None:

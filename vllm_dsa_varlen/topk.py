@@ -35,6 +35,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from . import stats
 from .config import MODE_ENV, read_mode
 from .ops import cuda_topk
 from .ops.common import num_sms
@@ -201,15 +202,18 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object],
         index = logits.device.index
         if index is None:
             index = torch.cuda.current_device()
-        if (not (isinstance(bound, int) and not isinstance(bound, bool) and bound >= 1)
-                or capturing()):
+        captured = capturing()
+        if captured or not (isinstance(bound, int) and not isinstance(bound, bool)
+                            and bound >= 1):
             # A graph replays the launch at other lengths: no bound there (vLLM captures
             # with max_seq_len = max_model_len, which bounds nothing).
             bound = None
         choice = None if _forced is not None else decide(index)
-        if _forced or (choice is not None and choice.own and (
-                not choice.per_call
-                or measured_faster(logits.shape[0], bound, num_sms(index)))):
+        own = bool(_forced or (choice is not None and choice.own and (
+            not choice.per_call
+            or measured_faster(logits.shape[0], bound, num_sms(index)))))
+        stats.record_topk(own, captured)
+        if own:
             cuda_topk.decode_topk(logits, lengths, k, out=out, defines=None, bound=bound)
             return
     stock()
