@@ -40,20 +40,15 @@ def test_choose_topk_table():
 
 
 def test_measured_faster_rule():
-    """auto's per-call rule: few rows (at most SMs / 2); a host bound of
-    LONG_ROWS columns up to a CTA's stage; more than 2 x SMs rows short enough
-    for the SHORT_ROWS build; no bound means neither of the last two."""
+    """auto's per-call rule: a host bound between LONG_ROWS columns and a
+    CTA's stage, more than COOPERATIVE_ROWS rows; no bound, no claim."""
     most = cuda_topk.MAX_STAGE
-    for rows, bound, sms, want in [(66, None, 132, True), (67, None, 132, False),
-                                   (67, topk.LONG_ROWS, 132, True), (67, most, 132, True),
-                                   (67, most + 1, 132, False), (512, 163840, 132, False),
-                                   (512, topk.LONG_ROWS - 1, 132, False),
-                                   (265, 8192, 132, True), (264, 8192, 132, False),
-                                   (1024, 4096, 132, True), (1024, None, 132, False),
-                                   (512, 16384, 132, False), (1, 1, 2, True), (2, 5, 2, False)]:
-        assert topk.measured_faster(rows, bound, sms) is want, (rows, bound, sms)
-        if want and bound is not None and rows > 2 * sms and bound < topk.LONG_ROWS:
-            assert cuda_topk.launch_plan(rows, bound, sms) == cuda_topk.SHORT_ROWS
+    for rows, bound, want in [(33, topk.LONG_ROWS, True), (33, most, True),
+                              (32, topk.LONG_ROWS, False), (4, 40000, False),
+                              (33, most + 1, False), (512, 163840, False),
+                              (512, topk.LONG_ROWS - 1, False), (1024, 4096, False),
+                              (256, None, False), (1, None, False)]:
+        assert topk.measured_faster(rows, bound) is want, (rows, bound)
 
 
 def _call(rows=6, width=300, k=16, gen=None):
@@ -198,12 +193,11 @@ def test_a_device_decided_for_vllm_skips_the_layout_check(monkeypatch):
 
 def test_auto_routes_each_call_by_the_measured_rule(kernel_here, monkeypatch):
     """Under auto the decision is per call: the kernel where measured_faster
-    says so (few rows; a bound of LONG_ROWS up), vLLM's op elsewhere."""
+    says so (more than 32 rows bounded at LONG_ROWS up), vLLM's op elsewhere."""
     monkeypatch.setattr(topk, "decide",
                         lambda index: topk.TopkChoice(True, "test", per_call=True))
-    monkeypatch.setattr(topk, "num_sms", lambda index: 8)
-    for rows, bound, ours in [(4, None, True), (5, None, False), (5, 1000, False),
-                              (5, topk.LONG_ROWS, True)]:
+    for rows, bound, ours in [(4, None, False), (40, None, False), (40, 1000, False),
+                              (4, topk.LONG_ROWS, False), (40, topk.LONG_ROWS, True)]:
         logits, lens, out, k = _call(rows=rows)
         stock = []
         before = len(kernel_here)
@@ -221,10 +215,9 @@ def test_a_bound_is_ignored_inside_a_graph_capture(kernel_here, monkeypatch):
     hands no bound (neither to the plan nor to auto's rule)."""
     monkeypatch.setattr(topk, "decide",
                         lambda index: topk.TopkChoice(True, "test", per_call=True))
-    monkeypatch.setattr(topk, "num_sms", lambda index: 8)
     for capturing, ours in [(False, True), (True, False)]:
         monkeypatch.setattr(topk, "capturing", lambda: capturing)
-        logits, lens, out, k = _call(rows=5)  # more than SMs / 2 rows: the bound decides
+        logits, lens, out, k = _call(rows=40)  # more than 32 rows: the bound decides
         stock = []
         before = len(kernel_here)
         counted = stats.snapshot()["topk"]

@@ -13,10 +13,10 @@ side by side.  ``VLLM_DSA_VARLEN_TOPK``:
   row, an int32 output of ``[rows, k]``);
 * ``vllm``: vLLM's top-k always;
 * ``auto`` (default): the project's top-k on sm_90 for the calls where it
-  was measured faster than vLLM's (:func:`measured_faster`: few rows; or,
-  outside CUDA-graph capture, a host bound on the lengths of
-  :data:`LONG_ROWS` columns up to a CTA's stage, or many short rows), vLLM's
-  for the others.
+  was measured faster than vLLM's (:func:`measured_faster`: outside
+  CUDA-graph capture, more than 32 rows whose host bound on the lengths lies
+  between :data:`LONG_ROWS` columns and a CTA's stage), vLLM's for the
+  others.
 
 ``VLLM_DSA_VARLEN=off`` or ``stock`` keeps vLLM's too.  The decision per
 process and device is made once (:func:`choose_topk`, pure; logged once),
@@ -38,35 +38,30 @@ import torch
 from . import stats
 from .config import MODE_ENV, read_mode
 from .ops import cuda_topk
-from .ops.common import num_sms
 
 TOPK_ENV = "VLLM_DSA_VARLEN_TOPK"
 TOPK_SETTINGS = ("auto", "vllm", "own")
 CAPABILITY = (9, 0)
 # Where ``auto`` takes the project's top-k, from its measurement beside vLLM
-# 0.27.1's ``persistent_topk`` / ``cooperative_topk`` on the H200 (one
-# process, rounds interleaved; BENCHMARKS.md "Decode top-k"): faster with at
-# most SMs / 2 rows (B1, B8 L128K, B16 L16K), with rows of 32K columns and more
-# that one CTA stages whole (B64 L32K 2, 3, 1..4, 4 tokens) and with more than
-# 2 x SMs rows short enough for four CTAs per SM (B128 L8K 4 tok, B256 L8K 4
-# tok, on the engine's max_model_len-wide logits); slower or level with other
-# many-row steps (B64 L8K, B32 L16K, B128 L16K; rows of 64K columns and more).
+# 0.27.1's ``persistent_topk`` / ``cooperative_topk`` on the H200 on logits as
+# the engine lays them out (rows max_model_len = 163840 wide, which picks
+# vLLM's cooperative kernel up to 32 rows; one process, rounds interleaved;
+# BENCHMARKS.md "Decode top-k"): 0.77-0.93x vLLM's time with more than 32 rows
+# of 32K columns and more that one CTA stages whole (B64 L32K 2, 3, 1..4, 4
+# tokens), 0.95-1.11x on every other step timed (few rows, short rows, rows
+# of 64K columns and more).
 LONG_ROWS = 32768
+COOPERATIVE_ROWS = 32  # vLLM's cooperative_topk serves up to this many rows
 
 
-def measured_faster(rows: int, bound: int | None, sms: int) -> bool:
+def measured_faster(rows: int, bound: int | None) -> bool:
     """Whether ``auto`` takes the project's top-k for a call of ``rows`` rows
-    on ``sms`` SMs whose lengths the host bounds by ``bound`` (``None``: no
-    bound known: the logits' width is none, vLLM sizes it for the longest
-    context the engine allows, nor is anything inside a CUDA-graph capture,
-    whose launch replays at other lengths)."""
-    if rows * 2 <= sms:
-        return True
-    if bound is None:
-        return False
-    if LONG_ROWS <= bound <= cuda_topk.MAX_STAGE:
-        return True
-    return rows > 2 * sms and cuda_topk.launch_plan(rows, bound, sms) == cuda_topk.SHORT_ROWS
+    whose lengths the host bounds by ``bound`` (``None``: no bound known: the
+    logits' width is none, vLLM sizes it for the longest context the engine
+    allows, nor is anything inside a CUDA-graph capture, whose launch replays
+    at other lengths)."""
+    return (bound is not None and rows > COOPERATIVE_ROWS
+            and LONG_ROWS <= bound <= cuda_topk.MAX_STAGE)
 
 
 logger = logging.getLogger("vllm.dsa_varlen")
@@ -114,9 +109,9 @@ def choose_topk(*, mode: str, setting: str, capability: tuple[int, int] | None,
         return TopkChoice(False, f"the project's top-k kernel is unavailable: {kernel_error}")
     if setting == "auto":
         return TopkChoice(True, f"sm_90, {TOPK_ENV}=auto: the project's where measured faster "
-                                f"(at most SMs / 2 rows; rows bounded at {LONG_ROWS}-"
-                                f"{cuda_topk.MAX_STAGE} columns; more than 2 x SMs short rows), "
-                                f"vLLM's elsewhere", per_call=True)
+                                f"(more than {COOPERATIVE_ROWS} rows bounded at {LONG_ROWS}-"
+                                f"{cuda_topk.MAX_STAGE} columns, outside graph capture), vLLM's "
+                                f"elsewhere", per_call=True)
     return TopkChoice(True, f"sm_90, {TOPK_ENV}={setting}: one launch per layer (ops.cuda_topk)")
 
 
@@ -210,8 +205,7 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object],
             bound = None
         choice = None if _forced is not None else decide(index)
         own = bool(_forced or (choice is not None and choice.own and (
-            not choice.per_call
-            or measured_faster(logits.shape[0], bound, num_sms(index)))))
+            not choice.per_call or measured_faster(logits.shape[0], bound))))
         stats.record_topk(own, captured)
         if own:
             cuda_topk.decode_topk(logits, lengths, k, out=out, defines=None, bound=bound)
