@@ -326,13 +326,16 @@ def test_dispatch_triton_names_the_argument(case):
     (dict(backend="cutlass"), "backend: expected one of"),
     (dict(max_run_len=0), "max_run_len: expected an int >= 1"),
     (dict(max_run_len=2.0), "max_run_len: expected an int >= 1"),
+    (dict(max_context=0), "max_context: expected an int >= 1 or None"),
+    (dict(max_context=2.5), "max_context: expected an int >= 1 or None"),
 ])
 def test_attach_refuses_bad_ids_backend_and_run_length(kwargs, match):
-    args = dict(ids=torch.zeros(4, dtype=torch.int32), backend="triton", max_run_len=1)
+    args = dict(ids=torch.zeros(4, dtype=torch.int32), backend="triton", max_run_len=1,
+                max_context=None)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         attach_varlen_ids(torch.zeros((3, 2), dtype=torch.int32), args["ids"], args["backend"],
-                          args["max_run_len"])
+                          args["max_run_len"], args["max_context"])
 
 
 def test_reference_names_a_bad_kv_cache():

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 _ATTR = "_vllm_dsa_varlen_ids"
+_BOUND_ATTR = "_vllm_dsa_varlen_bound"
 BACKENDS = ("deepgemm", "triton")
 
 
@@ -38,21 +39,26 @@ class VarlenTag(NamedTuple):
     ``max_run_len``: the step's longest run as the host knows it (a sizing hint
     for the project's kernel; correctness never depends on it); ``schedules``: the
     step's planned kernel schedules, filled by the first layer's call and read
-    by the others (``varlen_paged_mqa_logits(schedule_cache=...)``)."""
+    by the others (``varlen_paged_mqa_logits(schedule_cache=...)``);
+    ``max_context``: the step's longest context as the host knows it (vLLM's
+    ``max_seq_len``; a bound for the decode top-k, :func:`mark_bound`), or
+    ``None``."""
 
     ids: torch.Tensor
     backend: str
     max_run_len: int = 1
     schedules: dict | None = None
+    max_context: int | None = None
 
 
 def attach_varlen_ids(schedule: torch.Tensor, ids: torch.Tensor, backend: str,
-                      max_run_len: int = 1) -> torch.Tensor:
+                      max_run_len: int = 1, max_context: int | None = None) -> torch.Tensor:
     """Return a fresh view of ``schedule`` (same storage) tagged with ``ids``.
 
     ``schedule``: the builder's scheduler-metadata buffer (any shape/dtype).
     ``ids``: int32 ``[R]``.  ``backend``: ``"deepgemm"`` or ``"triton"``.
-    ``max_run_len``: the step's longest request in tokens (>= 1)."""
+    ``max_run_len``: the step's longest request in tokens (>= 1);
+    ``max_context``: the step's longest context (>= 1) or ``None``."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32 or ids.dim() != 1:
@@ -61,14 +67,30 @@ def attach_varlen_ids(schedule: torch.Tensor, ids: torch.Tensor, backend: str,
                          f"{tuple(getattr(ids, 'shape', ()))}")
     if not isinstance(max_run_len, int) or max_run_len < 1:
         raise ValueError(f"max_run_len: expected an int >= 1, got {max_run_len!r}")
+    if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
+        raise ValueError(f"max_context: expected an int >= 1 or None, got {max_context!r}")
     view = schedule.view(schedule.shape)
-    setattr(view, _ATTR, VarlenTag(ids, backend, max_run_len, {}))
+    setattr(view, _ATTR, VarlenTag(ids, backend, max_run_len, {}, max_context))
     return view
 
 
 def varlen_ids_of(schedule: object) -> VarlenTag | None:
     """The tag :func:`attach_varlen_ids` put on ``schedule``, or ``None``."""
     return getattr(schedule, _ATTR, None)
+
+
+def mark_bound(logits: torch.Tensor, bound: int | None) -> torch.Tensor:
+    """Tag a step's decode logits (the tensor object the indexer hands its
+    top-k) with the host's bound on its rows' lengths; returns ``logits``.
+    Like the ids' tag, it lives on that step's own tensor object."""
+    if bound is not None:
+        setattr(logits, _BOUND_ATTR, bound)
+    return logits
+
+
+def bound_of(logits: object) -> int | None:
+    """The bound :func:`mark_bound` put on ``logits``, or ``None``."""
+    return getattr(logits, _BOUND_ATTR, None)
 
 
 # --------------------------------------------------------------- the id buffer's record

@@ -357,6 +357,7 @@ def test_the_op_modules_torch_sends_the_decode_topk_through_the_choice(monkeypat
     from vllm_dsa_varlen import topk
     from vllm_dsa_varlen.ops import cuda_topk
     from vllm_dsa_varlen.ops.reference import topk_ref, topk_selection_ok
+    from vllm_dsa_varlen.varlen_ids import mark_bound
 
     assert sai.torch is torch
     patches.apply_all(line="0.27")
@@ -390,7 +391,9 @@ def test_the_op_modules_torch_sends_the_decode_topk_through_the_choice(monkeypat
     c_ops.cooperative_topk(logits, lens, out, work, 16, 150)
     assert len(seen) == 2 and topk_selection_ok(logits, lens, 16, out) == []
     # cooperative_topk's max_seq_len bounds the step's rows; persistent_topk's is stock's
-    # logits width (max_model_len), no bound
+    # logits width (max_model_len), no bound, unless the logits carry a varlen step's
     assert bounds == [None, 150]
+    c_ops.persistent_topk(mark_bound(logits, 180), lens, out, work, 16, 200)
+    assert bounds == [None, 150, 180] and topk_selection_ok(logits, lens, 16, out) == []
     patches.undo_all()
     assert sai.torch is torch

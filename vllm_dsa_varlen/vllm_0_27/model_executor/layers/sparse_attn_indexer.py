@@ -24,7 +24,9 @@ run ids ride on ``schedule_metadata`` (:mod:`vllm_dsa_varlen.varlen_ids`):
   which passes stock's arguments unchanged).
 
 The decode top-k after it is ``torch.ops._C.persistent_topk`` or
-``cooperative_topk``, reached through the module global ``torch``:
+``cooperative_topk``, reached through the module global ``torch`` (a varlen
+step's logits carry its ``max_seq_len``, which stock's ``persistent_topk``
+call does not pass):
 :func:`torch_with_own_topk` replaces that global with a view of ``torch``
 whose ``ops._C`` sends those two calls to :func:`vllm_dsa_varlen.topk.dispatch`
 (the project's top-k where it serves, else the same op); every other name is
@@ -37,7 +39,7 @@ import torch
 
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg
 from vllm_dsa_varlen.vllm_0_27.utils.deep_gemm import mask_beyond
-from vllm_dsa_varlen.varlen_ids import varlen_ids_of
+from vllm_dsa_varlen.varlen_ids import bound_of, mark_bound, varlen_ids_of
 
 
 def _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids, max_model_len,
@@ -86,11 +88,15 @@ def fp8_fp4_paged_mqa_logits(
     # Stock feeds a single dummy row when a decode batch has no tokens.
     ids = tag.ids if rows == tag.ids.shape[0] else tag.ids[:rows]
     if tag.backend == "deepgemm":
-        return dsa_dg.fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables,
-                                               schedule_metadata, max_model_len, clean_logits,
-                                               indices=ids)
-    return _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
-                          max_model_len, clean_logits, tag.max_run_len, tag.schedules)
+        logits = dsa_dg.fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens,
+                                                 block_tables, schedule_metadata, max_model_len,
+                                                 clean_logits, indices=ids)
+    else:
+        logits = _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
+                                max_model_len, clean_logits, tag.max_run_len, tag.schedules)
+    # The decode top-k after it gets the step's max_seq_len from this tag (stock's
+    # persistent_topk call passes the logits' width).
+    return mark_bound(logits, tag.max_context)
 
 
 class _TopkOps:
@@ -104,9 +110,10 @@ class _TopkOps:
     def persistent_topk(self, logits, seq_lens, topk_indices, workspace, k, max_seq_len):
         from vllm_dsa_varlen import topk
 
-        # Stock passes the logits' width here (max_model_len), no bound on this step's rows.
+        # Stock passes the logits' width here (max_model_len), no bound on this step's rows;
+        # a varlen step's logits carry its max_seq_len (varlen_ids.mark_bound).
         topk.dispatch(logits, seq_lens, topk_indices, k, lambda: self._ops._C.persistent_topk(
-            logits, seq_lens, topk_indices, workspace, k, max_seq_len))
+            logits, seq_lens, topk_indices, workspace, k, max_seq_len), bound=bound_of(logits))
 
     def cooperative_topk(self, logits, seq_lens, topk_indices, workspace, k, max_seq_len):
         from vllm_dsa_varlen import topk

@@ -116,6 +116,10 @@ def _check_varlen_decode(md, builder, lens, seqs, bt, compress_ratio=1, kernel=T
     tag = varlen_ids_of(dec.schedule_metadata)
     assert tag is not None and tag.ids is ids and tag.backend == builder.varlen_backend
     assert tag.max_run_len == max(lens)  # the host's sizing hint for the Triton kernel
+    # the decode top-k's bound (the step's max_seq_len: a prefill's too in a mixed step)
+    assert tag.max_context >= max(seqs) // compress_ratio >= int(ctx.max())
+    if md.num_prefills == 0:
+        assert tag.max_context == max(seqs) // compress_ratio
     assert dec.schedule_metadata is not builder.scheduler_metadata_buffer
     assert dec.schedule_metadata.data_ptr() == builder.scheduler_metadata_buffer.data_ptr()
     assert varlen_ids_of(builder.scheduler_metadata_buffer) is None
@@ -877,3 +881,15 @@ def test_step_facts_of_uniform_unpadded_steps_are_what_the_lengths_give(seed):
                              max_seq_len=rng.randint(1, 70000))
         want = StepFacts.from_decode_lens(lens, rows=rows, max_context=cm.max_seq_len)
         assert pix.step_facts(cm, decodes, rows) == want, (kind, lens, prefills)
+
+
+def test_the_top_k_bound_follows_compression_and_skips_context_parallelism():
+    """The decode top-k's bound: ``max_seq_len`` divided as DeepSeek V4's
+    compressed rows are; none under decode context parallelism."""
+    from vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla import indexer as glue
+
+    common = SimpleNamespace(max_seq_len=40001)
+    for ratio, dcp, want in [(1, 1, 40001), (4, 1, 10000), (1, 2, None), (4, 4, None)]:
+        builder = SimpleNamespace(compress_ratio=ratio, dcp_world_size=dcp)
+        assert glue._topk_bound(builder, common) == want
+    assert glue._topk_bound(SimpleNamespace(), SimpleNamespace(max_seq_len=0)) == 1

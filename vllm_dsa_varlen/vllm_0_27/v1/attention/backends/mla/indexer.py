@@ -595,8 +595,19 @@ def _hand_over_ids(builder: Any, metadata: Any, common: Any) -> None:
         return "stock_flattened"
     decode.schedule_metadata = attach_varlen_ids(builder.scheduler_metadata_buffer, ids,
                                                  builder.varlen_backend,
-                                                 max(1, builder._varlen_step_max_run))
+                                                 max(1, builder._varlen_step_max_run),
+                                                 _topk_bound(builder, common))
     return "varlen"
+
+
+def _topk_bound(builder: Any, common: Any) -> int | None:
+    """The step's longest row as the decode top-k sees it, from the host's
+    ``max_seq_len`` (DeepSeek V4's ``compress_ratio`` applied as stock applies
+    it), or ``None`` under decode context parallelism (local rows: the
+    global length bounds them too loosely to size anything)."""
+    if getattr(builder, "dcp_world_size", 1) > 1:
+        return None
+    return max(1, int(common.max_seq_len) // max(1, int(getattr(builder, "compress_ratio", 1))))
 
 
 def _stock_only_step(builder: Any, common: Any) -> bool:
