@@ -46,10 +46,10 @@ CAPABILITY = (9, 0)
 # 0.27.1's ``persistent_topk`` / ``cooperative_topk`` on the H200 on logits as
 # the engine lays them out (rows max_model_len = 163840 wide, which picks
 # vLLM's cooperative kernel up to 32 rows; one process, rounds interleaved;
-# BENCHMARKS.md "Decode top-k"): 0.77-0.93x vLLM's time with more than 32 rows
-# of 32K columns and more that one CTA stages whole (B64 L32K 2, 3, 1..4, 4
-# tokens), 0.95-1.11x on every other step timed (few rows, short rows, rows
-# of 64K columns and more).
+# BENCHMARKS.md "One process", the decode top-k table): 0.77-0.93x vLLM's time
+# with more than 32 rows of 32K columns and more that one CTA stages whole (B64
+# L32K 2, 3, 1..4, 4 tokens), 0.94-1.11x on every other step timed (few rows,
+# short rows, rows of 64K columns and more).
 LONG_ROWS = 32768
 COOPERATIVE_ROWS = 32  # vLLM's cooperative_topk serves up to this many rows
 
