@@ -8,10 +8,10 @@ decode top-k ops (``persistent_topk``, ``cooperative_topk``): int32
 then ``-1``; ties at the k-th value broken arbitrarily.
 :func:`.reference.topk_ref` defines it.
 
-Graph safe: the build (CTAs per row, registers per thread), the grid and the
-shared memory follow from shape facts and an optional host bound on the
-lengths (:func:`launch_plan`, :func:`stage_for`), nothing from tensor
-contents; no host sync.  The result is right for any lengths (a slice longer
+Graph safe: the build (CTAs per row, threads per CTA, the candidate list or
+none, registers per thread), the grid and the shared memory follow from
+shape facts and an optional host bound on the lengths (:func:`launch_plan`,
+:func:`stage_for`), nothing from tensor contents; no host sync.  The result is right for any lengths (a slice longer
 than the stage is read from global memory in every pass); only the speed
 depends on the plan.  Lengths past the width are clamped to it, negative
 ones to 0 (the kernel cannot raise).  Compiled by NVRTC and loaded through
@@ -242,7 +242,8 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     ``B * next_n == R``: row ``r`` reads ``lengths.reshape(-1)[r]``); ``out``:
     int32 ``[R, k]``, unit column stride (e.g. a view of a wider buffer),
     written in place; ``defines``: a build (:func:`load`: ``SPLIT=c``,
-    ``MINB=m``), ``None`` for :func:`launch_plan`'s; ``bound``: a host-known bound on the lengths (e.g.
+    ``THREADS=t``, ``LIST=0|1``, ``MINB=m``), ``None`` for :func:`launch_plan`'s;
+    ``bound``: a host-known bound on the lengths (e.g.
     vLLM's ``max_seq_len``) that sizes the plan and the stage in place of the
     width (speed only: longer rows are still right, read from global memory)."""
     if not isinstance(logits, torch.Tensor) or not logits.is_cuda:
