@@ -250,6 +250,8 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), widt
     :func:`topk_build`).  ``width``: logits of that many columns, the step's
     in the first (the rest -inf), vLLM's op given it as ``max_seq_len`` and
     this project's no bound (a captured step's call); ``None``: the step's."""
+    from .topk import COOPERATIVE_ROWS
+
     rows = step.rows
     ctx2d = rows.context_lens.view(-1, 1).contiguous()
     if width is None:
@@ -277,7 +279,7 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), widt
         n = logits.shape[0]
         idx = torch.full((n, k), -1, dtype=torch.int32, device=out.device)
         work = torch.empty(1 << 20, dtype=torch.uint8, device=out.device)
-        coop = n <= 32 and logits.stride(0) % 4 == 0
+        coop = n <= COOPERATIVE_ROWS and logits.stride(0) % 4 == 0
         op = ops.cooperative_topk if coop else ops.persistent_topk
         fn = (lambda op=op, lg=logits, ln=lens, i=idx, w=work:
               op(lg, ln, i, w, k, lg.shape[1]))

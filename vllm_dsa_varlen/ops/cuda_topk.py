@@ -11,9 +11,9 @@ then ``-1``; ties at the k-th value broken arbitrarily.
 Graph safe: the build (CTAs per row, threads per CTA, the candidate list or
 none, registers per thread), the grid and the shared memory follow from
 shape facts and an optional host bound on the lengths (:func:`launch_plan`,
-:func:`stage_for`), nothing from tensor contents; no host sync.  The result is right for any lengths (a slice longer
-than the stage is read from global memory in every pass); only the speed
-depends on the plan.  Lengths past the width are clamped to it, negative
+:func:`stage_for`), nothing from tensor contents; no host sync.  The result
+is right for any lengths (a slice longer than the stage is read from global
+memory in every pass); only the speed depends on the plan.  Lengths past the width are clamped to it, negative
 ones to 0 (the kernel cannot raise).  Compiled by NVRTC and loaded through
 the driver (:mod:`.cuda_binding`) once per process, device and build.
 """
@@ -57,20 +57,21 @@ def _fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
-def stage_for(longest: int, split: int = 1, listed: bool = True) -> int:
+def stage_for(longest: int, split: int = 1, with_list: bool = True) -> int:
     """Columns a CTA may stage in shared memory when rows of up to
     ``longest`` columns are split over ``split`` CTAs: the slice of the
     longest row (``longest / split`` rounded up to 4), at most
-    :data:`MAX_STAGE` (``listed``: a build with the candidate list, ``LIST=1``)
-    or :data:`MAX_STAGE_UNLISTED`."""
-    most = MAX_STAGE if listed else MAX_STAGE_UNLISTED
+    :data:`MAX_STAGE` (``with_list``: a build with the candidate list,
+    ``LIST=1``; :func:`listed`) or :data:`MAX_STAGE_UNLISTED`."""
+    most = MAX_STAGE if with_list else MAX_STAGE_UNLISTED
     return min(((int(longest) + split - 1) // split + 3) // 4 * 4, most)
 
 
-def smem_bytes(longest: int, split: int = 1, listed: bool = True) -> int:
+def smem_bytes(longest: int, split: int = 1, with_list: bool = True) -> int:
     """Dynamic shared memory of a launch whose stage is
-    :func:`stage_for` ``(longest, split, listed)``."""
-    return HEADER_BYTES + 4 * stage_for(longest, split, listed) + (8 * CAND if listed else 0)
+    :func:`stage_for` ``(longest, split, with_list)``."""
+    return (HEADER_BYTES + 4 * stage_for(longest, split, with_list)
+            + (8 * CAND if with_list else 0))
 
 
 def _macro(defines: tuple, name: str, default: int) -> int:
