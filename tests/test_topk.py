@@ -51,6 +51,28 @@ def test_measured_faster_rule():
         assert topk.measured_faster(rows, bound) is want, (rows, bound)
 
 
+def test_auto_builds_cover_every_call_the_rule_takes():
+    """Each call measured_faster takes (a bound clamped to the width, as
+    dispatch does) plans a build among auto_builds(sms): none compiles while
+    serving; and auto_builds names no build the plan cannot take."""
+    gen = torch.Generator().manual_seed(5)
+    for sms in (1, 33, 66, 78, 114, 132, 200):
+        builds = topk.auto_builds(sms)
+        assert builds and set(builds) <= set(cuda_topk.plan_builds())
+        taken = 0
+        for _ in range(300):
+            rows = int(torch.randint(1, 3 * sms + 64, (1,), generator=gen))
+            width = int(torch.randint(1, 2 * cuda_topk.MAX_STAGE, (1,), generator=gen))
+            bound = int(torch.randint(1, 2 * cuda_topk.MAX_STAGE, (1,), generator=gen))
+            longest = min(width, bound)
+            if topk.measured_faster(rows, longest):
+                taken += 1
+                assert cuda_topk.launch_plan(rows, longest, sms) in builds, (sms, rows, longest)
+        assert taken > 0
+    # On the H200 (132 SMs) the rule's calls take one to four CTAs per row, one CTA per SM.
+    assert sorted(topk.auto_builds(132)) == sorted((f"SPLIT={s}", "MINB=1") for s in (1, 2, 4))
+
+
 def _call(rows=6, width=300, k=16, gen=None):
     gen = gen or torch.Generator().manual_seed(0)
     logits = torch.randn(rows, width, generator=gen)
@@ -122,11 +144,12 @@ def test_dispatch_leaves_other_calls_to_stock(kernel_here, monkeypatch):
 
 def test_decide_once_per_device_from_the_environment(monkeypatch):
     """decide() reads the settings and the device once, logs, and caches;
-    VLLM_DSA_VARLEN_TOPK=vllm never loads the kernel; own and auto load every
-    build the launch plan can take."""
+    VLLM_DSA_VARLEN_TOPK=vllm never loads the kernel; own loads every build
+    the launch plan can take, auto those its rule can reach."""
     topk.reset()
     loads = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(topk, "num_sms", lambda index: 132)
     monkeypatch.setattr(cuda_topk, "load", lambda device, build: loads.append((device, build)))
     every = len(cuda_topk.plan_builds())  # each build the launch plan can take, loaded at once
     monkeypatch.setenv(topk.TOPK_ENV, "vllm")
@@ -138,7 +161,8 @@ def test_decide_once_per_device_from_the_environment(monkeypatch):
     assert sorted(b for _, b in loads) == sorted(cuda_topk.plan_builds())
     topk.reset()
     monkeypatch.setenv(topk.TOPK_ENV, "auto")  # loads too: the per-call rule may take it
-    assert topk.decide(0).own and topk.decide(0).per_call and len(loads) == 2 * every
+    assert topk.decide(0).own and topk.decide(0).per_call
+    assert [b for _, b in loads[every:]] == topk.auto_builds(132)
     topk.reset()
     monkeypatch.setenv(topk.TOPK_ENV, "own")
 
@@ -196,9 +220,13 @@ def test_auto_routes_each_call_by_the_measured_rule(kernel_here, monkeypatch):
     says so (more than 32 rows bounded at LONG_ROWS up), vLLM's op elsewhere."""
     monkeypatch.setattr(topk, "decide",
                         lambda index: topk.TopkChoice(True, "test", per_call=True))
-    for rows, bound, ours in [(4, None, False), (40, None, False), (40, 1000, False),
-                              (4, topk.LONG_ROWS, False), (40, topk.LONG_ROWS, True)]:
-        logits, lens, out, k = _call(rows=rows)
+    wide = topk.LONG_ROWS + 8
+    for rows, width, bound, ours in [(4, 300, None, False), (40, 300, None, False),
+                                     (40, 300, 1000, False), (4, wide, topk.LONG_ROWS, False),
+                                     (40, wide, topk.LONG_ROWS, True), (40, wide, 10**6, True),
+                                     # a bound past the width: the width is the longest row
+                                     (40, 300, topk.LONG_ROWS, False)]:
+        logits, lens, out, k = _call(rows=rows, width=width)
         stock = []
         before = len(kernel_here)
         counted = stats.snapshot()["topk"]
@@ -217,7 +245,7 @@ def test_a_bound_is_ignored_inside_a_graph_capture(kernel_here, monkeypatch):
                         lambda index: topk.TopkChoice(True, "test", per_call=True))
     for capturing, ours in [(False, True), (True, False)]:
         monkeypatch.setattr(topk, "capturing", lambda: capturing)
-        logits, lens, out, k = _call(rows=40)  # more than 32 rows: the bound decides
+        logits, lens, out, k = _call(rows=40, width=topk.LONG_ROWS)  # > 32 rows: the bound decides
         stock = []
         before = len(kernel_here)
         counted = stats.snapshot()["topk"]

@@ -38,6 +38,7 @@ import torch
 from . import stats
 from .config import MODE_ENV, read_mode
 from .ops import cuda_topk
+from .ops.common import num_sms
 
 TOPK_ENV = "VLLM_DSA_VARLEN_TOPK"
 TOPK_SETTINGS = ("auto", "vllm", "own")
@@ -62,6 +63,17 @@ def measured_faster(rows: int, bound: int | None) -> bool:
     at other lengths)."""
     return (bound is not None and rows > COOPERATIVE_ROWS
             and LONG_ROWS <= bound <= cuda_topk.MAX_STAGE)
+
+
+def auto_builds(sms: int) -> list[tuple[str, ...]]:
+    """Every build :func:`.ops.cuda_topk.launch_plan` names, on ``sms`` SMs,
+    for a call :func:`measured_faster` takes (what ``auto`` loads at start-up:
+    no decode step compiles).  The plan stops depending on the rows past
+    ``sms + 1``; the bounds are tried every 256 columns and at both ends."""
+    rows = range(COOPERATIVE_ROWS + 1, max(sms, COOPERATIVE_ROWS) + 2)
+    most = cuda_topk.MAX_STAGE
+    bounds = sorted(set(range(LONG_ROWS, most, 256)) | {most})
+    return list(dict.fromkeys(cuda_topk.launch_plan(r, b, sms) for r in rows for b in bounds))
 
 
 logger = logging.getLogger("vllm.dsa_varlen")
@@ -143,7 +155,9 @@ def decide(index: int) -> TopkChoice:
             error = None
             if mode == "auto" and setting != "vllm" and tuple(capability) == CAPABILITY:
                 try:  # every build the launch plan may take: no decode step compiles
-                    for build in cuda_topk.plan_builds():
+                    builds = (auto_builds(num_sms(index)) if setting == "auto"
+                              else cuda_topk.plan_builds())
+                    for build in builds:
                         cuda_topk.load(torch.device("cuda", index), build)
                 except Exception as exc:  # noqa: BLE001 - any failure: vLLM's top-k
                     error = f"{type(exc).__name__}: {exc}"
@@ -203,9 +217,11 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object],
             # A graph replays the launch at other lengths: no bound there (vLLM captures
             # with max_seq_len = max_model_len, which bounds nothing).
             bound = None
+        # The rule sees the longest row the plan sizes for (a bound past the width is the width).
+        longest = None if bound is None else min(bound, logits.shape[1])
         choice = None if _forced is not None else decide(index)
         own = bool(_forced or (choice is not None and choice.own and (
-            not choice.per_call or measured_faster(logits.shape[0], bound))))
+            not choice.per_call or measured_faster(logits.shape[0], longest))))
         stats.record_topk(own, captured)
         if own:
             cuda_topk.decode_topk(logits, lengths, k, out=out, defines=None, bound=bound)

@@ -196,9 +196,11 @@ def test_shared_memory_fits_at_every_width():
             assert ct.smem_bytes(width, split) <= ct.smem_bytes(width)
 
 
-def test_split_of_a_build():
+def test_split_and_minb_of_a_build():
     assert ct.split_of(()) == 1 and ct.split_of(("MINB=2",)) == 1
     assert ct.split_of(("MINB=1", "SPLIT=4")) == 4
+    assert ct.minb_of(()) == 1 and ct.minb_of(("SPLIT=4",)) == 1
+    assert ct.minb_of(("SPLIT=1", "MINB=4")) == 4 and ct.minb_of(ct.SHORT_ROWS) == 4
 
 
 # Builds beside the plan's: other thread counts, no candidate list (LIST=0) over clusters.
@@ -213,8 +215,7 @@ def test_nvrtc_builds_every_planned_build_without_spills(build):
     from vllm_dsa_varlen.ops.compile_check import compile_topk
 
     report = compile_topk(build)
-    minb = int(dict(d.split("=") for d in build).get("MINB", 1))
-    cap = 65536 // (ct.threads_of(build) * minb)  # registers for MINB CTAs per SM
+    cap = 65536 // (ct.threads_of(build) * ct.minb_of(build))  # registers for MINB CTAs per SM
     assert report["spills"] == 0 and 0 < report["registers"] <= min(cap, 255), report
 
 
@@ -354,7 +355,7 @@ def test_launch_plan_spreads_few_rows():
         sms = int(torch.randint(1, 200, (1,), generator=gen))
         plan = ct.launch_plan(rows, longest, sms)
         assert plan in builds
-        split, minb = ct.split_of(plan), int(dict(d.split("=") for d in plan)["MINB"])
+        split, minb = ct.split_of(plan), ct.minb_of(plan)
         assert split in (1, 2, 4) and (split == 1 or rows * split <= sms)
         assert split == ct.SPREAD or rows * split * 2 > sms
         fits = [c for c in (1, 2, 4) if c * (ct.smem_bytes(longest, 1, False) + 1024)

@@ -93,6 +93,12 @@ def threads_of(defines: tuple = ()) -> int:
     return _macro(defines, "THREADS", THREADS)
 
 
+def minb_of(defines: tuple = ()) -> int:
+    """CTAs per SM a build's registers must allow (``MINB=m``, the source's
+    ``__launch_bounds__``; 1 without)."""
+    return _macro(defines, "MINB", 1)
+
+
 def listed(defines: tuple = ()) -> bool:
     """Whether a build lists the threshold bin's keys in CTA 0 (``LIST=1``,
     the default) rather than narrowing over the slices to the end

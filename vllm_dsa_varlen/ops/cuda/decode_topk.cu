@@ -117,6 +117,23 @@ __device__ __forceinline__ void hist_add(int* __restrict__ h, u32 bin, bool vali
   if (valid) atomicAdd(&h[bin], 1);
 }
 
+// f(key, i, valid) for this thread's keys of a CTA's slice of m columns, four
+// per trip (i: the column in the slice), from the stage or, where the slice
+// is longer than it, from global memory: every pass after pass 0 walks it so.
+template <class F>
+__device__ __forceinline__ void each_key(const u32* __restrict__ keys,
+                                         const float* __restrict__ row, int m, bool staged,
+                                         bool aligned, F&& f) {
+  const int span = 4 * THREADS, trips = (m + span - 1) / span;
+  for (int it = 0; it < trips; ++it) {
+    const int i = it * span + 4 * (int)threadIdx.x;
+    Keys4 v = {{0u, 0u, 0u, 0u}};
+    if (i < m) v = staged ? load4_staged(keys, i) : load4_global(row, i, m, aligned);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) f(v.k[j], i + j, i + j < m);
+  }
+}
+
 // Block-wide exclusive prefix sum of `v` over the threads in index order
 // (all threads call it; `scratch`: WARPS words of T, free until the next
 // barrier).  Unsigned, so packed counts (low | high << half the width) add
@@ -278,15 +295,10 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
     cluster_sync();                // every CTA has read every `hist`
     for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
     __syncthreads();
-    for (int it = 0; it < trips; ++it) {
-      const int i = it * span + 4 * t;
-      Keys4 v = {{0u, 0u, 0u, 0u}};
-      if (i < m) v = staged ? load4_staged(keys, i) : load4_global(row, i, m, aligned);
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        hist_add(hist, (v.k[j] >> next) & ((1u << (shift - next)) - 1),
-                 i + j < m && (v.k[j] >> shift) == prefix);
-    }
+    each_key(keys, row, m, staged, aligned, [&](u32 key, int, bool valid) {
+      hist_add(hist, (key >> next) & ((1u << (shift - next)) - 1),
+               valid && (key >> shift) == prefix);
+    });
     cluster_sync();
     find_bin<SPLIT>(hist, k - above, warp_sums, sel);
     prefix = (prefix << (shift - next)) | (u32)sel[0];
@@ -299,17 +311,10 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   const int need = k - above;
   const bool take = !LIST || in_bin == need || shift == 0;  // else in_bin <= CAND: listed
   u32 n_hi = 0, n_eq = 0;                          // this thread's keys above / equal
-  for (int it = 0; it < trips; ++it) {
-    const int i = it * span + 4 * t;
-    Keys4 v = {{0u, 0u, 0u, 0u}};
-    if (i < m) v = staged ? load4_staged(keys, i) : load4_global(row, i, m, aligned);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const u32 pre = v.k[j] >> shift;
-      n_hi += i + j < m && pre > prefix;
-      n_eq += i + j < m && pre == prefix;
-    }
-  }
+  each_key(keys, row, m, staged, aligned, [&](u32 key, int, bool valid) {
+    n_hi += valid && (key >> shift) > prefix;
+    n_eq += valid && (key >> shift) == prefix;
+  });
   // One scan of both counts packed in 64 bits (a slice may hold 2^31 keys).
   const u64 first = block_exclusive_scan<u64>((u64)n_hi | (u64)n_eq << 32, warp_sums);
   const u32 first_hi = (u32)first, first_eq = (u32)(first >> 32);
@@ -332,26 +337,20 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   u32* list_keys = in_cta(cand_keys, 0);
   int* list_cols = in_cta(cand_cols, 0);
 #endif
-  for (int it = 0; it < trips; ++it) {
-    const int i = it * span + 4 * t;
-    Keys4 v = {{0u, 0u, 0u, 0u}};
-    if (i < m) v = staged ? load4_staged(keys, i) : load4_global(row, i, m, aligned);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const u32 pre = v.k[j] >> shift;
-      if (i + j >= m) continue;
-      if (pre > prefix) {
-        orow[slot_hi++] = lo + i + j;
-      } else if (pre == prefix) {
+  each_key(keys, row, m, staged, aligned, [&](u32 key, int i, bool valid) {
+    const u32 pre = key >> shift;
+    if (!valid) return;
+    if (pre > prefix) {
+      orow[slot_hi++] = lo + i;
+    } else if (pre == prefix) {
 #if LIST
-        if (!take) { list_keys[slot_eq] = v.k[j]; list_cols[slot_eq] = lo + i + j; }
-        else
+      if (!take) { list_keys[slot_eq] = key; list_cols[slot_eq] = lo + i; }
+      else
 #endif
-        if (slot_eq < need) orow[above + slot_eq] = lo + i + j;
-        ++slot_eq;
-      }
+      if (slot_eq < need) orow[above + slot_eq] = lo + i;
+      ++slot_eq;
     }
-  }
+  });
 #if SPLIT > 1
   cluster_sync();                  // no CTA reads another's memory after this (the list is whole)
 #endif
