@@ -788,6 +788,7 @@ def _run_header(args, mode: str, engine, kwargs: dict, init_s: float, torch) -> 
             "lockstep": bool(getattr(args, "lockstep", False)),
             "trace_only": bool(getattr(args, "trace_only", False)),
             "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
+            "topk_env": os.environ.get("VLLM_DSA_VARLEN_TOPK", ""),
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
             "cases": [], "jit": {}}
     try:
@@ -1058,6 +1059,8 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
     if getattr(args, "trace_skip", None):
         cmd += ["--trace-skip", *(f"{b}x{x}" for b, x in args.trace_skip)]
     env = dict(os.environ, VLLM_DSA_VARLEN=MODES.get(mode, MODES["plugin"]))
+    if args.topk:
+        env["VLLM_DSA_VARLEN_TOPK"] = args.topk
     t0 = time.perf_counter()
     log = os.path.join(args.out, f"log-{mode}-k{k}{_rep(rep)}.txt")
     with open(log, "w") as f:
@@ -1304,6 +1307,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "stock's path through the plugin's pass-through wrappers (with "
                          "torch.compile both engines compile: ~400 s at 61 layers on the "
                          "H200; --graph-mode none starts both in ~20 s)")
+    ap.add_argument("--topk", choices=["auto", "own", "vllm"], default=None,
+                    help="the plugin engine's VLLM_DSA_VARLEN_TOPK (default: as the "
+                         "environment has it, else auto); stock's engine keeps vLLM's")
     ap.add_argument("--control", action="store_true",
                     help="with --same-process: an A/A control, stock's engine twice (the "
                          "second named 'control', in the plugin's columns): the round pairs' "

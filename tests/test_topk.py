@@ -40,15 +40,19 @@ def test_choose_topk_table():
 
 
 def test_measured_faster_rule():
-    """auto's per-call rule: a host bound between LONG_ROWS columns and a
-    CTA's stage, more than COOPERATIVE_ROWS rows; no bound, no claim."""
+    """auto's per-call rule: more than COOPERATIVE_ROWS rows bounded at
+    LONG_ROWS or more, and no more rows than SMs or rows a CTA's stage holds
+    whole; no bound, no claim."""
     most = cuda_topk.MAX_STAGE
     for rows, bound, want in [(33, topk.LONG_ROWS, True), (33, most, True),
                               (32, topk.LONG_ROWS, False), (4, 40000, False),
-                              (33, most + 1, False), (512, 163840, False),
-                              (512, topk.LONG_ROWS - 1, False), (1024, 4096, False),
-                              (256, None, False), (1, None, False)]:
-        assert topk.measured_faster(rows, bound) is want, (rows, bound)
+                              (33, most + 1, True), (132, 163840, True), (133, 163840, False),
+                              (133, most, True), (512, most + 1, False), (512, 163840, False),
+                              (512, topk.LONG_ROWS - 1, False), (64, topk.LONG_ROWS - 1, False),
+                              (1024, 4096, False), (256, None, False), (64, None, False),
+                              (1, None, False)]:
+        assert topk.measured_faster(rows, bound, 132) is want, (rows, bound)
+    assert not topk.measured_faster(100, 163840, 78) and topk.measured_faster(78, 163840, 78)
 
 
 def test_auto_builds_cover_every_call_the_rule_takes():
@@ -65,7 +69,7 @@ def test_auto_builds_cover_every_call_the_rule_takes():
             width = int(torch.randint(1, 2 * cuda_topk.MAX_STAGE, (1,), generator=gen))
             bound = int(torch.randint(1, 2 * cuda_topk.MAX_STAGE, (1,), generator=gen))
             longest = min(width, bound)
-            if topk.measured_faster(rows, longest):
+            if topk.measured_faster(rows, longest, sms):
                 taken += 1
                 assert cuda_topk.launch_plan(rows, longest, sms) in builds, (sms, rows, longest)
         assert taken > 0
@@ -113,6 +117,7 @@ def kernel_here(monkeypatch):
     monkeypatch.setattr(topk, "decide", lambda index: topk.TopkChoice(True, "test"))
     monkeypatch.setattr(cuda_topk, "decode_topk", fake)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(topk, "num_sms", lambda index: 132)  # the H200's
     return calls
 
 
@@ -225,7 +230,10 @@ def test_auto_routes_each_call_by_the_measured_rule(kernel_here, monkeypatch):
                                      (40, 300, 1000, False), (4, wide, topk.LONG_ROWS, False),
                                      (40, wide, topk.LONG_ROWS, True), (40, wide, 10**6, True),
                                      # a bound past the width: the width is the longest row
-                                     (40, 300, topk.LONG_ROWS, False)]:
+                                     (40, 300, topk.LONG_ROWS, False),
+                                     # past a stage: up to as many rows as SMs (132 here)
+                                     (132, cuda_topk.MAX_STAGE + 8, 10**6, True),
+                                     (133, cuda_topk.MAX_STAGE + 8, 10**6, False)]:
         logits, lens, out, k = _call(rows=rows, width=width)
         stock = []
         before = len(kernel_here)

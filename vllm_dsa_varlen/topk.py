@@ -14,9 +14,9 @@ side by side.  ``VLLM_DSA_VARLEN_TOPK``:
 * ``vllm``: vLLM's top-k always;
 * ``auto`` (default): the project's top-k on sm_90 for the calls where it
   was measured faster than vLLM's (:func:`measured_faster`: outside
-  CUDA-graph capture, more than 32 rows whose host bound on the lengths lies
-  between :data:`LONG_ROWS` columns and a CTA's stage), vLLM's for the
-  others.
+  CUDA-graph capture, more than 32 rows whose host bound on the lengths is
+  :data:`LONG_ROWS` columns or more, up to as many rows as SMs or, past
+  them, rows that a CTA's stage holds whole), vLLM's for the others.
 
 ``VLLM_DSA_VARLEN=off`` or ``stock`` keeps vLLM's too.  The decision per
 process and device is made once (:func:`choose_topk`, pure; logged once),
@@ -47,29 +47,35 @@ CAPABILITY = (9, 0)
 # 0.27.1's ``persistent_topk`` / ``cooperative_topk`` on the H200 on logits as
 # the engine lays them out (rows max_model_len = 163840 wide, which picks
 # vLLM's cooperative kernel up to 32 rows; one process, rounds interleaved;
-# BENCHMARKS.md "One process", the decode top-k table): 0.77-0.93x vLLM's time
-# with more than 32 rows of 32K columns and more that one CTA stages whole (B64
-# L32K 2, 3, 1..4, 4 tokens), 0.94-1.11x on every other step timed (few rows,
-# short rows, rows of 64K columns and more).
+# BENCHMARKS.md "One process", the decode top-k table).  More than 32 rows
+# bounded at 32K columns or more: 0.57-0.79x vLLM's time up to as many rows as
+# SMs (36-128 rows of 32K, 64K and 128K), 0.77-0.93x past them where one CTA
+# stages a row whole (B64 L32K 2, 3, 1..4, 4 tokens); 0.94-1.15x on every
+# other step timed (few rows, rows of 16K columns and fewer, more rows than
+# SMs of 64K columns).
 LONG_ROWS = 32768
 COOPERATIVE_ROWS = 32  # vLLM's cooperative_topk serves up to this many rows
 
 
-def measured_faster(rows: int, bound: int | None) -> bool:
+def measured_faster(rows: int, bound: int | None, sms: int) -> bool:
     """Whether ``auto`` takes the project's top-k for a call of ``rows`` rows
-    whose lengths the host bounds by ``bound`` (``None``: no bound known: the
-    logits' width is none, vLLM sizes it for the longest context the engine
-    allows, nor is anything inside a CUDA-graph capture, whose launch replays
-    at other lengths)."""
-    return (bound is not None and rows > COOPERATIVE_ROWS
-            and LONG_ROWS <= bound <= cuda_topk.MAX_STAGE)
+    on a GPU of ``sms`` SMs whose lengths the host bounds by ``bound``
+    (``None``: no bound known: the logits' width is none, vLLM sizes it for
+    the longest context the engine allows, nor is anything inside a
+    CUDA-graph capture, whose launch replays at other lengths): more than
+    :data:`COOPERATIVE_ROWS` rows bounded at :data:`LONG_ROWS` or more, and
+    either no more rows than SMs or rows one CTA stages whole."""
+    if bound is None or rows <= COOPERATIVE_ROWS or bound < LONG_ROWS:
+        return False
+    return rows <= sms or bound <= cuda_topk.MAX_STAGE
 
 
 def auto_builds(sms: int) -> list[tuple[str, ...]]:
     """Every build :func:`.ops.cuda_topk.launch_plan` names, on ``sms`` SMs,
     for a call :func:`measured_faster` takes (what ``auto`` loads at start-up:
     no decode step compiles).  The plan stops depending on the rows past
-    ``sms + 1``; the bounds are tried every 256 columns and at both ends."""
+    ``sms + 1``, and on the bound past :data:`.ops.cuda_topk.MAX_STAGE` (the
+    stage stops there); the bounds are tried every 256 columns up to it."""
     rows = range(COOPERATIVE_ROWS + 1, max(sms, COOPERATIVE_ROWS) + 2)
     most = cuda_topk.MAX_STAGE
     bounds = sorted(set(range(LONG_ROWS, most, 256)) | {most})
@@ -121,7 +127,8 @@ def choose_topk(*, mode: str, setting: str, capability: tuple[int, int] | None,
         return TopkChoice(False, f"the project's top-k kernel is unavailable: {kernel_error}")
     if setting == "auto":
         return TopkChoice(True, f"sm_90, {TOPK_ENV}=auto: the project's where measured faster "
-                                f"(more than {COOPERATIVE_ROWS} rows bounded at {LONG_ROWS}-"
+                                f"(more than {COOPERATIVE_ROWS} rows bounded at {LONG_ROWS} "
+                                f"columns or more, up to as many rows as SMs or rows of up to "
                                 f"{cuda_topk.MAX_STAGE} columns, outside graph capture), vLLM's "
                                 f"elsewhere", per_call=True)
     return TopkChoice(True, f"sm_90, {TOPK_ENV}={setting}: one launch per layer (ops.cuda_topk)")
@@ -221,7 +228,9 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object],
         longest = None if bound is None else min(bound, logits.shape[1])
         choice = None if _forced is not None else decide(index)
         own = bool(_forced or (choice is not None and choice.own and (
-            not choice.per_call or measured_faster(logits.shape[0], longest))))
+            not choice.per_call or (longest is not None
+                                    and measured_faster(logits.shape[0], longest, num_sms(index)))
+        )))
         stats.record_topk(own, captured)
         if own:
             cuda_topk.decode_topk(logits, lengths, k, out=out, defines=None, bound=bound)

@@ -117,7 +117,8 @@ def test_capture_sizes_cover_every_case_and_shrinking_batches(k):
 # options only the parent process reads (the child gets its k, mode and repeat
 # from run_child itself)
 PARENT_ONLY = {"out", "model", "k", "repeats", "modes", "merge", "child", "mode", "repeat", "help",
-               "same_process", "control"}
+               "same_process", "control",
+               "topk"}  # reaches the child as VLLM_DSA_VARLEN_TOPK (its own test)
 
 
 def _child_command(monkeypatch, args, mode: str) -> list:
@@ -125,13 +126,26 @@ def _child_command(monkeypatch, args, mode: str) -> list:
     seen = {}
 
     def fake_run(cmd, env, stdout, stderr):
-        seen["cmd"] = cmd
+        seen["cmd"], seen["env"] = cmd, env
         return type("Done", (), {"returncode": 0})()
 
     monkeypatch.setattr(e2e.subprocess, "run", fake_run)
     monkeypatch.setattr(e2e, "log_facts", lambda path: {})
     e2e.run_child(args, mode, 3, 0, {"runs": []})
+    _child_command.env = seen["env"]
     return seen["cmd"]
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "own", "vllm"])
+def test_the_topk_choice_reaches_the_child_as_its_environment(tmp_path, monkeypatch, choice):
+    """--topk sets VLLM_DSA_VARLEN_TOPK for the child (the plugin's engine
+    reads it; stock's keeps vLLM's by its own mode); without it the child
+    inherits the environment's."""
+    monkeypatch.setenv("VLLM_DSA_VARLEN_TOPK", "inherited")
+    argv = ["--out", str(tmp_path), "--model", "m"] + (["--topk", choice] if choice else [])
+    _child_command(monkeypatch, e2e.build_parser().parse_args(argv), "plugin")
+    assert _child_command.env["VLLM_DSA_VARLEN_TOPK"] == (choice or "inherited")
+    assert _child_command.env["VLLM_DSA_VARLEN"] == e2e.MODES["plugin"]
 
 
 def test_every_engine_option_reaches_the_engine_process(tmp_path, monkeypatch):
