@@ -55,7 +55,7 @@ def summarize_from_events(events: list[dict], steps: int) -> dict:
         names[e["name"][:120]] = names.get(e["name"][:120], 0.0) + e["dur"]
     total = sum(per_class.values())
     indexer = sum(v for k, v in per_class.items() if k in INDEXER)
-    return {
+    return {**_window(events, steps),
         "steps": steps,
         "gpu_us_per_step": total / steps,
         "indexer_us_per_step": indexer / steps,
@@ -65,6 +65,28 @@ def summarize_from_events(events: list[dict], steps: int) -> dict:
         "top_kernels_us_per_step": {k: v / steps for k, v in
                                     sorted(names.items(), key=lambda kv: -kv[1])[:12]},
     }
+
+
+def _window(events: list[dict], steps: int) -> dict:
+    """The window's wall span per step (first kernel start to last kernel
+    end) and the fraction of it some kernel ran (overlapping kernels counted
+    once): a step whose GPU idles between kernels waits on the host.  Empty
+    where the kernel events carry no timestamps."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("cat") == "kernel" and "dur" in e and "ts" in e)
+    if not spans:
+        return {}
+    busy, start, end = 0.0, spans[0][0], spans[0][1]
+    for a, b in spans[1:]:
+        if a > end:
+            busy += end - start
+            start, end = a, b
+        else:
+            end = max(end, b)
+    busy += end - start
+    window = max(b for _, b in spans) - spans[0][0]
+    return {"window_us_per_step": window / steps,
+            "gpu_busy_fraction": busy / window if window else None}
 
 
 def case_share(entry: dict, mode: str, batch: int, prompt: int) -> float | None:

@@ -9,7 +9,7 @@ for ``docs/results/``: what its tables need, small.
   logprobs (kept only where the two modes' identity tokens differ, where
   they are the evidence);
 * ``trace-*.json.gz`` -> ``trace-*.kernels.json.xz`` (the GPU kernel events
-  only: what ``summarize_trace`` reads, so the summaries in ``e2e.json``
+  only, name, duration and start: what ``summarize_trace`` reads, so the summaries in ``e2e.json``
   reproduce from them; checked here) and ``trace-host-ops.json`` (the
   profiled steps' host events per mode: ``name -> [count, summed µs]``).
 
@@ -55,8 +55,10 @@ def _identity_differs(runs: dict[str, dict], name: str) -> bool:
 
 
 def kernel_events(trace: dict) -> list[dict]:
-    """A Chrome trace's GPU kernel events, reduced to what the summary reads."""
-    return [{"cat": "kernel", "name": e["name"], "dur": e["dur"]}
+    """A Chrome trace's GPU kernel events, reduced to what the summary reads
+    (name, duration and, where the event has one, its start)."""
+    return [{"cat": "kernel", "name": e["name"], "dur": e["dur"],
+             **({"ts": e["ts"]} if "ts" in e else {})}
             for e in trace["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
 
 

@@ -492,7 +492,8 @@ def test_the_kept_copy_is_small_and_reproduces_the_summaries(tmp_path, same_toke
         full = json.load(gzip.open(out / f"trace-{mode}-k2.json.gz", "rt"))
         assert e2e_trace.summarize_from_events(kept["traceEvents"], 3) == \
             e2e_trace.summarize_from_events(full["traceEvents"], 3)
-        assert all(set(ev) == {"cat", "name", "dur"} for ev in kept["traceEvents"])
+        assert all(set(ev) == {"cat", "name", "dur", "ts"} for ev in kept["traceEvents"])
+        assert "gpu_busy_fraction" in e2e_trace.summarize_from_events(kept["traceEvents"], 3)
     hosts = json.loads((dest / "trace-host-ops.json").read_text())
     assert sum(c for c, _ in hosts["trace-stock-k2"].values()) == 50
 

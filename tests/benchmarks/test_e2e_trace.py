@@ -35,6 +35,29 @@ def test_trace_summary_classifies_kernels_per_step(tmp_path):
     assert s["by_class_us_per_step"]["logits_deepgemm"] == pytest.approx(15.0)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_the_window_span_and_busy_fraction_count_overlaps_once(seed):
+    """A window's span per step and the fraction some kernel ran, against a
+    microsecond timeline marked kernel by kernel (random, overlapping,
+    gapped kernels; host events ignored)."""
+    rng = random.Random(seed)
+    events, marked = [], set()
+    for _ in range(rng.randint(1, 40)):
+        ts, dur = rng.randint(0, 2000), rng.randint(1, 150)
+        events.append({"cat": "kernel", "name": f"k{rng.randint(0, 5)}", "ts": ts, "dur": dur})
+        marked.update(range(ts, ts + dur))
+    events.append({"cat": "cpu_op", "name": "host", "ts": 5000, "dur": 10})
+    kernels = [e for e in events if e["cat"] == "kernel"]
+    first = min(e["ts"] for e in kernels)
+    span = max(e["ts"] + e["dur"] for e in kernels) - first
+    steps = rng.randint(1, 4)
+    s = e2e.summarize_from_events(events, steps)
+    assert s["window_us_per_step"] == pytest.approx(span / steps)
+    assert s["gpu_busy_fraction"] == pytest.approx(len(marked) / span)
+    assert "window_us_per_step" not in e2e.summarize_from_events(
+        [{"cat": "kernel", "name": "k", "dur": 3.0}], 1)  # no timestamps: no window
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_share_table_lists_every_window_with_its_modes_figures(seed):
     """The printed window table: a line per traced (k, batch, prompt), each
