@@ -9,7 +9,7 @@ from vllm_dsa_varlen import bench, bench_launch
 
 
 PATHS = ["prepared launch (addresses only)", "launch (schedule given)", "launcher sm90_cuda",
-         "launcher auto", "launcher auto, no out"]
+         "launcher auto", "launcher auto, no out", "top-k decode_topk"]
 
 
 def _rows(out):
@@ -68,6 +68,13 @@ def test_the_fake_leaves_torch_and_the_modules_as_they_were():
     assert (ck.load, ck.plan, ck.available, ck._encode, torch.cuda.get_device_capability,
             torch.cuda.is_current_stream_capturing, torch.cuda.current_device) == before
     assert not ck._DESCRIPTORS and not launcher._ROUTES
+    from vllm_dsa_varlen.ops import cuda_topk as ct
+
+    before = (ct.load, ct._stream, ct._current_device, ct.num_sms, ct.cb.driver)
+    with bench_launch.fake_hopper(), bench_launch.stubbed_topk(ct) as fake:
+        ct.decode_topk(torch.zeros(3, 5000), torch.full((3,), 4000), 7)
+        assert len(fake.launches) == 1
+    assert (ct.load, ct._stream, ct._current_device, ct.num_sms, ct.cb.driver) == before
 
 
 def test_fake_launch_records_one_driver_launch_per_call():

@@ -220,6 +220,28 @@ def test_a_device_decided_for_vllm_skips_the_layout_check(monkeypatch):
     topk.reset()
 
 
+def test_a_device_decided_for_auto_checks_the_layout_only_where_the_rule_takes_it(
+        kernel_here, monkeypatch):
+    """With the device's decision auto's (per call), a call the rule leaves to
+    vLLM goes to stock's op at once, counted, with no layout check; a call
+    it takes is checked, then served by the kernel."""
+    topk.reset()
+    checks = []
+    monkeypatch.setattr(topk, "serves", lambda *a: checks.append(1) or topk.layout_ok(*a))
+    topk._choices[None] = topk.TopkChoice(True, "test", per_call=True)
+    try:
+        for rows, width, bound, ours in [(40, 300, topk.LONG_ROWS, False), (4, 40000, 40000, False),
+                                         (40, 40000, None, False), (40, 40000, 40000, True)]:
+            logits, lens, out, k = _call(rows=rows, width=width)
+            stock, before, counted = [], len(checks), stats.snapshot()["topk"]
+            topk.dispatch(logits, lens, out, k, lambda: stock.append(1), bound=bound)
+            assert (len(checks) - before, len(stock)) == ((1, 0) if ours else (0, 1))
+            key = "own_eager" if ours else "vllm_eager"
+            assert stats.snapshot()["topk"][key] == counted[key] + 1
+    finally:
+        topk.reset()
+
+
 def test_auto_routes_each_call_by_the_measured_rule(kernel_here, monkeypatch):
     """Under auto the decision is per call: the kernel where measured_faster
     says so (more than 32 rows bounded at LONG_ROWS up), vLLM's op elsewhere."""

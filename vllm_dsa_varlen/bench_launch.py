@@ -31,7 +31,8 @@ the launcher's ``auto`` per case against the ≤ 20 µs target.
 ``--fake`` (any machine, no GPU): the same launches on CPU tensors with the
 driver calls stubbed (TMA encode, stream lookup, ``cuLaunchKernel``) and the
 launcher taking the CUDA kernel's path (:func:`fake_hopper`): the host's
-Python alone.  ``--base REV`` times that revision's ``ops`` package beside this
+Python alone; beside them the decode top-k's launch on the case's rows
+(``top-k decode_topk``: logits 163840 wide, the context as the bound).  ``--base REV`` times that revision's ``ops`` package beside this
 one, rounds interleaved in one process.
 
     vllm-dsa-varlen-bench --launch-host [--calls 50] [--cases B1 B64]
@@ -373,9 +374,46 @@ def base_ops(rev: str):
     try:
         launcher = importlib.import_module(f"{name}.ops.launcher")
         ck = importlib.import_module(f"{name}.ops.cuda_paged_mqa_logits")
+        try:
+            ct = importlib.import_module(f"{name}.ops.cuda_topk")
+        except ImportError:  # a revision before the decode top-k
+            ct = None
     finally:
         sys.path.remove(tmp)
-    return types.SimpleNamespace(launcher=launcher, ck=ck)
+    return types.SimpleNamespace(launcher=launcher, ck=ck, ct=ct)
+
+
+@contextlib.contextmanager
+def stubbed_topk(ct):
+    """``ct`` (the decode top-k's module, this revision's or another's)
+    launching on CPU tensors: its build's loading, the stream, device and SM
+    queries and ``cuLaunchKernel`` stubbed.  Yields the fake driver."""
+    fake = _FakeDriver()
+    kern = types.SimpleNamespace(fn="decode_topk", ctx=None)
+    saved = {n: getattr(ct, n) for n in ("load", "_stream", "_current_device", "num_sms")}
+    saved_driver = ct.cb.driver
+    ct.load = lambda device, defines=(): kern
+    ct._stream = lambda index: 0x5EED
+    ct._current_device = lambda: None  # CPU tensors' device index
+    ct.num_sms = lambda index: 132     # the H200's
+    ct.cb.driver = lambda: fake
+    try:
+        yield fake
+    finally:
+        for name, value in saved.items():
+            setattr(ct, name, value)
+        ct.cb.driver = saved_driver
+
+
+def fake_topk_paths(ct, rows: int, bound: int) -> dict:
+    """The decode top-k's launch (``decode_topk``, bounded as in an eager
+    step) on the engine's layout: ``rows`` rows of logits 163840 wide, k 2048
+    (CPU tensors, under :func:`stubbed_topk`)."""
+    logits = torch.empty(rows, 163840)
+    lens = torch.full((rows,), bound, dtype=torch.int32)
+    out = torch.empty(rows, 2048, dtype=torch.int32)
+    return {"top-k decode_topk": lambda: ct.decode_topk(logits, lens, 2048, out=out,
+                                                        bound=bound)}
 
 
 def fake_paths(ops, step, out, hint: int) -> dict:
@@ -409,11 +447,12 @@ def run_fake(args) -> list[tuple]:
     (same process, rounds interleaved: every path of every revision timed once
     per round), median of 7 rounds of ``calls * 20`` calls."""
     from .ops import cuda_paged_mqa_logits as ck
+    from .ops import cuda_topk as ct
     from .ops import launcher
     from .workloads import random_decode_step
 
     torch.set_num_threads(1)
-    versions = {"now": types.SimpleNamespace(launcher=launcher, ck=ck)}
+    versions = {"now": types.SimpleNamespace(launcher=launcher, ck=ck, ct=ct)}
     if args.base:
         versions[args.base] = base_ops(args.base)
     table = []
@@ -430,7 +469,11 @@ def run_fake(args) -> list[tuple]:
             stack.enter_context(fake_hopper())
             for label, ops in versions.items():
                 stack.enter_context(stubbed_launcher(ops, sched))
-                for path, fn in fake_paths(ops, step, out, tokens).items():
+                paths = fake_paths(ops, step, out, tokens)
+                if ops.ct is not None:
+                    stack.enter_context(stubbed_topk(ops.ct))
+                    paths.update(fake_topk_paths(ops.ct, reqs * tokens, context))
+                for path, fn in paths.items():
                     fn()
                     timed[(path, label)] = (fn, [])
             for _ in range(7):

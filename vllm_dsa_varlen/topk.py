@@ -208,34 +208,50 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object],
     if _forced is False:
         stock()
         return
+    known = None
     if _forced is None:  # the decision made for this device: no layout check where it is vLLM's
         device = getattr(logits, "device", None)
         known = _choices.get(getattr(device, "index", None))
         if known is not None and not known.own:
             stock()
             return
+    captured = capturing()
+    if captured or not (isinstance(bound, int) and not isinstance(bound, bool) and bound >= 1):
+        # A graph replays the launch at other lengths: no bound there (vLLM captures
+        # with max_seq_len = max_model_len, which bounds nothing).
+        bound = None
+    takes = None  # auto's rule for this call, once asked
+    if known is not None and known.per_call:
+        takes = _rule_takes(logits, bound)
+        if not takes:  # auto leaves it to vLLM: no layout check either
+            stats.record_topk(False, captured)
+            stock()
+            return
     if serves(logits, lengths, out, k):
-        index = logits.device.index
-        if index is None:
-            index = torch.cuda.current_device()
-        captured = capturing()
-        if captured or not (isinstance(bound, int) and not isinstance(bound, bool)
-                            and bound >= 1):
-            # A graph replays the launch at other lengths: no bound there (vLLM captures
-            # with max_seq_len = max_model_len, which bounds nothing).
-            bound = None
-        # The rule sees the longest row the plan sizes for (a bound past the width is the width).
-        longest = None if bound is None else min(bound, logits.shape[1])
-        choice = None if _forced is not None else decide(index)
-        own = bool(_forced or (choice is not None and choice.own and (
-            not choice.per_call or (longest is not None
-                                    and measured_faster(logits.shape[0], longest, num_sms(index)))
-        )))
+        choice = known if known is not None or _forced is not None else decide(
+            _index_of(logits))
+        own = bool(_forced or (choice.own and (not choice.per_call or (
+            takes if takes is not None else _rule_takes(logits, bound)))))
         stats.record_topk(own, captured)
         if own:
             cuda_topk.decode_topk(logits, lengths, k, out=out, defines=None, bound=bound)
             return
     stock()
+
+
+def _index_of(logits) -> int:
+    index = logits.device.index
+    return torch.cuda.current_device() if index is None else index
+
+
+def _rule_takes(logits, bound: int | None) -> bool:
+    """:func:`measured_faster` for a call on these 2-D logits (tensor
+    metadata only): the bound clamped to their width, the longest row the
+    plan sizes for."""
+    shape = getattr(logits, "shape", ())
+    if bound is None or len(shape) != 2:
+        return False
+    return measured_faster(shape[0], min(bound, shape[1]), num_sms(_index_of(logits)))
 
 
 def reset() -> None:

@@ -177,6 +177,74 @@ def test_kernel_args_match_the_signature():
     assert [(n, ctypes.sizeof(v)) for n, v in args.items()] == want
 
 
+class _ReadingDriver:
+    """cuda-python's driver for the launch only: each ``cuLaunchKernel``
+    reads the values its parameter pointer array points to *at the call*
+    (the block is rewritten by the next launch), sized by ``kernel_args``'
+    ctypes types in the kernel's order."""
+
+    def __init__(self):
+        self.launches = []
+        self.types = [type(v) for v in ct.kernel_args(0, 0, 0, 0, 0, 0, 0, 0).values()]
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        ptrs = (ctypes.c_void_p * len(self.types)).from_address(params)
+        self.launches.append(dict(fn=fn, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem,
+                                  stream=stream,
+                                  values=[bytes(t.from_address(p)) for t, p in
+                                          zip(self.types, ptrs)]))
+        return (0,)
+
+
+def test_every_launch_hands_the_driver_the_values_kernel_args_makes(monkeypatch):
+    """decode_topk's parameter block is made once and refilled per launch:
+    each launch hands the driver exactly the values kernel_args makes afresh
+    for its arguments (the lengths converted where they are not contiguous
+    int32: their address then the converted copy's), with the plan's grid,
+    block and shared memory.  CPU tensors, the driver stubbed."""
+    import random
+
+    from vllm_dsa_varlen import bench_launch as host_time
+
+    drv = _ReadingDriver()
+    monkeypatch.setattr(cb, "driver", lambda: drv)
+    monkeypatch.setattr(ct, "load", lambda device, defines=(): type(
+        "K", (), {"fn": "+".join(defines), "ctx": None})())
+    monkeypatch.setattr(ct, "_stream", lambda index: 0x5EED)
+    monkeypatch.setattr(ct, "_current_device", lambda: None)
+    monkeypatch.setattr(ct, "num_sms", lambda index: 132)
+    rng = random.Random()
+    seen = []
+    with host_time.fake_hopper():
+        for _ in range(60):
+            rows, width, k = rng.randint(1, 300), rng.randint(1, 200000), rng.choice([7, 2048])
+            logits = torch.empty(rows, width + rng.choice([0, 3]))[:, :width]
+            lens = torch.randint(0, width + 1, (rows,), dtype=rng.choice([torch.int32,
+                                                                          torch.int64]))
+            out = torch.empty(rows, k + rng.choice([0, 5]), dtype=torch.int32)[:, :k]
+            bound = rng.choice([None, rng.randint(1, 2 * width)])
+            defines = rng.choice([None, ("SPLIT=2", "MINB=1"), ct.SHORT_ROWS])
+            ct.decode_topk(logits, lens, k, out=out, defines=defines, bound=bound)
+            got = drv.launches[-1]
+            plan = defines or ct.launch_plan(rows, width if bound is None else min(width, bound),
+                                             132)
+            longest = width if bound is None else min(width, bound)
+            split, lists = ct.split_of(plan), ct.listed(plan)
+            lens_addr = int.from_bytes(got["values"][2], "little")
+            if lens.dtype == torch.int32:
+                assert lens_addr == lens.data_ptr()
+            want = ct.kernel_args(logits.data_ptr(), logits.stride(0), lens_addr, width, k,
+                                  out.data_ptr(), out.stride(0) if rows > 1 else k,
+                                  ct.stage_for(longest, split, lists))
+            assert got["values"] == [bytes(v) for v in want.values()]
+            assert got["fn"] == "+".join(plan) and got["stream"] == 0x5EED
+            assert got["grid"] == (rows * split, 1, 1)
+            assert got["block"] == (ct.threads_of(plan), 1, 1)
+            assert got["smem"] == ct.smem_bytes(longest, split, lists)
+            seen.append(got["values"])
+    assert len({tuple(v) for v in seen}) > 50  # the block is refilled, not frozen
+
+
 def test_shared_memory_fits_at_every_width():
     with open(ct.SOURCE) as f:
         src = f.read()

@@ -190,6 +190,34 @@ def kernel_args(logits: int, row_stride: int, lens: int, width: int, k: int, out
             "stage": c.c_int32(stage)}
 
 
+class _Params:
+    """The kernel's parameter block: :func:`kernel_args`' values, made once,
+    and the pointer array ``cuLaunchKernel`` reads beside them.  Every build
+    takes the same parameters, so one block serves every launch: a launch
+    sets the values (:meth:`set`) and the driver copies them at the call
+    (``lock``: one launch at a time fills the block)."""
+
+    __slots__ = ("vals", "array", "addr", "lock")
+
+    def __init__(self):
+        self.vals = kernel_args(0, 0, 0, 0, 0, 0, 0, 0)
+        self.array = (ctypes.c_void_p * len(self.vals))(
+            *[ctypes.addressof(v) for v in self.vals.values()])
+        self.addr = ctypes.addressof(self.array)
+        self.lock = threading.Lock()
+
+    def set(self, logits: int, row_stride: int, lens: int, width: int, k: int, out: int,
+            out_stride: int, stage: int) -> None:
+        """This launch's values (as :func:`kernel_args` makes them)."""
+        v = self.vals
+        v["logits"].value, v["row_stride"].value, v["lens"].value = logits, row_stride, lens
+        v["width"].value, v["k"].value = width, k
+        v["out"].value, v["out_stride"].value, v["stage"].value = out, out_stride, stage
+
+
+_PARAMS = _Params()
+
+
 def layout_problem(logits, lengths, k, out) -> tuple[str, str, object] | None:
     """The first way :func:`decode_topk`'s arguments are not laid out as the
     kernel takes them, as ``(argument, expected, got)``, or ``None``
@@ -276,16 +304,17 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
         _fail("defines", f"THREADS of {', '.join(map(str, THREAD_COUNTS))}", threads)
     kern = load(dev, defines)
     stage = stage_for(longest, split, lists)
-    vals = kernel_args(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
-                       out.data_ptr(), out.stride(0) if rows > 1 else k, stage)
-    array = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals.values()])
     grid, smem = rows * split, smem_bytes(longest, split, lists)
-    if _current_device() == index:
-        cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
-                           _stream(index), ctypes.addressof(array))
-    else:
-        with torch.cuda.device(index):
+    params = _PARAMS
+    with params.lock:
+        params.set(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
+                   out.data_ptr(), out.stride(0) if rows > 1 else k, stage)
+        if _current_device() == index:
             cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
-                               _stream(index), ctypes.addressof(array))
+                               _stream(index), params.addr)
+        else:
+            with torch.cuda.device(index):
+                cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
+                                   _stream(index), params.addr)
     del flat  # a converted copy lived until the launch was queued
     return out
