@@ -114,11 +114,13 @@ def share_table(result: dict) -> str:
     """Every profiled window, per k and case: the indexer's share of the
     step's GPU time and its GPU time per step, per mode; the second mode's
     decode-path counts over the window and the requests decoding at each
-    profiled step."""
+    profiled step; the share of the window some kernel ran, per mode (well
+    below 100 %: the host sets the step's pace, and GPU time saved does not
+    shorten it)."""
     lines = ["| k | B | L | indexer share stock / {0} | indexer us per step stock / {0} | "
              "GPU ms per step stock / {0} | {0} window's paths | "
-             "requests decoding per step stock / {0} |",
-             "|---|---|---|---|---|---|---|---|"]
+             "requests decoding per step stock / {0} | GPU busy stock / {0} |",
+             "|---|---|---|---|---|---|---|---|---|"]
     second = "plugin"
     for k, entry in sorted(result["per_k"].items(), key=lambda kv: int(kv[0])):
         modes = {m for w in trace_windows(entry).values() for m in w}
@@ -138,7 +140,8 @@ def share_table(result: dict) -> str:
                          f"{col('indexer_us_per_step')} | "
                          f"{col('gpu_us_per_step', 1e-3, '{:.2f}')} | {paths} | "
                          + " / ".join(" ".join(map(str, (w.get(m) or {}).get("decoding") or []))
-                                      or "-" for m in ("stock", second)) + " |")
+                                      or "-" for m in ("stock", second))
+                         + f" | {col('gpu_busy_fraction', 100, '{:.0f} %')} |")
     lines[0] = lines[0].format(second)
     return "\n".join(lines)
 

@@ -70,7 +70,8 @@ def test_the_share_table_lists_every_window_with_its_modes_figures(seed):
                 "indexer_us_per_step": rng.uniform(100, 3000),
                 "gpu_us_per_step": rng.uniform(5000, 30000),
                 "paths": {"varlen": rng.randint(0, 3), "stock_native": rng.randint(0, 3)},
-                "decoding": [b] * 3}
+                "decoding": [b] * 3,
+                **({"gpu_busy_fraction": rng.uniform(0.3, 1.0)} if rng.random() < 0.7 else {})}
     traces = {m: [w(b, x) for b, x in cases] for m in ("stock", "plugin")}
     text = e2e.share_table({"per_k": {"2": {"traces": traces}}})
     for i, (b, x) in enumerate(cases):
@@ -82,3 +83,6 @@ def test_the_share_table_lists_every_window_with_its_modes_figures(seed):
         assert cols[5] == f"{s['gpu_us_per_step'] / 1e3:.2f} / {p['gpu_us_per_step'] / 1e3:.2f}"
         want = ", ".join(f"{k} {n}" for k, n in p["paths"].items() if n) or "-"
         assert cols[6] == want and cols[7] == f"{b} {b} {b} / {b} {b} {b}"
+        busy = [f"{100 * t['gpu_busy_fraction']:.0f} %" if "gpu_busy_fraction" in t else "-"
+                for t in (s, p)]  # windows before the field: "-"
+        assert cols[8] == " / ".join(busy)
