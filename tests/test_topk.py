@@ -53,6 +53,9 @@ def test_measured_faster_rule():
                               (1, None, False)]:
         assert topk.measured_faster(rows, bound, 132) is want, (rows, bound)
     assert not topk.measured_faster(100, 163840, 78) and topk.measured_faster(78, 163840, 78)
+    # a vLLM line whose call takes cooperative_topk up to 64 rows: ours only past them
+    assert not topk.measured_faster(64, 40000, 132, 64) and topk.measured_faster(65, 40000, 132, 64)
+    assert not topk.measured_faster(32, 40000, 132, 8)  # never below 0.27.1's 32
 
 
 def test_auto_builds_cover_every_call_the_rule_takes():

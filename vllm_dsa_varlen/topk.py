@@ -14,9 +14,11 @@ side by side.  ``VLLM_DSA_VARLEN_TOPK``:
 * ``vllm``: vLLM's top-k always;
 * ``auto`` (default): the project's top-k on sm_90 for the calls where it
   was measured faster than vLLM's (:func:`measured_faster`: outside
-  CUDA-graph capture, more than 32 rows whose host bound on the lengths is
-  :data:`LONG_ROWS` columns or more, up to as many rows as SMs or, past
-  them, rows that a CTA's stage holds whole), vLLM's for the others.
+  CUDA-graph capture, more rows than the vLLM line gives its
+  ``cooperative_topk`` (32 in 0.27.1, 64 in 0.33.0) whose host bound on the
+  lengths is :data:`LONG_ROWS` columns or more, up to as many rows as SMs
+  or, past them, rows that a CTA's stage holds whole), vLLM's for the
+  others.
 
 ``VLLM_DSA_VARLEN=off`` or ``stock`` keeps vLLM's too.  The decision per
 process and device is made once (:func:`choose_topk`, pure; logged once),
@@ -53,19 +55,27 @@ CAPABILITY = (9, 0)
 # stages a row whole (B64 L32K 2, 3, 1..4, 4 tokens); 0.94-1.15x on every
 # other step timed (few rows, rows of 16K columns and fewer, more rows than
 # SMs of 64K columns).
+# Measured against vLLM 0.27.1, whose call takes cooperative_topk up to 32 rows and
+# persistent_topk past them: the wins are all against persistent_topk.  vLLM 0.33.0's
+# takes cooperative_topk up to 64 rows (its AUTO_COOPERATIVE_MAX_ROWS), which was not
+# timed from 33 rows up; its line hands that limit to dispatch (``cooperative_rows``).
 LONG_ROWS = 32768
-COOPERATIVE_ROWS = 32  # vLLM's cooperative_topk serves up to this many rows
+COOPERATIVE_ROWS = 32  # vLLM 0.27.1's cooperative_topk serves up to this many rows
 
 
-def measured_faster(rows: int, bound: int | None, sms: int) -> bool:
+def measured_faster(rows: int, bound: int | None, sms: int,
+                    cooperative_rows: int = COOPERATIVE_ROWS) -> bool:
     """Whether ``auto`` takes the project's top-k for a call of ``rows`` rows
     on a GPU of ``sms`` SMs whose lengths the host bounds by ``bound``
     (``None``: no bound known: the logits' width is none, vLLM sizes it for
     the longest context the engine allows, nor is anything inside a
-    CUDA-graph capture, whose launch replays at other lengths): more than
-    :data:`COOPERATIVE_ROWS` rows bounded at :data:`LONG_ROWS` or more, and
-    either no more rows than SMs or rows one CTA stages whole."""
-    if bound is None or rows <= COOPERATIVE_ROWS or bound < LONG_ROWS:
+    CUDA-graph capture, whose launch replays at other lengths): more rows
+    than vLLM's call gives its ``cooperative_topk`` (``cooperative_rows``, at
+    least :data:`COOPERATIVE_ROWS`: ours was timed against
+    ``persistent_topk`` only past them), bounded at :data:`LONG_ROWS` or more,
+    and either no more rows than SMs or rows one CTA stages whole."""
+    if (bound is None or rows <= max(COOPERATIVE_ROWS, cooperative_rows)
+            or bound < LONG_ROWS):
         return False
     return rows <= sms or bound <= cuda_topk.MAX_STAGE
 
@@ -127,7 +137,8 @@ def choose_topk(*, mode: str, setting: str, capability: tuple[int, int] | None,
         return TopkChoice(False, f"the project's top-k kernel is unavailable: {kernel_error}")
     if setting == "auto":
         return TopkChoice(True, f"sm_90, {TOPK_ENV}=auto: the project's where measured faster "
-                                f"(more than {COOPERATIVE_ROWS} rows bounded at {LONG_ROWS} "
+                                f"(more rows than vLLM's cooperative_topk takes, bounded at "
+                                f"{LONG_ROWS} "
                                 f"columns or more, up to as many rows as SMs or rows of up to "
                                 f"{cuda_topk.MAX_STAGE} columns, outside graph capture), vLLM's "
                                 f"elsewhere", per_call=True)
@@ -199,12 +210,14 @@ def capturing() -> bool:
 
 
 def dispatch(logits, lengths, out, k, stock: Callable[[], object],
-             bound: int | None = None) -> None:
+             bound: int | None = None, cooperative_rows: int = COOPERATIVE_ROWS) -> None:
     """The decode top-k of ``logits`` into ``out``: the project's kernel
     where it serves this device and call, else ``stock()`` (vLLM's call,
     its own arguments).  ``bound``: the call's host bound on the lengths
     (vLLM's ``max_seq_len`` argument; sizes the kernel's launch plan and
-    feeds :func:`measured_faster`; ignored inside a CUDA-graph capture)."""
+    feeds :func:`measured_faster`; ignored inside a CUDA-graph capture);
+    ``cooperative_rows``: up to how many rows the vLLM line's call takes
+    ``cooperative_topk`` (feeds :func:`measured_faster`)."""
     if _forced is False:
         stock()
         return
@@ -222,7 +235,7 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object],
         bound = None
     takes = None  # auto's rule for this call, once asked
     if known is not None and known.per_call:
-        takes = _rule_takes(logits, bound)
+        takes = _rule_takes(logits, bound, cooperative_rows)
         if not takes:  # auto leaves it to vLLM: no layout check either
             stats.record_topk(False, captured)
             stock()
@@ -231,7 +244,7 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object],
         choice = known if known is not None or _forced is not None else decide(
             _index_of(logits))
         own = bool(_forced or (choice.own and (not choice.per_call or (
-            takes if takes is not None else _rule_takes(logits, bound)))))
+            takes if takes is not None else _rule_takes(logits, bound, cooperative_rows)))))
         stats.record_topk(own, captured)
         if own:
             cuda_topk.decode_topk(logits, lengths, k, out=out, defines=None, bound=bound)
@@ -244,14 +257,15 @@ def _index_of(logits) -> int:
     return torch.cuda.current_device() if index is None else index
 
 
-def _rule_takes(logits, bound: int | None) -> bool:
+def _rule_takes(logits, bound: int | None, cooperative_rows: int) -> bool:
     """:func:`measured_faster` for a call on these 2-D logits (tensor
     metadata only): the bound clamped to their width, the longest row the
     plan sizes for."""
     shape = getattr(logits, "shape", ())
     if bound is None or len(shape) != 2:
         return False
-    return measured_faster(shape[0], min(bound, shape[1]), num_sms(_index_of(logits)))
+    return measured_faster(shape[0], min(bound, shape[1]), num_sms(_index_of(logits)),
+                           cooperative_rows)
 
 
 def reset() -> None:

@@ -148,3 +148,39 @@ def test_decode_topk_goes_through_the_choice(monkeypatch, module):
     assert bounds == [300]  # the op's max_seq_len argument sizes the kernel's plan
     patches.undo_all()
     assert module.get_indexer_topk is stock_get
+
+
+@pytest.mark.parametrize("module", [sai, glm], ids=["sparse_attn_indexer", "glm5next"])
+def test_auto_leaves_stocks_cooperative_rows_to_it(monkeypatch, module):
+    """Stock 0.33.0's ``auto`` chain takes cooperative_topk up to its module's
+    AUTO_COOPERATIVE_MAX_ROWS (64), against which the project's top-k was
+    not timed: under the project's ``auto`` a bounded call of that many rows
+    of long contexts stays stock's, one row more goes to the kernel."""
+    import sys
+
+    from vllm_dsa_varlen import topk
+    from vllm_dsa_varlen.ops import cuda_topk
+
+    patches.apply_all(line="0.33")
+    try:
+        auto = module.get_indexer_topk("auto")
+        limit = sys.modules[type(auto.stock).__module__].AUTO_COOPERATIVE_MAX_ROWS
+        assert auto.cooperative_rows == limit >= topk.COOPERATIVE_ROWS
+        seen, ours = [], []
+        monkeypatch.setattr(auto, "stock", lambda *a: seen.append(a))
+        monkeypatch.setattr(topk, "serves", topk.layout_ok)
+        monkeypatch.setattr(topk, "decide",
+                            lambda index: topk.TopkChoice(True, "test", per_call=True))
+        monkeypatch.setattr(topk, "num_sms", lambda index: 132)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(cuda_topk, "decode_topk",
+                            lambda lg, ln, k, out=None, defines=(), bound=None: ours.append(1))
+        width = topk.LONG_ROWS
+        for rows, want in [(limit, (1, 0)), (limit + 1, (1, 1))]:
+            logits = torch.zeros(rows, width)
+            lens = torch.full((rows, 1), width, dtype=torch.int32)
+            out = torch.zeros(rows, 8, dtype=torch.int32)
+            auto(logits, lens, 1, out, 8, width)
+            assert (len(seen), len(ours)) == want, rows
+    finally:
+        patches.undo_all()

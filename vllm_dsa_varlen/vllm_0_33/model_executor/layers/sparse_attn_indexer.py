@@ -33,6 +33,7 @@ builder never serves with varlen, so it never sees a varlen step of the project'
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable
 
 import torch
@@ -93,17 +94,27 @@ def wrap_paged_mqa_logits(original: Callable[..., Any]) -> Callable[..., Any]:
 
 class _DecodeTopk:
     """vLLM's decode top-k module for one backend, called as the indexer op
-    calls it, with the project's top-k first in line (:func:`vllm_dsa_varlen.topk.dispatch`)."""
+    calls it, with the project's top-k first in line (:func:`vllm_dsa_varlen.topk.dispatch`).
+    ``cooperative_rows``: up to how many rows stock's ``auto`` chain takes
+    ``cooperative_topk``, read from the stock module's own module
+    (``AUTO_COOPERATIVE_MAX_ROWS``, 64 in 0.33.0; 32 where it has none)."""
 
     def __init__(self, stock: Callable[..., Any]):
+        from vllm_dsa_varlen import topk
+
         self.stock = stock
+        home = sys.modules.get(type(stock).__module__)
+        limit = getattr(home, "AUTO_COOPERATIVE_MAX_ROWS", None)
+        self.cooperative_rows = (limit if isinstance(limit, int) and not isinstance(limit, bool)
+                                 else topk.COOPERATIVE_ROWS)
 
     def __call__(self, logits, seq_lens, next_n, topk_indices, topk_tokens, max_seq_len):
         from vllm_dsa_varlen import topk
 
         topk.dispatch(logits, seq_lens, topk_indices, topk_tokens,
                       lambda: self.stock(logits, seq_lens, next_n, topk_indices, topk_tokens,
-                                         max_seq_len), bound=max_seq_len)
+                                         max_seq_len), bound=max_seq_len,
+                      cooperative_rows=self.cooperative_rows)
 
     def __getattr__(self, name: str) -> Any:  # resolve_backend, ... of stock's module
         return getattr(self.stock, name)
