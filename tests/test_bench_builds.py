@@ -72,13 +72,30 @@ def test_per_step_sums_the_paths_each_line_takes():
                                         (["--builds", "default", "--topk-width", "9"],
                                          "--topk-width"),
                                         (["--builds", "default", "--topk-builds", "default"],
-                                         "--topk-builds")])
+                                         "--topk-builds"),
+                                        (["--topk-cooperative-rows", "64"],
+                                         "--topk-cooperative-rows"),
+                                        (["--builds", "default", "--topk-lib", "x.so",
+                                          "--topk-cooperative-rows", "-1"],
+                                         "--topk-cooperative-rows: expected an int >= 0")])
 def test_builds_options_only_with_builds(argv, flag, capsys):
     """The --builds options are refused without --builds (naming the flag),
     rather than silently ignored."""
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert flag in capsys.readouterr().err
+
+
+def test_vllm_topk_op_is_cooperative_up_to_the_lines_rows_on_aligned_rows():
+    """Which of vLLM's decode top-k ops the bench times: cooperative_topk up to
+    the line's row limit (0.27.1: 32, 0.33.0: 64) on rows whose stride is a
+    multiple of 4, persistent_topk otherwise."""
+    for limit in (0, 32, 64):
+        for rows in (1, 31, 32, 33, 64, 65, 500):
+            for stride in (163840, 163841, 8192, 4098):
+                want = rows <= limit and stride % 4 == 0
+                got = variants.vllm_topk_op(rows, stride, limit)
+                assert got == ("cooperative_topk" if want else "persistent_topk"), (rows, stride)
 
 
 def test_builds_without_a_gpu_says_so(monkeypatch):

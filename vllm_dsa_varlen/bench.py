@@ -554,6 +554,10 @@ def main(argv=None):
                         "columns (the step's in the first; the rest -inf) and vLLM's gets it as "
                         "max_seq_len, this project's no bound: a CUDA-graph-captured step's "
                         "call, whose width is max_model_len (e.g. 163840)")
+    parser.add_argument("--topk-cooperative-rows", type=int, default=None,
+                        help="--builds --topk-lib: vLLM's call takes cooperative_topk up to this "
+                        "many rows (default 32: vLLM 0.27.1's indexer; 64: vLLM 0.33.0's auto "
+                        "chain, with its extension as --topk-lib)")
     parser.add_argument("--calls", type=int, default=None,
                         help="--launch-host: calls per timed round (default 50)")
     parser.add_argument("--fake", action="store_true", help="--launch-host: the launch on CPU "
@@ -573,11 +577,16 @@ def main(argv=None):
          bool(args.builds and args.topk_lib)),
         ("--topk-width", "--builds --topk-lib", args.topk_width is not None,
          bool(args.builds and args.topk_lib)),
+        ("--topk-cooperative-rows", "--builds --topk-lib",
+         args.topk_cooperative_rows is not None, bool(args.builds and args.topk_lib)),
         ("--calls", "--launch-host", args.calls is not None, args.launch_host),
         ("--fake", "--launch-host", args.fake, args.launch_host),
         ("--base", "--launch-host", bool(args.base), args.launch_host)) if given and not on]
     if wrong:
         parser.error("; ".join(wrong))
+    if args.topk_cooperative_rows is not None and args.topk_cooperative_rows < 0:
+        parser.error(f"--topk-cooperative-rows: expected an int >= 0, got "
+                     f"{args.topk_cooperative_rows}")
     if args.plan_timing:
         from . import bench_plan
         return bench_plan.run(args)

@@ -135,7 +135,9 @@ def run(args) -> int:
             torch.cuda.synchronize()
             extra.update(topk_calls(torch, topk_ops, step, out, dg, sms,
                                     builds=getattr(args, "topk_builds", None) or ("default",),
-                                    width=getattr(args, "topk_width", None)))
+                                    width=getattr(args, "topk_width", None),
+                                    cooperative_rows=getattr(args, "topk_cooperative_rows",
+                                                             None)))
         calls.update(extra)
         times = {k: [] for k in calls}
         rounds = case_rounds(args.rounds, len(calls), args.fixed_order)
@@ -236,9 +238,20 @@ def topk_build(text: str) -> tuple[tuple, int | str | None]:
             (bound[0] if bound[0] == "step" else int(bound[0])) if bound else None)
 
 
-def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), width=None):
-    """vLLM's decode top-k (``cooperative_topk`` up to 32 rows on sm_90, else
-    ``persistent_topk``, as vLLM 0.27.1's indexer picks) on the step's varlen
+def vllm_topk_op(rows: int, row_stride: int, cooperative_rows: int) -> str:
+    """The decode top-k op vLLM's call takes on sm_90 for ``k`` of 512, 1024
+    or 2048: ``cooperative_topk`` up to ``cooperative_rows`` rows whose row
+    stride is a multiple of 4 (its TMA's 16 bytes), else ``persistent_topk``
+    (0.27.1's indexer: 32 rows; 0.33.0's ``auto`` chain: 64)."""
+    return ("cooperative_topk" if rows <= cooperative_rows and row_stride % 4 == 0
+            else "persistent_topk")
+
+
+def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), width=None,
+               cooperative_rows=None):
+    """vLLM's decode top-k (:func:`vllm_topk_op`: ``cooperative_topk`` up to
+    ``cooperative_rows`` rows on sm_90, else ``persistent_topk``; by default
+    32, as vLLM 0.27.1's indexer picks) on the step's varlen
     rows (``topk-rows``: what the plugin and stock's flattened call feed it) and
     on its padded native rows (``topk-padded``, next_n 4 or the uniform length
     1/2/4: the same logits where the step is uniform in that length, else
@@ -252,6 +265,8 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), widt
     this project's no bound (a captured step's call); ``None``: the step's."""
     from .topk import COOPERATIVE_ROWS
 
+    if cooperative_rows is None:
+        cooperative_rows = COOPERATIVE_ROWS
     rows = step.rows
     ctx2d = rows.context_lens.view(-1, 1).contiguous()
     if width is None:
@@ -279,7 +294,7 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), widt
         n = logits.shape[0]
         idx = torch.full((n, k), -1, dtype=torch.int32, device=out.device)
         work = torch.empty(1 << 20, dtype=torch.uint8, device=out.device)
-        coop = n <= COOPERATIVE_ROWS and logits.stride(0) % 4 == 0
+        coop = vllm_topk_op(n, logits.stride(0), cooperative_rows) == "cooperative_topk"
         op = ops.cooperative_topk if coop else ops.persistent_topk
         fn = (lambda op=op, lg=logits, ln=lens, i=idx, w=work:
               op(lg, ln, i, w, k, lg.shape[1]))
