@@ -9,8 +9,8 @@ for ``docs/results/``: what its tables need, small.
   logprobs (kept only where the two modes' identity tokens differ, where
   they are the evidence);
 * ``trace-*.json.gz`` -> ``trace-*.kernels.json.xz`` (the GPU kernel events
-  only, name, duration and start: what ``summarize_trace`` reads, so the summaries in ``e2e.json``
-  reproduce from them; checked here) and ``trace-host-ops.json`` (the
+  only, their name, duration and start: what ``summarize_trace`` reads, so
+  the summaries in ``e2e.json`` reproduce from them; checked here) and ``trace-host-ops.json`` (the
   profiled steps' host events per mode: ``name -> [count, summed µs]``).
 
 Nothing else is copied (the tiny model's config is rewritten by the harness).

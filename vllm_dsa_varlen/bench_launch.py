@@ -32,8 +32,9 @@ the launcher's ``auto`` per case against the ≤ 20 µs target.
 driver calls stubbed (TMA encode, stream lookup, ``cuLaunchKernel``) and the
 launcher taking the CUDA kernel's path (:func:`fake_hopper`): the host's
 Python alone; beside them the decode top-k's launch on the case's rows
-(``top-k decode_topk``: logits 163840 wide, the context as the bound).  ``--base REV`` times that revision's ``ops`` package beside this
-one, rounds interleaved in one process.
+(``top-k decode_topk``: logits 163840 wide, the context as the bound).
+``--base REV`` times that revision's ``ops`` package beside this one, rounds
+interleaved in one process.
 
     vllm-dsa-varlen-bench --launch-host [--calls 50] [--cases B1 B64]
     vllm-dsa-varlen-bench --launch-host --fake [--base HEAD~1]

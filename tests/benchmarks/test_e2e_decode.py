@@ -121,8 +121,9 @@ PARENT_ONLY = {"out", "model", "k", "repeats", "modes", "merge", "child", "mode"
                "topk"}  # reaches the child as VLLM_DSA_VARLEN_TOPK (its own test)
 
 
-def _child_command(monkeypatch, args, mode: str) -> list:
-    """The command line run_child starts the ``mode`` child with (k = 3, no process run)."""
+def _child_start(monkeypatch, args, mode: str) -> tuple[list, dict]:
+    """The command line and environment run_child starts the ``mode`` child
+    with (k = 3, no process run)."""
     seen = {}
 
     def fake_run(cmd, env, stdout, stderr):
@@ -132,8 +133,12 @@ def _child_command(monkeypatch, args, mode: str) -> list:
     monkeypatch.setattr(e2e.subprocess, "run", fake_run)
     monkeypatch.setattr(e2e, "log_facts", lambda path: {})
     e2e.run_child(args, mode, 3, 0, {"runs": []})
-    _child_command.env = seen["env"]
-    return seen["cmd"]
+    return seen["cmd"], seen["env"]
+
+
+def _child_command(monkeypatch, args, mode: str) -> list:
+    """The command line run_child starts the ``mode`` child with."""
+    return _child_start(monkeypatch, args, mode)[0]
 
 
 @pytest.mark.parametrize("choice", [None, "auto", "own", "vllm"])
@@ -143,9 +148,9 @@ def test_the_topk_choice_reaches_the_child_as_its_environment(tmp_path, monkeypa
     inherits the environment's."""
     monkeypatch.setenv("VLLM_DSA_VARLEN_TOPK", "inherited")
     argv = ["--out", str(tmp_path), "--model", "m"] + (["--topk", choice] if choice else [])
-    _child_command(monkeypatch, e2e.build_parser().parse_args(argv), "plugin")
-    assert _child_command.env["VLLM_DSA_VARLEN_TOPK"] == (choice or "inherited")
-    assert _child_command.env["VLLM_DSA_VARLEN"] == e2e.MODES["plugin"]
+    _, env = _child_start(monkeypatch, e2e.build_parser().parse_args(argv), "plugin")
+    assert env["VLLM_DSA_VARLEN_TOPK"] == (choice or "inherited")
+    assert env["VLLM_DSA_VARLEN"] == e2e.MODES["plugin"]
 
 
 def test_every_engine_option_reaches_the_engine_process(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import ctypes
 import functools
 import importlib
 import os
+import threading
 
 import torch
 
@@ -118,6 +119,22 @@ def current_device() -> int:
     if _GET_DEVICE is not None:
         return _GET_DEVICE()
     return torch.cuda.current_device()
+
+
+class ParamBlock:
+    """A kernel's parameter values (``vals``: ctypes objects by name, in the
+    kernel's order) made once, beside the pointer array ``cuLaunchKernel``
+    reads (``addr``).  A launch sets the values and hands ``addr`` over; the
+    driver copies them at the call, so one block serves every launch
+    (``lock``: one launch at a time fills it)."""
+
+    __slots__ = ("vals", "array", "addr", "lock")
+
+    def __init__(self, vals: dict):
+        self.vals = vals
+        self.array = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals.values()])
+        self.addr = ctypes.addressof(self.array)
+        self.lock = threading.Lock()
 
 
 def launch_function(drv, fn, ctx, grid: int, block: int, smem: int, stream: int,

@@ -194,22 +194,16 @@ def kernel_args(ids: int, ctx: int, rows: int, max_context_len: int, bt_width: i
             "table": c.c_uint64(table), "ctas": c.c_uint64(ctas)}
 
 
-class _Params:
+class _Params(cb.ParamBlock):
     """The planner's parameter block for one (head count, cost, CTA count):
     :func:`kernel_args`' values made once (the page costs and the magic
-    numbers are fixed by these), the pointer array ``cuLaunchKernel`` reads
-    beside them.  A launch sets only the addresses, the row count and the KV
-    cap (:meth:`set`); the driver copies the values at the call, so one block
-    serves every launch (``lock``: one launch at a time packs it)."""
+    numbers are fixed by these).  A launch sets only the addresses, the row
+    count and the KV cap (:meth:`set`)."""
 
-    __slots__ = ("vals", "array", "addr", "lock")
+    __slots__ = ()
 
     def __init__(self, heads: int, cost, programs: int):
-        self.vals = kernel_args(0, 0, 0, 0, 0, programs, 0, 0, heads=heads, cost=cost)
-        self.array = (ctypes.c_void_p * len(self.vals))(
-            *[ctypes.addressof(v) for v in self.vals.values()])
-        self.addr = ctypes.addressof(self.array)
-        self.lock = threading.Lock()
+        super().__init__(kernel_args(0, 0, 0, 0, 0, programs, 0, 0, heads=heads, cost=cost))
 
     def set(self, ids: int, ctx: int, rows: int, max_context_len: int, bt_width: int,
             table: int, ctas: int) -> None:

@@ -190,21 +190,15 @@ def kernel_args(logits: int, row_stride: int, lens: int, width: int, k: int, out
             "stage": c.c_int32(stage)}
 
 
-class _Params:
-    """The kernel's parameter block: :func:`kernel_args`' values, made once,
-    and the pointer array ``cuLaunchKernel`` reads beside them.  Every build
-    takes the same parameters, so one block serves every launch: a launch
-    sets the values (:meth:`set`) and the driver copies them at the call
-    (``lock``: one launch at a time fills the block)."""
+class _Params(cb.ParamBlock):
+    """The kernel's parameter block (:func:`kernel_args`' values).  Every
+    build takes the same parameters, so one block serves every launch, which
+    sets them all (:meth:`set`)."""
 
-    __slots__ = ("vals", "array", "addr", "lock")
+    __slots__ = ()
 
     def __init__(self):
-        self.vals = kernel_args(0, 0, 0, 0, 0, 0, 0, 0)
-        self.array = (ctypes.c_void_p * len(self.vals))(
-            *[ctypes.addressof(v) for v in self.vals.values()])
-        self.addr = ctypes.addressof(self.array)
-        self.lock = threading.Lock()
+        super().__init__(kernel_args(0, 0, 0, 0, 0, 0, 0, 0))
 
     def set(self, logits: int, row_stride: int, lens: int, width: int, k: int, out: int,
             out_stride: int, stage: int) -> None:
