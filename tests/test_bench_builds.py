@@ -75,6 +75,9 @@ def test_per_step_sums_the_paths_each_line_takes():
                                          "--topk-builds"),
                                         (["--topk-cooperative-rows", "64"],
                                          "--topk-cooperative-rows"),
+                                        (["--topk-eager-line", "0.33.0"], "--topk-eager-line"),
+                                        (["--builds", "default", "--topk-eager-line",
+                                          "0.27.1"], "--topk-eager-line"),
                                         (["--builds", "default", "--topk-lib", "x.so",
                                           "--topk-cooperative-rows", "-1"],
                                          "--topk-cooperative-rows: expected an int >= 0")])
@@ -96,6 +99,26 @@ def test_vllm_topk_op_is_cooperative_up_to_the_lines_rows_on_aligned_rows():
                 want = rows <= limit and stride % 4 == 0
                 got = variants.vllm_topk_op(rows, stride, limit)
                 assert got == ("cooperative_topk" if want else "persistent_topk"), (rows, stride)
+
+
+def test_vllm_max_seq_len_is_the_width_under_capture_and_the_lines_eager_value():
+    """vLLM's top-k gets max_model_len (the width) in a captured step; in an
+    eager one the step's longest row, except 0.27.1's persistent_topk call,
+    which passes the width (each line's sparse_attn_indexer)."""
+    rng = random.Random()
+    for _ in range(50):
+        step_max = rng.randrange(1, 163840)
+        width = rng.randrange(step_max, 200000)
+        for op in ("cooperative_topk", "persistent_topk"):
+            assert variants.vllm_max_seq_len(op, None, step_max, width) == width
+            assert variants.vllm_max_seq_len(op, "0.33.0", step_max, width) == step_max
+        assert variants.vllm_max_seq_len("cooperative_topk", "0.27.1", step_max, width) == step_max
+        assert variants.vllm_max_seq_len("persistent_topk", "0.27.1", step_max, width) == width
+    with pytest.raises(ValueError, match="eager_line"):
+        variants.vllm_max_seq_len("persistent_topk", "0.30", 1, 2)
+    # 0.27.1's eager row limit is the one the plugin's rule counts from there
+    from vllm_dsa_varlen.topk import COOPERATIVE_ROWS
+    assert variants.LINE_COOPERATIVE_ROWS["0.27.1"] == COOPERATIVE_ROWS
 
 
 def test_builds_without_a_gpu_says_so(monkeypatch):

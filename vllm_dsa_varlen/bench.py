@@ -558,6 +558,11 @@ def main(argv=None):
                         help="--builds --topk-lib: vLLM's call takes cooperative_topk up to this "
                         "many rows (default 32: vLLM 0.27.1's indexer; 64: vLLM 0.33.0's auto "
                         "chain, with its extension as --topk-lib)")
+    parser.add_argument("--topk-eager-line", choices=["0.27.1", "0.33.0"], default=None,
+                        help="--builds --topk-lib: vLLM's top-k called as that line's eager "
+                        "step calls it (max_seq_len the step's longest row, except 0.27.1's "
+                        "persistent_topk: the width; cooperative_topk up to 32 / 64 rows); "
+                        "default: a captured step's call (max_seq_len the width)")
     parser.add_argument("--calls", type=int, default=None,
                         help="--launch-host: calls per timed round (default 50)")
     parser.add_argument("--fake", action="store_true", help="--launch-host: the launch on CPU "
@@ -579,6 +584,8 @@ def main(argv=None):
          bool(args.builds and args.topk_lib)),
         ("--topk-cooperative-rows", "--builds --topk-lib",
          args.topk_cooperative_rows is not None, bool(args.builds and args.topk_lib)),
+        ("--topk-eager-line", "--builds --topk-lib", args.topk_eager_line is not None,
+         bool(args.builds and args.topk_lib)),
         ("--calls", "--launch-host", args.calls is not None, args.launch_host),
         ("--fake", "--launch-host", args.fake, args.launch_host),
         ("--base", "--launch-host", bool(args.base), args.launch_host)) if given and not on]

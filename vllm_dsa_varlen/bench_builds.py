@@ -137,7 +137,8 @@ def run(args) -> int:
                                     builds=getattr(args, "topk_builds", None) or ("default",),
                                     width=getattr(args, "topk_width", None),
                                     cooperative_rows=getattr(args, "topk_cooperative_rows",
-                                                             None)))
+                                                             None),
+                                    eager_line=getattr(args, "topk_eager_line", None)))
         calls.update(extra)
         times = {k: [] for k in calls}
         rounds = case_rounds(args.rounds, len(calls), args.fixed_order)
@@ -247,8 +248,29 @@ def vllm_topk_op(rows: int, row_stride: int, cooperative_rows: int) -> str:
             else "persistent_topk")
 
 
+# The ``max_seq_len`` vLLM's decode top-k call passes in an eager step, per line
+# and op: "step" (the step's longest row) or "width" (the logits' width).  Under
+# CUDA-graph capture both lines pass max_model_len, the width of the engine's
+# logits.  And up to how many rows each line's call takes cooperative_topk.
+EAGER_MAX_SEQ_LEN = {"0.27.1": {"cooperative_topk": "step", "persistent_topk": "width"},
+                     "0.33.0": {"cooperative_topk": "step", "persistent_topk": "step"}}
+LINE_COOPERATIVE_ROWS = {"0.27.1": 32, "0.33.0": 64}
+
+
+def vllm_max_seq_len(op: str, eager_line: str | None, step_max: int, width: int) -> int:
+    """What vLLM's ``op`` gets as ``max_seq_len``: the logits' width for a
+    captured step's call (``eager_line`` None), else as ``eager_line``'s eager
+    call passes it (:data:`EAGER_MAX_SEQ_LEN`)."""
+    if eager_line is None:
+        return width
+    if eager_line not in EAGER_MAX_SEQ_LEN:
+        raise ValueError(f"eager_line: expected one of {sorted(EAGER_MAX_SEQ_LEN)}, "
+                         f"got {eager_line!r}")
+    return step_max if EAGER_MAX_SEQ_LEN[eager_line][op] == "step" else width
+
+
 def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), width=None,
-               cooperative_rows=None):
+               cooperative_rows=None, eager_line=None):
     """vLLM's decode top-k (:func:`vllm_topk_op`: ``cooperative_topk`` up to
     ``cooperative_rows`` rows on sm_90, else ``persistent_topk``; by default
     32, as vLLM 0.27.1's indexer picks) on the step's varlen
@@ -262,11 +284,14 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), widt
     ``cuda/decode_topk.cu``, e.g. ``SPLIT=2+MINB=1``: ``<layout>-ours[<build>]``;
     :func:`topk_build`).  ``width``: logits of that many columns, the step's
     in the first (the rest -inf), vLLM's op given it as ``max_seq_len`` and
-    this project's no bound (a captured step's call); ``None``: the step's."""
+    this project's no bound (a captured step's call); ``None``: the step's.
+    ``eager_line`` ("0.27.1", "0.33.0"): vLLM's op gets ``max_seq_len`` as that
+    line's eager call passes it, and takes cooperative_topk up to that line's rows
+    unless ``cooperative_rows`` says otherwise (:func:`vllm_max_seq_len`)."""
     from .topk import COOPERATIVE_ROWS
 
     if cooperative_rows is None:
-        cooperative_rows = COOPERATIVE_ROWS
+        cooperative_rows = LINE_COOPERATIVE_ROWS.get(eager_line, COOPERATIVE_ROWS)
     rows = step.rows
     ctx2d = rows.context_lens.view(-1, 1).contiguous()
     if width is None:
@@ -294,10 +319,11 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), widt
         n = logits.shape[0]
         idx = torch.full((n, k), -1, dtype=torch.int32, device=out.device)
         work = torch.empty(1 << 20, dtype=torch.uint8, device=out.device)
-        coop = vllm_topk_op(n, logits.stride(0), cooperative_rows) == "cooperative_topk"
-        op = ops.cooperative_topk if coop else ops.persistent_topk
-        fn = (lambda op=op, lg=logits, ln=lens, i=idx, w=work:
-              op(lg, ln, i, w, k, lg.shape[1]))
+        which = vllm_topk_op(n, logits.stride(0), cooperative_rows)
+        op = getattr(ops, which)
+        bound = vllm_max_seq_len(which, eager_line, int(lens.max()), logits.shape[1])
+        fn = (lambda op=op, lg=logits, ln=lens, i=idx, w=work, b=bound:
+              op(lg, ln, i, w, k, b))
         fn()
         flat = lens.reshape(-1)
         agree = []
@@ -306,7 +332,7 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), widt
             want = set(torch.topk(logits[r, :length], min(k, length)).indices.tolist())
             got = {i for i in idx[r].tolist() if i >= 0}
             agree.append(len(want & got) / max(1, len(want)))
-        print(f"  {name} ({'cooperative' if coop else 'persistent'}_topk, {n} rows): "
+        print(f"  {name} ({which}, {n} rows, max_seq_len {bound}): "
               f"sets agree with torch.topk {min(agree):.4f} (worst of {len(agree)} rows)",
               flush=True)
         calls[name] = fn
