@@ -80,13 +80,9 @@ def order_keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(b >= 0x80000000, (~b) & 0xFFFFFFFF, b | 0x80000000)
 
 
-DIGITS = ((21, 11), (10, 11), (0, 10))         # (shift, bits) of each pass
-DIGITS_KEY16 = ((21, 11), (16, 5), (5, 11), (0, 5))  # KEY16=1: the staged half ends at 16
-
-
-def model_select(row: torch.Tensor, n: int, k: int, digits=DIGITS) -> torch.Tensor:
-    """The kernel's steps for one row (int32 ``[k]``): its digits (11/11/10
-    bits; KEY16 builds 11/5/11/5), each histogram over the keys in the threshold's bin so far, the
+def model_select(row: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The kernel's steps for one row (int32 ``[k]``): three 11/11/10-bit
+    digits, each histogram over the keys in the threshold's bin so far, the
     bin holding the ``k - above``-th key found from the top, stopping when it
     holds exactly the keys still needed; then every key above the threshold
     prefix and the first ``k - above`` equal to it."""
@@ -96,7 +92,7 @@ def model_select(row: torch.Tensor, n: int, k: int, digits=DIGITS) -> torch.Tens
         return out
     keys = order_keys(row[:n])
     prefix, shift, above = 0, 32, 0
-    for sh, bits in digits:
+    for sh, bits in ((21, 11), (10, 11), (0, 10)):
         inside = keys[(keys >> shift) == prefix]
         hist = torch.bincount((inside >> sh) & ((1 << bits) - 1), minlength=ct.BINS).tolist()
         need, seen = k - above, 0
@@ -115,16 +111,14 @@ def model_select(row: torch.Tensor, n: int, k: int, digits=DIGITS) -> torch.Tens
     return out
 
 
-@pytest.mark.parametrize("digits", [DIGITS, DIGITS_KEY16], ids=["digits", "key16"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("k", [2048, 7])
-def test_host_model_meets_the_contract(kind, k, digits):
-    assert sum(bits for _, bits in digits) == 32 and all(b <= 11 for _, b in digits)  # BINS
+def test_host_model_meets_the_contract(kind, k):
     gen = torch.Generator().manual_seed(zlib.crc32(f'{kind} {k}'.encode()))
     width = 9000
     logits = random_logits(kind, 10, width, gen)
     lens = random_lengths(10, width, k, gen)
-    got = torch.stack([model_select(logits[r], int(lens[r]), k, digits) for r in range(10)])
+    got = torch.stack([model_select(logits[r], int(lens[r]), k) for r in range(10)])
     assert topk_selection_ok(logits, lens, k, got) == []
 
 
@@ -277,12 +271,9 @@ def test_split_and_minb_of_a_build():
     assert ct.minb_of(("SPLIT=1", "MINB=4")) == 4 and ct.minb_of(ct.SHORT_ROWS) == 4
 
 
-# Builds beside the plan's: other thread counts, no candidate list (LIST=0) over clusters,
-# keys' top halves staged (KEY16=1).
-KEY16_BUILDS = [("LIST=0", "KEY16=1", "MINB=2"), ("THREADS=512", "LIST=0", "KEY16=1", "MINB=3"),
-                ("SPLIT=2", "LIST=0", "KEY16=1", "MINB=1")]
+# Builds beside the plan's: other thread counts, no candidate list (LIST=0) over clusters.
 OTHER_BUILDS = [("THREADS=512", "LIST=0", "MINB=2"), ("THREADS=256", "LIST=0", "MINB=8"),
-                ("SPLIT=4", "LIST=0", "MINB=1")] + KEY16_BUILDS
+                ("SPLIT=4", "LIST=0", "MINB=1")]
 BUILDS = list(dict.fromkeys(ct.plan_builds() + OTHER_BUILDS))
 
 
@@ -304,17 +295,6 @@ def test_a_build_s_threads_list_and_shared_memory():
         assert ct.stage_for(width, 1, False) >= ct.stage_for(width, 1, True)
         assert ct.smem_bytes(width, 1, False) <= ct.MAX_SMEM
     assert ct.stage_for(10**6, 1, False) == ct.MAX_STAGE_UNLISTED <= ct.BARS * ct.CHUNK
-    # KEY16=1: two bytes a column, so twice the columns in the same shared memory
-    assert not ct.key16_of(()) and ct.key16_of(("LIST=0", "KEY16=1"))
-    assert not ct.key16_of(("KEY16=0",))
-    for width in (1, 5000, ct.MAX_STAGE_UNLISTED, ct.MAX_STAGE_KEY16 + 1, 10**6):
-        stage = ct.stage_for(width, 1, False, True)
-        assert stage % 4 == 0 and min(width, ct.MAX_STAGE_KEY16 - 3) <= stage
-        assert ct.smem_bytes(width, 1, False, True) == ct.HEADER_BYTES + 2 * stage <= ct.MAX_SMEM
-        assert ct.MAX_SMEM - ct.smem_bytes(width, 1, False, True) < 16 or stage >= width
-    assert ct.MAX_STAGE_KEY16 >= 2 * ct.MAX_STAGE_UNLISTED
-    with open(ct.SOURCE) as f:
-        assert '#error "KEY16=1 needs LIST=0"' in f.read()
 
 
 # ------------------------------------------------------------ on the GPU
@@ -417,8 +397,7 @@ SPLITS = (1, 2, 4, 8)
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("k", [2048, 6000, 7])
 @pytest.mark.parametrize("offset", [0, 1])
-@pytest.mark.parametrize("lists", [("LIST=1",), ("LIST=0",), ("LIST=0", "KEY16=1")],
-                         ids="+".join)
+@pytest.mark.parametrize("lists", [1, 0])
 def test_split_kernel_on_block_rows_unaligned_rows_and_other_k(split, k, offset, lists):
     """8 CTAs per row too; first bins holding exactly k keys (taken whole),
     rows off a 16-byte boundary (no bulk copies), k = 6000 (past CAND) and 7."""
@@ -427,7 +406,7 @@ def test_split_kernel_on_block_rows_unaligned_rows_and_other_k(split, k, offset,
     base = block_logits(8, width + offset, k, gen)
     logits = base[:, offset:]
     lens = torch.tensor([width] * 3 + [width - 1, 30000, k + 1, 20000, 5], dtype=torch.int32)
-    got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=(f"SPLIT={split}", *lists))
+    got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=(f"SPLIT={split}", f"LIST={lists}"))
     assert topk_selection_ok(logits, lens, k, got.cpu()) == []
 
 
@@ -484,23 +463,3 @@ def test_a_bound_sizes_the_plan_not_the_result(bound):
     lens = random_lengths(40, 60000, 2048, gen)
     got = _run_poisoned(logits.cuda(), lens.cuda(), 2048, defines=None, bound=bound)
     assert topk_selection_ok(logits, lens, 2048, got.cpu()) == []
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("kind", ["narrow", "ties", "normal"])
-def test_key16_rows_whose_top_halves_tie(kind):
-    """KEY16=1 stages each key's top 16 bits: rows where many keys share them
-    (one exponent and the top mantissa bits; integer ties) read those keys
-    whole from global memory in the late passes; k at 2048 and past the
-    shared top halves.  A build asking for KEY16 with the list is refused."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"key16 {kind}".encode()))
-    width = 50000
-    logits = random_logits(kind, 16, width, gen)
-    lens = random_lengths(16, width, 2048, gen)
-    for build in KEY16_BUILDS:
-        for k in (2048, 9000):
-            got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=build)
-            assert topk_selection_ok(logits, lens, k, got.cpu()) == [], (build, k)
-    with pytest.raises(ValueError, match="defines: expected KEY16=1 with LIST=0"):
-        ct.decode_topk(logits.cuda(), lens.cuda(), 2048, defines=("KEY16=1",))

@@ -41,7 +41,6 @@ MAX_SMEM = 227 * 1024                # sm_90's dynamic shared memory per CTA
 SM_SMEM = 228 * 1024                 # shared memory per SM (each CTA also takes 1 KB)
 MAX_STAGE = (MAX_SMEM - HEADER_BYTES - 8 * CAND) // 16 * 4  # staged columns, a multiple of 4
 MAX_STAGE_UNLISTED = (MAX_SMEM - HEADER_BYTES) // 16 * 4     # the same for LIST=0 builds
-MAX_STAGE_KEY16 = (MAX_SMEM - HEADER_BYTES) // 8 * 4         # KEY16=1 (2 bytes a column)
 MAX_SPLIT = 8                        # CTAs per row (a portable cluster)
 SPREAD = 4                           # CTAs per row that spreading few rows goes up to
 THREAD_COUNTS = (256, 512, 1024)     # a build's THREADS
@@ -58,24 +57,20 @@ def _fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
-def stage_for(longest: int, split: int = 1, with_list: bool = True,
-              key16: bool = False) -> int:
+def stage_for(longest: int, split: int = 1, with_list: bool = True) -> int:
     """Columns a CTA may stage in shared memory when rows of up to
     ``longest`` columns are split over ``split`` CTAs: the slice of the
     longest row (``longest / split`` rounded up to 4), at most
     :data:`MAX_STAGE` (``with_list``: a build with the candidate list,
-    ``LIST=1``; :func:`listed`), :data:`MAX_STAGE_UNLISTED` or, staging
-    keys' top halves (``key16``, ``KEY16=1``; :func:`key16_of`),
-    :data:`MAX_STAGE_KEY16`."""
-    most = MAX_STAGE_KEY16 if key16 else MAX_STAGE if with_list else MAX_STAGE_UNLISTED
+    ``LIST=1``; :func:`listed`) or :data:`MAX_STAGE_UNLISTED`."""
+    most = MAX_STAGE if with_list else MAX_STAGE_UNLISTED
     return min(((int(longest) + split - 1) // split + 3) // 4 * 4, most)
 
 
-def smem_bytes(longest: int, split: int = 1, with_list: bool = True,
-               key16: bool = False) -> int:
+def smem_bytes(longest: int, split: int = 1, with_list: bool = True) -> int:
     """Dynamic shared memory of a launch whose stage is
-    :func:`stage_for` ``(longest, split, with_list, key16)``."""
-    return (HEADER_BYTES + (2 if key16 else 4) * stage_for(longest, split, with_list, key16)
+    :func:`stage_for` ``(longest, split, with_list)``."""
+    return (HEADER_BYTES + 4 * stage_for(longest, split, with_list)
             + (8 * CAND if with_list else 0))
 
 
@@ -109,12 +104,6 @@ def listed(defines: tuple = ()) -> bool:
     the default) rather than narrowing over the slices to the end
     (``LIST=0``, no candidate list in shared memory)."""
     return _macro(defines, "LIST", 1) != 0
-
-
-def key16_of(defines: tuple = ()) -> bool:
-    """Whether a build stages each key's top 16 bits only (``KEY16=1``; it
-    needs ``LIST=0``)."""
-    return _macro(defines, "KEY16", 0) != 0
 
 
 def compile_cubin(arch: str = cb.ARCH, extra: tuple = ()) -> tuple[bytes, str]:
@@ -282,8 +271,7 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     ``B * next_n == R``: row ``r`` reads ``lengths.reshape(-1)[r]``); ``out``:
     int32 ``[R, k]``, unit column stride (e.g. a view of a wider buffer),
     written in place; ``defines``: a build (:func:`load`: ``SPLIT=c``,
-    ``THREADS=t``, ``LIST=0|1``, ``MINB=m``, ``KEY16=1``), ``None`` for
-    :func:`launch_plan`'s;
+    ``THREADS=t``, ``LIST=0|1``, ``MINB=m``), ``None`` for :func:`launch_plan`'s;
     ``bound``: a host-known bound on the lengths (e.g.
     vLLM's ``max_seq_len``) that sizes the plan and the stage in place of the
     width (speed only: longer rows are still right, read from global memory)."""
@@ -304,16 +292,13 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     if defines is None:
         defines = launch_plan(rows, longest, num_sms(index))
     split, threads, lists = split_of(defines), threads_of(defines), listed(defines)
-    key16 = key16_of(defines)
-    if key16 and lists:
-        _fail("defines", "KEY16=1 with LIST=0", defines)
     if split not in (1, 2, 4, 8):
         _fail("defines", "SPLIT of 1, 2, 4 or 8", split)
     if threads not in THREAD_COUNTS:
         _fail("defines", f"THREADS of {', '.join(map(str, THREAD_COUNTS))}", threads)
     kern = load(dev, defines)
-    stage = stage_for(longest, split, lists, key16)
-    grid, smem = rows * split, smem_bytes(longest, split, lists, key16)
+    stage = stage_for(longest, split, lists)
+    grid, smem = rows * split, smem_bytes(longest, split, lists)
     params = _PARAMS
     with params.lock:
         params.set(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,

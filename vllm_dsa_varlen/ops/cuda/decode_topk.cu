@@ -13,11 +13,7 @@
 // takes columns [q*S, (q+1)*S) of the row (S = the row's length / SPLIT,
 // rounded up to 4) and stages their keys in shared memory when S <= `stage`
 // (by bulk copies where the slice starts on 16 bytes; a longer slice is read
-// from global memory in every pass: right for any length, slower).  KEY16
-// builds stage each key's top 16 bits only (loaded, not bulk-copied): twice
-// the columns in the same shared memory; a walk that needs a key's low bits
-// reads it from global memory, only where its top bits match the threshold's
-// (digits 11, 5, 11, 5, so that pass 1 ends at bit 16).  Then:
+// from global memory in every pass: right for any length, slower).  Then:
 //   1. each CTA histograms its slice's top digit (shared-memory atomics);
 //      every CTA sums the cluster's histograms (distributed shared memory)
 //      and finds the same bin holding the k-th largest key, `above` keys
@@ -60,25 +56,14 @@ typedef unsigned long long u64;
 #ifndef LIST
 #define LIST 1                    // 1: list the threshold bin's keys (<= CAND) in CTA 0 and
 #endif                            //    narrow them there; 0: narrow over the slices to the end
-#ifndef KEY16
-#define KEY16 0                   // 1 (LIST=0 only): stage each key's top 16 bits, half the
-#endif                            //    shared memory a column; digits 11, 5, 11, 5
-#if KEY16 && LIST
-#error "KEY16=1 needs LIST=0"
-#endif
-#define PASSES (KEY16 ? 4 : 3)
 
 __device__ __forceinline__ u32 order_key(float x) {
   u32 b = __float_as_uint(x);
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// The pass's digit: the shift of digit p (0 .. PASSES - 1) of a 32-bit key, its
-// width the shift before it less this one (the first: 11 bits).  KEY16 builds
-// end a digit at bit 16, where the staged top half ends.
-__device__ __forceinline__ int digit_shift(int p) {
-  return KEY16 ? (p == 0 ? 21 : p == 1 ? 16 : p == 2 ? 5 : 0) : (p == 0 ? 21 : p == 1 ? 10 : 0);
-}
+// The pass's digit: shift and width of digit p (0, 1, 2) of a 32-bit key.
+__device__ __forceinline__ int digit_shift(int p) { return p == 0 ? 21 : p == 1 ? 10 : 0; }
 
 // Bulk copies into shared memory, each completing on an mbarrier.
 __device__ __forceinline__ u32 smem_u32(const void* p) {
@@ -132,52 +117,22 @@ __device__ __forceinline__ void hist_add(int* __restrict__ h, u32 bin, bool vali
   if (valid) atomicAdd(&h[bin], 1);
 }
 
-// The four keys from column i (i % 4 == 0) of a KEY16 stage (each key's top
-// 16 bits): whole from global memory where one of them has top bits
-// key >> low_from (16 <= low_from < 32) equal to low_prefix (its low bits are
-// needed), else as top << 16, which orders against any prefix of more bits
-// than the key's known ones as the whole key does (low_from 32: never read).
-__device__ __forceinline__ Keys4 load4_half(const unsigned short* __restrict__ keys, int i,
-                                            const float* __restrict__ row, int m, bool aligned,
-                                            int low_from, u32 low_prefix) {
-  const uint2 h = *reinterpret_cast<const uint2*>(keys + i);
-  Keys4 r;
-  r.k[0] = h.x << 16; r.k[1] = h.x & 0xffff0000u;
-  r.k[2] = h.y << 16; r.k[3] = h.y & 0xffff0000u;
-  bool low = false;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) low |= low_from < 32 && i + j < m && (r.k[j] >> low_from) == low_prefix;
-  return low ? load4_global(row, i, m, aligned) : r;
-}
-
 // f(key, i, valid) for this thread's keys of a CTA's slice of m columns, four
 // per trip (i: the column in the slice), from the stage or, where the slice
 // is longer than it, from global memory: every pass after pass 0 walks it so.
-// KEY16 stages: (low_from, low_prefix) as load4_half takes them.
 template <class F>
-__device__ __forceinline__ void each_key(const void* __restrict__ keys,
+__device__ __forceinline__ void each_key(const u32* __restrict__ keys,
                                          const float* __restrict__ row, int m, bool staged,
-                                         bool aligned, int low_from, u32 low_prefix, F&& f) {
+                                         bool aligned, F&& f) {
   const int span = 4 * THREADS, trips = (m + span - 1) / span;
   for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * (int)threadIdx.x;
     Keys4 v = {{0u, 0u, 0u, 0u}};
-    if (i < m)
-      v = !staged ? load4_global(row, i, m, aligned)
-#if KEY16
-                  : load4_half(static_cast<const unsigned short*>(keys), i, row, m, aligned,
-                               low_from, low_prefix);
-#else
-                  : load4_staged(static_cast<const u32*>(keys), i);
-#endif
+    if (i < m) v = staged ? load4_staged(keys, i) : load4_global(row, i, m, aligned);
 #pragma unroll
     for (int j = 0; j < 4; ++j) f(v.k[j], i + j, i + j < m);
   }
 }
-
-// The (low_from, low_prefix) of a walk that needs the low bits of the keys
-// whose key >> shift is `prefix` (KEY16 stages): low_from = max(shift, 16).
-__device__ __forceinline__ int low_from_of(int shift) { return shift > 16 ? shift : 16; }
 
 // Block-wide exclusive prefix sum of `v` over the threads in index order
 // (all threads call it; `scratch`: WARPS words of T, free until the next
@@ -274,9 +229,6 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   int* sel = warp_sums + 2 * WARPS;                       // bin, above, in bin; [8, 9]: slice totals
   u64* bars = reinterpret_cast<u64*>(sel + 16);           // BARS
   u32* keys = reinterpret_cast<u32*>(bars + BARS);        // stage (16-byte aligned)
-#if KEY16
-  unsigned short* keys16 = reinterpret_cast<unsigned short*>(keys);  // the keys' top halves
-#endif
 #if LIST
   u32* cand_keys = keys + stage;                          // CAND (CTA 0's are the list)
   int* cand_cols = reinterpret_cast<int*>(cand_keys + CAND);  // CAND
@@ -300,7 +252,7 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   const bool aligned = (reinterpret_cast<unsigned long long>(row) & 15) == 0;
   const int span = 4 * THREADS;
   const int trips = (m + span - 1) / span;
-  const int m4 = aligned && staged && !KEY16 ? (m & ~3) : 0;  // columns the bulk copies bring
+  const int m4 = aligned && staged ? (m & ~3) : 0;        // columns the bulk copies bring
 
   // Pass 0: stage the slice, histogram its top digit.
   if (t == 0 && m4 > 0) {
@@ -325,14 +277,8 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
     } else if (i < m) {
       v = load4_global(row, i, m, aligned);
     }
-    if (staged && i < m) {
-#if KEY16
-      *reinterpret_cast<uint2*>(keys16 + i) = make_uint2((v.k[0] >> 16) | (v.k[1] & 0xffff0000u),
-                                                         (v.k[2] >> 16) | (v.k[3] & 0xffff0000u));
-#else
+    if (staged && i < m)
       *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
-#endif
-    }
 #pragma unroll
     for (int j = 0; j < 4; ++j) hist_add(hist, v.k[j] >> 21, i + j < m);
   }
@@ -344,14 +290,12 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   int in_bin = sel[2];
 
   // Narrow over the slices while the bin is too wide to list.
-  for (int p = 1; p < PASSES && in_bin != k - above && (!LIST || in_bin > CAND); ++p) {
+  for (int p = 1; p < 3 && in_bin != k - above && (!LIST || in_bin > CAND); ++p) {
     const int next = digit_shift(p);
-    const int low = next < 16 ? low_from_of(shift) : 32;   // the digit reaches the low half
     cluster_sync();                // every CTA has read every `hist`
     for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
     __syncthreads();
-    each_key(keys, row, m, staged, aligned, low, low < 32 ? prefix >> (low - shift) : 0u,
-             [&](u32 key, int, bool valid) {
+    each_key(keys, row, m, staged, aligned, [&](u32 key, int, bool valid) {
       hist_add(hist, (key >> next) & ((1u << (shift - next)) - 1),
                valid && (key >> shift) == prefix);
     });
@@ -367,9 +311,7 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   const int need = k - above;
   const bool take = !LIST || in_bin == need || shift == 0;  // else in_bin <= CAND: listed
   u32 n_hi = 0, n_eq = 0;                          // this thread's keys above / equal
-  const int low = shift < 16 ? 16 : 32;            // the prefix reaches the low half
-  const u32 low_prefix = shift < 16 ? prefix >> (16 - shift) : 0u;
-  each_key(keys, row, m, staged, aligned, low, low_prefix, [&](u32 key, int, bool valid) {
+  each_key(keys, row, m, staged, aligned, [&](u32 key, int, bool valid) {
     n_hi += valid && (key >> shift) > prefix;
     n_eq += valid && (key >> shift) == prefix;
   });
@@ -395,7 +337,7 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   u32* list_keys = in_cta(cand_keys, 0);
   int* list_cols = in_cta(cand_cols, 0);
 #endif
-  each_key(keys, row, m, staged, aligned, low, low_prefix, [&](u32 key, int i, bool valid) {
+  each_key(keys, row, m, staged, aligned, [&](u32 key, int i, bool valid) {
     const u32 pre = key >> shift;
     if (!valid) return;
     if (pre > prefix) {
