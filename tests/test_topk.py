@@ -53,8 +53,16 @@ def test_measured_faster_rule():
                               (1, None, False)]:
         assert topk.measured_faster(rows, bound, 132) is want, (rows, bound)
     assert not topk.measured_faster(100, 163840, 78) and topk.measured_faster(78, 163840, 78)
-    # a vLLM line whose call takes cooperative_topk up to 64 rows: ours only past them
-    assert not topk.measured_faster(64, 40000, 132, 64) and topk.measured_faster(65, 40000, 132, 64)
+    # a vLLM line whose call takes cooperative_topk up to 64 rows (0.33.0): up to them
+    # only rows a CTA stages whole (ours 0.92-0.94x its cooperative_topk at 42.6K, level
+    # at 64K-81K); past them as against 0.27.1's persistent_topk
+    for rows in (33, 48, 64):
+        assert topk.measured_faster(rows, 40000, 132, 64)
+        assert topk.measured_faster(rows, most, 132, 64)
+        assert not topk.measured_faster(rows, most + 1, 132, 64)
+        assert not topk.measured_faster(rows, topk.LONG_ROWS - 1, 132, 64)
+        assert topk.measured_faster(rows, most + 1, 132)  # 0.27.1: persistent_topk's rows
+    assert topk.measured_faster(65, most + 1, 132, 64)
     assert not topk.measured_faster(32, 40000, 132, 8)  # never below 0.27.1's 32
 
 

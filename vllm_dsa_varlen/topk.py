@@ -55,10 +55,13 @@ CAPABILITY = (9, 0)
 # stages a row whole (B64 L32K 2, 3, 1..4, 4 tokens); 0.94-1.15x on every
 # other step timed (few rows, rows of 16K columns and fewer, more rows than
 # SMs of 64K columns).
-# Measured against vLLM 0.27.1, whose call takes cooperative_topk up to 32 rows and
-# persistent_topk past them: the wins are all against persistent_topk.  vLLM 0.33.0's
-# takes cooperative_topk up to 64 rows (its AUTO_COOPERATIVE_MAX_ROWS), which was not
-# timed from 33 rows up; its line hands that limit to dispatch (``cooperative_rows``).
+# Against vLLM 0.27.1 those wins are all against persistent_topk (its call takes
+# cooperative_topk up to 32 rows).  vLLM 0.33.0's takes cooperative_topk up to 64 rows
+# (its AUTO_COOPERATIVE_MAX_ROWS; its line hands that limit to dispatch as
+# ``cooperative_rows``), and passes both ops the step's max_seq_len in eager steps:
+# beside its own extension, 33-64 rows bounded at 42.6K: 0.92-0.94x its
+# cooperative_topk; 64K-81K: 0.96-0.99x (level, left to it); 96-256 rows of 32K:
+# 0.82-0.88x its persistent_topk; 8K-16K: 1.07-1.19x (h200-d341f40).
 LONG_ROWS = 32768
 COOPERATIVE_ROWS = 32  # vLLM 0.27.1's cooperative_topk serves up to this many rows
 
@@ -70,14 +73,12 @@ def measured_faster(rows: int, bound: int | None, sms: int,
     (``None``: no bound known: the logits' width is none, vLLM sizes it for
     the longest context the engine allows, nor is anything inside a
     CUDA-graph capture, whose launch replays at other lengths): more rows
-    than vLLM's call gives its ``cooperative_topk`` (``cooperative_rows``, at
-    least :data:`COOPERATIVE_ROWS`: ours was timed against
-    ``persistent_topk`` only past them), bounded at :data:`LONG_ROWS` or more,
-    and either no more rows than SMs or rows one CTA stages whole."""
-    if (bound is None or rows <= max(COOPERATIVE_ROWS, cooperative_rows)
-            or bound < LONG_ROWS):
+    than :data:`COOPERATIVE_ROWS`, bounded at :data:`LONG_ROWS` or more, and
+    either rows one CTA stages whole or, past the rows vLLM's call gives its
+    ``cooperative_topk`` (``cooperative_rows``), no more rows than SMs."""
+    if bound is None or rows <= COOPERATIVE_ROWS or bound < LONG_ROWS:
         return False
-    return rows <= sms or bound <= cuda_topk.MAX_STAGE
+    return bound <= cuda_topk.MAX_STAGE or cooperative_rows < rows <= sms
 
 
 def auto_builds(sms: int) -> list[tuple[str, ...]]:
