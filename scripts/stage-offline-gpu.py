@@ -18,6 +18,15 @@ folder per transfer (``call-1/``, ``call-2/``, ...; each with ``MANIFEST``).
 On the GPU host, ``scripts/offline-gpu-install.sh`` receives the folders one
 by one and unpacks the tree once every part is there (sha256-checked).
 
+With ``--ops-only`` it stages only vLLM's own operator library
+(``vllm/_C_stable_libtorch.abi3.so``: its decode top-k ops among them),
+pruned to sm_90 and xz-compressed into ``OUT/`` (~16 MB for 0.33.0): what
+``vllm-dsa-varlen-bench --topk-lib`` loads beside this project's top-k,
+without vLLM's Python (the library is built on torch's stable ABI):
+
+    python3 scripts/stage-offline-gpu.py --ops-only --vllm 0.33.0 --out .device/c033
+    # GPU host: xz -dc .device/c033/_C_stable_libtorch.abi3.so.xz > /tmp/c033.so
+
 What is left out, and why (``--keep`` puts an entry back):
 
 * ``vllm/vllm-rs`` (a Rust command-line tool), ``vllm/third_party/fmha_sm100``
@@ -58,6 +67,7 @@ ALWAYS_LEFT_OUT = ("vllm/vllm-rs", "vllm/third_party/fmha_sm100", "vllm/third_pa
                    "vllm/third_party/deep_gemm")
 FA_BINARIES = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so")
 MOE_BINARY = "vllm/_moe_C_stable_libtorch.abi3.so"
+OPS_BINARY = "vllm/_C_stable_libtorch.abi3.so"
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64",
              "manylinux_2_35_x86_64")
@@ -92,6 +102,20 @@ def unpack_vllm(wheel: str, site: str, drop: tuple[str, ...]) -> int:
                 os.chmod(os.path.join(site, info.filename), mode & 0o777)
             kept += info.file_size
     return kept
+
+
+def stage_ops(wheel: str, out: str) -> str:
+    """vLLM's operator library from ``wheel``, other GPUs' code zeroed
+    (:func:`prune_fatbins`), xz-compressed into ``out``; returns its path."""
+    name = os.path.basename(OPS_BINARY)
+    with zipfile.ZipFile(wheel) as z, tempfile.TemporaryDirectory() as tmp:
+        z.extract(OPS_BINARY, tmp)
+        lib = os.path.join(tmp, OPS_BINARY)
+        prune_fatbins(lib)
+        subprocess.run(["xz", "-T0", "-6", "-f", lib], check=True)
+        dest = os.path.join(out, name + ".xz")
+        shutil.move(lib + ".xz", dest)
+    return dest
 
 
 def add_fa_standin(site: str) -> None:
@@ -234,8 +258,10 @@ def pack(site: str, out: str, part_mib: int, per_call_mib: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm", default="0.27.1", help="vLLM release to stage (default 0.27.1)")
-    ap.add_argument("--deps", required=True,
-                    help="requirements file: the packages the GPU host lacks, pinned")
+    ap.add_argument("--deps", help="requirements file: the packages the GPU host lacks, "
+                    "pinned (required but with --ops-only)")
+    ap.add_argument("--ops-only", action="store_true",
+                    help="stage only vLLM's operator library, sm_90's code, xz'd (see above)")
     ap.add_argument("--python", default="3.12", help="the GPU host's CPython (default 3.12)")
     ap.add_argument("--deep-gemm-from", metavar="VLLM_VERSION",
                     help="add the DeepGEMM this vLLM release vendors as top-level deep_gemm")
@@ -250,6 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-call-mib", type=int, default=60,
                     help="MiB of parts per transfer folder (default 60)")
     args = ap.parse_args(argv)
+    if args.ops_only:
+        shutil.rmtree(args.out, ignore_errors=True)
+        os.makedirs(args.out)
+        with tempfile.TemporaryDirectory() as tmp:
+            got = stage_ops(_download_wheel("vllm", args.vllm, tmp), args.out)
+        print(f"{got}: {os.path.getsize(got) / 2**20:.1f} MiB")
+        return 0
+    if not args.deps:
+        ap.error("--deps: required (but with --ops-only)")
 
     drop = list(ALWAYS_LEFT_OUT)
     if args.fa_standin:

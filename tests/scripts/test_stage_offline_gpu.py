@@ -92,3 +92,33 @@ def test_prune_leaves_other_files_alone(tmp_path):
         path.write_bytes(data)
         assert stage.prune_fatbins(str(path)) == (0, 0)
         assert path.read_bytes() == data
+
+
+def test_ops_only_stages_the_operator_library_pruned_and_compressed(tmp_path):
+    """--ops-only: the wheel's vllm/_C_stable_libtorch.abi3.so alone, its
+    non-sm_90 entries zeroed, xz'd (decompressing gives the pruned image)."""
+    import lzma
+    import zipfile
+
+    rnd = random.Random(7)
+    keep, drop = bytes(rnd.randrange(1, 256) for _ in range(200)), bytes([5]) * 300
+    fatbin = _container([_entry(2, 90, keep), _entry(2, 100, drop)])
+    image, _ = _elf({".text": b"code", ".nv_fatbin": fatbin})
+    wheel = tmp_path / "vllm-0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(stage.OPS_BINARY, image)
+        z.writestr("vllm/other.so", b"not staged")
+    out = tmp_path / "out"
+    out.mkdir()
+    got = stage.stage_ops(str(wheel), str(out))
+    assert os.listdir(out) == ["_C_stable_libtorch.abi3.so.xz"]
+    lib = lzma.decompress(open(got, "rb").read())
+    assert len(lib) == len(image) and keep in lib and drop not in lib
+    at = image.index(drop)  # only the sm_100 payload zeroed
+    assert lib == image[:at] + bytes(len(drop)) + image[at + len(drop):]
+
+
+def test_deps_required_without_ops_only(capsys):
+    with pytest.raises(SystemExit):
+        stage.main(["--out", "/nonexistent/never-made"])
+    assert "--deps" in capsys.readouterr().err
