@@ -52,9 +52,9 @@ CAPABILITY = (9, 0)
 # BENCHMARKS.md "One process", the decode top-k table).  More than 32 rows
 # bounded at 32K columns or more: 0.57-0.79x vLLM's time up to as many rows as
 # SMs (36-128 rows of 32K, 64K and 128K), 0.77-0.93x past them where one CTA
-# stages a row whole (B64 L32K 2, 3, 1..4, 4 tokens); 0.94-1.15x on every
+# stages a row whole (B64 L32K 2, 3, 1..4, 4 tokens); 0.94-1.93x on every
 # other step timed (few rows, rows of 16K columns and fewer, more rows than
-# SMs of 64K columns).
+# SMs of 64K columns; the worst 32 rows of 8K, eager).
 # Against vLLM 0.27.1 those wins are all against persistent_topk (its call takes
 # cooperative_topk up to 32 rows).  vLLM 0.33.0's takes cooperative_topk up to 64 rows
 # (its AUTO_COOPERATIVE_MAX_ROWS; its line hands that limit to dispatch as
