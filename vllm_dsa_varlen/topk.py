@@ -14,10 +14,10 @@ side by side.  ``VLLM_DSA_VARLEN_TOPK``:
 * ``vllm``: vLLM's top-k always;
 * ``auto`` (default): the project's top-k on sm_90 for the calls where it
   was measured faster than vLLM's (:func:`measured_faster`: outside
-  CUDA-graph capture, more rows than the vLLM line gives its
-  ``cooperative_topk`` (32 in 0.27.1, 64 in 0.33.0) whose host bound on the
-  lengths is :data:`LONG_ROWS` columns or more, up to as many rows as SMs
-  or, past them, rows that a CTA's stage holds whole), vLLM's for the
+  CUDA-graph capture, more than 32 rows whose host bound on the lengths is
+  :data:`LONG_ROWS` columns or more, and either rows that a CTA's stage holds
+  whole or, past the rows the vLLM line gives its ``cooperative_topk`` (32
+  in 0.27.1, 64 in 0.33.0), up to as many rows as SMs), vLLM's for the
   others.
 
 ``VLLM_DSA_VARLEN=off`` or ``stock`` keeps vLLM's too.  The decision per
@@ -138,11 +138,11 @@ def choose_topk(*, mode: str, setting: str, capability: tuple[int, int] | None,
         return TopkChoice(False, f"the project's top-k kernel is unavailable: {kernel_error}")
     if setting == "auto":
         return TopkChoice(True, f"sm_90, {TOPK_ENV}=auto: the project's where measured faster "
-                                f"(more rows than vLLM's cooperative_topk takes, bounded at "
-                                f"{LONG_ROWS} "
-                                f"columns or more, up to as many rows as SMs or rows of up to "
-                                f"{cuda_topk.MAX_STAGE} columns, outside graph capture), vLLM's "
-                                f"elsewhere", per_call=True)
+                                f"(more than {COOPERATIVE_ROWS} rows bounded at {LONG_ROWS} "
+                                f"columns or more: rows of up to {cuda_topk.MAX_STAGE} columns, "
+                                f"or up to as many rows as SMs past vLLM's cooperative_topk "
+                                f"rows; outside graph capture), vLLM's elsewhere",
+                          per_call=True)
     return TopkChoice(True, f"sm_90, {TOPK_ENV}={setting}: one launch per layer (ops.cuda_topk)")
 
 
