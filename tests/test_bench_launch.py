@@ -27,7 +27,8 @@ def test_fake_launch_times_every_selected_case_and_prints_the_table(capsys):
             in out)
     rows = _rows(out)
     assert [(r[0], r[1], r[2]) for r in rows] == [
-        (case, path, "now") for case in ("B64 L8K 4tok", "B64 L32K 2tok") for path in PATHS]
+        (case, path, "now") for case in ("B64 L8K 4tok", "B64 L32K 2tok", "B16 L32K 1tok")
+        for path in PATHS]
     assert all(0 < float(lo) <= float(us) <= float(hi) for *_, us, lo, hi in rows)
 
 
@@ -110,6 +111,8 @@ def test_bad_launch_host_arguments_are_refused(argv, message):
     (["--calls", "3"], "--calls only with --launch-host"),
     (["--base", "HEAD", "--cpu"], "--base only with --launch-host"),
     (["--rounds", "3", "--launch-host"], "--rounds only with --plan-timing"),
+    (["--launch-host", "--fake", "--topk-lib", "x.so"],
+     "--topk-lib only with --builds or --launch-host (GPU)"),
     (["--launch-host", "--plan-timing"], "not allowed with argument"),
 ])
 def test_mode_options_need_their_mode(argv, message, capsys):
@@ -133,3 +136,44 @@ def test_the_gpu_summary_names_each_case_and_the_target(capsys):
     assert lines[-2] == "| B1 | 6.0 | 8.0 | 19.9 | 22.0 | yes |"
     assert lines[-1] == "| B64 | – | – | 20.1 | – | no |"
     assert "target: launcher auto <= 20" in lines[-5]
+
+
+@pytest.mark.gpu
+def test_topk_paths_call_vllms_op_as_its_eager_step_does_and_ours_meets_the_contract():
+    """``--launch-host --topk-lib``'s top-k paths on a drafter-like step (16
+    rows of one token): vLLM's op gets the 0.27.1 eager call's arguments
+    (``cooperative_topk`` up to 32 rows, the step's longest row as
+    ``max_seq_len``), and the plugin's dispatch and ``decode_topk`` write the
+    reference's top-k into the shared output, poisoned before each."""
+    import types
+
+    import torch
+    from vllm_dsa_varlen import topk
+    from vllm_dsa_varlen.ops.common import capability
+    from vllm_dsa_varlen.ops.reference import topk_selection_ok
+    from vllm_dsa_varlen.workloads import random_decode_step
+
+    if capability(torch.device("cuda")) != (9, 0):
+        pytest.skip("the project's top-k kernel is built for sm_90")
+    seen = []
+
+    def cooperative_topk(logits, lens, idx, work, k, max_seq_len):
+        seen.append((logits.shape, tuple(lens.shape), tuple(idx.shape), k, max_seq_len))
+
+    ops = types.SimpleNamespace(cooperative_topk=cooperative_topk)
+    step = random_decode_step(16, 1, 4096, heads=64, device="cuda", seed=5)
+    t = bench_launch.topk_inputs(step)
+    paths = bench_launch.topk_paths(t, ops)
+    assert list(paths) == ["top-k vLLM cooperative_topk (torch.ops)",
+                           "top-k dispatch, own (the plugin's call)", "top-k decode_topk alone"]
+    lens = step.rows.context_lens
+    assert t.logits.shape == (16, bench_launch.TOPK_WIDTH) and t.longest == int(lens.max())
+    paths["top-k vLLM cooperative_topk (torch.ops)"]()
+    assert seen == [((16, bench_launch.TOPK_WIDTH), (16, 1), (16, 2048), 2048, t.longest)]
+    for name in ("top-k dispatch, own (the plugin's call)", "top-k decode_topk alone"):
+        t.idx.fill_(-7)
+        paths[name]()
+        torch.cuda.synchronize()
+        assert topk_selection_ok(t.logits, lens, 2048, t.idx) == [], name
+    assert len(seen) == 1  # the dispatch took the project's kernel, not vLLM's op
+    assert topk._forced is None

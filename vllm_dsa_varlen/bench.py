@@ -543,7 +543,8 @@ def main(argv=None):
                         "balanced Latin square, each path leading and following every other "
                         "equally often over a cycle of rounds)")
     parser.add_argument("--topk-lib", help="--builds: vLLM's _C extension (.so): its decode "
-                        "top-k on each path's rows, and per-step figures")
+                        "top-k on each path's rows, and per-step figures; --launch-host: "
+                        "the host time of its eager top-k call beside the project's")
     parser.add_argument("--layers", type=int, default=None,
                         help="--builds --topk-lib: indexer layers per decode step (default 61)")
     parser.add_argument("--topk-builds", nargs="+", default=None,
@@ -576,7 +577,8 @@ def main(argv=None):
          args.plan_timing or bool(args.builds)),
         ("--deepgemm", "--builds", args.deepgemm, bool(args.builds)),
         ("--fixed-order", "--builds", args.fixed_order, bool(args.builds)),
-        ("--topk-lib", "--builds", bool(args.topk_lib), bool(args.builds)),
+        ("--topk-lib", "--builds or --launch-host (GPU)", bool(args.topk_lib),
+         bool(args.builds) or (args.launch_host and not args.fake)),
         ("--layers", "--builds", args.layers is not None, bool(args.builds)),
         ("--topk-builds", "--builds --topk-lib", args.topk_builds is not None,
          bool(args.builds and args.topk_lib)),

@@ -73,6 +73,7 @@ CASES = {  # name: (requests, tokens per request, context)
     "B64 L8K 4tok": (64, 4, 8192),
     "B128 L8K 4tok": (128, 4, 8192),
     "B64 L32K 2tok": (64, 2, 32768),
+    "B16 L32K 1tok": (16, 1, 32768),  # an MTP drafter's eager step at B16
 }
 
 
@@ -152,6 +153,55 @@ def gpu_paths(step):
     return paths
 
 
+TOPK_WIDTH = 163840  # the engine's logits: max_model_len columns
+
+
+def topk_inputs(step, k: int = 2048):
+    """An eager decode top-k call's tensors on the step's rows: ``logits``
+    :data:`TOPK_WIDTH` wide (random in the step's longest row's columns,
+    ``-inf`` past them), ``lens`` ``[R, 1]``, the output ``idx`` int32
+    ``[R, k]``, vLLM's ``work`` space, ``longest`` (the bound an eager step
+    passes) and ``k``."""
+    lens = step.rows.context_lens.view(-1, 1).contiguous()
+    n, longest = lens.shape[0], int(lens.max())
+    logits = torch.full((n, TOPK_WIDTH), float("-inf"), device="cuda")
+    logits[:, :longest] = torch.randn((n, longest), device="cuda")
+    return types.SimpleNamespace(
+        logits=logits, lens=lens, longest=longest, k=k,
+        idx=torch.empty((n, k), dtype=torch.int32, device="cuda"),
+        work=torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+
+
+def topk_paths(t, ops) -> dict:
+    """The decode top-k's eager calls on :func:`topk_inputs` ``t``, each
+    writing ``t.idx``: vLLM's op through ``torch.ops._C`` as vLLM 0.27.1's
+    indexer calls it in an eager step (``ops``: the extension's ops,
+    ``--topk-lib``), :func:`.topk.dispatch` taking the project's kernel (the
+    plugin's indexer under ``own``) and :func:`.ops.cuda_topk.decode_topk`
+    alone."""
+    from . import topk
+    from .bench_builds import vllm_max_seq_len, vllm_topk_op
+    from .ops import cuda_topk
+
+    which = vllm_topk_op(t.lens.shape[0], t.logits.stride(0), topk.COOPERATIVE_ROWS)
+    op = getattr(ops, which)
+    bound = vllm_max_seq_len(which, "0.27.1", t.longest, TOPK_WIDTH)
+
+    def vllm_call():
+        op(t.logits, t.lens, t.idx, t.work, t.k, bound)
+
+    def own_call():
+        topk.force(True)
+        try:
+            topk.dispatch(t.logits, t.lens, t.idx, t.k, vllm_call, bound=t.longest)
+        finally:
+            topk.force(None)
+    return {f"top-k vLLM {which} (torch.ops)": vllm_call,
+            "top-k dispatch, own (the plugin's call)": own_call,
+            "top-k decode_topk alone": lambda: cuda_topk.decode_topk(
+                t.logits, t.lens, t.k, out=t.idx, bound=t.longest)}
+
+
 def driver_floor(ck, args, out, sched, defines) -> dict:
     """The floor under ``cuda launch``: ``cuLaunchKernel`` alone (and the
     current-stream lookup) with the parameter block a launch of the same call
@@ -193,10 +243,17 @@ def run_gpu(args) -> list[tuple]:
           f"EAGER_CUDA_SM90 = {launcher.EAGER_CUDA_SM90}", flush=True)
     table = []
     calls = args.calls or CALLS
+    ops = None
+    if getattr(args, "topk_lib", None):
+        from .bench_builds import load_topk
+        ops = load_topk(torch, args.topk_lib)
     for name in _selected(args.cases):
         reqs, tokens, context = CASES[name]
         step = random_decode_step(reqs, tokens, context, heads=64, device="cuda")
-        for path, fn in gpu_paths(step).items():
+        paths = gpu_paths(step)
+        if ops is not None:
+            paths.update(topk_paths(topk_inputs(step), ops))
+        for path, fn in paths.items():
             try:
                 fn()  # compile, load, plan into the step's cache
                 torch.cuda.synchronize()
