@@ -84,13 +84,15 @@ def measured_faster(rows: int, bound: int | None, sms: int,
 def auto_builds(sms: int) -> list[tuple[str, ...]]:
     """Every build :func:`.ops.cuda_topk.launch_plan` names, on ``sms`` SMs,
     for a call :func:`measured_faster` takes (what ``auto`` loads at start-up:
-    no decode step compiles).  The plan stops depending on the rows past
-    ``sms + 1``, and on the bound past :data:`.ops.cuda_topk.MAX_STAGE` (the
-    stage stops there); the bounds are tried every 256 columns up to it."""
+    no decode step compiles; every such call is bounded).  The plan stops
+    depending on the rows past ``sms + 1``, and on the bound past
+    ``SPREAD * MAX_STAGE`` (:func:`.ops.cuda_topk.launch_plan`); the bounds
+    are tried every 256 columns up to it."""
     rows = range(COOPERATIVE_ROWS + 1, max(sms, COOPERATIVE_ROWS) + 2)
-    most = cuda_topk.MAX_STAGE
+    most = cuda_topk.SPREAD * cuda_topk.MAX_STAGE
     bounds = sorted(set(range(LONG_ROWS, most, 256)) | {most})
-    return list(dict.fromkeys(cuda_topk.launch_plan(r, b, sms) for r in rows for b in bounds))
+    return list(dict.fromkeys(cuda_topk.launch_plan(r, b, sms, bounded=True)
+                              for r in rows for b in bounds))
 
 
 logger = logging.getLogger("vllm.dsa_varlen")

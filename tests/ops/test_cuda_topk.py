@@ -227,7 +227,7 @@ def test_every_launch_hands_the_driver_the_values_kernel_args_makes(monkeypatch)
             ct.decode_topk(logits, lens, k, out=out, defines=defines, bound=bound)
             got = drv.launches[-1]
             plan = defines or ct.launch_plan(rows, width if bound is None else min(width, bound),
-                                             132)
+                                             132, bounded=bound is not None)
             longest = width if bound is None else min(width, bound)
             split, lists = ct.split_of(plan), ct.listed(plan)
             lens_addr = int.from_bytes(got["values"][2], "little")
@@ -426,6 +426,19 @@ def test_launch_plan_spreads_few_rows():
         split, minb = ct.split_of(plan), ct.minb_of(plan)
         assert split in (1, 2, 4) and (split == 1 or rows * split <= sms)
         assert split == ct.SPREAD or rows * split * 2 > sms
+        # under a host bound: once more where that stages the slice, within two CTAs per SM
+        bounded = ct.launch_plan(rows, longest, sms, bounded=True)
+        assert bounded in builds
+        more = ct.split_of(bounded)
+        def slice_(c):
+            return (-(-longest // c) + 3) // 4 * 4
+        if more != split:
+            assert more == 2 * split <= ct.SPREAD and rows * more <= 2 * sms
+            assert slice_(split) > ct.MAX_STAGE >= slice_(more)
+        else:
+            assert (split == ct.SPREAD or rows * split > sms or slice_(split) <= ct.MAX_STAGE
+                    or slice_(2 * split) > ct.MAX_STAGE)
+            assert bounded == plan
         fits = [c for c in (1, 2, 4) if c * (ct.smem_bytes(longest, 1, False) + 1024)
                 <= ct.SM_SMEM]
         short = rows > sms and split == 1 and 4 in fits

@@ -134,7 +134,7 @@ def load(device, defines: tuple = ()) -> _Loaded:
     return got
 
 
-def launch_plan(rows: int, longest: int, sms: int) -> tuple[str, ...]:
+def launch_plan(rows: int, longest: int, sms: int, bounded: bool = False) -> tuple[str, ...]:
     """The build for a call, from shape facts (graph safe; the result is
     right for any lengths, only its speed depends on this): ``rows`` and
     ``longest``, the longest row expected (the logits' width or a host bound
@@ -147,9 +147,17 @@ def launch_plan(rows: int, longest: int, sms: int) -> tuple[str, ...]:
     set by shared memory: of at most ~12.1K columns, :data:`SHORT_ROWS` (four
     per SM); of ~18.4K-26.6K columns, where the candidate list leaves room
     for one CTA only, :data:`MID_ROWS` (two; measured faster there on the
-    H200, slower on fewer or longer rows)."""
+    H200, slower on fewer or longer rows).  ``bounded``: ``longest`` is a
+    host bound on the lengths (an eager step's ``max_seq_len``), not the
+    logits' width; then ``SPLIT`` doubles once more where that stages a slice
+    the spread leaves past :data:`MAX_STAGE` (read from global memory in
+    every pass), the grid within two CTAs per SM (:func:`_stages_when_doubled`;
+    under a width, rows are mostly far shorter: 36-64 rows of 32K took
+    1.3-1.7x SPLIT=2's time at SPLIT=4)."""
     split = 1
     while split < SPREAD and rows * split * 2 <= sms:
+        split *= 2
+    if bounded and split < SPREAD and rows * split <= sms and _stages_when_doubled(longest, split):
         split *= 2
     if split == 1 and rows > sms:
         if _fit(4, smem_bytes(longest, 1, False)):
@@ -158,6 +166,15 @@ def launch_plan(rows: int, longest: int, sms: int) -> tuple[str, ...]:
             return MID_ROWS
     two = rows * split > sms and _fit(2, smem_bytes(longest, split))
     return (f"SPLIT={split}", f"MINB={2 if two else 1}")
+
+
+def _stages_when_doubled(longest: int, split: int) -> bool:
+    """Whether the longest row's slice over ``split`` CTAs is past the stage
+    and over ``2 * split`` within it (the H200: 36 rows of up to 128K
+    columns, SPLIT=4 at 0.78-0.84x SPLIT=2's time)."""
+    def slice_(c):
+        return ((longest + c - 1) // c + 3) // 4 * 4
+    return slice_(split) > MAX_STAGE >= slice_(2 * split)
 
 
 def _fit(ctas: int, smem: int) -> bool:
@@ -290,7 +307,7 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     longest = width if bound is None else min(width, bound)
     index = dev.index if dev.index is not None else _current_device()
     if defines is None:
-        defines = launch_plan(rows, longest, num_sms(index))
+        defines = launch_plan(rows, longest, num_sms(index), bounded=bound is not None)
     split, threads, lists = split_of(defines), threads_of(defines), listed(defines)
     if split not in (1, 2, 4, 8):
         _fail("defines", "SPLIT of 1, 2, 4 or 8", split)
