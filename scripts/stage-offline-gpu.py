@@ -276,15 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-call-mib", type=int, default=60,
                     help="MiB of parts per transfer folder (default 60)")
     args = ap.parse_args(argv)
+    if not args.ops_only and not args.deps:
+        ap.error("--deps: required (but with --ops-only)")
+    shutil.rmtree(args.out, ignore_errors=True)
+    os.makedirs(args.out)
     if args.ops_only:
-        shutil.rmtree(args.out, ignore_errors=True)
-        os.makedirs(args.out)
         with tempfile.TemporaryDirectory() as tmp:
             got = stage_ops(_download_wheel("vllm", args.vllm, tmp), args.out)
         print(f"{got}: {os.path.getsize(got) / 2**20:.1f} MiB")
         return 0
-    if not args.deps:
-        ap.error("--deps: required (but with --ops-only)")
 
     drop = list(ALWAYS_LEFT_OUT)
     if args.fa_standin:
@@ -292,8 +292,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.dense_only:
         drop.append(MOE_BINARY)
     drop = tuple(d for d in drop if d not in args.keep)
-    shutil.rmtree(args.out, ignore_errors=True)
-    os.makedirs(args.out)
     with tempfile.TemporaryDirectory() as tmp:
         site = os.path.join(tmp, "site")
         os.makedirs(site)

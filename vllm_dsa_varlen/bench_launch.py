@@ -25,8 +25,12 @@ the step's schedule cache prefilled as serving's first layer leaves it;
 ``auto`` as set: with ``EAGER_CUDA_SM90`` off its eager and graph columns are
 different kernels, as in serving), ``launcher auto, no out`` (the logits
 allocated by the launcher, as vLLM calls it), ``plan`` (the schedule, once
-per step).  A short table ends the output: the floor, the prepared launch and
-the launcher's ``auto`` per case against the ≤ 20 µs target.
+per step).  With ``--topk-lib`` (vLLM's ``_C`` extension) the decode top-k's
+eager call too (:func:`topk_paths`): vLLM's op as 0.27.1's indexer calls it,
+the plugin's :func:`.topk.dispatch` taking the project's kernel (``own``) and
+:func:`.ops.cuda_topk.decode_topk` alone.  A short table ends the output: the
+floor, the prepared launch and the launcher's ``auto`` per case against the
+≤ 20 µs target.
 
 ``--fake`` (any machine, no GPU): the same launches on CPU tensors with the
 driver calls stubbed (TMA encode, stream lookup, ``cuLaunchKernel``) and the
@@ -36,7 +40,7 @@ Python alone; beside them the decode top-k's launch on the case's rows
 ``--base REV`` times that revision's ``ops`` package beside this one, rounds
 interleaved in one process.
 
-    vllm-dsa-varlen-bench --launch-host [--calls 50] [--cases B1 B64]
+    vllm-dsa-varlen-bench --launch-host [--calls 50] [--cases B1 B64] [--topk-lib <_C .so>]
     vllm-dsa-varlen-bench --launch-host --fake [--base HEAD~1]
 """
 

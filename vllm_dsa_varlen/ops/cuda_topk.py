@@ -20,6 +20,7 @@ the driver (:mod:`.cuda_binding`) once per process, device and build.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -320,12 +321,9 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     with params.lock:
         params.set(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
                    out.data_ptr(), out.stride(0) if rows > 1 else k, stage)
-        if _current_device() == index:
+        with (contextlib.nullcontext() if _current_device() == index
+              else torch.cuda.device(index)):
             cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
                                _stream(index), params.addr)
-        else:
-            with torch.cuda.device(index):
-                cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
-                                   _stream(index), params.addr)
     del flat  # a converted copy lived until the launch was queued
     return out
