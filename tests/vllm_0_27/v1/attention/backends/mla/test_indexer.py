@@ -728,7 +728,11 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, mode, plain_
             rows_bt[req >= 0] = bt[req[req >= 0]]
             want = paged_mqa_logits_ref(q, kv, w, ctx.unsqueeze(-1), rows_bt, max_len)
             valid = torch.arange(max_len).unsqueeze(0) < ctx.unsqueeze(-1)
-            assert torch.equal(got[valid], want[valid]), (size, i, varlen)
+            # The same reference on runs of rows (got) and on single rows (want):
+            # float32 sums in another order (the matmuls' shapes differ), so equal
+            # within rounding; a wrong row or page differs by O(1).
+            torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{(size, i, varlen)}: {m}")
     # Plain (1-token) steps go to stock only where no FULL graph replays other batches.
     lens, seqs, bt, cm = batch([1] * 5, [40, 50, 60, 70, 80], 8, 9)
     md = builder.build(0, cm)
