@@ -121,6 +121,23 @@ def current_device() -> int:
     return torch.cuda.current_device()
 
 
+def load_once(cache: dict, lock, device, build, make):
+    """``cache[(index, build)]`` for ``device``'s index, made on first use by
+    ``make(torch.device("cuda", index), build)`` under ``lock`` (checked
+    again there): a kernel's build compiled and loaded once per process and
+    device, whichever thread asks first."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, build)
+    got = cache.get(key)
+    if got is None:
+        with lock:
+            got = cache.get(key)
+            if got is None:
+                got = cache[key] = make(torch.device("cuda", index), build)
+    return got
+
+
 class ParamBlock:
     """A kernel's parameter values (``vals``: ctypes objects by name, in the
     kernel's order) made once, beside the pointer array ``cuLaunchKernel``

@@ -69,7 +69,7 @@ import torch
 from .common import DIM, PAGE, capability, log_once, num_sms
 from .cuda_binding import NVRTC_ENV  # noqa: F401  (the setting this kernel honours)
 from .cuda_binding import (ARCH, INVALID_CONTEXT, compile_source, current_device, current_stream,
-                           launch_function, load_function, ok)
+                           launch_function, load_function, load_once, ok)
 from .cuda_binding import driver as _driver
 from .cuda_binding import nvrtc as _nvrtc
 from .cuda_plan import COST, CTA_WORDS, TABLE_WORDS, page_cost, plan_device
@@ -257,15 +257,7 @@ def load(device, defines: tuple = ()) -> _Loaded:
     got = _BY_DEVICE.get((device, defines)) if fast else None
     if got is not None:
         return got
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, tuple(defines))
-    got = _LOADED.get(key)
-    if got is None:
-        with _lock:
-            got = _LOADED.get(key)
-            if got is None:
-                got = _LOADED[key] = _load(torch.device("cuda", index), tuple(defines))
+    got = load_once(_LOADED, _lock, device, tuple(defines), _load)
     if fast and device.index is not None:
         _BY_DEVICE[(device, defines)] = got
     return got

@@ -138,16 +138,7 @@ def load(device, heads: int = HEADS) -> _Loaded:
     """Compile (NVRTC) and load the planner's build for ``heads`` heads on
     ``device`` once per process."""
     group_rows(heads)
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, heads)
-    got = _LOADED.get(key)
-    if got is None:
-        with _lock:
-            got = _LOADED.get(key)
-            if got is None:
-                got = _LOADED[key] = _Loaded(torch.device("cuda", index), heads)
-    return got
+    return cb.load_once(_LOADED, _lock, device, heads, _Loaded)
 
 
 def allocate(rows: int, programs: int, device) -> tuple[torch.Tensor, torch.Tensor]:

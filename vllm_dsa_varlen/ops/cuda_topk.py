@@ -123,16 +123,7 @@ def load(device, defines: tuple = ()) -> _Loaded:
     """Compile (NVRTC) and load the kernel on ``device`` once per process
     and build (``defines``: the source's ``-D`` macros, e.g. ``("SPLIT=2",
     "MINB=1")``; none: one CTA per row)."""
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, tuple(defines))
-    got = _LOADED.get(key)
-    if got is None:
-        with _lock:
-            got = _LOADED.get(key)
-            if got is None:
-                got = _LOADED[key] = _Loaded(torch.device("cuda", index), tuple(defines))
-    return got
+    return cb.load_once(_LOADED, _lock, device, tuple(defines), _Loaded)
 
 
 def launch_plan(rows: int, longest: int, sms: int, bounded: bool = False) -> tuple[str, ...]:
