@@ -410,6 +410,20 @@ def test_split_kernel_on_block_rows_unaligned_rows_and_other_k(split, k, offset,
     assert topk_selection_ok(logits, lens, k, got.cpu()) == []
 
 
+@pytest.mark.parametrize("rows, bound, split, bounded_split", [
+    (36, 98304, 2, 4), (48, 98304, 2, 4), (64, 98304, 2, 2),  # fours: 144, 192 CTAs; not 256
+    (96, 65536, 1, 2), (128, 49152, 1, 2),                    # pairs: 192, 256 CTAs
+    (128, 47760, 1, 1), (132, 90000, 1, 2), (133, 90000, 1, 1), (132, 98304, 1, 1), (16, 131072, 4, 4)])
+def test_the_bounded_plan_doubles_the_split_where_it_was_measured_faster(rows, bound, split,
+                                                                        bounded_split):
+    """The H200's (132 SMs) timed shapes: an eager call's bound doubles the
+    CTAs per row where the plan's slice is past the stage and the doubled
+    one is not, within two waves for pairs and one and a half for fours; a
+    slice the stage holds, more rows than SMs, or four CTAs already: no."""
+    assert ct.split_of(ct.launch_plan(rows, bound, 132)) == split
+    assert ct.split_of(ct.launch_plan(rows, bound, 132, bounded=True)) == bounded_split
+
+
 def test_launch_plan_spreads_few_rows():
     """Every plan names a build among plan_builds(); it spreads rows over the
     SMs (up to SPREAD CTAs per row, doubling while twice as many still fit),
@@ -432,12 +446,13 @@ def test_launch_plan_spreads_few_rows():
         more = ct.split_of(bounded)
         def slice_(c):
             return (-(-longest // c) + 3) // 4 * 4
+        waves = 2 * sms if split == 1 else sms * 3 // 2  # pairs: 2 waves; fours: 1.5
         if more != split:
-            assert more == 2 * split <= ct.SPREAD and rows * more <= 2 * sms
+            assert more == 2 * split <= ct.SPREAD and rows * more <= waves
             assert slice_(split) > ct.MAX_STAGE >= slice_(more)
         else:
-            assert (split == ct.SPREAD or rows * split > sms or slice_(split) <= ct.MAX_STAGE
-                    or slice_(2 * split) > ct.MAX_STAGE)
+            assert (split == ct.SPREAD or rows * 2 * split > waves
+                    or slice_(split) <= ct.MAX_STAGE or slice_(2 * split) > ct.MAX_STAGE)
             assert bounded == plan
         fits = [c for c in (1, 2, 4) if c * (ct.smem_bytes(longest, 1, False) + 1024)
                 <= ct.SM_SMEM]

@@ -143,13 +143,14 @@ def launch_plan(rows: int, longest: int, sms: int, bounded: bool = False) -> tup
     host bound on the lengths (an eager step's ``max_seq_len``), not the
     logits' width; then ``SPLIT`` doubles once more where that stages a slice
     the spread leaves past :data:`MAX_STAGE` (read from global memory in
-    every pass), the grid within two CTAs per SM (:func:`_stages_when_doubled`;
-    under a width, rows are mostly far shorter: 36-64 rows of 32K took
-    1.3-1.7x SPLIT=2's time at SPLIT=4)."""
+    every pass) and the grid stays within :func:`_doubled_grid_fits`
+    (:func:`_stages_when_doubled`; under a width, rows are mostly far
+    shorter: 36-64 rows of 32K took 1.3-1.7x SPLIT=2's time at SPLIT=4)."""
     split = 1
     while split < SPREAD and rows * split * 2 <= sms:
         split *= 2
-    if bounded and split < SPREAD and rows * split <= sms and _stages_when_doubled(longest, split):
+    if (bounded and split < SPREAD and _doubled_grid_fits(rows, split, sms)
+            and _stages_when_doubled(longest, split)):
         split *= 2
     if split == 1 and rows > sms:
         if _fit(4, smem_bytes(longest, 1, False)):
@@ -158,6 +159,16 @@ def launch_plan(rows: int, longest: int, sms: int, bounded: bool = False) -> tup
             return MID_ROWS
     two = rows * split > sms and _fit(2, smem_bytes(longest, split))
     return (f"SPLIT={split}", f"MINB={2 if two else 1}")
+
+
+def _doubled_grid_fits(rows: int, split: int, sms: int) -> bool:
+    """Whether ``rows`` rows over ``2 * split`` CTAs each stay within two
+    waves of ``sms`` CTAs for pairs, one and a half for clusters of four.
+    On the H200 (132 SMs), each row's slice staged once doubled, against the
+    plan's split: pairs at 192 and 256 CTAs (96 rows of 64K, 128 of 48K)
+    0.83x and 0.93x its time; fours at 144 and 192 CTAs (36 and 48 rows of
+    96K) 0.81x and 0.93x, at 256 (64 rows of 96K) 1.03x (h200-9fb2ff6)."""
+    return rows * split * 2 <= (2 * sms if split == 1 else sms * 3 // 2)
 
 
 def _stages_when_doubled(longest: int, split: int) -> bool:
