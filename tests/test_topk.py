@@ -119,15 +119,14 @@ def kernel_here(monkeypatch):
     the kernel that writes the reference's selection (calls recorded)."""
     calls = []
 
-    def fake(logits, lengths, k, out=None, defines=(), bound=None):
-        assert defines is None  # the launch plan's build
+    def fake(logits, lengths, k, out, bound=None):  # the launch plan's build
         calls.append((logits, bound))
         out.copy_(topk_ref(logits, lengths, k))
         return out
 
     monkeypatch.setattr(topk, "serves", topk.layout_ok)
     monkeypatch.setattr(topk, "decide", lambda index: topk.TopkChoice(True, "test"))
-    monkeypatch.setattr(cuda_topk, "decode_topk", fake)
+    monkeypatch.setattr(cuda_topk, "launch_checked", fake)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(topk, "num_sms", lambda index: 132)  # the H200's
     return calls

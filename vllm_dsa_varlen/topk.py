@@ -250,7 +250,7 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object],
             takes if takes is not None else _rule_takes(logits, bound, cooperative_rows)))))
         stats.record_topk(own, captured)
         if own:
-            cuda_topk.decode_topk(logits, lengths, k, out=out, defines=None, bound=bound)
+            cuda_topk.launch_checked(logits, lengths, k, out, bound=bound)
             return
     stock()
 

@@ -197,7 +197,8 @@ class _ReadingDriver:
 
 
 def test_every_launch_hands_the_driver_the_values_kernel_args_makes(monkeypatch):
-    """decode_topk's parameter block is made once and refilled per launch:
+    """decode_topk's (and launch_checked's) parameter block is made once and
+    refilled per launch:
     each launch hands the driver exactly the values kernel_args makes afresh
     for its arguments (the lengths converted where they are not contiguous
     int32: their address then the converted copy's), with the plan's grid,
@@ -213,6 +214,7 @@ def test_every_launch_hands_the_driver_the_values_kernel_args_makes(monkeypatch)
     monkeypatch.setattr(ct, "_stream", lambda index: 0x5EED)
     monkeypatch.setattr(ct, "_current_device", lambda: None)
     monkeypatch.setattr(ct, "num_sms", lambda index: 132)
+    monkeypatch.setattr(ct, "_BUILDS", {})  # the loads above, not another test's
     rng = random.Random()
     seen = []
     with host_time.fake_hopper():
@@ -224,7 +226,10 @@ def test_every_launch_hands_the_driver_the_values_kernel_args_makes(monkeypatch)
             out = torch.empty(rows, k + rng.choice([0, 5]), dtype=torch.int32)[:, :k]
             bound = rng.choice([None, rng.randint(1, 2 * width)])
             defines = rng.choice([None, ("SPLIT=2", "MINB=1"), ct.SHORT_ROWS])
-            ct.decode_topk(logits, lens, k, out=out, defines=defines, bound=bound)
+            if defines is None and rng.random() < 0.5:  # topk.dispatch's call: the same launch
+                ct.launch_checked(logits, lens, k, out, bound=bound)
+            else:
+                ct.decode_topk(logits, lens, k, out=out, defines=defines, bound=bound)
             got = drv.launches[-1]
             plan = defines or ct.launch_plan(rows, width if bound is None else min(width, bound),
                                              132, bounded=bound is not None)

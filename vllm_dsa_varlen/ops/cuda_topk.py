@@ -273,6 +273,10 @@ def check_args(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     problem = layout_problem(logits, lengths, k, out)
     if problem is not None:
         _fail(*problem)
+    return _flat(lengths)
+
+
+def _flat(lengths: torch.Tensor) -> torch.Tensor:
     flat = lengths.reshape(-1)
     if flat.dtype != torch.int32:
         flat = flat.to(torch.int32)
@@ -298,25 +302,52 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     if not isinstance(logits, torch.Tensor) or not logits.is_cuda:
         _fail("logits", "a CUDA tensor", getattr(logits, "device", type(logits)))
     flat = check_args(logits, lengths, k, out)
-    rows, width = logits.shape
-    dev = logits.device
     if out is None:
-        out = torch.empty((rows, k), dtype=torch.int32, device=dev)
+        out = torch.empty((logits.shape[0], k), dtype=torch.int32, device=logits.device)
+    return _launch(logits, flat, k, out, defines, bound)
+
+
+def launch_checked(logits: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor,
+                   bound: int | None = None) -> torch.Tensor:
+    """:func:`decode_topk` with the launch plan's build for a call whose
+    layout the caller has checked (:func:`layout_problem` gave ``None``,
+    ``out`` given, ``logits`` on a CUDA device): :func:`.topk.dispatch`'s
+    call, which checks it to choose the kernel; not checked again here."""
+    return _launch(logits, _flat(lengths), k, out, None, bound)
+
+
+_BUILDS: dict = {}  # (device index, defines) -> (loaded kernel, split, threads, listed)
+
+
+def _build(index: int, defines: tuple) -> tuple:
+    """A build's loaded kernel and facts, checked once per device and build."""
+    got = _BUILDS.get((index, defines))
+    if got is None:
+        split, threads = split_of(defines), threads_of(defines)
+        if split not in (1, 2, 4, 8):
+            _fail("defines", "SPLIT of 1, 2, 4 or 8", split)
+        if threads not in THREAD_COUNTS:
+            _fail("defines", f"THREADS of {', '.join(map(str, THREAD_COUNTS))}", threads)
+        kern = load(torch.device("cuda", index), defines)
+        got = _BUILDS[(index, defines)] = (kern, split, threads, listed(defines))
+    return got
+
+
+def _launch(logits: torch.Tensor, flat: torch.Tensor, k: int, out: torch.Tensor,
+            defines, bound) -> torch.Tensor:
+    rows, width = logits.shape
     if rows == 0:
         return out
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)
                               or bound < 1):
         _fail("bound", "an int >= 1 (a host bound on the lengths) or None", bound)
     longest = width if bound is None else min(width, bound)
-    index = dev.index if dev.index is not None else _current_device()
+    index = logits.device.index
+    if index is None:
+        index = _current_device()
     if defines is None:
         defines = launch_plan(rows, longest, num_sms(index), bounded=bound is not None)
-    split, threads, lists = split_of(defines), threads_of(defines), listed(defines)
-    if split not in (1, 2, 4, 8):
-        _fail("defines", "SPLIT of 1, 2, 4 or 8", split)
-    if threads not in THREAD_COUNTS:
-        _fail("defines", f"THREADS of {', '.join(map(str, THREAD_COUNTS))}", threads)
-    kern = load(dev, defines)
+    kern, split, threads, lists = _build(index, tuple(defines))
     stage = stage_for(longest, split, lists)
     grid, smem = rows * split, smem_bytes(longest, split, lists)
     params = _PARAMS
@@ -327,5 +358,4 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
               else torch.cuda.device(index)):
             cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
                                _stream(index), params.addr)
-    del flat  # a converted copy lived until the launch was queued
     return out

@@ -384,8 +384,8 @@ def test_the_op_modules_torch_sends_the_decode_topk_through_the_choice(monkeypat
     monkeypatch.setattr(topk, "decide", lambda index: topk.TopkChoice(True, "test"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     bounds = []
-    monkeypatch.setattr(cuda_topk, "decode_topk",
-                        lambda lg, ln, k, out=None, defines=(), bound=None:
+    monkeypatch.setattr(cuda_topk, "launch_checked",
+                        lambda lg, ln, k, out, bound=None:
                         bounds.append(bound) or out.copy_(topk_ref(lg, ln, k)))
     c_ops.persistent_topk(logits, lens, out, work, 16, 200)
     c_ops.cooperative_topk(logits, lens, out, work, 16, 150)

@@ -140,8 +140,8 @@ def test_decode_topk_goes_through_the_choice(monkeypatch, module):
     monkeypatch.setattr(topk, "decide", lambda index: topk.TopkChoice(True, "test"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     bounds = []
-    monkeypatch.setattr(cuda_topk, "decode_topk",
-                        lambda lg, ln, k, out=None, defines=(), bound=None:
+    monkeypatch.setattr(cuda_topk, "launch_checked",
+                        lambda lg, ln, k, out, bound=None:
                         bounds.append(bound) or out.copy_(topk_ref(lg, ln, k)))
     auto(logits, lens, 2, out, 32, 300)
     assert len(seen) == 1 and topk_selection_ok(logits, lens, 32, out) == []
@@ -174,8 +174,8 @@ def test_auto_counts_stocks_cooperative_rows(monkeypatch, module):
                             lambda index: topk.TopkChoice(True, "test", per_call=True))
         monkeypatch.setattr(topk, "num_sms", lambda index: 132)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        monkeypatch.setattr(cuda_topk, "decode_topk",
-                            lambda lg, ln, k, out=None, defines=(), bound=None: ours.append(1))
+        monkeypatch.setattr(cuda_topk, "launch_checked",
+                            lambda lg, ln, k, out, bound=None: ours.append(1))
         width = cuda_topk.MAX_STAGE + 1
         for rows, bound, want in [(limit, cuda_topk.MAX_STAGE + 1, (1, 0)),
                                   (limit, cuda_topk.MAX_STAGE, (1, 1)),
