@@ -61,7 +61,9 @@ CAPABILITY = (9, 0)
 # ``cooperative_rows``), and passes both ops the step's max_seq_len in eager steps:
 # beside its own extension, 33-64 rows bounded at 42.6K: 0.92-0.94x its
 # cooperative_topk; 64K-81K: 0.96-0.99x (level, left to it); 96-256 rows of 32K:
-# 0.82-0.88x its persistent_topk; 8K-16K: 1.07-1.19x (h200-b425cab).
+# 0.82-0.88x its persistent_topk; 8K-16K: 1.07-1.19x (h200-b425cab).  With the plan's
+# bounded doubling (cuda_topk.launch_plan, 2e367fe), eager calls of 36-128 rows of 48K-96K
+# took 0.53-0.93x vLLM 0.27.1's time (96 rows of 64K: 0.85x, 1.02x before; h200-9fb2ff6).
 LONG_ROWS = 32768
 COOPERATIVE_ROWS = 32  # vLLM 0.27.1's cooperative_topk serves up to this many rows
 
