@@ -58,6 +58,7 @@ pytest.importorskip("vllm")
 import vllm.v1.attention.backends.mla.indexer as ix  # noqa: E402
 import vllm_stubs  # noqa: E402
 from fake_deep_gemm import FakeDeepGemm  # noqa: E402
+from stock_rows import DCP_WORLD, local_len, row_len  # noqa: E402
 from test_equivalence import assert_same_topk  # noqa: E402
 from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E402
 from vllm_stubs import (  # noqa: E402
@@ -83,25 +84,9 @@ HEADS, DIM, PAGE = 4, 32, 64
 WIDTH = 64            # block-table width (the builder's and the batch's)
 NUM_BLOCKS = 48       # KV pool pages; block tables draw from it at random
 MAX_SEQ = 600         # uncompressed KV length cap (V4: x4)
-DCP_WORLD = 2
 LAYOUTS = ("dense", "v4", "dcp_rank0", "dcp_rank1")
 # Varlen whenever the longest request has >= 3 tokens (see the module docstring).
 HOPPER_TABLE = (policy.Rule("flattened", min_run=3, note="test table"),)
-
-
-def _local_len(length: int, world: int, rank: int) -> int:
-    """This rank's share of ``length`` tokens dealt round-robin (interleave 1)."""
-    return length // world + (1 if length % world > rank else 0)
-
-
-def _row_len(seq_len: int, n: int, j: int, layout: str) -> int:
-    """Stock semantics: KV tokens token ``j`` of an ``n``-token request sees."""
-    length = max(0, seq_len - n + j + 1)
-    if layout == "v4":
-        return length // 4
-    if layout.startswith("dcp"):
-        return _local_len(length, DCP_WORLD, int(layout[-1]))
-    return length
 
 
 # --------------------------------------------------------------------------- set-up
@@ -207,7 +192,7 @@ def builder_batches(draw):
 
 def _expected_rows(lens, seqs, layout):
     """(request, own context length) of every real varlen row, in row order."""
-    return [(b, _row_len(s, n, j, layout)) for b, (n, s) in enumerate(zip(lens, seqs))
+    return [(b, row_len(s, n, j, layout)) for b, (n, s) in enumerate(zip(lens, seqs))
             for j in range(n)]
 
 
@@ -221,7 +206,7 @@ def _padded_logits(q_rows, w_rows, kv_cache, block_table, lens, seqs, layout, ma
     row_of, r = [], 0
     for b, (n, s) in enumerate(zip(lens, seqs)):
         for slot in range(slots):
-            ctx[b, slot] = _row_len(s, slots, slot, layout)
+            ctx[b, slot] = row_len(s, slots, slot, layout)
         for j in range(n):
             slot = slots - n + j
             q[b, slot] = q_rows[r, 0].float()
@@ -351,4 +336,4 @@ def test_dcp_localisation_matches_vllm():
     lengths = torch.arange(0, 300, dtype=torch.int32)
     for rank in range(DCP_WORLD):
         got = get_dcp_local_seq_lens(lengths, DCP_WORLD, rank, 1)
-        assert got.tolist() == [_local_len(n, DCP_WORLD, rank) for n in lengths.tolist()]
+        assert got.tolist() == [local_len(n, DCP_WORLD, rank) for n in lengths.tolist()]

@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 
 import vllm.model_executor.layers.sparse_attn_indexer as sai  # noqa: E402
 import vllm.v1.attention.backends.mla.indexer as ix  # noqa: E402
+from stock_rows import DCP_WORLD, local_len, row_len  # noqa: E402
 from test_equivalence import assert_same_topk  # noqa: E402
 from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E402
 from vllm033_stubs import (  # noqa: E402
@@ -65,25 +66,10 @@ HEADS, DIM, PAGE = 4, 32, 64
 WIDTH = 64
 NUM_BLOCKS = 48
 MAX_SEQ = 600
-DCP_WORLD = 2
 LAYOUTS = ("dense", "v4", "dcp_rank0", "dcp_rank1")
 # Builder kinds: (next_n, adaptive verification).
 CONFIGS = ((2, False), (4, False), (3, False), (5, False), (2, True), (4, True))
 ALL_WIN = (policy.Rule("native"), policy.Rule("flattened"), policy.Rule("split"))
-
-
-def _local_len(length: int, world: int, rank: int) -> int:
-    return length // world + (1 if length % world > rank else 0)
-
-
-def _row_len(seq_len: int, n: int, j: int, layout: str) -> int:
-    """Upstream semantics: KV tokens token ``j`` of an ``n``-token request sees."""
-    length = max(0, seq_len - n + j + 1)
-    if layout == "v4":
-        return length // 4
-    if layout.startswith("dcp"):
-        return _local_len(length, DCP_WORLD, int(layout[-1]))
-    return length
 
 
 class _World:
@@ -178,7 +164,7 @@ def _expected_logits(q_tok, w_tok, kv_cache, block_table, lens, seqs, layout, ma
     row_of, r = [], 0
     for b, (n, s) in enumerate(zip(lens, seqs)):
         for slot in range(slots):
-            ctx[b, slot] = _row_len(s, slots, slot, layout)
+            ctx[b, slot] = row_len(s, slots, slot, layout)
         for j in range(n):
             slot = slots - n + j
             q[b, slot] = q_tok[r].float()
@@ -285,7 +271,7 @@ def test_builder_varlen_equals_upstream_path(world, batch):
             assert dec.seq_lens.shape == (num_rows, 1) and not dec.requires_padding
             req = torch.tensor([b for b, n in enumerate(lens) for _ in range(n)],
                                dtype=torch.long)
-            want_ctx = [_row_len(s, n, j, layout) for n, s in zip(lens, seqs) for j in range(n)]
+            want_ctx = [row_len(s, n, j, layout) for n, s in zip(lens, seqs) for j in range(n)]
             assert dec.seq_lens[:tokens, 0].tolist() == want_ctx
             assert not dec.seq_lens[tokens:].any()
             assert torch.equal(dec.block_table[:tokens], block_table[req])
@@ -307,7 +293,7 @@ def test_builder_varlen_equals_upstream_path(world, batch):
 
         q_tok = torch.randn((tokens, HEADS, DIM), generator=gen).to(torch.float8_e4m3fn)
         w_tok = torch.randn((tokens, HEADS), generator=gen) / HEADS ** 0.5
-        max_len = max([_row_len(s, n, n - 1, layout) for n, s in zip(lens, seqs)] + [1])
+        max_len = max([row_len(s, n, n - 1, layout) for n, s in zip(lens, seqs)] + [1])
         max_len += batch["extra"]
         n_calls = len(dg.calls_to("fp8_fp4_paged_mqa_logits"))
         logits, ctx, token_row = decode_branch(md, q_tok, w_tok, world.kv_cache, max_len)
