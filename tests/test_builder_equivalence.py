@@ -50,7 +50,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
@@ -58,7 +58,7 @@ pytest.importorskip("vllm")
 import vllm.v1.attention.backends.mla.indexer as ix  # noqa: E402
 import vllm_stubs  # noqa: E402
 from fake_deep_gemm import FakeDeepGemm  # noqa: E402
-from stock_rows import DCP_WORLD, local_len, row_len  # noqa: E402
+from builder_checks import DCP_WORLD, SETTINGS, local_len, reference_kernel, row_len  # noqa: E402
 from test_equivalence import assert_same_topk  # noqa: E402
 from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E402
 from vllm_stubs import (  # noqa: E402
@@ -228,17 +228,6 @@ def _kernel_call(md, q, w, kv_cache, max_len):
         max_model_len=max_len, clean_logits=False)
 
 
-def _reference_kernel(q, kv_cache, weights, context_lens, block_table, indices,
-                      max_context_len, **_):
-    """Stand-in for the Triton kernel under the dispatch: the reference."""
-    return paged_mqa_logits_ref(q, kv_cache, weights, context_lens, block_table,
-                                max_context_len, indices)
-
-
-SETTINGS = dict(derandomize=True, deadline=None, print_blob=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
 @settings(max_examples=1000, **SETTINGS)
 @given(batch=builder_batches())
 def test_builder_varlen_equals_padded_path(world, batch):
@@ -246,7 +235,7 @@ def test_builder_varlen_equals_padded_path(world, batch):
     lens, seqs = batch["lens"], batch["seqs"]
     with pytest.MonkeyPatch.context() as mp:
         dg = world.fake(mp, backend, layout)
-        mp.setattr(launcher, "varlen_paged_mqa_logits", _reference_kernel)
+        mp.setattr(launcher, "varlen_paged_mqa_logits", reference_kernel)
         builder = world.builder(mp, backend, batch["next_n"], layout)
         gen = torch.Generator().manual_seed(batch["seed"])
         block_table = torch.randint(0, NUM_BLOCKS, (len(lens), WIDTH), generator=gen,

@@ -35,12 +35,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vllm.model_executor.layers.sparse_attn_indexer as sai  # noqa: E402
 import vllm.v1.attention.backends.mla.indexer as ix  # noqa: E402
-from stock_rows import DCP_WORLD, local_len, row_len  # noqa: E402
+from builder_checks import DCP_WORLD, SETTINGS, local_len, reference_kernel, row_len  # noqa: E402
 from test_equivalence import assert_same_topk  # noqa: E402
 from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E402
 from vllm033_stubs import (  # noqa: E402
@@ -216,17 +216,6 @@ def decode_branch(md, q_tok, w_tok, kv_cache, max_len):
     return logits.float(), seq_lens, token_row
 
 
-def _reference_kernel(q, kv_cache, weights, context_lens, block_table, indices,
-                      max_context_len, **_):
-    """Stand-in for the Triton kernel under the dispatch: the reference."""
-    return paged_mqa_logits_ref(q, kv_cache, weights, context_lens, block_table,
-                                max_context_len, indices)
-
-
-SETTINGS = dict(derandomize=True, deadline=None, print_blob=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
 @settings(max_examples=1000, **SETTINGS)
 @given(batch=builder_batches())
 def test_builder_varlen_equals_upstream_path(world, batch):
@@ -234,7 +223,7 @@ def test_builder_varlen_equals_upstream_path(world, batch):
     tokens = sum(lens)
     with pytest.MonkeyPatch.context() as mp:
         dg = world.fake(mp, layout)
-        mp.setattr(launcher, "varlen_paged_mqa_logits", _reference_kernel)
+        mp.setattr(launcher, "varlen_paged_mqa_logits", reference_kernel)
         if batch["table"] == "all_win":
             mp.setattr(policy, "MEASURED", ALL_WIN)
         builder = world.builder(mp, batch["next_n"], batch["adaptive"], layout)
@@ -334,7 +323,7 @@ def test_varlen_equals_stock_run_on_native_steps(world, next_n, lens, table):
     for mode in ("off", "auto"):
         with pytest.MonkeyPatch.context() as mp:
             world.fake(mp, "dense")
-            mp.setattr(launcher, "varlen_paged_mqa_logits", _reference_kernel)
+            mp.setattr(launcher, "varlen_paged_mqa_logits", reference_kernel)
             if table == "all_win":
                 mp.setattr(policy, "MEASURED", ALL_WIN)
             builder = world.builder(mp, next_n, False, "dense", mode)
