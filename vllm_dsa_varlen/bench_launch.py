@@ -454,10 +454,6 @@ def stubbed_topk(ct):
     kern = types.SimpleNamespace(fn="decode_topk", ctx=None)
     saved = {n: getattr(ct, n) for n in ("load", "_stream", "_current_device", "num_sms")}
     saved_driver = ct.cb.driver
-    builds = getattr(ct, "_BUILDS", None)  # loaded builds per device (none before 2026-12)
-    saved_builds = dict(builds or {})
-    if builds is not None:
-        builds.clear()
     ct.load = lambda device, defines=(): kern
     ct._stream = lambda index: 0x5EED
     ct._current_device = lambda: None  # CPU tensors' device index
@@ -469,9 +465,6 @@ def stubbed_topk(ct):
         for name, value in saved.items():
             setattr(ct, name, value)
         ct.cb.driver = saved_driver
-        if builds is not None:
-            builds.clear()
-            builds.update(saved_builds)
 
 
 def fake_topk_paths(ct, rows: int, bound: int) -> dict:

@@ -214,7 +214,6 @@ def test_every_launch_hands_the_driver_the_values_kernel_args_makes(monkeypatch)
     monkeypatch.setattr(ct, "_stream", lambda index: 0x5EED)
     monkeypatch.setattr(ct, "_current_device", lambda: None)
     monkeypatch.setattr(ct, "num_sms", lambda index: 132)
-    monkeypatch.setattr(ct, "_BUILDS", {})  # the loads above, not another test's
     rng = random.Random()
     seen = []
     with host_time.fake_hopper():

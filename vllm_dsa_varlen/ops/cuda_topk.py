@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 
@@ -64,8 +65,13 @@ def stage_for(longest: int, split: int = 1, with_list: bool = True) -> int:
     longest row (``longest / split`` rounded up to 4), at most
     :data:`MAX_STAGE` (``with_list``: a build with the candidate list,
     ``LIST=1``; :func:`listed`) or :data:`MAX_STAGE_UNLISTED`."""
-    most = MAX_STAGE if with_list else MAX_STAGE_UNLISTED
-    return min(((int(longest) + split - 1) // split + 3) // 4 * 4, most)
+    return min(_slice(longest, split), MAX_STAGE if with_list else MAX_STAGE_UNLISTED)
+
+
+def _slice(longest: int, split: int) -> int:
+    """Columns of the longest row's slice over ``split`` CTAs: ``longest /
+    split`` rounded up to 4."""
+    return ((int(longest) + split - 1) // split + 3) // 4 * 4
 
 
 def smem_bytes(longest: int, split: int = 1, with_list: bool = True) -> int:
@@ -175,9 +181,7 @@ def _stages_when_doubled(longest: int, split: int) -> bool:
     """Whether the longest row's slice over ``split`` CTAs is past the stage
     and over ``2 * split`` within it (the H200: 36 rows of up to 128K
     columns, SPLIT=4 at 0.78-0.84x SPLIT=2's time)."""
-    def slice_(c):
-        return ((longest + c - 1) // c + 3) // 4 * 4
-    return slice_(split) > MAX_STAGE >= slice_(2 * split)
+    return _slice(longest, split) > MAX_STAGE >= _slice(longest, 2 * split)
 
 
 def _fit(ctas: int, smem: int) -> bool:
@@ -316,21 +320,16 @@ def launch_checked(logits: torch.Tensor, lengths: torch.Tensor, k: int, out: tor
     return _launch(logits, _flat(lengths), k, out, None, bound)
 
 
-_BUILDS: dict = {}  # (device index, defines) -> (loaded kernel, split, threads, listed)
-
-
-def _build(index: int, defines: tuple) -> tuple:
-    """A build's loaded kernel and facts, checked once per device and build."""
-    got = _BUILDS.get((index, defines))
-    if got is None:
-        split, threads = split_of(defines), threads_of(defines)
-        if split not in (1, 2, 4, 8):
-            _fail("defines", "SPLIT of 1, 2, 4 or 8", split)
-        if threads not in THREAD_COUNTS:
-            _fail("defines", f"THREADS of {', '.join(map(str, THREAD_COUNTS))}", threads)
-        kern = load(torch.device("cuda", index), defines)
-        got = _BUILDS[(index, defines)] = (kern, split, threads, listed(defines))
-    return got
+@functools.lru_cache(maxsize=None)
+def _facts(defines: tuple) -> tuple[int, int, bool]:
+    """A build's CTAs per row, threads per CTA and candidate list, checked
+    (once per build)."""
+    split, threads = split_of(defines), threads_of(defines)
+    if split not in (1, 2, 4, 8):
+        _fail("defines", "SPLIT of 1, 2, 4 or 8", split)
+    if threads not in THREAD_COUNTS:
+        _fail("defines", f"THREADS of {', '.join(map(str, THREAD_COUNTS))}", threads)
+    return split, threads, listed(defines)
 
 
 def _launch(logits: torch.Tensor, flat: torch.Tensor, k: int, out: torch.Tensor,
@@ -347,7 +346,9 @@ def _launch(logits: torch.Tensor, flat: torch.Tensor, k: int, out: torch.Tensor,
         index = _current_device()
     if defines is None:
         defines = launch_plan(rows, longest, num_sms(index), bounded=bound is not None)
-    kern, split, threads, lists = _build(index, tuple(defines))
+    defines = tuple(defines)
+    split, threads, lists = _facts(defines)
+    kern = _LOADED.get((index, defines)) or load(torch.device("cuda", index), defines)
     stage = stage_for(longest, split, lists)
     grid, smem = rows * split, smem_bytes(longest, split, lists)
     params = _PARAMS
