@@ -963,6 +963,8 @@ def compare(stock: dict, plugin: dict) -> dict:
                      "step_pairs": step_pairs(s, p),
                      "gc": [s.get("gc"), p.get("gc")],
                      "tokens_identical": div is None, "first_divergence": div,
+                     "rounds_tokens_equal": [s.get("rounds_tokens_equal"),
+                                             p.get("rounds_tokens_equal")],
                      "indexer_build_us": [(x.get("indexer_build") or {}).get("us_per_call")
                                           for x in (s, p)],
                      "indexer_build_us_by_tokens": _build_by_tokens(s, p),
@@ -981,7 +983,28 @@ def compare(stock: dict, plugin: dict) -> dict:
             r, pos = div["request"], div["position"]
             ident["stock_top2"] = stock["identity"]["top2"][r][pos:pos + 1]
             ident["plugin_top2"] = plugin["identity"]["top2"][r][pos:pos + 1]
+            ident["stock_tie"] = stock_tie(ident["stock_top2"])
     return {"rows": rows, "identity": ident}
+
+
+def stock_tie(top2) -> bool | None:
+    """Whether stock's two most likely tokens at a divergence have equal
+    log-probabilities (``top2``: ``[[[token, logprob], [token, logprob]]]``,
+    as the identity run keeps them): greedy decoding then rests on bits that
+    stock itself need not repeat.  ``None`` where the run kept no top-2."""
+    if not top2 or len(top2[0]) < 2:
+        return None
+    return top2[0][0][1] == top2[0][1][1]
+
+
+def tokens_verdict(row: dict) -> str:
+    """The "tokens equal" cell: ``yes``, or ``NO`` and, where stock's own
+    rounds of the case gave different tokens, that too (a difference stock
+    shows against itself says nothing about the plugin)."""
+    if row["tokens_identical"]:
+        return "yes"
+    stock_rounds = (row.get("rounds_tokens_equal") or [None])[0]
+    return "NO (stock's own rounds differ too)" if stock_rounds is False else "NO"
 
 
 def table(result: dict) -> str:
@@ -1017,7 +1040,7 @@ def table(result: dict) -> str:
             lines.append(
                 f"| {k} | {r['batch']} | {r['prompt'] // 1024}K | {r['stock_tok_s']:.0f} | "
                 f"{r['plugin_tok_s']:.0f} | {r['stock_tpot_ms']:.2f} | {r['plugin_tpot_ms']:.2f} | "
-                f"{gain} | {'yes' if r['tokens_identical'] else 'NO'} | {paths} | {sh} | "
+                f"{gain} | {tokens_verdict(r)} | {paths} | {sh} | "
                 + " / ".join("-" if u is None else f"{u:.0f}" for u in r["indexer_build_us"])
                 + " | " + " / ".join("-" if u is None else f"{u:.1f}"
                                      for u in r.get("host_probe_us", (None, None)))
@@ -1211,7 +1234,10 @@ def finish(args, result: dict) -> int:
         ident = e.get("comparison", {}).get("identity")
         if ident:
             print(f"k={k} identity ({ident['requests']} requests x {ident['tokens_each']} tokens): "
-                  f"{'identical' if ident['identical'] else ident['first_divergence']}")
+                  + ("identical" if ident["identical"] else
+                     f"{ident['first_divergence']}"
+                     + (" (stock's top two tie there: greedy rests on bits stock need not "
+                        "repeat)" if ident.get("stock_tie") else "")))
     return 0 if all(r["rc"] == 0 for r in result["runs"]) else 1
 
 

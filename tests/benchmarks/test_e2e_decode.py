@@ -68,6 +68,34 @@ def test_compare_reports_speed_and_identity():
     assert not row["tokens_identical"] and row["first_divergence"]["position"] == 2
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_compare_says_where_stock_disagrees_with_itself(seed):
+    rng = random.Random(seed)
+    tokens = [[rng.randrange(1000) for _ in range(6)] for _ in range(4)]
+    other = [list(t) for t in tokens]
+    r, pos = rng.randrange(4), rng.randrange(6)
+    other[r][pos] += 1
+    stock, plugin = _run(tokens), _run(other)
+    stock_rounds, plugin_rounds = rng.random() < 0.5, rng.random() < 0.5
+    stock["cases"][0]["rounds_tokens_equal"] = stock_rounds
+    plugin["cases"][0]["rounds_tokens_equal"] = plugin_rounds
+    lp = -rng.uniform(1, 10)
+    tie = rng.random() < 0.5
+    second = lp if tie else lp - rng.uniform(1e-6, 1e-3)
+    top2 = [[[[t, lp], [t + 1, second]] for t in row] for row in tokens]
+    stock["identity"] = {"batch": 4, "prompt": 4096, "tokens": tokens, "top2": top2}
+    plugin["identity"] = {"batch": 4, "prompt": 4096, "tokens": other, "top2": top2}
+    cmp = e2e.compare(stock, plugin)
+    row = cmp["rows"][0]
+    assert row["rounds_tokens_equal"] == [stock_rounds, plugin_rounds]
+    verdict = e2e.tokens_verdict(row)
+    assert verdict.startswith("NO") and (("stock's own rounds" in verdict) == (not stock_rounds))
+    assert cmp["identity"]["first_divergence"]["request"] == r
+    assert cmp["identity"]["stock_tie"] is tie
+    assert e2e.tokens_verdict(e2e.compare(stock, _run(tokens))["rows"][0]) == "yes"
+    assert e2e.stock_tie([]) is None and e2e.stock_tie([[[1, lp]]]) is None
+
+
 def test_log_facts_reads_captures_and_plugin_lines(tmp_path):
     log = tmp_path / "log.txt"
     log.write_text(
