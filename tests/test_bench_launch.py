@@ -71,11 +71,13 @@ def test_the_fake_leaves_torch_and_the_modules_as_they_were():
     assert not ck._DESCRIPTORS and not launcher._ROUTES
     from vllm_dsa_varlen.ops import cuda_topk as ct
 
-    before = (ct.load, ct._stream, ct._current_device, ct.num_sms, ct.cb.driver)
+    before = (ct.load, ct._stream, ct._current_device, ct.num_sms, ct.cb.driver, ct._last)
     with bench_launch.fake_hopper(), bench_launch.stubbed_topk(ct) as fake:
         ct.decode_topk(torch.zeros(3, 5000), torch.full((3,), 4000), 7)
         assert len(fake.launches) == 1
-    assert (ct.load, ct._stream, ct._current_device, ct.num_sms, ct.cb.driver) == before
+        assert ct._last is not None and ct._last.kern.fn == "decode_topk"  # the stub's build
+    assert (ct.load, ct._stream, ct._current_device, ct.num_sms, ct.cb.driver,
+            ct._last) == before
 
 
 def test_fake_launch_records_one_driver_launch_per_call():

@@ -454,6 +454,8 @@ def stubbed_topk(ct):
     kern = types.SimpleNamespace(fn="decode_topk", ctx=None)
     saved = {n: getattr(ct, n) for n in ("load", "_stream", "_current_device", "num_sms")}
     saved_driver = ct.cb.driver
+    saved_last = getattr(ct, "_last", None)  # the last launch's facts (a real build's)
+    ct._last = None
     ct.load = lambda device, defines=(): kern
     ct._stream = lambda index: 0x5EED
     ct._current_device = lambda: None  # CPU tensors' device index
@@ -465,6 +467,7 @@ def stubbed_topk(ct):
         for name, value in saved.items():
             setattr(ct, name, value)
         ct.cb.driver = saved_driver
+        ct._last = saved_last
 
 
 def fake_topk_paths(ct, rows: int, bound: int) -> dict:

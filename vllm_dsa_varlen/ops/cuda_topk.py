@@ -332,11 +332,59 @@ def _facts(defines: tuple) -> tuple[int, int, bool]:
     return split, threads, listed(defines)
 
 
+class _Call:
+    """What a launch takes from its shape facts (device, rows, the longest
+    row, whether bounded, the build asked for): the loaded build, grid,
+    threads, shared memory and stage."""
+
+    __slots__ = ("key", "kern", "grid", "threads", "smem", "stage")
+
+    def __init__(self, key: tuple):
+        index, rows, longest, bounded, defines = key
+        if defines is None:
+            defines = launch_plan(rows, longest, num_sms(index), bounded=bounded)
+        split, self.threads, lists = _facts(defines)
+        self.key = key
+        self.kern = _LOADED.get((index, defines)) or load(torch.device("cuda", index), defines)
+        self.stage = stage_for(longest, split, lists)
+        self.grid, self.smem = rows * split, smem_bytes(longest, split, lists)
+
+
+# The last launch's facts: a decode step calls the top-k once per layer with the
+# same shape and bound, so every layer after the first finds them here.
+_last: _Call | None = None
+
+
 def _launch(logits: torch.Tensor, flat: torch.Tensor, k: int, out: torch.Tensor,
             defines, bound) -> torch.Tensor:
+    global _last
     rows, width = logits.shape
     if rows == 0:
         return out
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)
+                              or bound < 1):
+        _fail("bound", "an int >= 1 (a host bound on the lengths) or None", bound)
+    index = logits.device.index
+    if index is None:
+        index = _current_device()
+    key = (index, rows, width if bound is None else min(width, bound), bound is not None,
+           None if defines is None else tuple(defines))
+    call = _last
+    if call is None or call.key != key:
+        call = _last = _Call(key)
+    params = _PARAMS
+    with params.lock:
+        params.set(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
+                   out.data_ptr(), out.stride(0) if rows > 1 else k, call.stage)
+        kern = call.kern
+        if _current_device() == index:
+            cb.launch_function(cb.driver(), kern.fn, kern.ctx, call.grid, call.threads,
+                               call.smem, _stream(index), params.addr)
+        else:
+            with torch.cuda.device(index):
+                cb.launch_function(cb.driver(), kern.fn, kern.ctx, call.grid, call.threads,
+                                   call.smem, _stream(index), params.addr)
+    return out
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)
                               or bound < 1):
         _fail("bound", "an int >= 1 (a host bound on the lengths) or None", bound)
