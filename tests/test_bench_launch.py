@@ -43,6 +43,25 @@ def test_fake_launch_times_a_base_revision_beside(capsys):
     assert PATHS[1:] == [p for p in base if p != PATHS[0]]  # no prepared launch before it came
 
 
+def test_a_base_folder_imports_its_ops_beside_this_ones(tmp_path):
+    """``--base DIR``: a folder holding ``vllm_dsa_varlen/ops`` (a host without
+    the git history) gives that tree's modules under another package name,
+    not this revision's, with their own build caches."""
+    import os
+    import shutil
+
+    from vllm_dsa_varlen.ops import cuda_topk, launcher
+
+    shutil.copytree(os.path.join(bench_launch.ROOT, "vllm_dsa_varlen", "ops"),
+                    tmp_path / "vllm_dsa_varlen" / "ops")
+    marker = tmp_path / "vllm_dsa_varlen" / "ops" / "cuda_topk.py"
+    marker.write_text(marker.read_text() + "\nFROM_THE_FOLDER = True\n")
+    base = bench_launch.base_ops(str(tmp_path))
+    assert base.ct is not cuda_topk and base.launcher is not launcher
+    assert base.ct.__name__.startswith("dsa_base_") and base.ct.FROM_THE_FOLDER
+    assert not hasattr(cuda_topk, "FROM_THE_FOLDER") and base.ct._LOADED is not cuda_topk._LOADED
+
+
 def test_without_a_gpu_the_launch_host_mode_takes_the_fake_launch(capsys, monkeypatch):
     monkeypatch.setattr(bench_launch.torch.cuda, "is_available", lambda: False)
     assert bench.main(["--launch-host", "--calls", "1", "--cases", "B1 L8K"]) == 0
@@ -179,3 +198,25 @@ def test_topk_paths_call_vllms_op_as_its_eager_step_does_and_ours_meets_the_cont
         assert topk_selection_ok(t.logits, lens, 2048, t.idx) == [], name
     assert len(seen) == 1  # the dispatch took the project's kernel, not vLLM's op
     assert topk._forced is None
+
+
+@pytest.mark.gpu
+def test_gpu_base_times_both_revisions_in_one_process(capsys):
+    """``--launch-host --base REV`` on the GPU ends with the one-process table:
+    the launcher's ``auto`` and ``decode_topk`` of this revision and the
+    base's, each a positive host time inside its rounds' range."""
+    import torch
+    from vllm_dsa_varlen.ops.common import capability
+
+    if capability(torch.device("cuda")) != (9, 0):
+        pytest.skip("the CUDA kernels are built for sm_90")
+    assert bench.main(["--launch-host", "--calls", "2", "--cases", "B16 L32K",
+                       "--base", bench_launch.ROOT]) == 0
+    out = capsys.readouterr().out
+    tail = out[out.index("one process, 7 rounds interleaved"):]
+    rows = re.findall(r"^\| (B\S+ L\S+ \S+) \| ([^|]+) \| (\S+) \| ([0-9.]+) \| "
+                      r"([0-9.]+)-([0-9.]+) \|$", tail, re.M)
+    assert [(r[1], r[2]) for r in rows] == [
+        (p, who) for who in ("now", bench_launch.ROOT)
+        for p in ("launcher auto", "top-k decode_topk")]
+    assert all(0 < float(lo) <= float(us) <= float(hi) for *_, us, lo, hi in rows)

@@ -569,8 +569,9 @@ def main(argv=None):
     parser.add_argument("--fake", action="store_true", help="--launch-host: the launch on CPU "
                         "tensors, driver calls stubbed (any machine)")
     parser.add_argument("--base", default="",
-                        help="--launch-host --fake: also time this git revision's launcher "
-                        "and launch, beside this one (a revision with ops/launcher.py)")
+                        help="--launch-host: also time this git revision's launcher and "
+                        "launch (a revision with ops/launcher.py), or those of a folder holding "
+                        "vllm_dsa_varlen/ops, beside this one in one process")
     args = parser.parse_args(argv)
     wrong = [f"{flag} only with {mode}" for flag, mode, given, on in (
         ("--rounds", "--plan-timing or --builds", args.rounds is not None,

@@ -38,10 +38,14 @@ launcher taking the CUDA kernel's path (:func:`fake_hopper`): the host's
 Python alone; beside them the decode top-k's launch on the case's rows
 (``top-k decode_topk``: logits 163840 wide, the context as the bound).
 ``--base REV`` times that revision's ``ops`` package beside this one, rounds
-interleaved in one process.
+interleaved in one process: on the GPU its launcher (``auto``, logits given)
+and decode top-k (``decode_topk``) beside this revision's, host µs per call,
+median and range of 7 rounds (:func:`run_ab`).  ``REV``: a git revision, or a
+folder holding a ``vllm_dsa_varlen/ops`` tree (a host without the git history:
+``git archive REV vllm_dsa_varlen | tar -x -C DIR``).
 
     vllm-dsa-varlen-bench --launch-host [--calls 50] [--cases B1 B64] [--topk-lib <_C .so>]
-    vllm-dsa-varlen-bench --launch-host --fake [--base HEAD~1]
+    vllm-dsa-varlen-bench --launch-host [--fake] [--base HEAD~1]
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -274,6 +279,63 @@ def run_gpu(args) -> list[tuple]:
                    [(name, path, f"{host:.1f}", f"{wall:.1f}", f"{gpu:.1f}", f"{replay:.1f}")
                     for name, path, host, wall, gpu, replay in table])
     print_summary(table)
+    if getattr(args, "base", ""):
+        run_ab(args, base_ops(args.base))
+    return table
+
+
+def ab_paths(step, ops) -> dict:
+    """The launcher's ``auto`` call (logits given, the step's schedule cache
+    its own) and the decode top-k's ``decode_topk`` (bounded by the step's
+    longest row, as an eager step calls it) of ``ops`` on ``step``."""
+    rows = step.rows
+    args = (step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1), rows.block_table,
+            rows.indices, step.max_context_len)
+    hint = int(step.decode_lens.max())
+    out = torch.empty((rows.num_rows, step.max_context_len), device="cuda")
+    cache: dict = {}
+    paths = {"launcher auto": lambda: ops.launcher.varlen_paged_mqa_logits(
+        *args, max_run_len=hint, out=out, schedule_cache=cache)}
+    if ops.ct is not None:
+        t = topk_inputs(step)
+        paths["top-k decode_topk"] = lambda: ops.ct.decode_topk(t.logits, t.lens, t.k, out=t.idx,
+                                                                bound=t.longest)
+    return paths
+
+
+def run_ab(args, base, rounds: int = 7) -> list[tuple]:
+    """This revision's :func:`ab_paths` beside ``base``'s (:func:`base_ops`) in
+    one process: every path of both timed once per round (``calls`` calls
+    without a sync, host µs per call), rounds interleaved; median and range."""
+    from .ops import cuda_paged_mqa_logits as ck
+    from .ops import cuda_topk as ct
+    from .ops import launcher
+    from .workloads import random_decode_step
+
+    versions = {"now": types.SimpleNamespace(launcher=launcher, ck=ck, ct=ct), args.base: base}
+    calls = args.calls or CALLS
+    table = []
+    for name in _selected(args.cases):
+        reqs, tokens, context = CASES[name]
+        step = random_decode_step(reqs, tokens, context, heads=64, device="cuda")
+        timed = {}
+        for label, ops in versions.items():
+            for path, fn in ab_paths(step, ops).items():
+                fn()  # compile, load, plan into the step's cache
+                timed[(path, label)] = (fn, [])
+        torch.cuda.synchronize()
+        for _ in range(rounds):
+            for fn, per in timed.values():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                per.append((time.perf_counter() - t0) / calls * 1e6)
+        for (path, label), (_, per) in timed.items():
+            table.append((name, path, label, statistics.median(per), min(per), max(per)))
+    print_markdown(("case", "path", "revision", "host µs/call", "rounds"),
+                   [(n, p, lb, f"{us:.1f}", f"{lo:.1f}-{hi:.1f}") for n, p, lb, us, lo, hi in table],
+                   title=f"one process, {rounds} rounds interleaved: this revision and {args.base}")
     return table
 
 
@@ -423,13 +485,18 @@ def stubbed_launcher(ops, schedule):
 
 
 def base_ops(rev: str):
-    """The ``ops`` package at git revision ``rev`` (one with ``ops/launcher.py``),
-    imported beside this one under another name: ``.launcher`` and ``.ck``."""
+    """The ``ops`` package at git revision ``rev`` (one with ``ops/launcher.py``)
+    or in the folder ``rev`` (its ``vllm_dsa_varlen/ops``), imported beside
+    this one under another name: ``.launcher``, ``.ck`` and ``.ct``."""
     tmp = tempfile.mkdtemp()
     name = "dsa_base_" + "".join(c if c.isalnum() else "_" for c in rev)
-    tar = subprocess.run(["git", "-C", ROOT, "archive", rev, "vllm_dsa_varlen/ops"],
-                         capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", tmp], input=tar, check=True)
+    if os.path.isdir(os.path.join(rev, "vllm_dsa_varlen", "ops")):  # a folder, not a revision
+        shutil.copytree(os.path.join(rev, "vllm_dsa_varlen", "ops"),
+                        os.path.join(tmp, "vllm_dsa_varlen", "ops"))
+    else:
+        tar = subprocess.run(["git", "-C", ROOT, "archive", rev, "vllm_dsa_varlen/ops"],
+                             capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=tar, check=True)
     os.rename(os.path.join(tmp, "vllm_dsa_varlen"), os.path.join(tmp, name))
     open(os.path.join(tmp, name, "__init__.py"), "w").close()
     sys.path.insert(0, tmp)
