@@ -20,7 +20,6 @@ the driver (:mod:`.cuda_binding`) once per process, device and build.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import os
@@ -384,27 +383,4 @@ def _launch(logits: torch.Tensor, flat: torch.Tensor, k: int, out: torch.Tensor,
             with torch.cuda.device(index):
                 cb.launch_function(cb.driver(), kern.fn, kern.ctx, call.grid, call.threads,
                                    call.smem, _stream(index), params.addr)
-    return out
-    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)
-                              or bound < 1):
-        _fail("bound", "an int >= 1 (a host bound on the lengths) or None", bound)
-    longest = width if bound is None else min(width, bound)
-    index = logits.device.index
-    if index is None:
-        index = _current_device()
-    if defines is None:
-        defines = launch_plan(rows, longest, num_sms(index), bounded=bound is not None)
-    defines = tuple(defines)
-    split, threads, lists = _facts(defines)
-    kern = _LOADED.get((index, defines)) or load(torch.device("cuda", index), defines)
-    stage = stage_for(longest, split, lists)
-    grid, smem = rows * split, smem_bytes(longest, split, lists)
-    params = _PARAMS
-    with params.lock:
-        params.set(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
-                   out.data_ptr(), out.stride(0) if rows > 1 else k, stage)
-        with (contextlib.nullcontext() if _current_device() == index
-              else torch.cuda.device(index)):
-            cb.launch_function(cb.driver(), kern.fn, kern.ctx, grid, threads, smem,
-                               _stream(index), params.addr)
     return out
