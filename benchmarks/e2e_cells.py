@@ -105,6 +105,7 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
                 "fast_gain": fast[0] / fast[1] if fast and fast[1] else None,
                 "pairs": pairs.get((row["batch"], row["prompt"])),
                 "tokens_identical": row.get("tokens_identical"),
+                "stock_rounds_differ": (row.get("rounds_tokens_equal") or [None])[0] is False,
                 "varlen": paths.get("varlen", 0) > 0,
                 "one_process": one_process,
                 "lockstep": bool(run.get("lockstep")),
@@ -247,10 +248,19 @@ def table(got: dict, root: str = "") -> str:
                     f"{c['plugin_tpot_ms']:.2f} | {tok_s} | {ratio(c['gain'])} | "
                     f"{ratio(c['fast_gain'])} | "
                     f"{pairs} | "
-                    f"{'identical' if c['tokens_identical'] else 'DIFFER'} | "
+                    f"{_tokens(c)} | "
                     f"{'varlen' if c['varlen'] else 'stock'} | {share} | {how} | "
                     f"{os.path.relpath(c['source'], root) if root else c['source']} | {earlier} |")
     return "\n".join(lines)
+
+
+def _tokens(cell: dict) -> str:
+    """A cell's token verdict: ``identical``, ``DIFFER``, or where stock's
+    own rounds of the case differed too (a run since d0257f0 records it),
+    ``DIFFER (stock's rounds too)``."""
+    if cell["tokens_identical"]:
+        return "identical"
+    return "DIFFER (stock's rounds too)" if cell.get("stock_rounds_differ") else "DIFFER"
 
 
 def windows_table(got: dict, graph_mode: str, root: str = "") -> str:

@@ -82,6 +82,26 @@ def test_the_latest_run_of_a_cell_wins_and_the_earlier_stay_listed(tmp_path, see
             "(9 tokens)") in lines[("3", "64", "32K")]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_token_difference_says_where_stocks_own_rounds_differed(tmp_path, seed):
+    rng = random.Random(seed)
+    rows = [_row(rng, b, 16384, True) for b in (1, 8, 32, 64)]
+    want = {}
+    for r in rows:
+        r["tokens_identical"] = rng.random() < 0.5
+        stock_rounds = rng.choice([True, False, None])  # None: a run before the field
+        if stock_rounds is not None:
+            r["rounds_tokens_equal"] = [stock_rounds, rng.random() < 0.5]
+        want[str(r["batch"])] = ("identical" if r["tokens_identical"] else
+                                 "DIFFER (stock's rounds too)" if stock_rounds is False
+                                 else "DIFFER")
+    got = cells.grid([_folder(tmp_path, "a", "0.27.1", 2, rows)], "0.27.1")
+    lines = {tuple(x.strip() for x in line.split("|")[1:4]): line
+             for line in cells.table(got).splitlines()[2:]}
+    for batch, verdict in want.items():
+        assert f"| {verdict} |" in lines[("2", batch, "16K")]
+
+
 def test_a_folder_without_its_comparison_is_refused_naming_it(tmp_path):
     with pytest.raises(SystemExit, match="empty: no e2e.json"):
         cells.grid([str(tmp_path / "empty")], "0.27.1")
