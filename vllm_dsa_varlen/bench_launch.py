@@ -122,15 +122,23 @@ def _graph(fn, calls: int, rounds: int = 5):
     return statistics.median(gpu), statistics.median(host)
 
 
+def launcher_args(step) -> tuple:
+    """The public launcher's positional arguments on ``step``: queries, cache,
+    weights, per-row context lengths ``[R, 1]``, block table, run ids, the
+    longest context."""
+    rows = step.rows
+    return (step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1), rows.block_table,
+            rows.indices, step.max_context_len)
+
+
 def gpu_paths(step):
     """Name -> zero-argument call of every path this GPU has, on ``step``."""
     from .ops import cuda_paged_mqa_logits as ck
     from .ops import launcher
 
     rows = step.rows
-    ctx = rows.context_lens.view(-1, 1)
-    args = (step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
-            step.max_context_len)
+    args = launcher_args(step)
+    ctx = args[3]
     hint = int(step.decode_lens.max())
     out = torch.empty((rows.num_rows, step.max_context_len), device="cuda")
     paths = {}
@@ -288,11 +296,9 @@ def ab_paths(step, ops) -> dict:
     """The launcher's ``auto`` call (logits given, the step's schedule cache
     its own) and the decode top-k's ``decode_topk`` (bounded by the step's
     longest row, as an eager step calls it) of ``ops`` on ``step``."""
-    rows = step.rows
-    args = (step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1), rows.block_table,
-            rows.indices, step.max_context_len)
+    args = launcher_args(step)
     hint = int(step.decode_lens.max())
-    out = torch.empty((rows.num_rows, step.max_context_len), device="cuda")
+    out = torch.empty((step.rows.num_rows, step.max_context_len), device="cuda")
     cache: dict = {}
     paths = {"launcher auto": lambda: ops.launcher.varlen_paged_mqa_logits(
         *args, max_run_len=hint, out=out, schedule_cache=cache)}
@@ -301,6 +307,22 @@ def ab_paths(step, ops) -> dict:
         paths["top-k decode_topk"] = lambda: ops.ct.decode_topk(t.logits, t.lens, t.k, out=t.idx,
                                                                 bound=t.longest)
     return paths
+
+
+def interleaved_us(fns: dict, calls: int, rounds: int = 7, sync=None) -> dict:
+    """Host µs per call of each of ``fns`` (key -> zero-argument call), per
+    round: every call timed once a round (``calls`` calls back to back,
+    ``sync()`` before each where given), rounds interleaved.  Key -> list."""
+    per = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            if sync is not None:
+                sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per[key].append((time.perf_counter() - t0) / calls * 1e6)
+    return per
 
 
 def run_ab(args, base, rounds: int = 7) -> list[tuple]:
@@ -322,17 +344,10 @@ def run_ab(args, base, rounds: int = 7) -> list[tuple]:
         for label, ops in versions.items():
             for path, fn in ab_paths(step, ops).items():
                 fn()  # compile, load, plan into the step's cache
-                timed[(path, label)] = (fn, [])
-        torch.cuda.synchronize()
-        for _ in range(rounds):
-            for fn, per in timed.values():
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                per.append((time.perf_counter() - t0) / calls * 1e6)
-        for (path, label), (_, per) in timed.items():
-            table.append((name, path, label, statistics.median(per), min(per), max(per)))
+                timed[(path, label)] = fn
+        per = interleaved_us(timed, calls, rounds, sync=torch.cuda.synchronize)
+        table += [(name, path, label, statistics.median(us), min(us), max(us))
+                  for (path, label), us in per.items()]
     print_markdown(("case", "path", "revision", "host µs/call", "rounds"),
                    [(n, p, lb, f"{us:.1f}", f"{lo:.1f}-{hi:.1f}") for n, p, lb, us, lo, hi in table],
                    title=f"one process, {rounds} rounds interleaved: this revision and {args.base}")
@@ -553,8 +568,7 @@ def fake_paths(ops, step, out, hint: int) -> dict:
     (CPU tensors, under :func:`stubbed_launcher`; the prepared launch where
     the revision has one)."""
     rows = step.rows
-    args = (step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1), rows.block_table,
-            rows.indices, step.max_context_len)
+    args = launcher_args(step)
     caches = [{}, {}, {}]
     call = ops.launcher.varlen_paged_mqa_logits
     paths = {}
@@ -607,14 +621,9 @@ def run_fake(args) -> list[tuple]:
                     paths.update(fake_topk_paths(ops.ct, reqs * tokens, context))
                 for path, fn in paths.items():
                     fn()
-                    timed[(path, label)] = (fn, [])
-            for _ in range(7):
-                for fn, per in timed.values():
-                    t0 = time.perf_counter()
-                    for _ in range(calls):
-                        fn()
-                    per.append((time.perf_counter() - t0) / calls * 1e6)
-        for (path, label), (_, per) in timed.items():
+                    timed[(path, label)] = fn
+            got = interleaved_us(timed, calls)
+        for (path, label), per in got.items():
             us = statistics.median(per)
             table.append((name, path, label, us, min(per), max(per)))
             print(f"{name} | {path} | {label}: {us:.2f} µs per call "
