@@ -344,7 +344,7 @@ class _Call:
             defines = launch_plan(rows, longest, num_sms(index), bounded=bounded)
         split, self.threads, lists = _facts(defines)
         self.key = key
-        self.kern = _LOADED.get((index, defines)) or load(torch.device("cuda", index), defines)
+        self.kern = load(torch.device("cuda", index), defines)
         self.stage = stage_for(longest, split, lists)
         self.grid, self.smem = rows * split, smem_bytes(longest, split, lists)
 
