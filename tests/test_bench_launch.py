@@ -213,9 +213,7 @@ def test_gpu_base_times_both_revisions_in_one_process(capsys):
     assert bench.main(["--launch-host", "--calls", "2", "--cases", "B16 L32K",
                        "--base", bench_launch.ROOT]) == 0
     out = capsys.readouterr().out
-    tail = out[out.index("one process, 7 rounds interleaved"):]
-    rows = re.findall(r"^\| (B\S+ L\S+ \S+) \| ([^|]+) \| (\S+) \| ([0-9.]+) \| "
-                      r"([0-9.]+)-([0-9.]+) \|$", tail, re.M)
+    rows = _rows(out[out.index("one process, 7 rounds interleaved"):])
     assert [(r[1], r[2]) for r in rows] == [
         (p, who) for who in ("now", bench_launch.ROOT)
         for p in ("launcher auto", "top-k decode_topk")]
