@@ -31,6 +31,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e_decode  # noqa: E402
 import e2e_trace  # noqa: E402
 
 BATCHES = (1, 8, 32, 64)
@@ -105,7 +106,7 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
                 "fast_gain": fast[0] / fast[1] if fast and fast[1] else None,
                 "pairs": pairs.get((row["batch"], row["prompt"])),
                 "tokens_identical": row.get("tokens_identical"),
-                "stock_rounds_differ": (row.get("rounds_tokens_equal") or [None])[0] is False,
+                "stock_rounds_differ": e2e_decode.stock_rounds_differ(row),
                 "varlen": paths.get("varlen", 0) > 0,
                 "one_process": one_process,
                 "lockstep": bool(run.get("lockstep")),

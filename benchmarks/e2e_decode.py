@@ -1003,8 +1003,13 @@ def tokens_verdict(row: dict) -> str:
     shows against itself says nothing about the plugin)."""
     if row["tokens_identical"]:
         return "yes"
-    stock_rounds = (row.get("rounds_tokens_equal") or [None])[0]
-    return "NO (stock's own rounds differ too)" if stock_rounds is False else "NO"
+    return "NO (stock's own rounds differ too)" if stock_rounds_differ(row) else "NO"
+
+
+def stock_rounds_differ(row: dict) -> bool:
+    """Whether stock's own rounds of a comparison row's case gave different
+    tokens (a run before the field says nothing: ``False``)."""
+    return (row.get("rounds_tokens_equal") or [None])[0] is False
 
 
 def table(result: dict) -> str:
