@@ -107,6 +107,7 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
                 "pairs": pairs.get((row["batch"], row["prompt"])),
                 "tokens_identical": row.get("tokens_identical"),
                 "stock_rounds_differ": e2e_decode.stock_rounds_differ(row),
+                "stock_tie": bool(row.get("stock_tie")),
                 "varlen": paths.get("varlen", 0) > 0,
                 "one_process": one_process,
                 "lockstep": bool(run.get("lockstep")),
@@ -258,10 +259,13 @@ def table(got: dict, root: str = "") -> str:
 def _tokens(cell: dict) -> str:
     """A cell's token verdict: ``identical``, ``DIFFER``, or where stock's
     own rounds of the case differed too (a run since d0257f0 records it),
-    ``DIFFER (stock's rounds too)``."""
+    ``DIFFER (stock's rounds too)``, or where the first difference is an exact
+    tie of stock's top two (``e2e_decode.tie_at``), ``DIFFER (stock's tie)``."""
     if cell["tokens_identical"]:
         return "identical"
-    return "DIFFER (stock's rounds too)" if cell.get("stock_rounds_differ") else "DIFFER"
+    if cell.get("stock_rounds_differ"):
+        return "DIFFER (stock's rounds too)"
+    return "DIFFER (stock's tie)" if cell.get("stock_tie") else "DIFFER"
 
 
 def windows_table(got: dict, graph_mode: str, root: str = "") -> str:

@@ -965,6 +965,7 @@ def compare(stock: dict, plugin: dict) -> dict:
                      "tokens_identical": div is None, "first_divergence": div,
                      "rounds_tokens_equal": [s.get("rounds_tokens_equal"),
                                              p.get("rounds_tokens_equal")],
+                     "stock_tie": tie_at(div, s, stock.get("identity")),
                      "indexer_build_us": [(x.get("indexer_build") or {}).get("us_per_call")
                                           for x in (s, p)],
                      "indexer_build_us_by_tokens": _build_by_tokens(s, p),
@@ -997,13 +998,33 @@ def stock_tie(top2) -> bool | None:
     return top2[0][0][1] == top2[0][1][1]
 
 
+def tie_at(div: dict | None, stock_case: dict, identity: dict | None) -> bool | None:
+    """Whether a case's first divergence falls where stock's identity run
+    has its two most likely tokens tied, and tied between the two tokens the
+    engines chose there.  The identity run speaks for that position only where
+    it had the same prompt (same request, same prompt length) and gave the same
+    tokens before it; ``None`` otherwise (or where there is no divergence)."""
+    if div is None or not identity or identity.get("prompt") != stock_case["prompt"]:
+        return None
+    r, pos = div["request"], div["position"]
+    tokens, top2 = identity["tokens"], identity.get("top2") or []
+    if (r >= len(tokens) or r >= len(top2) or pos >= len(tokens[r]) or pos >= len(top2[r])
+            or tokens[r][:pos] != stock_case["tokens"][r][:pos]):
+        return None
+    here = top2[r][pos:pos + 1]
+    return bool(stock_tie(here)) and {div["stock"], div["plugin"]} == {t for t, _ in here[0][:2]}
+
+
 def tokens_verdict(row: dict) -> str:
     """The "tokens equal" cell: ``yes``, or ``NO`` and, where stock's own
     rounds of the case gave different tokens, that too (a difference stock
-    shows against itself says nothing about the plugin)."""
+    shows against itself says nothing about the plugin), or where the first
+    difference falls on an exact tie of stock's top two (:func:`tie_at`)."""
     if row["tokens_identical"]:
         return "yes"
-    return "NO (stock's own rounds differ too)" if stock_rounds_differ(row) else "NO"
+    if stock_rounds_differ(row):
+        return "NO (stock's own rounds differ too)"
+    return "NO (at an exact tie of stock's top two)" if row.get("stock_tie") else "NO"
 
 
 def stock_rounds_differ(row: dict) -> bool:

@@ -39,19 +39,22 @@ def _xz_bytes(data: bytes, dst: str) -> None:
         f.write(data)
 
 
-def _identity_differs(runs: dict[str, dict], name: str) -> bool:
+def _tokens_differ(runs: dict[str, dict], name: str) -> bool:
     """Whether run ``name`` (``run-<mode>-k<k>[-rN]``) and the other engine's
     run of the same k and repeat (stock's and the plugin's, or stock's and its
-    ``--control`` twin) have different identity tokens (also when that run is
-    missing: nothing to compare against, the evidence is kept)."""
+    ``--control`` twin) have different identity tokens or different tokens in
+    a case (where the identity run's top-2 can show a tie of stock's at the
+    case's difference: ``e2e_decode.tie_at``); also when that run is missing:
+    nothing to compare against, the evidence is kept."""
     mode = name.split("-")[1]
     pair = [runs.get(name.replace(f"run-{mode}-", f"run-{other}-", 1))
             for other in e2e_decode.ENGINE_ENV]
     pair = [run for run in pair if run is not None]
     if len(pair) != 2:
         return True
-    return ((pair[0].get("identity") or {}).get("tokens")
-            != (pair[1].get("identity") or {}).get("tokens"))
+    a, b = ([(run.get("identity") or {}).get("tokens"),
+             *(c.get("tokens") for c in run.get("cases", ()))] for run in pair)
+    return a != b
 
 
 def kernel_events(trace: dict) -> list[dict]:
@@ -92,7 +95,7 @@ def publish(out: str, dest: str) -> list[str]:
         with open(src) as f:
             runs[os.path.basename(src)[: -len(".json")]] = json.load(f)
     for name, run in runs.items():
-        if not _identity_differs(runs, name) and "identity" in run:
+        if not _tokens_differ(runs, name) and "identity" in run:
             run = dict(run, identity={k: v for k, v in run["identity"].items() if k != "top2"})
         _xz_bytes(json.dumps(run, separators=(",", ":")).encode(), put(name + ".json.xz"))
     steps_of = {}  # a trace file -> its profiled steps, from the run that wrote it

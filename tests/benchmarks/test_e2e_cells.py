@@ -83,7 +83,7 @@ def test_the_latest_run_of_a_cell_wins_and_the_earlier_stay_listed(tmp_path, see
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_a_token_difference_says_where_stocks_own_rounds_differed(tmp_path, seed):
+def test_a_token_difference_says_where_stocks_own_rounds_differed_or_stock_tied(tmp_path, seed):
     rng = random.Random(seed)
     rows = [_row(rng, b, 16384, True) for b in (1, 8, 32, 64)]
     want = {}
@@ -92,9 +92,12 @@ def test_a_token_difference_says_where_stocks_own_rounds_differed(tmp_path, seed
         stock_rounds = rng.choice([True, False, None])  # None: a run before the field
         if stock_rounds is not None:
             r["rounds_tokens_equal"] = [stock_rounds, rng.random() < 0.5]
+        tie = rng.choice([True, False, None])  # None: a run before the field
+        if tie is not None:
+            r["stock_tie"] = tie
         want[str(r["batch"])] = ("identical" if r["tokens_identical"] else
                                  "DIFFER (stock's rounds too)" if stock_rounds is False
-                                 else "DIFFER")
+                                 else "DIFFER (stock's tie)" if tie else "DIFFER")
     got = cells.grid([_folder(tmp_path, "a", "0.27.1", 2, rows)], "0.27.1")
     lines = {tuple(x.strip() for x in line.split("|")[1:4]): line
              for line in cells.table(got).splitlines()[2:]}

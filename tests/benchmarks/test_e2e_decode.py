@@ -96,6 +96,47 @@ def test_compare_says_where_stock_disagrees_with_itself(seed):
     assert e2e.stock_tie([]) is None and e2e.stock_tie([[[1, lp]]]) is None
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_a_case_difference_at_a_tie_of_stocks_identity_run_is_named(seed):
+    rng = random.Random(seed)
+    tokens = [[rng.randrange(1000) for _ in range(8)] for _ in range(4)]
+    other = [list(t) for t in tokens]
+    r, pos = rng.randrange(4), rng.randrange(8)
+    other[r][pos] = tokens[r][pos] + 1 + rng.randrange(5)
+    stock, plugin = _run(tokens), _run(other)
+    lp = -rng.uniform(1, 10)
+    top2 = [[[[t, lp], [t + 7, lp - rng.uniform(1e-6, 1e-3)]] for t in row] for row in tokens]
+    identity = {"batch": 4, "prompt": 4096, "tokens": [list(t) for t in tokens], "top2": top2}
+    stock["identity"] = plugin["identity"] = identity
+    # no tie in stock's identity run: a plain difference
+    row = e2e.compare(stock, plugin)["rows"][0]
+    assert row["stock_tie"] is False and e2e.tokens_verdict(row) == "NO"
+    # stock's top two tie there, between the two tokens the engines chose
+    top2[r][pos] = [[other[r][pos], lp], [tokens[r][pos], lp]]
+    row = e2e.compare(stock, plugin)["rows"][0]
+    assert row["stock_tie"] is True
+    assert e2e.tokens_verdict(row) == "NO (at an exact tie of stock's top two)"
+    stock["cases"][0]["rounds_tokens_equal"] = False  # stock's own rounds take precedence
+    assert "stock's own rounds" in e2e.tokens_verdict(e2e.compare(stock, plugin)["rows"][0])
+    del stock["cases"][0]["rounds_tokens_equal"]
+    # a tie between other tokens says nothing about this difference
+    top2[r][pos] = [[other[r][pos] + 1000, lp], [tokens[r][pos], lp]]
+    assert e2e.compare(stock, plugin)["rows"][0]["stock_tie"] is False
+    top2[r][pos] = [[other[r][pos], lp], [tokens[r][pos], lp]]
+    # the identity run speaks only for the same prompts and the same tokens before
+    identity["prompt"] = 8192
+    assert e2e.compare(stock, plugin)["rows"][0]["stock_tie"] is None
+    identity["prompt"] = 4096
+    if pos:
+        identity["tokens"][r][pos - 1] += 1
+        assert e2e.compare(stock, plugin)["rows"][0]["stock_tie"] is None
+        identity["tokens"][r][pos - 1] -= 1
+    if r:
+        identity["tokens"] = identity["tokens"][:r]  # fewer requests than the case
+        assert e2e.compare(stock, plugin)["rows"][0]["stock_tie"] is None
+    assert e2e.tie_at(None, stock["cases"][0], identity) is None
+
+
 def test_log_facts_reads_captures_and_plugin_lines(tmp_path):
     log = tmp_path / "log.txt"
     log.write_text(
@@ -486,11 +527,11 @@ def _publish_module():
 
 
 @pytest.mark.parametrize("second", ["plugin", "control"])
-@pytest.mark.parametrize("same_tokens", [True, False])
+@pytest.mark.parametrize("same_tokens", [True, False, "case"])
 def test_the_kept_copy_is_small_and_reproduces_the_summaries(tmp_path, same_tokens, second):
     """A synthetic run folder (stock's and the plugin's runs, or stock's and
     its --control twin's): the kept copy drops the identity run's top-2 unless
-    the pair's tokens differ, keeps the kernel events (the summary reproduces
+    the pair's tokens differ (in the identity run or a case), keeps the kernel events (the summary reproduces
     from them) and counts the host events per name."""
     import lzma
 
@@ -507,8 +548,11 @@ def test_the_kept_copy_is_small_and_reproduces_the_summaries(tmp_path, same_toke
                     "dur": 1.5} for i in range(50)] + [{"cat": "ac2g", "name": "flow", "ts": 0}]
         with gzip.open(out / f"trace-{mode}-k2.json.gz", "wt") as f:
             json.dump({"traceEvents": events}, f)
-        tokens = [[1, 2, 3]] if (same_tokens or mode == "stock") else [[1, 2, 4]]
+        differ = mode != "stock" and same_tokens is not True
+        tokens = [[1, 2, 4]] if differ and same_tokens is False else [[1, 2, 3]]
+        case_tokens = [[5, 6, 8]] if differ and same_tokens == "case" else [[5, 6, 7]]
         run = {"mode": mode, "identity": {"tokens": tokens, "top2": [[[[1, -0.1], [2, -0.2]]]]},
+               "cases": [{"batch": 1, "prompt": 64, "tokens": case_tokens}],
                "trace": {"file": f"trace-{mode}-k2.json.gz", "steps": 3}}
         (out / f"run-{mode}-k2.json").write_text(json.dumps(run))
         (out / f"log-{mode}-k2.txt").write_text("log " * 100)
@@ -520,7 +564,7 @@ def test_the_kept_copy_is_small_and_reproduces_the_summaries(tmp_path, same_toke
          "trace-stock-k2.kernels.json.xz", "trace-host-ops.json"])
     for mode in ("stock", second):
         run = json.loads(lzma.open(dest / f"run-{mode}-k2.json.xz").read())
-        assert ("top2" in run["identity"]) is (not same_tokens)
+        assert ("top2" in run["identity"]) is (same_tokens is not True)
         kept = json.loads(lzma.open(dest / f"trace-{mode}-k2.kernels.json.xz").read())
         full = json.load(gzip.open(out / f"trace-{mode}-k2.json.gz", "rt"))
         assert e2e_trace.summarize_from_events(kept["traceEvents"], 3) == \
