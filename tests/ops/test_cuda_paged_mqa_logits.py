@@ -97,14 +97,21 @@ def test_plan_refuses_other_chunk_sizes():
 
 
 def test_the_build_follows_the_run_length_hint():
-    """Hints up to EVICT_FIRST_MAX_RUN (one row group per page) take the
-    evict-first build, longer ones the default build; the head sum adds its
-    macro."""
-    assert ck.EVICT_FIRST_MAX_RUN == 2
+    """Hints whose rows fit one row group (2 rows at 64 heads, 4 at 32: one row
+    group per page) take the evict-first build, longer ones the default build;
+    the head sum adds its macro."""
     assert [ck.defines_for(n, "fp32") for n in (1, 2, 3, 4, 8, 16)] == (
         [("EVICT_FIRST=1",)] * 2 + [()] * 4)
+    assert [ck.defines_for(n, "fp32", heads=64) for n in (1, 2, 3)] == (
+        [("EVICT_FIRST=1",)] * 2 + [()])
+    assert [ck.defines_for(n, "fp32", heads=32) for n in (1, 2, 3, 4, 5, 8, 16)] == (
+        [("EVICT_FIRST=1",)] * 4 + [()] * 3)
     assert [ck.defines_for(n, "tf32") for n in (1, 2, 3, 4)] == (
         [("EVICT_FIRST=1", "HEAD_SUM_TC=1")] * 2 + [("HEAD_SUM_TC=1",)] * 2)
+    assert [ck.defines_for(n, "tf32", heads=32) for n in (4, 5)] == (
+        [("EVICT_FIRST=1", "HEAD_SUM_TC=1"), ("HEAD_SUM_TC=1",)])
+    with pytest.raises(ValueError, match="heads"):
+        ck.defines_for(2, "fp32", heads=16)
     with pytest.raises(ValueError, match="head_sum"):
         ck.defines_for(4, "bf16")
     assert ck.smem_bytes(()) == ck.SMEM_BYTES
@@ -779,7 +786,7 @@ def test_tensor_core_build_is_its_emulation(lens, seqs, hint, heads):
     for how in ck.HEAD_SUMS:
         out = torch.full((n + 2, step.max_context_len + 40), POISON, device="cuda")
         ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
-                  step.max_context_len, out[:n], defines=ck.defines_for(hint, how))
+                  step.max_context_len, out[:n], defines=ck.defines_for(hint, how, heads=heads))
         torch.cuda.synchronize()
         check_poisoned(step, out, head_sum=how)
         outs[how] = out[:n, : step.max_context_len]
@@ -850,7 +857,7 @@ def _launch_poisoned(step, hint, how):
     out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
     ck.launch(step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1),
               rows.block_table, rows.indices, step.max_context_len, out[: rows.num_rows],
-              defines=ck.defines_for(hint, how))
+              defines=ck.defines_for(hint, how, heads=step.q.shape[2]))
     torch.cuda.synchronize()
     return out
 
@@ -859,7 +866,7 @@ def _launch_poisoned(step, hint, how):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("name", list(SMALL))
 @pytest.mark.parametrize("padding", [0, 3])
-@pytest.mark.parametrize("hint", [1, 4])
+@pytest.mark.parametrize("hint", [1, 4, 8])
 @pytest.mark.parametrize("how", ck.HEAD_SUMS)
 def test_32_heads_match_reference_small(name, padding, hint, how):
     """32 heads (row groups of four rows, chunks of eight; runs of 1..9 rows
@@ -876,7 +883,8 @@ def test_32_heads_match_reference_small(name, padding, hint, how):
     out = _launch_poisoned(step, hint, how)
     check_poisoned(step, out, head_sum=how)
     check_poisoned(step, out, head_sum="fp32")
-    assert (torch.cuda.current_device(), ck.defines_for(hint, how) + ("HEADS=32",)) in ck._LOADED
+    assert (torch.cuda.current_device(),
+            ck.defines_for(hint, how, heads=32) + ("HEADS=32",)) in ck._LOADED
     assert _same_bits(out, _launch_poisoned(step, hint, how))
     assert ck.unsupported_reason(step.q, step.kv_cache, step.weights) is None
 
@@ -951,8 +959,9 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
 # registers (64 heads), with 4 pages per ring (the default's 12 pages in flight);
 # a row group with absent rows running its full m64n128 wgmma (HALF_MMA=0, the
 # default before), with its chain's descriptors built from addresses or stepped
-# from its first (the same descriptors)
-AB_BUILDS = (("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",), ("STAGES=4",),
+# from its first (the same descriptors); the evict-first build the launcher
+# takes for short hints (only the page loads' L2 policy differs)
+AB_BUILDS = (("EVICT_FIRST=1",), ("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",), ("STAGES=4",),
              ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"),
              ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=0",),
              ("HALF_MMA=0", "DESC_STEP=1"))

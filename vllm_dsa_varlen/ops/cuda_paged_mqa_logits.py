@@ -112,12 +112,13 @@ SMEM_BYTES = _smem(STAGES)  # every build the launcher takes
 HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 
 # The build by run-length hint (``defines_for``): a step's pages are read once,
-# so with one row group per page (hints <= 2) the page loads carry an L2
-# evict-first hint, which keeps the step's other data (queries, weights, block
-# tables, logits) in L2: 2-token steps 1-8 % faster (call 50); with two groups
-# per page large steps were 1-5 % slower (calls 41-42), so longer hints keep
-# the default build.
-EVICT_FIRST_MAX_RUN = 2
+# so where a request's rows fit one row group (hints <= rows_per_group: 2 at 64
+# heads, 4 at 32) the page loads carry an L2 evict-first hint, which keeps the
+# step's other data (queries, weights, block tables, logits) in L2: at 64 heads
+# 2-token steps 1-8 % faster (call 50); at 32 heads 4-token steps 2-5 % faster
+# (h200-7fd28dd/evict-32h.log).  With two groups per page large steps were up to
+# 5 % slower (calls 41-42; B256 L8K 1.016x in evict-64h.log), so longer hints
+# keep the default build.
 
 # The head sum (``read_head_sum``): "fp32" on the CUDA cores (the default build,
 # DeepGEMM's arithmetic) or "tf32" on the tensor cores (HEAD_SUM_TC=1).
@@ -393,13 +394,16 @@ def _weights_fit(weights, heads: int = HEADS) -> bool:
     return weights.stride(1) == 1 and weights.stride(0) == heads and weights.data_ptr() % 16 == 0
 
 
-def defines_for(max_run_len: int, head_sum: str | None = None) -> tuple[str, ...]:
-    """The build the launcher takes for a run-length hint (:data:`EVICT_FIRST_MAX_RUN`)
-    and head sum (``"fp32"`` or ``"tf32"``; default: :func:`read_head_sum`)."""
+def defines_for(max_run_len: int, head_sum: str | None = None,
+                heads: int = HEADS) -> tuple[str, ...]:
+    """The build the launcher takes for a run-length hint (evict-first where a
+    request's rows fit one row group of ``heads``: :func:`rows_per_group`) and
+    head sum (``"fp32"`` or ``"tf32"``; default: :func:`read_head_sum`), before
+    :func:`prepare` adds ``HEADS=32`` for 32 heads."""
     head_sum = read_head_sum() if head_sum is None else head_sum
     if head_sum not in HEAD_SUMS:
         raise ValueError(f"head_sum: expected one of {HEAD_SUMS}, got {head_sum!r}")
-    return (("EVICT_FIRST=1",) if max_run_len <= EVICT_FIRST_MAX_RUN else ()) + (
+    return (("EVICT_FIRST=1",) if max_run_len <= rows_per_group(heads) else ()) + (
         ("HEAD_SUM_TC=1",) if head_sum == "tf32" else ())
 
 

@@ -208,7 +208,7 @@ def _new_route(q, kv_cache, weights, context_lens, block_table, indices, max_con
     if route.sm90 is not None:
         route.rows_max = route.sm90.rows_max_for(heads, max_run_len)
         route.launch = route.sm90.prepare(q, kv_cache, weights, block_table,
-                                          route.sm90.defines_for(max_run_len))
+                                          route.sm90.defines_for(max_run_len, heads=heads))
     return route
 
 
