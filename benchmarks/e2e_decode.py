@@ -419,6 +419,19 @@ def _quantile(ordered: list, q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def round_tpots(case: dict) -> list[float]:
+    """A case's TPOT per round, in the order run (its reported TPOT is the
+    median round's): where one engine's rounds spread and the other's do not,
+    its steps followed something besides the GPU work."""
+    return [r["tpot_ms"] for r in case.get("rounds") or () if "tpot_ms" in r]
+
+
+def _tpot_cell(tpot: float, rounds: list | None) -> str:
+    """A TPOT cell: the reported TPOT, and the rounds' range where there were several."""
+    return (f"{tpot:.2f} ({min(rounds):.2f}-{max(rounds):.2f})" if rounds and len(rounds) > 1
+            else f"{tpot:.2f}")
+
+
 def step_pairs(stock_case: dict, plugin_case: dict) -> dict | None:
     """Stock ÷ plugin time of each decode step paired with the other engine's
     step of the same round and index: their median, 10 % and 90 % quantiles
@@ -960,6 +973,7 @@ def compare(stock: dict, plugin: dict) -> dict:
                      "stock_tpot_ms": s["tpot_ms"], "plugin_tpot_ms": p["tpot_ms"],
                      "speedup": (s["tpot_ms"] / p["tpot_ms"]) if p["tpot_ms"] else None,
                      "fast_step_ms": [fast_step_ms(s), fast_step_ms(p)],
+                     "round_tpot_ms": [round_tpots(s), round_tpots(p)],
                      "step_pairs": step_pairs(s, p),
                      "gc": [s.get("gc"), p.get("gc")],
                      "tokens_identical": div is None, "first_divergence": div,
@@ -1036,7 +1050,8 @@ def stock_rounds_differ(row: dict) -> bool:
 def table(result: dict) -> str:
     seconds = {e.get("second", "plugin") for e in result["per_k"].values()}
     who = seconds.pop() if len(seconds) == 1 else "plugin"
-    lines = [f"| k | B | L | stock tok/s | {who} tok/s | stock TPOT ms | {who} TPOT ms | gain | "
+    lines = [f"| k | B | L | stock tok/s | {who} tok/s | stock TPOT ms (rounds) | "
+             f"{who} TPOT ms (rounds) | gain | "
              f"tokens equal | {who} decode steps by path | indexer share stock / {who} | "
              f"indexer build() us stock / {who} | host probe us stock / {who} |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -1065,7 +1080,10 @@ def table(result: dict) -> str:
                          f"{pairs['p90']:.3f}, {pairs['n']})")
             lines.append(
                 f"| {k} | {r['batch']} | {r['prompt'] // 1024}K | {r['stock_tok_s']:.0f} | "
-                f"{r['plugin_tok_s']:.0f} | {r['stock_tpot_ms']:.2f} | {r['plugin_tpot_ms']:.2f} | "
+                f"{r['plugin_tok_s']:.0f} | "
+                + " | ".join(_tpot_cell(r[f"{m}_tpot_ms"], rounds) for m, rounds in
+                             zip(("stock", "plugin"), r.get("round_tpot_ms") or (None, None)))
+                + " | "
                 f"{gain} | {tokens_verdict(r)} | {paths} | {sh} | "
                 + " / ".join("-" if u is None else f"{u:.0f}" for u in r["indexer_build_us"])
                 + " | " + " / ".join("-" if u is None else f"{u:.1f}"

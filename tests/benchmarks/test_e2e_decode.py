@@ -736,7 +736,11 @@ def test_same_process_control_runs_stocks_engine_twice_and_compares_the_pair(
     assert entry["second"] == second
     row = entry["comparison"]["rows"][0]
     assert (row["stock_tpot_ms"], row["plugin_tpot_ms"]) == (tpot["stock"][0], tpot[second][0])
-    assert f"| {second} TPOT ms |" in capsys.readouterr().out
+    assert row["round_tpot_ms"] == [tpot["stock"], tpot[second]]
+    out = capsys.readouterr().out
+    assert f"| {second} TPOT ms (rounds) |" in out
+    for m in ("stock", second):  # each engine's reported TPOT and its rounds' range
+        assert (f"| {tpot[m][0]:.2f} ({min(tpot[m]):.2f}-{max(tpot[m]):.2f}) |") in out
     path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "e2e_cells.py")
     spec = importlib.util.spec_from_file_location("e2e_cells", path)
     cells = importlib.util.module_from_spec(spec)
