@@ -68,13 +68,20 @@ def test_compare_reports_speed_and_identity():
     assert not row["tokens_identical"] and row["first_divergence"]["position"] == 2
 
 
+def _diverging(rng, length, by=1):
+    """Stock's tokens (4 requests of ``length``), the plugin's (one token
+    raised by ``by``), and where they part."""
+    tokens = [[rng.randrange(1000) for _ in range(length)] for _ in range(4)]
+    other = [list(t) for t in tokens]
+    r, pos = rng.randrange(4), rng.randrange(length)
+    other[r][pos] += by
+    return tokens, other, r, pos
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_compare_says_where_stock_disagrees_with_itself(seed):
     rng = random.Random(seed)
-    tokens = [[rng.randrange(1000) for _ in range(6)] for _ in range(4)]
-    other = [list(t) for t in tokens]
-    r, pos = rng.randrange(4), rng.randrange(6)
-    other[r][pos] += 1
+    tokens, other, r, pos = _diverging(rng, 6)
     stock, plugin = _run(tokens), _run(other)
     stock_rounds, plugin_rounds = rng.random() < 0.5, rng.random() < 0.5
     stock["cases"][0]["rounds_tokens_equal"] = stock_rounds
@@ -99,10 +106,7 @@ def test_compare_says_where_stock_disagrees_with_itself(seed):
 @pytest.mark.parametrize("seed", range(12))
 def test_a_case_difference_at_a_tie_of_stocks_identity_run_is_named(seed):
     rng = random.Random(seed)
-    tokens = [[rng.randrange(1000) for _ in range(8)] for _ in range(4)]
-    other = [list(t) for t in tokens]
-    r, pos = rng.randrange(4), rng.randrange(8)
-    other[r][pos] = tokens[r][pos] + 1 + rng.randrange(5)
+    tokens, other, r, pos = _diverging(rng, 8, by=1 + rng.randrange(5))
     stock, plugin = _run(tokens), _run(other)
     lp = -rng.uniform(1, 10)
     top2 = [[[[t, lp], [t + 7, lp - rng.uniform(1e-6, 1e-3)]] for t in row] for row in tokens]
