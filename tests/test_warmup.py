@@ -26,7 +26,9 @@ def test_cuda_device_compiles_every_hint_bucket(monkeypatch, next_n, hints):
     assert [kw["max_run_lens"] for kw in seen] == [hints]
     assert (seen[0]["heads"], seen[0]["dim"], seen[0]["page"]) == (64, 128, 64)
     for n in range(1, next_n + 1):  # the sm_90 kernel's builds and portable row groups
-        assert any(ck.defines_for(n, "fp32") == ck.defines_for(h, "fp32") for h in hints)
+        for heads in ck.LAUNCHER_HEADS:
+            assert any(ck.defines_for(n, "fp32", heads=heads)
+                       == ck.defines_for(h, "fp32", heads=heads) for h in hints)
         assert any((n <= 2) == (h <= 2) for h in hints)
 
 
