@@ -157,7 +157,7 @@ def test_head_sum_env_is_read_once_and_checked(head_sum_env):
 
 
 BUILDS = [(hint, how, heads) for heads in ck.HEAD_COUNTS for how in ck.HEAD_SUMS
-          for hint in (1, 4)]
+          for hint in (1, 8)]  # evict-first and default at either head count
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
@@ -166,7 +166,9 @@ def test_nvrtc_builds_the_kernel_for_sm90a_without_spills(hint, how, heads):
     """The CUDA source compiles for sm_90a with the NVRTC this environment has
     (no GPU needed), to one kernel with no local memory, in each build the
     launcher takes (both head sums; 64 heads and launch's 32-head builds)."""
-    defines = ck.defines_for(hint, how) + (() if heads == ck.HEADS else (f"HEADS={heads}",))
+    defines = ck.defines_for(hint, how, heads=heads) + (
+        () if heads == ck.HEADS else (f"HEADS={heads}",))
+    assert ("EVICT_FIRST=1" in defines) == (hint == 1)
     cubin, log = ck.compile_cubin(extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines)))
     assert cubin[:4] == b"\x7fELF"
     assert "varlen_logits_sm90" in log
