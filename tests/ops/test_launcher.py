@@ -356,6 +356,30 @@ def _moving_calls(step):
             ("wider logits given", q, kv, w, torch.empty(rows, mcl + 128)[:, :mcl])]
 
 
+@pytest.mark.parametrize("heads, hint, evict", [(64, 1, True), (64, 2, True), (64, 3, False),
+                                               (64, 4, False), (32, 2, True), (32, 4, True),
+                                               (32, 5, False), (32, 8, False)])
+def test_the_launcher_asks_for_the_build_of_its_hint_and_head_count(heads, hint, evict):
+    """The launcher's route loads the build ``defines_for`` gives the call's
+    run-length hint at its head count: evict-first where a request's rows fit
+    one row group (2 rows at 64 heads, 4 at 32), ``HEADS=32`` at 32 heads."""
+    step = make_decode_step([hint, 1], [300, 70], heads=heads)
+    rows = step.rows
+    ctx, bt, ids = rows.context_lens.view(-1, 1), rows.block_table, rows.indices
+    schedule = ck.plan_torch(ids, ctx, step.max_context_len, bt.shape[1], heads, programs=4)
+    asked = []
+    with _stubbed_sm90(schedule) as (fake, _, loaded):
+        stub = ck.load  # the stub's loader; restored with it
+        ck.load = lambda device, defines=(): asked.append(tuple(defines)) or stub(device, defines)
+        launcher.varlen_paged_mqa_logits(step.q, step.kv_cache, step.weights, ctx, bt, ids,
+                                         step.max_context_len, max_run_len=hint,
+                                         schedule_cache={})
+        assert fake.launches and fake.launches[-1][0] == loaded.fn
+    assert asked == [(("EVICT_FIRST=1",) if evict else ()) + (("HEADS=32",) if heads == 32
+                                                               else ())]
+    assert ck.defines_for(hint, "fp32", heads=heads) == asked[0][:1 if evict else 0]
+
+
 @pytest.mark.parametrize("heads", [64, 32])
 def test_eager_sm90_calls_hand_the_driver_a_fresh_pack(heads):
     """Through the launcher's kept routes, prepared launches and descriptor
