@@ -6,15 +6,9 @@ import torch
 
 from vllm_dsa_varlen.ops import launcher
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
+from vllm_dsa_varlen.workloads import launcher_args
 
 POISON = float("nan")
-
-
-def launcher_args(step):
-    """The launcher's positional arguments for a :class:`DecodeStep`."""
-    rows = step.rows
-    return (step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1), rows.block_table,
-            rows.indices, step.max_context_len)
 
 
 def run_poisoned(step, **kw):

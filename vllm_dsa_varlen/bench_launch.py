@@ -64,6 +64,7 @@ import types
 import torch
 
 from .bench_graph import capture_graph
+from .workloads import launcher_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALLS = 50  # calls per timed round unless --calls says otherwise
@@ -120,15 +121,6 @@ def _graph(fn, calls: int, rounds: int = 5):
         gpu.append(start.elapsed_time(end) * 1e3 / calls)
         host.append((t1 - t0) / calls * 1e6)
     return statistics.median(gpu), statistics.median(host)
-
-
-def launcher_args(step) -> tuple:
-    """The public launcher's positional arguments on ``step``: queries, cache,
-    weights, per-row context lengths ``[R, 1]``, block table, run ids, the
-    longest context."""
-    rows = step.rows
-    return (step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1), rows.block_table,
-            rows.indices, step.max_context_len)
 
 
 def gpu_paths(step):

@@ -146,6 +146,15 @@ class DecodeStep:
         }
 
 
+def launcher_args(step: DecodeStep) -> tuple:
+    """The public launcher's positional arguments on ``step``: queries, cache,
+    weights, per-row context lengths ``[R, 1]``, block table, run ids, the
+    longest context."""
+    rows = step.rows
+    return (step.q, step.kv_cache, step.weights, rows.context_lens.view(-1, 1), rows.block_table,
+            rows.indices, step.max_context_len)
+
+
 def accepted_lengths(num_reqs: int, max_tokens: int, acceptance: float | None,
                      generator: torch.Generator) -> torch.Tensor:
     """Tokens per request: ``max_tokens`` each when ``acceptance`` is None, else
