@@ -828,20 +828,21 @@ def _after_cases(args, mode: str, engine, result: dict, prompts_of, torch) -> No
         _traces(args, mode, engine, result, prompts_of, torch)
         return
     max_batch = max(args.batch)
-    # a mixed window: half the requests decode while the other half prefill
-    # (chunked prefill), the steps where vLLM runs the indexer op outside the
-    # piecewise CUDA graphs
-    length = min(args.prompt)
-    half = max(1, max_batch // 2)
-    before = stats.snapshot()
-    _add(engine, "mixed-a", prompts_of(length, count=half), 32)
-    for _ in range(4):
-        engine.step()
-    _add(engine, "mixed-b", prompts_of(length, first=10**5, count=half), 32)  # not cached
-    while engine.has_unfinished_requests():
-        engine.step()
-    result["mixed_window"] = {"requests": 2 * half, "prompt": length,
-                              "paths": _paths_since(before)}
+    if not getattr(args, "no_mixed_window", False):
+        # a mixed window: half the requests decode while the other half prefill
+        # (chunked prefill), the steps where vLLM runs the indexer op outside the
+        # piecewise CUDA graphs
+        length = min(args.prompt)
+        half = max(1, max_batch // 2)
+        before = stats.snapshot()
+        _add(engine, "mixed-a", prompts_of(length, count=half), 32)
+        for _ in range(4):
+            engine.step()
+        _add(engine, "mixed-b", prompts_of(length, first=10**5, count=half), 32)  # not cached
+        while engine.has_unfinished_requests():
+            engine.step()
+        result["mixed_window"] = {"requests": 2 * half, "prompt": length,
+                                  "paths": _paths_since(before)}
 
     # identity run: top-2 logprobs at every position
     length = min(args.prompt)
@@ -1115,7 +1116,7 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
         cmd += [f"--{name}", *map(str, getattr(args, name))]
     if args.cpus:
         cmd += ["--cpus", args.cpus]
-    for flag in ("lockstep", "trace_only"):
+    for flag in ("lockstep", "trace_only", "no_mixed_window"):
         if getattr(args, flag, False):
             cmd += [f"--{flag.replace('_', '-')}"]
     for name in ("new_tokens", "warm_tokens", "case_rounds", "layers", "graph_mode", "load_format",
@@ -1355,6 +1356,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "window per fitting case (as --trace-cases every), each case's "
                          "prompts prefilled first; the indexer's share for rows whose times "
                          "came from other runs (benchmarks/e2e_cells.py joins them)")
+    ap.add_argument("--no-mixed-window", action="store_true",
+                    help="no mixed window after the cases (its half-batch of uncached "
+                         "prompts costs each engine a prefill: ~20 s at B16 32K)")
     ap.add_argument("--trace-skip", type=parse_case, nargs="+", default=[], metavar="BxL",
                     help="cases given no window of their own under --trace-cases every or "
                          "--trace-only (e.g. 32x32768: one traced before; its prefill costs "

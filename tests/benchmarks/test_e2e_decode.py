@@ -1171,3 +1171,29 @@ def test_merge_rebuilds_the_windows_of_a_process_stopped_before_its_run_file(tmp
     assert entry["vllm"]["plugin"] == "0.27.1"
     assert entry["cudagraph_mode"]["plugin"] == "FULL_DECODE_ONLY"
     assert entry["traces"].get("stock") is None or entry["traces"]["stock"] == stock["traces"]
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_no_mixed_window_leaves_the_window_out_and_keeps_the_identity_run(tmp_path, skip):
+    """``--no-mixed-window``: no mixed-window request reaches the engine and the
+    result has no window; the identity run still runs (the tokens' evidence)."""
+    pytest.importorskip("vllm")
+    rng = random.Random()
+    batch, new = rng.choice([2, 4, 8]), rng.randrange(3, 9)
+    argv = ["--out", str(tmp_path), "--batch", str(batch), "--prompt", "1024",
+            "--new-tokens", str(new), "--trace-steps", "0"]
+    args = e2e.build_parser().parse_args(argv + (["--no-mixed-window"] if skip else []))
+    engine = FakeEngine(1 << 20)
+
+    def prompts_of(length, first=0, count=batch):
+        return [e2e.prompt_ids(i, length, 4096) for i in range(first, first + count)]
+
+    result = {}
+    e2e._after_cases(args, "plugin", engine, result, prompts_of, None)
+    mixed = [rid for rid, _ in engine.added if rid.startswith("mixed-")]
+    assert ("mixed_window" in result) is (not skip)
+    assert (not mixed) is skip
+    if not skip:
+        assert len(mixed) == 2 * max(1, batch // 2)
+    assert len(result["identity"]["tokens"]) == batch
+    assert all(len(t) == new for t in result["identity"]["tokens"])
