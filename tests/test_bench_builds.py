@@ -196,3 +196,61 @@ def test_topk_build_splits_macros_from_the_bound():
     assert variants.topk_build("bound=step") == ((), "step")
     with pytest.raises(ValueError, match="one bound=N"):
         variants.topk_build("bound=1+bound=2")
+
+
+def test_run_rows_is_the_benchs_and_leaves_the_kernels_macros():
+    assert variants.run_rows_of(("EVICT_FIRST=1", "RUN_ROWS=2")) == (("EVICT_FIRST=1",), 2)
+    assert variants.run_rows_of(("HALF_MMA=0",)) == (("HALF_MMA=0",), None)
+    with pytest.raises(ValueError, match="RUN_ROWS"):
+        variants.run_rows_of(("RUN_ROWS=0",))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_runs_of_at_most_cut_each_run_into_the_fewest_runs_of_n_rows(seed):
+    """Every new run lies inside one old run, holds at most n rows, and an old
+    run of L rows becomes ceil(L / n) runs, all full but its last; ids count
+    up from 0 (checked row by row against a plain loop)."""
+    torch = pytest.importorskip("torch")
+    rng = random.Random(seed)
+    n = rng.choice([1, 2, 3, 4])
+    lens = [rng.randint(1, 9) for _ in range(rng.randint(1, 30))]
+    rid, last = [], -1
+    for length in lens:  # ids need only differ between neighbouring runs
+        last += rng.randint(1, 3)
+        rid += [last] * length
+    got = variants.runs_of_at_most(torch.tensor(rid, dtype=torch.int32), n)
+    assert got.dtype == torch.int32
+    want, new, prev, pos = [], -1, None, 0
+    for r in rid:
+        pos = pos + 1 if r == prev else 0
+        if pos % n == 0:
+            new += 1
+        want.append(new)
+        prev = r
+    assert got.tolist() == want
+    counts = collections.Counter(got.tolist())
+    assert max(counts.values()) <= n
+    assert len(counts) == sum(-(-length // n) for length in lens)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cut_runs_score_every_row_as_the_requests_runs_do(seed):
+    """The reference logits and the positions a kernel must write are the same
+    with each request cut into runs of at most n rows (what RUN_ROWS times)."""
+    pytest.importorskip("torch")
+    from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
+    from vllm_dsa_varlen.workloads import make_decode_step
+
+    rng = random.Random(seed)
+    reqs = rng.randint(1, 5)
+    step = make_decode_step([rng.randint(1, 4) for _ in range(reqs)],
+                            [rng.randint(5, 300) for _ in range(reqs)], seed=seed, heads=32)
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    cut = variants.runs_of_at_most(rows.indices, rng.choice([1, 2, 3]))
+    args = (step.q, step.kv_cache, step.weights, ctx, rows.block_table, step.max_context_len)
+    want = paged_mqa_logits_ref(*args, indices=rows.indices)
+    got = paged_mqa_logits_ref(*args, indices=cut)
+    mask = valid_mask(ctx, step.max_context_len, rows.indices)
+    assert mask.equal(valid_mask(ctx, step.max_context_len, cut))
+    assert got[mask].equal(want[mask])

@@ -12,6 +12,10 @@ vLLM's decode top-k and the per-step figures (:func:`per_step`).
 
 A build is ``MACRO=v+MACRO=v`` (or ``default``), optionally ``@c0,c1`` for
 the plan's cost model (:data:`.ops.cuda_paged_mqa_logits.COST` otherwise).
+``RUN_ROWS=n`` among the macros is the bench's, not the kernel's: the step's
+runs cut into runs of at most ``n`` rows (:func:`runs_of_at_most`), so each
+CTA item holds one row group and a request's pages are read once per group,
+the layout of DeepGEMM's native kernel (a CTA per row group).
 Cases: ``requests,tokens,context`` (tokens ``-n``: 1..n per request).
 ``--heads 32`` runs every check and case at 32 heads (the kernel's HEADS=32
 build, which ``launch`` takes from the queries' shape).
@@ -33,6 +37,36 @@ def parse_variant(text: str):
     body, _, cost = text.partition("@")
     defines = () if body in ("", "default") else tuple(body.split("+"))
     return defines, (tuple(int(x) for x in cost.split(",")) if cost else None)
+
+
+def run_rows_of(defines: tuple) -> tuple[tuple, int | None]:
+    """``defines`` without the bench's ``RUN_ROWS=n``, and ``n`` (None: the
+    step's own runs)."""
+    rest = tuple(d for d in defines if not d.startswith("RUN_ROWS="))
+    given = [d for d in defines if d.startswith("RUN_ROWS=")]
+    if not given:
+        return rest, None
+    n = int(given[-1].partition("=")[2])
+    if n < 1:
+        raise ValueError(f"RUN_ROWS: rows per run must be >= 1, got {n}")
+    return rest, n
+
+
+def runs_of_at_most(indices, n: int):
+    """Run ids (int32 ``[R]``, a run = a maximal stretch of equal ids) with
+    every run cut into consecutive runs of at most ``n`` rows, the last the
+    shorter.  Each row keeps its own context length, so the result is the
+    same logits: a run's KV length is its last row's, which covers its rows'
+    (a request's lengths grow along its rows)."""
+    import torch
+
+    i = indices.long()
+    at = torch.arange(i.numel(), device=i.device)
+    starts = torch.ones_like(i, dtype=torch.bool)
+    starts[1:] = i[1:] != i[:-1]
+    run_start = torch.cummax(torch.where(starts, at, torch.zeros_like(at)), 0).values
+    cut = (at - run_start) % n == 0
+    return (torch.cumsum(cut.long(), 0) - 1).to(torch.int32)
 
 
 def paired_ratios(times: dict, base: str) -> dict:
@@ -82,20 +116,25 @@ def run(args) -> int:
               "variants": args.variants, "rounds": args.rounds, "layers": args.layers,
               "order": "fixed" if args.fixed_order else "balanced",
               "cases": []}
-    variants = {v: parse_variant(v) for v in args.variants}
+    variants = {}
+    for v in args.variants:
+        defines, cost = parse_variant(v)
+        defines, run_rows = run_rows_of(defines)
+        variants[v] = (defines, cost, run_rows)
 
     small = [([4, 4, 4, 4], [700, 1500, 64, 2000]), ([3, 1, 2, 4, 3], [10, 3, 130, 999, 64]),
              ([1, 1, 1], [300, 900, 40]), ([7, 5, 6], [5000, 70, 129]), ([4, 3], [2, 3])]
-    for name, (defines, cost) in variants.items():
+    for name, (defines, cost, run_rows) in variants.items():
         worst = 0.0
         for seed, (lens, seqs) in enumerate(small):
             step = make_decode_step(lens, seqs, seed=seed, device="cuda", heads=args.heads)
             rows = step.rows
+            ids = rows.indices if run_rows is None else runs_of_at_most(rows.indices, run_rows)
             ctx = rows.context_lens.view(-1, 1)
             out = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
-            sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1],
+            sched = ck.plan(ids, ctx, step.max_context_len, rows.block_table.shape[1],
                             args.heads, **({"cost": cost} if cost else {}))
-            ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+            ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, ids,
                       step.max_context_len, out, schedule=sched, defines=defines)
             ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
                                        step.max_context_len, indices=rows.indices)
@@ -118,11 +157,12 @@ def run(args) -> int:
         pages = int(((rows.context_lens.view(-1)[ends] + 63) // 64).sum())
         out = torch.empty(rows.num_rows, step.max_context_len, device="cuda")
         calls = {}
-        for name, (defines, cost) in variants.items():
-            sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1],
+        for name, (defines, cost, run_rows) in variants.items():
+            ids = rows.indices if run_rows is None else runs_of_at_most(rows.indices, run_rows)
+            sched = ck.plan(ids, ctx, step.max_context_len, rows.block_table.shape[1],
                             args.heads, **({"cost": cost} if cost else {}))
-            calls[name] = lambda s=sched, d=defines: ck.launch(
-                step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+            calls[name] = lambda s=sched, d=defines, i=ids: ck.launch(
+                step.q, step.kv_cache, step.weights, ctx, rows.block_table, i,
                 step.max_context_len, out, schedule=s, defines=d)
         first = next(iter(variants))
         extra = {}
