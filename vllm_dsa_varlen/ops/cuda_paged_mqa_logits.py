@@ -116,9 +116,9 @@ HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 # heads, 4 at 32) the page loads carry an L2 evict-first hint, which keeps the
 # step's other data (queries, weights, block tables, logits) in L2: at 64 heads
 # 2-token steps 1-8 % faster (call 50); at 32 heads 3- and 4-token steps 1-5 %
-# faster (h200-7fd28dd/evict-32h.log, h200-c31af84/evict-32h-3tok.log).  With two groups per page large steps were up to
-# 5 % slower (calls 41-42; B256 L8K 1.016x in evict-64h.log), so longer hints
-# keep the default build.
+# faster (h200-7fd28dd/evict-32h.log, h200-c31af84/evict-32h-3tok.log).  With
+# two groups per page large steps were up to 5 % slower (calls 41-42; B256 L8K
+# 1.016x in evict-64h.log), so longer hints keep the default build.
 
 # The head sum (``read_head_sum``): "fp32" on the CUDA cores (the default build,
 # DeepGEMM's arithmetic) or "tf32" on the tensor cores (HEAD_SUM_TC=1).
