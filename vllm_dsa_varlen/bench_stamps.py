@@ -160,9 +160,10 @@ def run(args) -> int:
 
     builds = args.stamps or ["default"]
     for name in builds:
-        if parse_variant(name)[1] is not None:
+        defines, cost = parse_variant(name)
+        if cost is not None:
             raise SystemExit(f"--stamps: {name!r}: a cost model ('@') is --builds' only")
-        if run_rows_of(parse_variant(name)[0])[1] is not None:
+        if run_rows_of(defines)[1] is not None:
             raise SystemExit(f"--stamps: {name!r}: RUN_ROWS is --builds' only")
 
     if not torch.cuda.is_available():

@@ -963,8 +963,8 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
 # default before), with its chain's descriptors built from addresses or stepped
 # from its first (the same descriptors); the evict-first build the launcher
 # takes for short hints (only the page loads' L2 policy differs)
-AB_BUILDS = (("EVICT_FIRST=1",), ("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",), ("STAGES=4",),
-             ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"),
+AB_BUILDS = (("EVICT_FIRST=1",), ("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",),
+             ("STAGES=4",), ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"),
              ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=0",),
              ("HALF_MMA=0", "DESC_STEP=1"))
 HEADS_64_ONLY = ("WEIGHTS_REG=1",)
