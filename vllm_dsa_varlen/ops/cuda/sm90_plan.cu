@@ -251,7 +251,7 @@ DEV i64 first_cta_at(i64 a, i64 programs, i64 cost, float ratio) {
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows, int cap,
-          int programs, ByRows<i64> unit, u64 magic_p, ByRows<u64> magic,
+          int programs, int cut_items, ByRows<i64> unit, u64 magic_p, ByRows<u64> magic,
           int* __restrict__ table, int* __restrict__ ctas) {
   // dynamic: ids, context lengths (pad) when rows <= STAGE_ROWS; the table
   // (slot) when rows <= TABLE_ROWS
@@ -328,6 +328,51 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
   // cost range holds some share's start look per chunk.  One walk over the
   // thread's rows serves both passes (one copy of its code).
   Rows walk{src, r0, cap, start_before, end_after, starts, ends, unit, -1, 0};
+
+  // 1b. small steps (cut_items > 0 and the step's items, its chunks' pages,
+  // at most that): every run of a multiple of GROUP_ROWS rows, more than
+  // GROUP_ROWS, becomes runs of GROUP_ROWS rows (a CTA item per row group).
+  // The decision is block-wide (one sum); the cut bits are the thread's own,
+  // its carries are derived from the uncut ones.
+  if (cut_items > 0) {
+    i64 mine = 0, none = 0, items_total = 0, none_total = 0;
+#pragma unroll 1
+    for (int k = 0; k < n; ++k)
+      if (((r0 + k - walk.first(k)) & (ROWS_MAX - 1)) == 0) mine += walk.at(k).items;
+    scan_sums(mine, none, items_total, none_total, s_sums);
+    if (items_total <= cut_items) {
+      u32 cut_starts = starts, cut_ends = ends;
+      int last_first = start_before, last_last = end_after;
+#pragma unroll 1
+      for (int k = 0; k < n; ++k) {
+        const Row w = walk.at(k);
+        const int len = w.last - w.first + 1, pos = r0 + k - w.first;
+        if (len > GROUP_ROWS && len % GROUP_ROWS == 0) {
+          if (pos % GROUP_ROWS == 0) cut_starts |= 1u << k;
+          if (pos % GROUP_ROWS == GROUP_ROWS - 1) cut_ends |= 1u << k;
+        }
+        last_first = w.first;
+        last_last = w.last;
+      }
+      if (n > 0) {
+        // the run going on into this thread's rows from before r0 (its first:
+        // start_before; read only where r0 starts no run): the piece holding r0
+        if (start_before >= 0 && !(starts & 1u)) {
+          const int f = start_before, len = walk.at(0).last - f + 1;
+          if (len > GROUP_ROWS && len % GROUP_ROWS == 0)
+            start_before = f + (r0 - f) / GROUP_ROWS * GROUP_ROWS;
+        }
+        // the run holding row r0 + n - 1, where it goes on past this thread
+        const int len = last_last - last_first + 1;
+        if (last_last >= r0 + n && len > GROUP_ROWS && len % GROUP_ROWS == 0)
+          end_after = last_first + ((r0 + n - 1 - last_first) / GROUP_ROWS + 1) * GROUP_ROWS - 1;
+      }
+      starts = cut_starts;
+      ends = cut_ends;
+      walk = Rows{src, r0, cap, start_before, end_after, starts, ends, unit, -1, 0};
+    }
+  }
+
   i64 packed = 0, seg_cost = 0, thread_cost = 0, totals = 0, cost = 0;
   int total_items = 0, with_work = 0, seg = 0;
   bool tags = false;
