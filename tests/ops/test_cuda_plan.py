@@ -22,6 +22,7 @@ import torch
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
 from vllm_dsa_varlen.ops import cuda_plan as cp
 from vllm_dsa_varlen.ops.common import num_sms
+from vllm_dsa_varlen.ops.reference import run_spans
 from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step, random_step_rows
 
 from logits_checks import check_poisoned, launcher_args, run_poisoned
@@ -116,6 +117,14 @@ def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024,
     ends = [{r for r in range(a, b) if r == rows - 1 or ids[r] != ids[r + 1]} for a, b in spans]
     carry_first = [max([-1] + [max(s) for s in starts[:t] if s]) for t in range(threads)]
     carry_last = [min([rows] + [min(e) for e in ends[t + 1:] if e]) for t in range(threads)]
+    kv_ends, kv_carry_last = [set(e) for e in ends], list(carry_last)  # the runs' own ends
+
+    def last_of(r, t, ends_t, after):
+        """The first end at or past row r among thread t's rows, else ``after``."""
+        b = spans[t][1]
+        while r < b and r not in ends_t:
+            r += 1
+        return after if r == b else r
 
     def walk(t):
         """The thread's rows: (r, first, kv, n_rows, items, unit, last)."""
@@ -125,12 +134,8 @@ def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024,
             if r in starts[t]:
                 first = r
             if last < r:
-                last = r
-                while last < b and last not in ends[t]:
-                    last += 1
-                if last == b:
-                    last = carry_last[t]
-            kv = min(max(ctx[last], 0), cap)
+                last = last_of(r, t, ends[t], carry_last[t])
+            kv = min(max(ctx[last_of(r, t, kv_ends[t], kv_carry_last[t])], 0), cap)
             n = min(last - r + 1, chunk)
             work = (r - first) % chunk == 0 and kv > 0
             items = -(-kv // ck.PAGE) if work else 0
@@ -262,32 +267,37 @@ def _cut_threshold(rnd, items: int) -> tuple[int, bool]:
 @pytest.mark.parametrize("seed", range(40))
 def test_a_cut_plan_is_the_plan_of_the_cut_runs(seed, heads):
     """plan_torch with ``cut_items`` at or above the step's items plans the
-    runs cut to row groups (a plain walk's ids, cut_ids); below them, the
-    step's own runs."""
+    runs cut to row groups (a plain walk's ids, cut_ids), each piece with its
+    own run's KV length; below them, the step's own runs."""
     rnd = random.Random(seed)
     ids, ctx, max_len, width, programs = random_rows(seed, max_rows=300)
     group = ck.rows_per_group(heads)
     plain = ck.plan_torch(ids, ctx.view(-1, 1), max_len, width, heads, programs=programs)
     items = int(plain[0][:, 4].sum())
     cut, cuts = _cut_threshold(rnd, items)
-    got = ck.plan_torch(ids, ctx.view(-1, 1), max_len, width, heads, programs=programs,
-                        cut_items=cut)
-    want = ck.plan_torch(cut_ids(ids, group) if cuts else ids, ctx.view(-1, 1), max_len, width,
-                         heads, programs=programs)
-    assert got[0].equal(want[0]) and got[1].equal(want[1])
+    table, _ = ck.plan_torch(ids, ctx.view(-1, 1), max_len, width, heads, programs=programs,
+                             cut_items=cut)
+    pieces = cut_ids(ids, group) if cuts else ids
+    cap = min(max_len, width * ck.PAGE)
+    run_kv = {r: kv for first, e, kv in run_spans(ids, ctx, cap) for r in range(first, e + 1)}
+    chunk = cp.chunk_rows(heads)
+    want = [(first + c, min(chunk, e - first - c + 1), run_kv[first])
+            for first, e, _ in run_spans(pieces, ctx, cap)
+            for c in range(0, e - first + 1, chunk) if run_kv[first] > 0]
+    assert [(row[0], row[1], row[2]) for row in table.tolist() if row[4] > 0] == want
 
 
 def test_a_cut_plan_gives_each_row_group_of_a_request_its_own_items():
     """Four 4-row requests at 64 heads: cut, eight 2-row chunks each with the
-    request's pages (its first piece's KV length its own last row's); not
-    cut (cut_items one below the step's items), four 4-row chunks."""
+    request's KV length and pages; not cut (cut_items one below the step's
+    items), four 4-row chunks."""
     ids = torch.tensor([r // 4 for r in range(16)], dtype=torch.int32)
     ctx = torch.tensor([1000 * (r // 4 + 1) + r % 4 for r in range(16)], dtype=torch.int32)
     items = sum(-(-(1000 * (q + 1) + 3) // 64) for q in range(4))
     table, _ = ck.plan_torch(ids, ctx, 8192, 200, 64, programs=7, cut_items=items)
     work = [row for row in table.tolist() if row[4] > 0]
-    assert [(row[0], row[1], row[2]) for row in work] == [
-        (r, 2, int(ctx[r + 1])) for r in range(0, 16, 2)]
+    assert [(row[0], row[1], row[2], row[4]) for row in work] == [
+        (r, 2, int(ctx[r | 3]), -(-int(ctx[r | 3]) // 64)) for r in range(0, 16, 2)]
     table, _ = ck.plan_torch(ids, ctx, 8192, 200, 64, programs=7, cut_items=items - 1)
     assert [(row[0], row[1]) for row in table.tolist() if row[4] > 0] == [
         (r, 4) for r in range(0, 16, 4)]

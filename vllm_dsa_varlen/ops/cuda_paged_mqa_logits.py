@@ -522,8 +522,9 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
     ``cut_items`` > 0: where the step's items (chunk pages) number at most
     that, every run of a multiple of ``g`` rows (more than ``g``; ``g`` the
     row group's rows) is planned as runs of ``g`` rows, a CTA item per row
-    group (:func:`cut_runs`); decided on the device, so a captured plan
-    replays right for any step."""
+    group, each with the run's KV length (each row masked as before);
+    decided on the device, so a captured plan replays right for any step
+    (:data:`CUT_PER_PROGRAM`)."""
     rows_max = _check_structure(heads, rows_max)
     group = rows_per_group(heads)
     dev = indices.device
@@ -540,8 +541,8 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
     first = torch.cummax(torch.where(starts, r, 0), 0).values
     last = torch.flip(torch.cummin(torch.flip(torch.where(ends, r, rows), (0,)), 0).values, (0,))
     cap = min(int(max_context_len), int(bt_width) * PAGE)
+    kv = ctx[last.long()].clamp(0, cap)  # the run's (a cut piece keeps it)
     if cut_items > 0:
-        kv = ctx[last.long()].clamp(0, cap)
         chunk_pages = torch.where(((r - first) % rows_max) == 0, (kv + PAGE - 1) // PAGE, 0)
         cutting = chunk_pages.sum() <= cut_items
         pos, length = r - first, last - first + 1
@@ -551,7 +552,6 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
         first = torch.cummax(torch.where(starts, r, 0), 0).values
         last = torch.flip(torch.cummin(torch.flip(torch.where(ends, r, rows), (0,)), 0).values,
                           (0,))
-    kv = ctx[last.long()].clamp(0, cap)
     pages = (kv + PAGE - 1) // PAGE
     chunk = ((r - first) % rows_max) == 0
     n_rows = torch.minimum(last - r + 1, torch.full_like(r, rows_max))
@@ -610,9 +610,8 @@ def schedule_model(indices, context_lens, max_context_len: int, bt_width: int,
     spans = run_spans(indices, context_lens, cap)
     pages = sum(-(-kv // PAGE) * len(range(r, e + 1, chunk)) for r, e, kv in spans)
     if cut_items > 0 and pages <= cut_items:
-        ctx = [int(x) for x in context_lens]
-        spans = [(p, p + group - 1, min(max(ctx[p + group - 1], 0), cap))
-                 if e - r + 1 > group and (e - r + 1) % group == 0 else (r, e, kv)
+        spans = [(p, p + group - 1, kv) if e - r + 1 > group and (e - r + 1) % group == 0
+                 else (r, e, kv)
                  for r, e, kv in spans
                  for p in (range(r, e + 1, group) if e - r + 1 > group
                            and (e - r + 1) % group == 0 else [r])]

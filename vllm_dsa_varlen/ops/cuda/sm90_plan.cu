@@ -196,12 +196,14 @@ struct Row { int first, last, kv, n_rows, items; i64 unit; };
 
 // A thread's rows r0 + k (k < n <= 32): bit k of `starts` / `ends` is set
 // where a run starts / ends; the last run start before r0 and the first run
-// end at or past r0 + n come from step 1.  The last row's KV length is kept
-// (a run's rows share it).
+// end at or past r0 + n come from step 1.  The KV length is the last row's of
+// the step's own run (`kv_ends`, `kv_end_after`: the run ends before any cut,
+// step 1b), kept while rows share it.
 struct Rows {
   Src src; int r0, cap, first_before, end_after; u32 starts, ends;
   ByRows<i64> unit;  // a page's cost in a chunk of 1 .. ROWS_MAX rows
   int kv_row, kv;
+  u32 kv_ends; int kv_end_after;
 
   DEV int first(int k) const {
     const u32 below = starts & (0xffffffffu >> (31 - k));  // starts at or before r0 + k
@@ -213,7 +215,9 @@ struct Rows {
     Row w;
     w.first = first(k);
     w.last = above ? r + __ffs(above) - 1 : end_after;
-    if (w.last != kv_row) { kv_row = w.last; kv = min(max(src.ctx(w.last), 0), cap); }
+    const u32 kv_above = kv_ends >> k;
+    const int run_last = kv_above ? r + __ffs(kv_above) - 1 : kv_end_after;
+    if (run_last != kv_row) { kv_row = run_last; kv = min(max(src.ctx(run_last), 0), cap); }
     w.kv = kv;
     w.n_rows = min(w.last - r + 1, ROWS_MAX);
     const bool work = ((r - w.first) & (ROWS_MAX - 1)) == 0 && w.kv > 0;
@@ -327,12 +331,12 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
   // P, so c runs from ceil(a P / C) to ceil(b P / C) - 1; only threads whose
   // cost range holds some share's start look per chunk.  One walk over the
   // thread's rows serves both passes (one copy of its code).
-  Rows walk{src, r0, cap, start_before, end_after, starts, ends, unit, -1, 0};
+  Rows walk{src, r0, cap, start_before, end_after, starts, ends, unit, -1, 0, ends, end_after};
 
   // 1b. small steps (cut_items > 0 and the step's items, its chunks' pages,
   // at most that): every run of a multiple of GROUP_ROWS rows, more than
-  // GROUP_ROWS, becomes runs of GROUP_ROWS rows (a CTA item per row group).
-  // The decision is block-wide (one sum); the cut bits are the thread's own,
+  // GROUP_ROWS, becomes runs of GROUP_ROWS rows (a CTA item per row group),
+  // each with its run's KV length (so each row is masked as before).  The decision is block-wide (one sum); the cut bits are the thread's own,
   // its carries are derived from the uncut ones.
   if (cut_items > 0) {
     i64 mine = 0, none = 0, items_total = 0, none_total = 0;
@@ -369,7 +373,8 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
       }
       starts = cut_starts;
       ends = cut_ends;
-      walk = Rows{src, r0, cap, start_before, end_after, starts, ends, unit, -1, 0};
+      walk = Rows{src, r0, cap, start_before, end_after, starts, ends, unit, -1, 0, walk.kv_ends,
+                  walk.kv_end_after};
     }
   }
 
