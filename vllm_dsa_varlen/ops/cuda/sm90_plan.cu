@@ -21,6 +21,9 @@
 // bit masks (run starts, run ends); a row's run bounds are bit operations on
 // them.
 //   1. run starts (forward max) and run ends (backward min) across threads;
+//      1b. where the launcher passes cut_items and the step's items are at
+//      most that, runs of a multiple of a row group's rows are cut into row
+//      groups (one more block-wide sum; cuda_paged_mqa_logits.plan_torch);
 //   2. per row its run's first and last row, KV length, chunk, items and cost;
 //      exclusive sums of items, chunks with work and cost across threads;
 //   3. per row its place in the table and its first item, written; the chunk
@@ -336,8 +339,9 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
   // 1b. small steps (cut_items > 0 and the step's items, its chunks' pages,
   // at most that): every run of a multiple of GROUP_ROWS rows, more than
   // GROUP_ROWS, becomes runs of GROUP_ROWS rows (a CTA item per row group),
-  // each with its run's KV length (so each row is masked as before).  The decision is block-wide (one sum); the cut bits are the thread's own,
-  // its carries are derived from the uncut ones.
+  // each with its run's KV length (so each row is masked as before).  The
+  // decision is block-wide (one sum); the cut bits are the thread's own, its
+  // carries derived from the uncut ones.
   if (cut_items > 0) {
     i64 mine = 0, none = 0, items_total = 0, none_total = 0;
 #pragma unroll 1
