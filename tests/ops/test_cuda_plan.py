@@ -142,7 +142,7 @@ def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024,
             unit = units[n - 1] if work else 0
             yield r, first, kv, n, items, unit, last
 
-    # 1b. small steps: runs of a multiple of the row group's rows cut into row
+    # 1b. small steps: runs of two row groups' rows (a chunk) cut into row
     # groups, each thread from its own rows and its uncut carries
     if cut_items > 0 and sum(w[4] for t in range(threads) for w in walk(t)) <= cut_items:
         new = []
@@ -151,18 +151,18 @@ def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024,
             cs, ce, before, after = set(starts[t]), set(ends[t]), carry_first[t], carry_last[t]
             for r, first, _, _, _, _, last in got:
                 length = last - first + 1
-                if length > group and length % group == 0:
+                if length == chunk:
                     if (r - first) % group == 0:
                         cs.add(r)
                     if (r - first) % group == group - 1:
                         ce.add(r)
             if got:
                 f, length = before, got[0][6] - before + 1
-                if before >= 0 and a not in starts[t] and length > group and length % group == 0:
+                if before >= 0 and a not in starts[t] and length == chunk:
                     before = f + (a - f) // group * group
                 _, f, _, _, _, _, last = got[-1]
                 length = last - f + 1
-                if last >= b and length > group and length % group == 0:
+                if last >= b and length == chunk:
                     after = f + ((b - 1 - f) // group + 1) * group - 1
             new.append((cs, ce, before, after))
         for t, (cs, ce, before, after) in enumerate(new):
@@ -238,8 +238,8 @@ def test_kernel_model_matches_plan_torch(seed, threads, heads):
 
 
 def cut_ids(ids, group: int):
-    """Run ids with every run of a multiple of ``group`` rows (more than
-    ``group``) cut into runs of ``group`` rows, by a plain walk over the rows."""
+    """Run ids with every run of ``2 * group`` rows (a chunk) cut into two runs
+    of ``group`` rows, by a plain walk over the rows."""
     ids = [int(x) for x in ids]
     out, new, r = [], -1, 0
     while r < len(ids):
@@ -247,7 +247,7 @@ def cut_ids(ids, group: int):
         while e + 1 < len(ids) and ids[e + 1] == ids[r]:
             e += 1
         length = e - r + 1
-        piece = group if length > group and length % group == 0 else length
+        piece = group if length == 2 * group else length
         for j in range(length):
             if j % piece == 0:
                 new += 1

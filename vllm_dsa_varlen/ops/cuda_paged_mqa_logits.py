@@ -520,9 +520,8 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
     size, :func:`rows_max_for` ``heads`` (the default).
 
     ``cut_items`` > 0: where the step's items (chunk pages) number at most
-    that, every run of a multiple of ``g`` rows (more than ``g``; ``g`` the
-    row group's rows) is planned as runs of ``g`` rows, a CTA item per row
-    group, each with the run's KV length (each row masked as before);
+    that, every run of ``rows_max`` rows (a chunk: two row groups of ``g``
+    rows) is planned as two runs of ``g`` rows, a CTA item per row group, each with the run's KV length (each row masked as before);
     decided on the device, so a captured plan replays right for any step
     (:data:`CUT_PER_PROGRAM`)."""
     rows_max = _check_structure(heads, rows_max)
@@ -546,7 +545,7 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
         chunk_pages = torch.where(((r - first) % rows_max) == 0, (kv + PAGE - 1) // PAGE, 0)
         cutting = chunk_pages.sum() <= cut_items
         pos, length = r - first, last - first + 1
-        cut = cutting & (length > group) & (length % group == 0)
+        cut = cutting & (length == rows_max)
         starts = starts | (cut & (pos % group == 0))
         ends = ends | (cut & (pos % group == group - 1))
         first = torch.cummax(torch.where(starts, r, 0), 0).values
@@ -610,11 +609,9 @@ def schedule_model(indices, context_lens, max_context_len: int, bt_width: int,
     spans = run_spans(indices, context_lens, cap)
     pages = sum(-(-kv // PAGE) * len(range(r, e + 1, chunk)) for r, e, kv in spans)
     if cut_items > 0 and pages <= cut_items:
-        spans = [(p, p + group - 1, kv) if e - r + 1 > group and (e - r + 1) % group == 0
-                 else (r, e, kv)
+        spans = [(p, p + group - 1, kv) if e - r + 1 == chunk else (r, e, kv)
                  for r, e, kv in spans
-                 for p in (range(r, e + 1, group) if e - r + 1 > group
-                           and (e - r + 1) % group == 0 else [r])]
+                 for p in (range(r, e + 1, group) if e - r + 1 == chunk else [r])]
     items = []
     for r, e, kv in spans:
         for c in range(r, e + 1, chunk):
