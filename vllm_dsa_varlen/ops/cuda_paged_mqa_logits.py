@@ -521,8 +521,9 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
 
     ``cut_items`` > 0: where the step's items (chunk pages) number at most
     that, every run of ``rows_max`` rows (a chunk: two row groups of ``g``
-    rows) is planned as two runs of ``g`` rows, a CTA item per row group, each with the run's KV length (each row masked as before);
-    decided on the device, so a captured plan replays right for any step
+    rows) is planned as two runs of ``g`` rows, a CTA item per row group,
+    each with the run's KV length (each row masked as before); decided on
+    the device, so a captured plan replays right for any step
     (:data:`CUT_PER_PROGRAM`)."""
     rows_max = _check_structure(heads, rows_max)
     group = rows_per_group(heads)
