@@ -141,7 +141,7 @@ def prepare_case(torch, text: str, heads: int, rows, max_len: int, width: int, n
         "plan_torch": lambda: ck.plan_torch(ids, ctx2d, max_len, width, heads),
         "planner": lambda: cp.plan_device(ids, ctx, max_len, width, heads=heads, out=out),
     }
-    cut = ck.CUT_PER_PROGRAM.get(heads, 0) * sms
+    cut = ck.cut_items_for(heads, sms)
     if cut:
         want = ck.plan_torch(ids, ctx2d, max_len, width, heads, cut_items=cut)
         for t in out:

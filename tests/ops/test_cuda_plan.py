@@ -711,10 +711,8 @@ def test_planner_matches_plan_torch_on_random_serving_steps(seed, heads, planner
     through plan() (which takes the planner at both head counts)."""
     _skip_without_nvrtc()
     ids, ctx, max_len, width, programs = serving_rows(seed + (0 if heads == 64 else 20_000))
-    want = ck.plan_torch(ids.cuda(), ctx.cuda(), max_len, width, heads, programs=programs)
-    out = _poisoned(ids.numel(), programs)
-    got = cp.plan_device(ids.cuda(), ctx.cuda(), max_len, width, heads=heads,
-                         programs=programs, out=out)
+    want, got = _both(ids, ctx, max_len, width, programs, heads=heads,
+                      cut_items=ck.cut_items_for(heads, programs))
     _assert_same(want, got, seed)
     _assert_same(want, ck.plan(ids.cuda(), ctx.cuda(), max_len, width, heads,
                                programs=programs), seed)
@@ -741,7 +739,9 @@ def test_planner_matches_plan_torch_on_serving_steps(case, variable, heads, plan
     rows, seqs, _, width = random_step_rows(reqs, tokens, ctx_len, variable=variable,
                                             seed=reqs + tokens)
     max_len = int(seqs.max())
-    want = ck.plan_torch(rows.indices, rows.context_lens.view(-1, 1), max_len, width, heads)
+    cut = ck.cut_items_for(heads, ck.num_sms(rows.indices.device))
+    want = ck.plan_torch(rows.indices, rows.context_lens.view(-1, 1), max_len, width, heads,
+                         cut_items=cut)
     got = ck.plan(rows.indices, rows.context_lens.view(-1, 1), max_len, width, heads)
     assert planner_calls == [heads]
     _assert_same(want, got)

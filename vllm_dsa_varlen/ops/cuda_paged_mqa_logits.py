@@ -469,6 +469,11 @@ def rows_max_for(heads: int, max_run_len: int) -> int:
 CUT_PER_PROGRAM = {64: 8, 32: 0}
 
 
+def cut_items_for(heads: int, programs: int) -> int:
+    """The serving plan's ``cut_items`` on a grid of ``programs`` CTAs."""
+    return CUT_PER_PROGRAM.get(heads, 0) * programs
+
+
 def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int = HEADS,
          rows_max: int | None = None, *, programs: int | None = None, cost=COST,
          cut_items: int | None = None):
@@ -480,8 +485,8 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     times the CTAs).  No host sync, graph safe."""
     rows_max = _check_structure(heads, rows_max)
     if cut_items is None:
-        cut_items = CUT_PER_PROGRAM.get(heads, 0) * (
-            programs if programs is not None else num_sms(indices.device))
+        cut_items = cut_items_for(
+            heads, programs if programs is not None else num_sms(indices.device))
     if (PLAN_KERNEL and indices.is_cuda and indices.dtype == torch.int32
             and available() is None):
         if ((programs is None or programs <= cuda_plan.MAX_PROGRAMS)
@@ -606,7 +611,7 @@ def schedule_model(indices, context_lens, max_context_len: int, bt_width: int,
     chunk = GMAX * group
     cap = min(max_context_len, bt_width * PAGE)
     if cut_items is None:
-        cut_items = CUT_PER_PROGRAM.get(heads, 0) * num_programs
+        cut_items = cut_items_for(heads, num_programs)
     spans = run_spans(indices, context_lens, cap)
     pages = sum(-(-kv // PAGE) * len(range(r, e + 1, chunk)) for r, e, kv in spans)
     if cut_items > 0 and pages <= cut_items:
