@@ -203,6 +203,10 @@ def test_run_rows_is_the_benchs_and_leaves_the_kernels_macros():
     assert variants.run_rows_of(("HALF_MMA=0",)) == (("HALF_MMA=0",), None)
     with pytest.raises(ValueError, match="RUN_ROWS"):
         variants.run_rows_of(("RUN_ROWS=0",))
+    assert variants.bench_value(("CUT_ITEMS=0", "HALF_MMA=0"), "CUT_ITEMS", 0) == (
+        ("HALF_MMA=0",), 0)
+    with pytest.raises(ValueError, match="CUT_ITEMS"):
+        variants.bench_value(("CUT_ITEMS=-1",), "CUT_ITEMS", 0)
 
 
 @pytest.mark.parametrize("seed", range(20))

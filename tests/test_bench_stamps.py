@@ -158,6 +158,12 @@ def test_stamps_refuses_a_cost_model_naming_the_build():
         bench.main(["--stamps", "RAMP=1@5,2"])
 
 
+@pytest.mark.parametrize("build", ["RUN_ROWS=2", "EVICT_FIRST=1+CUT_ITEMS=0"])
+def test_stamps_refuses_the_bench_only_plan_tokens(build):
+    with pytest.raises(SystemExit, match=re.escape(f"--stamps: '{build}': RUN_ROWS and CUT_ITEMS")):
+        bench.main(["--stamps", build])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
 def test_the_stamped_build_on_the_gpu_keeps_the_logits_and_stamps_every_cta():

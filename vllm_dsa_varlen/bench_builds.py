@@ -15,7 +15,9 @@ the plan's cost model (:data:`.ops.cuda_paged_mqa_logits.COST` otherwise).
 ``RUN_ROWS=n`` among the macros is the bench's, not the kernel's: the step's
 runs cut into runs of at most ``n`` rows (:func:`runs_of_at_most`), so each
 CTA item holds one row group and a request's pages are read once per group,
-the layout of DeepGEMM's native kernel (a CTA per row group).
+the layout of DeepGEMM's native kernel (a CTA per row group); ``CUT_ITEMS=n``
+is the plan's ``cut_items`` (the same cut made by the planner on steps of at
+most ``n`` items; ``CUT_ITEMS=0``: never; default: ``plan``'s).
 Cases: ``requests,tokens,context`` (tokens ``-n``: 1..n per request).
 ``--heads 32`` runs every check and case at 32 heads (the kernel's HEADS=32
 build, which ``launch`` takes from the queries' shape).
@@ -39,17 +41,23 @@ def parse_variant(text: str):
     return defines, (tuple(int(x) for x in cost.split(",")) if cost else None)
 
 
-def run_rows_of(defines: tuple) -> tuple[tuple, int | None]:
-    """``defines`` without the bench's ``RUN_ROWS=n``, and ``n`` (None: the
-    step's own runs)."""
-    rest = tuple(d for d in defines if not d.startswith("RUN_ROWS="))
-    given = [d for d in defines if d.startswith("RUN_ROWS=")]
+def bench_value(defines: tuple, name: str, least: int) -> tuple[tuple, int | None]:
+    """``defines`` without the bench's own ``name=n``, and ``n`` (None: not
+    given); ``n`` below ``least`` is refused."""
+    rest = tuple(d for d in defines if not d.startswith(name + "="))
+    given = [d for d in defines if d.startswith(name + "=")]
     if not given:
         return rest, None
     n = int(given[-1].partition("=")[2])
-    if n < 1:
-        raise ValueError(f"RUN_ROWS: rows per run must be >= 1, got {n}")
+    if n < least:
+        raise ValueError(f"{name}: must be >= {least}, got {n}")
     return rest, n
+
+
+def run_rows_of(defines: tuple) -> tuple[tuple, int | None]:
+    """``defines`` without the bench's ``RUN_ROWS=n``, and ``n`` (None: the
+    step's own runs)."""
+    return bench_value(defines, "RUN_ROWS", 1)
 
 
 def runs_of_at_most(indices, n: int):
@@ -120,11 +128,15 @@ def run(args) -> int:
     for v in args.variants:
         defines, cost = parse_variant(v)
         defines, run_rows = run_rows_of(defines)
-        variants[v] = (defines, cost, run_rows)
+        defines, cut = bench_value(defines, "CUT_ITEMS", 0)
+        plan_kw = {"cost": cost} if cost else {}
+        if cut is not None:
+            plan_kw["cut_items"] = cut
+        variants[v] = (defines, plan_kw, run_rows)
 
     small = [([4, 4, 4, 4], [700, 1500, 64, 2000]), ([3, 1, 2, 4, 3], [10, 3, 130, 999, 64]),
              ([1, 1, 1], [300, 900, 40]), ([7, 5, 6], [5000, 70, 129]), ([4, 3], [2, 3])]
-    for name, (defines, cost, run_rows) in variants.items():
+    for name, (defines, plan_kw, run_rows) in variants.items():
         worst = 0.0
         for seed, (lens, seqs) in enumerate(small):
             step = make_decode_step(lens, seqs, seed=seed, device="cuda", heads=args.heads)
@@ -133,7 +145,7 @@ def run(args) -> int:
             ctx = rows.context_lens.view(-1, 1)
             out = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
             sched = ck.plan(ids, ctx, step.max_context_len, rows.block_table.shape[1],
-                            args.heads, **({"cost": cost} if cost else {}))
+                            args.heads, **plan_kw)
             ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, ids,
                       step.max_context_len, out, schedule=sched, defines=defines)
             ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
@@ -157,10 +169,10 @@ def run(args) -> int:
         pages = int(((rows.context_lens.view(-1)[ends] + 63) // 64).sum())
         out = torch.empty(rows.num_rows, step.max_context_len, device="cuda")
         calls = {}
-        for name, (defines, cost, run_rows) in variants.items():
+        for name, (defines, plan_kw, run_rows) in variants.items():
             ids = rows.indices if run_rows is None else runs_of_at_most(rows.indices, run_rows)
             sched = ck.plan(ids, ctx, step.max_context_len, rows.block_table.shape[1],
-                            args.heads, **({"cost": cost} if cost else {}))
+                            args.heads, **plan_kw)
             calls[name] = lambda s=sched, d=defines, i=ids: ck.launch(
                 step.q, step.kv_cache, step.weights, ctx, rows.block_table, i,
                 step.max_context_len, out, schedule=s, defines=d)

@@ -37,7 +37,7 @@ CASES = ["64,4,32768", "64,4,8192", "128,4,8192", "256,4,8192", "8,4,131072", "1
 COPIES = 20
 REP_MS = 20  # do_bench repetition time per timed round (ms) unless --rep-ms says otherwise
 ROUNDS = 5   # timed rounds unless --rounds says otherwise
-NAMES = ["plan_torch", "planner", "dg_meta_flat", "dg_meta_native"]
+NAMES = ["plan_torch", "planner", "planner_cut", "dg_meta_flat", "dg_meta_native"]
 HEADS = (64, 32)  # head counts timed unless --heads picks one (the planner's builds)
 
 
@@ -122,8 +122,10 @@ def prepare_case(torch, text: str, heads: int, rows, max_len: int, width: int, n
                  sms: int, dg) -> dict:
     """One timed row: the step's schedule at ``heads`` by ``plan_torch`` and
     by the planner (its output into poisoned buffers, compared bit for bit
-    first) and, with ``dg``, DeepGEMM's metadata, each captured in graphs
-    of one and :data:`COPIES` copies."""
+    first), without and (``planner_cut``, where the head count has one) with
+    the serving plan's small-step cut (``plan``'s ``cut_items``), and, with
+    ``dg``, DeepGEMM's metadata, each captured in graphs of one and
+    :data:`COPIES` copies."""
     from .ops import cuda_paged_mqa_logits as ck
     from .ops import cuda_plan as cp
 
@@ -135,12 +137,21 @@ def prepare_case(torch, text: str, heads: int, rows, max_len: int, width: int, n
         t.fill_(-7)  # poisoned: every word must be written
     got = cp.plan_device(ids, ctx, max_len, width, heads=heads, out=out)
     same = all(torch.equal(a, b) for a, b in zip(want, got))
-    if not same:
-        print(f"# MISMATCH on {text} at {heads} heads: planner output differs from plan_torch")
     paths = {
         "plan_torch": lambda: ck.plan_torch(ids, ctx2d, max_len, width, heads),
         "planner": lambda: cp.plan_device(ids, ctx, max_len, width, heads=heads, out=out),
     }
+    cut = ck.cut_items_for(heads, sms)
+    if cut:
+        want = ck.plan_torch(ids, ctx2d, max_len, width, heads, cut_items=cut)
+        for t in out:
+            t.fill_(-7)
+        got = cp.plan_device(ids, ctx, max_len, width, heads=heads, out=out, cut_items=cut)
+        same = same and all(torch.equal(a, b) for a, b in zip(want, got))
+        paths["planner_cut"] = lambda: cp.plan_device(ids, ctx, max_len, width, heads=heads,
+                                                      out=out, cut_items=cut)
+    if not same:
+        print(f"# MISMATCH on {text} at {heads} heads: planner output differs from plan_torch")
     if dg is not None:
         flat = ctx2d.contiguous()
         paths["dg_meta_flat"] = lambda: dg.get_paged_mqa_logits_metadata(flat, 64, sms)

@@ -22,6 +22,7 @@ import torch
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
 from vllm_dsa_varlen.ops import cuda_plan as cp
 from vllm_dsa_varlen.ops.common import num_sms
+from vllm_dsa_varlen.ops.reference import run_spans
 from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step, random_step_rows
 
 from logits_checks import check_poisoned, launcher_args, run_poisoned
@@ -93,51 +94,79 @@ def steps(count: int, max_rows: int = 600):
 
 # ----------------------------------------------------- host model of the kernel
 
-def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024, heads=64):
+def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024, heads=64,
+                 cut_items=0):
     """The planner kernel's algorithm on the host, step by step as
     sm90_plan.cu runs it (``threads`` threads, thread t owning rows [t K, t K
     + K)), from the arguments the launcher passes it (``cp.kernel_args``: the
-    KV cap, a page's cost per chunk size, the division magics): ``(table,
-    ctas)`` as lists of rows."""
+    KV cap, a page's cost per chunk size, the division magics, ``cut_items``):
+    ``(table, ctas)`` as lists of rows."""
     ids, ctx = [int(x) for x in ids], [int(x) for x in ctx]
     rows = len(ids)
-    args = cp.kernel_args(0, 0, rows, max_len, width, programs, 0, 0, heads=heads, cost=cost)
+    args = cp.kernel_args(0, 0, rows, max_len, width, programs, 0, 0, heads=heads, cost=cost,
+                          cut_items=cut_items)
     cap, units, magics = args["cap"].value, list(args["unit"]), list(args["magic"])
     chunk = len(units)  # the build's ROWS_MAX
+    group = chunk // 2  # GROUP_ROWS
     per = -(-rows // threads)
     spans = [(min(t * per, rows), min(t * per + per, rows)) for t in range(threads)]
 
-    def start(r):
-        return r == 0 or ids[r] != ids[r - 1]
+    # 1. each thread's run starts and ends; the last start before its rows and
+    # the first end past them (exclusive scans)
+    starts = [{r for r in range(a, b) if r == 0 or ids[r] != ids[r - 1]} for a, b in spans]
+    ends = [{r for r in range(a, b) if r == rows - 1 or ids[r] != ids[r + 1]} for a, b in spans]
+    carry_first = [max([-1] + [max(s) for s in starts[:t] if s]) for t in range(threads)]
+    carry_last = [min([rows] + [min(e) for e in ends[t + 1:] if e]) for t in range(threads)]
+    kv_ends, kv_carry_last = [set(e) for e in ends], list(carry_last)  # the runs' own ends
 
-    def end(r):
-        return r == rows - 1 or ids[r] != ids[r + 1]
-
-    # 1. the last run start and the first run end per thread; exclusive scans
-    starts = [max([r for r in range(a, b) if start(r)], default=-1) for a, b in spans]
-    ends = [min([r for r in range(a, b) if end(r)], default=rows) for a, b in spans]
-    carry_first = [max([-1] + starts[:t]) for t in range(threads)]
-    carry_last = [min([rows] + ends[t + 1:]) for t in range(threads)]
+    def last_of(r, t, ends_t, after):
+        """The first end at or past row r among thread t's rows, else ``after``."""
+        b = spans[t][1]
+        while r < b and r not in ends_t:
+            r += 1
+        return after if r == b else r
 
     def walk(t):
-        """The thread's rows: (r, first, kv, n_rows, items, unit)."""
+        """The thread's rows: (r, first, kv, n_rows, items, unit, last)."""
         a, b = spans[t]
         first, last = carry_first[t], -1
         for r in range(a, b):
-            if start(r):
+            if r in starts[t]:
                 first = r
             if last < r:
-                last = r
-                while last < b and not end(last):
-                    last += 1
-                if last == b:
-                    last = carry_last[t]
-            kv = min(max(ctx[last], 0), cap)
+                last = last_of(r, t, ends[t], carry_last[t])
+            kv = min(max(ctx[last_of(r, t, kv_ends[t], kv_carry_last[t])], 0), cap)
             n = min(last - r + 1, chunk)
             work = (r - first) % chunk == 0 and kv > 0
             items = -(-kv // ck.PAGE) if work else 0
             unit = units[n - 1] if work else 0
-            yield r, first, kv, n, items, unit
+            yield r, first, kv, n, items, unit, last
+
+    # 1b. small steps: runs of two row groups' rows (a chunk) cut into row
+    # groups, each thread from its own rows and its uncut carries
+    if cut_items > 0 and sum(w[4] for t in range(threads) for w in walk(t)) <= cut_items:
+        new = []
+        for t, (a, b) in enumerate(spans):
+            got = list(walk(t))
+            cs, ce, before, after = set(starts[t]), set(ends[t]), carry_first[t], carry_last[t]
+            for r, first, _, _, _, _, last in got:
+                length = last - first + 1
+                if length == chunk:
+                    if (r - first) % group == 0:
+                        cs.add(r)
+                    if (r - first) % group == group - 1:
+                        ce.add(r)
+            if got:
+                f, length = before, got[0][6] - before + 1
+                if before >= 0 and a not in starts[t] and length == chunk:
+                    before = f + (a - f) // group * group
+                _, f, _, _, _, _, last = got[-1]
+                length = last - f + 1
+                if last >= b and length == chunk:
+                    after = f + ((b - 1 - f) // group + 1) * group - 1
+            new.append((cs, ce, before, after))
+        for t, (cs, ce, before, after) in enumerate(new):
+            starts[t], ends[t], carry_first[t], carry_last[t] = cs, ce, before, after
 
     # 2. per-thread sums, exclusive scans, totals
     sums = []
@@ -159,7 +188,7 @@ def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024,
         thread_tags = cost_total > 0 and (ceil_div(seg_cost * programs, cost_total)
                                           < ceil_div((seg_cost + sums[t][2]) * programs,
                                                      cost_total))
-        for r, first, kv, n, items, unit in walk(t):
+        for r, first, kv, n, items, unit, _ in walk(t):
             work = items > 0
             pos = seg if work else with_work + (r - seg)
             off = item if work else total_items
@@ -206,6 +235,90 @@ def test_kernel_model_matches_plan_torch(seed, threads, heads):
     got_table, got_ctas = kernel_model(ids, ctx, max_len, width, programs, cost, threads, heads)
     assert got_table == table.tolist()
     assert got_ctas == ctas.tolist()
+
+
+def cut_ids(ids, group: int):
+    """Run ids with every run of ``2 * group`` rows (a chunk) cut into two runs
+    of ``group`` rows, by a plain walk over the rows."""
+    ids = [int(x) for x in ids]
+    out, new, r = [], -1, 0
+    while r < len(ids):
+        e = r
+        while e + 1 < len(ids) and ids[e + 1] == ids[r]:
+            e += 1
+        length = e - r + 1
+        piece = group if length == 2 * group else length
+        for j in range(length):
+            if j % piece == 0:
+                new += 1
+            out.append(new)
+        r = e + 1
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def _cut_threshold(rnd, items: int) -> tuple[int, bool]:
+    """A ``cut_items`` on either side of a step's ``items``, and whether it cuts."""
+    cut = rnd.choice([items, items + rnd.randint(1, 99), max(1, items - rnd.randint(1, 99)),
+                      10**9])
+    return cut, items <= cut
+
+
+@pytest.mark.parametrize("heads", [64, 32])
+@pytest.mark.parametrize("seed", range(40))
+def test_a_cut_plan_is_the_plan_of_the_cut_runs(seed, heads):
+    """plan_torch with ``cut_items`` at or above the step's items plans the
+    runs cut to row groups (a plain walk's ids, cut_ids), each piece with its
+    own run's KV length; below them, the step's own runs."""
+    rnd = random.Random(seed)
+    ids, ctx, max_len, width, programs = random_rows(seed, max_rows=300)
+    group = ck.rows_per_group(heads)
+    plain = ck.plan_torch(ids, ctx.view(-1, 1), max_len, width, heads, programs=programs)
+    items = int(plain[0][:, 4].sum())
+    cut, cuts = _cut_threshold(rnd, items)
+    table, _ = ck.plan_torch(ids, ctx.view(-1, 1), max_len, width, heads, programs=programs,
+                             cut_items=cut)
+    pieces = cut_ids(ids, group) if cuts else ids
+    cap = min(max_len, width * ck.PAGE)
+    run_kv = {r: kv for first, e, kv in run_spans(ids, ctx, cap) for r in range(first, e + 1)}
+    chunk = cp.chunk_rows(heads)
+    want = [(first + c, min(chunk, e - first - c + 1), run_kv[first])
+            for first, e, _ in run_spans(pieces, ctx, cap)
+            for c in range(0, e - first + 1, chunk) if run_kv[first] > 0]
+    assert [(row[0], row[1], row[2]) for row in table.tolist() if row[4] > 0] == want
+
+
+def test_a_cut_plan_gives_each_row_group_of_a_request_its_own_items():
+    """Four 4-row requests at 64 heads: cut, eight 2-row chunks each with the
+    request's KV length and pages; not cut (cut_items one below the step's
+    items), four 4-row chunks."""
+    ids = torch.tensor([r // 4 for r in range(16)], dtype=torch.int32)
+    ctx = torch.tensor([1000 * (r // 4 + 1) + r % 4 for r in range(16)], dtype=torch.int32)
+    items = sum(-(-(1000 * (q + 1) + 3) // 64) for q in range(4))
+    table, _ = ck.plan_torch(ids, ctx, 8192, 200, 64, programs=7, cut_items=items)
+    work = [row for row in table.tolist() if row[4] > 0]
+    assert [(row[0], row[1], row[2], row[4]) for row in work] == [
+        (r, 2, int(ctx[r | 3]), -(-int(ctx[r | 3]) // 64)) for r in range(0, 16, 2)]
+    table, _ = ck.plan_torch(ids, ctx, 8192, 200, 64, programs=7, cut_items=items - 1)
+    assert [(row[0], row[1]) for row in table.tolist() if row[4] > 0] == [
+        (r, 4) for r in range(0, 16, 4)]
+
+
+@pytest.mark.parametrize("heads", [64, 32])
+@pytest.mark.parametrize("threads", [1024, 1, 2, 3, 5, 32])
+@pytest.mark.parametrize("seed", range(30))
+def test_kernel_model_cuts_as_plan_torch_does(seed, threads, heads):
+    """The planner's cut (each thread's bits from its own rows, its carries
+    from the uncut ones) gives plan_torch's cut plan exactly, on either side
+    of the threshold, with runs across threads' shares."""
+    rnd = random.Random(seed)
+    ids, ctx, max_len, width, programs = random_rows(seed + 500, max_rows=200)
+    plain = ck.plan_torch(ids, ctx.view(-1, 1), max_len, width, heads, programs=programs)
+    cut, _ = _cut_threshold(rnd, int(plain[0][:, 4].sum()))
+    table, ctas = ck.plan_torch(ids, ctx.view(-1, 1), max_len, width, heads, programs=programs,
+                                cut_items=cut)
+    got = kernel_model(ids, ctx, max_len, width, programs, threads=threads, heads=heads,
+                       cut_items=cut)
+    assert got == (table.tolist(), ctas.tolist())
 
 
 @pytest.mark.parametrize("heads", [64, 32])
@@ -311,8 +424,9 @@ def test_kernel_args_match_the_signature_and_the_cost_model(heads):
     the KV cap, a page's cost for each chunk size as plan_torch's page_cost
     at this head count, floor((2^64 - 1) / d) for each divisor."""
     cost = (3, 1, 4)
+    cut = random.randint(1, 5000)
     args = cp.kernel_args(0x1000, 0x2000, 77, 5000, 9, 132, 0x3000, 0x4000, heads=heads,
-                          cost=cost)
+                          cost=cost, cut_items=cut)
     assert [(n, ctypes.sizeof(v)) for n, v in args.items()] == _kernel_signature(heads)
     group = ck.rows_per_group(heads)
     units = [ck.page_cost(cost, n, group) for n in range(1, ck.rows_max_for(heads, 1) + 1)]
@@ -322,7 +436,8 @@ def test_kernel_args_match_the_signature_and_the_cost_model(heads):
     assert args["magic_p"].value == (2**64 - 1) // 132
     scalars = {n: v.value for n, v in args.items() if n not in ("unit", "magic", "magic_p")}
     assert scalars == dict(ids_g=0x1000, ctx_g=0x2000, rows=77, cap=min(5000, 9 * 64),
-                           programs=132, table=0x3000, ctas=0x4000)
+                           programs=132, cut_items=cut, table=0x3000, ctas=0x4000)
+    assert cp.kernel_args(0, 0, 1, 100, 9, 1, 0, 0, heads=heads)["cut_items"].value == 0
     assert cp.kernel_args(0, 0, 1, 2**40, 2**30, 1, 0, 0, heads=heads)["cap"].value == 2**31 - 1
     assert cp.kernel_args(0, 0, 1, 100, 9, 1, 0, 0, heads=heads)["cap"].value == 100
 
@@ -495,14 +610,14 @@ def _poisoned(rows: int, programs: int):
     return out
 
 
-def _both(ids, ctx, max_len, width, programs, cost=ck.COST, heads=64):
+def _both(ids, ctx, max_len, width, programs, cost=ck.COST, heads=64, cut_items=0):
     """``plan_torch``'s schedule and the planner's, the latter written into
     poisoned outputs."""
     want = ck.plan_torch(ids.cuda(), ctx.cuda(), max_len, width, heads, programs=programs,
-                         cost=cost)
+                         cost=cost, cut_items=cut_items)
     out = _poisoned(ids.numel(), programs)
     got = cp.plan_device(ids.cuda(), ctx.cuda(), max_len, width, heads=heads,
-                         programs=programs, cost=cost, out=out)
+                         programs=programs, cost=cost, out=out, cut_items=cut_items)
     assert all(a is b for a, b in zip(got, out))
     return want, got
 
@@ -573,16 +688,31 @@ def test_planner_matches_plan_torch_bitwise(seed, heads):
 @pytest.mark.parametrize("seed", range(200))
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_planner_cuts_as_plan_torch_does(seed, heads):
+    """The planner's small-step cut, bit for bit plan_torch's, on either side
+    of the threshold (odd steps of up to 9000 rows)."""
+    _skip_without_nvrtc()
+    rnd = random.Random(seed)
+    ids, ctx, max_len, width, programs = random_rows(seed + 20_000 + heads,
+                                                     max_rows=[300, 3000, 9000][seed % 3])
+    plain = ck.plan_torch(ids, ctx.view(-1, 1), max_len, width, heads, programs=programs)
+    cut, _ = _cut_threshold(rnd, int(plain[0][:, 4].sum()))
+    want, got = _both(ids, ctx, max_len, width, programs, heads=heads, cut_items=cut)
+    _assert_same(want, got, seed)
+
+
+@pytest.mark.parametrize("heads", [64, 32])
+@pytest.mark.parametrize("seed", range(200))
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 def test_planner_matches_plan_torch_on_random_serving_steps(seed, heads, planner_calls):
     """Serving-shaped steps (serving_rows: uniform, variable 1..4 and 1..8
     tokens, padding requests, 1 to 256 requests, contexts up to 128K),
     through plan() (which takes the planner at both head counts)."""
     _skip_without_nvrtc()
     ids, ctx, max_len, width, programs = serving_rows(seed + (0 if heads == 64 else 20_000))
-    want = ck.plan_torch(ids.cuda(), ctx.cuda(), max_len, width, heads, programs=programs)
-    out = _poisoned(ids.numel(), programs)
-    got = cp.plan_device(ids.cuda(), ctx.cuda(), max_len, width, heads=heads,
-                         programs=programs, out=out)
+    want, got = _both(ids, ctx, max_len, width, programs, heads=heads,
+                      cut_items=ck.cut_items_for(heads, programs))
     _assert_same(want, got, seed)
     _assert_same(want, ck.plan(ids.cuda(), ctx.cuda(), max_len, width, heads,
                                programs=programs), seed)
@@ -609,7 +739,9 @@ def test_planner_matches_plan_torch_on_serving_steps(case, variable, heads, plan
     rows, seqs, _, width = random_step_rows(reqs, tokens, ctx_len, variable=variable,
                                             seed=reqs + tokens)
     max_len = int(seqs.max())
-    want = ck.plan_torch(rows.indices, rows.context_lens.view(-1, 1), max_len, width, heads)
+    cut = ck.cut_items_for(heads, ck.num_sms(rows.indices.device))
+    want = ck.plan_torch(rows.indices, rows.context_lens.view(-1, 1), max_len, width, heads,
+                         cut_items=cut)
     got = ck.plan(rows.indices, rows.context_lens.view(-1, 1), max_len, width, heads)
     assert planner_calls == [heads]
     _assert_same(want, got)

@@ -460,22 +460,41 @@ def rows_max_for(heads: int, max_run_len: int) -> int:
 
 # --------------------------------------------------------------- schedule
 
+# Small steps planned a CTA item per row group (``plan_torch``'s ``cut_items``):
+# up to this many items (chunk pages) per CTA of the grid, by head count.  At 64
+# heads a 4-row request cut into two 2-row runs took 0.93-0.96x the default's time
+# on steps of 64-512 pages, 0.985x at 1024, 0.99-1.00x at 256, but 1.01-1.11x from
+# 2048 pages (H200, 132 CTAs; h200-f8204c1/run-rows*.log, timed as relabelled ids).
+# 32 heads: not measured (a 4-row request is one row group there already).
+CUT_PER_PROGRAM = {64: 8, 32: 0}
+
+
+def cut_items_for(heads: int, programs: int) -> int:
+    """The serving plan's ``cut_items`` on a grid of ``programs`` CTAs."""
+    return CUT_PER_PROGRAM.get(heads, 0) * programs
+
+
 def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int = HEADS,
-         rows_max: int | None = None, *, programs: int | None = None, cost=COST):
+         rows_max: int | None = None, *, programs: int | None = None, cost=COST,
+         cut_items: int | None = None):
     """The step's schedule: ``(table int32 [R, 8], ctas int32 [programs, 4])``
     as :func:`plan_torch` defines it.  With :data:`PLAN_KERNEL` on the GPU
     (int32 run ids, NVRTC present) one launch of the planner kernel's build
     for ``heads`` (:func:`.cuda_plan.plan_device`), else :func:`plan_torch`.
-    No host sync, graph safe."""
+    ``cut_items``: :func:`plan_torch`'s (default: :data:`CUT_PER_PROGRAM`
+    times the CTAs).  No host sync, graph safe."""
     rows_max = _check_structure(heads, rows_max)
+    if cut_items is None:
+        cut_items = cut_items_for(
+            heads, programs if programs is not None else num_sms(indices.device))
     if (PLAN_KERNEL and indices.is_cuda and indices.dtype == torch.int32
             and available() is None):
         if ((programs is None or programs <= cuda_plan.MAX_PROGRAMS)
                 and indices.numel() <= cuda_plan.MAX_ROWS):
             return plan_device(indices, context_lens, max_context_len, bt_width, heads=heads,
-                               programs=programs, cost=cost)
+                               programs=programs, cost=cost, cut_items=cut_items)
     return plan_torch(indices, context_lens, max_context_len, bt_width, heads, rows_max,
-                      programs=programs, cost=cost)
+                      programs=programs, cost=cost, cut_items=cut_items)
 
 
 def _check_structure(heads: int, rows_max: int | None) -> int:
@@ -488,7 +507,8 @@ def _check_structure(heads: int, rows_max: int | None) -> int:
 
 
 def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads: int = HEADS,
-               rows_max: int | None = None, *, programs: int | None = None, cost=COST):
+               rows_max: int | None = None, *, programs: int | None = None, cost=COST,
+               cut_items: int = 0):
     """The step's schedule from torch operations on the tensors' device (some
     forty small ones; no host sync, graph safe; the definition
     :func:`.cuda_plan.plan_device` matches bit for bit): ``(table int32 [R,
@@ -502,7 +522,14 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
     step's total ``C`` (:data:`COST`).  A run's KV length is its last
     row's context length clamped to ``[0, min(max_context_len, bt_width *
     page)]``; its block-table row is its first row.  ``rows_max``: the chunk
-    size, :func:`rows_max_for` ``heads`` (the default)."""
+    size, :func:`rows_max_for` ``heads`` (the default).
+
+    ``cut_items`` > 0: where the step's items (chunk pages) number at most
+    that, every run of ``rows_max`` rows (a chunk: two row groups of ``g``
+    rows) is planned as two runs of ``g`` rows, a CTA item per row group,
+    each with the run's KV length (each row masked as before); decided on
+    the device, so a captured plan replays right for any step
+    (:data:`CUT_PER_PROGRAM`)."""
     rows_max = _check_structure(heads, rows_max)
     group = rows_per_group(heads)
     dev = indices.device
@@ -519,7 +546,17 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
     first = torch.cummax(torch.where(starts, r, 0), 0).values
     last = torch.flip(torch.cummin(torch.flip(torch.where(ends, r, rows), (0,)), 0).values, (0,))
     cap = min(int(max_context_len), int(bt_width) * PAGE)
-    kv = ctx[last.long()].clamp(0, cap)
+    kv = ctx[last.long()].clamp(0, cap)  # the run's (a cut piece keeps it)
+    if cut_items > 0:
+        chunk_pages = torch.where(((r - first) % rows_max) == 0, (kv + PAGE - 1) // PAGE, 0)
+        cutting = chunk_pages.sum() <= cut_items
+        pos, length = r - first, last - first + 1
+        cut = cutting & (length == rows_max)
+        starts = starts | (cut & (pos % group == 0))
+        ends = ends | (cut & (pos % group == group - 1))
+        first = torch.cummax(torch.where(starts, r, 0), 0).values
+        last = torch.flip(torch.cummin(torch.flip(torch.where(ends, r, rows), (0,)), 0).values,
+                          (0,))
     pages = (kv + PAGE - 1) // PAGE
     chunk = ((r - first) % rows_max) == 0
     n_rows = torch.minimum(last - r + 1, torch.full_like(r, rows_max))
@@ -563,16 +600,26 @@ def schedule_key(indices, context_lens, max_context_len: int, bt_width: int, hea
 
 
 def schedule_model(indices, context_lens, max_context_len: int, bt_width: int,
-                   num_programs: int, cost=COST, heads: int = HEADS
+                   num_programs: int, cost=COST, heads: int = HEADS, cut_items: int | None = None
                    ) -> list[list[tuple[int, int, int]]]:
     """Host mirror of :func:`plan`, for tests: each CTA's items as ``(chunk
-    first row, chunk rows, page)`` in the order the CTA numbers them."""
+    first row, chunk rows, page)`` in the order the CTA numbers them
+    (``cut_items`` as :func:`plan` takes it)."""
     from .reference import run_spans
 
     group = rows_per_group(heads)
     chunk = GMAX * group
+    cap = min(max_context_len, bt_width * PAGE)
+    if cut_items is None:
+        cut_items = cut_items_for(heads, num_programs)
+    spans = run_spans(indices, context_lens, cap)
+    pages = sum(-(-kv // PAGE) * len(range(r, e + 1, chunk)) for r, e, kv in spans)
+    if cut_items > 0 and pages <= cut_items:
+        spans = [(p, p + group - 1, kv) if e - r + 1 == chunk else (r, e, kv)
+                 for r, e, kv in spans
+                 for p in (range(r, e + 1, group) if e - r + 1 == chunk else [r])]
     items = []
-    for r, e, kv in run_spans(indices, context_lens, min(max_context_len, bt_width * PAGE)):
+    for r, e, kv in spans:
         for c in range(r, e + 1, chunk):
             items += [(c, min(chunk, e - c + 1), p) for p in range(-(-kv // PAGE))]
     # item i takes cost [ends[i] - unit_i, ends[i]); CTA c's first item is the

@@ -164,14 +164,16 @@ def _int32_rows(t: torch.Tensor, name: str, rows: int) -> torch.Tensor:
 
 
 def kernel_args(ids: int, ctx: int, rows: int, max_context_len: int, bt_width: int,
-                programs: int, table: int, ctas: int, *, heads: int = HEADS, cost=COST) -> dict:
+                programs: int, table: int, ctas: int, *, heads: int = HEADS, cost=COST,
+                cut_items: int = 0) -> dict:
     """The kernel's parameters by name, in its order (``plan_sm90`` in the
     source; a test reads the signature there and compares), as the ctypes
     values ``cuLaunchKernel`` copies: the addresses of the ids, context
     lengths, table and ctas (given as ints), the row count, the KV lengths'
     cap (the least of ``max_context_len``, ``bt_width`` pages and int32's
-    largest), the CTA count; ``unit``: a page's cost in a chunk of 1 ..
-    :func:`chunk_rows` rows (:func:`page_cost` with the head count's row
+    largest), the CTA count, ``cut_items`` (plan_torch's: 0, or the most
+    items a step has where runs are cut to row groups); ``unit``: a page's
+    cost in a chunk of 1 .. :func:`chunk_rows` rows (:func:`page_cost` with the head count's row
     groups; the source's ``ByRows<i64>``); ``magic_p``, ``magic``:
     :func:`magic` of the CTA count and of each cost."""
     group = group_rows(heads)
@@ -180,6 +182,7 @@ def kernel_args(ids: int, ctx: int, rows: int, max_context_len: int, bt_width: i
     c = ctypes
     return {"ids_g": c.c_uint64(ids), "ctx_g": c.c_uint64(ctx), "rows": c.c_int32(rows),
             "cap": c.c_int32(cap), "programs": c.c_int32(programs),
+            "cut_items": c.c_int32(min(max(int(cut_items), 0), _INT32_MAX)),
             "unit": (c.c_int64 * len(units))(*units), "magic_p": c.c_uint64(magic(programs)),
             "magic": (c.c_uint64 * len(units))(*[magic(u) for u in units]),
             "table": c.c_uint64(table), "ctas": c.c_uint64(ctas)}
@@ -193,8 +196,9 @@ class _Params(cb.ParamBlock):
 
     __slots__ = ()
 
-    def __init__(self, heads: int, cost, programs: int):
-        super().__init__(kernel_args(0, 0, 0, 0, 0, programs, 0, 0, heads=heads, cost=cost))
+    def __init__(self, heads: int, cost, programs: int, cut_items: int = 0):
+        super().__init__(kernel_args(0, 0, 0, 0, 0, programs, 0, 0, heads=heads, cost=cost,
+                                     cut_items=cut_items))
 
     def set(self, ids: int, ctx: int, rows: int, max_context_len: int, bt_width: int,
             table: int, ctas: int) -> None:
@@ -206,14 +210,14 @@ class _Params(cb.ParamBlock):
         v["table"].value, v["ctas"].value = table, ctas
 
 
-def _params(heads: int, cost, programs: int) -> _Params:
-    key = (heads, tuple(cost), programs)
+def _params(heads: int, cost, programs: int, cut_items: int = 0) -> _Params:
+    key = (heads, tuple(cost), programs, cut_items)
     got = _PARAMS.get(key)
     if got is None:
         with _lock:
             got = _PARAMS.get(key)
             if got is None:
-                got = _PARAMS[key] = _Params(heads, cost, programs)
+                got = _PARAMS[key] = _Params(heads, cost, programs, cut_items)
     return got
 
 
@@ -229,7 +233,8 @@ def _int32_address(t: torch.Tensor, name: str, rows: int) -> tuple[int, torch.Te
 
 
 def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
-                heads: int = HEADS, programs: int | None = None, cost=COST, out=None):
+                heads: int = HEADS, programs: int | None = None, cost=COST, out=None,
+                cut_items: int = 0):
     """The step's schedule (``table int32 [R, 8]``, ``ctas int32 [programs,
     4]``; layout in :func:`cuda_paged_mqa_logits.plan_torch`) from one launch
     on the current stream.  ``indices``, ``context_lens``: the rows' run ids
@@ -239,7 +244,7 @@ def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
     logits kernel's grid (default: the device's SMs, at most
     :data:`MAX_PROGRAMS`); ``cost``: :data:`cuda_paged_mqa_logits.COST`'s
     form; ``out``: the two output tensors (e.g. :func:`allocate`'s), written
-    in place."""
+    in place; ``cut_items``: :func:`cuda_paged_mqa_logits.plan_torch`'s."""
     group_rows(heads)
     if not indices.is_cuda:
         _fail("indices", "a CUDA tensor", indices.device)
@@ -272,7 +277,9 @@ def plan_device(indices, context_lens, max_context_len: int, bt_width: int, *,
                 _fail("out", f"{name} contiguous int32 {list(shape)} on {dev}, 16-byte aligned",
                       f"{t.dtype} {tuple(t.shape)} on {t.device}")
     kern = load(dev, heads)
-    block = _params(heads, cost, programs)
+    if not isinstance(cut_items, int) or isinstance(cut_items, bool) or cut_items < 0:
+        _fail("cut_items", "an int >= 0", cut_items)
+    block = _params(heads, cost, programs, cut_items)
     index = dev.index if dev.index is not None else _current_device()
     with block.lock:
         block.set(ids, ctx, rows, max_context_len, bt_width, table.data_ptr(), ctas.data_ptr())

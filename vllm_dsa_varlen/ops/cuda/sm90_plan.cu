@@ -21,6 +21,9 @@
 // bit masks (run starts, run ends); a row's run bounds are bit operations on
 // them.
 //   1. run starts (forward max) and run ends (backward min) across threads;
+//      1b. where the launcher passes cut_items and the step's items are at
+//      most that, runs of two row groups' rows are cut into row groups (one
+//      more block-wide sum; cuda_paged_mqa_logits.plan_torch);
 //   2. per row its run's first and last row, KV length, chunk, items and cost;
 //      exclusive sums of items, chunks with work and cost across threads;
 //   3. per row its place in the table and its first item, written; the chunk
@@ -196,12 +199,14 @@ struct Row { int first, last, kv, n_rows, items; i64 unit; };
 
 // A thread's rows r0 + k (k < n <= 32): bit k of `starts` / `ends` is set
 // where a run starts / ends; the last run start before r0 and the first run
-// end at or past r0 + n come from step 1.  The last row's KV length is kept
-// (a run's rows share it).
+// end at or past r0 + n come from step 1.  The KV length is the last row's of
+// the step's own run (`kv_ends`, `kv_end_after`: the run ends before any cut,
+// step 1b), kept while rows share it.
 struct Rows {
   Src src; int r0, cap, first_before, end_after; u32 starts, ends;
   ByRows<i64> unit;  // a page's cost in a chunk of 1 .. ROWS_MAX rows
   int kv_row, kv;
+  u32 kv_ends; int kv_end_after;
 
   DEV int first(int k) const {
     const u32 below = starts & (0xffffffffu >> (31 - k));  // starts at or before r0 + k
@@ -213,7 +218,9 @@ struct Rows {
     Row w;
     w.first = first(k);
     w.last = above ? r + __ffs(above) - 1 : end_after;
-    if (w.last != kv_row) { kv_row = w.last; kv = min(max(src.ctx(w.last), 0), cap); }
+    const u32 kv_above = kv_ends >> k;
+    const int run_last = kv_above ? r + __ffs(kv_above) - 1 : kv_end_after;
+    if (run_last != kv_row) { kv_row = run_last; kv = min(max(src.ctx(run_last), 0), cap); }
     w.kv = kv;
     w.n_rows = min(w.last - r + 1, ROWS_MAX);
     const bool work = ((r - w.first) & (ROWS_MAX - 1)) == 0 && w.kv > 0;
@@ -251,7 +258,7 @@ DEV i64 first_cta_at(i64 a, i64 programs, i64 cost, float ratio) {
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows, int cap,
-          int programs, ByRows<i64> unit, u64 magic_p, ByRows<u64> magic,
+          int programs, int cut_items, ByRows<i64> unit, u64 magic_p, ByRows<u64> magic,
           int* __restrict__ table, int* __restrict__ ctas) {
   // dynamic: ids, context lengths (pad) when rows <= STAGE_ROWS; the table
   // (slot) when rows <= TABLE_ROWS
@@ -327,7 +334,54 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
   // P, so c runs from ceil(a P / C) to ceil(b P / C) - 1; only threads whose
   // cost range holds some share's start look per chunk.  One walk over the
   // thread's rows serves both passes (one copy of its code).
-  Rows walk{src, r0, cap, start_before, end_after, starts, ends, unit, -1, 0};
+  Rows walk{src, r0, cap, start_before, end_after, starts, ends, unit, -1, 0, ends, end_after};
+
+  // 1b. small steps (cut_items > 0 and the step's items, its chunks' pages,
+  // at most that): every run of ROWS_MAX rows (a chunk: two row groups)
+  // becomes two runs of GROUP_ROWS rows (a CTA item per row group),
+  // each with its run's KV length (so each row is masked as before).  The
+  // decision is block-wide (one sum); the cut bits are the thread's own, its
+  // carries derived from the uncut ones.
+  if (cut_items > 0) {
+    i64 mine = 0, none = 0, items_total = 0, none_total = 0;
+#pragma unroll 1
+    for (int k = 0; k < n; ++k)
+      if (((r0 + k - walk.first(k)) & (ROWS_MAX - 1)) == 0) mine += walk.at(k).items;
+    scan_sums(mine, none, items_total, none_total, s_sums);
+    if (items_total <= cut_items) {
+      u32 cut_starts = starts, cut_ends = ends;
+      int last_first = start_before, last_last = end_after;
+#pragma unroll 1
+      for (int k = 0; k < n; ++k) {
+        const Row w = walk.at(k);
+        const int len = w.last - w.first + 1, pos = r0 + k - w.first;
+        if (len == ROWS_MAX) {
+          if (pos % GROUP_ROWS == 0) cut_starts |= 1u << k;
+          if (pos % GROUP_ROWS == GROUP_ROWS - 1) cut_ends |= 1u << k;
+        }
+        last_first = w.first;
+        last_last = w.last;
+      }
+      if (n > 0) {
+        // the run going on into this thread's rows from before r0 (its first:
+        // start_before; read only where r0 starts no run): the piece holding r0
+        if (start_before >= 0 && !(starts & 1u)) {
+          const int f = start_before, len = walk.at(0).last - f + 1;
+          if (len == ROWS_MAX)
+            start_before = f + (r0 - f) / GROUP_ROWS * GROUP_ROWS;
+        }
+        // the run holding row r0 + n - 1, where it goes on past this thread
+        const int len = last_last - last_first + 1;
+        if (last_last >= r0 + n && len == ROWS_MAX)
+          end_after = last_first + ((r0 + n - 1 - last_first) / GROUP_ROWS + 1) * GROUP_ROWS - 1;
+      }
+      starts = cut_starts;
+      ends = cut_ends;
+      walk = Rows{src, r0, cap, start_before, end_after, starts, ends, unit, -1, 0, walk.kv_ends,
+                  walk.kv_end_after};
+    }
+  }
+
   i64 packed = 0, seg_cost = 0, thread_cost = 0, totals = 0, cost = 0;
   int total_items = 0, with_work = 0, seg = 0;
   bool tags = false;
