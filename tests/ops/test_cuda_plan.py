@@ -781,15 +781,33 @@ def test_planner_edge_steps(heads):
         _assert_same(want, got, (len(ids), programs))
 
 
+def small_uniform_rows(seed: int):
+    """A small uniform step (1 to 8 requests of 4 tokens, KV lengths up to
+    8K: at most 1024 chunk pages, under the serving cut on 132 CTAs) as
+    :func:`serving_rows` returns it."""
+    rnd = random.Random(seed)
+    ids, ctx = [], []
+    for r in range(rnd.randint(1, 8)):
+        kv = rnd.randint(4, 8192)
+        ids += [r] * 4
+        ctx += [kv - 3 + j for j in range(4)]
+    return (torch.tensor(ids, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32),
+            max(ctx), 128, 132)
+
+
+@pytest.mark.parametrize("cut", ["none", "serving"])
 @pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync(heads):
+def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync(heads, cut):
     """Captured once into preallocated outputs; replays on new ids and
     context lengths (same row count) give each step's plan_torch exactly;
-    neither the capture nor the launches sync with the host."""
+    neither the capture nor the launches sync with the host.  With the
+    serving cut (64 heads) the replays fall on both sides of it: the captured
+    planner decides each step's cut itself."""
     _skip_without_nvrtc()
     rows, programs = 2500, 132
+    cut_items = 0 if cut == "none" else ck.cut_items_for(heads, programs)
     ids_buf = torch.zeros(rows, dtype=torch.int32, device="cuda")
     ctx_buf = torch.zeros(rows, dtype=torch.int32, device="cuda")
     out = cp.allocate(rows, programs, "cuda")
@@ -799,7 +817,7 @@ def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync(heads):
     try:
         for _ in range(2):
             cp.plan_device(ids_buf, ctx_buf, 131072, 2048, heads=heads, programs=programs,
-                           out=out)
+                           out=out, cut_items=cut_items)
             ck.plan(ids_buf, ctx_buf, 131072, 2048, heads, programs=programs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -807,12 +825,15 @@ def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync(heads):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.cuda.graph(graph):
-        cp.plan_device(ids_buf, ctx_buf, 131072, 2048, heads=heads, programs=programs, out=out)
+        cp.plan_device(ids_buf, ctx_buf, 131072, 2048, heads=heads, programs=programs, out=out,
+                       cut_items=cut_items)
     torch.cuda.current_stream().wait_stream(side)
-    checked = 0
+    checked, was_cut = 0, 0
     for seed in range(40):
-        if seed % 2:
+        if seed % 4 == 1:
             ids, ctx, _, _, _ = random_rows(seed + 1000, max_rows=rows)
+        elif seed % 4 == 3:
+            ids, ctx, _, _, _ = small_uniform_rows(seed + 1000)
         else:
             ids, ctx, _, _, _ = serving_rows(seed + 1000)
         if ids.shape[0] < rows:  # pad as a graph pads: own ids, context 0
@@ -825,10 +846,15 @@ def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync(heads):
         for t in out:
             t.fill_(POISON)
         graph.replay()
-        want = ck.plan_torch(ids_buf, ctx_buf, 131072, 2048, heads, programs=programs)
+        want = ck.plan_torch(ids_buf, ctx_buf, 131072, 2048, heads, programs=programs,
+                             cut_items=cut_items)
         _assert_same(want, out, seed)
+        plain = ck.plan_torch(ids_buf, ctx_buf, 131072, 2048, heads, programs=programs)
+        was_cut += not torch.equal(want[0], plain[0])
         checked += 1
     assert checked == 40
+    if cut_items:
+        assert 5 <= was_cut <= 35, was_cut  # both sides of the threshold replayed
 
 
 @pytest.mark.parametrize("heads", [64, 32])
