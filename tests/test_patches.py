@@ -354,3 +354,22 @@ def test_vllm_plugin_loader_runs_register():
     env = {k: v for k, v in os.environ.items() if k not in (config.MODE_ENV, config.BACKEND_ENV)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_init_then_runs_stock_init_first_then_the_setup():
+    order = []
+
+    class Stock:
+        def __init__(self, a, *, b=0):
+            """stock's docstring"""
+            order.append(("init", a, b))
+            self.a = a
+
+    def setup(obj):
+        order.append(("setup", obj.a))
+
+    wrapped = patches.init_then(setup)(Stock.__init__)
+    assert wrapped.__doc__ == "stock's docstring" and wrapped.__wrapped__ is Stock.__init__
+    obj = Stock.__new__(Stock)
+    wrapped(obj, 3, b=4)
+    assert order == [("init", 3, 4), ("setup", 3)]

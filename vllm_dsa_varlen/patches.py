@@ -29,6 +29,7 @@ first, the builder patches last.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import logging
@@ -234,6 +235,21 @@ class _Applied:
 
 _lock = threading.RLock()
 _applied: dict[str, _Applied] = {}
+
+
+def init_then(setup: Callable[[Any], None]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A ``wraps=True`` factory for an ``__init__`` patch: the replacement runs
+    the stock ``__init__``, then ``setup(self)``."""
+
+    def wrap(original: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            setup(self)
+
+        return __init__
+
+    return wrap
 
 
 def _resolve(path: str) -> Any:

@@ -82,6 +82,7 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla import indexer as _ix
 
 from vllm_dsa_varlen import policy, stats, warmup
+from vllm_dsa_varlen.patches import init_then
 from vllm_dsa_varlen.config import (DecodePath, choose_decode_path, log_decode_path,
                                      read_backend, read_mode)
 from vllm_dsa_varlen.plan import DecodeRowBuffers, make_ramp, plan_decode_rows
@@ -243,15 +244,8 @@ def _setup_varlen(builder: Any) -> None:
                               max_run_len=builder.num_speculative_tokens + 1)
 
 
-def wrap_init(original: Callable[..., None]) -> Callable[..., None]:
-    """``__init__`` replacement: stock init, then :func:`_setup_varlen`."""
-
-    @functools.wraps(original)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        _setup_varlen(self)
-
-    return __init__
+# ``__init__`` replacement: stock init, then _setup_varlen.
+wrap_init = init_then(_setup_varlen)
 
 
 # --------------------------------------------------------------------------------------
