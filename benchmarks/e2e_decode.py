@@ -190,6 +190,20 @@ def fitting_batches(args, length: int, capacity: int | None) -> list[int]:
     return [b for b in args.batch if case_fits(b, length, args.new_tokens, args.k, capacity)]
 
 
+def nothing_fits(args, capacity: int | None, engines: int = 1) -> str | None:
+    """Why no case of ``args`` can run on an engine whose KV cache holds
+    ``capacity`` tokens (``None``: some case fits, or the capacity is
+    unknown).  Asked right after an engine is built, so a run whose cases
+    all would be skipped stops before building another engine."""
+    if any(fitting_batches(args, length, capacity) for length in args.prompt):
+        return None
+    share = (f" (each of the {engines} engines in this process gets 1/{engines} of "
+             f"--gpu-memory-utilization)" if engines > 1 else "")
+    least = min(args.batch) * (int(1.3 * min(args.prompt)) + args.new_tokens + args.k + 1)
+    return (f"--batch / --prompt: no case fits the engine's KV cache of {capacity} tokens"
+            f"{share}; the smallest needs {least}")
+
+
 def median_round(rounds: list[dict]) -> dict:
     """The round of median TPOT (the lower middle one of an even count)."""
     ranked = sorted(rounds, key=lambda r: r["tpot_ms"] if r["tpot_ms"] is not None else 1e30)
@@ -764,6 +778,9 @@ def _child(args, results: dict) -> None:
             llm = LLM(**kwargs)
             engine = llm.llm_engine
         init_s = time.perf_counter() - t0
+        why = nothing_fits(args, kv_capacity_tokens(engine), len(modes))
+        if why is not None and not getattr(args, "trace_only", False):
+            raise SystemExit(f"[{mode} k={args.k}] {why}")
         llms.append(llm)
         engines.append((mode, engine, results[mode]))
         results[mode].update(_run_header(args, mode, engine, kwargs, init_s, torch))

@@ -272,6 +272,26 @@ def test_case_fits_bounds_the_longest_prompts_with_their_new_tokens(seed):
     assert e2e.case_fits(batch, length, new, k, None)  # capacity unknown: run it
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_nothing_fits_only_when_every_case_is_too_large(tmp_path, seed):
+    """nothing_fits names the arguments (and, with two engines, their share of
+    the memory) exactly when no (batch, prompt) fits; else None."""
+    rng = random.Random(seed)
+    batches = sorted(rng.sample([1, 2, 4, 8, 16, 32, 64], rng.randint(1, 4)))
+    prompts = sorted(rng.sample([1024, 4096, 16384, 32768], rng.randint(1, 3)))
+    args = e2e.build_parser().parse_args(
+        ["--out", str(tmp_path), "--k", "3", "--batch", *map(str, batches),
+         "--prompt", *map(str, prompts), "--new-tokens", "48"])
+    args.k = 3
+    least = batches[0] * (int(1.3 * prompts[0]) + 48 + 3 + 1)
+    assert e2e.nothing_fits(args, least) is None
+    assert e2e.nothing_fits(args, None) is None  # capacity unknown: run
+    why = e2e.nothing_fits(args, least - 1, engines=2)
+    assert why is not None and "--batch / --prompt" in why and f"{least - 1} tokens" in why
+    assert "1/2 of --gpu-memory-utilization" in why and f"needs {least}" in why
+    assert "engines" not in e2e.nothing_fits(args, least - 1)
+
+
 @pytest.mark.parametrize("n", range(1, 8))
 def test_median_round_is_the_middle_tpot(n):
     rng = random.Random()
