@@ -258,3 +258,30 @@ def test_cut_runs_score_every_row_as_the_requests_runs_do(seed):
     mask = valid_mask(ctx, step.max_context_len, rows.indices)
     assert mask.equal(valid_mask(ctx, step.max_context_len, cut))
     assert got[mask].equal(want[mask])
+
+
+@pytest.mark.parametrize("plan_kw", [{}, {"cut_items": 10**6}, {"cost": (5, 2, 0)}])
+@pytest.mark.parametrize("run_rows", [None, 1, 2])
+@pytest.mark.parametrize("seed", range(3))
+def test_variant_schedule_plans_the_builds_own_runs(seed, run_rows, plan_kw):
+    """A build's schedule is plan()'s on its run ids (the step's, or cut to
+    RUN_ROWS), with its cost model and cut (here on the CPU: plan_torch)."""
+    torch = pytest.importorskip("torch")
+    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+    from vllm_dsa_varlen.workloads import make_decode_step
+
+    rng = random.Random(seed)
+    reqs = rng.randint(1, 6)
+    step = make_decode_step([4] + [rng.randint(1, 4) for _ in range(reqs)],
+                            [rng.randint(1000, 3000)] + [rng.randint(5, 3000) for _ in range(reqs)],
+                            seed=seed, heads=64)
+    rows = step.rows
+    ids, sched = variants.variant_schedule(step, 64, plan_kw, run_rows)
+    want_ids = rows.indices if run_rows is None else variants.runs_of_at_most(rows.indices,
+                                                                               run_rows)
+    assert ids.equal(want_ids)
+    want = ck.plan_torch(want_ids, rows.context_lens.view(-1, 1), step.max_context_len,
+                         rows.block_table.shape[1], 64, programs=ck.num_sms(ids.device),
+                         **{"cut_items": ck.cut_items_for(64, ck.num_sms(ids.device)),
+                            **plan_kw})
+    assert all(a.equal(b) for a, b in zip(sched, want))

@@ -60,6 +60,18 @@ def run_rows_of(defines: tuple) -> tuple[tuple, int | None]:
     return bench_value(defines, "RUN_ROWS", 1)
 
 
+def variant_schedule(step, heads: int, plan_kw: dict, run_rows: int | None):
+    """A build's run ids for ``step`` (its runs cut to ``run_rows`` rows, or
+    the step's own) and their schedule (``plan_kw``: the build's cost model
+    and ``cut_items``)."""
+    from .ops import cuda_paged_mqa_logits as ck
+
+    rows = step.rows
+    ids = rows.indices if run_rows is None else runs_of_at_most(rows.indices, run_rows)
+    return ids, ck.plan(ids, rows.context_lens.view(-1, 1), step.max_context_len,
+                        rows.block_table.shape[1], heads, **plan_kw)
+
+
 def runs_of_at_most(indices, n: int):
     """Run ids (int32 ``[R]``, a run = a maximal stretch of equal ids) with
     every run cut into consecutive runs of at most ``n`` rows, the last the
@@ -141,11 +153,9 @@ def run(args) -> int:
         for seed, (lens, seqs) in enumerate(small):
             step = make_decode_step(lens, seqs, seed=seed, device="cuda", heads=args.heads)
             rows = step.rows
-            ids = rows.indices if run_rows is None else runs_of_at_most(rows.indices, run_rows)
             ctx = rows.context_lens.view(-1, 1)
             out = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
-            sched = ck.plan(ids, ctx, step.max_context_len, rows.block_table.shape[1],
-                            args.heads, **plan_kw)
+            ids, sched = variant_schedule(step, args.heads, plan_kw, run_rows)
             ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, ids,
                       step.max_context_len, out, schedule=sched, defines=defines)
             ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
@@ -170,9 +180,7 @@ def run(args) -> int:
         out = torch.empty(rows.num_rows, step.max_context_len, device="cuda")
         calls = {}
         for name, (defines, plan_kw, run_rows) in variants.items():
-            ids = rows.indices if run_rows is None else runs_of_at_most(rows.indices, run_rows)
-            sched = ck.plan(ids, ctx, step.max_context_len, rows.block_table.shape[1],
-                            args.heads, **plan_kw)
+            ids, sched = variant_schedule(step, args.heads, plan_kw, run_rows)
             calls[name] = lambda s=sched, d=defines, i=ids: ck.launch(
                 step.q, step.kv_cache, step.weights, ctx, rows.block_table, i,
                 step.max_context_len, out, schedule=s, defines=d)
