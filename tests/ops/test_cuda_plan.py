@@ -781,16 +781,17 @@ def test_planner_edge_steps(heads):
         _assert_same(want, got, (len(ids), programs))
 
 
-def small_uniform_rows(seed: int):
-    """A small uniform step (1 to 8 requests of 4 tokens, KV lengths up to
-    8K: at most 1024 chunk pages, under the serving cut on 132 CTAs) as
-    :func:`serving_rows` returns it."""
+def small_uniform_rows(seed: int, heads: int = 64):
+    """A small uniform step (1 to 8 requests of a chunk's tokens: 4 at 64
+    heads, 8 at 32; KV lengths up to 8K: at most 1024 chunk pages, under the
+    serving cut on 132 CTAs) as :func:`serving_rows` returns it."""
     rnd = random.Random(seed)
+    n = ck.rows_max_for(heads, 0)
     ids, ctx = [], []
     for r in range(rnd.randint(1, 8)):
-        kv = rnd.randint(4, 8192)
-        ids += [r] * 4
-        ctx += [kv - 3 + j for j in range(4)]
+        kv = rnd.randint(n, 8192)
+        ids += [r] * n
+        ctx += [kv - n + 1 + j for j in range(n)]
     return (torch.tensor(ids, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32),
             max(ctx), 128, 132)
 
@@ -833,7 +834,7 @@ def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync(heads, cu
         if seed % 4 == 1:
             ids, ctx, _, _, _ = random_rows(seed + 1000, max_rows=rows)
         elif seed % 4 == 3:
-            ids, ctx, _, _, _ = small_uniform_rows(seed + 1000)
+            ids, ctx, _, _, _ = small_uniform_rows(seed + 1000, heads)
         else:
             ids, ctx, _, _, _ = serving_rows(seed + 1000)
         if ids.shape[0] < rows:  # pad as a graph pads: own ids, context 0

@@ -464,9 +464,11 @@ def rows_max_for(heads: int, max_run_len: int) -> int:
 # up to this many items (chunk pages) per CTA of the grid, by head count.  At 64
 # heads a 4-row request cut into two 2-row runs took 0.93-0.96x the default's time
 # on steps of 64-512 pages, 0.985x at 1024, 0.99-1.00x at 256, but 1.01-1.11x from
-# 2048 pages (H200, 132 CTAs; h200-f8204c1/run-rows*.log, timed as relabelled ids).
-# 32 heads: not measured (a 4-row request is one row group there already).
-CUT_PER_PROGRAM = {64: 8, 32: 0}
+# 2048 pages (H200, 132 CTAs; h200-f8204c1/run-rows*.log, timed as relabelled ids);
+# built, 0.92-0.96x on 64-512 pages, level at 1024 (h200-ea919aa).  32 heads (the
+# cut takes 8-row runs there): 0.93-0.97x on 64-512 pages, 0.98-1.00x at 1024
+# (h200-053bba8).
+CUT_PER_PROGRAM = {64: 8, 32: 8}
 
 
 def cut_items_for(heads: int, programs: int) -> int:
