@@ -178,7 +178,7 @@ class Rule:
 # DeepGEMM native next_n = 2 and (vLLM 0.33) next_n = 4, in one process with
 # the paths in a balanced order, varlen read 0.96-1.05x (h200-c63c922); with
 # the small-step cut 1.02-1.09x of next_n = 4 only on steps of <= 512 pages,
-# 0.99-1.01x above (h200-ea919aa), and a captured step's choice cannot see pages.
+# 0.98-1.01x above (h200-ea919aa), and a captured step's choice cannot see pages.
 # Where no rule matches, stock is kept.
 MEASURED: tuple[Rule, ...] = (
     # A non-uniform step that stock splits to the prefill path: the prefill
