@@ -1120,8 +1120,9 @@ def log_facts(path: str) -> dict:
         captures[m.group(1)] = int(m.group(3))
     finished = re.findall(r"Graph capturing finished[^\n]*", text)
     plugin = sorted(set(re.findall(r"vllm-dsa-varlen: [^\n]*", text)))
+    lines = [line for line in text.splitlines() if line.strip()]
     return {"cuda_graphs_captured": captures, "capture_log": finished[-2:],
-            "plugin_log": plugin[:20]}
+            "plugin_log": plugin[:20], "last_line": lines[-1] if lines else ""}
 
 
 def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
@@ -1153,6 +1154,8 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
     result["runs"].append({"mode": mode, "k": k, "repeat": rep, "rc": rc,
                            "wall_s": time.perf_counter() - t0, "log": log, **log_facts(log)})
     print(f"{mode} k={k} repeat {rep}: rc {rc}, {time.perf_counter() - t0:.0f} s", flush=True)
+    if rc:  # the child's last word (a refusal names its argument), its whole log beside
+        print(f"  {result['runs'][-1]['last_line']}  ({log})", flush=True)
     out = {}
     for m in child_modes(mode):
         path = os.path.join(args.out, f"run-{m}-k{k}{_rep(rep)}.json")

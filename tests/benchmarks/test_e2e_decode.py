@@ -154,6 +154,26 @@ def test_log_facts_reads_captures_and_plugin_lines(tmp_path):
                                              "decode, FULL": 33}
     assert facts["capture_log"] and "12 secs" in facts["capture_log"][0]
     assert facts["plugin_log"] == ["vllm-dsa-varlen: DSA indexer decode path: varlen (triton): sm_90"]
+    assert facts["last_line"] == "INFO Graph capturing finished in 12 secs, took 1.2 GiB"
+
+
+@pytest.mark.parametrize("rc", [0, 1])
+def test_a_failed_child_prints_its_last_line(tmp_path, monkeypatch, capsys, rc):
+    """A child that exits non-zero has its log's last line (where a refusal
+    names its argument) printed beside its return code; a clean one not."""
+    args = e2e.build_parser().parse_args(["--out", str(tmp_path), "--k", "3"])
+    word = f"[both k=3] --batch / --prompt: no case fits ({random.random()})"
+
+    def fake_run(cmd, env, stdout, stderr):
+        stdout.write(f"INFO engine\n{word}\n\n")
+        return type("Done", (), {"returncode": rc})()
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    result = {"runs": []}
+    e2e.run_child(args, "both", 3, 0, result)
+    out = capsys.readouterr().out
+    assert f"rc {rc}" in out and (word in out) is bool(rc)
+    assert result["runs"][0]["last_line"] == word
 
 
 def test_repeat_spread_pairs_each_repeats_processes():
