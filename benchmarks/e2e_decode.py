@@ -1154,8 +1154,6 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
     result["runs"].append({"mode": mode, "k": k, "repeat": rep, "rc": rc,
                            "wall_s": time.perf_counter() - t0, "log": log, **log_facts(log)})
     print(f"{mode} k={k} repeat {rep}: rc {rc}, {time.perf_counter() - t0:.0f} s", flush=True)
-    if rc:  # the child's last word (a refusal names its argument), its whole log beside
-        print(f"  {result['runs'][-1]['last_line']}  ({log})", flush=True)
     out = {}
     for m in child_modes(mode):
         path = os.path.join(args.out, f"run-{m}-k{k}{_rep(rep)}.json")
@@ -1163,6 +1161,11 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
         if os.path.exists(path):
             with open(path) as f:
                 out[m] = json.load(f)
+    if rc:  # why: the exception's last line where the child recorded one, else its log's
+        errors = [r["error"].strip().splitlines()[-1] for r in out.values()
+                  if r and r.get("error", "").strip()]
+        print(f"  {errors[0] if errors else result['runs'][-1]['last_line']}  ({log})",
+              flush=True)
     return out
 
 

@@ -157,23 +157,32 @@ def test_log_facts_reads_captures_and_plugin_lines(tmp_path):
     assert facts["last_line"] == "INFO Graph capturing finished in 12 secs, took 1.2 GiB"
 
 
+@pytest.mark.parametrize("recorded", [False, True])
 @pytest.mark.parametrize("rc", [0, 1])
-def test_a_failed_child_prints_its_last_line(tmp_path, monkeypatch, capsys, rc):
-    """A child that exits non-zero has its log's last line (where a refusal
-    names its argument) printed beside its return code; a clean one not."""
+def test_a_failed_child_prints_why(tmp_path, monkeypatch, capsys, rc, recorded):
+    """A child that exits non-zero has its reason printed beside its return
+    code: the last line of the exception its run file records (a refusal
+    names its argument there), else its log's last line; a clean one not."""
     args = e2e.build_parser().parse_args(["--out", str(tmp_path), "--k", "3"])
     word = f"[both k=3] --batch / --prompt: no case fits ({random.random()})"
+    tail = f"INFO shutting down ({random.random()})"
 
     def fake_run(cmd, env, stdout, stderr):
-        stdout.write(f"INFO engine\n{word}\n\n")
+        stdout.write(f"INFO engine\n{word}\n{tail}\n\n")
+        if recorded:
+            for m in e2e.child_modes("both"):
+                (tmp_path / f"run-{m}-k3.json").write_text(json.dumps(
+                    {"error": f"Traceback (most recent call last):\nSystemExit: {word}\n"}))
         return type("Done", (), {"returncode": rc})()
 
     monkeypatch.setattr(e2e.subprocess, "run", fake_run)
     result = {"runs": []}
     e2e.run_child(args, "both", 3, 0, result)
     out = capsys.readouterr().out
-    assert f"rc {rc}" in out and (word in out) is bool(rc)
-    assert result["runs"][0]["last_line"] == word
+    assert f"rc {rc}" in out
+    assert (word in out) is (bool(rc) and recorded)
+    assert (tail in out) is (bool(rc) and not recorded)
+    assert result["runs"][0]["last_line"] == tail
 
 
 def test_repeat_spread_pairs_each_repeats_processes():
