@@ -71,3 +71,46 @@ def test_table_columns_medians_and_ranges():
     assert [r["heads"] for r in results] == [32, 64]
     assert results[0]["planner"] == dict(replay_us=[9.0, 8.0, 10.0], per_copy_us=[6.0, 5.5, 6.5])
     assert "dg_meta_flat" not in results[0]
+
+
+@pytest.mark.parametrize("heeds_cut", [True, False])
+@pytest.mark.parametrize("heads", [64, 32])
+def test_prepare_case_checks_the_planner_with_and_without_the_cut(monkeypatch, heads,
+                                                                 heeds_cut):
+    """On the CPU, with a stand-in planner (plan_torch written into the
+    poisoned buffers): each planner path is checked against plan_torch with
+    its own cut_items first (a planner that ignores the cut is reported as a
+    mismatch on a step that is cut) and timed with that cut_items."""
+    import torch
+
+    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+    from vllm_dsa_varlen.ops import cuda_plan as cp
+    from vllm_dsa_varlen.workloads import random_decode_step
+
+    calls = []
+
+    def planner(ids, ctx, max_len, width, *, heads, out, cut_items=0):
+        calls.append(cut_items)
+        got = ck.plan_torch(ids, ctx.view(-1, 1), max_len, width, heads,
+                            cut_items=cut_items if heeds_cut else 0)
+        for o, g in zip(out, got):
+            o.copy_(g)
+        return out
+
+    sms = 132
+    monkeypatch.setattr(cp, "allocate", lambda rows, programs, device: (
+        torch.empty((rows, cp.TABLE_WORDS), dtype=torch.int32),
+        torch.empty((programs, cp.CTA_WORDS), dtype=torch.int32)))
+    monkeypatch.setattr(cp, "plan_device", planner)
+    monkeypatch.setattr(ck, "num_sms", lambda device: sms)  # as on the GPU: the grid's CTAs
+    monkeypatch.setattr(bench_plan, "graph_of", lambda torch, fn, copies: fn)
+    tokens = ck.rows_max_for(heads, 0)  # a chunk's rows: the runs the cut takes
+    step = random_decode_step(2, tokens, 2048, seed=heads, heads=heads)
+    got = bench_plan.prepare_case(torch, "2,x,2048", heads, step.rows, step.max_context_len,
+                                  step.rows.block_table.shape[1], None, sms, None)
+    cut = ck.cut_items_for(heads, sms)
+    assert set(got["graphs"]) == {"plan_torch", "planner", "planner_cut"}
+    assert calls == [0, cut] and got["same"] is heeds_cut
+    for name, want in (("planner", 0), ("planner_cut", cut)):
+        got["graphs"][name][0]()
+        assert calls[-1] == want

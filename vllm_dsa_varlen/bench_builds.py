@@ -41,6 +41,10 @@ def parse_variant(text: str):
     return defines, (tuple(int(x) for x in cost.split(",")) if cost else None)
 
 
+# the bench's own macro names (plan settings, not kernel macros): --builds only
+BENCH_ONLY = ("RUN_ROWS", "CUT_ITEMS")
+
+
 def bench_value(defines: tuple, name: str, least: int) -> tuple[tuple, int | None]:
     """``defines`` without the bench's own ``name=n``, and ``n`` (None: not
     given); ``n`` below ``least`` is refused."""

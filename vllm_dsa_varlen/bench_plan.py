@@ -131,25 +131,18 @@ def prepare_case(torch, text: str, heads: int, rows, max_len: int, width: int, n
 
     ids, ctx = rows.indices, rows.context_lens
     ctx2d = ctx.view(-1, 1)
-    want = ck.plan_torch(ids, ctx2d, max_len, width, heads)
     out = cp.allocate(ids.shape[0], sms, "cuda")
-    for t in out:
-        t.fill_(-7)  # poisoned: every word must be written
-    got = cp.plan_device(ids, ctx, max_len, width, heads=heads, out=out)
-    same = all(torch.equal(a, b) for a, b in zip(want, got))
-    paths = {
-        "plan_torch": lambda: ck.plan_torch(ids, ctx2d, max_len, width, heads),
-        "planner": lambda: cp.plan_device(ids, ctx, max_len, width, heads=heads, out=out),
-    }
+    paths = {"plan_torch": lambda: ck.plan_torch(ids, ctx2d, max_len, width, heads)}
+    same = True
     cut = ck.cut_items_for(heads, sms)
-    if cut:
-        want = ck.plan_torch(ids, ctx2d, max_len, width, heads, cut_items=cut)
+    for name, cut_items in [("planner", 0)] + ([("planner_cut", cut)] if cut else []):
+        want = ck.plan_torch(ids, ctx2d, max_len, width, heads, cut_items=cut_items)
         for t in out:
-            t.fill_(-7)
-        got = cp.plan_device(ids, ctx, max_len, width, heads=heads, out=out, cut_items=cut)
+            t.fill_(-7)  # poisoned: every word must be written
+        got = cp.plan_device(ids, ctx, max_len, width, heads=heads, out=out, cut_items=cut_items)
         same = same and all(torch.equal(a, b) for a, b in zip(want, got))
-        paths["planner_cut"] = lambda: cp.plan_device(ids, ctx, max_len, width, heads=heads,
-                                                      out=out, cut_items=cut)
+        paths[name] = lambda c=cut_items: cp.plan_device(ids, ctx, max_len, width, heads=heads,
+                                                         out=out, cut_items=c)
     if not same:
         print(f"# MISMATCH on {text} at {heads} heads: planner output differs from plan_torch")
     if dg is not None:

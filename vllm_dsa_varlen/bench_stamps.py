@@ -153,7 +153,7 @@ def run(args) -> int:
     ``json``."""
     import torch
 
-    from .bench_builds import parse_variant
+    from .bench_builds import BENCH_ONLY, parse_variant
     from .bench_plan import parse_case
     from .ops import cuda_paged_mqa_logits as ck
     from .workloads import random_decode_step
@@ -163,8 +163,8 @@ def run(args) -> int:
         defines, cost = parse_variant(name)
         if cost is not None:
             raise SystemExit(f"--stamps: {name!r}: a cost model ('@') is --builds' only")
-        if any(d.startswith(("RUN_ROWS=", "CUT_ITEMS=")) for d in defines):
-            raise SystemExit(f"--stamps: {name!r}: RUN_ROWS and CUT_ITEMS are --builds' only")
+        if any(d.partition("=")[0] in BENCH_ONLY for d in defines):
+            raise SystemExit(f"--stamps: {name!r}: {' and '.join(BENCH_ONLY)} are --builds' only")
 
     if not torch.cuda.is_available():
         raise SystemExit("--stamps: needs a CUDA GPU (sm_90)")

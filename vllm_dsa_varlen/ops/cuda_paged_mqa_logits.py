@@ -545,8 +545,13 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
     one = torch.ones(1, dtype=torch.bool, device=dev)
     starts = torch.cat([one, change])
     ends = torch.cat([change, one])
-    first = torch.cummax(torch.where(starts, r, 0), 0).values
-    last = torch.flip(torch.cummin(torch.flip(torch.where(ends, r, rows), (0,)), 0).values, (0,))
+
+    def bounds(starts, ends):  # each row's run's first and last row
+        return (torch.cummax(torch.where(starts, r, 0), 0).values,
+                torch.flip(torch.cummin(torch.flip(torch.where(ends, r, rows), (0,)), 0).values,
+                           (0,)))
+
+    first, last = bounds(starts, ends)
     cap = min(int(max_context_len), int(bt_width) * PAGE)
     kv = ctx[last.long()].clamp(0, cap)  # the run's (a cut piece keeps it)
     if cut_items > 0:
@@ -556,9 +561,7 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
         cut = cutting & (length == rows_max)
         starts = starts | (cut & (pos % group == 0))
         ends = ends | (cut & (pos % group == group - 1))
-        first = torch.cummax(torch.where(starts, r, 0), 0).values
-        last = torch.flip(torch.cummin(torch.flip(torch.where(ends, r, rows), (0,)), 0).values,
-                          (0,))
+        first, last = bounds(starts, ends)
     pages = (kv + PAGE - 1) // PAGE
     chunk = ((r - first) % rows_max) == 0
     n_rows = torch.minimum(last - r + 1, torch.full_like(r, rows_max))

@@ -173,8 +173,8 @@ def kernel_args(ids: int, ctx: int, rows: int, max_context_len: int, bt_width: i
     cap (the least of ``max_context_len``, ``bt_width`` pages and int32's
     largest), the CTA count, ``cut_items`` (plan_torch's: 0, or the most
     items a step has where runs are cut to row groups); ``unit``: a page's
-    cost in a chunk of 1 .. :func:`chunk_rows` rows (:func:`page_cost` with the head count's row
-    groups; the source's ``ByRows<i64>``); ``magic_p``, ``magic``:
+    cost in a chunk of 1 .. :func:`chunk_rows` rows (:func:`page_cost` with
+    the head count's row groups; the source's ``ByRows<i64>``); ``magic_p``, ``magic``:
     :func:`magic` of the CTA count and of each cost."""
     group = group_rows(heads)
     units = [page_cost(cost, n, group) for n in range(1, 2 * group + 1)]
