@@ -142,7 +142,7 @@ def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024,
             unit = units[n - 1] if work else 0
             yield r, first, kv, n, items, unit, last
 
-    # 1b. small steps: runs of two row groups' rows (a chunk) cut into row
+    # 1b. small steps: runs over both row groups of a chunk cut into row
     # groups, each thread from its own rows and its uncut carries
     if cut_items > 0 and sum(w[4] for t in range(threads) for w in walk(t)) <= cut_items:
         new = []
@@ -151,19 +151,19 @@ def kernel_model(ids, ctx, max_len, width, programs, cost=ck.COST, threads=1024,
             cs, ce, before, after = set(starts[t]), set(ends[t]), carry_first[t], carry_last[t]
             for r, first, _, _, _, _, last in got:
                 length = last - first + 1
-                if length == chunk:
+                if group < length <= chunk:
                     if (r - first) % group == 0:
                         cs.add(r)
                     if (r - first) % group == group - 1:
                         ce.add(r)
             if got:
                 f, length = before, got[0][6] - before + 1
-                if before >= 0 and a not in starts[t] and length == chunk:
+                if before >= 0 and a not in starts[t] and group < length <= chunk:
                     before = f + (a - f) // group * group
                 _, f, _, _, _, _, last = got[-1]
                 length = last - f + 1
-                if last >= b and length == chunk:
-                    after = f + ((b - 1 - f) // group + 1) * group - 1
+                if last >= b and group < length <= chunk:
+                    after = min(f + ((b - 1 - f) // group + 1) * group - 1, last)
             new.append((cs, ce, before, after))
         for t, (cs, ce, before, after) in enumerate(new):
             starts[t], ends[t], carry_first[t], carry_last[t] = cs, ce, before, after
@@ -238,8 +238,9 @@ def test_kernel_model_matches_plan_torch(seed, threads, heads):
 
 
 def cut_ids(ids, group: int):
-    """Run ids with every run of ``2 * group`` rows (a chunk) cut into two runs
-    of ``group`` rows, by a plain walk over the rows."""
+    """Run ids with every run of more than ``group`` and at most ``2 * group``
+    rows (one chunk over both its row groups) cut into runs of ``group`` rows
+    (the last the shorter), by a plain walk over the rows."""
     ids = [int(x) for x in ids]
     out, new, r = [], -1, 0
     while r < len(ids):
@@ -247,7 +248,7 @@ def cut_ids(ids, group: int):
         while e + 1 < len(ids) and ids[e + 1] == ids[r]:
             e += 1
         length = e - r + 1
-        piece = group if length == 2 * group else length
+        piece = group if group < length <= 2 * group else length
         for j in range(length):
             if j % piece == 0:
                 new += 1

@@ -467,7 +467,9 @@ def rows_max_for(heads: int, max_run_len: int) -> int:
 # 2048 pages (H200, 132 CTAs; h200-f8204c1/run-rows*.log, timed as relabelled ids);
 # built, 0.92-0.96x on 64-512 pages, level at 1024 (h200-ea919aa).  32 heads (the
 # cut takes 8-row runs there): 0.93-0.97x on 64-512 pages, 0.98-1.00x at 1024
-# (h200-053bba8).
+# (h200-053bba8).  A run between one and two row groups long is cut too (3 rows at
+# 64 heads: as relabelled ids 0.937-0.982x on 3-token steps of 32-512 pages,
+# h200-053bba8/run-rows-64.log; 5-7 rows at 32 heads not timed).
 CUT_PER_PROGRAM = {64: 8, 32: 8}
 
 
@@ -527,9 +529,10 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
     size, :func:`rows_max_for` ``heads`` (the default).
 
     ``cut_items`` > 0: where the step's items (chunk pages) number at most
-    that, every run of ``rows_max`` rows (a chunk: two row groups of ``g``
-    rows) is planned as two runs of ``g`` rows, a CTA item per row group,
-    each with the run's KV length (each row masked as before); decided on
+    that, every run of more than ``g`` and at most ``rows_max`` rows (one
+    chunk, over both its row groups of ``g`` rows) is planned as runs of
+    ``g`` rows (the last the shorter), a CTA item per row group, each with
+    the run's KV length (each row masked as before); decided on
     the device, so a captured plan replays right for any step
     (:data:`CUT_PER_PROGRAM`)."""
     rows_max = _check_structure(heads, rows_max)
@@ -558,7 +561,7 @@ def plan_torch(indices, context_lens, max_context_len: int, bt_width: int, heads
         chunk_pages = torch.where(((r - first) % rows_max) == 0, (kv + PAGE - 1) // PAGE, 0)
         cutting = chunk_pages.sum() <= cut_items
         pos, length = r - first, last - first + 1
-        cut = cutting & (length == rows_max)
+        cut = cutting & (length > group) & (length <= rows_max)
         starts = starts | (cut & (pos % group == 0))
         ends = ends | (cut & (pos % group == group - 1))
         first, last = bounds(starts, ends)
@@ -620,9 +623,12 @@ def schedule_model(indices, context_lens, max_context_len: int, bt_width: int,
     spans = run_spans(indices, context_lens, cap)
     pages = sum(-(-kv // PAGE) * len(range(r, e + 1, chunk)) for r, e, kv in spans)
     if cut_items > 0 and pages <= cut_items:
-        spans = [(p, p + group - 1, kv) if e - r + 1 == chunk else (r, e, kv)
-                 for r, e, kv in spans
-                 for p in (range(r, e + 1, group) if e - r + 1 == chunk else [r])]
+        def pieces(r, e, kv):  # a run filling more than one row group of a chunk: its groups
+            if not group < e - r + 1 <= chunk:
+                return [(r, e, kv)]
+            return [(p, min(p + group - 1, e), kv) for p in range(r, e + 1, group)]
+
+        spans = [piece for span in spans for piece in pieces(*span)]
     items = []
     for r, e, kv in spans:
         for c in range(r, e + 1, chunk):

@@ -22,7 +22,7 @@
 // them.
 //   1. run starts (forward max) and run ends (backward min) across threads;
 //      1b. where the launcher passes cut_items and the step's items are at
-//      most that, runs of two row groups' rows are cut into row groups (one
+//      most that, runs over both row groups of a chunk are cut into row groups (one
 //      more block-wide sum; cuda_paged_mqa_logits.plan_torch);
 //   2. per row its run's first and last row, KV length, chunk, items and cost;
 //      exclusive sums of items, chunks with work and cost across threads;
@@ -337,8 +337,9 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
   Rows walk{src, r0, cap, start_before, end_after, starts, ends, unit, -1, 0, ends, end_after};
 
   // 1b. small steps (cut_items > 0 and the step's items, its chunks' pages,
-  // at most that): every run of ROWS_MAX rows (a chunk: two row groups)
-  // becomes two runs of GROUP_ROWS rows (a CTA item per row group),
+  // at most that): every run of more than GROUP_ROWS and at most ROWS_MAX
+  // rows (one chunk over both row groups) becomes runs of GROUP_ROWS rows,
+  // the last the shorter (a CTA item per row group),
   // each with its run's KV length (so each row is masked as before).  The
   // decision is block-wide (one sum); the cut bits are the thread's own, its
   // carries derived from the uncut ones.
@@ -355,7 +356,7 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
       for (int k = 0; k < n; ++k) {
         const Row w = walk.at(k);
         const int len = w.last - w.first + 1, pos = r0 + k - w.first;
-        if (len == ROWS_MAX) {
+        if (len > GROUP_ROWS && len <= ROWS_MAX) {
           if (pos % GROUP_ROWS == 0) cut_starts |= 1u << k;
           if (pos % GROUP_ROWS == GROUP_ROWS - 1) cut_ends |= 1u << k;
         }
@@ -367,13 +368,14 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
         // start_before; read only where r0 starts no run): the piece holding r0
         if (start_before >= 0 && !(starts & 1u)) {
           const int f = start_before, len = walk.at(0).last - f + 1;
-          if (len == ROWS_MAX)
+          if (len > GROUP_ROWS && len <= ROWS_MAX)
             start_before = f + (r0 - f) / GROUP_ROWS * GROUP_ROWS;
         }
         // the run holding row r0 + n - 1, where it goes on past this thread
         const int len = last_last - last_first + 1;
-        if (last_last >= r0 + n && len == ROWS_MAX)
-          end_after = last_first + ((r0 + n - 1 - last_first) / GROUP_ROWS + 1) * GROUP_ROWS - 1;
+        if (last_last >= r0 + n && len > GROUP_ROWS && len <= ROWS_MAX)
+          end_after = min(last_first + ((r0 + n - 1 - last_first) / GROUP_ROWS + 1) * GROUP_ROWS - 1,
+                          last_last);
       }
       starts = cut_starts;
       ends = cut_ends;
