@@ -467,9 +467,9 @@ def rows_max_for(heads: int, max_run_len: int) -> int:
 # 2048 pages (H200, 132 CTAs; h200-f8204c1/run-rows*.log, timed as relabelled ids);
 # built, 0.92-0.96x on 64-512 pages, level at 1024 (h200-ea919aa).  32 heads (the
 # cut takes 8-row runs there): 0.93-0.97x on 64-512 pages, 0.98-1.00x at 1024
-# (h200-053bba8).  A run between one and two row groups long is cut too (3 rows at
-# 64 heads: as relabelled ids 0.937-0.982x on 3-token steps of 32-512 pages,
-# h200-053bba8/run-rows-64.log; 5-7 rows at 32 heads not timed).
+# (h200-053bba8).  A run between one and two row groups long is cut too, the
+# last piece the shorter: 0.93-0.98x on 3-token steps of 32-512 pages at 64 heads
+# and 0.93-0.95x on 5-7-token ones at 32, level from 1024 (h200-79724f5).
 CUT_PER_PROGRAM = {64: 8, 32: 8}
 
 
