@@ -105,9 +105,7 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
                 "gain": row["speedup"],
                 "fast_gain": fast[0] / fast[1] if fast and fast[1] else None,
                 "pairs": pairs.get((row["batch"], row["prompt"])),
-                "tokens_identical": row.get("tokens_identical"),
-                "stock_rounds_differ": e2e_decode.stock_rounds_differ(row),
-                "stock_tie": bool(row.get("stock_tie")),
+                "tokens": e2e_decode.token_difference(row),
                 "varlen": paths.get("varlen", 0) > 0,
                 "one_process": one_process,
                 "lockstep": bool(run.get("lockstep")),
@@ -257,15 +255,10 @@ def table(got: dict, root: str = "") -> str:
 
 
 def _tokens(cell: dict) -> str:
-    """A cell's token verdict: ``identical``, ``DIFFER``, or where stock's
-    own rounds of the case differed too (a run since d0257f0 records it),
-    ``DIFFER (stock's rounds too)``, or where the first difference is an exact
-    tie of stock's top two (``e2e_decode.tie_at``), ``DIFFER (stock's tie)``."""
-    if cell["tokens_identical"]:
-        return "identical"
-    if cell.get("stock_rounds_differ"):
-        return "DIFFER (stock's rounds too)"
-    return "DIFFER (stock's tie)" if cell.get("stock_tie") else "DIFFER"
+    """A cell's token verdict in the grid's words (``e2e_decode.token_difference``;
+    stock's own rounds are recorded since d0257f0)."""
+    return {None: "identical", "rounds": "DIFFER (stock's rounds too)",
+            "tie": "DIFFER (stock's tie)", "": "DIFFER"}[cell["tokens"]]
 
 
 def windows_table(got: dict, graph_mode: str, root: str = "") -> str:

@@ -1047,16 +1047,23 @@ def tie_at(div: dict | None, stock_case: dict, identity: dict | None) -> bool | 
     return bool(stock_tie(here)) and {div["stock"], div["plugin"]} == {t for t, _ in here[0][:2]}
 
 
-def tokens_verdict(row: dict) -> str:
-    """The "tokens equal" cell: ``yes``, or ``NO`` and, where stock's own
-    rounds of the case gave different tokens, that too (a difference stock
-    shows against itself says nothing about the plugin), or where the first
-    difference falls on an exact tie of stock's top two (:func:`tie_at`)."""
-    if row["tokens_identical"]:
-        return "yes"
+def token_difference(row: dict) -> str | None:
+    """How a comparison row's tokens compare: ``None`` where identical, else
+    ``"rounds"`` where stock's own rounds of the case gave different tokens too
+    (a difference stock shows against itself says nothing about the plugin),
+    ``"tie"`` where the first difference falls on an exact tie of stock's top
+    two (:func:`tie_at`), ``""`` otherwise.  Both tables word it from here."""
+    if row.get("tokens_identical"):
+        return None
     if stock_rounds_differ(row):
-        return "NO (stock's own rounds differ too)"
-    return "NO (at an exact tie of stock's top two)" if row.get("stock_tie") else "NO"
+        return "rounds"
+    return "tie" if row.get("stock_tie") else ""
+
+
+def tokens_verdict(row: dict) -> str:
+    """The "tokens equal" cell of this run's table (:func:`token_difference`)."""
+    return {None: "yes", "rounds": "NO (stock's own rounds differ too)",
+            "tie": "NO (at an exact tie of stock's top two)", "": "NO"}[token_difference(row)]
 
 
 def stock_rounds_differ(row: dict) -> bool:
