@@ -178,11 +178,16 @@ def kv_capacity_tokens(engine) -> int | None:
         return None
 
 
+def case_tokens(batch: int, length: int, new_tokens: int, k: int) -> int:
+    """KV tokens ``batch`` requests need at once: each the longest prompt at
+    nominal ``length`` (1.3 x) plus its new and draft tokens."""
+    return batch * (int(1.3 * length) + new_tokens + k + 1)
+
+
 def case_fits(batch: int, length: int, new_tokens: int, k: int, capacity: int | None) -> bool:
-    """Whether ``batch`` requests of the longest prompt at nominal ``length``
-    (1.3 x) plus their new and draft tokens fit the KV cache at once (a case
-    that does not would be measured with requests waiting: skipped)."""
-    return capacity is None or batch * (int(1.3 * length) + new_tokens + k + 1) <= capacity
+    """Whether a case's requests fit the KV cache at once (:func:`case_tokens`;
+    a case that does not would be measured with requests waiting: skipped)."""
+    return capacity is None or case_tokens(batch, length, new_tokens, k) <= capacity
 
 
 def fitting_batches(args, length: int, capacity: int | None) -> list[int]:
@@ -199,7 +204,7 @@ def nothing_fits(args, capacity: int | None, engines: int = 1) -> str | None:
         return None
     share = (f" (each of the {engines} engines in this process gets 1/{engines} of "
              f"--gpu-memory-utilization)" if engines > 1 else "")
-    least = min(args.batch) * (int(1.3 * min(args.prompt)) + args.new_tokens + args.k + 1)
+    least = case_tokens(min(args.batch), min(args.prompt), args.new_tokens, args.k)
     return (f"--batch / --prompt: no case fits the engine's KV cache of {capacity} tokens"
             f"{share}; the smallest needs {least}")
 
