@@ -488,17 +488,17 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
     ``cut_items``: :func:`plan_torch`'s (default: :data:`CUT_PER_PROGRAM`
     times the CTAs).  No host sync, graph safe."""
     rows_max = _check_structure(heads, rows_max)
+    grid = programs if programs is not None else num_sms(indices.device)  # once a step
     if cut_items is None:
-        cut_items = cut_items_for(
-            heads, programs if programs is not None else num_sms(indices.device))
+        cut_items = cut_items_for(heads, grid)
     if (PLAN_KERNEL and indices.is_cuda and indices.dtype == torch.int32
             and available() is None):
         if ((programs is None or programs <= cuda_plan.MAX_PROGRAMS)
                 and indices.numel() <= cuda_plan.MAX_ROWS):
             return plan_device(indices, context_lens, max_context_len, bt_width, heads=heads,
-                               programs=programs, cost=cost, cut_items=cut_items)
+                               programs=grid, cost=cost, cut_items=cut_items)
     return plan_torch(indices, context_lens, max_context_len, bt_width, heads, rows_max,
-                      programs=programs, cost=cost, cut_items=cut_items)
+                      programs=grid, cost=cost, cut_items=cut_items)
 
 
 def _check_structure(heads: int, rows_max: int | None) -> int:
