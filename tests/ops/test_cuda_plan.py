@@ -805,8 +805,8 @@ def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync(heads, cu
     """Captured once into preallocated outputs; replays on new ids and
     context lengths (same row count) give each step's plan_torch exactly;
     neither the capture nor the launches sync with the host.  With the
-    serving cut (64 heads) the replays fall on both sides of it: the captured
-    planner decides each step's cut itself."""
+    serving cut (at 64 and 32 heads) the replays fall on both sides of it: the
+    captured planner decides each step's cut itself."""
     _skip_without_nvrtc()
     rows, programs = 2500, 132
     cut_items = 0 if cut == "none" else ck.cut_items_for(heads, programs)
