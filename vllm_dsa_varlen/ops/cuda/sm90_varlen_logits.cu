@@ -79,7 +79,9 @@ typedef unsigned char u8;
                       // default: without it NVRTC 13.0's ptxas serialises the wgmmas)
 #ifndef PIPE_ROWS     // 1: a page's rows one at a time (64 heads, CUDA-core head sum): each
 #define PIPE_ROWS 0     // row's QK an m64n64 chain into one half of acc, the next row's chain
-#endif                  // issued before this row's head sum, so the tensor cores run under it
+#endif                  // issued before this row's head sum, so the tensor cores run under it;
+                        // 2: the same split, each chain issued after the head sum before it
+                        // (no overlap: what the split itself costs)
 #if PIPE_ROWS && (RG != 2 || HEAD_SUM_TC || WEIGHTS_REG || STAMPS >= 2)
 #error "PIPE_ROWS is a build of 64 heads with the CUDA-core head sum (no STAMPS=2)"
 #endif
@@ -363,6 +365,13 @@ DEV float row_logit(const float (&acc)[64], const float* w, int lane) {
 // issued, row I's head sum under it, stored by the lanes of its row (q_hi ==
 // I % 2) where the token is visible to it, the next chain waited; the slot
 // handed back once the last chain has been.
+// Row i + 1's chain (i a constant where called).
+DEV void next_row(float (&acc)[64], const u8* page, const u8* q, int i) {
+  if (i == 0) qk_row<1>(acc, page, q);
+  if (i == 1) qk_row<2>(acc, page, q);
+  if (i == 2) qk_row<3>(acc, page, q);
+}
+
 template <int R>
 DEV void pipe_page(float (&acc)[64], const u8* page, const u8* q, const float* w,
                    u64* slot_empty, int lane, int q_hi, int pos, const int (&lim)[GMAX],
@@ -372,14 +381,11 @@ DEV void pipe_page(float (&acc)[64], const u8* page, const u8* q, const float* w
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     if (i + 1 == R) { __syncwarp(); if (lane == 0) bar_arrive(slot_empty); }
-    if (i + 1 < R) {
-      if (i == 0) qk_row<1>(acc, page, q);
-      if (i == 1) qk_row<2>(acc, page, q);
-      if (i == 2) qk_row<3>(acc, page, q);
-    }
+    if (PIPE_ROWS == 1 && i + 1 < R) next_row(acc, page, q, i);
     const float v = (i % 2) ? row_logit<1>(acc, w + i * HEADS, lane)
                             : row_logit<0>(acc, w + i * HEADS, lane);
     if (q_hi == i % 2 && pos < lim[i / 2]) out_row[i * stride_out + pos] = v * scale;
+    if (PIPE_ROWS == 2 && i + 1 < R) next_row(acc, page, q, i);
     if (i + 1 < R) mma_wait();
   }
 }
