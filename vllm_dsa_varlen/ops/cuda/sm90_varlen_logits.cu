@@ -77,14 +77,6 @@ typedef unsigned char u8;
 #define DESC_STEP HALF_MMA  // bytes along K: the start-address field, 16-byte units) instead
 #endif                // of each built from its address (fewer uniform ops; HALF_MMA's
                       // default: without it NVRTC 13.0's ptxas serialises the wgmmas)
-#ifndef PIPE_ROWS     // 1: a page's rows one at a time (64 heads, CUDA-core head sum): each
-#define PIPE_ROWS 0     // row's QK an m64n64 chain into one half of acc, the next row's chain
-#endif                  // issued before this row's head sum, so the tensor cores run under it;
-                        // 2: the same split, each chain issued after the head sum before it
-                        // (no overlap: what the split itself costs)
-#if PIPE_ROWS && (RG != 2 || HEAD_SUM_TC || WEIGHTS_REG || STAMPS >= 2)
-#error "PIPE_ROWS is a build of 64 heads with the CUDA-core head sum (no STAMPS=2)"
-#endif
 #if HALF_MMA && !DESC_STEP
 #error "HALF_MMA without DESC_STEP: NVRTC 13.0's ptxas serialises the wgmmas"
 #endif
@@ -194,14 +186,13 @@ DEV void mma_64x128x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
 
 // The first 64 columns of mma_64x128x32 (d[0, 32): the same registers hold
 // the same (token, column) elements in both), for a row group's present rows
-// (HALF_MMA); O = 32: into d[32, 64) (PIPE_ROWS' second row accumulator).
-template <int O = 0>
+// (HALF_MMA).
 DEV void mma_64x64x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
-      : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7]), "+f"(d[O + 8]), "+f"(d[O + 9]), "+f"(d[O + 10]), "+f"(d[O + 11]), "+f"(d[O + 12]), "+f"(d[O + 13]), "+f"(d[O + 14]), "+f"(d[O + 15]), "+f"(d[O + 16]), "+f"(d[O + 17]), "+f"(d[O + 18]), "+f"(d[O + 19]), "+f"(d[O + 20]), "+f"(d[O + 21]), "+f"(d[O + 22]), "+f"(d[O + 23]), "+f"(d[O + 24]), "+f"(d[O + 25]), "+f"(d[O + 26]), "+f"(d[O + 27]), "+f"(d[O + 28]), "+f"(d[O + 29]), "+f"(d[O + 30]), "+f"(d[O + 31])
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
@@ -310,86 +301,6 @@ DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const Weig
   v += __shfl_xor_sync(0xffffffffu, q_hi ? k0 : k1, 2);
   return v;
 }
-
-#if PIPE_ROWS
-// Row I of a page's chunk (PIPE_ROWS): its QK chain, an m64n64 over the 64
-// columns of its row in its group's queries (row i at q + i * Q_GROUP_BYTES / 2:
-// a group's second row starts 64 N-rows into its tile), into acc[32 (I % 2),
-// + 32); issued and committed, not waited.
-template <int I>
-DEV void qk_row(float (&d)[64], const u8* page, const u8* q) {
-  constexpr int O = 32 * (I % 2);
-  const u8* qr = q + I * (Q_GROUP_BYTES / 2);
-  const u64 a = sw128_desc(page), b = sw128_desc(qr);
-  mma_fence();
-  // the chain's four m64n64k32 in one block, issued back to back (as separate
-  // statements ptxas spreads them over the head sum that follows, the last
-  // one issued as it ends); descriptors stepped 32 bytes along K (DESC_STEP)
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %40, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %36, p, 1, 1;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %33, %37, 1, 1, 1;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %34, %38, 1, 1, 1;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %35, %39, 1, 1, 1;\n}\n"
-      : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7]), "+f"(d[O + 8]), "+f"(d[O + 9]), "+f"(d[O + 10]), "+f"(d[O + 11]), "+f"(d[O + 12]), "+f"(d[O + 13]), "+f"(d[O + 14]), "+f"(d[O + 15]), "+f"(d[O + 16]), "+f"(d[O + 17]), "+f"(d[O + 18]), "+f"(d[O + 19]), "+f"(d[O + 20]), "+f"(d[O + 21]), "+f"(d[O + 22]), "+f"(d[O + 23]), "+f"(d[O + 24]), "+f"(d[O + 25]), "+f"(d[O + 26]), "+f"(d[O + 27]), "+f"(d[O + 28]), "+f"(d[O + 29]), "+f"(d[O + 30]), "+f"(d[O + 31])
-      : "l"(a), "l"(a + 2), "l"(a + 4), "l"(a + 6), "l"(b), "l"(b + 2), "l"(b + 4), "l"(b + 6),
-        "r"(0));
-  mma_commit();
-}
-
-// Row I's logit of this lane's token (tokens g, g + 8 by lane & 1; lanes q and
-// q ^ 2 alike): relu(acc) * the row's weights (w: its 64, at this lane's 2q)
-// summed in the thread, then over the quad (2 shuffles): group_logit's sums for
-// that row, in its order, so the same bits.
-template <int I>
-DEV float row_logit(const float (&acc)[64], const float* w, int lane) {
-  const int t_hi = lane & 1;
-  float s0 = 0.f, s1 = 0.f;  // tokens g, g + 8
-#pragma unroll
-  for (int n = 0; n < 8; ++n) {
-    const float2 wv = *reinterpret_cast<const float2*>(w + 8 * n);
-    const float* a = acc + 32 * (I % 2) + 4 * n;
-    s0 = fmaf(fmaxf(a[0], 0.f), wv.x, s0);
-    s0 = fmaf(fmaxf(a[1], 0.f), wv.y, s0);
-    s1 = fmaf(fmaxf(a[2], 0.f), wv.x, s1);
-    s1 = fmaf(fmaxf(a[3], 0.f), wv.y, s1);
-  }
-  float v = t_hi ? s1 : s0;
-  v += __shfl_xor_sync(0xffffffffu, t_hi ? s0 : s1, 1);
-  return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
-// A page of a chunk of R rows (PIPE_ROWS), straight-line per R (one branch on
-// the row count outside, so ptxas sees each chain issued and waited on every
-// path): row 0's chain issued and waited; then per row I the next row's chain
-// issued, row I's head sum under it, stored by the lanes of its row (q_hi ==
-// I % 2) where the token is visible to it, the next chain waited; the slot
-// handed back once the last chain has been.
-// Row i + 1's chain (i a constant where called).
-DEV void next_row(float (&acc)[64], const u8* page, const u8* q, int i) {
-  if (i == 0) qk_row<1>(acc, page, q);
-  if (i == 1) qk_row<2>(acc, page, q);
-  if (i == 2) qk_row<3>(acc, page, q);
-}
-
-template <int R>
-DEV void pipe_page(float (&acc)[64], const u8* page, const u8* q, const float* w,
-                   u64* slot_empty, int lane, int q_hi, int pos, const int (&lim)[GMAX],
-                   float* out_row, long long stride_out, float scale) {
-  qk_row<0>(acc, page, q);
-  mma_wait();
-#pragma unroll
-  for (int i = 0; i < R; ++i) {
-    if (i + 1 == R) { __syncwarp(); if (lane == 0) bar_arrive(slot_empty); }
-    if (PIPE_ROWS == 1 && i + 1 < R) next_row(acc, page, q, i);
-    const float v = (i % 2) ? row_logit<1>(acc, w + i * HEADS, lane)
-                            : row_logit<0>(acc, w + i * HEADS, lane);
-    if (q_hi == i % 2 && pos < lim[i / 2]) out_row[i * stride_out + pos] = v * scale;
-    if (PIPE_ROWS == 2 && i + 1 < R) next_row(acc, page, q, i);
-    if (i + 1 < R) mma_wait();
-  }
-}
-#endif
 
 #if RG == 4
 // group_logit for a row group of four rows x 32 heads: a lane's 16 columns per
@@ -705,20 +616,6 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       const float scale0 = sc_ring[slot * PAGE + tok], scale1 = sc_ring[slot * PAGE + tok + 8];
 #endif
       const int pos = p * PAGE + tok;
-#if PIPE_ROWS
-      {
-        const u8* q = q_buf + b * GMAX * Q_GROUP_BYTES;
-        const float* w = w_buf + b * ROWS_MAX * HEADS + 2 * (lane & 3);
-        float* out_row = out + (long long)s.first_row * stride_out;
-        switch (s.n_rows) {
-          case 4: pipe_page<4>(acc, page, q, w, &empty[slot], lane, q_hi, pos, lim, out_row, stride_out, scale); break;
-          case 3: pipe_page<3>(acc, page, q, w, &empty[slot], lane, q_hi, pos, lim, out_row, stride_out, scale); break;
-          case 2: pipe_page<2>(acc, page, q, w, &empty[slot], lane, q_hi, pos, lim, out_row, stride_out, scale); break;
-          default: pipe_page<1>(acc, page, q, w, &empty[slot], lane, q_hi, pos, lim, out_row, stride_out, scale);
-        }
-      }
-      if (PIPE_ROWS) continue;
-#endif
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
         if (g < groups) {
