@@ -31,7 +31,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import e2e_decode  # noqa: E402
+import e2e_compare  # noqa: E402
 import e2e_trace  # noqa: E402
 
 BATCHES = (1, 8, 32, 64)
@@ -105,7 +105,7 @@ def folder_cells(folder: str) -> tuple[str | None, list[dict]]:
                 "gain": row["speedup"],
                 "fast_gain": fast[0] / fast[1] if fast and fast[1] else None,
                 "pairs": pairs.get((row["batch"], row["prompt"])),
-                "tokens": e2e_decode.token_difference(row),
+                "tokens": e2e_compare.token_difference(row),
                 "varlen": paths.get("varlen", 0) > 0,
                 "one_process": one_process,
                 "lockstep": bool(run.get("lockstep")),
@@ -255,7 +255,7 @@ def table(got: dict, root: str = "") -> str:
 
 
 def _tokens(cell: dict) -> str:
-    """A cell's token verdict in the grid's words (``e2e_decode.token_difference``;
+    """A cell's token verdict in the grid's words (``e2e_compare.token_difference``;
     stock's own rounds are recorded since d0257f0)."""
     return {None: "identical", "rounds": "DIFFER (stock's rounds too)",
             "tie": "DIFFER (stock's tie)", "": "DIFFER"}[cell["tokens"]]

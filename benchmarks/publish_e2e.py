@@ -44,7 +44,7 @@ def _tokens_differ(runs: dict[str, dict], name: str) -> bool:
     run of the same k and repeat (stock's and the plugin's, or stock's and its
     ``--control`` twin) have different identity tokens or different tokens in
     a case (where the identity run's top-2 can show a tie of stock's at the
-    case's difference: ``e2e_decode.tie_at``); also when that run is missing:
+    case's difference: ``e2e_compare.tie_at``); also when that run is missing:
     nothing to compare against, the evidence is kept."""
     mode = name.split("-")[1]
     pair = [runs.get(name.replace(f"run-{mode}-", f"run-{other}-", 1))

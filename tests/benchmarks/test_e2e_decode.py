@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import random
-import statistics
 
 import pytest
 
@@ -15,6 +14,7 @@ _spec = importlib.util.spec_from_file_location("e2e_decode", _PATH)
 e2e = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(e2e)
 import e2e_trace  # noqa: E402  (beside e2e_decode, on the path it set)
+from e2e_runs import run_file  # noqa: E402
 
 
 def test_prompts_are_the_same_in_every_process_and_differ_between_requests():
@@ -33,112 +33,6 @@ def test_tiny_config_has_the_real_indexer_and_the_asked_layers(tmp_path):
     assert cfg["num_hidden_layers"] == 61 and cfg["num_nextn_predict_layers"] == 1
     assert (cfg["index_n_heads"], cfg["index_head_dim"], cfg["index_topk"]) == (64, 128, 2048)
     assert cfg["first_k_dense_replace"] >= 61  # dense MLPs in every layer
-
-
-def _run(tokens):
-    return {"k": 3, "cases": [{"batch": len(tokens), "prompt": 4096, "tokens_per_s": 100.0,
-                               "tpot_ms": 2.0, "tokens": tokens,
-                               "paths": {k: dict.fromkeys(("varlen",), 0)
-                                         for k in ("steps", "variable", "mixed")}}]}
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_first_divergence_finds_the_first_differing_token(seed):
-    rng = random.Random(seed)
-    a = [[rng.randrange(100) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
-    b = [list(x) for x in a]
-    assert e2e.first_divergence(a, b) is None
-    r = rng.randrange(6)
-    pos = rng.randrange(len(a[r]))
-    b[r][pos] = a[r][pos] + 1
-    for later in range(r + 1, 6):  # later requests differ too: the first one is reported
-        b[later][0] += 1
-    assert e2e.first_divergence(a, b) == {"request": r, "position": pos, "stock": a[r][pos],
-                                          "plugin": a[r][pos] + 1}
-    b = [list(x) for x in a]
-    b[r] = b[r][:-1]
-    assert e2e.first_divergence(a, b)["position"] == len(a[r]) - 1
-
-
-def test_compare_reports_speed_and_identity():
-    stock, plugin = _run([[1, 2, 3]]), _run([[1, 2, 4]])
-    plugin["cases"][0]["tpot_ms"] = 1.6
-    row = e2e.compare(stock, plugin)["rows"][0]
-    assert row["speedup"] == pytest.approx(2.0 / 1.6)
-    assert not row["tokens_identical"] and row["first_divergence"]["position"] == 2
-
-
-def _diverging(rng, length, by=1):
-    """Stock's tokens (4 requests of ``length``), the plugin's (one token
-    raised by ``by``), and where they part."""
-    tokens = [[rng.randrange(1000) for _ in range(length)] for _ in range(4)]
-    other = [list(t) for t in tokens]
-    r, pos = rng.randrange(4), rng.randrange(length)
-    other[r][pos] += by
-    return tokens, other, r, pos
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_compare_says_where_stock_disagrees_with_itself(seed):
-    rng = random.Random(seed)
-    tokens, other, r, pos = _diverging(rng, 6)
-    stock, plugin = _run(tokens), _run(other)
-    stock_rounds, plugin_rounds = rng.random() < 0.5, rng.random() < 0.5
-    stock["cases"][0]["rounds_tokens_equal"] = stock_rounds
-    plugin["cases"][0]["rounds_tokens_equal"] = plugin_rounds
-    lp = -rng.uniform(1, 10)
-    tie = rng.random() < 0.5
-    second = lp if tie else lp - rng.uniform(1e-6, 1e-3)
-    top2 = [[[[t, lp], [t + 1, second]] for t in row] for row in tokens]
-    stock["identity"] = {"batch": 4, "prompt": 4096, "tokens": tokens, "top2": top2}
-    plugin["identity"] = {"batch": 4, "prompt": 4096, "tokens": other, "top2": top2}
-    cmp = e2e.compare(stock, plugin)
-    row = cmp["rows"][0]
-    assert row["rounds_tokens_equal"] == [stock_rounds, plugin_rounds]
-    verdict = e2e.tokens_verdict(row)
-    assert verdict.startswith("NO") and (("stock's own rounds" in verdict) == (not stock_rounds))
-    assert cmp["identity"]["first_divergence"]["request"] == r
-    assert cmp["identity"]["stock_tie"] is tie
-    assert e2e.tokens_verdict(e2e.compare(stock, _run(tokens))["rows"][0]) == "yes"
-    assert e2e.stock_tie([]) is None and e2e.stock_tie([[[1, lp]]]) is None
-
-
-@pytest.mark.parametrize("seed", range(12))
-def test_a_case_difference_at_a_tie_of_stocks_identity_run_is_named(seed):
-    rng = random.Random(seed)
-    tokens, other, r, pos = _diverging(rng, 8, by=1 + rng.randrange(5))
-    stock, plugin = _run(tokens), _run(other)
-    lp = -rng.uniform(1, 10)
-    top2 = [[[[t, lp], [t + 7, lp - rng.uniform(1e-6, 1e-3)]] for t in row] for row in tokens]
-    identity = {"batch": 4, "prompt": 4096, "tokens": [list(t) for t in tokens], "top2": top2}
-    stock["identity"] = plugin["identity"] = identity
-    # no tie in stock's identity run: a plain difference
-    row = e2e.compare(stock, plugin)["rows"][0]
-    assert row["stock_tie"] is False and e2e.tokens_verdict(row) == "NO"
-    # stock's top two tie there, between the two tokens the engines chose
-    top2[r][pos] = [[other[r][pos], lp], [tokens[r][pos], lp]]
-    row = e2e.compare(stock, plugin)["rows"][0]
-    assert row["stock_tie"] is True
-    assert e2e.tokens_verdict(row) == "NO (at an exact tie of stock's top two)"
-    stock["cases"][0]["rounds_tokens_equal"] = False  # stock's own rounds take precedence
-    assert "stock's own rounds" in e2e.tokens_verdict(e2e.compare(stock, plugin)["rows"][0])
-    del stock["cases"][0]["rounds_tokens_equal"]
-    # a tie between other tokens says nothing about this difference
-    top2[r][pos] = [[other[r][pos] + 1000, lp], [tokens[r][pos], lp]]
-    assert e2e.compare(stock, plugin)["rows"][0]["stock_tie"] is False
-    top2[r][pos] = [[other[r][pos], lp], [tokens[r][pos], lp]]
-    # the identity run speaks only for the same prompts and the same tokens before
-    identity["prompt"] = 8192
-    assert e2e.compare(stock, plugin)["rows"][0]["stock_tie"] is None
-    identity["prompt"] = 4096
-    if pos:
-        identity["tokens"][r][pos - 1] += 1
-        assert e2e.compare(stock, plugin)["rows"][0]["stock_tie"] is None
-        identity["tokens"][r][pos - 1] -= 1
-    if r:
-        identity["tokens"] = identity["tokens"][:r]  # fewer requests than the case
-        assert e2e.compare(stock, plugin)["rows"][0]["stock_tie"] is None
-    assert e2e.tie_at(None, stock["cases"][0], identity) is None
 
 
 def test_log_facts_reads_captures_and_plugin_lines(tmp_path):
@@ -331,20 +225,6 @@ def test_median_round_is_the_middle_tpot(n):
     assert below == (n - 1) // 2 and above == n // 2
 
 
-def test_skipped_cases_pass_through_compare_table_and_spread():
-    stock, plugin = _run([[1, 2, 3]]), _run([[1, 2, 3]])
-    for run in (stock, plugin):
-        run["cases"].append({"batch": 64, "prompt": 32768, "skipped": "does not fit"})
-    cmp = e2e.compare(stock, plugin)
-    assert cmp["rows"][1] == {"batch": 64, "prompt": 32768, "k": 3, "skipped": "does not fit"}
-    assert cmp["rows"][0]["tokens_identical"]
-    text = e2e.table({"per_k": {"3": {"comparison": cmp}}})
-    assert "| 3 | 64 | 32K | skipped: does not fit |" in text
-    assert text.count("\n") == 3  # header, rule, two rows
-    spread = e2e.repeat_spread([{"stock": stock, "plugin": plugin}])
-    assert [s["gain_median"] for s in spread] == [1.0, None]
-
-
 def test_case_rounds_must_be_positive(tmp_path):
     with pytest.raises(SystemExit):
         e2e.main(["--out", str(tmp_path), "--case-rounds", "0"])
@@ -481,13 +361,6 @@ def test_cpu_lists_parse_to_sets_and_bad_ones_are_refused():
             e2e.parse_cpus(bad)
     with pytest.raises(SystemExit):
         e2e.main(["--out", "/tmp/x", "--cpus", "7-2"])
-
-
-def test_a_case_probe_is_the_mean_of_the_probes_around_its_round():
-    a, b = random.uniform(1, 3), random.uniform(1, 3)
-    assert e2e._case_probe({"host_probe_us": a, "host_probe_after_us": b}) == (a + b) / 2
-    assert e2e._case_probe({"host_probe_us": a}) == a
-    assert e2e._case_probe({}) is None
 
 
 class _FakeTimer:
@@ -697,28 +570,6 @@ def test_engines_in_one_process_keep_their_own_graphs_and_workspace(monkeypatch)
     topk.reset()
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_fast_steps_compare_two_engines_through_the_hosts_phases(seed):
-    """Both engines meet the same host phases (step-time multipliers, shuffled
-    differently across rounds) and one engine's steps cost ``f`` times the
-    other's: the pooled low quantile's ratio is ``f`` exactly, whatever the
-    rounds' means say; runs without step times give None."""
-    rng = random.Random(seed)
-    f = rng.uniform(0.9, 1.1)
-    phases = [rng.choice((1.0, 2.2)) * rng.uniform(1, 1.05) for _ in range(3 * 40)]
-
-    def case(scale):
-        mine = phases[:]
-        rng.shuffle(mine)
-        return {"rounds": [{"step_ms": [10 * scale * m for m in mine[i::3]]} for i in range(3)]}
-
-    stock, plugin = case(f), case(1.0)
-    assert e2e.fast_step_ms(stock) / e2e.fast_step_ms(plugin) == pytest.approx(f, rel=1e-12)
-    assert e2e.fast_step_ms({"rounds": [{"tpot_ms": 1.0}]}) is None
-    low = sorted(t for r in plugin["rounds"] for t in r["step_ms"])
-    assert e2e.fast_step_ms(plugin) in low[:len(low) // 4 + 1]
-
-
 def test_a_graph_mode_vllm_lowered_is_named_and_one_it_kept_is_not():
     """--graph-mode full with an attention backend that captures uniform batches
     only runs FULL_AND_PIECEWISE (vLLM 0.27.1 on the H200): the merged result
@@ -767,7 +618,7 @@ def test_same_process_control_runs_stocks_engine_twice_and_compares_the_pair(
         out, k = cmd[cmd.index("--out") + 1], cmd[cmd.index("--k") + 1]
         seen.append(mode)
         for m in e2e.child_modes(mode):
-            run = _run([[1, 2, 3]])
+            run = run_file([[1, 2, 3]])
             run["cases"][0].update(tpot_ms=tpot[m][0], rounds=[{"tpot_ms": t} for t in tpot[m]])
             run.update(init_s=1.0, jit={}, mode=m, control=mode == e2e.CONTROL)
             with open(os.path.join(out, f"run-{m}-k{k}.json"), "w") as f:
@@ -909,32 +760,6 @@ def test_a_lockstep_child_passes_the_checks_and_runs_in_lockstep(tmp_path, monke
         e2e.main(one_engine)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_step_pairs_pair_each_step_with_the_other_engines_same_step(seed):
-    """Step pairs: stock ÷ plugin of the steps with the same round and index
-    (a run whose rounds have different lengths pairs the common steps); a
-    host phase that slows both engines' step alike leaves its pair at 1."""
-    rng = random.Random(seed)
-    rounds_s, rounds_p, want = [], [], []
-    for _ in range(rng.randint(1, 4)):
-        n = rng.randint(1, 40)
-        base = [rng.uniform(10, 14) * rng.choice([1.0, 1.5]) for _ in range(n)]  # phases
-        gain = rng.uniform(0.9, 1.1)
-        s = [b * gain for b in base]
-        p = list(base) + [rng.uniform(10, 14)] * rng.randint(0, 3)  # extra steps: unpaired
-        rounds_s.append({"step_ms": s})
-        rounds_p.append({"step_ms": p})
-        want += [gain] * n
-    got = e2e.step_pairs({"rounds": rounds_s}, {"rounds": rounds_p})
-    want.sort()
-    assert got["n"] == len(want)
-    assert got["median"] == pytest.approx(statistics.median(want))
-    assert got["p10"] <= got["median"] <= got["p90"]
-    assert min(want) - 1e-9 <= got["p10"] and got["p90"] <= max(want) + 1e-9
-    assert e2e.step_pairs({"rounds": [{}]}, {"rounds": [{}]}) is None
-    assert e2e.step_pairs({}, {}) is None
-
-
 def test_gc_clock_counts_collections_and_pauses_per_generation():
     import gc
 
@@ -1042,38 +867,6 @@ def test_trace_cases_largest_is_one_window_and_every_is_each_fitting_case(tmp_pa
         assert one == (max(b for b, x in fits if x == longest), longest, "")
     args.trace_batch = 3
     assert e2e.trace_cases(args, capacity)[0][0] == 3
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_a_rows_indexer_share_is_its_own_cases_trace_or_none(seed):
-    """The table's indexer share of a row comes from the trace at that row's
-    case (in `traces` or the one `trace`); rows with no trace show '-', not
-    another case's share."""
-    rng = random.Random(seed)
-    cases = [(b, x) for b in (1, 8, 32) for x in (4096, 16384)]
-    traced = rng.sample(cases, rng.randint(1, len(cases)))
-    share = {c: (rng.uniform(0.05, 0.5), rng.uniform(0.05, 0.5)) for c in traced}
-
-    def t(mode, c):
-        return {"batch": c[0], "prompt": c[1], "indexer_share": share[c][mode == "plugin"]}
-    entry = {"traces": {m: [t(m, c) for c in traced[:-1]] for m in ("stock", "plugin")},
-             "trace": {m: t(m, traced[-1]) for m in ("stock", "plugin")}}
-    rows = []
-    for b, x in cases:
-        rows.append({"batch": b, "prompt": x, "stock_tok_s": 1.0, "plugin_tok_s": 1.0,
-                     "stock_tpot_ms": 10.0, "plugin_tpot_ms": 10.0, "speedup": 1.0,
-                     "tokens_identical": True, "plugin_paths": {"varlen": 1},
-                     "indexer_build_us": [1.0, 1.0]})
-    entry["comparison"] = {"rows": rows}
-    text = e2e.table({"per_k": {"2": entry}})
-    for b, x in cases:
-        assert e2e.case_share(entry, "plugin", b, x) == (share[(b, x)][1] if (b, x) in share
-                                                         else None)
-        line = [s for s in text.splitlines() if s.startswith(f"| 2 | {b} | {x // 1024}K |")][0]
-        cell = line.split("|")[11].strip()
-        want = (f"{share[(b, x)][0]:.0%} / {share[(b, x)][1]:.0%}" if (b, x) in share
-                else "- / -")
-        assert cell == want, (cell, want)
 
 
 def test_per_case_traces_are_kept_with_their_own_step_counts(tmp_path):
