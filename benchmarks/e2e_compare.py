@@ -3,8 +3,7 @@
 per case the TPOT ratio, the step-time statistics that tell the host's pace
 from the engines' own costs, the token verdict (with where stock disagrees
 with itself), and the run's table.  Reads result dicts only: no engine, no
-GPU; the grid (``e2e_cells.py``) and the kept copies (``publish_e2e.py``)
-use it without the engine harness."""
+GPU; the grid (``e2e_cells.py``) uses it without the engine harness."""
 
 from __future__ import annotations
 
