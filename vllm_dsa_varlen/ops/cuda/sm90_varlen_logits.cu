@@ -77,6 +77,14 @@ typedef unsigned char u8;
 #define DESC_STEP HALF_MMA  // bytes along K: the start-address field, 16-byte units) instead
 #endif                // of each built from its address (fewer uniform ops; HALF_MMA's
                       // default: without it NVRTC 13.0's ptxas serialises the wgmmas)
+#ifndef DUAL_ACC      // 1 (NUM_MATH=3, 64 heads, CUDA-core head sum): a full chunk's two row
+#define DUAL_ACC 0      // groups into two accumulators, both QK chains issued at once and the
+#endif                  // second running under the first group's head sum; 2 or 4: also across
+                        // pages, in blocks of that many (the next page's first chain under this
+                        // page's second head sum)
+#if DUAL_ACC && (NUM_MATH != 3 || RG != 2 || HEAD_SUM_TC || WEIGHTS_REG || STAMPS >= 2)
+#error "DUAL_ACC is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
+#endif
 #if HALF_MMA && !DESC_STEP
 #error "HALF_MMA without DESC_STEP: NVRTC 13.0's ptxas serialises the wgmmas"
 #endif
@@ -255,6 +263,19 @@ DEV void qk_group(float (&acc)[64], const u8* page, const u8* qg, u64* slot_empt
   }
 }
 
+#if DUAL_ACC
+// A row group's QK chain issued and committed, not waited (DUAL_ACC).
+DEV void qk_issue(float (&acc)[64], const u8* page, const u8* qg) {
+  mma_fence();
+  const u64 a0 = sw128_desc(page), b0 = sw128_desc(qg);
+#pragma unroll
+  for (int kk = 0; kk < DIM / 32; ++kk)
+    mma_64x128x32(acc, desc_at(a0, page, kk), desc_at(b0, qg, kk), kk > 0);
+  mma_commit();
+}
+DEV void mma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+#endif
+
 // A lane's weights of 8-column block n of its row group (heads 8 (n % 8) + 2q,
 // + 1 of row n / 8): read from the chunk's copy in shared memory per page, or
 // (WEIGHTS_REG) held in registers for the chunk's pages.
@@ -276,10 +297,19 @@ DEV SmemWeights group_weights(const float* w_buf, int b, int g, int lane) {
 // n_end = 8: row 2g only), then across the quad; returns this lane's (token,
 // row) logit before the scale.
 template <class Weights>
+DEV float group_sum(const float (&acc)[64], const Weights& wq, int lane, int n_end);
+
+template <class Weights>
 DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const Weights& wq,
                       u64* slot_empty, bool release, int lane, int n_end) {
-  const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
   qk_group(acc, page, qg, slot_empty, release, lane, n_end == 8 ? 64 : 128);
+  return group_sum(acc, wq, lane, n_end);
+}
+
+// group_logit's head sum over a row group's accumulator.
+template <class Weights>
+DEV float group_sum(const float (&acc)[64], const Weights& wq, int lane, int n_end) {
+  const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
   float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;   // s[token half][row]
 #pragma unroll
   for (int n = 0; n < 16; ++n) {  // columns 8n + 2 * (lane & 3) + {0, 1}: row n / 8
@@ -460,6 +490,65 @@ DEV float2 group_logit4_tc(float (&acc)[64], const u8* page, const u8* qg, const
 #endif
 #endif
 
+#if DUAL_ACC >= 2
+// K consecutive pages of this warpgroup in a full chunk (DUAL_ACC=2 or 4:
+// K = 1 or DUAL_ACC), from page p (item j of the ring): both chains of the
+// first page issued, then per page the first group's head sum under the
+// second chain, and the second group's under the next page's first chain.
+// Nothing stays in flight past the block (chains pending across a loop's back
+// edge make NVRTC's ptxas serialise every wgmma of the kernel).
+template <int K>
+DEV void dual_block(float (&acc)[64], float (&acc2)[64], int p, int& j, int ring,
+                    const int (&lim)[GMAX], int tok, int lane, u8* kv_ring, const float* sc_ring,
+                    const u8* q0, const SmemWeights& w0, const SmemWeights& w1, u64* full,
+                    u64* empty, float* o0, float* o1) {
+  int slot = ring * STAGES + j % STAGES;
+  bar_wait(&full[slot], (j / STAGES) & 1);
+  qk_issue(acc, kv_ring + slot * SLOT_BYTES, q0);
+  qk_issue(acc2, kv_ring + slot * SLOT_BYTES, q0 + Q_GROUP_BYTES);
+#pragma unroll
+  for (int t = 0; t < K; ++t) {
+    const float scale = sc_ring[slot * PAGE + tok];
+    const int pos = (p + t * NUM_MATH) * PAGE + tok;
+    mma_wait1();
+    const float v0 = group_sum(acc, w0, lane, 16);
+    if (pos < lim[0]) o0[pos] = v0 * scale;
+    mma_wait();
+    __syncwarp();
+    if (lane == 0) bar_arrive(&empty[slot]);
+    const int next = ring * STAGES + (j + t + 1) % STAGES;
+    if (t + 1 < K) {
+      bar_wait(&full[next], ((j + t + 1) / STAGES) & 1);
+      qk_issue(acc, kv_ring + next * SLOT_BYTES, q0);
+    }
+    const float v1 = group_sum(acc2, w1, lane, 16);
+    if (pos < lim[1]) o1[pos] = v1 * scale;
+    if (t + 1 < K) qk_issue(acc2, kv_ring + next * SLOT_BYTES, q0 + Q_GROUP_BYTES);
+    slot = next;
+  }
+  j += K;
+}
+
+// This warpgroup's pages of a full chunk: blocks of DUAL_ACC pages, the rest
+// one at a time.
+DEV void dual_pages(float (&acc)[64], float (&acc2)[64], const Seg& s, int ring, int& j, int b,
+                    const int (&lim)[GMAX], int q_hi, int tok, int lane, u8* kv_ring,
+                    const float* sc_ring, const u8* q_buf, const float* w_buf, u64* full,
+                    u64* empty, float* out, long long stride_out) {
+  const u8* q0 = q_buf + b * GMAX * Q_GROUP_BYTES;
+  const SmemWeights w0 = group_weights(w_buf, b, 0, lane), w1 = group_weights(w_buf, b, 1, lane);
+  float* o0 = out + (long long)(s.first_row + q_hi) * stride_out;
+  float* o1 = out + (long long)(s.first_row + 2 + q_hi) * stride_out;
+  int p = first_page(s, ring);
+  for (; p + (DUAL_ACC - 1) * NUM_MATH < s.page_hi; p += DUAL_ACC * NUM_MATH)
+    dual_block<DUAL_ACC>(acc, acc2, p, j, ring, lim, tok, lane, kv_ring, sc_ring, q0, w0, w1,
+                         full, empty, o0, o1);
+  for (; p < s.page_hi; p += NUM_MATH)
+    dual_block<1>(acc, acc2, p, j, ring, lim, tok, lane, kv_ring, sc_ring, q0, w0, w1, full,
+                  empty, o0, o1);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant__ TmaMap q_map,
                    const u8* __restrict__ kv, long long stride_block,
@@ -571,6 +660,11 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
   float acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+#if DUAL_ACC
+  float acc2[64];  // a full chunk's second row group
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc2[i] = 0.f;
+#endif
   int j = 0;
   for (int k = 0; seg0 + k < num_segs; ++k) {
     const Seg s = load_seg(table, seg0 + k, lo, hi);
@@ -596,6 +690,12 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
     const float4* wt_lane = reinterpret_cast<const float4*>(
         wt_seg + 16 * WT_CLASS_F4 * (4 * ((lane >> 2) & 1) + (lane & 3)));
 #endif
+#if DUAL_ACC >= 2
+    if (s.n_rows == ROWS_MAX)
+      dual_pages(acc, acc2, s, ring, j, b, lim, q_hi, tok, lane, kv_ring, sc_ring, q_buf, w_buf,
+                 full, empty, out, stride_out);
+    else
+#endif
     for (int p = first_page(s, ring); p < s.page_hi; p += NUM_MATH, ++j) {
       const int slot = ring * STAGES + j % STAGES;
 #if STAMPS >= 2
@@ -616,6 +716,22 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       const float scale0 = sc_ring[slot * PAGE + tok], scale1 = sc_ring[slot * PAGE + tok + 8];
 #endif
       const int pos = p * PAGE + tok;
+#if DUAL_ACC == 1
+      if (s.n_rows == ROWS_MAX) {  // both groups full: both chains at once
+        const u8* q0 = q_buf + b * GMAX * Q_GROUP_BYTES;
+        qk_issue(acc, page, q0);
+        qk_issue(acc2, page, q0 + Q_GROUP_BYTES);
+        mma_wait1();
+        const float v0 = group_sum(acc, group_weights(w_buf, b, 0, lane), lane, 16);
+        if (pos < lim[0]) out[(long long)(s.first_row + q_hi) * stride_out + pos] = v0 * scale;
+        mma_wait();
+        __syncwarp();
+        if (lane == 0) bar_arrive(&empty[slot]);
+        const float v1 = group_sum(acc2, group_weights(w_buf, b, 1, lane), lane, 16);
+        if (pos < lim[1]) out[(long long)(s.first_row + 2 + q_hi) * stride_out + pos] = v1 * scale;
+        continue;
+      }
+#endif
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
         if (g < groups) {
