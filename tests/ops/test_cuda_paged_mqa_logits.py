@@ -962,12 +962,17 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
 # a row group with absent rows running its full m64n128 wgmma (HALF_MMA=0, the
 # default before), with its chain's descriptors built from addresses or stepped
 # from its first (the same descriptors); the evict-first build the launcher
-# takes for short hints (only the page loads' L2 policy differs)
+# takes for short hints (only the page loads' L2 policy differs); 3 math
+# warpgroups with the two-deep pipeline over a chunk's (page, row group) units,
+# in blocks of 1, 2 or 4 pages (64 heads; the same products summed in the same
+# order)
 AB_BUILDS = (("EVICT_FIRST=1",), ("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",),
              ("STAGES=4",), ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"),
              ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=0",),
-             ("HALF_MMA=0", "DESC_STEP=1"))
-HEADS_64_ONLY = ("WEIGHTS_REG=1",)
+             ("HALF_MMA=0", "DESC_STEP=1"), ("NUM_MATH=3", "DUAL_ACC=1"),
+             ("NUM_MATH=3", "DUAL_ACC=2"), ("NUM_MATH=3", "DUAL_ACC=4"),
+             ("NUM_MATH=3", "DUAL_ACC=2", "EVICT_FIRST=1"))
+HEADS_64_ONLY = ("WEIGHTS_REG=1", "DUAL_ACC=1", "DUAL_ACC=2", "DUAL_ACC=4")
 
 
 def _ab_builds(heads):

@@ -47,14 +47,18 @@ typedef unsigned char u8;
 #ifndef NUM_MATH       // math warpgroups (an A/B build may take 3: 152 registers each)
 #define NUM_MATH 4
 #endif
+#ifndef DUAL_ACC      // n (NUM_MATH=3, 64 heads, the CUDA-core head sum): a chunk's (page, row
+#define DUAL_ACC 0      // group) units in two accumulators, unit i + 1's QK chain under unit i's
+#endif                  // head sum (pipe_block), in blocks of n pages of two row groups (2n
+                        // pages of one); 160 registers per math thread, 24 per producer
 #ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
-#define MATH_REGS (NUM_MATH == 4 ? 104 : 152)
+#define MATH_REGS (NUM_MATH == 4 ? 104 : DUAL_ACC ? 160 : 152)
 #endif
 #ifndef WEIGHTS_REG    // 1: a lane keeps its chunk's weights in registers for the chunk's
 #define WEIGHTS_REG 0  // pages instead of reading them per page (an A/B build, NUM_MATH=3)
 #endif
 #ifndef PRODUCER_REGS
-#define PRODUCER_REGS 40
+#define PRODUCER_REGS (DUAL_ACC ? 24 : 40)
 #endif
 #if NUM_MATH != 4 && NUM_MATH != 3
 #error "NUM_MATH: 4 or 3 math warpgroups"
@@ -77,12 +81,7 @@ typedef unsigned char u8;
 #define DESC_STEP HALF_MMA  // bytes along K: the start-address field, 16-byte units) instead
 #endif                // of each built from its address (fewer uniform ops; HALF_MMA's
                       // default: without it NVRTC 13.0's ptxas serialises the wgmmas)
-#ifndef DUAL_ACC      // 1 (NUM_MATH=3, 64 heads, CUDA-core head sum): a full chunk's two row
-#define DUAL_ACC 0      // groups into two accumulators, both QK chains issued at once and the
-#endif                  // second running under the first group's head sum; 2 or 4: also across
-                        // pages, in blocks of that many (the next page's first chain under this
-                        // page's second head sum)
-#if DUAL_ACC && (NUM_MATH != 3 || RG != 2 || HEAD_SUM_TC || WEIGHTS_REG || STAMPS >= 2)
+#if DUAL_ACC && (NUM_MATH != 3 || RG != 2 || HEAD_SUM_TC || WEIGHTS_REG || STAMPS)
 #error "DUAL_ACC is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
 #endif
 #if HALF_MMA && !DESC_STEP
@@ -490,62 +489,72 @@ DEV float2 group_logit4_tc(float (&acc)[64], const u8* page, const u8* qg, const
 #endif
 #endif
 
-#if DUAL_ACC >= 2
-// K consecutive pages of this warpgroup in a full chunk (DUAL_ACC=2 or 4:
-// K = 1 or DUAL_ACC), from page p (item j of the ring): both chains of the
-// first page issued, then per page the first group's head sum under the
-// second chain, and the second group's under the next page's first chain.
-// Nothing stays in flight past the block (chains pending across a loop's back
-// edge make NVRTC's ptxas serialise every wgmma of the kernel).
-template <int K>
-DEV void dual_block(float (&acc)[64], float (&acc2)[64], int p, int& j, int ring,
-                    const int (&lim)[GMAX], int tok, int lane, u8* kv_ring, const float* sc_ring,
-                    const u8* q0, const SmemWeights& w0, const SmemWeights& w1, u64* full,
-                    u64* empty, float* o0, float* o1) {
-  int slot = ring * STAGES + j % STAGES;
-  bar_wait(&full[slot], (j / STAGES) & 1);
-  qk_issue(acc, kv_ring + slot * SLOT_BYTES, q0);
-  qk_issue(acc2, kv_ring + slot * SLOT_BYTES, q0 + Q_GROUP_BYTES);
+#if DUAL_ACC
+// The two-deep pipeline (DUAL_ACC): a chunk's units (page, row group), in
+// order, go alternately into acc and acc2, and unit i + 1's QK chain runs
+// under unit i's head sum.  G: the chunk's row groups (1 or 2); half: its last
+// group has one row.  One block: K consecutive pages of this warpgroup from
+// page p (item j of its ring), all chains waited for at its end (chains
+// pending across a loop's back edge make NVRTC's ptxas serialise every wgmma
+// of the kernel).  A page's slot goes back once its last unit's chain is done;
+// its scale is read before.
+struct Chunk {
+  const u8* q;            // the chunk's first row group's queries (the second follows)
+  SmemWeights w[GMAX];    // its groups' weights, at this lane
+  float* o[GMAX];         // this lane's row of each group
+  int lim[GMAX];          // this lane's row's visible tokens, per group
+};
+
+template <int G, int K, bool HALF>
+DEV void pipe_block(float (&acc)[64], float (&acc2)[64], const Chunk& c, int p, int& j, int ring,
+                    int tok, int lane, u8* kv_ring, const float* sc_ring, u64* full, u64* empty) {
+  constexpr int N = G * K;
+  float scale = 0.f;
 #pragma unroll
-  for (int t = 0; t < K; ++t) {
-    const float scale = sc_ring[slot * PAGE + tok];
-    const int pos = (p + t * NUM_MATH) * PAGE + tok;
-    mma_wait1();
-    const float v0 = group_sum(acc, w0, lane, 16);
-    if (pos < lim[0]) o0[pos] = v0 * scale;
-    mma_wait();
-    __syncwarp();
-    if (lane == 0) bar_arrive(&empty[slot]);
-    const int next = ring * STAGES + (j + t + 1) % STAGES;
-    if (t + 1 < K) {
-      bar_wait(&full[next], ((j + t + 1) / STAGES) & 1);
-      qk_issue(acc, kv_ring + next * SLOT_BYTES, q0);
+  for (int i = 0; i <= N; ++i) {
+    // issue unit i (at step i - 2's end, or in the block's prologue)
+    if (i < N) {
+      const int t = i / G, g = i % G, slot = ring * STAGES + (j + t) % STAGES;
+      if (g == 0) bar_wait(&full[slot], ((j + t) / STAGES) & 1);
+      const u8* page = kv_ring + slot * SLOT_BYTES;
+      if (i % 2 == 0) qk_issue(acc, page, c.q + g * Q_GROUP_BYTES);
+      else qk_issue(acc2, page, c.q + g * Q_GROUP_BYTES);
     }
-    const float v1 = group_sum(acc2, w1, lane, 16);
-    if (pos < lim[1]) o1[pos] = v1 * scale;
-    if (t + 1 < K) qk_issue(acc2, kv_ring + next * SLOT_BYTES, q0 + Q_GROUP_BYTES);
-    slot = next;
+    // retire unit u = i - 1 once unit i is issued (i >= 1): wait, sum, store
+    const int u = i - 1;
+    if (u < 0 || u >= N) continue;
+    const int t = u / G, g = u % G, slot = ring * STAGES + (j + t) % STAGES;
+    if (u + 1 < N) mma_wait1(); else mma_wait();
+    if (g == 0) scale = sc_ring[slot * PAGE + tok];
+    if (g == G - 1) {  // the page's last chain done: its slot goes back
+      __syncwarp();
+      if (lane == 0) bar_arrive(&empty[slot]);
+    }
+    const int n_end = HALF && g == G - 1 ? 8 : 16;
+    const float v = u % 2 == 0 ? group_sum(acc, c.w[g], lane, n_end)
+                               : group_sum(acc2, c.w[g], lane, n_end);
+    const int pos = (p + t * NUM_MATH) * PAGE + tok;
+    if (pos < c.lim[g]) c.o[g][pos] = v * scale;
   }
   j += K;
 }
 
-// This warpgroup's pages of a full chunk: blocks of DUAL_ACC pages, the rest
-// one at a time.
-DEV void dual_pages(float (&acc)[64], float (&acc2)[64], const Seg& s, int ring, int& j, int b,
-                    const int (&lim)[GMAX], int q_hi, int tok, int lane, u8* kv_ring,
-                    const float* sc_ring, const u8* q_buf, const float* w_buf, u64* full,
-                    u64* empty, float* out, long long stride_out) {
-  const u8* q0 = q_buf + b * GMAX * Q_GROUP_BYTES;
-  const SmemWeights w0 = group_weights(w_buf, b, 0, lane), w1 = group_weights(w_buf, b, 1, lane);
-  float* o0 = out + (long long)(s.first_row + q_hi) * stride_out;
-  float* o1 = out + (long long)(s.first_row + 2 + q_hi) * stride_out;
+// A chunk's pages of this warpgroup: blocks of K pages (K: DUAL_ACC pages of
+// two row groups, twice as many of one), then of 2, then 1.
+template <int G, bool HALF>
+DEV void pipe_pages(float (&acc)[64], float (&acc2)[64], const Chunk& c, const Seg& s, int& j,
+                    int ring, int tok, int lane, u8* kv_ring, const float* sc_ring, u64* full,
+                    u64* empty) {
+  constexpr int K = DUAL_ACC * (3 - G);
   int p = first_page(s, ring);
-  for (; p + (DUAL_ACC - 1) * NUM_MATH < s.page_hi; p += DUAL_ACC * NUM_MATH)
-    dual_block<DUAL_ACC>(acc, acc2, p, j, ring, lim, tok, lane, kv_ring, sc_ring, q0, w0, w1,
-                         full, empty, o0, o1);
+  for (; p + (K - 1) * NUM_MATH < s.page_hi; p += K * NUM_MATH)
+    pipe_block<G, K, HALF>(acc, acc2, c, p, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
+  if (K > 2 && p + NUM_MATH < s.page_hi) {
+    pipe_block<G, 2, HALF>(acc, acc2, c, p, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
+    p += 2 * NUM_MATH;
+  }
   for (; p < s.page_hi; p += NUM_MATH)
-    dual_block<1>(acc, acc2, p, j, ring, lim, tok, lane, kv_ring, sc_ring, q0, w0, w1, full,
-                  empty, o0, o1);
+    pipe_block<G, 1, HALF>(acc, acc2, c, p, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
 }
 #endif
 
@@ -690,12 +699,27 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
     const float4* wt_lane = reinterpret_cast<const float4*>(
         wt_seg + 16 * WT_CLASS_F4 * (4 * ((lane >> 2) & 1) + (lane & 3)));
 #endif
-#if DUAL_ACC >= 2
-    if (s.n_rows == ROWS_MAX)
-      dual_pages(acc, acc2, s, ring, j, b, lim, q_hi, tok, lane, kv_ring, sc_ring, q_buf, w_buf,
-                 full, empty, out, stride_out);
-    else
-#endif
+#if DUAL_ACC
+    Chunk c;
+    c.q = q_buf + b * GMAX * Q_GROUP_BYTES;
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      c.w[g] = group_weights(w_buf, b, g, lane);
+      c.o[g] = out + (long long)(s.first_row + RG * g + q_hi) * stride_out;
+      c.lim[g] = lim[g];
+    }
+    if (groups == 2) {
+      if (s.n_rows == ROWS_MAX)
+        pipe_pages<2, false>(acc, acc2, c, s, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
+      else
+        pipe_pages<2, true>(acc, acc2, c, s, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
+    } else {
+      if (s.n_rows == RG)
+        pipe_pages<1, false>(acc, acc2, c, s, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
+      else
+        pipe_pages<1, true>(acc, acc2, c, s, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
+    }
+#else
     for (int p = first_page(s, ring); p < s.page_hi; p += NUM_MATH, ++j) {
       const int slot = ring * STAGES + j % STAGES;
 #if STAMPS >= 2
@@ -716,22 +740,6 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       const float scale0 = sc_ring[slot * PAGE + tok], scale1 = sc_ring[slot * PAGE + tok + 8];
 #endif
       const int pos = p * PAGE + tok;
-#if DUAL_ACC == 1
-      if (s.n_rows == ROWS_MAX) {  // both groups full: both chains at once
-        const u8* q0 = q_buf + b * GMAX * Q_GROUP_BYTES;
-        qk_issue(acc, page, q0);
-        qk_issue(acc2, page, q0 + Q_GROUP_BYTES);
-        mma_wait1();
-        const float v0 = group_sum(acc, group_weights(w_buf, b, 0, lane), lane, 16);
-        if (pos < lim[0]) out[(long long)(s.first_row + q_hi) * stride_out + pos] = v0 * scale;
-        mma_wait();
-        __syncwarp();
-        if (lane == 0) bar_arrive(&empty[slot]);
-        const float v1 = group_sum(acc2, group_weights(w_buf, b, 1, lane), lane, 16);
-        if (pos < lim[1]) out[(long long)(s.first_row + 2 + q_hi) * stride_out + pos] = v1 * scale;
-        continue;
-      }
-#endif
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
         if (g < groups) {
@@ -792,6 +800,7 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       prof_add(3, 1);
 #endif
     }
+#endif  // DUAL_ACC
     __syncwarp();
     if (lane == 0) bar_arrive(&q_empty[b]);
   }
