@@ -964,13 +964,16 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
 # from its first (the same descriptors); the evict-first build the launcher
 # takes for short hints (only the page loads' L2 policy differs); 3 math
 # warpgroups with the two-deep pipeline over a chunk's (page, row group) units,
-# in blocks of 1, 2 or 4 pages (64 heads; the same products summed in the same
-# order)
+# in blocks of 1, 2 or 4 pages, each chain issued as soon as its accumulator is
+# free, a half group's chain over 64 columns (64 heads; the same products summed
+# in the same order)
 AB_BUILDS = (("EVICT_FIRST=1",), ("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",),
              ("STAGES=4",), ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"),
              ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=0",),
              ("HALF_MMA=0", "DESC_STEP=1"), ("NUM_MATH=3", "DUAL_ACC=1"),
              ("NUM_MATH=3", "DUAL_ACC=2"), ("NUM_MATH=3", "DUAL_ACC=4"),
+             ("NUM_MATH=3", "DUAL_ACC=2", "PIPE_EARLY=1"), ("NUM_MATH=3", "DUAL_ACC=4", "PIPE_EARLY=1"),
+             ("NUM_MATH=3", "DUAL_ACC=4", "PIPE_HALF=1"), ("NUM_MATH=3", "DUAL_ACC=1", "PIPE_HALF=1"),
              ("NUM_MATH=3", "DUAL_ACC=2", "EVICT_FIRST=1"))
 HEADS_64_ONLY = ("WEIGHTS_REG=1", "DUAL_ACC=1", "DUAL_ACC=2", "DUAL_ACC=4")
 

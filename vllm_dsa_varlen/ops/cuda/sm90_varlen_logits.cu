@@ -81,6 +81,12 @@ typedef unsigned char u8;
 #define DESC_STEP HALF_MMA  // bytes along K: the start-address field, 16-byte units) instead
 #endif                // of each built from its address (fewer uniform ops; HALF_MMA's
                       // default: without it NVRTC 13.0's ptxas serialises the wgmmas)
+#ifndef PIPE_EARLY    // DUAL_ACC: 1 issues each chain as soon as its accumulator is free
+#define PIPE_EARLY 0    // (A/B); 0 a page's first chain only once the page before is handed back
+#endif
+#ifndef PIPE_HALF     // DUAL_ACC: a two-group chunk's half group's chain over its first 64
+#define PIPE_HALF 0     // columns (m64n64; A/B: ptxas serialises DUAL_ACC=2's wgmmas with it)
+#endif
 #if DUAL_ACC && (NUM_MATH != 3 || RG != 2 || HEAD_SUM_TC || WEIGHTS_REG || STAMPS)
 #error "DUAL_ACC is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
 #endif
@@ -263,13 +269,16 @@ DEV void qk_group(float (&acc)[64], const u8* page, const u8* qg, u64* slot_empt
 }
 
 #if DUAL_ACC
-// A row group's QK chain issued and committed, not waited (DUAL_ACC).
-DEV void qk_issue(float (&acc)[64], const u8* page, const u8* qg) {
+// A row group's QK chain issued and committed, not waited (DUAL_ACC); half:
+// over its first 64 columns (its first row's heads).
+DEV void qk_issue(float (&acc)[64], const u8* page, const u8* qg, bool half) {
   mma_fence();
   const u64 a0 = sw128_desc(page), b0 = sw128_desc(qg);
 #pragma unroll
-  for (int kk = 0; kk < DIM / 32; ++kk)
-    mma_64x128x32(acc, desc_at(a0, page, kk), desc_at(b0, qg, kk), kk > 0);
+  for (int kk = 0; kk < DIM / 32; ++kk) {
+    if (half) mma_64x64x32(acc, desc_at(a0, page, kk), desc_at(b0, qg, kk), kk > 0);
+    else mma_64x128x32(acc, desc_at(a0, page, kk), desc_at(b0, qg, kk), kk > 0);
+  }
   mma_commit();
 }
 DEV void mma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
@@ -509,32 +518,42 @@ template <int G, int K, bool HALF>
 DEV void pipe_block(float (&acc)[64], float (&acc2)[64], const Chunk& c, int p, int& j, int ring,
                     int tok, int lane, u8* kv_ring, const float* sc_ring, u64* full, u64* empty) {
   constexpr int N = G * K;
+  // unit v's chain: into acc (v even) or acc2, its page's slot waited for
+  // when v is the page's first unit; a two-group chunk's half group's over
+  // its first 64 columns (PIPE_HALF)
+  auto issue = [&](int v) {
+    const int t = v / G, g = v % G, slot = ring * STAGES + (j + t) % STAGES;
+    if (g == 0) bar_wait(&full[slot], ((j + t) / STAGES) & 1);
+    const u8* page = kv_ring + slot * SLOT_BYTES;
+    const u8* qg = c.q + g * Q_GROUP_BYTES;
+    const bool half = PIPE_HALF && HALF && G == 2 && g == 1;
+    if (v % 2 == 0) qk_issue(acc, page, qg, half);
+    else qk_issue(acc2, page, qg, half);
+  };
+  // is unit v issued before step v - 1 waits (PIPE_EARLY: every unit, at
+  // step v - 2's end; else only a page's second unit, its first one issued
+  // once the page before is handed back)
+  auto early = [](int v) { return PIPE_EARLY || v % G != 0; };
   float scale = 0.f;
+  issue(0);
+  if (N > 1 && early(1)) issue(1);
 #pragma unroll
-  for (int i = 0; i <= N; ++i) {
-    // issue unit i (at step i - 2's end, or in the block's prologue)
-    if (i < N) {
-      const int t = i / G, g = i % G, slot = ring * STAGES + (j + t) % STAGES;
-      if (g == 0) bar_wait(&full[slot], ((j + t) / STAGES) & 1);
-      const u8* page = kv_ring + slot * SLOT_BYTES;
-      if (i % 2 == 0) qk_issue(acc, page, c.q + g * Q_GROUP_BYTES);
-      else qk_issue(acc2, page, c.q + g * Q_GROUP_BYTES);
-    }
-    // retire unit u = i - 1 once unit i is issued (i >= 1): wait, sum, store
-    const int u = i - 1;
-    if (u < 0 || u >= N) continue;
+  for (int u = 0; u < N; ++u) {
     const int t = u / G, g = u % G, slot = ring * STAGES + (j + t) % STAGES;
-    if (u + 1 < N) mma_wait1(); else mma_wait();
+    const bool next = u + 1 < N, pre = next && early(u + 1);
+    if (pre) mma_wait1(); else mma_wait();
     if (g == 0) scale = sc_ring[slot * PAGE + tok];
     if (g == G - 1) {  // the page's last chain done: its slot goes back
       __syncwarp();
       if (lane == 0) bar_arrive(&empty[slot]);
     }
+    if (next && !pre) issue(u + 1);
     const int n_end = HALF && g == G - 1 ? 8 : 16;
     const float v = u % 2 == 0 ? group_sum(acc, c.w[g], lane, n_end)
                                : group_sum(acc2, c.w[g], lane, n_end);
     const int pos = (p + t * NUM_MATH) * PAGE + tok;
     if (pos < c.lim[g]) c.o[g][pos] = v * scale;
+    if (u + 2 < N && early(u + 2)) issue(u + 2);
   }
   j += K;
 }
