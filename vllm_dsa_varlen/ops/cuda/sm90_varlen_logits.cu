@@ -49,8 +49,9 @@ typedef unsigned char u8;
 #endif
 #ifndef DUAL_ACC      // n (NUM_MATH=3, 64 heads, the CUDA-core head sum): a chunk's (page, row
 #define DUAL_ACC 0      // group) units in two accumulators, unit i + 1's QK chain under unit i's
-#endif                  // head sum (pipe_block), in blocks of n pages of two row groups (2n
-                        // pages of one); 160 registers per math thread, 24 per producer
+#endif                  // head sum (pipe_block), in blocks of n pages of two full row groups
+                        // (four units for other chunks: pipe_pages); 160 registers per math
+                        // thread, 24 per producer
 #ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
 #define MATH_REGS (NUM_MATH == 4 ? 104 : DUAL_ACC ? 160 : 152)
 #endif
@@ -83,6 +84,9 @@ typedef unsigned char u8;
                       // default: without it NVRTC 13.0's ptxas serialises the wgmmas)
 #ifndef PIPE_EARLY    // DUAL_ACC: 1 issues each chain as soon as its accumulator is free
 #define PIPE_EARLY 0    // (A/B); 0 a page's first chain only once the page before is handed back
+#endif
+#ifndef PIPE_UNITS    // DUAL_ACC: units per block of a chunk other than two full groups (2 or 4)
+#define PIPE_UNITS 4
 #endif
 #ifndef PIPE_HALF     // DUAL_ACC: a two-group chunk's half group's chain over its first 64
 #define PIPE_HALF 0     // columns (m64n64; A/B: ptxas serialises DUAL_ACC=2's wgmmas with it)
@@ -558,13 +562,14 @@ DEV void pipe_block(float (&acc)[64], float (&acc2)[64], const Chunk& c, int p, 
   j += K;
 }
 
-// A chunk's pages of this warpgroup: blocks of K pages (K: DUAL_ACC pages of
-// two row groups, twice as many of one), then of 2, then 1.
+// A chunk's pages of this warpgroup: blocks of K pages (DUAL_ACC pages of two
+// full row groups; PIPE_UNITS units for other chunks: 4 = 2 pages of a
+// two-group chunk with a half group, 4 of one group), then of 2, then 1.
 template <int G, bool HALF>
 DEV void pipe_pages(float (&acc)[64], float (&acc2)[64], const Chunk& c, const Seg& s, int& j,
                     int ring, int tok, int lane, u8* kv_ring, const float* sc_ring, u64* full,
                     u64* empty) {
-  constexpr int K = DUAL_ACC * (3 - G);
+  constexpr int K = G == 2 && !HALF ? DUAL_ACC : PIPE_UNITS / G;
   int p = first_page(s, ring);
   for (; p + (K - 1) * NUM_MATH < s.page_hi; p += K * NUM_MATH)
     pipe_block<G, K, HALF>(acc, acc2, c, p, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
