@@ -103,7 +103,7 @@ def test_the_build_follows_the_run_length_hint():
     warpgroups, two accumulators), the tensor-core one and 32 heads are not;
     the head sum adds its macro."""
     pipe = ck.PIPELINE
-    assert set(pipe) == {"NUM_MATH=3", "DUAL_ACC=2"}
+    assert set(pipe) == {"NUM_MATH=3", "DUAL_ACC=4", "PIPE_HALF=1"}
     assert [ck.defines_for(n, "fp32") for n in (1, 2, 3, 4, 8, 16)] == (
         [("EVICT_FIRST=1", *pipe)] * 2 + [pipe] * 4)
     assert [ck.defines_for(n, "fp32", heads=64) for n in (1, 2, 3)] == (
@@ -290,7 +290,8 @@ def _four_warpgroups(hint, head_sum, heads=ck.HEADS) -> tuple:
                     reason=f"needs NVRTC and cuobjdump (NVRTC: {NVRTC})")
 def test_pipelined_build_keeps_a_chain_in_flight_under_each_head_sum():
     """SASS of the pipelined build (the launcher's at 64 heads, float32): each
-    QK chain is one fence and DIM / 32 = 4 m64n128 wgmmas (ptxas did not
+    QK chain is one fence and DIM / 32 = 4 wgmmas (m64n128, or m64n64 for a
+    half group: PIPE_HALF; ptxas did not
     serialise them: that would fence every wgmma), and the head sums wait
     with one chain still in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) as
     well as with none; the four-warpgroup build only ever waits for none."""
@@ -306,7 +307,7 @@ def test_pipelined_build_keeps_a_chain_in_flight_under_each_head_sum():
         pipe, four = sass(ck.defines_for(hint, "fp32")), sass(_four_warpgroups(hint, "fp32"))
         chains = len(re.findall(r"WARPGROUP\.ARRIVE", pipe))
         assert chains >= 8
-        assert len(re.findall(r"QGMMA\.64x128x32", pipe)) == 4 * chains
+        assert len(re.findall(r"QGMMA\.64x(?:128|64)x32", pipe)) == 4 * chains
         assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", pipe)
         assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", pipe)
         assert not re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", four)

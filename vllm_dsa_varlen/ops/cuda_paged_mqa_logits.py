@@ -128,7 +128,7 @@ HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 # and level on 3-token and variable ones (H200, one process, rounds
 # interleaved: docs/results/h200-<commit>/pipe.*).  The tensor-core head sum
 # and 32 heads (a row group of four rows) keep four math warpgroups.
-PIPELINE = ("NUM_MATH=3", "DUAL_ACC=2")
+PIPELINE = ("NUM_MATH=3", "DUAL_ACC=4", "PIPE_HALF=1")
 
 # The head sum (``read_head_sum``): "fp32" on the CUDA cores (the default build,
 # DeepGEMM's arithmetic) or "tf32" on the tensor cores (HEAD_SUM_TC=1).
