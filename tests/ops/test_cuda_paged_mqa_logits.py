@@ -103,7 +103,7 @@ def test_the_build_follows_the_run_length_hint():
     warpgroups, two accumulators), the tensor-core one and 32 heads are not;
     the head sum adds its macro."""
     pipe = ck.PIPELINE
-    assert set(pipe) == {"NUM_MATH=3", "DUAL_ACC=4", "PIPE_HALF=1"}
+    assert set(pipe) == {"NUM_MATH=3", "DUAL_ACC=4"}
     assert [ck.defines_for(n, "fp32") for n in (1, 2, 3, 4, 8, 16)] == (
         [("EVICT_FIRST=1", *pipe)] * 2 + [pipe] * 4)
     assert [ck.defines_for(n, "fp32", heads=64) for n in (1, 2, 3)] == (
@@ -1037,20 +1037,17 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
 # default before), with its chain's descriptors built from addresses or stepped
 # from its first (the same descriptors); the evict-first build the launcher
 # takes for short hints (only the page loads' L2 policy differs); 3 math
-# warpgroups with the two-deep pipeline over a chunk's (page, row group) units,
-# in blocks of 1, 2 or 4 pages, each chain issued as soon as its accumulator is
-# free, a half group's chain over 64 columns (64 heads; the same products summed
-# in the same order)
+# warpgroups with the two-deep pipeline over a chunk's (page, row group) units
+# (the launcher's build at 64 heads), with and without the evict-first hint,
+# with a half group's full m64n128 chain, in blocks of 2 or 1 pages (64 heads;
+# the same products summed in the same order)
 AB_BUILDS = (("EVICT_FIRST=1",), ("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",),
              ("STAGES=4",), ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"),
              ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=0",),
-             ("HALF_MMA=0", "DESC_STEP=1"), ("NUM_MATH=3", "DUAL_ACC=1"),
-             ("NUM_MATH=3", "DUAL_ACC=2"), ("NUM_MATH=3", "DUAL_ACC=4"),
-             ("NUM_MATH=3", "DUAL_ACC=2", "PIPE_EARLY=1"), ("NUM_MATH=3", "DUAL_ACC=4", "PIPE_EARLY=1"),
-             ("NUM_MATH=3", "DUAL_ACC=4", "PIPE_HALF=1"),
-             ("NUM_MATH=3", "DUAL_ACC=2", "EVICT_FIRST=1"))
+             ("HALF_MMA=0", "DESC_STEP=1"), ("NUM_MATH=3", "DUAL_ACC=4"),
+             ("NUM_MATH=3", "DUAL_ACC=4", "EVICT_FIRST=1"), ("NUM_MATH=3", "DUAL_ACC=4", "PIPE_HALF=0"),
+             ("NUM_MATH=3", "DUAL_ACC=2", "PIPE_HALF=0"), ("NUM_MATH=3", "DUAL_ACC=1", "PIPE_HALF=0"))
 HEADS_64_ONLY = ("WEIGHTS_REG=1", "DUAL_ACC=1", "DUAL_ACC=2", "DUAL_ACC=4")
-# (DUAL_ACC=2 with PIPE_HALF=1: ptxas serialises its wgmmas, not an A/B build)
 
 
 def _ab_builds(heads):

@@ -121,14 +121,16 @@ HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 # 1.016x in evict-64h.log), so longer hints keep the default build.
 #
 # At 64 heads with the float32 head sum every hint takes the pipelined build
-# (:data:`PIPELINE`): three math warpgroups, each with two accumulators, a
-# row group's QK chain running under the previous one's head sum (the same
-# products summed in the same order: the default build's bits).  It measured
-# 2.6-4.6 % faster than the four-warpgroup build on uniform 2- and 4-token steps
-# and level on 3-token and variable ones (H200, one process, rounds
-# interleaved: docs/results/h200-<commit>/pipe.*).  The tensor-core head sum
-# and 32 heads (a row group of four rows) keep four math warpgroups.
-PIPELINE = ("NUM_MATH=3", "DUAL_ACC=4", "PIPE_HALF=1")
+# (:data:`PIPELINE`): three math warpgroups, each with two accumulators, a row
+# group's QK chain running under the previous one's head sum (the same products
+# summed in the same order: the four-warpgroup build's bits).  H200, one
+# process beside DeepGEMM 2.8.1, rounds interleaved (docs/results/h200-9f1a909/):
+# 0.94-0.97x the four-warpgroup build's time on uniform 4-token steps, 0.95 on
+# variable ones, 0.94 at 6 and 8 tokens, 0.96-0.97x the evict-first build's on
+# 2 tokens; level at B1 and 1 token; 3 tokens 1.01 [0.92, 1.10].  The
+# tensor-core head sum and 32 heads (a row group of four rows) keep four math
+# warpgroups.
+PIPELINE = ("NUM_MATH=3", "DUAL_ACC=4")
 
 # The head sum (``read_head_sum``): "fp32" on the CUDA cores (the default build,
 # DeepGEMM's arithmetic) or "tf32" on the tensor cores (HEAD_SUM_TC=1).

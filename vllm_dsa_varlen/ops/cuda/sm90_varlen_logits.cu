@@ -82,15 +82,9 @@ typedef unsigned char u8;
 #define DESC_STEP HALF_MMA  // bytes along K: the start-address field, 16-byte units) instead
 #endif                // of each built from its address (fewer uniform ops; HALF_MMA's
                       // default: without it NVRTC 13.0's ptxas serialises the wgmmas)
-#ifndef PIPE_EARLY    // DUAL_ACC: 1 issues each chain as soon as its accumulator is free
-#define PIPE_EARLY 0    // (A/B); 0 a page's first chain only once the page before is handed back
-#endif
-#ifndef PIPE_UNITS    // DUAL_ACC: units per block of a chunk other than two full groups (2 or 4)
-#define PIPE_UNITS 4
-#endif
 #ifndef PIPE_HALF     // DUAL_ACC: a two-group chunk's half group's chain over its first 64
-#define PIPE_HALF 0     // columns (m64n64; A/B: ptxas serialises DUAL_ACC=2's wgmmas with it)
-#endif
+#define PIPE_HALF 1     // columns (m64n64; 0: its full m64n128, as DUAL_ACC=1 and 2 need:
+#endif                  // ptxas serialises their wgmmas with it)
 #if DUAL_ACC && (NUM_MATH != 3 || RG != 2 || HEAD_SUM_TC || WEIGHTS_REG || STAMPS)
 #error "DUAL_ACC is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
 #endif
@@ -534,10 +528,11 @@ DEV void pipe_block(float (&acc)[64], float (&acc2)[64], const Chunk& c, int p, 
     if (v % 2 == 0) qk_issue(acc, page, qg, half);
     else qk_issue(acc2, page, qg, half);
   };
-  // is unit v issued before step v - 1 waits (PIPE_EARLY: every unit, at
-  // step v - 2's end; else only a page's second unit, its first one issued
-  // once the page before is handed back)
-  auto early = [](int v) { return PIPE_EARLY || v % G != 0; };
+  // is unit v issued before step v - 1 waits: a page's second unit, at step
+  // v - 2's end; a page's first one only once the page before is handed back
+  // (issuing it earlier, under the page before's second head sum, measured
+  // no faster)
+  auto early = [](int v) { return v % G != 0; };
   float scale = 0.f;
   issue(0);
   if (N > 1 && early(1)) issue(1);
@@ -563,13 +558,15 @@ DEV void pipe_block(float (&acc)[64], float (&acc2)[64], const Chunk& c, int p, 
 }
 
 // A chunk's pages of this warpgroup: blocks of K pages (DUAL_ACC pages of two
-// full row groups; PIPE_UNITS units for other chunks: 4 = 2 pages of a
-// two-group chunk with a half group, 4 of one group), then of 2, then 1.
+// full row groups; four units for other chunks: 2 pages of a two-group chunk
+// with a half group, 4 of one group), then of 2, then 1.  (DUAL_ACC=4 for
+// every chunk made the kernel 156 KB of code, and variable steps, which run
+// every copy, 6-16 % slower: instruction fetch.)
 template <int G, bool HALF>
 DEV void pipe_pages(float (&acc)[64], float (&acc2)[64], const Chunk& c, const Seg& s, int& j,
                     int ring, int tok, int lane, u8* kv_ring, const float* sc_ring, u64* full,
                     u64* empty) {
-  constexpr int K = G == 2 && !HALF ? DUAL_ACC : PIPE_UNITS / G;
+  constexpr int K = G == 2 && !HALF ? DUAL_ACC : 4 / G;
   int p = first_page(s, ring);
   for (; p + (K - 1) * NUM_MATH < s.page_hi; p += K * NUM_MATH)
     pipe_block<G, K, HALF>(acc, acc2, c, p, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
