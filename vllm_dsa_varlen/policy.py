@@ -174,12 +174,14 @@ class Rule:
 # "Per step: varlen against what stock runs").  Each "flattened" rule covers only steps
 # like the measured rows where varlen was at least as fast as DeepGEMM
 # flattened; the "split" rule was timed against an emulation of stock's
-# split path (see its note).  No rule replaces stock's native kernel: against
-# DeepGEMM native next_n = 2 and (vLLM 0.33) next_n = 4, in one process with
-# the paths in a balanced order, varlen read 0.96-1.05x (h200-c63c922); with
-# the small-step cut 1.02-1.09x of next_n = 4 only on steps of <= 512 pages,
-# 0.98-1.01x above (h200-ea919aa), and a captured step's choice cannot see pages.
-# Where no rule matches, stock is kept.
+# split path (see its note).  Stock's native kernel (DeepGEMM next_n = 2, and
+# next_n = 4 on vLLM 0.33) is replaced only by the CUDA sm_90 kernel's
+# pipelined build, on large uniform steps (the "native" rules; h200-9f1a909:
+# one process beside DeepGEMM 2.8.1, rounds interleaved).  Before it the
+# four-warpgroup kernel read 0.96-1.05x native (h200-c63c922; with the
+# small-step cut 1.02-1.09x of next_n = 4 only on steps of <= 512 pages,
+# h200-ea919aa), and no rule replaced native.  Where no rule matches, stock is
+# kept.
 MEASURED: tuple[Rule, ...] = (
     # A non-uniform step that stock splits to the prefill path: the prefill
     # path gathers the tail requests' KV into a workspace (reading and writing
@@ -234,6 +236,18 @@ MEASURED: tuple[Rule, ...] = (
          min_tokens_per_request=4.5, uniform=False, kernel="cuda_sm90",
          note="variable steps up to 8 tokens, B64 L8K 1..8 (4.67 tokens per request): 1.19x "
               "DeepGEMM flattened (CUDA sm_90 kernel; Gluon 0.84x, portable 0.71x)"),
+    # Stock's native kernel on large uniform steps (h200-9f1a909: the pipelined
+    # build, ratios per round, medians).  Smaller uniform steps also read
+    # faster (4 tokens: B16 L16K 1.03x, B8 L128K 1.04x, B1 L8K 1.06x; 2 tokens:
+    # B16 L16K 1.10x) but gain at most ~120 us of GPU time a step over 61
+    # layers, about what the varlen build costs the host in vLLM 0.33's engine
+    # (+95 us a step): left to native.
+    Rule("native", min_run=4, max_run_le=4, min_rows=256, uniform=True, kernel="cuda_sm90",
+         note="uniform 4 tokens, >= 256 rows: B64 L8K 1.05x, B128 L8K 1.05x, B256 L8K 1.08x, "
+              "B64 L32K 1.09x DeepGEMM native next_n = 4 (CUDA sm_90 kernel, pipelined build)"),
+    Rule("native", min_run=2, max_run_le=2, min_rows=128, uniform=True, kernel="cuda_sm90",
+         note="uniform 2 tokens, >= 128 rows: B64 L32K 1.04x, B128 L8K 1.06x, B256 L4K 1.06x "
+              "DeepGEMM native next_n = 2 (CUDA sm_90 kernel, pipelined build)"),
 )
 
 

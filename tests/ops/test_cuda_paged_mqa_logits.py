@@ -99,11 +99,15 @@ def test_plan_refuses_other_chunk_sizes():
 def test_the_build_follows_the_run_length_hint():
     """Hints whose rows fit one row group (2 rows at 64 heads, 4 at 32: one row
     group per page) take the evict-first build, longer ones the default build;
+    at 64 heads the float32 head sum is pipelined (PIPELINE: three math
+    warpgroups, two accumulators), the tensor-core one and 32 heads are not;
     the head sum adds its macro."""
+    pipe = ck.PIPELINE
+    assert set(pipe) == {"NUM_MATH=3", "DUAL_ACC=4"}
     assert [ck.defines_for(n, "fp32") for n in (1, 2, 3, 4, 8, 16)] == (
-        [("EVICT_FIRST=1",)] * 2 + [()] * 4)
+        [("EVICT_FIRST=1", *pipe)] * 2 + [pipe] * 4)
     assert [ck.defines_for(n, "fp32", heads=64) for n in (1, 2, 3)] == (
-        [("EVICT_FIRST=1",)] * 2 + [()])
+        [("EVICT_FIRST=1", *pipe)] * 2 + [pipe])
     assert [ck.defines_for(n, "fp32", heads=32) for n in (1, 2, 3, 4, 5, 8, 16)] == (
         [("EVICT_FIRST=1",)] * 4 + [()] * 3)
     assert [ck.defines_for(n, "tf32") for n in (1, 2, 3, 4)] == (
@@ -117,6 +121,7 @@ def test_the_build_follows_the_run_length_hint():
     assert ck.smem_bytes(()) == ck.SMEM_BYTES
     assert ck.smem_bytes(("HEAD_SUM_TC=1",)) == ck.SMEM_BYTES + ck.HEAD_SUM_TC_BYTES
     assert ck.smem_bytes(("EVICT_FIRST=1", "HEAD_SUM_TC=1")) <= 227 * 1024
+    assert ck.threads(pipe) == 512 and ck.smem_bytes(pipe) < ck.SMEM_BYTES
 
 
 @pytest.fixture
@@ -145,7 +150,7 @@ def test_head_sum_env_is_read_once_and_checked(head_sum_env):
     for raw, want in [(None, "fp32"), ("", "fp32"), ("fp32", "fp32"), (" TF32 ", "tf32")]:
         head_sum_env(raw)
         assert ck.read_head_sum() == want
-        assert ck.defines_for(4) == (("HEAD_SUM_TC=1",) if want == "tf32" else ())
+        assert ck.defines_for(4) == (("HEAD_SUM_TC=1",) if want == "tf32" else ck.PIPELINE)
     os.environ[ck.HEAD_SUM_ENV] = "fp32"  # read once: not seen without a cache clear
     assert ck.read_head_sum() == "tf32"
     for bad in ("bf16", "tf", "fp32,tf32"):
@@ -182,7 +187,8 @@ def test_a_default_build_whose_wgmmas_serialise_is_made_without_half_mma(monkeyp
                                                                           named):
     """build_cubin: where ptxas reports the wgmmas serialised, the default build
     is compiled again with HALF_MMA=0 (and says so); a build naming HALF_MMA is
-    kept as asked; a clean log keeps the first cubin."""
+    kept as asked; a clean log keeps the first cubin.  Each returns the defines
+    its cubin was made with."""
     calls, said = [], []
 
     def fake(arch=ck.ARCH, extra=(), path=ck.SOURCE):
@@ -192,15 +198,50 @@ def test_a_default_build_whose_wgmmas_serialise_is_made_without_half_mma(monkeyp
     monkeypatch.setattr(ck, "compile_cubin", fake)
     monkeypatch.setattr(ck, "log_once", said.append)
     defines = ("EVICT_FIRST=1",) + (("HALF_MMA=1",) if named else ())
-    cubin = ck.build_cubin(defines)
+    cubin, built = ck.build_cubin(defines)
     assert "--ptxas-options=-v" in calls[0] and "-DEVICT_FIRST=1" in calls[0]
     if not serial:
-        assert cubin == bytes([1]) and len(calls) == 1 and not said
+        assert (cubin, built) == (bytes([1]), defines) and len(calls) == 1 and not said
     elif named:
-        assert cubin == bytes([1]) and len(calls) == 1 and "serialised" in said[0]
+        assert (cubin, built) == (bytes([1]), defines) and len(calls) == 1
+        assert "serialised" in said[0]
     else:
         assert cubin == bytes([2]) and calls[1] == ("-DEVICT_FIRST=1", "-DHALF_MMA=0")
-        assert "HALF_MMA=0" in said[0]
+        assert built == ("EVICT_FIRST=1", "HALF_MMA=0") and "HALF_MMA=0" in said[0]
+
+
+@pytest.mark.parametrize("serial_after", [1, 2])
+def test_a_pipelined_build_whose_wgmmas_serialise_gives_way_to_four_warpgroups(monkeypatch,
+                                                                             serial_after):
+    """build_cubin: the pipelined build (PIPELINE) serialised is made again
+    without it (the four-warpgroup build, the same bits; itself down to
+    HALF_MMA=0 if that serialises too), says so, and _load sizes the launch by
+    the build it got: four math warpgroups' threads and shared memory."""
+    calls, said, loaded = [], [], []
+
+    def fake(arch=ck.ARCH, extra=(), path=ck.SOURCE):
+        calls.append(extra)
+        serial = len(calls) <= serial_after
+        return bytes([len(calls)]), "wgmma serialized" if serial else "ok"
+
+    def fake_load(driver, device, cubin, name, smem):
+        loaded.append((cubin, smem))
+        return "fn", "ctx", "module"
+    monkeypatch.setattr(ck, "compile_cubin", fake)
+    monkeypatch.setattr(ck, "log_once", said.append)
+    monkeypatch.setattr(ck, "load_function", fake_load)
+    monkeypatch.setattr(ck, "_driver", lambda: None)
+    defines = ck.defines_for(4, "fp32")
+    assert set(ck.PIPELINE) <= set(defines)
+    assert ck.threads(defines) == 512 and ck.smem_bytes(defines) < ck.SMEM_BYTES
+    got = ck._load(None, defines)
+    assert all(f"-D{d}" in calls[0] for d in ck.PIPELINE)
+    assert not any(f"-D{d}" in calls[1] for d in ck.PIPELINE)
+    want = () if serial_after == 1 else ("HALF_MMA=0",)
+    assert len(calls) == 2 + (serial_after > 1)
+    assert loaded == [(bytes([len(calls)]), ck.smem_bytes(want))] and ck.smem_bytes(want) == ck.SMEM_BYTES
+    assert got.threads == ck.THREADS == 640
+    assert "NUM_MATH=3" in said[0] and "instead" in said[0]
 
 
 def _cuobjdump() -> str | None:
@@ -240,13 +281,45 @@ def _sass_ops(defines) -> collections.Counter:
     return ops
 
 
+def _four_warpgroups(hint, head_sum, heads=ck.HEADS) -> tuple:
+    """The launcher's build for the hint without the pipeline (PIPELINE)."""
+    return tuple(d for d in ck.defines_for(hint, head_sum, heads=heads) if d not in ck.PIPELINE)
+
+
+@pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
+                    reason=f"needs NVRTC and cuobjdump (NVRTC: {NVRTC})")
+def test_pipelined_build_keeps_a_chain_in_flight_under_each_head_sum():
+    """SASS of the pipelined build (the launcher's at 64 heads, float32): each
+    QK chain is one fence and DIM / 32 = 4 wgmmas (m64n128, or m64n64 for a
+    half group: PIPE_HALF; ptxas did not
+    serialise them: that would fence every wgmma), and the head sums wait
+    with one chain still in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) as
+    well as with none; the four-warpgroup build only ever waits for none."""
+    def sass(defines):
+        cubin, _ = ck.compile_cubin(extra=tuple(f"-D{d}" for d in defines))
+        import tempfile
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            return subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True,
+                                  text=True, check=True).stdout
+    for hint in (1, 4):
+        pipe, four = sass(ck.defines_for(hint, "fp32")), sass(_four_warpgroups(hint, "fp32"))
+        chains = len(re.findall(r"WARPGROUP\.ARRIVE", pipe))
+        assert chains >= 8
+        assert len(re.findall(r"QGMMA\.64x(?:128|64)x32", pipe)) == 4 * chains
+        assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", pipe)
+        assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", pipe)
+        assert not re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", four)
+
+
 @pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
                     reason=f"needs NVRTC and cuobjdump (NVRTC: {NVRTC})")
 def test_32_head_builds_keep_their_head_sums():
     """HEADS=32: the tensor-core build has TF32 mma and no float32 FMNMX / FFMA,
     the default build the reverse; both keep one QK wgmma chain per copy."""
-    tc = _sass_ops(ck.defines_for(4, "tf32") + ("HEADS=32",))
-    fp = _sass_ops(ck.defines_for(4, "fp32") + ("HEADS=32",))
+    tc = _sass_ops(ck.defines_for(4, "tf32", heads=32) + ("HEADS=32",))
+    fp = _sass_ops(ck.defines_for(4, "fp32", heads=32) + ("HEADS=32",))
     assert tc["HMMA.1688.F32.TF32"] >= 2 * 16 and tc["FMNMX"] == tc["FFMA"] == 0
     assert not any(op.startswith("HMMA") for op in fp) and fp["FFMA"] >= 2 * 64
     assert tc["QGMMA.64x128x32.F32.E4M3.E4M3"] == fp["QGMMA.64x128x32.F32.E4M3.E4M3"] == 16
@@ -257,10 +330,10 @@ def test_32_head_builds_keep_their_head_sums():
 def test_tensor_core_build_sums_heads_on_the_tensor_cores():
     """SASS of the HEAD_SUM_TC build: per row group copy (two groups unrolled,
     each a full and a half copy) 16 / 8 TF32 mma and 64 / 32 relu-and-round
-    conversions, and no float32 FMNMX / FFMA left; the default build has no
-    TF32 mma and its 64 / 32 FMNMX + FFMA per copy."""
+    conversions, and no float32 FMNMX / FFMA left; the four-warpgroup float32
+    build has no TF32 mma and its 64 / 32 FMNMX + FFMA per copy."""
     tc = _sass_ops(ck.defines_for(4, "tf32"))
-    fp = _sass_ops(ck.defines_for(4, "fp32"))
+    fp = _sass_ops(_four_warpgroups(4, "fp32"))
     assert tc["HMMA.1688.F32.TF32"] == 2 * (16 + 8)
     assert tc["F2FP.RELU.TF32.F32.PACK_B"] == 2 * (64 + 32)
     assert tc["FMNMX"] == 0 and tc["FFMA"] == 0
@@ -277,16 +350,17 @@ def test_tensor_core_build_sums_heads_on_the_tensor_cores():
     (64, "fp32", 1, 1), (64, "tf32", 1, 1), (32, "fp32", 1, 2), (32, "tf32", 0, 2)])
 def test_half_mma_build_runs_a_partial_groups_qk_over_its_present_rows(heads, head_sum, n64,
                                                                        n128):
-    """SASS of the default (HALF_MMA=1) against HALF_MMA=0, per row group (two
+    """SASS of the four-warpgroup default (HALF_MMA=1) against HALF_MMA=0, per row group (two
     unrolled) DIM / 32 = 4 wgmmas a copy: 64 heads: the half copy (a chunk's
     odd last row) m64n64, the full copy m64n128, the head sum HALF_MMA=0's;
     32 heads: a copy for one or two present rows (m64n64) beside the full and
     three-row copies (m64n128); the tensor-core head sum at 32 heads keeps its
     one partial copy."""
     extra = () if heads == ck.HEADS else (f"HEADS={heads}",)
-    half = _sass_ops(ck.defines_for(4, head_sum) + extra + ("HALF_MMA=1",))
-    base = _sass_ops(ck.defines_for(4, head_sum) + extra + ("HALF_MMA=0",))
-    assert _sass_ops(ck.defines_for(4, head_sum) + extra) == half
+    build = _four_warpgroups(4, head_sum, heads) + extra
+    half = _sass_ops(build + ("HALF_MMA=1",))
+    base = _sass_ops(build + ("HALF_MMA=0",))
+    assert _sass_ops(build) == half
     assert base["QGMMA.64x128x32.F32.E4M3.E4M3"] == 2 * 2 * 4
     assert base["QGMMA.64x64x32.F32.E4M3.E4M3"] == 0
     assert half["QGMMA.64x64x32.F32.E4M3.E4M3"] == 2 * 4 * n64
@@ -962,12 +1036,18 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
 # a row group with absent rows running its full m64n128 wgmma (HALF_MMA=0, the
 # default before), with its chain's descriptors built from addresses or stepped
 # from its first (the same descriptors); the evict-first build the launcher
-# takes for short hints (only the page loads' L2 policy differs)
+# takes for short hints (only the page loads' L2 policy differs); 3 math
+# warpgroups with the two-deep pipeline over a chunk's (page, row group) units
+# (the launcher's build at 64 heads), with and without the evict-first hint,
+# with a half group's full m64n128 chain, in blocks of 2 or 1 pages (64 heads;
+# the same products summed in the same order)
 AB_BUILDS = (("EVICT_FIRST=1",), ("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",),
              ("STAGES=4",), ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"),
              ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=0",),
-             ("HALF_MMA=0", "DESC_STEP=1"))
-HEADS_64_ONLY = ("WEIGHTS_REG=1",)
+             ("HALF_MMA=0", "DESC_STEP=1"), ("NUM_MATH=3", "DUAL_ACC=4"),
+             ("NUM_MATH=3", "DUAL_ACC=4", "EVICT_FIRST=1"), ("NUM_MATH=3", "DUAL_ACC=4", "PIPE_HALF=0"),
+             ("NUM_MATH=3", "DUAL_ACC=2", "PIPE_HALF=0"), ("NUM_MATH=3", "DUAL_ACC=1", "PIPE_HALF=0"))
+HEADS_64_ONLY = ("WEIGHTS_REG=1", "DUAL_ACC=1", "DUAL_ACC=2", "DUAL_ACC=4")
 
 
 def _ab_builds(heads):

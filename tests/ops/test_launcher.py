@@ -362,7 +362,8 @@ def _moving_calls(step):
 def test_the_launcher_asks_for_the_build_of_its_hint_and_head_count(heads, hint, evict):
     """The launcher's route loads the build ``defines_for`` gives the call's
     run-length hint at its head count: evict-first where a request's rows fit
-    one row group (2 rows at 64 heads, 4 at 32), ``HEADS=32`` at 32 heads."""
+    one row group (2 rows at 64 heads, 4 at 32), pipelined at 64 heads,
+    ``HEADS=32`` at 32 heads."""
     step = make_decode_step([hint, 1], [300, 70], heads=heads)
     rows = step.rows
     ctx, bt, ids = rows.context_lens.view(-1, 1), rows.block_table, rows.indices
@@ -375,9 +376,10 @@ def test_the_launcher_asks_for_the_build_of_its_hint_and_head_count(heads, hint,
                                          step.max_context_len, max_run_len=hint,
                                          schedule_cache={})
         assert fake.launches and fake.launches[-1][0] == loaded.fn
-    assert asked == [(("EVICT_FIRST=1",) if evict else ()) + (("HEADS=32",) if heads == 32
-                                                               else ())]
-    assert ck.defines_for(hint, "fp32", heads=heads) == asked[0][:1 if evict else 0]
+    pipe = ck.PIPELINE if heads == 64 else ()
+    assert asked == [(("EVICT_FIRST=1",) if evict else ()) + pipe
+                     + (("HEADS=32",) if heads == 32 else ())]
+    assert ck.defines_for(hint, "fp32", heads=heads) == asked[0][:len(pipe) + evict]
 
 
 @pytest.mark.parametrize("heads", [64, 32])

@@ -34,7 +34,8 @@ def compile_portable(arch: int, H: int, ROWS: int = 2, TILE_PAGES: int = 1, PER_
 
 def compile_cuda_sm90(defines: tuple = ()) -> dict:
     """The sm_90 CUDA kernel's build with ``defines`` through NVRTC (``sm_90a``):
-    its registers and spills as ptxas reports them."""
+    its registers, spills and whether its wgmmas were serialised, as ptxas
+    reports them."""
     from . import cuda_paged_mqa_logits as ck
 
     return _ptxas_report(*ck.compile_cubin(
@@ -64,7 +65,8 @@ def _ptxas_report(cubin: bytes, log: str) -> dict:
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return {"cubin_bytes": len(cubin), "registers": int(regs.group(1)) if regs else None,
-            "spills": (int(spills.group(1)) + int(spills.group(2))) if spills else None}
+            "spills": (int(spills.group(1)) + int(spills.group(2))) if spills else None,
+            "serialized": "serializ" in log.lower()}
 
 
 def main() -> int:

@@ -106,7 +106,7 @@ def _smem(stages: int, math: int = MATH) -> int:
             + math * stages * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * math * stages + 4) * 8)
 
 
-SMEM_BYTES = _smem(STAGES)  # every build the launcher takes
+SMEM_BYTES = _smem(STAGES)  # four math warpgroups (the pipelined build: a ring fewer)
 # HEAD_SUM_TC builds: each math warpgroup's double-buffered B fragments of its
 # chunk's weights (8 lane classes x 9 float4 per row group; WT_BYTES in the source).
 HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
@@ -119,6 +119,18 @@ HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 # faster (h200-7fd28dd/evict-32h.log, h200-c31af84/evict-32h-3tok.log).  With
 # two groups per page large steps were up to 5 % slower (calls 41-42; B256 L8K
 # 1.016x in evict-64h.log), so longer hints keep the default build.
+#
+# At 64 heads with the float32 head sum every hint takes the pipelined build
+# (:data:`PIPELINE`): three math warpgroups, each with two accumulators, a row
+# group's QK chain running under the previous one's head sum (the same products
+# summed in the same order: the four-warpgroup build's bits).  H200, one
+# process beside DeepGEMM 2.8.1, rounds interleaved (docs/results/h200-9f1a909/):
+# 0.94-0.97x the four-warpgroup build's time on uniform 4-token steps, 0.95 on
+# variable ones, 0.94 at 6 and 8 tokens, 0.96-0.97x the evict-first build's on
+# 2 tokens; level at B1 and 1 token; 3 tokens 1.01 [0.92, 1.10].  The
+# tensor-core head sum and 32 heads (a row group of four rows) keep four math
+# warpgroups.
+PIPELINE = ("NUM_MATH=3", "DUAL_ACC=4")
 
 # The head sum (``read_head_sum``): "fp32" on the CUDA cores (the default build,
 # DeepGEMM's arithmetic) or "tf32" on the tensor cores (HEAD_SUM_TC=1).
@@ -216,31 +228,42 @@ class _Loaded:
         self.lock = threading.Lock()
 
 
-def build_cubin(defines: tuple) -> bytes:
-    """The cubin of the build with ``defines``.  The 64-head default's HALF_MMA
-    copies sit near the wgmma pipeline's register limit: where this NVRTC's
-    ptxas reports the wgmmas serialised (NVRTC 13.0 and 13.5 do not: the compile tests),
-    the build is made again without them (``HALF_MMA=0``: the same bits, a
-    chunk's half group paying its full wgmma) and that is logged once.  A build
-    that names HALF_MMA itself is kept as asked (logged when serialised)."""
+def build_cubin(defines: tuple) -> tuple[bytes, tuple]:
+    """The cubin of the build with ``defines``, and the defines it was made
+    with.  Where this NVRTC's ptxas reports a build's wgmmas serialised (NVRTC
+    13.0 and 13.5 do not: the compile tests), another build with the same bits
+    is made instead and that is logged once: the pipelined build
+    (:data:`PIPELINE`) gives way to the four-warpgroup one; the 64-head
+    default's HALF_MMA copies, which sit near the wgmma pipeline's register
+    limit, to ``HALF_MMA=0`` (a chunk's half group paying its full wgmma).  A
+    build that names HALF_MMA itself is kept as asked (logged when
+    serialised)."""
     cubin, log = compile_cubin(extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines)))
     if "serializ" not in log.lower():
-        return cubin
+        return cubin, defines
     if any(d.startswith("HALF_MMA=") for d in defines):
         log_once(f"vllm-dsa-varlen: ptxas serialised the wgmmas of the sm_90 build {defines}")
-        return cubin
+        return cubin, defines
+    if set(PIPELINE) <= set(defines):
+        plain = tuple(d for d in defines if d not in PIPELINE)
+        log_once(f"vllm-dsa-varlen: ptxas serialised the wgmmas of the sm_90 build {defines}; "
+                 f"built {plain} instead (the same results, slower on 2- and 4-token steps)")
+        return build_cubin(plain)
     log_once(f"vllm-dsa-varlen: ptxas serialised the wgmmas of the sm_90 build {defines}; "
              "built with HALF_MMA=0 instead (the same results, slower on 3-token and "
              "variable steps)")
-    return compile_cubin(extra=tuple(f"-D{d}" for d in (*defines, "HALF_MMA=0")))[0]
+    plain = (*defines, "HALF_MMA=0")
+    return compile_cubin(extra=tuple(f"-D{d}" for d in plain))[0], plain
 
 
 def _load(device: torch.device, defines: tuple) -> _Loaded:
-    """Compile (NVRTC) the build with ``defines`` and load it on ``device``."""
-    cubin = build_cubin(defines)
-    smem = smem_bytes(defines)
+    """Compile (NVRTC) the build with ``defines`` (or the one :func:`build_cubin`
+    makes instead) and load it on ``device``, with that build's shared memory
+    and threads."""
+    cubin, built = build_cubin(defines)
+    smem = smem_bytes(built)
     fn, ctx, module = load_function(_driver(), device, cubin, KERNEL_NAME, smem)
-    loaded = _Loaded(fn, ctx, smem, threads(defines))
+    loaded = _Loaded(fn, ctx, smem, threads(built))
     loaded.module = module
     return loaded
 
@@ -398,13 +421,15 @@ def defines_for(max_run_len: int, head_sum: str | None = None,
                 heads: int = HEADS) -> tuple[str, ...]:
     """The build the launcher takes for a run-length hint (evict-first where a
     request's rows fit one row group of ``heads``: :func:`rows_per_group`) and
-    head sum (``"fp32"`` or ``"tf32"``; default: :func:`read_head_sum`), before
+    head sum (``"fp32"`` or ``"tf32"``; default: :func:`read_head_sum`; the
+    float32 one at 64 heads pipelined: :data:`PIPELINE`), before
     :func:`prepare` adds ``HEADS=32`` for 32 heads."""
     head_sum = read_head_sum() if head_sum is None else head_sum
     if head_sum not in HEAD_SUMS:
         raise ValueError(f"head_sum: expected one of {HEAD_SUMS}, got {head_sum!r}")
-    return (("EVICT_FIRST=1",) if max_run_len <= rows_per_group(heads) else ()) + (
-        ("HEAD_SUM_TC=1",) if head_sum == "tf32" else ())
+    group = rows_per_group(heads)
+    return (("EVICT_FIRST=1",) if max_run_len <= group else ()) + (
+        ("HEAD_SUM_TC=1",) if head_sum == "tf32" else PIPELINE if group == 2 else ())
 
 
 @functools.lru_cache(maxsize=None)

@@ -47,14 +47,19 @@ typedef unsigned char u8;
 #ifndef NUM_MATH       // math warpgroups (an A/B build may take 3: 152 registers each)
 #define NUM_MATH 4
 #endif
+#ifndef DUAL_ACC      // n (NUM_MATH=3, 64 heads, the CUDA-core head sum): a chunk's (page, row
+#define DUAL_ACC 0      // group) units in two accumulators, unit i + 1's QK chain under unit i's
+#endif                  // head sum (pipe_block), in blocks of n pages of two full row groups
+                        // (four units for other chunks: pipe_pages); 160 registers per math
+                        // thread, 24 per producer
 #ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
-#define MATH_REGS (NUM_MATH == 4 ? 104 : 152)
+#define MATH_REGS (NUM_MATH == 4 ? 104 : DUAL_ACC ? 160 : 152)
 #endif
 #ifndef WEIGHTS_REG    // 1: a lane keeps its chunk's weights in registers for the chunk's
 #define WEIGHTS_REG 0  // pages instead of reading them per page (an A/B build, NUM_MATH=3)
 #endif
 #ifndef PRODUCER_REGS
-#define PRODUCER_REGS 40
+#define PRODUCER_REGS (DUAL_ACC ? 24 : 40)
 #endif
 #if NUM_MATH != 4 && NUM_MATH != 3
 #error "NUM_MATH: 4 or 3 math warpgroups"
@@ -77,6 +82,12 @@ typedef unsigned char u8;
 #define DESC_STEP HALF_MMA  // bytes along K: the start-address field, 16-byte units) instead
 #endif                // of each built from its address (fewer uniform ops; HALF_MMA's
                       // default: without it NVRTC 13.0's ptxas serialises the wgmmas)
+#ifndef PIPE_HALF     // DUAL_ACC: a two-group chunk's half group's chain over its first 64
+#define PIPE_HALF 1     // columns (m64n64; 0: its full m64n128, as DUAL_ACC=1 and 2 need:
+#endif                  // ptxas serialises their wgmmas with it)
+#if DUAL_ACC && (NUM_MATH != 3 || RG != 2 || HEAD_SUM_TC || WEIGHTS_REG || STAMPS)
+#error "DUAL_ACC is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
+#endif
 #if HALF_MMA && !DESC_STEP
 #error "HALF_MMA without DESC_STEP: NVRTC 13.0's ptxas serialises the wgmmas"
 #endif
@@ -255,6 +266,22 @@ DEV void qk_group(float (&acc)[64], const u8* page, const u8* qg, u64* slot_empt
   }
 }
 
+#if DUAL_ACC
+// A row group's QK chain issued and committed, not waited (DUAL_ACC); half:
+// over its first 64 columns (its first row's heads).
+DEV void qk_issue(float (&acc)[64], const u8* page, const u8* qg, bool half) {
+  mma_fence();
+  const u64 a0 = sw128_desc(page), b0 = sw128_desc(qg);
+#pragma unroll
+  for (int kk = 0; kk < DIM / 32; ++kk) {
+    if (half) mma_64x64x32(acc, desc_at(a0, page, kk), desc_at(b0, qg, kk), kk > 0);
+    else mma_64x128x32(acc, desc_at(a0, page, kk), desc_at(b0, qg, kk), kk > 0);
+  }
+  mma_commit();
+}
+DEV void mma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+#endif
+
 // A lane's weights of 8-column block n of its row group (heads 8 (n % 8) + 2q,
 // + 1 of row n / 8): read from the chunk's copy in shared memory per page, or
 // (WEIGHTS_REG) held in registers for the chunk's pages.
@@ -276,10 +303,19 @@ DEV SmemWeights group_weights(const float* w_buf, int b, int g, int lane) {
 // n_end = 8: row 2g only), then across the quad; returns this lane's (token,
 // row) logit before the scale.
 template <class Weights>
+DEV float group_sum(const float (&acc)[64], const Weights& wq, int lane, int n_end);
+
+template <class Weights>
 DEV float group_logit(float (&acc)[64], const u8* page, const u8* qg, const Weights& wq,
                       u64* slot_empty, bool release, int lane, int n_end) {
-  const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
   qk_group(acc, page, qg, slot_empty, release, lane, n_end == 8 ? 64 : 128);
+  return group_sum(acc, wq, lane, n_end);
+}
+
+// group_logit's head sum over a row group's accumulator.
+template <class Weights>
+DEV float group_sum(const float (&acc)[64], const Weights& wq, int lane, int n_end) {
+  const int t_hi = lane & 1, q_hi = (lane >> 1) & 1;
   float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;   // s[token half][row]
 #pragma unroll
   for (int n = 0; n < 16; ++n) {  // columns 8n + 2 * (lane & 3) + {0, 1}: row n / 8
@@ -460,6 +496,89 @@ DEV float2 group_logit4_tc(float (&acc)[64], const u8* page, const u8* qg, const
 #endif
 #endif
 
+#if DUAL_ACC
+// The two-deep pipeline (DUAL_ACC): a chunk's units (page, row group), in
+// order, go alternately into acc and acc2, and unit i + 1's QK chain runs
+// under unit i's head sum.  G: the chunk's row groups (1 or 2); half: its last
+// group has one row.  One block: K consecutive pages of this warpgroup from
+// page p (item j of its ring), all chains waited for at its end (chains
+// pending across a loop's back edge make NVRTC's ptxas serialise every wgmma
+// of the kernel).  A page's slot goes back once its last unit's chain is done;
+// its scale is read before.
+struct Chunk {
+  const u8* q;            // the chunk's first row group's queries (the second follows)
+  SmemWeights w[GMAX];    // its groups' weights, at this lane
+  float* o[GMAX];         // this lane's row of each group
+  int lim[GMAX];          // this lane's row's visible tokens, per group
+};
+
+template <int G, int K, bool HALF>
+DEV void pipe_block(float (&acc)[64], float (&acc2)[64], const Chunk& c, int p, int& j, int ring,
+                    int tok, int lane, u8* kv_ring, const float* sc_ring, u64* full, u64* empty) {
+  constexpr int N = G * K;
+  // unit v's chain: into acc (v even) or acc2, its page's slot waited for
+  // when v is the page's first unit; a two-group chunk's half group's over
+  // its first 64 columns (PIPE_HALF)
+  auto issue = [&](int v) {
+    const int t = v / G, g = v % G, slot = ring * STAGES + (j + t) % STAGES;
+    if (g == 0) bar_wait(&full[slot], ((j + t) / STAGES) & 1);
+    const u8* page = kv_ring + slot * SLOT_BYTES;
+    const u8* qg = c.q + g * Q_GROUP_BYTES;
+    const bool half = PIPE_HALF && HALF && G == 2 && g == 1;
+    if (v % 2 == 0) qk_issue(acc, page, qg, half);
+    else qk_issue(acc2, page, qg, half);
+  };
+  // is unit v issued before step v - 1 waits: a page's second unit, at step
+  // v - 2's end; a page's first one only once the page before is handed back
+  // (issuing it earlier, under the page before's second head sum, measured
+  // no faster)
+  auto early = [](int v) { return v % G != 0; };
+  float scale = 0.f;
+  issue(0);
+  if (N > 1 && early(1)) issue(1);
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    const int t = u / G, g = u % G, slot = ring * STAGES + (j + t) % STAGES;
+    const bool next = u + 1 < N, pre = next && early(u + 1);
+    if (pre) mma_wait1(); else mma_wait();
+    if (g == 0) scale = sc_ring[slot * PAGE + tok];
+    if (g == G - 1) {  // the page's last chain done: its slot goes back
+      __syncwarp();
+      if (lane == 0) bar_arrive(&empty[slot]);
+    }
+    if (next && !pre) issue(u + 1);
+    const int n_end = HALF && g == G - 1 ? 8 : 16;
+    const float v = u % 2 == 0 ? group_sum(acc, c.w[g], lane, n_end)
+                               : group_sum(acc2, c.w[g], lane, n_end);
+    const int pos = (p + t * NUM_MATH) * PAGE + tok;
+    if (pos < c.lim[g]) c.o[g][pos] = v * scale;
+    if (u + 2 < N && early(u + 2)) issue(u + 2);
+  }
+  j += K;
+}
+
+// A chunk's pages of this warpgroup: blocks of K pages (DUAL_ACC pages of two
+// full row groups; four units for other chunks: 2 pages of a two-group chunk
+// with a half group, 4 of one group), then of 2, then 1.  (DUAL_ACC=4 for
+// every chunk made the kernel 156 KB of code, and variable steps, which run
+// every copy, 6-16 % slower: instruction fetch.)
+template <int G, bool HALF>
+DEV void pipe_pages(float (&acc)[64], float (&acc2)[64], const Chunk& c, const Seg& s, int& j,
+                    int ring, int tok, int lane, u8* kv_ring, const float* sc_ring, u64* full,
+                    u64* empty) {
+  constexpr int K = G == 2 && !HALF ? DUAL_ACC : 4 / G;
+  int p = first_page(s, ring);
+  for (; p + (K - 1) * NUM_MATH < s.page_hi; p += K * NUM_MATH)
+    pipe_block<G, K, HALF>(acc, acc2, c, p, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
+  if (K > 2 && p + NUM_MATH < s.page_hi) {
+    pipe_block<G, 2, HALF>(acc, acc2, c, p, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
+    p += 2 * NUM_MATH;
+  }
+  for (; p < s.page_hi; p += NUM_MATH)
+    pipe_block<G, 1, HALF>(acc, acc2, c, p, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant__ TmaMap q_map,
                    const u8* __restrict__ kv, long long stride_block,
@@ -571,6 +690,11 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
   float acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+#if DUAL_ACC
+  float acc2[64];  // a full chunk's second row group
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc2[i] = 0.f;
+#endif
   int j = 0;
   for (int k = 0; seg0 + k < num_segs; ++k) {
     const Seg s = load_seg(table, seg0 + k, lo, hi);
@@ -596,6 +720,27 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
     const float4* wt_lane = reinterpret_cast<const float4*>(
         wt_seg + 16 * WT_CLASS_F4 * (4 * ((lane >> 2) & 1) + (lane & 3)));
 #endif
+#if DUAL_ACC
+    Chunk c;
+    c.q = q_buf + b * GMAX * Q_GROUP_BYTES;
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      c.w[g] = group_weights(w_buf, b, g, lane);
+      c.o[g] = out + (long long)(s.first_row + RG * g + q_hi) * stride_out;
+      c.lim[g] = lim[g];
+    }
+    if (groups == 2) {
+      if (s.n_rows == ROWS_MAX)
+        pipe_pages<2, false>(acc, acc2, c, s, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
+      else
+        pipe_pages<2, true>(acc, acc2, c, s, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
+    } else {
+      if (s.n_rows == RG)
+        pipe_pages<1, false>(acc, acc2, c, s, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
+      else
+        pipe_pages<1, true>(acc, acc2, c, s, j, ring, tok, lane, kv_ring, sc_ring, full, empty);
+    }
+#else
     for (int p = first_page(s, ring); p < s.page_hi; p += NUM_MATH, ++j) {
       const int slot = ring * STAGES + j % STAGES;
 #if STAMPS >= 2
@@ -676,6 +821,7 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       prof_add(3, 1);
 #endif
     }
+#endif  // DUAL_ACC
     __syncwarp();
     if (lane == 0) bar_arrive(&q_empty[b]);
   }
