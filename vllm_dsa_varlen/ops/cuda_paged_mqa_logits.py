@@ -12,9 +12,12 @@ not expressible in Gluon (Triton 3.6-3.9): warpgroups sharing a partition move
 in lockstep, warpgroups in partitions of their own are separate code copies.
 In CUDA it measured 7-37 % faster than the Gluon kernel on every step (call 53).
 
-Two builds: the default one, and for run-length hints up to 2 (one row group
-per page) one whose page loads carry an L2 evict-first hint
-(:func:`defines_for`; the launcher passes the hint).  Each comes with the head
+Builds (:func:`defines_for`; the launcher passes the hint): at 64 heads with
+the float32 head sum the pipelined one (:data:`PIPELINE`: three math
+warpgroups with two accumulators each, a QK chain under the previous head
+sum; docs/design.md §2), else the four-warpgroup default; for run-length
+hints up to a row group (one row group per page) the page loads carry an L2
+evict-first hint.  Each comes with the head
 sum on the CUDA cores in float32 (DeepGEMM's arithmetic, the default) or on
 the tensor cores (``HEAD_SUM_TC``: relu(q . k) rounded to TF32 against the
 weights as two TF32 parts; ``reference.head_sum_tf32`` is its exact

@@ -1,5 +1,5 @@
-// sm_90 (Hopper) varlen paged MQA logits: four independent math warpgroups,
-// a TMA ring each, one copy of the math code.  Loaded by
+// sm_90 (Hopper) varlen paged MQA logits: four (or, pipelined, three)
+// independent math warpgroups, a TMA ring each, one copy of the math code.  Loaded by
 // vllm_dsa_varlen/ops/cuda_paged_mqa_logits.py (NVRTC, sm_90a), which documents
 // the inputs; the torch reference (ops/reference.py) defines the semantics.
 //
@@ -13,13 +13,16 @@
 // weight summed over each row's heads (in the thread, then across the 4 lanes
 // of a quad; a chunk's last group with absent rows skips their part), times the
 // token's scale, stored where the row may look.  The HEAD_SUM_TC build sums
-// over heads on the tensor cores instead (group_logit_tc).  Segments come from
+// over heads on the tensor cores instead (group_logit_tc).  The DUAL_ACC build
+// (the launcher's at 64 heads with the float32 head sum: NUM_MATH=3
+// DUAL_ACC=4) keeps two accumulators per warpgroup and runs each unit's QK
+// chain under the previous unit's head sum (pipe_block).  Segments come from
 // the planner (a run's chunk of <= 2 row groups and a range of its pages):
 // int32 [R, 8] rows (first row, rows, KV length, first item, items, block-table
 // row), the CTA's first segment and item range.  A/B builds (the macros
 // below; each must write the default build's bits): RAMP, STAGES, NUM_MATH=3
 // (three math warpgroups, 152 registers) with WEIGHTS_REG, HALF_MMA=0 (with
-// or without DESC_STEP), STAMPS.
+// or without DESC_STEP), STAMPS; DUAL_ACC=1 or 2, PIPE_HALF=0.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
