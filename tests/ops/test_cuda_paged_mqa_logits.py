@@ -101,7 +101,8 @@ def test_the_build_follows_the_run_length_hint():
     group per page) take the evict-first build, longer ones the default build;
     at 64 heads the float32 head sum is pipelined (PIPELINE: three math
     warpgroups, two accumulators), the tensor-core one and 32 heads are not;
-    the head sum adds its macro."""
+    the head sum adds its macro; launches of fewer than PIPELINE_MIN_ROWS rows
+    are not pipelined."""
     pipe = ck.PIPELINE
     assert set(pipe) == {"NUM_MATH=3", "DUAL_ACC=4"}
     assert [ck.defines_for(n, "fp32") for n in (1, 2, 3, 4, 8, 16)] == (
@@ -122,6 +123,13 @@ def test_the_build_follows_the_run_length_hint():
     assert ck.smem_bytes(("HEAD_SUM_TC=1",)) == ck.SMEM_BYTES + ck.HEAD_SUM_TC_BYTES
     assert ck.smem_bytes(("EVICT_FIRST=1", "HEAD_SUM_TC=1")) <= 227 * 1024
     assert ck.threads(pipe) == 512 and ck.smem_bytes(pipe) < ck.SMEM_BYTES
+    # launches of fewer rows keep four math warpgroups
+    few, many = ck.PIPELINE_MIN_ROWS - 1, ck.PIPELINE_MIN_ROWS
+    assert [ck.defines_for(n, "fp32", rows=few) for n in (1, 2, 3, 4)] == (
+        [("EVICT_FIRST=1",)] * 2 + [()] * 2)
+    assert [ck.defines_for(n, "fp32", rows=many) for n in (2, 4)] == [("EVICT_FIRST=1", *pipe), pipe]
+    assert ck.defines_for(4, "tf32", rows=many) == ("HEAD_SUM_TC=1",)
+    assert ck.defines_for(5, "fp32", heads=32, rows=many) == ()
 
 
 @pytest.fixture
@@ -647,8 +655,9 @@ SMALL = {
 @pytest.mark.parametrize("padding", [0, 3])
 @pytest.mark.parametrize("hint", ["longest", 1, 4])
 def test_matches_reference_small(name, padding, hint):
-    """Every build the launcher takes (the hint picks it: ``defines_for``) on
-    every small step, whatever runs the step really has."""
+    """Every build the launcher takes (the hint and the row count pick it:
+    ``defines_for``) on every small step, whatever runs the step really has;
+    the pipelined build on the same steps through ``launch``."""
     if NVRTC is not None:
         pytest.skip(f"no NVRTC: {NVRTC}")
     lens, seqs = SMALL[name]
@@ -657,7 +666,10 @@ def test_matches_reference_small(name, padding, hint):
                             device="cuda")
     hint = max(lens) if hint == "longest" else hint
     check_poisoned(step, run_poisoned(step, kernel="sm90_cuda", max_run_len=hint))
-    assert (torch.cuda.current_device(), ck.defines_for(hint)) in ck._LOADED
+    assert (torch.cuda.current_device(),
+            ck.defines_for(hint, rows=step.rows.num_rows)) in ck._LOADED
+    # the pipelined build, which the launcher takes from PIPELINE_MIN_ROWS rows
+    check_poisoned(step, _launch_poisoned(step, hint, "fp32"))
 
 
 @pytest.mark.gpu
@@ -927,7 +939,8 @@ def test_tensor_core_build_replays_in_a_graph_on_new_contents():
 # ------------------------------------------------ GPU (sm_90): 32 heads (launch only)
 
 def _launch_poisoned(step, hint, how):
-    """``launch`` (32 heads take the HEADS=32 build) into a poisoned buffer 2
+    """``launch`` of the hint's build for a large launch (64 heads, float32:
+    pipelined; 32 heads take the HEADS=32 build) into a poisoned buffer 2
     rows and 40 columns larger than the logits."""
     rows = step.rows
     out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")

@@ -93,9 +93,11 @@ def main() -> int:
     print(json.dumps(report), flush=True)
     jobs = []
     if nvrtc == "ok":  # the builds the launcher takes (per head count and run-length hint class)
-        jobs += [("cuda_sm90", h, ck.defines_for(n, heads=h)
-                  + (() if h == ck.HEADS else (f"HEADS={h}",)), {})
-                 for h in ck.LAUNCHER_HEADS for n in (1, ck.rows_max_for(h, 1))]
+        builds = {(h, ck.defines_for(n, heads=h, rows=rows)
+                   + (() if h == ck.HEADS else (f"HEADS={h}",)))
+                  for h in ck.LAUNCHER_HEADS for n in (1, ck.rows_max_for(h, 1))
+                  for rows in (1, ck.PIPELINE_MIN_ROWS)}
+        jobs += [("cuda_sm90", h, defines, {}) for h, defines in sorted(builds)]
         jobs += [("cuda_plan_sm90", h, cp.defines_for(h), {}) for h in cp.HEAD_COUNTS]
         from . import cuda_topk as ct
 

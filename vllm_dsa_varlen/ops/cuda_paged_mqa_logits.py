@@ -133,7 +133,14 @@ HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 # 2 tokens; level at B1 and 1 token; 3 tokens 1.01 [0.92, 1.10].  The
 # tensor-core head sum and 32 heads (a row group of four rows) keep four math
 # warpgroups.
+# Steps of fewer than PIPELINE_MIN_ROWS rows keep the four-warpgroup build: with
+# few pages a CTA the fourth warpgroup counts for more than the pipeline
+# (h200-<short>: B8 L2K 4 tokens 1.05x its time, B16 L2K 2 tokens 1.02x, while
+# B8 L128K reads 0.94x; from 64 rows 0.94-1.01x at every context timed, 1K-32K),
+# and the small-step rules of the rule table were measured with it.  The row
+# count is a launch's shape, known on the host in a capture too.
 PIPELINE = ("NUM_MATH=3", "DUAL_ACC=4")
+PIPELINE_MIN_ROWS = 64
 
 # The head sum (``read_head_sum``): "fp32" on the CUDA cores (the default build,
 # DeepGEMM's arithmetic) or "tf32" on the tensor cores (HEAD_SUM_TC=1).
@@ -421,18 +428,20 @@ def _weights_fit(weights, heads: int = HEADS) -> bool:
 
 
 def defines_for(max_run_len: int, head_sum: str | None = None,
-                heads: int = HEADS) -> tuple[str, ...]:
+                heads: int = HEADS, rows: int | None = None) -> tuple[str, ...]:
     """The build the launcher takes for a run-length hint (evict-first where a
     request's rows fit one row group of ``heads``: :func:`rows_per_group`) and
     head sum (``"fp32"`` or ``"tf32"``; default: :func:`read_head_sum`; the
-    float32 one at 64 heads pipelined: :data:`PIPELINE`), before
-    :func:`prepare` adds ``HEADS=32`` for 32 heads."""
+    float32 one at 64 heads pipelined: :data:`PIPELINE`, on launches of at
+    least :data:`PIPELINE_MIN_ROWS` query rows; ``rows`` ``None``: a large
+    launch), before :func:`prepare` adds ``HEADS=32`` for 32 heads."""
     head_sum = read_head_sum() if head_sum is None else head_sum
     if head_sum not in HEAD_SUMS:
         raise ValueError(f"head_sum: expected one of {HEAD_SUMS}, got {head_sum!r}")
     group = rows_per_group(heads)
+    pipelined = group == 2 and (rows is None or rows >= PIPELINE_MIN_ROWS)
     return (("EVICT_FIRST=1",) if max_run_len <= group else ()) + (
-        ("HEAD_SUM_TC=1",) if head_sum == "tf32" else PIPELINE if group == 2 else ())
+        ("HEAD_SUM_TC=1",) if head_sum == "tf32" else PIPELINE if pipelined else ())
 
 
 @functools.lru_cache(maxsize=None)

@@ -208,7 +208,8 @@ def _new_route(q, kv_cache, weights, context_lens, block_table, indices, max_con
     if route.sm90 is not None:
         route.rows_max = route.sm90.rows_max_for(heads, max_run_len)
         route.launch = route.sm90.prepare(q, kv_cache, weights, block_table,
-                                          route.sm90.defines_for(max_run_len, heads=heads))
+                                          route.sm90.defines_for(max_run_len, heads=heads,
+                                                                 rows=rows))
     return route
 
 
@@ -496,7 +497,11 @@ def precompile(*, heads: int, dim: int = 128, page: int = 64, device=None,
         kernels = [kernel]
     for which in kernels:
         for n in sorted(set(max_run_lens)):
-            _compile_one(varlen_paged_mqa_logits, kv_cache, heads, dim, page, n, which, device)
+            # a launch of few rows and one of many: the sm_90 kernel's build
+            # follows the row count too (cuda_paged_mqa_logits.PIPELINE_MIN_ROWS)
+            for rows in sorted({n, max(cuda_sm90.PIPELINE_MIN_ROWS, n)}):
+                _compile_one(varlen_paged_mqa_logits, kv_cache, heads, dim, page, n, which,
+                             device, rows)
     torch.cuda.synchronize(device)
     took = time.perf_counter() - start
     logger.info("vllm-dsa-varlen: indexer kernels compiled for H %d, D %d, page %d, run-length "
@@ -505,10 +510,10 @@ def precompile(*, heads: int, dim: int = 128, page: int = 64, device=None,
 
 
 def _compile_one(launch, kv_cache, heads: int, dim: int, page: int, max_run_len: int,
-                 kernel: str, device) -> None:
-    """One call of ``launch`` (the launcher) with ``kernel`` forced: compiles that
-    variant (its inputs are all zero-length contexts, so it computes nothing)."""
-    rows = max(64, max_run_len)
+                 kernel: str, device, rows: int) -> None:
+    """One call of ``launch`` (the launcher) on ``rows`` query rows with
+    ``kernel`` forced: compiles that variant (its inputs are all zero-length
+    contexts, so it computes nothing)."""
     q = torch.zeros((rows, 1, heads, dim), device=device).to(torch.float8_e4m3fn)
     weights = torch.zeros((rows, heads), dtype=torch.float32, device=device)
     ctx = torch.zeros((rows, 1), dtype=torch.int32, device=device)
