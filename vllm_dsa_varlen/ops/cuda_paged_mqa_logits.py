@@ -135,7 +135,7 @@ HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 # warpgroups.
 # Steps of fewer than PIPELINE_MIN_ROWS rows keep the four-warpgroup build: with
 # few pages a CTA the fourth warpgroup counts for more than the pipeline
-# (h200-<short>: B8 L2K 4 tokens 1.05x its time, B16 L2K 2 tokens 1.02x, while
+# (h200-d7ab4e3/short*: B8 L2K 4 tokens 1.05x its time, B16 L2K 2 tokens 1.02x, while
 # B8 L128K reads 0.94x; from 64 rows 0.94-1.01x at every context timed, 1K-32K),
 # and the small-step rules of the rule table were measured with it.  The row
 # count is a launch's shape, known on the host in a capture too.
