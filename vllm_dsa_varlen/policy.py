@@ -236,8 +236,9 @@ MEASURED: tuple[Rule, ...] = (
          min_tokens_per_request=4.5, uniform=False, kernel="cuda_sm90",
          note="variable steps up to 8 tokens, B64 L8K 1..8 (4.67 tokens per request): 1.19x "
               "DeepGEMM flattened (CUDA sm_90 kernel; Gluon 0.84x, portable 0.71x)"),
-    # Stock's native kernel on large uniform steps (h200-9f1a909: the pipelined
-    # build, ratios per round, medians).  Smaller uniform steps also read
+    # Stock's native kernel on large uniform steps (h200-9f1a909, 8K-32K, and
+    # h200-d7ab4e3, 1K-4K: the pipelined build, ratios per round, medians; at
+    # 1K-4K 4 tokens 1.03-1.08x from 128 rows, 2 tokens 1.08-1.11x).  Smaller uniform steps also read
     # faster (4 tokens: B16 L16K 1.03x, B8 L128K 1.04x, B1 L8K 1.06x; 2 tokens:
     # B16 L16K 1.10x) but gain at most ~120 us of GPU time a step over 61
     # layers, about what the varlen build costs the host in vLLM 0.33's engine
