@@ -694,7 +694,7 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
 #if DUAL_ACC
-  float acc2[64];  // a full chunk's second row group
+  float acc2[64];  // the pipeline's second accumulator (pipe_block)
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc2[i] = 0.f;
 #endif
