@@ -67,6 +67,8 @@ def test_per_step_sums_the_paths_each_line_takes():
                                         (["--layers", "3"], "--layers"),
                                         (["--rounds", "2"], "--rounds"),
                                         (["--fixed-order"], "--fixed-order"),
+                                        (["--pages", "in-order"], "--pages"),
+                                        (["--flush", "read"], "--flush"),
                                         (["--topk-builds", "default"], "--topk-builds"),
                                         (["--topk-width", "163840"], "--topk-width"),
                                         (["--builds", "default", "--topk-width", "9"],
@@ -285,3 +287,12 @@ def test_variant_schedule_plans_the_builds_own_runs(seed, run_rows, plan_kw):
                          **{"cut_items": ck.cut_items_for(64, ck.num_sms(ids.device)),
                             **plan_kw})
     assert all(a.equal(b) for a, b in zip(sched, want))
+
+
+def test_graph_replay_refuses_an_unknown_flush():
+    """graph_replay_us names a bad ``flush`` before touching the GPU."""
+    from vllm_dsa_varlen.bench_graph import FLUSHES, graph_replay_us
+
+    assert FLUSHES == ("read", "zero")
+    with pytest.raises(ValueError, match="flush"):
+        graph_replay_us(None, None, None, 1, flush="dirty")

@@ -99,3 +99,42 @@ def test_random_step_rows_are_the_random_steps_rows(variable, seed):
     assert torch.equal(rows.indices, step.rows.indices)
     assert torch.equal(rows.context_lens, step.rows.context_lens)
     assert width * 64 >= int(seqs.max())
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_in_order_pages_are_each_requests_consecutive_run_of_the_pool(seed):
+    """pages="in-order": request b's pages are the pool's next ones after
+    request b - 1's (a fresh engine's prefill); queries, weights and pool are
+    the random order's, and so are the logits once the pool's pages are moved
+    to where the random table points."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 5, (6,), generator=gen).tolist()
+    seqs = torch.randint(70, 700, (6,), generator=gen).tolist()
+    a = make_decode_step(lens, seqs, seed=seed)
+    b = make_decode_step(lens, seqs, seed=seed, pages="in-order")
+    assert torch.equal(a.q.float(), b.q.float()) and torch.equal(a.weights, b.weights)
+    assert torch.equal(a.kv_cache, b.kv_cache)
+    first = 0
+    for r, n in enumerate(((torch.tensor(seqs) + 63) // 64).tolist()):
+        assert b.block_table[r, :n].tolist() == list(range(first, first + n))
+        first += n
+    # the random order's tables hold every page once too, scattered
+    used = torch.cat([a.block_table[r, :n] for r, n in
+                      enumerate(((torch.tensor(seqs) + 63) // 64).tolist())])
+    assert sorted(used.tolist()) == sorted(set(used.tolist()))
+    # the reference over the in-order table equals the reference over the
+    # random one with the pool's pages moved to the random positions
+    pool = torch.empty_like(a.kv_cache)
+    for r, n in enumerate(((torch.tensor(seqs) + 63) // 64).tolist()):
+        pool[a.block_table[r, :n].long()] = b.kv_cache[b.block_table[r, :n].long()]
+    ctx = a.rows.context_lens.view(-1, 1)
+    want = paged_mqa_logits_ref(b.q, b.kv_cache, b.weights, ctx, b.rows.block_table,
+                                b.max_context_len, indices=b.rows.indices)
+    got = paged_mqa_logits_ref(a.q, pool, a.weights, ctx, a.rows.block_table,
+                               a.max_context_len, indices=a.rows.indices)
+    torch.testing.assert_close(got, want)
+
+
+def test_pages_names_the_argument():
+    with pytest.raises(ValueError, match="pages"):
+        make_decode_step([1], [100], pages="shuffled")

@@ -542,6 +542,15 @@ def main(argv=None):
                         help="--builds: time the paths in the given order every round (default: a "
                         "balanced Latin square, each path leading and following every other "
                         "equally often over a cycle of rounds)")
+    parser.add_argument("--flush", choices=["read", "zero"], default=None,
+                        help="--builds: the L2 before each timed call: read (default; a 256 MB "
+                        "buffer read, clean lines, as a decode step leaves it) or zero (written, "
+                        "dirty lines: Triton do_bench's flush, which every table published "
+                        "before this option used)")
+    parser.add_argument("--pages", choices=["random", "in-order"], default=None,
+                        help="--builds: where the requests' KV pages lie in the pool: a "
+                        "permutation (default) or each request's consecutive, request by "
+                        "request (a fresh engine's prefill)")
     parser.add_argument("--topk-lib", help="--builds: vLLM's _C extension (.so): its decode "
                         "top-k on each path's rows, and per-step figures; --launch-host: "
                         "the host time of its eager top-k call beside the project's")
@@ -578,6 +587,8 @@ def main(argv=None):
          args.plan_timing or bool(args.builds)),
         ("--deepgemm", "--builds", args.deepgemm, bool(args.builds)),
         ("--fixed-order", "--builds", args.fixed_order, bool(args.builds)),
+        ("--pages", "--builds", args.pages is not None, bool(args.builds)),
+        ("--flush", "--builds", args.flush is not None, bool(args.builds)),
         ("--topk-lib", "--builds or --launch-host (GPU)", bool(args.topk_lib),
          bool(args.builds) or (args.launch_host and not args.fake)),
         ("--layers", "--builds", args.layers is not None, bool(args.builds)),

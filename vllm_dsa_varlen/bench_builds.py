@@ -138,6 +138,7 @@ def run(args) -> int:
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "deepgemm": getattr(dg, "__version__", None) if dg else None,
               "variants": args.variants, "rounds": args.rounds, "layers": args.layers,
+              "pages": args.pages or "random", "flush": args.flush or "read",
               "order": "fixed" if args.fixed_order else "balanced",
               "cases": []}
     variants = {}
@@ -175,7 +176,7 @@ def run(args) -> int:
     for case in args.cases:
         reqs, tokens, context = parse_case(case)
         step = random_decode_step(reqs, abs(tokens), context, variable=tokens < 0, seed=0,
-                                  device="cuda", heads=args.heads)
+                                  device="cuda", heads=args.heads, pages=args.pages or "random")
         rows = step.rows
         ctx = rows.context_lens.view(-1, 1)
         ends = torch.cat([rows.indices[1:] != rows.indices[:-1],
@@ -212,7 +213,8 @@ def run(args) -> int:
                   flush=True)
         for r in range(rounds):
             for k in round_order(list(calls), r, args.fixed_order):
-                times[k].append(graph_replay_us(torch, do_bench, calls[k], args.rep_ms))
+                times[k].append(graph_replay_us(torch, do_bench, calls[k], args.rep_ms,
+                                               args.flush or "read"))
         res = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         spread = max((max(v) - min(v)) / min(v) for v in times.values())
         record = {"case": case, "rows": rows.num_rows, "rounds": rounds, "times_us": times,

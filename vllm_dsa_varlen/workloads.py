@@ -167,6 +167,9 @@ def accepted_lengths(num_reqs: int, max_tokens: int, acceptance: float | None,
     return (1 + leading).to(torch.int32)
 
 
+PAGE_ORDERS = ("random", "in-order")
+
+
 def make_decode_step(
     decode_lens: list[int] | torch.Tensor,
     seq_lens: list[int] | torch.Tensor,
@@ -180,6 +183,7 @@ def make_decode_step(
     max_context_len: int | None = None,
     padding_rows: int = 0,
     compress_ratio: int = 1,
+    pages: str = "random",
 ) -> DecodeStep:
     """Build a decode step.
 
@@ -189,6 +193,9 @@ def make_decode_step(
     DeepSeek V4's compressed indexer cache: the cache holds ``len //
     compress_ratio`` entries per request and every row's context length is
     divided likewise (as vLLM 0.27.1's builder does after planning).
+    ``pages``: where the requests' pages lie in the pool, ``"random"`` (a
+    permutation: a long-running engine's cache) or ``"in-order"`` (request by
+    request, each one's pages consecutive: a fresh engine's prefill).
     Small tensors are drawn on the CPU, large ones on ``device``."""
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
@@ -203,7 +210,12 @@ def make_decode_step(
         max_context_len = max(1, int(kv_lens.max()) if num_reqs else 1)
     width = max(width, (max_context_len + page - 1) // page)
     total_pages = int(pages_per_req.sum()) + extra_blocks + 1
-    perm = torch.randperm(total_pages, generator=gen).to(torch.int32)
+    if pages not in PAGE_ORDERS:
+        raise ValueError(f"pages: expected one of {PAGE_ORDERS}, got {pages!r}")
+    perm = torch.randperm(total_pages, generator=gen)  # drawn either way: the same values
+    if pages == "in-order":
+        perm = torch.arange(total_pages)
+    perm = perm.to(torch.int32)
     block_table = torch.zeros((num_reqs, width), dtype=torch.int32)
     offset = 0
     for b, n in enumerate(pages_per_req.tolist()):
