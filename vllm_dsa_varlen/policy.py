@@ -174,14 +174,14 @@ class Rule:
 # "Per step: varlen against what stock runs").  Each "flattened" rule covers only steps
 # like the measured rows where varlen was at least as fast as DeepGEMM
 # flattened; the "split" rule was timed against an emulation of stock's
-# split path (see its note).  Stock's native kernel (DeepGEMM next_n = 2, and
-# next_n = 4 on vLLM 0.33) is replaced only by the CUDA sm_90 kernel's
-# pipelined build, on large uniform steps (the "native" rules; h200-9f1a909:
-# one process beside DeepGEMM 2.8.1, rounds interleaved).  Before it the
-# four-warpgroup kernel read 0.96-1.05x native (h200-c63c922; with the
-# small-step cut 1.02-1.09x of next_n = 4 only on steps of <= 512 pages,
-# h200-ea919aa), and no rule replaced native.  Where no rule matches, stock is
-# kept.
+# split path (see its note).  No rule replaces stock's native kernel (DeepGEMM
+# next_n = 2, and next_n = 4 on vLLM 0.33): two did, for the pipelined build
+# (uniform 4 tokens from 256 rows, 2 tokens from 128: 1.04-1.09x native with
+# the L2 flushed dirty, h200-9f1a909), until vLLM 0.33.0's engine ran the first
+# at k = 3 B64 16K 0.973x stock (GPU 24.90 -> 25.47 ms a step; its kernel 73.7
+# us a call against DeepGEMM's 66.1) and the bench with the L2 left clean, as
+# the engine leaves it, read native 0.98x the kernel's time at 4 tokens, 1.02x
+# at 2 (h200-533ddd0).  Where no rule matches, stock is kept.
 MEASURED: tuple[Rule, ...] = (
     # A non-uniform step that stock splits to the prefill path: the prefill
     # path gathers the tail requests' KV into a workspace (reading and writing
@@ -236,19 +236,6 @@ MEASURED: tuple[Rule, ...] = (
          min_tokens_per_request=4.5, uniform=False, kernel="cuda_sm90",
          note="variable steps up to 8 tokens, B64 L8K 1..8 (4.67 tokens per request): 1.19x "
               "DeepGEMM flattened (CUDA sm_90 kernel; Gluon 0.84x, portable 0.71x)"),
-    # Stock's native kernel on large uniform steps (h200-9f1a909, 8K-32K, and
-    # h200-d7ab4e3, 1K-4K: the pipelined build, ratios per round, medians; at
-    # 1K-4K 4 tokens 1.03-1.08x from 128 rows, 2 tokens 1.08-1.11x).  Smaller uniform steps also read
-    # faster (4 tokens: B16 L16K 1.03x, B8 L128K 1.04x, B1 L8K 1.06x; 2 tokens:
-    # B16 L16K 1.10x) but gain at most ~120 us of GPU time a step over 61
-    # layers, about what the varlen build costs the host in vLLM 0.33's engine
-    # (+95 us a step): left to native.
-    Rule("native", min_run=4, max_run_le=4, min_rows=256, uniform=True, kernel="cuda_sm90",
-         note="uniform 4 tokens, >= 256 rows: B64 L8K 1.05x, B128 L8K 1.05x, B256 L8K 1.08x, "
-              "B64 L32K 1.09x DeepGEMM native next_n = 4 (CUDA sm_90 kernel, pipelined build)"),
-    Rule("native", min_run=2, max_run_le=2, min_rows=128, uniform=True, kernel="cuda_sm90",
-         note="uniform 2 tokens, >= 128 rows: B64 L32K 1.04x, B128 L8K 1.06x, B256 L4K 1.06x "
-              "DeepGEMM native next_n = 2 (CUDA sm_90 kernel, pipelined build)"),
 )
 
 

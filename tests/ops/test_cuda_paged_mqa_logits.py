@@ -98,23 +98,24 @@ def test_plan_refuses_other_chunk_sizes():
 
 def test_the_build_follows_the_run_length_hint():
     """Hints whose rows fit one row group (2 rows at 64 heads, 4 at 32: one row
-    group per page) take the evict-first build, longer ones the default build;
-    at 64 heads the float32 head sum is pipelined (PIPELINE: three math
-    warpgroups, two accumulators), the tensor-core one and 32 heads are not;
-    the head sum adds its macro; launches of fewer than PIPELINE_MIN_ROWS rows
-    are not pipelined."""
+    group per page) take the evict-first build, longer ones the default build
+    (four math warpgroups); with ``pipeline`` the float32 head sum at 64 heads
+    is pipelined (PIPELINE: three math warpgroups, two accumulators), the
+    tensor-core one and 32 heads are not; the head sum adds its macro;
+    launches of fewer than PIPELINE_MIN_ROWS rows are not pipelined."""
     pipe = ck.PIPELINE
     assert set(pipe) == {"NUM_MATH=3", "DUAL_ACC=4"}
-    assert [ck.defines_for(n, "fp32") for n in (1, 2, 3, 4, 8, 16)] == (
-        [("EVICT_FIRST=1", *pipe)] * 2 + [pipe] * 4)
-    assert [ck.defines_for(n, "fp32", heads=64) for n in (1, 2, 3)] == (
-        [("EVICT_FIRST=1", *pipe)] * 2 + [pipe])
-    assert [ck.defines_for(n, "fp32", heads=32) for n in (1, 2, 3, 4, 5, 8, 16)] == (
-        [("EVICT_FIRST=1",)] * 4 + [()] * 3)
-    assert [ck.defines_for(n, "tf32") for n in (1, 2, 3, 4)] == (
-        [("EVICT_FIRST=1", "HEAD_SUM_TC=1")] * 2 + [("HEAD_SUM_TC=1",)] * 2)
-    assert [ck.defines_for(n, "tf32", heads=32) for n in (4, 5)] == (
-        [("EVICT_FIRST=1", "HEAD_SUM_TC=1"), ("HEAD_SUM_TC=1",)])
+    for pipeline, p in ((False, ()), (True, pipe)):
+        assert [ck.defines_for(n, "fp32", pipeline=pipeline) for n in (1, 2, 3, 4, 8, 16)] == (
+            [("EVICT_FIRST=1", *p)] * 2 + [p] * 4)
+        assert [ck.defines_for(n, "fp32", heads=64, pipeline=pipeline) for n in (1, 2, 3)] == (
+            [("EVICT_FIRST=1", *p)] * 2 + [p])
+        assert [ck.defines_for(n, "fp32", heads=32, pipeline=pipeline)
+                for n in (1, 2, 3, 4, 5, 8, 16)] == [("EVICT_FIRST=1",)] * 4 + [()] * 3
+        assert [ck.defines_for(n, "tf32", pipeline=pipeline) for n in (1, 2, 3, 4)] == (
+            [("EVICT_FIRST=1", "HEAD_SUM_TC=1")] * 2 + [("HEAD_SUM_TC=1",)] * 2)
+        assert [ck.defines_for(n, "tf32", heads=32, pipeline=pipeline) for n in (4, 5)] == (
+            [("EVICT_FIRST=1", "HEAD_SUM_TC=1"), ("HEAD_SUM_TC=1",)])
     with pytest.raises(ValueError, match="heads"):
         ck.defines_for(2, "fp32", heads=16)
     with pytest.raises(ValueError, match="head_sum"):
@@ -125,11 +126,51 @@ def test_the_build_follows_the_run_length_hint():
     assert ck.threads(pipe) == 512 and ck.smem_bytes(pipe) < ck.SMEM_BYTES
     # launches of fewer rows keep four math warpgroups
     few, many = ck.PIPELINE_MIN_ROWS - 1, ck.PIPELINE_MIN_ROWS
-    assert [ck.defines_for(n, "fp32", rows=few) for n in (1, 2, 3, 4)] == (
+    assert [ck.defines_for(n, "fp32", rows=few, pipeline=True) for n in (1, 2, 3, 4)] == (
         [("EVICT_FIRST=1",)] * 2 + [()] * 2)
-    assert [ck.defines_for(n, "fp32", rows=many) for n in (2, 4)] == [("EVICT_FIRST=1", *pipe), pipe]
-    assert ck.defines_for(4, "tf32", rows=many) == ("HEAD_SUM_TC=1",)
-    assert ck.defines_for(5, "fp32", heads=32, rows=many) == ()
+    assert [ck.defines_for(n, "fp32", rows=many, pipeline=True) for n in (2, 4)] == [
+        ("EVICT_FIRST=1", *pipe), pipe]
+    assert [ck.defines_for(n, "fp32", rows=many, pipeline=False) for n in (2, 4)] == [
+        ("EVICT_FIRST=1",), ()]
+    assert ck.defines_for(4, "tf32", rows=many, pipeline=True) == ("HEAD_SUM_TC=1",)
+    assert ck.defines_for(5, "fp32", heads=32, rows=many, pipeline=True) == ()
+
+
+@pytest.fixture
+def pipeline_env(monkeypatch):
+    """Set ``VLLM_DSA_VARLEN_PIPELINE`` for one test as a new process would read
+    it (its cache and the launcher's routes cleared before and after)."""
+    def set_to(value):
+        if value is None:
+            monkeypatch.delenv(ck.PIPELINE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ck.PIPELINE_ENV, value)
+        ck.read_pipeline.cache_clear()
+        launcher._ROUTES.clear()
+    yield set_to
+    monkeypatch.delenv(ck.PIPELINE_ENV, raising=False)
+    ck.read_pipeline.cache_clear()
+    launcher._ROUTES.clear()
+
+
+def test_pipeline_env_is_read_once_and_checked(pipeline_env):
+    """VLLM_DSA_VARLEN_PIPELINE: unset, empty or 0 -> the four-warpgroup build
+    (the default), 1 -> the pipelined one where it applies; read once;
+    anything else -> ValueError naming the variable."""
+    assert ck.PIPELINE_ENV == "VLLM_DSA_VARLEN_PIPELINE"
+    for raw, want in [(None, False), ("", False), ("0", False), (" 1 ", True)]:
+        pipeline_env(raw)
+        assert ck.read_pipeline() is want
+        assert ck.defines_for(4, "fp32") == (ck.PIPELINE if want else ())
+        assert ck.defines_for(4, "fp32", rows=ck.PIPELINE_MIN_ROWS - 1) == ()
+    os.environ[ck.PIPELINE_ENV] = "0"  # read once: not seen without a cache clear
+    assert ck.read_pipeline() is True
+    for bad in ("2", "yes", "true", "1,0"):
+        pipeline_env(bad)
+        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_PIPELINE"):
+            ck.read_pipeline()
+        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_PIPELINE"):
+            ck.defines_for(4, "fp32")
 
 
 @pytest.fixture
@@ -158,7 +199,7 @@ def test_head_sum_env_is_read_once_and_checked(head_sum_env):
     for raw, want in [(None, "fp32"), ("", "fp32"), ("fp32", "fp32"), (" TF32 ", "tf32")]:
         head_sum_env(raw)
         assert ck.read_head_sum() == want
-        assert ck.defines_for(4) == (("HEAD_SUM_TC=1",) if want == "tf32" else ck.PIPELINE)
+        assert ck.defines_for(4) == (("HEAD_SUM_TC=1",) if want == "tf32" else ())
     os.environ[ck.HEAD_SUM_ENV] = "fp32"  # read once: not seen without a cache clear
     assert ck.read_head_sum() == "tf32"
     for bad in ("bf16", "tf", "fp32,tf32"):
@@ -239,7 +280,7 @@ def test_a_pipelined_build_whose_wgmmas_serialise_gives_way_to_four_warpgroups(m
     monkeypatch.setattr(ck, "log_once", said.append)
     monkeypatch.setattr(ck, "load_function", fake_load)
     monkeypatch.setattr(ck, "_driver", lambda: None)
-    defines = ck.defines_for(4, "fp32")
+    defines = ck.defines_for(4, "fp32", pipeline=True)
     assert set(ck.PIPELINE) <= set(defines)
     assert ck.threads(defines) == 512 and ck.smem_bytes(defines) < ck.SMEM_BYTES
     got = ck._load(None, defines)
@@ -291,7 +332,7 @@ def _sass_ops(defines) -> collections.Counter:
 
 def _four_warpgroups(hint, head_sum, heads=ck.HEADS) -> tuple:
     """The launcher's build for the hint without the pipeline (PIPELINE)."""
-    return tuple(d for d in ck.defines_for(hint, head_sum, heads=heads) if d not in ck.PIPELINE)
+    return ck.defines_for(hint, head_sum, heads=heads, pipeline=False)
 
 
 @pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
@@ -312,7 +353,8 @@ def test_pipelined_build_keeps_a_chain_in_flight_under_each_head_sum():
             return subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True,
                                   text=True, check=True).stdout
     for hint in (1, 4):
-        pipe, four = sass(ck.defines_for(hint, "fp32")), sass(_four_warpgroups(hint, "fp32"))
+        pipe, four = (sass(ck.defines_for(hint, "fp32", pipeline=True)),
+                      sass(_four_warpgroups(hint, "fp32")))
         chains = len(re.findall(r"WARPGROUP\.ARRIVE", pipe))
         assert chains >= 8
         assert len(re.findall(r"QGMMA\.64x(?:128|64)x32", pipe)) == 4 * chains

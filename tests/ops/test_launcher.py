@@ -356,16 +356,33 @@ def _moving_calls(step):
             ("wider logits given", q, kv, w, torch.empty(rows, mcl + 128)[:, :mcl])]
 
 
+@pytest.fixture(params=[None, "1"])
+def pipeline(request, monkeypatch):
+    """VLLM_DSA_VARLEN_PIPELINE unset or 1 for one test, as a new process reads
+    it (its cache and the launcher's routes cleared before and after)."""
+    if request.param is None:
+        monkeypatch.delenv(ck.PIPELINE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ck.PIPELINE_ENV, request.param)
+    ck.read_pipeline.cache_clear()
+    launcher._ROUTES.clear()
+    yield request.param
+    monkeypatch.delenv(ck.PIPELINE_ENV, raising=False)
+    ck.read_pipeline.cache_clear()
+    launcher._ROUTES.clear()
+
+
 @pytest.mark.parametrize("big", [False, True])
 @pytest.mark.parametrize("heads, hint, evict", [(64, 1, True), (64, 2, True), (64, 3, False),
                                                (64, 4, False), (32, 2, True), (32, 4, True),
                                                (32, 5, False), (32, 8, False)])
-def test_the_launcher_asks_for_the_build_of_its_hint_and_head_count(heads, hint, evict, big):
+def test_the_launcher_asks_for_the_build_of_its_hint_and_head_count(heads, hint, evict, big,
+                                                                     pipeline):
     """The launcher's route loads the build ``defines_for`` gives the call's
     run-length hint at its head count and row count: evict-first where a
-    request's rows fit one row group (2 rows at 64 heads, 4 at 32),
-    pipelined at 64 heads from PIPELINE_MIN_ROWS rows, ``HEADS=32`` at 32
-    heads."""
+    request's rows fit one row group (2 rows at 64 heads, 4 at 32), with
+    VLLM_DSA_VARLEN_PIPELINE=1 pipelined at 64 heads from PIPELINE_MIN_ROWS
+    rows (unset: four warpgroups), ``HEADS=32`` at 32 heads."""
     reps = ck.PIPELINE_MIN_ROWS // (hint + 1) + 1 if big else 1
     step = make_decode_step([hint, 1] * reps, [300, 70] * reps, heads=heads)
     assert (step.rows.num_rows >= ck.PIPELINE_MIN_ROWS) == big
@@ -380,7 +397,7 @@ def test_the_launcher_asks_for_the_build_of_its_hint_and_head_count(heads, hint,
                                          step.max_context_len, max_run_len=hint,
                                          schedule_cache={})
         assert fake.launches and fake.launches[-1][0] == loaded.fn
-    pipe = ck.PIPELINE if heads == 64 and big else ()
+    pipe = ck.PIPELINE if heads == 64 and big and pipeline else ()
     assert asked == [(("EVICT_FIRST=1",) if evict else ()) + pipe
                      + (("HEADS=32",) if heads == 32 else ())]
     assert ck.defines_for(hint, "fp32", heads=heads,

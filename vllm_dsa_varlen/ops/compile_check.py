@@ -92,8 +92,9 @@ def main() -> int:
     report = {"triton": triton.__version__, "nvrtc": nvrtc}
     print(json.dumps(report), flush=True)
     jobs = []
-    if nvrtc == "ok":  # the builds the launcher takes (per head count and run-length hint class)
-        builds = {(h, ck.defines_for(n, heads=h, rows=rows)
+    if nvrtc == "ok":  # the builds the launcher takes (per head count, run-length hint class;
+        # the pipelined ones too, VLLM_DSA_VARLEN_PIPELINE=1's)
+        builds = {(h, ck.defines_for(n, heads=h, rows=rows, pipeline=True)
                    + (() if h == ck.HEADS else (f"HEADS={h}",)))
                   for h in ck.LAUNCHER_HEADS for n in (1, ck.rows_max_for(h, 1))
                   for rows in (1, ck.PIPELINE_MIN_ROWS)}

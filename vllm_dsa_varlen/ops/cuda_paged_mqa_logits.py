@@ -12,10 +12,11 @@ not expressible in Gluon (Triton 3.6-3.9): warpgroups sharing a partition move
 in lockstep, warpgroups in partitions of their own are separate code copies.
 In CUDA it measured 7-37 % faster than the Gluon kernel on every step (call 53).
 
-Builds (:func:`defines_for`; the launcher passes the hint): at 64 heads with
-the float32 head sum the pipelined one (:data:`PIPELINE`: three math
+Builds (:func:`defines_for`; the launcher passes the hint): four math
+warpgroups (the default) or, where ``VLLM_DSA_VARLEN_PIPELINE=1`` at 64 heads
+with the float32 head sum, the pipelined one (:data:`PIPELINE`: three math
 warpgroups with two accumulators each, a QK chain under the previous head
-sum; docs/design.md §2), else the four-warpgroup default; for run-length
+sum; docs/design.md §2); for run-length
 hints up to a row group (one row group per page) the page loads carry an L2
 evict-first hint.  Each comes with the head
 sum on the CUDA cores in float32 (DeepGEMM's arithmetic, the default) or on
@@ -123,27 +124,29 @@ HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 # two groups per page large steps were up to 5 % slower (calls 41-42; B256 L8K
 # 1.016x in evict-64h.log), so longer hints keep the default build.
 #
-# At 64 heads with the float32 head sum every hint takes the pipelined build
-# (:data:`PIPELINE`): three math warpgroups, each with two accumulators, a row
-# group's QK chain running under the previous one's head sum (the same products
-# summed in the same order: the four-warpgroup build's bits).  H200, one
-# process beside DeepGEMM 2.8.1, rounds interleaved (docs/results/h200-9f1a909/):
-# 0.94-0.97x the four-warpgroup build's time on uniform 4-token steps, 0.95 on
-# variable ones, 0.94 at 6 and 8 tokens, 0.96-0.97x the evict-first build's on
-# 2 tokens; level at B1 and 1 token; 3 tokens 1.01 [0.92, 1.10].  The
-# tensor-core head sum and 32 heads (a row group of four rows) keep four math
-# warpgroups.
-# Steps of fewer than PIPELINE_MIN_ROWS rows keep the four-warpgroup build: with
-# few pages a CTA the fourth warpgroup counts for more than the pipeline
-# (h200-d7ab4e3/short*: B8 L2K 4 tokens 1.05x its time, B16 L2K 2 tokens 1.02x, while
-# B8 L128K reads 0.94x; from 64 rows 0.94-1.01x at every context timed, 1K-32K),
-# and the small-step rules of the rule table were measured with it.  The row
-# count is a launch's shape, known on the host in a capture too.
+# The pipelined build (:data:`PIPELINE`, at 64 heads with the float32 head sum;
+# on where VLLM_DSA_VARLEN_PIPELINE=1, :func:`read_pipeline`): three math
+# warpgroups, each with two accumulators, a row group's QK chain running under
+# the previous one's head sum (the same products summed in the same order: the
+# four-warpgroup build's bits).  Timed with Triton's L2 flush (every line left
+# dirty) it read 0.94-0.97x the four-warpgroup build's time on uniform 4-token
+# steps (docs/results/h200-9f1a909/); with the L2 left clean before each call,
+# as a decode step leaves it, 1.02x on uniform 4-token steps, 1.06x on variable
+# ones, level on 2 and 3 tokens (h200-533ddd0/read-flush.log), and in vLLM
+# 0.33.0's engine it ran 73.7 us a call at B64 16K 4 tokens where the bench's
+# clean-L2 timing reads 73.8: so the four-warpgroup build is the default again
+# and the pipelined one an opt-in.  The tensor-core head sum and 32 heads (a row
+# group of four rows) have four math warpgroups only.
+# Launches of fewer than PIPELINE_MIN_ROWS rows keep four warpgroups with the
+# pipeline on (h200-d7ab4e3/short*: B8 L2K 4 tokens 1.05x the time, B16 L2K 2
+# tokens 1.02x).  The row count is a launch's shape, known on the host in a
+# capture too.
 PIPELINE = ("NUM_MATH=3", "DUAL_ACC=4")
 PIPELINE_MIN_ROWS = 64
 
 # The head sum (``read_head_sum``): "fp32" on the CUDA cores (the default build,
 # DeepGEMM's arithmetic) or "tf32" on the tensor cores (HEAD_SUM_TC=1).
+PIPELINE_ENV = "VLLM_DSA_VARLEN_PIPELINE"
 HEAD_SUM_ENV = "VLLM_DSA_VARLEN_HEAD_SUM"
 HEAD_SUMS = ("fp32", "tf32")
 
@@ -428,20 +431,36 @@ def _weights_fit(weights, heads: int = HEADS) -> bool:
 
 
 def defines_for(max_run_len: int, head_sum: str | None = None,
-                heads: int = HEADS, rows: int | None = None) -> tuple[str, ...]:
+                heads: int = HEADS, rows: int | None = None,
+                pipeline: bool | None = None) -> tuple[str, ...]:
     """The build the launcher takes for a run-length hint (evict-first where a
     request's rows fit one row group of ``heads``: :func:`rows_per_group`) and
-    head sum (``"fp32"`` or ``"tf32"``; default: :func:`read_head_sum`; the
-    float32 one at 64 heads pipelined: :data:`PIPELINE`, on launches of at
-    least :data:`PIPELINE_MIN_ROWS` query rows; ``rows`` ``None``: a large
-    launch), before :func:`prepare` adds ``HEADS=32`` for 32 heads."""
+    head sum (``"fp32"`` or ``"tf32"``; default: :func:`read_head_sum`); with
+    ``pipeline`` (default: :func:`read_pipeline`) the float32 one at 64 heads
+    pipelined, :data:`PIPELINE`, on launches of at least
+    :data:`PIPELINE_MIN_ROWS` query rows (``rows`` ``None``: a large launch);
+    before :func:`prepare` adds ``HEADS=32`` for 32 heads."""
     head_sum = read_head_sum() if head_sum is None else head_sum
     if head_sum not in HEAD_SUMS:
         raise ValueError(f"head_sum: expected one of {HEAD_SUMS}, got {head_sum!r}")
+    pipeline = read_pipeline() if pipeline is None else pipeline
     group = rows_per_group(heads)
-    pipelined = group == 2 and (rows is None or rows >= PIPELINE_MIN_ROWS)
+    pipelined = pipeline and group == 2 and (rows is None or rows >= PIPELINE_MIN_ROWS)
     return (("EVICT_FIRST=1",) if max_run_len <= group else ()) + (
         ("HEAD_SUM_TC=1",) if head_sum == "tf32" else PIPELINE if pipelined else ())
+
+
+@functools.lru_cache(maxsize=None)
+def read_pipeline() -> bool:
+    """``VLLM_DSA_VARLEN_PIPELINE`` (read once per process): ``1`` the
+    pipelined build where it applies (:func:`defines_for`), ``0`` / unset /
+    empty the four-warpgroup one (the default); ``ValueError`` naming the
+    variable otherwise."""
+    raw = os.environ.get(PIPELINE_ENV, "")
+    value = raw.strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{PIPELINE_ENV}={raw!r} is not valid: expected 0 or 1 (default 0)")
+    return value == "1"
 
 
 @functools.lru_cache(maxsize=None)
