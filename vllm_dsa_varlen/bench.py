@@ -19,7 +19,9 @@ project's own plan, and each available path is timed on the same step:
   2-CTA cluster; variable steps padded to ``(B, 4)``).
 
 Reported per path: median µs of a CUDA-graph replay of one call (CUDA events
-via ``triton.testing.do_bench``, which flushes the L2 before every run; the
+via ``triton.testing.do_bench``, which flushes the L2 before every run by
+writing a buffer, leaving it dirty; ``--builds`` flushes it clean by default,
+as a decode step leaves it: ``--flush``, :mod:`.bench_graph`; the
 graph removes host launch time, which a Python launcher adds to small eager
 calls), the same for the eager call (``eager=`` in the note), the floor (max of memory floor and
 compute floor, from a copy bandwidth and an fp8 matmul rate measured in the
