@@ -49,7 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .bench_deepgemm import Path, deepgemm_paths, vdg_paths
-from .bench_graph import capture_graph, graph_replay_us  # noqa: F401  (the benchmarks' helpers)
+from .bench_graph import FLUSHES, capture_graph, graph_replay_us  # noqa: F401  (the benchmarks' helpers)
 
 
 @dataclass
@@ -544,7 +544,7 @@ def main(argv=None):
                         help="--builds: time the paths in the given order every round (default: a "
                         "balanced Latin square, each path leading and following every other "
                         "equally often over a cycle of rounds)")
-    parser.add_argument("--flush", choices=["read", "zero"], default=None,
+    parser.add_argument("--flush", choices=list(FLUSHES), default=None,
                         help="--builds: the L2 before each timed call: read (default; a 256 MB "
                         "buffer read, clean lines, as a decode step leaves it) or zero (written, "
                         "dirty lines: Triton do_bench's flush, which every table published "

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from .bench_graph import order_cycle, round_order
+from .bench_graph import FLUSHES, order_cycle, round_order
 
 CASES = ["64,4,32768", "64,2,32768", "64,3,32768", "64,-4,32768", "128,-4,8192", "64,6,8192"]
 REP_MS = 30  # do_bench repetition time per timed call (ms) unless --rep-ms says otherwise
@@ -129,6 +129,8 @@ def run(args) -> int:
     if args.heads not in ck.HEAD_COUNTS:
         raise SystemExit(f"--heads: the CUDA kernel serves {ck.HEAD_COUNTS} heads, got {args.heads}")
     args.variants = args.builds
+    flush = args.flush or FLUSHES[0]  # the L2 left clean (bench_graph)
+    page_order = args.pages or "random"
     dg = None
     if args.deepgemm:
         _, dg = import_deepgemm()
@@ -138,7 +140,7 @@ def run(args) -> int:
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "deepgemm": getattr(dg, "__version__", None) if dg else None,
               "variants": args.variants, "rounds": args.rounds, "layers": args.layers,
-              "pages": args.pages or "random", "flush": args.flush or "read",
+              "pages": page_order, "flush": flush,
               "order": "fixed" if args.fixed_order else "balanced",
               "cases": []}
     variants = {}
@@ -176,7 +178,7 @@ def run(args) -> int:
     for case in args.cases:
         reqs, tokens, context = parse_case(case)
         step = random_decode_step(reqs, abs(tokens), context, variable=tokens < 0, seed=0,
-                                  device="cuda", heads=args.heads, pages=args.pages or "random")
+                                  device="cuda", heads=args.heads, pages=page_order)
         rows = step.rows
         ctx = rows.context_lens.view(-1, 1)
         ends = torch.cat([rows.indices[1:] != rows.indices[:-1],
@@ -213,8 +215,7 @@ def run(args) -> int:
                   flush=True)
         for r in range(rounds):
             for k in round_order(list(calls), r, args.fixed_order):
-                times[k].append(graph_replay_us(torch, do_bench, calls[k], args.rep_ms,
-                                               args.flush or "read"))
+                times[k].append(graph_replay_us(torch, do_bench, calls[k], args.rep_ms, flush))
         res = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         spread = max((max(v) - min(v)) / min(v) for v in times.values())
         record = {"case": case, "rows": rows.num_rows, "rounds": rounds, "times_us": times,
