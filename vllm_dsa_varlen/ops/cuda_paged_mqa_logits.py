@@ -456,11 +456,7 @@ def read_pipeline() -> bool:
     pipelined build where it applies (:func:`defines_for`), ``0`` / unset /
     empty the four-warpgroup one (the default); ``ValueError`` naming the
     variable otherwise."""
-    raw = os.environ.get(PIPELINE_ENV, "")
-    value = raw.strip() or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{PIPELINE_ENV}={raw!r} is not valid: expected 0 or 1 (default 0)")
-    return value == "1"
+    return _read_setting(PIPELINE_ENV, ("0", "1")) == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -468,11 +464,18 @@ def read_head_sum() -> str:
     """``VLLM_DSA_VARLEN_HEAD_SUM`` (read once per process): ``"fp32"`` (unset or
     empty: the default; DeepGEMM's float32 arithmetic) or ``"tf32"`` (the
     tensor-core head sum).  ``ValueError`` naming the variable otherwise."""
-    raw = os.environ.get(HEAD_SUM_ENV, "")
-    value = raw.strip().lower() or HEAD_SUMS[0]
-    if value not in HEAD_SUMS:
-        raise ValueError(f"{HEAD_SUM_ENV}={raw!r} is not valid: expected one of "
-                         f"{', '.join(HEAD_SUMS)} (default {HEAD_SUMS[0]})")
+    return _read_setting(HEAD_SUM_ENV, HEAD_SUMS)
+
+
+def _read_setting(name: str, allowed: tuple[str, ...]) -> str:
+    """Environment variable ``name``, blanks and case ignored, one of
+    ``allowed`` (unset or empty: the first); ``ValueError`` naming it
+    otherwise."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower() or allowed[0]
+    if value not in allowed:
+        raise ValueError(f"{name}={raw!r} is not valid: expected one of "
+                         f"{', '.join(allowed)} (default {allowed[0]})")
     return value
 
 
