@@ -495,11 +495,13 @@ def precompile(*, heads: int, dim: int = 128, page: int = 64, device=None,
         kernels = ["portable"] + (["sm90"] if sm90 else [])
     else:
         kernels = [kernel]
+    many = cuda_sm90.PIPELINE_MIN_ROWS
     for which in kernels:
+        # with the pipeline on the sm_90 kernel's build follows the row count
+        # too: a launch of few rows and one of many
+        by_rows = which != "portable" and cuda_sm90.read_pipeline()
         for n in sorted(set(max_run_lens)):
-            # a launch of few rows and one of many: the sm_90 kernel's build
-            # follows the row count too (cuda_paged_mqa_logits.PIPELINE_MIN_ROWS)
-            for rows in sorted({n, max(cuda_sm90.PIPELINE_MIN_ROWS, n)}):
+            for rows in sorted({n, max(many, n)} if by_rows else {max(many, n)}):
                 _compile_one(varlen_paged_mqa_logits, kv_cache, heads, dim, page, n, which,
                              device, rows)
     torch.cuda.synchronize(device)
