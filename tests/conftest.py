@@ -112,3 +112,26 @@ def plugin_log(monkeypatch):
     yield records
     log.removeHandler(handler)
     log.setLevel(level)
+
+
+@pytest.fixture
+def process_setting(monkeypatch):
+    """``set(name, reader, value)``: environment variable ``name`` set (``None``:
+    unset) as a new process would read it: ``reader``'s once-per-process cache
+    and the launcher's routes, whose builds follow such settings, cleared;
+    every variable set is unset and its cache cleared again after the test."""
+    from vllm_dsa_varlen.ops import launcher
+
+    touched = {}
+
+    def set_to(name, reader, value):
+        touched[name] = reader
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        reader.cache_clear()
+        launcher._ROUTES.clear()
+    yield set_to
+    for name, reader in touched.items():
+        set_to(name, reader, None)

@@ -136,29 +136,10 @@ def test_the_build_follows_the_run_length_hint():
     assert ck.defines_for(5, "fp32", heads=32, rows=many, pipeline=True) == ()
 
 
-def _process_setting(monkeypatch, name: str, reader):
-    """A setter of environment variable ``name`` as a new process would read it
-    (``reader``'s once-per-process cache and the launcher's routes, whose
-    builds follow it, cleared), and the cleanup after the test."""
-    def set_to(value):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-        reader.cache_clear()
-        launcher._ROUTES.clear()
-
-    def undo():
-        set_to(None)
-    return set_to, undo
-
-
 @pytest.fixture
-def pipeline_env(monkeypatch):
-    """Set ``VLLM_DSA_VARLEN_PIPELINE`` for one test (:func:`_process_setting`)."""
-    set_to, undo = _process_setting(monkeypatch, ck.PIPELINE_ENV, ck.read_pipeline)
-    yield set_to
-    undo()
+def pipeline_env(process_setting):
+    """Set ``VLLM_DSA_VARLEN_PIPELINE`` for one test (``process_setting``)."""
+    return lambda value: process_setting(ck.PIPELINE_ENV, ck.read_pipeline, value)
 
 
 def test_pipeline_env_is_read_once_and_checked(pipeline_env):
@@ -182,11 +163,9 @@ def test_pipeline_env_is_read_once_and_checked(pipeline_env):
 
 
 @pytest.fixture
-def head_sum_env(monkeypatch):
-    """Set ``VLLM_DSA_VARLEN_HEAD_SUM`` for one test (:func:`_process_setting`)."""
-    set_to, undo = _process_setting(monkeypatch, ck.HEAD_SUM_ENV, ck.read_head_sum)
-    yield set_to
-    undo()
+def head_sum_env(process_setting):
+    """Set ``VLLM_DSA_VARLEN_HEAD_SUM`` for one test (``process_setting``)."""
+    return lambda value: process_setting(ck.HEAD_SUM_ENV, ck.read_head_sum, value)
 
 
 def test_head_sum_env_is_read_once_and_checked(head_sum_env):

@@ -357,19 +357,10 @@ def _moving_calls(step):
 
 
 @pytest.fixture(params=[None, "1"])
-def pipeline(request, monkeypatch):
-    """VLLM_DSA_VARLEN_PIPELINE unset or 1 for one test, as a new process reads
-    it (its cache and the launcher's routes cleared before and after)."""
-    if request.param is None:
-        monkeypatch.delenv(ck.PIPELINE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(ck.PIPELINE_ENV, request.param)
-    ck.read_pipeline.cache_clear()
-    launcher._ROUTES.clear()
-    yield request.param
-    monkeypatch.delenv(ck.PIPELINE_ENV, raising=False)
-    ck.read_pipeline.cache_clear()
-    launcher._ROUTES.clear()
+def pipeline(request, process_setting):
+    """VLLM_DSA_VARLEN_PIPELINE unset or 1 for one test (``process_setting``)."""
+    process_setting(ck.PIPELINE_ENV, ck.read_pipeline, request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("big", [False, True])
