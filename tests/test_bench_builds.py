@@ -69,6 +69,9 @@ def test_per_step_sums_the_paths_each_line_takes():
                                         (["--fixed-order"], "--fixed-order"),
                                         (["--pages", "in-order"], "--pages"),
                                         (["--flush", "read"], "--flush"),
+                                        (["--lead"], "--lead"),
+                                        (["--builds", "default", "--lead", "--topk-lib",
+                                          "x.so"], "--lead only with --builds without"),
                                         (["--topk-builds", "default"], "--topk-builds"),
                                         (["--topk-width", "163840"], "--topk-width"),
                                         (["--builds", "default", "--topk-width", "9"],
@@ -296,3 +299,40 @@ def test_graph_replay_refuses_an_unknown_flush():
     assert FLUSHES == ("read", "zero")
     with pytest.raises(ValueError, match="flush"):
         graph_replay_us(None, None, None, 1, flush="dirty")
+
+
+def test_led_calls_run_the_lead_before_each_logits_path_only():
+    """``--lead``: every logits path runs the queries' copy first and returns
+    its own result; the schedule's, DeepGEMM's metadata and the top-k paths
+    are left alone; ``lead`` alone is added; the copy rewrites the queries
+    with their own values (the checks made before still hold)."""
+    torch = pytest.importorskip("torch")
+    from vllm_dsa_varlen.workloads import make_decode_step
+
+    step = make_decode_step([2, 3], [70, 130], heads=64, seed=4)
+    before = step.q.clone()
+    seen = []
+
+    def path(name):
+        def fn():
+            seen.append(name)
+            return name
+        return fn
+
+    names = ["default", "PDL=1", "dg-native4", "dg-flat", "plan", "dg-meta", "topk-rows",
+             "topk-rows-ours"]
+    calls = {n: path(n) for n in names}
+    led = variants.led_calls(torch, step, calls)
+    assert list(led) == ["lead", *names]
+    for n in names:
+        assert led[n]() == n
+    assert seen == names and torch.equal(step.q, before)
+    # the lead writes q: poisoned first, each led path restores it, the others do not
+    for n, wrote in (("default", True), ("dg-flat", True), ("plan", False),
+                     ("topk-rows", False)):
+        step.q.view(torch.uint8).fill_(0x7F)
+        led[n]()
+        assert torch.equal(step.q.view(torch.uint8), before.view(torch.uint8)) is wrote, n
+    step.q.view(torch.uint8).fill_(0x7F)
+    led["lead"]()
+    assert torch.equal(step.q.view(torch.uint8), before.view(torch.uint8))

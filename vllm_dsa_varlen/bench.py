@@ -549,6 +549,12 @@ def main(argv=None):
                         "buffer read, clean lines, as a decode step leaves it) or zero (written, "
                         "dirty lines: Triton do_bench's flush, which every table published "
                         "before this option used)")
+    parser.add_argument("--lead", action="store_true",
+                        help="--builds: each logits call timed right after the kernel that "
+                        "writes its queries (a copy of them, captured in the same graph: what "
+                        "a decode step runs before the logits), so a build launched as a "
+                        "programmatic dependent (PDL=1) can start under it; DeepGEMM's "
+                        "launched so too, as vLLM 0.33 sets it on Hopper; 'lead' alone beside")
     parser.add_argument("--pages", choices=["random", "in-order"], default=None,
                         help="--builds: where the requests' KV pages lie in the pool: a "
                         "permutation (default) or each request's consecutive, request by "
@@ -591,6 +597,8 @@ def main(argv=None):
         ("--fixed-order", "--builds", args.fixed_order, bool(args.builds)),
         ("--pages", "--builds", args.pages is not None, bool(args.builds)),
         ("--flush", "--builds", args.flush is not None, bool(args.builds)),
+        ("--lead", "--builds without --topk-lib (its per-step sums count each call alone)",
+         args.lead, bool(args.builds) and not args.topk_lib),
         ("--topk-lib", "--builds or --launch-host (GPU)", bool(args.topk_lib),
          bool(args.builds) or (args.launch_host and not args.fake)),
         ("--layers", "--builds", args.layers is not None, bool(args.builds)),

@@ -31,6 +31,7 @@ import statistics
 from .bench_graph import FLUSHES, order_cycle, round_order
 
 CASES = ["64,4,32768", "64,2,32768", "64,3,32768", "64,-4,32768", "128,-4,8192", "64,6,8192"]
+TOPK_PREFIXES = ("topk-",)  # the top-k paths' names (topk_calls)
 REP_MS = 30  # do_bench repetition time per timed call (ms) unless --rep-ms says otherwise
 
 
@@ -136,11 +137,16 @@ def run(args) -> int:
         _, dg = import_deepgemm()
         if dg is None:
             raise SystemExit("--deepgemm: no DeepGEMM importable")
+    lead = getattr(args, "lead", False)
+    if dg is not None and lead and hasattr(dg, "set_pdl"):
+        dg.set_pdl(True)  # as vLLM 0.33 sets it on Hopper (vllm/utils/deep_gemm.py)
     topk_ops = load_topk(torch, args.topk_lib) if args.topk_lib else None
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "deepgemm": getattr(dg, "__version__", None) if dg else None,
+              "deepgemm_pdl": bool(dg.get_pdl()) if dg is not None and hasattr(dg, "get_pdl")
+              else None,
               "variants": args.variants, "rounds": args.rounds, "layers": args.layers,
-              "pages": page_order, "flush": flush,
+              "pages": page_order, "flush": flush, "lead": lead,
               "order": "fixed" if args.fixed_order else "balanced",
               "cases": []}
     variants = {}
@@ -207,6 +213,8 @@ def run(args) -> int:
                                                              None),
                                     eager_line=getattr(args, "topk_eager_line", None)))
         calls.update(extra)
+        if lead:
+            calls = led_calls(torch, step, calls)
         times = {k: [] for k in calls}
         rounds = case_rounds(args.rounds, len(calls), args.fixed_order)
         if rounds % order_cycle(len(calls)) and not args.fixed_order:
@@ -245,6 +253,25 @@ def run(args) -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
     return 0
+
+
+def led_calls(torch, step, calls: dict) -> dict:
+    """``--lead``: each logits path of ``calls`` (not the schedule's, not the
+    top-k's) preceded by the kernel that writes the step's queries (a copy of
+    their own values, so every check still holds), captured with it; and that
+    kernel alone as ``lead``, to set against them."""
+    source = step.q.clone()
+
+    def lead():
+        step.q.copy_(source)
+
+    led = {"lead": lead}
+    for name, fn in calls.items():
+        if name in ("plan", "dg-meta") or name.startswith(TOPK_PREFIXES):
+            led[name] = fn
+        else:
+            led[name] = lambda f=fn: (lead(), f())[1]
+    return led
 
 
 def case_rounds(asked: int | None, paths: int, fixed_order: bool = False) -> int:

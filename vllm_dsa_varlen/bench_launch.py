@@ -389,6 +389,12 @@ class _FakeDriver:
         self.launches.append(args)
         return (0,)
 
+    def cuLaunchKernelEx(self, config, *args):
+        """Recorded as ``("ex", grid, stream, config, *args)``: the
+        configuration's grid and stream as they stand at the call."""
+        self.launches.append(("ex", config.gridDimX, int(config.hStream), config, *args))
+        return (0,)
+
 
 def fake_descriptor(base: int, dims, strides, box) -> list[int]:
     """The stubbed TMA encode's descriptor: its 16 words hold the address,

@@ -134,6 +134,14 @@ def test_the_build_follows_the_run_length_hint():
         ("EVICT_FIRST=1",), ()]
     assert ck.defines_for(4, "tf32", rows=many, pipeline=True) == ("HEAD_SUM_TC=1",)
     assert ck.defines_for(5, "fp32", heads=32, rows=many, pipeline=True) == ()
+    # a programmatic dependent launch adds PDL to whatever build the rest picks
+    assert ck.PDL == ("PDL=1",)
+    for args in [(1, "fp32"), (4, "fp32"), (4, "tf32"), (3, "fp32", 32), (8, "fp32", 32)]:
+        for kw in ({}, {"rows": few}, {"rows": many}):
+            for pipeline in (False, True):
+                plain = ck.defines_for(*args, **kw, pipeline=pipeline, pdl=False)
+                assert ck.defines_for(*args, **kw, pipeline=pipeline, pdl=True) == (
+                    plain + ck.PDL)
 
 
 @pytest.fixture
@@ -159,6 +167,32 @@ def test_pipeline_env_is_read_once_and_checked(pipeline_env):
         with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_PIPELINE"):
             ck.read_pipeline()
         with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_PIPELINE"):
+            ck.defines_for(4, "fp32")
+
+
+@pytest.fixture
+def pdl_env(process_setting):
+    """Set ``VLLM_DSA_VARLEN_PDL`` for one test (``process_setting``)."""
+    return lambda value: process_setting(ck.PDL_ENV, ck.read_pdl, value)
+
+
+def test_pdl_env_is_read_once_and_checked(pdl_env):
+    """VLLM_DSA_VARLEN_PDL: unset, empty or 0 -> plain launches (the default),
+    1 -> every build launched as a programmatic dependent; read once;
+    anything else -> ValueError naming the variable."""
+    assert ck.PDL_ENV == "VLLM_DSA_VARLEN_PDL"
+    for raw, want in [(None, False), ("", False), (" 0", False), ("1", True)]:
+        pdl_env(raw)
+        assert ck.read_pdl() is want
+        assert ck.defines_for(4, "fp32", pipeline=False) == (ck.PDL if want else ())
+        assert ck.defines_for(1, "fp32", heads=32) == ("EVICT_FIRST=1", *(ck.PDL if want else ()))
+    os.environ[ck.PDL_ENV] = "0"  # read once: not seen without a cache clear
+    assert ck.read_pdl() is True
+    for bad in ("2", "on", "true"):
+        pdl_env(bad)
+        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_PDL"):
+            ck.read_pdl()
+        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_PDL"):
             ck.defines_for(4, "fp32")
 
 
@@ -579,6 +613,41 @@ def test_launch_fills_the_parameter_block_and_reuses_descriptors():
                 (ck.DIM, ck.HEADS, 2)) for s in steps])
 
 
+@pytest.mark.skipif(NVRTC is not None, reason="no cuda-python here")
+def test_a_pdl_build_launches_as_a_programmatic_dependent():
+    """A build launched as a programmatic dependent (``_Loaded.config`` from
+    ``cuda_binding.dependent_launch``; the driver stubbed, CPU tensors):
+    ``cuLaunchKernelEx`` with that configuration (the programmatic-
+    serialisation attribute set, the build's block and shared memory), this
+    call's grid and current stream and the same parameter block a plain
+    launch hands ``cuLaunchKernel``."""
+    from cuda.bindings import driver as drv
+
+    from vllm_dsa_varlen.ops import cuda_binding as cb
+
+    config = cb.dependent_launch(drv, 7, ck.THREADS, ck.SMEM_BYTES)
+    [attr] = config.attrs
+    assert config.numAttrs == 1 and attr.value.programmaticStreamSerializationAllowed == 1
+    assert attr.id == drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert (config.blockDimX, config.blockDimY, config.blockDimZ) == (ck.THREADS, 1, 1)
+    assert (config.gridDimY, config.gridDimZ, config.sharedMemBytes) == (1, 1, ck.SMEM_BYTES)
+    step = make_decode_step([2, 3, 1], [90, 140, 7], heads=64, seed=5)
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    out = torch.empty((rows.num_rows, step.max_context_len))
+    sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1],
+                    programs=4)
+    with host_time.stubbed(ck) as (fake, _, loaded):
+        for cfg in (None, config):
+            loaded.config = cfg
+            ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                      step.max_context_len, out, schedule=sched)
+    plain, dependent = fake.launches
+    assert plain[0] is loaded.fn and plain[1:] == (4, 1, 1, ck.THREADS, 1, 1, ck.SMEM_BYTES,
+                                                  0x5EED, loaded.params_addr, 0)
+    assert dependent == ("ex", 4, 0x5EED, config, loaded.fn, loaded.params_addr, 0)
+
+
 def test_a_non_contiguous_context_column_is_passed_as_a_copy():
     step = make_decode_step([2, 1], [70, 20], heads=64)
     rows = step.rows
@@ -953,6 +1022,75 @@ def test_tensor_core_build_replays_in_a_graph_on_new_contents():
         graph.replay()
         torch.cuda.synchronize()
         assert _same_bits(first, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("hint,heads,pipeline", [(4, 64, False), (4, 64, True), (2, 64, False),
+                                                 (8, 32, False)])
+def test_pdl_build_waits_for_the_kernels_that_write_its_inputs(hint, heads, pipeline):
+    """A build launched as a programmatic dependent (PDL), captured in a CUDA
+    graph right after the kernels that write its queries, weights, cache and
+    schedule (as a decode step's indexer writes them just before the logits),
+    and run eagerly the same way: on each replay's new contents every valid
+    position is written, nothing else, close to the reference, and the bits
+    are the plain build's on the same inputs."""
+    if NVRTC is not None:
+        pytest.skip(f"no NVRTC: {NVRTC}")
+    from vllm_dsa_varlen.ops.reference import quantize_kv_fp8
+
+    step = random_decode_step(40, hint, 3000, heads=heads, device="cuda", variable=True, seed=9)
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
+    plain = ck.defines_for(hint, "fp32", heads=heads, rows=rows.num_rows, pipeline=pipeline,
+                           pdl=False)
+    dependent = plain + ck.PDL
+    new = {"q": torch.empty_like(step.q), "w": torch.empty_like(step.weights),
+           "kv": torch.empty_like(step.kv_cache)}  # the sources the captured copies read
+
+    def write_inputs(seed):  # fresh contents, copied in by the call's own kernels
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        new["q"].copy_(torch.randn(step.q.shape, generator=gen, device="cuda").to(step.q.dtype))
+        new["w"].copy_(torch.randn(step.weights.shape, generator=gen, device="cuda") / 8)
+        new["kv"].copy_(quantize_kv_fp8(torch.randn((step.kv_cache.shape[0], 64, 128),
+                                                    generator=gen, device="cuda") * 3))
+
+    sched = [None]
+
+    def call(defines):
+        step.kv_cache.copy_(new["kv"])
+        step.weights.copy_(new["w"])
+        sched[0] = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1],
+                           heads)
+        step.q.copy_(new["q"])  # the kernel right before the logits writes what they read
+        ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                  step.max_context_len, out[: rows.num_rows], schedule=sched[0],
+                  defines=defines)
+
+    write_inputs(1)
+    call(dependent)  # loaded outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        call(dependent)
+    for seed in (21, 22, 23):
+        write_inputs(seed)
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_poisoned(step, out)
+        replayed = out.clone()
+        out.fill_(POISON)
+        call(plain)
+        torch.cuda.synchronize()
+        assert _same_bits(replayed, out)
+        out.fill_(POISON)
+        call(dependent)  # eager
+        torch.cuda.synchronize()
+        assert _same_bits(replayed, out)
 
 
 # ------------------------------------------------ GPU (sm_90): 32 heads (launch only)

@@ -154,19 +154,45 @@ class ParamBlock:
         self.lock = threading.Lock()
 
 
+def dependent_launch(drv, grid: int, block: int, smem: int):
+    """A ``cuLaunchKernelEx`` configuration (1-D grid and block) that launches
+    a kernel as a programmatic dependent of the one before it on the stream
+    (``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: it may start
+    before that kernel has finished, so it must ``griddepcontrol.wait`` before
+    reading what that kernel writes).  Made once per kernel build; each launch
+    sets its grid and stream (:func:`launch_function`).  Stream capture keeps the
+    dependency as a programmatic graph edge."""
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = drv.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes = smem
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return config
+
+
 def launch_function(drv, fn, ctx, grid: int, block: int, smem: int, stream: int,
-                    params_addr: int) -> None:
+                    params_addr: int, config=None) -> None:
     """``cuLaunchKernel`` of ``fn`` (1-D grid and block) with the parameter
-    pointer array at ``params_addr``; a thread whose current driver context is
-    not the device's primary one ``ctx`` (no CUDA call made on it yet) gets it
-    and retries."""
-    args = (fn, grid, 1, 1, block, 1, 1, smem, stream, params_addr, 0)
-    (err,) = drv.cuLaunchKernel(*args)
+    pointer array at ``params_addr``, or ``cuLaunchKernelEx`` with ``config``
+    (:func:`dependent_launch`, made for this block and shared memory; the grid
+    and stream set here); a thread whose current driver context is not the device's
+    primary one ``ctx`` (no CUDA call made on it yet) gets it and retries."""
+    if config is None:
+        launch, args, what = drv.cuLaunchKernel, (fn, grid, 1, 1, block, 1, 1, smem, stream,
+                                                  params_addr, 0), "cuLaunchKernel"
+    else:
+        config.gridDimX, config.hStream = grid, stream
+        launch, args, what = drv.cuLaunchKernelEx, (config, fn, params_addr, 0), "cuLaunchKernelEx"
+    (err,) = launch(*args)
     if err == INVALID_CONTEXT:
         ok(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        (err,) = drv.cuLaunchKernel(*args)
+        (err,) = launch(*args)
     if err:
-        ok((err,), "cuLaunchKernel")
+        ok((err,), what)
 
 
 def _read(path: str) -> str:

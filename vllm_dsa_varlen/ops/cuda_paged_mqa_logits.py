@@ -73,7 +73,7 @@ import torch
 from .common import DIM, PAGE, capability, log_once, num_sms
 from .cuda_binding import NVRTC_ENV  # noqa: F401  (the setting this kernel honours)
 from .cuda_binding import (ARCH, INVALID_CONTEXT, compile_source, current_device, current_stream,
-                           launch_function, load_function, load_once, ok)
+                           dependent_launch, launch_function, load_function, load_once, ok)
 from .cuda_binding import driver as _driver
 from .cuda_binding import nvrtc as _nvrtc
 from .cuda_plan import COST, CTA_WORDS, TABLE_WORDS, page_cost, plan_device
@@ -143,6 +143,14 @@ HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 # capture too.
 PIPELINE = ("NUM_MATH=3", "DUAL_ACC=4")
 PIPELINE_MIN_ROWS = 64
+
+# Programmatic dependent launch (:func:`read_pdl`, ``VLLM_DSA_VARLEN_PDL``):
+# the build PDL=1 is launched as a programmatic dependent of the kernel before
+# it on the stream (cuLaunchKernelEx, cuda_binding.dependent_launch), as vLLM
+# 0.33 launches DeepGEMM's kernels on Hopper: its CTAs start and set up under
+# that kernel's tail, then wait for it (griddepcontrol.wait) before reading.
+PDL = ("PDL=1",)
+PDL_ENV = "VLLM_DSA_VARLEN_PDL"
 
 # The head sum (``read_head_sum``): "fp32" on the CUDA cores (the default build,
 # DeepGEMM's arithmetic) or "tf32" on the tensor cores (HEAD_SUM_TC=1).
@@ -228,11 +236,14 @@ class _Loaded:
     ``ctx``: driver handles), with the parameter block its launches rewrite:
     ``params`` (packed whole by each launch, :data:`_PACK`) and the array of
     its fields' addresses (``params_addr``) that ``cuLaunchKernel`` reads;
-    ``smem``: its dynamic shared memory; ``threads``: its CTA size.  ``lock``:
-    one launch at a time fills the block."""
+    ``smem``: its dynamic shared memory; ``threads``: its CTA size;
+    ``config``: the ``cuLaunchKernelEx`` configuration of a build launched as
+    a programmatic dependent (:data:`PDL`), else ``None``.  ``lock``: one
+    launch at a time fills the block (and sets ``config``'s stream)."""
 
-    def __init__(self, fn, ctx, smem: int, threads: int = THREADS):
+    def __init__(self, fn, ctx, smem: int, threads: int = THREADS, config=None):
         self.fn, self.ctx, self.smem, self.threads = fn, ctx, smem, threads
+        self.config = config
         self.params = _Params()
         base = ctypes.addressof(self.params)
         self._ptrs = (ctypes.c_void_p * len(PARAMS))(
@@ -276,7 +287,9 @@ def _load(device: torch.device, defines: tuple) -> _Loaded:
     cubin, built = build_cubin(defines)
     smem = smem_bytes(built)
     fn, ctx, module = load_function(_driver(), device, cubin, KERNEL_NAME, smem)
-    loaded = _Loaded(fn, ctx, smem, threads(built))
+    config = (dependent_launch(_driver(), num_sms(device), threads(built), smem)
+              if set(PDL) <= set(built) else None)
+    loaded = _Loaded(fn, ctx, smem, threads(built), config)
     loaded.module = module
     return loaded
 
@@ -432,22 +445,34 @@ def _weights_fit(weights, heads: int = HEADS) -> bool:
 
 def defines_for(max_run_len: int, head_sum: str | None = None,
                 heads: int = HEADS, rows: int | None = None,
-                pipeline: bool | None = None) -> tuple[str, ...]:
+                pipeline: bool | None = None, pdl: bool | None = None) -> tuple[str, ...]:
     """The build the launcher takes for a run-length hint (evict-first where a
     request's rows fit one row group of ``heads``: :func:`rows_per_group`) and
     head sum (``"fp32"`` or ``"tf32"``; default: :func:`read_head_sum`); with
     ``pipeline`` (default: :func:`read_pipeline`) the float32 one at 64 heads
     pipelined, :data:`PIPELINE`, on launches of at least
     :data:`PIPELINE_MIN_ROWS` query rows (``rows`` ``None``: a large launch);
-    before :func:`prepare` adds ``HEADS=32`` for 32 heads."""
+    with ``pdl`` (default: :func:`read_pdl`) launched as a programmatic
+    dependent (:data:`PDL`); before :func:`prepare` adds ``HEADS=32`` for 32
+    heads."""
     head_sum = read_head_sum() if head_sum is None else head_sum
     if head_sum not in HEAD_SUMS:
         raise ValueError(f"head_sum: expected one of {HEAD_SUMS}, got {head_sum!r}")
     pipeline = read_pipeline() if pipeline is None else pipeline
+    pdl = read_pdl() if pdl is None else pdl
     group = rows_per_group(heads)
     pipelined = pipeline and group == 2 and (rows is None or rows >= PIPELINE_MIN_ROWS)
     return (("EVICT_FIRST=1",) if max_run_len <= group else ()) + (
-        ("HEAD_SUM_TC=1",) if head_sum == "tf32" else PIPELINE if pipelined else ())
+        ("HEAD_SUM_TC=1",) if head_sum == "tf32" else PIPELINE if pipelined else ()) + (
+        PDL if pdl else ())
+
+
+@functools.lru_cache(maxsize=None)
+def read_pdl() -> bool:
+    """``VLLM_DSA_VARLEN_PDL`` (read once per process): ``1`` the launcher's
+    builds launched as programmatic dependents (:data:`PDL`), ``0`` / unset /
+    empty plain launches; ``ValueError`` naming the variable otherwise."""
+    return _read_setting(PDL_ENV, ("0", "1")) == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -824,6 +849,7 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
 
 
 def _launch(kern: _Loaded, programs: int, stream: int) -> None:
-    """``cuLaunchKernel`` of ``kern`` with its parameter block as it stands."""
+    """``kern`` launched with its parameter block as it stands (as a
+    programmatic dependent where its build says so: ``kern.config``)."""
     launch_function(_driver(), kern.fn, kern.ctx, programs, kern.threads, kern.smem, stream,
-                    kern.params_addr)
+                    kern.params_addr, kern.config)

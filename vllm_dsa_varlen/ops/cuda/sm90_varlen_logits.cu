@@ -31,6 +31,10 @@ typedef unsigned char u8;
 #ifndef EVICT_FIRST  // pages loaded with an L2 evict-first hint: the launcher's build for
 #define EVICT_FIRST 0    // run-length hints <= 2 (cuda_paged_mqa_logits.defines_for, call 50)
 #endif
+#ifndef PDL  // 1: launched as a programmatic dependent of the kernel before it on the stream
+#define PDL 0   // (the launcher's build with VLLM_DSA_VARLEN_PDL=1): the CTAs set up their
+#endif          // barriers and fetch their TMA descriptors under that kernel's tail, then
+                // wait for it (griddepcontrol.wait) before their first global read
 #ifndef HEAD_SUM_TC  // 1: the head sum on the tensor cores (TF32 mma.sync; group_logit_tc)
 #define HEAD_SUM_TC 0
 #endif
@@ -615,8 +619,22 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 #if STAMPS >= 2
     for (int i = 0; i < NUM_MATH * 4; ++i) prof_sm90[i] = 0;
 #endif
+#if PDL
+    // the descriptors are launch parameters, not another kernel's output
+    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<u64>(&kv_map)) : "memory");
+    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<u64>(&q_map)) : "memory");
+#endif
   }
   __syncthreads();
+#if PDL
+  // Every global read below may see the previous kernel's writes (queries,
+  // weights, the cache, the schedule), and the logits may be what it reads:
+  // wait for its grid to finish and its writes to land.  Then let the next
+  // kernel launch (its CTAs take SMs as this kernel's leave; a dependent waits
+  // for this grid the same way).  Without the launch attribute both are no-ops.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 #if STAMPS
   if (threadIdx.x == 0) {
     u32 sm;
