@@ -69,8 +69,8 @@ def test_per_step_sums_the_paths_each_line_takes():
                                         (["--fixed-order"], "--fixed-order"),
                                         (["--pages", "in-order"], "--pages"),
                                         (["--flush", "read"], "--flush"),
-                                        (["--lead"], "--lead"),
-                                        (["--builds", "default", "--lead", "--topk-lib",
+                                        (["--lead", "copy"], "--lead"),
+                                        (["--builds", "default", "--lead", "early", "--topk-lib",
                                           "x.so"], "--lead only with --builds without"),
                                         (["--topk-builds", "default"], "--topk-builds"),
                                         (["--topk-width", "163840"], "--topk-width"),
@@ -322,7 +322,7 @@ def test_led_calls_run_the_lead_before_each_logits_path_only():
     names = ["default", "PDL=1", "dg-native4", "dg-flat", "plan", "dg-meta", "topk-rows",
              "topk-rows-ours"]
     calls = {n: path(n) for n in names}
-    led = variants.led_calls(torch, step, calls)
+    led = variants.led_calls(torch, step, calls, "copy")
     assert list(led) == ["lead", *names]
     for n in names:
         assert led[n]() == n
@@ -336,3 +336,52 @@ def test_led_calls_run_the_lead_before_each_logits_path_only():
     step.q.view(torch.uint8).fill_(0x7F)
     led["lead"]()
     assert torch.equal(step.q.view(torch.uint8), before.view(torch.uint8))
+    with pytest.raises(ValueError, match="--lead"):
+        variants.led_calls(torch, step, calls, "late")
+
+
+@pytest.mark.gpu
+def test_the_early_lead_copies_the_queries_and_lets_a_dependent_read_them():
+    """``--lead early`` (a Triton kernel launched as a programmatic dependent,
+    letting the next launch at its start), captured in a graph before a
+    kernel launched the same way: the queries it copies are what that kernel
+    reads (the CUDA kernel's PDL build against the reference), replay after
+    replay on new sources."""
+    torch = pytest.importorskip("torch")
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("needs an sm_90 GPU")
+    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+    from vllm_dsa_varlen.workloads import random_decode_step
+
+    from logits_checks import POISON, check_poisoned
+
+    step = random_decode_step(24, 4, 2000, heads=64, device="cuda", variable=True, seed=2)
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    out = torch.full((rows.num_rows, step.max_context_len), POISON, device="cuda")
+    sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1])
+    source = torch.empty_like(step.q)
+    copy = variants.early_copy()
+
+    def call():
+        copy(step.q, source)
+        ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                  step.max_context_len, out, schedule=sched, defines=ck.PDL)
+
+    source.copy_(step.q)
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        call()
+    for seed in (1, 2):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        source.copy_(torch.randn(step.q.shape, generator=gen, device="cuda").to(step.q.dtype))
+        step.q.view(torch.uint8).fill_(0)
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(step.q.view(torch.uint8), source.view(torch.uint8))
+        check_poisoned(step, out)

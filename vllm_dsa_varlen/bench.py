@@ -549,12 +549,15 @@ def main(argv=None):
                         "buffer read, clean lines, as a decode step leaves it) or zero (written, "
                         "dirty lines: Triton do_bench's flush, which every table published "
                         "before this option used)")
-    parser.add_argument("--lead", action="store_true",
-                        help="--builds: each logits call timed right after the kernel that "
-                        "writes its queries (a copy of them, captured in the same graph: what "
-                        "a decode step runs before the logits), so a build launched as a "
-                        "programmatic dependent (PDL=1) can start under it; DeepGEMM's "
-                        "launched so too, as vLLM 0.33 sets it on Hopper; 'lead' alone beside")
+    parser.add_argument("--lead", choices=["copy", "early"], default=None,
+                        help="--builds: each logits call timed right after a kernel that "
+                        "writes its queries, captured in the same graph (as a decode step "
+                        "writes them just before the logits): 'copy' torch's copy; 'early' a "
+                        "Triton kernel launched as a programmatic dependent that lets the next "
+                        "kernel launch at its start, as vLLM 0.33's _fused_q_kernel does; so a "
+                        "build launched as a programmatic dependent (PDL=1) can start under "
+                        "it; DeepGEMM's launched so too, as vLLM 0.33 sets it on Hopper; "
+                        "'lead' alone beside")
     parser.add_argument("--pages", choices=["random", "in-order"], default=None,
                         help="--builds: where the requests' KV pages lie in the pool: a "
                         "permutation (default) or each request's consecutive, request by "
@@ -598,7 +601,7 @@ def main(argv=None):
         ("--pages", "--builds", args.pages is not None, bool(args.builds)),
         ("--flush", "--builds", args.flush is not None, bool(args.builds)),
         ("--lead", "--builds without --topk-lib (its per-step sums count each call alone)",
-         args.lead, bool(args.builds) and not args.topk_lib),
+         args.lead is not None, bool(args.builds) and not args.topk_lib),
         ("--topk-lib", "--builds or --launch-host (GPU)", bool(args.topk_lib),
          bool(args.builds) or (args.launch_host and not args.fake)),
         ("--layers", "--builds", args.layers is not None, bool(args.builds)),

@@ -137,7 +137,7 @@ def run(args) -> int:
         _, dg = import_deepgemm()
         if dg is None:
             raise SystemExit("--deepgemm: no DeepGEMM importable")
-    lead = getattr(args, "lead", False)
+    lead = getattr(args, "lead", None)
     if dg is not None and lead and hasattr(dg, "set_pdl"):
         dg.set_pdl(True)  # as vLLM 0.33 sets it on Hopper (vllm/utils/deep_gemm.py)
     topk_ops = load_topk(torch, args.topk_lib) if args.topk_lib else None
@@ -214,7 +214,7 @@ def run(args) -> int:
                                     eager_line=getattr(args, "topk_eager_line", None)))
         calls.update(extra)
         if lead:
-            calls = led_calls(torch, step, calls)
+            calls = led_calls(torch, step, calls, lead)
         times = {k: [] for k in calls}
         rounds = case_rounds(args.rounds, len(calls), args.fixed_order)
         if rounds % order_cycle(len(calls)) and not args.fixed_order:
@@ -255,15 +255,26 @@ def run(args) -> int:
     return 0
 
 
-def led_calls(torch, step, calls: dict) -> dict:
-    """``--lead``: each logits path of ``calls`` (not the schedule's, not the
-    top-k's) preceded by the kernel that writes the step's queries (a copy of
-    their own values, so every check still holds), captured with it; and that
-    kernel alone as ``lead``, to set against them."""
-    source = step.q.clone()
+LEADS = ("copy", "early")
 
-    def lead():
-        step.q.copy_(source)
+
+def led_calls(torch, step, calls: dict, how: str = "copy") -> dict:
+    """``--lead``: each logits path of ``calls`` (not the schedule's, not the
+    top-k's) preceded by a kernel that writes the step's queries (their own
+    values, so every check still holds), captured with it; and that kernel
+    alone as ``lead``, to set against them.  ``how`` (:data:`LEADS`):
+    "copy" torch's copy; "early" :func:`early_copy`."""
+    if how not in LEADS:
+        raise ValueError(f"--lead: expected one of {LEADS}, got {how!r}")
+    source = step.q.clone()
+    if how == "early":
+        copy = early_copy()
+
+        def lead():
+            copy(step.q, source)
+    else:
+        def lead():
+            step.q.copy_(source)
 
     led = {"lead": lead}
     for name, fn in calls.items():
@@ -272,6 +283,38 @@ def led_calls(torch, step, calls: dict) -> dict:
         else:
             led[name] = lambda f=fn: (lead(), f())[1]
     return led
+
+
+def early_copy():
+    """``copy(dst, src)``: a Triton kernel, one program per query head (128
+    bytes), launched as a programmatic dependent that waits for the kernel
+    before it and at once lets the next one launch (``gdc_wait``, then
+    ``gdc_launch_dependents``): the shape of the kernel vLLM 0.33 runs right
+    before the indexer's logits (``_fused_q_kernel``: the queries' RoPE and
+    fp8 quantisation, a program per token, part and head), so a next kernel
+    launched as a programmatic dependent can start while its last programs
+    run.  ``RuntimeError`` where this Triton cannot launch so."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _early_copy(dst, src, BYTES: tl.constexpr):
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        offs = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
+        tl.store(dst + offs, tl.load(src + offs))
+
+    def copy(dst, src):  # contiguous fp8 queries, rows of 128 bytes
+        flat_d, flat_s = dst.view(torch.uint8).reshape(-1), src.view(torch.uint8).reshape(-1)
+        width = dst.shape[-1]
+        try:
+            _early_copy[(flat_d.numel() // width,)](flat_d, flat_s, BYTES=width,
+                                                    launch_pdl=True)
+        except TypeError as exc:  # a Triton without launch_pdl
+            raise RuntimeError(f"--lead early: this Triton cannot launch as a programmatic "
+                               f"dependent ({exc})") from exc
+    return copy
 
 
 def case_rounds(asked: int | None, paths: int, fixed_order: bool = False) -> int:
