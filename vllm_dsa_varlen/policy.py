@@ -181,7 +181,9 @@ class Rule:
 # at k = 3 B64 16K 0.973x stock (GPU 24.90 -> 25.47 ms a step; its kernel 73.7
 # us a call against DeepGEMM's 66.1) and the bench with the L2 left clean, as
 # the engine leaves it, read native 0.98x the kernel's time at 4 tokens, 1.02x
-# at 2 (h200-533ddd0).  Where no rule matches, stock is kept.
+# at 2 (h200-533ddd0); the four-warpgroup build on the same engine steps read
+# 0.997x stock (h200-9220b82): level, not a gain.  Where no rule matches,
+# stock is kept.
 MEASURED: tuple[Rule, ...] = (
     # A non-uniform step that stock splits to the prefill path: the prefill
     # path gathers the tail requests' KV into a workspace (reading and writing

@@ -33,7 +33,9 @@ and launched through the driver API, both through NVIDIA's ``cuda-python``
 see :func:`_encode`): no host compiler, no build step.  Without
 ``cuda-python`` the kernel says so (:func:`available`) and the launcher takes
 another.  Launches are plain ``cuLaunchKernel`` calls on PyTorch's current
-stream, so they are captured into CUDA graphs like any kernel; the TMA
+stream (``cuLaunchKernelEx`` as a programmatic dependent for the opt-in
+:data:`PDL` build, :func:`read_pdl`), so they are captured into CUDA graphs
+like any kernel; the TMA
 descriptors are ``__grid_constant__`` parameters (copied at launch or
 capture), encoded once per tensor layout.
 
@@ -149,6 +151,9 @@ PIPELINE_MIN_ROWS = 64
 # it on the stream (cuLaunchKernelEx, cuda_binding.dependent_launch), as vLLM
 # 0.33 launches DeepGEMM's kernels on Hopper: its CTAs start and set up under
 # that kernel's tail, then wait for it (griddepcontrol.wait) before reading.
+# Measured level with the plain launch behind a copy and behind a kernel that
+# lets its dependents launch at its start (0.996-1.003x, H200,
+# docs/results/h200-9220b82/lead-*.log): off by default.
 PDL = ("PDL=1",)
 PDL_ENV = "VLLM_DSA_VARLEN_PDL"
 
