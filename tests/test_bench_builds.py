@@ -350,6 +350,7 @@ def test_the_early_lead_copies_the_queries_and_lets_a_dependent_read_them():
     torch = pytest.importorskip("torch")
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("needs an sm_90 GPU")
+    from vllm_dsa_varlen.bench_graph import capture_graph
     from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
     from vllm_dsa_varlen.workloads import random_decode_step
 
@@ -369,13 +370,7 @@ def test_the_early_lead_copies_the_queries_and_lets_a_dependent_read_them():
                   step.max_context_len, out, schedule=sched, defines=ck.PDL)
 
     source.copy_(step.q)
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.graph(graph):
-        call()
+    graph = capture_graph(torch, call)
     for seed in (1, 2):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         source.copy_(torch.randn(step.q.shape, generator=gen, device="cuda").to(step.q.dtype))

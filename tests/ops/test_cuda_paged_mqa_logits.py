@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from vllm_dsa_varlen.bench_graph import capture_graph
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
 from vllm_dsa_varlen.ops import launcher
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
@@ -997,13 +998,7 @@ def test_tensor_core_build_replays_in_a_graph_on_new_contents():
         ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
                   step.max_context_len, out[: rows.num_rows], schedule=sched, defines=defines)
 
-    call()  # loaded outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.graph(graph):
-        call()
+    graph = capture_graph(torch, call)  # run eagerly first: loaded outside the capture
     from vllm_dsa_varlen.ops.reference import quantize_kv_fp8
 
     for seed in (11, 12):
@@ -1069,13 +1064,7 @@ def test_pdl_build_waits_for_the_kernels_that_write_its_inputs(hint, heads, pipe
                   defines=defines)
 
     write_inputs(1)
-    call(dependent)  # loaded outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.graph(graph):
-        call(dependent)
+    graph = capture_graph(torch, lambda: call(dependent))  # run eagerly first: loaded
     for seed in (21, 22, 23):
         write_inputs(seed)
         out.fill_(POISON)
