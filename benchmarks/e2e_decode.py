@@ -431,6 +431,12 @@ def child_modes(mode: str) -> tuple[str, ...]:
 
 def child(args) -> None:
     results: dict = {m: {} for m in child_modes(args.mode)}
+    table = add_rules(args.rule)
+    if args.rule:
+        print(f"--rule: the plugin's table has {len(table)} rules, the last "
+              f"{len(args.rule)} added for this run", flush=True)
+        for result in results.values():
+            result["extra_rules"] = [r["note"] for r in args.rule]
     try:
         _child(args, results)
     except BaseException:  # keep what was measured; the parent sees rc != 0
@@ -942,6 +948,8 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if getattr(args, "trace_skip", None):
         cmd += ["--trace-skip", *(f"{b}x{x}" for b, x in args.trace_skip)]
+    for rule in getattr(args, "rule", None) or []:
+        cmd += ["--rule", rule["note"]]
     env = dict(os.environ, VLLM_DSA_VARLEN=MODES.get(mode, MODES["plugin"]))
     if args.topk:
         env["VLLM_DSA_VARLEN_TOPK"] = args.topk
@@ -1115,6 +1123,56 @@ def parse_case(text: str) -> tuple[int, int]:
     return int(b), int(x)
 
 
+def parse_rule(text: str) -> dict:
+    """``STOCK:field=value,...`` (e.g. ``native:min_run=4,max_run_le=4,
+    min_rows=256,uniform=1,kernel=cuda_sm90``) as the keyword arguments of a
+    :class:`vllm_dsa_varlen.policy.Rule` (checked: its fields, ints, a float
+    ``min_tokens_per_request``, ``uniform`` 0 / 1, ``kernel`` a name; its
+    ``note`` the text, which is what the child is handed); a clear error
+    otherwise."""
+    from dataclasses import fields
+
+    from vllm_dsa_varlen.policy import STOCK_KINDS, Rule
+
+    stock, _, rest = text.partition(":")
+    if stock not in STOCK_KINDS:
+        raise argparse.ArgumentTypeError(
+            f"expected STOCK:field=value,... with STOCK one of {', '.join(STOCK_KINDS)}; "
+            f"got {text!r}")
+    kinds = {f.name: f.type for f in fields(Rule)}
+    rule: dict = {"stock": stock, "note": text}  # the note: the text itself
+    for item in filter(None, rest.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or name not in kinds or name in ("stock", "note"):
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: not a Rule field=value "
+                                             f"(fields: {', '.join(sorted(kinds))})")
+        try:
+            if name == "uniform":
+                if value not in ("0", "1"):
+                    raise ValueError(value)
+                rule[name] = value == "1"
+            elif name == "kernel":
+                rule[name] = value
+            elif name == "min_tokens_per_request":
+                rule[name] = float(value)
+            else:
+                rule[name] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: bad value for {name}")
+    return rule
+
+
+def add_rules(rules: list[dict]) -> tuple:
+    """``--rule``: the rules appended to the plugin's table in this process
+    (:data:`vllm_dsa_varlen.policy.MEASURED`, read at call time), before any
+    engine starts; the table as it then stands."""
+    from vllm_dsa_varlen import policy
+
+    if rules:
+        policy.MEASURED = policy.MEASURED + tuple(policy.Rule(**r) for r in rules)
+    return policy.MEASURED
+
+
 def parse_cpus(text: str) -> set[int]:
     """``"0-3,8,10-11"`` -> ``{0, 1, 2, 3, 8, 10, 11}`` (a clear error otherwise)."""
     cpus: set[int] = set()
@@ -1218,6 +1276,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pin each engine process to these CPUs (e.g. 0-7 or 0,2,4): a host "
                          "whose speed changes between processes (see the host probe per "
                          "round) varies less on a fixed set")
+    ap.add_argument("--rule", type=parse_rule, action="append", default=[],
+                    metavar="STOCK:field=value,...",
+                    help="append a rule to the plugin's per-step table in the engine processes "
+                         "(an experiment: e.g. native:min_run=4,max_run_le=4,min_rows=256,"
+                         "uniform=1,kernel=cuda_sm90 sends uniform 4-token steps of >= 256 "
+                         "rows to varlen); repeatable; stock's engine ignores it")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=[*MODES, BOTH, CONTROL], help=argparse.SUPPRESS)
     ap.add_argument("--repeat", type=int, default=0, help=argparse.SUPPRESS)

@@ -1,6 +1,7 @@
 """The end-to-end benchmark's host-side logic (no GPU, no engine): prompts,
 the comparison of two runs, the trace summary, the log facts."""
 
+import argparse
 import gzip
 import importlib.util
 import json
@@ -171,6 +172,8 @@ def test_every_engine_option_reaches_the_engine_process(tmp_path, monkeypatch):
             value = round(random.uniform(0.1, 0.9), 3)
         elif action.type is e2e.parse_case:
             value = f"{random.randint(1, 64)}x{random.randint(1, 9) * 4096}"
+        elif action.type is e2e.parse_rule:
+            value = f"flattened:min_run={random.randint(2, 8)},uniform=1"
         else:
             value = random.randint(2, 999)
         want[flag] = str(value)
@@ -1039,3 +1042,49 @@ def test_no_mixed_window_leaves_the_window_out_and_keeps_the_identity_run(tmp_pa
         assert len(mixed) == 2 * max(1, batch // 2)
     assert len(result["identity"]["tokens"]) == batch
     assert all(len(t) == new for t in result["identity"]["tokens"])
+
+
+def test_a_rule_parses_to_the_policys_fields_and_bad_ones_are_refused():
+    """--rule STOCK:field=value,...: a Rule's keyword arguments (ints, a float,
+    uniform 0/1, a kernel name), noted with its text; unknown stock kinds,
+    fields, bad values and the reserved fields refused, naming the item."""
+    from vllm_dsa_varlen import policy
+
+    got = e2e.parse_rule("native:min_run=4,max_run_le=4,min_rows=256,uniform=1,"
+                         "kernel=cuda_sm90,min_tokens_per_request=2.5")
+    assert got == {"stock": "native", "min_run": 4, "max_run_le": 4, "min_rows": 256,
+                   "uniform": True, "kernel": "cuda_sm90", "min_tokens_per_request": 2.5,
+                   "note": "native:min_run=4,max_run_le=4,min_rows=256,uniform=1,"
+                           "kernel=cuda_sm90,min_tokens_per_request=2.5"}
+    assert policy.Rule(**got).matches(policy.StepFacts(rows=256, requests=64, max_run=4,
+                                                       uniform=True), "cuda_sm90")
+    assert e2e.parse_rule("split") == {"stock": "split", "note": "split"}
+    for bad, named in [("padded:min_run=1", "STOCK"), ("native:min_rows=x", "min_rows"),
+                       ("native:uniform=yes", "uniform"), ("native:rows=3", "rows=3"),
+                       ("native:note=x", "note=x"), ("native:min_run", "min_run")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=named):
+            e2e.parse_rule(bad)
+
+
+def test_rules_reach_the_child_and_extend_its_table(tmp_path, monkeypatch):
+    """--rule (repeatable) reaches the child's command as given, and the child
+    appends each to the plugin's table before an engine starts (the table the
+    builders read at call time), keeping the rest."""
+    from vllm_dsa_varlen import policy
+
+    texts = ["native:min_run=4,max_run_le=4,min_rows=256,uniform=1,kernel=cuda_sm90",
+             "flattened:min_run=3,max_run_le=3,min_rows=8"]
+    argv = ["--out", str(tmp_path), "--model", "m"] + [a for t in texts for a in ("--rule", t)]
+    args = e2e.build_parser().parse_args(argv)
+    cmd = _child_command(monkeypatch, args, "plugin")
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--rule"] == texts
+    assert cmd[1].endswith("e2e_decode.py")
+    child_args = e2e.build_parser().parse_args(cmd[2:])
+    assert child_args.child and [r["note"] for r in child_args.rule] == texts
+    monkeypatch.setattr(policy, "MEASURED", policy.MEASURED)  # restored after the test
+    before = policy.MEASURED
+    table = e2e.add_rules(child_args.rule)
+    assert policy.MEASURED is table and table[:len(before)] == before
+    assert [(r.stock, r.min_run, r.min_rows, r.uniform, r.kernel) for r in table[len(before):]] == [
+        ("native", 4, 256, True, "cuda_sm90"), ("flattened", 3, 8, None, None)]
+    assert e2e.add_rules([]) is table
