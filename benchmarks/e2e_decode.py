@@ -1139,13 +1139,13 @@ def parse_rule(text: str) -> dict:
         raise argparse.ArgumentTypeError(
             f"expected STOCK:field=value,... with STOCK one of {', '.join(STOCK_KINDS)}; "
             f"got {text!r}")
-    kinds = {f.name: f.type for f in fields(Rule)}
+    names = {f.name for f in fields(Rule)}
     rule: dict = {"stock": stock, "note": text}  # the note: the text itself
     for item in filter(None, rest.split(",")):
         name, sep, value = item.partition("=")
-        if not sep or name not in kinds or name in ("stock", "note"):
+        if not sep or name not in names or name in ("stock", "note"):
             raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: not a Rule field=value "
-                                             f"(fields: {', '.join(sorted(kinds))})")
+                                             f"(fields: {', '.join(sorted(names))})")
         try:
             if name == "uniform":
                 if value not in ("0", "1"):

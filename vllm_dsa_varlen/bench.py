@@ -49,6 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .bench_deepgemm import Path, deepgemm_paths, vdg_paths
+from .bench_builds import LEADS
 from .bench_graph import FLUSHES, capture_graph, graph_replay_us  # noqa: F401  (the benchmarks' helpers)
 
 
@@ -549,7 +550,7 @@ def main(argv=None):
                         "buffer read, clean lines, as a decode step leaves it) or zero (written, "
                         "dirty lines: Triton do_bench's flush, which every table published "
                         "before this option used)")
-    parser.add_argument("--lead", choices=["copy", "early"], default=None,
+    parser.add_argument("--lead", choices=list(LEADS), default=None,
                         help="--builds: each logits call timed right after a kernel that "
                         "writes its queries, captured in the same graph (as a decode step "
                         "writes them just before the logits): 'copy' torch's copy; 'early' a "

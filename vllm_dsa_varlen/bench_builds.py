@@ -32,6 +32,7 @@ from .bench_graph import FLUSHES, order_cycle, round_order
 
 CASES = ["64,4,32768", "64,2,32768", "64,3,32768", "64,-4,32768", "128,-4,8192", "64,6,8192"]
 TOPK_PREFIXES = ("topk-",)  # the top-k paths' names (topk_calls)
+LEADS = ("copy", "early")  # --lead: the kernel before each logits path (led_calls)
 REP_MS = 30  # do_bench repetition time per timed call (ms) unless --rep-ms says otherwise
 
 
@@ -118,7 +119,7 @@ def run(args) -> int:
     from .bench_plan import parse_case
     from .ops import cuda_paged_mqa_logits as ck
     from .ops.reference import paged_mqa_logits_ref, valid_mask
-    from .workloads import make_decode_step, random_decode_step
+    from .workloads import PAGE_ORDERS, make_decode_step, random_decode_step
 
     if not torch.cuda.is_available():
         raise SystemExit("--builds: needs a CUDA GPU (sm_90)")
@@ -131,7 +132,7 @@ def run(args) -> int:
         raise SystemExit(f"--heads: the CUDA kernel serves {ck.HEAD_COUNTS} heads, got {args.heads}")
     args.variants = args.builds
     flush = args.flush or FLUSHES[0]  # the L2 left clean (bench_graph)
-    page_order = args.pages or "random"
+    page_order = args.pages or PAGE_ORDERS[0]  # a permutation of the pool
     dg = None
     if args.deepgemm:
         _, dg = import_deepgemm()
@@ -253,9 +254,6 @@ def run(args) -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
     return 0
-
-
-LEADS = ("copy", "early")
 
 
 def led_calls(torch, step, calls: dict, how: str = "copy") -> dict:

@@ -33,10 +33,11 @@ FLUSHES = ("read", "zero")
 FLUSH_BYTES = 256 << 20
 
 
-def graph_replay_us(torch, do_bench, fn, rep_ms: int, flush: str = "zero") -> float:
+def graph_replay_us(torch, do_bench, fn, rep_ms: int, flush: str = FLUSHES[0]) -> float:
     """Median µs of ``fn`` captured in a CUDA graph (:func:`capture_graph`) and
     replayed, the L2 flushed before every replay as ``flush`` says
-    (:data:`FLUSHES`; "zero" is ``do_bench``'s own)."""
+    (:data:`FLUSHES`, the first the default, as ``--flush``'s; "zero" is
+    ``do_bench``'s own)."""
     if flush not in FLUSHES:
         raise ValueError(f"flush: expected one of {FLUSHES}, got {flush!r}")
     graph = capture_graph(torch, fn)

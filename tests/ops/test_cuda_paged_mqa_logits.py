@@ -145,55 +145,40 @@ def test_the_build_follows_the_run_length_hint():
                     plain + ck.PDL)
 
 
-@pytest.fixture
-def pipeline_env(process_setting):
-    """Set ``VLLM_DSA_VARLEN_PIPELINE`` for one test (``process_setting``)."""
-    return lambda value: process_setting(ck.PIPELINE_ENV, ck.read_pipeline, value)
+# The once-per-process 0/1 switches of the build, by variable: (the module's
+# name for it, its reader, the builds that show it, each as (got, want when
+# on, want when off)).
+SWITCHES = {
+    "VLLM_DSA_VARLEN_PIPELINE": (ck.PIPELINE_ENV, ck.read_pipeline, lambda: [
+        (ck.defines_for(4, "fp32"), ck.PIPELINE, ()),
+        (ck.defines_for(4, "fp32", rows=ck.PIPELINE_MIN_ROWS - 1), (), ())]),
+    "VLLM_DSA_VARLEN_PDL": (ck.PDL_ENV, ck.read_pdl, lambda: [
+        (ck.defines_for(4, "fp32", pipeline=False), ck.PDL, ()),
+        (ck.defines_for(1, "fp32", heads=32), ("EVICT_FIRST=1", *ck.PDL), ("EVICT_FIRST=1",))]),
+}
 
 
-def test_pipeline_env_is_read_once_and_checked(pipeline_env):
-    """VLLM_DSA_VARLEN_PIPELINE: unset, empty or 0 -> the four-warpgroup build
-    (the default), 1 -> the pipelined one where it applies; read once;
-    anything else -> ValueError naming the variable."""
-    assert ck.PIPELINE_ENV == "VLLM_DSA_VARLEN_PIPELINE"
-    for raw, want in [(None, False), ("", False), ("0", False), (" 1 ", True)]:
-        pipeline_env(raw)
-        assert ck.read_pipeline() is want
-        assert ck.defines_for(4, "fp32") == (ck.PIPELINE if want else ())
-        assert ck.defines_for(4, "fp32", rows=ck.PIPELINE_MIN_ROWS - 1) == ()
-    os.environ[ck.PIPELINE_ENV] = "0"  # read once: not seen without a cache clear
-    assert ck.read_pipeline() is True
-    for bad in ("2", "yes", "true", "1,0"):
-        pipeline_env(bad)
-        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_PIPELINE"):
-            ck.read_pipeline()
-        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_PIPELINE"):
-            ck.defines_for(4, "fp32")
-
-
-@pytest.fixture
-def pdl_env(process_setting):
-    """Set ``VLLM_DSA_VARLEN_PDL`` for one test (``process_setting``)."""
-    return lambda value: process_setting(ck.PDL_ENV, ck.read_pdl, value)
-
-
-def test_pdl_env_is_read_once_and_checked(pdl_env):
-    """VLLM_DSA_VARLEN_PDL: unset, empty or 0 -> plain launches (the default),
-    1 -> every build launched as a programmatic dependent; read once;
-    anything else -> ValueError naming the variable."""
-    assert ck.PDL_ENV == "VLLM_DSA_VARLEN_PDL"
-    for raw, want in [(None, False), ("", False), (" 0", False), ("1", True)]:
-        pdl_env(raw)
-        assert ck.read_pdl() is want
-        assert ck.defines_for(4, "fp32", pipeline=False) == (ck.PDL if want else ())
-        assert ck.defines_for(1, "fp32", heads=32) == ("EVICT_FIRST=1", *(ck.PDL if want else ()))
-    os.environ[ck.PDL_ENV] = "0"  # read once: not seen without a cache clear
-    assert ck.read_pdl() is True
-    for bad in ("2", "on", "true"):
-        pdl_env(bad)
-        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_PDL"):
-            ck.read_pdl()
-        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_PDL"):
+@pytest.mark.parametrize("name", list(SWITCHES))
+def test_build_switches_are_read_once_and_checked(process_setting, name):
+    """VLLM_DSA_VARLEN_PIPELINE (the pipelined build where it applies) and
+    VLLM_DSA_VARLEN_PDL (every build launched as a programmatic dependent):
+    unset, empty or 0 -> off (the default), 1 -> on, blanks ignored; read
+    once; anything else -> ValueError naming the variable."""
+    env, read, builds = SWITCHES[name]
+    assert env == name
+    for raw, want in [(None, False), ("", False), ("0", False), (" 0", False), ("1", True),
+                      (" 1 ", True)]:
+        process_setting(name, read, raw)
+        assert read() is want
+        for got, on, off in builds():
+            assert got == (on if want else off)
+    os.environ[name] = "0"  # read once: not seen without a cache clear
+    assert read() is True
+    for bad in ("2", "yes", "on", "true", "1,0"):
+        process_setting(name, read, bad)
+        with pytest.raises(ValueError, match=name):
+            read()
+        with pytest.raises(ValueError, match=name):
             ck.defines_for(4, "fp32")
 
 
