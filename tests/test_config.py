@@ -187,3 +187,39 @@ def test_readers_use_os_environ(monkeypatch):
     monkeypatch.setenv(MODE_ENV, "off")
     monkeypatch.setenv(BACKEND_ENV, "triton")
     assert read_mode() == "off" and read_backend() == "triton"
+
+
+# ---- the query preparation (vLLM 0.33's fused_q) ------------------------------------
+
+from vllm_dsa_varlen import config  # noqa: E402
+
+
+def test_fused_q_setting_is_read_and_checked():
+    assert config.read_fused_q({}) == "auto"
+    assert config.read_fused_q({"VLLM_DSA_VARLEN_FUSED_Q": " OFF "}) == "off"
+    with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_FUSED_Q"):
+        config.read_fused_q({"VLLM_DSA_VARLEN_FUSED_Q": "triton"})
+
+
+@pytest.mark.parametrize("is_cuda,capability,setting,mode,serves", [
+    (True, (9, 0), "auto", "auto", True),
+    (True, (9, 0), "off", "auto", False),
+    (True, (9, 0), "auto", "off", False),
+    (True, (9, 0), "auto", "stock", False),
+    (True, (10, 0), "auto", "auto", False),
+    (True, (8, 9), "auto", "auto", False),
+    (True, None, "auto", "auto", False),
+    (False, (9, 0), "auto", "auto", False),
+])
+def test_choose_fused_q(is_cuda, capability, setting, mode, serves):
+    got, why = config.choose_fused_q(is_cuda=is_cuda, capability=capability, setting=setting,
+                                     mode=mode)
+    assert got is serves and why
+    assert why.startswith("the project's kernel") is serves
+
+
+def test_choose_fused_q_refuses_unknown_values():
+    with pytest.raises(ValueError, match="setting"):
+        config.choose_fused_q(is_cuda=True, capability=(9, 0), setting="on")
+    with pytest.raises(ValueError, match="mode"):
+        config.choose_fused_q(is_cuda=True, capability=(9, 0), mode="fast")

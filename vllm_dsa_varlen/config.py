@@ -1,4 +1,4 @@
-"""Configuration: two environment variables and one pure decision function.
+"""Configuration: the plugin's environment variables and its pure decision functions.
 
 * ``VLLM_DSA_VARLEN``: ``auto`` (default), ``off`` or ``stock``.  ``off``
   leaves every decode step on stock vLLM's path (the plugin also skips
@@ -12,6 +12,10 @@
   :mod:`vllm_dsa_varlen.ops.launcher` runs the CUDA sm_90 kernel where it
   serves and the Triton kernels elsewhere, so a log line's "varlen (triton)"
   on an H100/H200 is the CUDA kernel.
+* ``VLLM_DSA_VARLEN_FUSED_Q``: ``auto`` (default) or ``off``.  ``auto``
+  prepares the step's queries (vLLM 0.33's ``fused_q``: RoPE, fp8 quant,
+  indexer weights) with the project's kernel on sm_90
+  (:func:`choose_fused_q`); ``off`` keeps vLLM's.
 
 :func:`choose_decode_path` turns the facts a builder knows (platform, GPU
 capability, the installed DeepGEMM's capabilities, whether the project's
@@ -34,7 +38,9 @@ from typing import Mapping
 
 MODE_ENV = "VLLM_DSA_VARLEN"
 BACKEND_ENV = "VLLM_DSA_VARLEN_BACKEND"
+FUSED_Q_ENV = "VLLM_DSA_VARLEN_FUSED_Q"
 MODES = ("auto", "off", "stock")
+FUSED_Q_SETTINGS = ("auto", "off")
 BACKENDS = ("auto", "deepgemm", "triton")
 
 # fp8 (e4m3) tensor-core support starts with Ada / Hopper.
@@ -64,6 +70,41 @@ def read_mode(environ: Mapping[str, str] | None = None) -> str:
 def read_backend(environ: Mapping[str, str] | None = None) -> str:
     """``VLLM_DSA_VARLEN_BACKEND`` -> ``"auto"`` | ``"deepgemm"`` | ``"triton"``."""
     return _read(BACKEND_ENV, BACKENDS, environ)
+
+
+def read_fused_q(environ: Mapping[str, str] | None = None) -> str:
+    """``VLLM_DSA_VARLEN_FUSED_Q`` -> ``"auto"`` | ``"off"``."""
+    return _read(FUSED_Q_ENV, FUSED_Q_SETTINGS, environ)
+
+
+# The query preparation was measured (and bit-checked against vLLM's kernel)
+# on this GPU family only.
+FUSED_Q_CAPABILITY_MAJOR = 9
+
+
+def choose_fused_q(*, is_cuda: bool, capability: tuple[int, int] | None, setting: str = "auto",
+                   mode: str = "auto") -> tuple[bool, str]:
+    """Whether the project's query preparation replaces vLLM 0.33's ``fused_q``
+    kernel on this GPU, and why (pure).  Rules: ``VLLM_DSA_VARLEN`` off or
+    stock, or ``VLLM_DSA_VARLEN_FUSED_Q=off`` -> vLLM's.  Not CUDA / unknown
+    capability -> vLLM's.  sm_90 -> the project's (vLLM launches a one-warp
+    Triton program per token, part and head there; SM100 has its own CuTeDSL
+    kernel, left alone).  Any other GPU -> vLLM's (not measured).  Shapes the
+    kernel cannot take fall back per call (``ops.triton_fused_q.input_problem``)."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if setting not in FUSED_Q_SETTINGS:
+        raise ValueError(f"setting: expected one of {FUSED_Q_SETTINGS}, got {setting!r}")
+    refusal = platform_refusal(mode=mode, is_cuda=is_cuda, capability=capability)
+    if refusal is None and setting == "off":
+        refusal = f"{FUSED_Q_ENV}=off"
+    if refusal is not None:
+        return False, f"vLLM's kernel ({refusal})"
+    cap = _fmt_cap((int(capability[0]), int(capability[1])))
+    if int(capability[0]) != FUSED_Q_CAPABILITY_MAJOR:
+        return False, f"vLLM's kernel ({cap}: the project's is measured on sm_90 only)"
+    return True, (f"the project's kernel ({cap}: a program per token and block of heads, "
+                  "bit-equal to vLLM's)")
 
 
 @dataclass(frozen=True)

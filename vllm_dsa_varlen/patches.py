@@ -121,6 +121,8 @@ _OUR_IX = "vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla.indexer"
 _GLM5N = "vllm.models.glm5next.nvidia.sparse_indexer"
 _OUR_SAI_33 = "vllm_dsa_varlen.vllm_0_33.model_executor.layers.sparse_attn_indexer"
 _OUR_IX_33 = "vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla.indexer"
+_V32_ATTN = "vllm.models.deepseek_v32.attention"
+_OUR_V32_ATTN_33 = "vllm_dsa_varlen.vllm_0_33.models.deepseek_v32.attention"
 _V033 = LINES["0.33"]
 
 PATCHES: tuple[Patch, ...] = (
@@ -220,6 +222,13 @@ PATCHES: tuple[Patch, ...] = (
           "classify each step from host facts (what stock runs: native, flattened or "
           "split) and ask policy.varlen_wins; varlen: flatten without the uniform split "
           "and hand the run ids to the decode metadata and the kernel call",
+          upstream=_V033, wraps=True),
+    Patch(_V32_ATTN, "fused_q", f"{_OUR_V32_ATTN_33}:wrap_fused_q",
+          "the attention layer calls this module global once per layer to prepare the "
+          "indexer's and the MLA's queries (RoPE, fp8, the indexer weights): on sm_90 the "
+          "project's kernel (a program per token and block of heads, bit-equal outputs) "
+          "instead of vLLM's one-warp program per token, part and head; vLLM's elsewhere "
+          "and for any call it does not take (config.choose_fused_q)",
           upstream=_V033, wraps=True),
 )
 

@@ -23,6 +23,10 @@ CUDA kernel's tensor-core head sum (its ``HEAD_SUM_TC`` build,
 bits, round to nearest even: :func:`round_tf32`), the weights carried as two
 TF32 parts (``hi = round(w)``, ``lo = round(w - hi)``), the products exact,
 each part's sum float32, their sum times the token's scale.
+
+The indexer's query preparation (:func:`fused_q_reference`, vLLM 0.33's
+``fused_q``: RoPE, the per-head power-of-two fp8 scale, the weights' scaling)
+is stated here too, for :mod:`.triton_fused_q`.
 """
 
 from __future__ import annotations
@@ -254,3 +258,69 @@ def topk_selection_ok(logits: torch.Tensor, lengths: torch.Tensor, k: int,
         if not torch.equal(mine, theirs):
             errors.append(f"row {r}: selected values differ from torch.topk's")
     return errors
+
+
+# --------------------------------------------------------------------------------------
+# The indexer's query preparation (vLLM 0.33's ``fused_q``; ops.triton_fused_q)
+# --------------------------------------------------------------------------------------
+
+def _rope_index(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                interleave: bool) -> torch.Tensor:
+    """RoPE on the first ``2 * half`` dims of ``x [T, H, D]`` (float32); ``cos``,
+    ``sin [T, half]``.  NeoX: dim ``i < half`` pairs with ``i + half``;
+    interleaved: ``2i`` with ``2i + 1``.  The rest of ``x`` is unchanged."""
+    half = cos.shape[1]
+    out = x.clone()
+    if interleave:
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2] = a * cos[:, None] - b * sin[:, None]
+        out[..., 1:2 * half:2] = b * cos[:, None] + a * sin[:, None]
+    else:
+        a, b = x[..., :half], x[..., half:2 * half]
+        out[..., :half] = a * cos[:, None] - b * sin[:, None]
+        out[..., half:2 * half] = b * cos[:, None] + a * sin[:, None]
+    return out
+
+
+def ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The power-of-two scale of a block whose largest magnitude is ``amax``:
+    ``2 ** ceil(log2(max(amax, 1e-4) / FP8_MAX))`` (float32)."""
+    s = torch.clamp(amax.float(), min=1e-4) / FP8_MAX
+    return torch.exp2(torch.ceil(torch.log2(s)))
+
+
+def fused_q_reference(positions: torch.Tensor, q_pe: torch.Tensor, q_pe_cos_sin_cache: torch.Tensor,
+                      index_q: torch.Tensor, index_q_cos_sin_cache: torch.Tensor,
+                      ql_nope: torch.Tensor, q_scale: torch.Tensor, index_weights: torch.Tensor,
+                      softmax_scale: float, head_scale: float, *, interleave: bool = False,
+                      quantize_mqa: bool = True) -> dict[str, torch.Tensor]:
+    """The queries the indexer and the MLA attention take, from the step's
+    projections (float32 maths, no fused multiply-adds):
+
+    ``index_q_fp8``: ``index_q [T, Hi, Di]`` RoPE'd (``index_q_roped``, float32;
+    ``interleave`` or NeoX,
+    ``index_q_cos_sin_cache [P, 2 * half]`` rows ``cos | sin`` at each position)
+    and quantized to e4m3 per (token, head) with :func:`ue8m0_scale`;
+    ``index_scale [T, Hi]`` those scales; ``index_weights_out``: ``index_weights
+    [T, Hi] * scale * softmax_scale * head_scale``; ``q_pe_roped [T, H, R]``:
+    ``q_pe`` RoPE'd in interleaved pairs (float32); ``mqa_q``: with
+    ``quantize_mqa`` the e4m3 ``[ql_nope, q_pe_roped] / q_scale``, else
+    ``q_pe_roped`` in ``q_pe``'s dtype."""
+    pos = positions.long()
+    cs = index_q_cos_sin_cache.float()[pos]
+    half = cs.shape[1] // 2
+    x = _rope_index(index_q.float(), cs[:, :half], cs[:, half:], interleave)
+    scale = ue8m0_scale(x.abs().amax(dim=-1))
+    index_q_fp8 = (x / scale[..., None]).to(torch.float8_e4m3fn)
+    weights = index_weights.float() * scale * float(softmax_scale) * float(head_scale)
+    pcs = q_pe_cos_sin_cache.float()[pos]
+    r = pcs.shape[1] // 2
+    q_pe_roped = _rope_index(q_pe.float(), pcs[:, :r], pcs[:, r:], True)
+    if quantize_mqa:
+        s = q_scale.float().reshape(())
+        mqa_q = (torch.cat([ql_nope.float(), q_pe_roped], dim=-1) / s).to(torch.float8_e4m3fn)
+    else:
+        mqa_q = q_pe_roped.to(q_pe.dtype)
+    return {"index_q_fp8": index_q_fp8, "index_q_roped": x, "index_scale": scale,
+            "index_weights_out": weights,
+            "q_pe_roped": q_pe_roped, "mqa_q": mqa_q}

@@ -1,0 +1,320 @@
+"""The indexer's query preparation (ops.triton_fused_q) against the torch
+reference and, where vLLM 0.33 is installed, against vLLM's own ``fused_q``
+kernel on the same inputs.
+
+Inputs are laid out as the attention layer hands them over: ``q_pe`` a view
+of the q projection's ``[T, H, 192]`` rows, ``ql_nope`` the transposed output
+of the per-head absorption ``bmm`` (``[H, T, 512]`` seen as ``[T, H, 512]``),
+the indexer weights a view of the fused ``wk | weights`` projection, the RoPE
+tables real cos / sin rows.  Outputs are poisoned (NaN) before the kernel runs.
+
+On the CPU the kernel runs in Triton's interpreter, which computes in numpy
+float32 without fused multiply-adds, exactly the reference's arithmetic: every
+value before the final cast must be bit-equal (compared through the
+interpreter's own cast, :func:`interpreter_cast`).  On a GPU the compiler fuses multiply-adds in the
+RoPE, so against the reference a value may move by one fp8 step (a small
+fraction of them); against vLLM's Triton kernel, compiled from the same
+arithmetic, every byte must be equal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_dsa_varlen.ops import triton_fused_q as fq
+from vllm_dsa_varlen.ops.reference import fused_q_reference
+
+FP8 = torch.float8_e4m3fn
+
+
+def rope_table(positions: int, rot_dim: int, device, dtype=torch.float32, base=10000.0):
+    inv = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+    ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=1).to(dtype).to(device)
+
+
+def make_inputs(tokens, heads=64, index_heads=64, *, device, seed=0, nope=512, rope=64,
+                index_dim=128, index_rope=64, dtype=torch.bfloat16, spread=1.0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    max_pos = 4096
+    positions = torch.randint(0, max_pos, (tokens,), generator=g).to(device)
+    # q rows [T, H, nope_head + rope] as the q projection writes them; q_pe is their tail.
+    q = rand(tokens, heads, 128 + rope, scale=spread)
+    q_pe = q[..., 128:]
+    ql_nope = rand(heads, tokens, nope, scale=spread).transpose(0, 1)
+    # index_q: some heads far larger than others (per-head scales must differ).
+    head_mag = torch.exp2(torch.randint(-6, 7, (index_heads,), generator=g).float())
+    index_q = (torch.randn(tokens, index_heads, index_dim, generator=g) * head_mag[:, None]
+               * spread).to(dtype).to(device)
+    if tokens:
+        index_q[0, 0] = 0  # an all-zero head: the 1e-4 floor of the scale
+    kw = rand(tokens, index_dim + index_heads)
+    return dict(
+        positions=positions, q_pe=q_pe, q_pe_cos_sin_cache=rope_table(max_pos, rope, device),
+        index_q=index_q, index_q_cos_sin_cache=rope_table(max_pos, index_rope, device),
+        ql_nope=ql_nope, q_scale=torch.tensor([0.0371], device=device),
+        index_weights=kw[:, index_dim:], index_weights_softmax_scale=index_dim ** -0.5,
+        index_weights_head_scale=index_heads ** -0.5)
+
+
+def poisoned_out(inp, quantize_mqa):
+    t, h, r = inp["q_pe"].shape
+    dev = inp["q_pe"].device
+    nan8 = torch.full((), float("nan")).to(FP8)
+    mqa = (torch.full((t, h, inp["ql_nope"].shape[2] + r), float("nan"), device=dev).to(FP8)
+           if quantize_mqa else torch.full_like(inp["q_pe"], float("nan")))
+    assert torch.isnan(nan8.float())
+    return (torch.full(inp["index_q"].shape, float("nan"), device=dev).to(FP8),
+            torch.full(inp["index_q"].shape[:2], float("nan"), device=dev), mqa)
+
+
+def run_ours(inp, *, interleave=False, quantize_mqa=False, blocks=fq.Blocks()):
+    out = poisoned_out(inp, quantize_mqa)
+    got = fq.fused_q(**inp, index_rope_interleave=interleave, quantize_mqa=quantize_mqa,
+                     blocks=blocks, out=out)
+    assert all(a is b for a, b in zip(got, out))
+    for x in got:
+        assert not torch.isnan(x.float()).any(), "an output element was not written"
+    return got
+
+
+def reference(inp, *, interleave=False, quantize_mqa=False):
+    kw = dict(inp)
+    return fused_q_reference(
+        kw.pop("positions"), kw.pop("q_pe"), kw.pop("q_pe_cos_sin_cache"), kw.pop("index_q"),
+        kw.pop("index_q_cos_sin_cache"), kw.pop("ql_nope"), kw.pop("q_scale"),
+        kw.pop("index_weights"), kw.pop("index_weights_softmax_scale"),
+        kw.pop("index_weights_head_scale"), interleave=interleave, quantize_mqa=quantize_mqa)
+
+
+def fp8_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable e4m3 values lie between ``a`` and ``b`` (same sign
+    assumed where both are nonzero: the ordering of e4m3 bit patterns)."""
+    def ordinal(x):
+        bits = x.view(torch.uint8).to(torch.int32)
+        mag = bits & 0x7F
+        return torch.where(bits & 0x80 != 0, -mag, mag)
+    return (ordinal(a.cpu()) - ordinal(b.cpu())).abs()
+
+
+def interpreter_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What Triton's CPU interpreter stores for the float32 values ``x`` cast to
+    ``dtype`` (its own conversion routine): it rounds fp8 half-up without
+    carrying into the exponent and truncates bf16, unlike the GPU and torch, so
+    on the CPU the kernel's bytes are compared with the reference's float32
+    values passed through the interpreter's conversion: every value before the
+    cast is then checked bit for bit."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import _convert_float, _ir
+
+    tl_dtype, mode, view = {FP8: (tl.float8e4nv, _ir.ROUNDING_MODE.RTNE, np.uint8),
+                            torch.bfloat16: (tl.bfloat16, None, np.int16)}[dtype]
+    data = _convert_float(x.float().contiguous().cpu().numpy(), tl.float32, tl_dtype, mode)
+    return torch.from_numpy(np.ascontiguousarray(data).view(view)).view(dtype)
+
+
+def _bytes(x):
+    return x.contiguous().view(torch.uint8).cpu()
+
+
+def assert_matches_reference(got, ref, inp, quantize_mqa, interpreter):
+    index_q_fp8, weights, mqa = got
+    pre_index = ref["index_q_roped"] / ref["index_scale"][..., None]
+    pre_mqa = (torch.cat([inp["ql_nope"].float(), ref["q_pe_roped"]], dim=-1) / inp["q_scale"].float()
+               if quantize_mqa else ref["q_pe_roped"])
+    if interpreter:
+        assert torch.equal(_bytes(weights), _bytes(ref["index_weights_out"]))
+        assert torch.equal(_bytes(index_q_fp8), _bytes(interpreter_cast(pre_index, FP8)))
+        assert torch.equal(_bytes(mqa), _bytes(interpreter_cast(pre_mqa, mqa.dtype)))
+        return
+    # On the GPU a fused multiply-add moves a RoPE'd value by an fp32 ulp: an
+    # fp8 value by at most one step, rarely; a power-of-two scale (so the
+    # weights) only where a head's largest magnitude sits on a power of two.
+    apart = fp8_steps_apart(index_q_fp8, ref["index_q_fp8"])
+    assert apart.max() <= 1 and (apart > 0).float().mean() < 1e-3
+    assert (weights.cpu() == ref["index_weights_out"].cpu()).float().mean() > 0.999
+    if quantize_mqa:
+        apart = fp8_steps_apart(mqa, ref["mqa_q"])
+        assert apart.max() <= 1 and (apart > 0).float().mean() < 1e-3
+    else:
+        torch.testing.assert_close(mqa.float().cpu(), ref["mqa_q"].float().cpu(),
+                                   rtol=2 ** -7, atol=1e-6)
+
+
+def _cases(gpu):
+    tokens = (1, 7, 256) if gpu else (1, 5)
+    return [(t, h, hi, il, qm) for t in tokens for (h, hi) in ((64, 64), (16, 64), (128, 32))
+            for il in (False, True) for qm in (False, True)]
+
+
+@pytest.mark.parametrize("tokens,heads,index_heads,interleave,quantize_mqa", _cases(False))
+def test_against_reference(device, tokens, heads, index_heads, interleave, quantize_mqa):
+    inp = make_inputs(tokens, heads, index_heads, device=device, seed=tokens * 131 + heads)
+    got = run_ours(inp, interleave=interleave, quantize_mqa=quantize_mqa)
+    ref = reference(inp, interleave=interleave, quantize_mqa=quantize_mqa)
+    assert_matches_reference(got, ref, inp, quantize_mqa, interpreter=device.type == "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,heads,index_heads,interleave,quantize_mqa", _cases(True))
+def test_against_reference_gpu(tokens, heads, index_heads, interleave, quantize_mqa):
+    inp = make_inputs(tokens, heads, index_heads, device=torch.device("cuda"), seed=tokens + heads)
+    got = run_ours(inp, interleave=interleave, quantize_mqa=quantize_mqa)
+    ref = reference(inp, interleave=interleave, quantize_mqa=quantize_mqa)
+    assert_matches_reference(got, ref, inp, quantize_mqa, interpreter=False)
+
+
+@pytest.mark.parametrize("blocks", [fq.Blocks(1, 1, 1, 1), fq.Blocks(64, 64, 16, 8),
+                                    fq.Blocks(8, 128, 2, 2)])
+def test_every_block_shape_gives_the_same_bytes(device, blocks):
+    inp = make_inputs(3, 24, 48, device=device, seed=5)  # heads not a multiple of every block
+    base = run_ours(inp, quantize_mqa=True)
+    other = run_ours(inp, quantize_mqa=True, blocks=blocks)
+    for a, b in zip(base, other):
+        assert torch.equal(_bytes(a), _bytes(b))
+
+
+@pytest.mark.gpu
+def test_scales_are_powers_of_two_that_fit_each_head():
+    """Properties of the quantization alone: each head's scale (read back from
+    the weights) is a power of two, its fp8 values use the top octave of e4m3
+    (224..448, no saturation), and fp8 x scale is the RoPE'd query within half
+    an fp8 step.  (GPU only: the interpreter's fp8 cast breaks the last two.)"""
+    inp = make_inputs(4, device=torch.device("cuda"), seed=11, spread=300.0)
+    index_q_fp8, weights, _ = run_ours(inp)
+    w = (inp["index_weights"].float() * inp["index_weights_softmax_scale"]
+         * inp["index_weights_head_scale"]).cpu()
+    ratio = weights.cpu() / w
+    scale = torch.exp2(torch.log2(ratio).round())
+    torch.testing.assert_close(ratio, scale, rtol=1e-6, atol=0)
+    amax = index_q_fp8.float().abs().amax(-1).cpu()
+    live = amax > 0
+    assert (~live).sum() == 1, "only the all-zero head quantizes to zeros"
+    assert (amax[live] <= 448).all() and (amax[live] >= 224).all()
+    roped = reference(inp)["index_q_roped"].cpu()
+    deq = index_q_fp8.float().cpu() * scale[..., None]
+    assert ((deq - roped).abs() <= 16 * scale[..., None]).all()
+
+
+def test_zero_tokens(device):
+    inp = make_inputs(0, device=device)
+    a, b, c = fq.fused_q(**inp)
+    assert a.shape == (0, 64, 128) and b.shape == (0, 64) and c.shape == (0, 64, 512 + 64)
+
+
+@pytest.mark.parametrize("arg,bad,message", [
+    ("positions", lambda i: i["positions"].int(), "positions"),
+    ("q_pe", lambda i: i["q_pe"][:-1], "q_pe"),
+    ("ql_nope", lambda i: i["ql_nope"][:, :-1], "ql_nope"),
+    ("index_q", lambda i: i["index_q"][..., :96], "index_q"),
+    ("index_weights", lambda i: i["index_weights"][:, :-1], "index_weights"),
+    ("q_scale", lambda i: i["q_scale"].double(), "q_scale"),
+    ("q_pe_cos_sin_cache", lambda i: i["q_pe_cos_sin_cache"][:, :32], "q_pe_cos_sin_cache"),
+    ("index_q_cos_sin_cache", lambda i: torch.cat([i["index_q_cos_sin_cache"]] * 3, 1),
+     "index_q_cos_sin_cache"),
+])
+def test_bad_input_names_the_argument(device, arg, bad, message):
+    inp = make_inputs(2, device=device)
+    inp[arg] = bad(inp)
+    with pytest.raises(ValueError, match=message):
+        fq.fused_q(**inp)
+
+
+def test_bad_blocks_and_out_are_refused(device):
+    inp = make_inputs(2, device=device)
+    with pytest.raises(ValueError, match="blocks.pe"):
+        fq.fused_q(**inp, blocks=fq.Blocks(pe=3))
+    out = list(poisoned_out(inp, False))
+    out[1] = out[1].double()
+    with pytest.raises(ValueError, match="index_weights_out"):
+        fq.fused_q(**inp, quantize_mqa=False, out=tuple(out))
+
+
+# ---- against vLLM 0.33's own kernel (where vLLM 0.33 is installed) ----------------------
+
+def _vllm_fused_q():
+    """vLLM 0.33's own ``fused_q`` (its Triton kernel).  Off CUDA vLLM hands
+    its modules a placeholder ``triton``; there its kernels module is loaded a
+    second time, under another name, with the real Triton (the interpreter),
+    leaving vLLM's own import untouched."""
+    pytest.importorskip("vllm")
+    from vllm_dsa_varlen.patches import installed_line
+    if installed_line() != "0.33":
+        pytest.skip("vLLM 0.33's fused_q is compared where vLLM 0.33 is installed")
+    import importlib.util
+
+    import triton
+    import triton.language as tl
+    import vllm.triton_utils as tu
+
+    if torch.cuda.is_available():
+        from vllm.models.deepseek_v32.common import kernels
+        return kernels.fused_q
+    spec = importlib.util.find_spec("vllm.models.deepseek_v32.common.kernels")
+    saved = tu.triton, tu.tl
+    tu.triton, tu.tl = triton, tl
+    try:
+        mod = importlib.util.module_from_spec(
+            importlib.util.spec_from_file_location("_vllm_033_kernels_interpreted", spec.origin))
+        mod.__spec__.loader.exec_module(mod)
+    finally:
+        tu.triton, tu.tl = saved
+    return mod.fused_q
+
+
+def _vllm_run(stock, inp, interleave, quantize_mqa):
+    return stock(inp["positions"], inp["q_pe"], inp["q_pe_cos_sin_cache"], inp["index_q"],
+                 inp["index_q_cos_sin_cache"], inp["ql_nope"], inp["q_scale"], inp["index_weights"],
+                 inp["index_weights_softmax_scale"], inp["index_weights_head_scale"],
+                 has_indexer=True, index_rope_interleave=interleave, quantize_mqa=quantize_mqa)
+
+
+def check_bit_equal_to_vllm(device, tokens, heads, index_heads, interleave, quantize_mqa, seed):
+    stock = _vllm_fused_q()
+    inp = make_inputs(tokens, heads, index_heads, device=device, seed=seed)
+    want = _vllm_run(stock, inp, interleave, quantize_mqa)
+    got = run_ours(inp, interleave=interleave, quantize_mqa=quantize_mqa)
+    for name, a, b in zip(("index_q_fp8", "index_weights_out", "mqa_q"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.equal(_bytes(a), _bytes(b)), f"{name} differs from vLLM's fused_q"
+
+
+@pytest.mark.parametrize("interleave,quantize_mqa", [(False, False), (True, True)])
+def test_bit_equal_to_vllm_033(device, interleave, quantize_mqa):
+    check_bit_equal_to_vllm(device, 3, 16, 64, interleave, quantize_mqa, seed=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4, 256, 1027])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+@pytest.mark.parametrize("interleave,quantize_mqa",
+                         [(False, False), (False, True), (True, False), (True, True)])
+def test_bit_equal_to_vllm_033_gpu(tokens, heads, interleave, quantize_mqa):
+    for seed in range(3):
+        check_bit_equal_to_vllm(torch.device("cuda"), tokens, heads, 64, interleave,
+                                quantize_mqa, seed=seed * 1000 + tokens)
+
+
+def test_reference_rope_is_a_rotation():
+    """The reference's RoPE keeps each pair's length and turns it by the
+    position's angle (independent of the kernel's arithmetic)."""
+    inp = make_inputs(6, 4, 4, device=torch.device("cpu"), seed=3, dtype=torch.float32)
+    ref = reference(inp, quantize_mqa=False)
+    x = inp["q_pe"].float()
+    y = ref["q_pe_roped"]
+    n0 = x[..., 0::2] ** 2 + x[..., 1::2] ** 2
+    n1 = y[..., 0::2] ** 2 + y[..., 1::2] ** 2
+    torch.testing.assert_close(n1, n0, rtol=1e-5, atol=1e-5)
+    pos = inp["positions"][2].item()
+    inv = 1.0 / (10000.0 ** (2 * 5 / 64))
+    a0 = math.atan2(x[2, 1, 11].item(), x[2, 1, 10].item())
+    a1 = math.atan2(y[2, 1, 11].item(), y[2, 1, 10].item())
+    assert math.isclose(math.remainder(a1 - a0 - pos * inv, 2 * math.pi), 0.0, abs_tol=1e-3)

@@ -1,0 +1,115 @@
+"""The query-preparation patch on vLLM 0.33.0's DeepSeek-V3.2 attention layer:
+the registry installs it on the module global the layer calls, its signature
+is vLLM's, and it dispatches: the project's kernel where it serves and takes
+the call, vLLM's ``fused_q`` (with the same arguments) everywhere else."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+
+import pytest
+import torch
+
+from vllm_dsa_varlen import patches
+from vllm_dsa_varlen.ops import triton_fused_q
+from vllm_dsa_varlen.vllm_0_33.models.deepseek_v32 import attention as ours
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3] / "ops"))
+from test_triton_fused_q import make_inputs  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("clean_plugin")
+
+V32 = "vllm.models.deepseek_v32.attention"
+
+
+class Recorder:
+    """A stand-in for vLLM's ``fused_q``: records each call, returns a marker."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return "vllm's"
+
+
+def _call(fn, inp, **kw):
+    return fn(inp["positions"], inp["q_pe"], inp["q_pe_cos_sin_cache"], inp["index_q"],
+              inp["index_q_cos_sin_cache"], inp["ql_nope"], inp["q_scale"], inp["index_weights"],
+              inp["index_weights_softmax_scale"], inp["index_weights_head_scale"], **kw)
+
+
+def test_the_registry_installs_it_on_the_layers_global_and_undoes_it():
+    mod = importlib.import_module(V32)
+    stock = mod.fused_q
+    patches.apply_all()
+    assert mod.fused_q is not stock
+    assert mod.fused_q.__vllm_dsa_varlen_original__ is stock
+    patches.undo_all()
+    assert mod.fused_q is stock
+
+
+def test_signature_is_vllms():
+    mod = importlib.import_module(V32)
+    stock = inspect.signature(mod.fused_q)
+    mine = inspect.signature(ours.make_fused_q(mod.fused_q, serves=True, use_pdl=False))
+    assert list(mine.parameters) == list(stock.parameters)
+    for name, p in stock.parameters.items():
+        assert mine.parameters[name].default == p.default, name
+
+
+@pytest.mark.parametrize("interleave,quantize_mqa", [(False, False), (True, True)])
+def test_serving_calls_take_the_projects_kernel(device, interleave, quantize_mqa):
+    rec = Recorder()
+    fn = ours.make_fused_q(rec, serves=True, use_pdl=False)
+    inp = make_inputs(3, 16, 64, device=device, seed=2)
+    got = _call(fn, inp, index_rope_interleave=interleave, quantize_mqa=quantize_mqa)
+    want = triton_fused_q.fused_q(**inp, index_rope_interleave=interleave, quantize_mqa=quantize_mqa)
+    assert rec.calls == []
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+@pytest.mark.parametrize("case", ["not serving", "no indexer", "int32 positions", "odd rope dim"])
+def test_every_other_call_is_vllms_with_the_same_arguments(device, case):
+    rec = Recorder()
+    fn = ours.make_fused_q(rec, serves=case != "not serving", use_pdl=False)
+    inp = make_inputs(2, 16, 64, device=device, seed=4)
+    kw = dict(has_indexer=case != "no indexer", index_rope_interleave=True, quantize_mqa=False)
+    if case == "int32 positions":
+        inp["positions"] = inp["positions"].int()
+    if case == "odd rope dim":
+        inp["q_pe"] = inp["q_pe"][..., :48]
+        inp["q_pe_cos_sin_cache"] = inp["q_pe_cos_sin_cache"][:, :48].contiguous()
+    assert _call(fn, inp, **kw) == "vllm's"
+    (args, kwargs), = rec.calls
+    assert all(a is inp[k] for a, k in zip(args, (
+        "positions", "q_pe", "q_pe_cos_sin_cache", "index_q", "index_q_cos_sin_cache", "ql_nope",
+        "q_scale", "index_weights", "index_weights_softmax_scale", "index_weights_head_scale")))
+    assert kwargs == kw
+
+
+def test_the_factory_decides_once_and_logs_it(caplog, monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(ours, "_platform", lambda: (True, (9, 0), False))
+    with caplog.at_level("INFO", logger="vllm.dsa_varlen"):
+        fn = ours.wrap_fused_q(rec)
+    assert "the project's kernel (sm_90" in caplog.text
+    monkeypatch.setenv("VLLM_DSA_VARLEN_FUSED_Q", "off")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="vllm.dsa_varlen"):
+        off = ours.wrap_fused_q(rec)
+    assert "VLLM_DSA_VARLEN_FUSED_Q=off" in caplog.text
+    inp = make_inputs(1, 16, 64, device=torch.device("cpu"), seed=1)
+    assert _call(off, inp) == "vllm's" and len(rec.calls) == 1
+    assert _call(fn, inp) != "vllm's" and len(rec.calls) == 1
+
+
+def test_on_this_machine_the_decision_is_the_platforms():
+    is_cuda, capability, _ = ours._platform()
+    serves, why = __import__("vllm_dsa_varlen.config", fromlist=["x"]).choose_fused_q(
+        is_cuda=is_cuda, capability=capability)
+    assert serves == (is_cuda and capability is not None and capability[0] == 9), why
