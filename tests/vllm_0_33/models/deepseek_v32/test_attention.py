@@ -113,3 +113,32 @@ def test_on_this_machine_the_decision_is_the_platforms():
     serves, why = __import__("vllm_dsa_varlen.config", fromlist=["x"]).choose_fused_q(
         is_cuda=is_cuda, capability=capability)
     assert serves == (is_cuda and capability is not None and capability[0] == 9), why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize_mqa", [False, True])
+def test_traced_by_torch_compile_like_vllms(quantize_mqa):
+    """The layer's call, compiled as vLLM compiles the model (whole graph,
+    dynamic token count), launches the same kernel: bytes equal to eager."""
+    rec = Recorder()
+    fn = ours.make_fused_q(rec, serves=True, use_pdl=True)
+    dev = torch.device("cuda")
+    base = make_inputs(4, 64, 64, device=dev, seed=9)
+
+    def layer(positions, q, index_q, kw, ql):
+        return fn(positions, q[..., 128:], base["q_pe_cos_sin_cache"], index_q,
+                  base["index_q_cos_sin_cache"], ql.transpose(0, 1), base["q_scale"], kw[:, 128:],
+                  0.088, 0.125, has_indexer=True, index_rope_interleave=False,
+                  quantize_mqa=quantize_mqa)
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for t in (3, 17, 256):
+        args = (torch.randint(0, 4096, (t,), device=dev, generator=gen),
+                torch.randn(t, 64, 192, device=dev, generator=gen).bfloat16(),
+                torch.randn(t, 64, 128, device=dev, generator=gen).bfloat16(),
+                torch.randn(t, 192, device=dev, generator=gen).bfloat16(),
+                torch.randn(64, t, 512, device=dev, generator=gen).bfloat16())
+        for a, b in zip(compiled(*args), layer(*args)):
+            assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    assert rec.calls == []
