@@ -43,9 +43,13 @@ def moved_bytes(inp, quantize_mqa: bool) -> int:
     return b
 
 
-def parse_blocks(text: str) -> fq.Blocks:
-    i, p, n, w = (int(x) for x in text.split("/"))
-    return fq.Blocks(i, p, n, w)
+def parse_blocks(text: str, pdl: bool) -> tuple[fq.Blocks, bool]:
+    """``index/pe/nope/warps[/pdl]`` -> the blocks and whether to launch as a
+    programmatic dependent (the fifth field, 0 or 1, overrides ``--pdl``)."""
+    fields = [int(x) for x in text.split("/")]
+    if len(fields) not in (4, 5):
+        raise SystemExit(f"--blocks: expected index/pe/nope/warps[/pdl], got {text!r}")
+    return fq.Blocks(*fields[:4]), bool(fields[4]) if len(fields) == 5 else pdl
 
 
 def main() -> None:
@@ -79,8 +83,9 @@ def main() -> None:
                                                          index_rope_interleave=False,
                                                          quantize_mqa=qm)}
                 for b in args.blocks:
-                    impls[f"ours {b}"] = (lambda blk=parse_blocks(b): fq.fused_q(
-                        **inp, quantize_mqa=qm, use_pdl=args.pdl, blocks=blk))
+                    blk, pdl = parse_blocks(b, args.pdl)
+                    impls[f"ours {b}"] = (lambda blk=blk, pdl=pdl: fq.fused_q(
+                        **inp, quantize_mqa=qm, use_pdl=pdl, blocks=blk))
                 want = impls["vllm"]()
                 equal = {}
                 for name, fn in impls.items():

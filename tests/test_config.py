@@ -223,3 +223,11 @@ def test_choose_fused_q_refuses_unknown_values():
         config.choose_fused_q(is_cuda=True, capability=(9, 0), setting="on")
     with pytest.raises(ValueError, match="mode"):
         config.choose_fused_q(is_cuda=True, capability=(9, 0), mode="fast")
+
+
+def test_fused_q_blocks_setting():
+    assert config.read_fused_q_blocks({}) is None
+    assert config.read_fused_q_blocks({"VLLM_DSA_VARLEN_FUSED_Q_BLOCKS": " 8/16/2/2 "}) == (8, 16, 2, 2)
+    for bad in ("8/16/2", "8/16/3/2", "a/b/c/d", "0/16/2/2"):
+        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_FUSED_Q_BLOCKS"):
+            config.read_fused_q_blocks({"VLLM_DSA_VARLEN_FUSED_Q_BLOCKS": bad})

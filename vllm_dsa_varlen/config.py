@@ -16,6 +16,9 @@
   prepares the step's queries (vLLM 0.33's ``fused_q``: RoPE, fp8 quant,
   indexer weights) with the project's kernel on sm_90
   (:func:`choose_fused_q`); ``off`` keeps vLLM's.
+  ``VLLM_DSA_VARLEN_FUSED_Q_BLOCKS=index/pe/nope/warps`` (powers of two) sets
+  that kernel's heads per program and warps (tuning; default the measured
+  best, ``ops.triton_fused_q.Blocks``).
 
 :func:`choose_decode_path` turns the facts a builder knows (platform, GPU
 capability, the installed DeepGEMM's capabilities, whether the project's
@@ -75,6 +78,26 @@ def read_backend(environ: Mapping[str, str] | None = None) -> str:
 def read_fused_q(environ: Mapping[str, str] | None = None) -> str:
     """``VLLM_DSA_VARLEN_FUSED_Q`` -> ``"auto"`` | ``"off"``."""
     return _read(FUSED_Q_ENV, FUSED_Q_SETTINGS, environ)
+
+
+FUSED_Q_BLOCKS_ENV = "VLLM_DSA_VARLEN_FUSED_Q_BLOCKS"
+
+
+def read_fused_q_blocks(environ: Mapping[str, str] | None = None) -> tuple[int, int, int, int] | None:
+    """``VLLM_DSA_VARLEN_FUSED_Q_BLOCKS=index/pe/nope/warps`` -> four powers of
+    two (``None`` when unset or empty)."""
+    env = os.environ if environ is None else environ
+    raw = (env.get(FUSED_Q_BLOCKS_ENV) or "").strip()
+    if not raw:
+        return None
+    try:
+        fields = tuple(int(x) for x in raw.split("/"))
+    except ValueError:
+        fields = ()
+    if len(fields) != 4 or any(f <= 0 or f & (f - 1) for f in fields):
+        raise ValueError(f"{FUSED_Q_BLOCKS_ENV}={raw!r} is not valid: expected four powers of two "
+                         "index/pe/nope/warps (heads per program of each part, warps), e.g. 8/16/2/2")
+    return fields  # type: ignore[return-value]
 
 
 # The query preparation was measured (and bit-checked against vLLM's kernel)

@@ -92,7 +92,7 @@ def test_every_other_call_is_vllms_with_the_same_arguments(device, case):
     assert kwargs == kw
 
 
-def test_the_factory_decides_once_and_logs_it(caplog, monkeypatch):
+def test_the_factory_decides_once_and_logs_it(device, caplog, monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(ours, "_platform", lambda: (True, (9, 0), False))
     with caplog.at_level("INFO", logger="vllm.dsa_varlen"):
@@ -103,7 +103,7 @@ def test_the_factory_decides_once_and_logs_it(caplog, monkeypatch):
     with caplog.at_level("INFO", logger="vllm.dsa_varlen"):
         off = ours.wrap_fused_q(rec)
     assert "VLLM_DSA_VARLEN_FUSED_Q=off" in caplog.text
-    inp = make_inputs(1, 16, 64, device=torch.device("cpu"), seed=1)
+    inp = make_inputs(1, 16, 64, device=device, seed=1)
     assert _call(off, inp) == "vllm's" and len(rec.calls) == 1
     assert _call(fn, inp) != "vllm's" and len(rec.calls) == 1
 

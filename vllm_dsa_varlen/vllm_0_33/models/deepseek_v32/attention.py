@@ -79,5 +79,9 @@ def wrap_fused_q(original: Callable[..., Any]) -> Callable[..., Any]:
     is_cuda, capability, use_pdl = _platform()
     serves, why = config.choose_fused_q(is_cuda=is_cuda, capability=capability,
                                         setting=config.read_fused_q(), mode=config.read_mode())
-    logger.info("vllm-dsa-varlen: DeepSeek-V3.2 query preparation (fused_q): %s", why)
-    return make_fused_q(original, serves=serves, use_pdl=use_pdl)
+    blocks = config.read_fused_q_blocks()
+    blocks = triton_fused_q.Blocks() if blocks is None else triton_fused_q.Blocks(*blocks)
+    logger.info("vllm-dsa-varlen: DeepSeek-V3.2 query preparation (fused_q): %s%s", why,
+                f" (heads per program {blocks.index}/{blocks.pe}/{blocks.nope}, "
+                f"{blocks.warps} warps)" if serves else "")
+    return make_fused_q(original, serves=serves, use_pdl=use_pdl, blocks=blocks)
