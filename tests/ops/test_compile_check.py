@@ -42,7 +42,19 @@ def test_every_portable_variant_compiles(compiled_variants):
         (h, a, p) for h in (32, 64) for a in (89, 90, 100, 120) for p in (1, 2)}
     assert not any(r["local"] for r in portable)
     assert {r["kernel"] for r in rows} <= {"portable", "cuda_sm90", "cuda_plan_sm90",
-                                           "cuda_topk"}
+                                           "cuda_topk", "fused_q"}
+
+
+def test_the_query_preparation_compiles_for_sm90(compiled_variants):
+    """The query preparation's kernel (vLLM 0.33's fused_q on sm_90) at its
+    default shape: bf16 and fp8 query, NeoX and interleaved RoPE, 64 and 128
+    MLA heads, with no local memory."""
+    _, _, rows = compiled_variants
+    fq = [r for r in rows if r["kernel"] == "fused_q"]
+    assert {(r["heads"], r["quantize"], r["interleave"]) for r in fq} == {
+        (h, q, i) for h in (64, 128) for q in (False, True) for i in (False, True)}
+    assert all(r["ok"] and r["arch"] == 90 for r in fq), fq
+    assert not any(r["local"] for r in fq)
 
 
 def test_the_cuda_builds_compile_without_spills(compiled_variants):

@@ -1,6 +1,7 @@
 """Compile the kernels for a GPU target without a GPU: the portable Triton
 kernel through ``triton.compile`` with an explicit ``GPUTarget`` (its ``asm``
-holds TTGIR / PTX, ``n_regs`` is unset without a driver), the sm_90 CUDA
+holds TTGIR / PTX, ``n_regs`` is unset without a driver) and the query
+preparation's (vLLM 0.33's ``fused_q``, sm_90), the sm_90 CUDA
 kernel, its schedule planner and the decode top-k through NVRTC.  What the CPU tests use to prove every variant builds
 with the Triton and NVRTC installed."""
 
@@ -30,6 +31,42 @@ def compile_portable(arch: int, H: int, ROWS: int = 2, TILE_PAGES: int = 1, PER_
     src = ASTSource(fn, sig, consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def compile_fused_q(arch: int, blocks=None, *, quantize: bool = False, interleave: bool = False,
+                    use_pdl: bool = True, index_heads: int = 64, q_heads: int = 64,
+                    in_dtype: str = "bf16"):
+    """The query preparation's kernel (:mod:`.triton_fused_q`, one compile-time
+    variant: DeepSeek-V3.2's dims) built for ``sm_<arch>``; ``blocks`` a
+    :class:`~.triton_fused_q.Blocks` (default its default).  Needs real JIT
+    functions, like :func:`compile_portable`."""
+    from . import triton_fused_q as fq
+
+    blocks = fq.Blocks() if blocks is None else blocks
+    fn = fq._fused_q_blocks_kernel
+    names = list(fn.arg_names)
+    ptr = {"pos_ptr": "*i64", "index_q_ptr": f"*{in_dtype}", "index_cs_ptr": "*fp32",
+           "index_q_fp8_ptr": "*fp8e4nv", "w_ptr": f"*{in_dtype}", "w_out_ptr": "*fp32",
+           "q_pe_ptr": f"*{in_dtype}", "pe_cs_ptr": "*fp32", "ql_nope_ptr": f"*{in_dtype}",
+           "q_scale_ptr": "*fp32", "mqa_ptr": "*fp8e4nv" if quantize else f"*{in_dtype}",
+           "pe_out_ptr": "*fp8e4nv" if quantize else f"*{in_dtype}"}
+    consts = dict(NUM_INDEX_HEADS=index_heads, INDEX_HEADS=blocks.index, INDEX_DIM=128,
+                  INDEX_HALF=32, INTERLEAVE=interleave, NUM_Q_HEADS=q_heads, PE_HEADS=blocks.pe,
+                  PE_HALF=32, NOPE_HEADS=blocks.nope, NOPE=512, NOPE_BLOCK=512,
+                  QUANTIZE=quantize, USE_PDL=use_pdl, FP8_LIMIT=448.0)
+    sig = {}
+    for n in names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in ptr:
+            sig[n] = ptr[n]
+        elif n in ("softmax_scale", "head_scale"):
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"  # strides
+    src = ASTSource(fn, sig, consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": blocks.warps, "num_stages": 1})
 
 
 def compile_cuda_sm90(defines: tuple = ()) -> dict:
@@ -72,7 +109,8 @@ def _ptxas_report(cubin: bytes, log: str) -> dict:
 def main() -> int:
     """Compile every variant a server can use and print one JSON line per kernel:
     the sm_90 CUDA kernel's builds and its planner's (where NVRTC loads), the
-    portable kernel for sm_89, sm_90, sm_100 and sm_120.  Exit status 1 on any
+    portable kernel for sm_89, sm_90, sm_100 and sm_120, the query
+    preparation's kernel for sm_90.  Exit status 1 on any
     failure."""
     import json
     import os
@@ -109,6 +147,10 @@ def main() -> int:
     nvrtc_builds = {"cuda_sm90": lambda job: compile_cuda_sm90(job[2]),
                     "cuda_plan_sm90": lambda job: compile_plan_sm90(job[1]),
                     "cuda_topk": lambda job: compile_topk(job[2])}
+    # the query preparation (vLLM 0.33 on sm_90): its default shape, each query
+    # path and RoPE layout, 64 and 128 MLA heads
+    jobs += [("fused_q", h, 90, {"quantize": qm, "interleave": il})
+             for h in (64, 128) for qm in (False, True) for il in (False, True)]
     for job in jobs:
         row = {"kernel": job[0], "heads": job[1]}
         try:
@@ -117,6 +159,12 @@ def main() -> int:
                 row.update(nvrtc_builds[job[0]](job))
                 row["ok"] = row["spills"] == 0
                 failed += not row["ok"]
+                print(json.dumps(row), flush=True)
+                continue
+            if job[0] == "fused_q":
+                row.update(arch=job[2], **job[3])
+                k = compile_fused_q(job[2], q_heads=job[1], **job[3])
+                row.update(ok=True, name=k.name, local=".local" in k.asm["ptx"])
                 print(json.dumps(row), flush=True)
                 continue
             row["arch"], row["pairs"] = job[2], job[3]["PAIRS"]
