@@ -59,6 +59,7 @@ import gzip
 import json
 import os
 import re
+import signal
 import subprocess
 import statistics
 import sys
@@ -429,7 +430,16 @@ def child_modes(mode: str) -> tuple[str, ...]:
     return tuple(MODES) if mode == BOTH else (mode,)
 
 
+def _stop_on_sigterm(signum, frame) -> None:
+    raise SystemExit(f"stopped by signal {signum} (a time limit?): the run file keeps what "
+                     "was measured before it")
+
+
 def child(args) -> None:
+    # `timeout` signals the whole process group: turn its SIGTERM into an exit
+    # that the `finally` below sees, so a run stopped in a late window (the
+    # profiled steps) still leaves its measured cases.
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     results: dict = {m: {} for m in child_modes(args.mode)}
     table = add_rules(args.rule)
     if args.rule:

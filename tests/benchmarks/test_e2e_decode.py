@@ -1088,3 +1088,29 @@ def test_rules_reach_the_child_and_extend_its_table(tmp_path, monkeypatch):
     assert [(r.stock, r.min_run, r.min_rows, r.uniform, r.kernel) for r in table[len(before):]] == [
         ("native", 4, 256, True, "cuda_sm90"), ("flattened", 3, 8, None, None)]
     assert e2e.add_rules([]) is table
+
+
+def test_a_child_stopped_by_sigterm_still_writes_what_it_measured(tmp_path, monkeypatch):
+    """`timeout` ends a run with SIGTERM, often in the profiled window after the
+    cases: the run file keeps the cases and says why it stopped."""
+    import signal
+
+    args = e2e.build_parser().parse_args(["--out", str(tmp_path), "--modes", "plugin", "--k", "3"])
+    args.mode, args.repeat, args.rule, args.k = "plugin", 0, [], 3
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def measured_then_stopped(args, results):
+        results["plugin"]["cases"] = [{"batch": 64, "tpot_ms": 22.5}]
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal did not stop the child")
+
+    monkeypatch.setattr(e2e, "_child", measured_then_stopped)
+    try:
+        with pytest.raises(SystemExit, match="signal"):
+            e2e.child(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    with open(tmp_path / "run-plugin-k3.json") as f:
+        run = json.load(f)
+    assert run["cases"] == [{"batch": 64, "tpot_ms": 22.5}]
+    assert "stopped by signal" in run["error"]
