@@ -8,7 +8,8 @@ and a query path (``bf16``: FlashMLA's bf16 query, what vLLM 0.33's engine
 took on the H200; ``fp8``: the fp8 query).  A timed call is one graph replay
 of ``--copies`` calls back to back (as 61 layers call it, with other kernels
 between), its time divided by the copies; before any timing every
-implementation's bytes are compared with vLLM's (``bit_equal``).  The floor:
+implementation's bytes are compared with vLLM's (``bit_equal``; per output,
+the count of bytes that differ: ``bytes_differing``).  The floor:
 bytes moved / the copy rate (printed).
 
     python3 benchmarks/fused_q_bench.py --out fused-q.json
@@ -30,6 +31,7 @@ from test_triton_fused_q import make_inputs  # noqa: E402
 from vllm_dsa_varlen.bench_graph import capture_graph, round_order  # noqa: E402
 from vllm_dsa_varlen.ops import triton_fused_q as fq  # noqa: E402
 
+OUTPUTS = ("index_q_fp8", "index_weights_out", "mqa_q")
 COPY_RATE = 4.25e12  # B/s, the H200's measured copy rate (DEVELOPERS' floor figure)
 
 
@@ -87,11 +89,13 @@ def main() -> None:
                     impls[f"ours {b}"] = (lambda blk=blk, pdl=pdl: fq.fused_q(
                         **inp, quantize_mqa=qm, use_pdl=pdl, blocks=blk))
                 want = impls["vllm"]()
-                equal = {}
+                equal, differing = {}, {}
                 for name, fn in impls.items():
                     got = fn()
-                    equal[name] = all(torch.equal(a.contiguous().view(torch.uint8), c.contiguous().view(torch.uint8))
-                                      for a, c in zip(got, want))
+                    differing[name] = {out: int((a.contiguous().view(torch.uint8)
+                                                 != c.contiguous().view(torch.uint8)).sum())
+                                       for out, a, c in zip(OUTPUTS, got, want)}
+                    equal[name] = not any(differing[name].values())
                 graphs = {name: capture_graph(torch, fn, args.copies) for name, fn in impls.items()}
                 times = {name: [] for name in impls}
                 names = list(impls)
@@ -109,7 +113,7 @@ def main() -> None:
                         times[name].append(start.elapsed_time(end) * 1e3 / args.replays / args.copies)
                 floor = moved_bytes(inp, qm) / COPY_RATE * 1e6
                 row = {"path": path, "heads": heads, "tokens": tokens, "floor_us": floor,
-                       "bit_equal": equal, "us": {n: statistics.median(v) for n, v in times.items()},
+                       "bit_equal": equal, "bytes_differing": differing, "us": {n: statistics.median(v) for n, v in times.items()},
                        "rounds_us": times,
                        "vllm_over": {n: [a / b for a, b in zip(times["vllm"], v)] for n, v in times.items()}}
                 results.append(row)
@@ -120,6 +124,9 @@ def main() -> None:
                       + f" | vllm/default median {statistics.median(ratios):.2f} "
                       f"[{min(ratios):.2f}, {max(ratios):.2f}] best {best} | floor {floor:.2f} us"
                       + f" | bit-equal {all(equal.values())}", flush=True)
+                for name, diff in differing.items():
+                    if any(diff.values()):
+                        print(f"  {name}: bytes differing from vLLM's {diff}", flush=True)
                 del graphs
     if args.out:
         with open(args.out, "w") as f:
