@@ -1,4 +1,5 @@
-"""Paged MQA logits kernels (fp8 indexer cache, DeepGEMM's varlen semantics).
+"""Paged MQA logits kernels (fp8 indexer cache, DeepGEMM's varlen semantics), the
+decode top-k, and the step's query preparation.
 
 * :mod:`.launcher` — the entry point :func:`~.launcher.varlen_paged_mqa_logits`
   (input checks, the choice of kernel) and :func:`~.launcher.precompile`
@@ -15,6 +16,9 @@
   CPU study);
 * :mod:`.triton_paged_mqa_logits` — the portable Triton kernel (any fp8 GPU,
   the CPU interpreter);
+* :mod:`.triton_fused_q` — the step's query preparation (vLLM 0.33's
+  ``fused_q``: RoPE, fp8 and weights of the indexer's query, the MLA query's
+  RoPE), served on sm_90 by the vLLM 0.33 patch;
 * :mod:`.common` — what the kernels share (geometry, SM count, bound launches);
 * :mod:`.reference` — the torch reference, the source of truth for tests;
 * :mod:`.compile_check` — every variant built for its GPU target without a GPU.
