@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4, 32, 256, 1024, 4096])
     ap.add_argument("--heads", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--paths", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    ap.add_argument("--blocks", nargs="+", default=["16/32/4/4", "64/64/8/4", "8/16/2/2", "32/64/4/8"],
+    ap.add_argument("--blocks", nargs="+", default=["4/16/2/2", "8/16/2/2", "4/8/1/2", "2/8/1/2", "4/8/1/1"],
                     help="index/pe/nope heads per program / warps (the first is the default)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--copies", type=int, default=20)
