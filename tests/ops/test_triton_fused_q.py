@@ -214,6 +214,7 @@ def test_zero_tokens(device):
     ("positions", lambda i: i["positions"].int(), "positions"),
     ("q_pe", lambda i: i["q_pe"][:-1], "q_pe"),
     ("ql_nope", lambda i: i["ql_nope"][:, :-1], "ql_nope"),
+    ("ql_nope", lambda i: i["ql_nope"][..., ::2], "ql_nope"),  # read by the fp8 query
     ("index_q", lambda i: i["index_q"][..., :96], "index_q"),
     ("index_weights", lambda i: i["index_weights"][:, :-1], "index_weights"),
     ("q_scale", lambda i: i["q_scale"].double(), "q_scale"),
@@ -232,6 +233,8 @@ def test_bad_blocks_and_out_are_refused(device):
     inp = make_inputs(2, device=device)
     with pytest.raises(ValueError, match="blocks.pe"):
         fq.fused_q(**inp, blocks=fq.Blocks(pe=3))
+    with pytest.raises(ValueError, match="blocks.warps"):
+        fq.fused_q(**inp, blocks=fq.Blocks(warps=3))
     out = list(poisoned_out(inp, False))
     out[1] = out[1].double()
     with pytest.raises(ValueError, match="index_weights_out"):
@@ -318,3 +321,14 @@ def test_reference_rope_is_a_rotation():
     a0 = math.atan2(x[2, 1, 11].item(), x[2, 1, 10].item())
     a1 = math.atan2(y[2, 1, 11].item(), y[2, 1, 10].item())
     assert math.isclose(math.remainder(a1 - a0 - pos * inv, 2 * math.pi), 0.0, abs_tol=1e-3)
+
+
+def test_the_bf16_query_does_not_read_ql_nope(device):
+    """On the bf16-query path the NoPE part is not read (vLLM hands it to the
+    attention as it is), so its layout is not checked there."""
+    inp = make_inputs(2, 16, 64, device=device, seed=8)
+    want = run_ours(inp, quantize_mqa=False)
+    inp["ql_nope"] = inp["ql_nope"][..., ::2]
+    got = run_ours(inp, quantize_mqa=False)
+    for a, b in zip(got, want):
+        assert torch.equal(_bytes(a), _bytes(b))

@@ -191,6 +191,8 @@ def input_problem(positions, q_pe, q_pe_cos_sin_cache, index_q, index_q_cos_sin_
     for name, x in (("q_pe", q_pe), ("index_q", index_q), ("ql_nope", ql_nope)):
         if x.ndim != 3 or x.shape[0] != t:
             return name, f"[{t}, heads, dim] (one row per position)", tuple(x.shape)
+        if x is ql_nope and not quantize_mqa:
+            continue  # read only for the fp8 query
         if x.stride(2) != 1:
             return name, "a unit stride on its last dim", x.stride()
         if x.dtype not in _FLOATS:
@@ -276,7 +278,7 @@ def fused_q(positions: torch.Tensor, q_pe: torch.Tensor, q_pe_cos_sin_cache: tor
     check_inputs(positions, q_pe, q_pe_cos_sin_cache, index_q, index_q_cos_sin_cache, ql_nope,
                  q_scale, index_weights, quantize_mqa=quantize_mqa)
     for name, n in (("blocks.index", blocks.index), ("blocks.pe", blocks.pe),
-                    ("blocks.nope", blocks.nope)):
+                    ("blocks.nope", blocks.nope), ("blocks.warps", blocks.warps)):
         if not _pow2(n):
             fail(name, "a power of two", n)
     t, num_q_heads, rope_dim = q_pe.shape
@@ -286,7 +288,6 @@ def fused_q(positions: torch.Tensor, q_pe: torch.Tensor, q_pe_cos_sin_cache: tor
     else:
         _check_out(out, q_pe, index_q, ql_nope, quantize_mqa)
     index_q_fp8, weights_out, mqa_q = out
-    pe_out = mqa_q
     nope = ql_nope.shape[2]
     parts = (triton.cdiv(num_index_heads, blocks.index) + triton.cdiv(num_q_heads, blocks.pe)
              + (triton.cdiv(num_q_heads, blocks.nope) if quantize_mqa else 0))
@@ -300,7 +301,8 @@ def fused_q(positions: torch.Tensor, q_pe: torch.Tensor, q_pe_cos_sin_cache: tor
         index_weights_head_scale, weights_out, weights_out.stride(0),
         q_pe, q_pe.stride(0), q_pe.stride(1), q_pe_cos_sin_cache, q_pe_cos_sin_cache.stride(0),
         ql_nope, ql_nope.stride(0), ql_nope.stride(1), q_scale,
-        mqa_q, mqa_q.stride(0), mqa_q.stride(1), pe_out, pe_out.stride(0), pe_out.stride(1),
+        # one output under two names: the packed fp8 query (QUANTIZE) or the RoPE'd q_pe
+        mqa_q, mqa_q.stride(0), mqa_q.stride(1), mqa_q, mqa_q.stride(0), mqa_q.stride(1),
         NUM_INDEX_HEADS=num_index_heads, INDEX_HEADS=blocks.index, INDEX_DIM=index_dim,
         INDEX_HALF=index_q_cos_sin_cache.shape[1] // 2, INTERLEAVE=bool(index_rope_interleave),
         NUM_Q_HEADS=num_q_heads, PE_HEADS=blocks.pe, PE_HALF=rope_dim // 2,
