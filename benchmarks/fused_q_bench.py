@@ -26,7 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "ops"))
-from test_triton_fused_q import make_inputs  # noqa: E402
+from test_triton_fused_q import as_args, make_inputs  # noqa: E402
 
 from vllm_dsa_varlen.bench_graph import capture_graph, round_order  # noqa: E402
 from vllm_dsa_varlen.ops import triton_fused_q as fq  # noqa: E402
@@ -77,10 +77,7 @@ def main() -> None:
         for heads in args.heads:
             for tokens in args.tokens:
                 inp = make_inputs(tokens, heads, 64, device=dev, seed=tokens + heads)
-                pos = (inp["positions"], inp["q_pe"], inp["q_pe_cos_sin_cache"], inp["index_q"],
-                       inp["index_q_cos_sin_cache"], inp["ql_nope"], inp["q_scale"],
-                       inp["index_weights"], inp["index_weights_softmax_scale"],
-                       inp["index_weights_head_scale"])
+                pos = as_args(inp)
                 impls = {"vllm": lambda: kernels.fused_q(*pos, has_indexer=True,
                                                          index_rope_interleave=False,
                                                          quantize_mqa=qm)}

@@ -64,6 +64,16 @@ def make_inputs(tokens, heads=64, index_heads=64, *, device, seed=0, nope=512, r
         index_weights_head_scale=index_heads ** -0.5)
 
 
+# vLLM's fused_q positional order, which the kernel, the reference and the patch share.
+ARGS = ("positions", "q_pe", "q_pe_cos_sin_cache", "index_q", "index_q_cos_sin_cache", "ql_nope",
+        "q_scale", "index_weights", "index_weights_softmax_scale", "index_weights_head_scale")
+
+
+def as_args(inp) -> tuple:
+    """``make_inputs``' inputs as vLLM's ``fused_q`` takes them positionally."""
+    return tuple(inp[name] for name in ARGS)
+
+
 def poisoned_out(inp, quantize_mqa):
     t, h, r = inp["q_pe"].shape
     dev = inp["q_pe"].device
@@ -86,12 +96,7 @@ def run_ours(inp, *, interleave=False, quantize_mqa=False, blocks=fq.Blocks()):
 
 
 def reference(inp, *, interleave=False, quantize_mqa=False):
-    kw = dict(inp)
-    return fused_q_reference(
-        kw.pop("positions"), kw.pop("q_pe"), kw.pop("q_pe_cos_sin_cache"), kw.pop("index_q"),
-        kw.pop("index_q_cos_sin_cache"), kw.pop("ql_nope"), kw.pop("q_scale"),
-        kw.pop("index_weights"), kw.pop("index_weights_softmax_scale"),
-        kw.pop("index_weights_head_scale"), interleave=interleave, quantize_mqa=quantize_mqa)
+    return fused_q_reference(*as_args(inp), interleave=interleave, quantize_mqa=quantize_mqa)
 
 
 def fp8_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -274,10 +279,8 @@ def _vllm_fused_q():
 
 
 def _vllm_run(stock, inp, interleave, quantize_mqa):
-    return stock(inp["positions"], inp["q_pe"], inp["q_pe_cos_sin_cache"], inp["index_q"],
-                 inp["index_q_cos_sin_cache"], inp["ql_nope"], inp["q_scale"], inp["index_weights"],
-                 inp["index_weights_softmax_scale"], inp["index_weights_head_scale"],
-                 has_indexer=True, index_rope_interleave=interleave, quantize_mqa=quantize_mqa)
+    return stock(*as_args(inp), has_indexer=True, index_rope_interleave=interleave,
+                 quantize_mqa=quantize_mqa)
 
 
 def check_bit_equal_to_vllm(device, tokens, heads, index_heads, interleave, quantize_mqa, seed):

@@ -17,7 +17,7 @@ from vllm_dsa_varlen.ops import triton_fused_q
 from vllm_dsa_varlen.vllm_0_33.models.deepseek_v32 import attention as ours
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3] / "ops"))
-from test_triton_fused_q import make_inputs  # noqa: E402
+from test_triton_fused_q import ARGS, as_args, make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_plugin")
 
@@ -36,9 +36,7 @@ class Recorder:
 
 
 def _call(fn, inp, **kw):
-    return fn(inp["positions"], inp["q_pe"], inp["q_pe_cos_sin_cache"], inp["index_q"],
-              inp["index_q_cos_sin_cache"], inp["ql_nope"], inp["q_scale"], inp["index_weights"],
-              inp["index_weights_softmax_scale"], inp["index_weights_head_scale"], **kw)
+    return fn(*as_args(inp), **kw)
 
 
 def test_the_registry_installs_it_on_the_layers_global_and_undoes_it():
@@ -86,9 +84,7 @@ def test_every_other_call_is_vllms_with_the_same_arguments(device, case):
         inp["q_pe_cos_sin_cache"] = inp["q_pe_cos_sin_cache"][:, :48].contiguous()
     assert _call(fn, inp, **kw) == "vllm's"
     (args, kwargs), = rec.calls
-    assert all(a is inp[k] for a, k in zip(args, (
-        "positions", "q_pe", "q_pe_cos_sin_cache", "index_q", "index_q_cos_sin_cache", "ql_nope",
-        "q_scale", "index_weights", "index_weights_softmax_scale", "index_weights_head_scale")))
+    assert len(args) == len(ARGS) and all(a is inp[k] for a, k in zip(args, ARGS))
     assert kwargs == kw
 
 
