@@ -48,8 +48,7 @@ def compile_fused_q(arch: int, blocks=None, *, quantize: bool = False, interleav
     ptr = {"pos_ptr": "*i64", "index_q_ptr": f"*{in_dtype}", "index_cs_ptr": "*fp32",
            "index_q_fp8_ptr": "*fp8e4nv", "w_ptr": f"*{in_dtype}", "w_out_ptr": "*fp32",
            "q_pe_ptr": f"*{in_dtype}", "pe_cs_ptr": "*fp32", "ql_nope_ptr": f"*{in_dtype}",
-           "q_scale_ptr": "*fp32", "mqa_ptr": "*fp8e4nv" if quantize else f"*{in_dtype}",
-           "pe_out_ptr": "*fp8e4nv" if quantize else f"*{in_dtype}"}
+           "q_scale_ptr": "*fp32", "mqa_ptr": "*fp8e4nv" if quantize else f"*{in_dtype}"}
     consts = dict(NUM_INDEX_HEADS=index_heads, INDEX_HEADS=blocks.index, INDEX_DIM=128,
                   INDEX_HALF=32, INTERLEAVE=interleave, NUM_Q_HEADS=q_heads, PE_HEADS=blocks.pe,
                   PE_HALF=32, NOPE_HEADS=blocks.nope, NOPE=512, NOPE_BLOCK=512,

@@ -101,9 +101,8 @@ def _index_part(tok, pos, blk, index_q_ptr, iq_s0, iq_s1, cs_ptr, cs_s0,
 
 @triton.jit
 def _pe_part(tok, pos, blk, q_pe_ptr, pe_s0, pe_s1, cs_ptr, cs_s0, q_scale_ptr,
-             mqa_ptr, mqa_s0, mqa_s1, pe_out_ptr, pe_out_s0, pe_out_s1,
-             NUM_HEADS: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr,
-             NOPE: tl.constexpr, QUANTIZE: tl.constexpr):
+             mqa_ptr, mqa_s0, mqa_s1, NUM_HEADS: tl.constexpr, HEADS: tl.constexpr,
+             HALF: tl.constexpr, NOPE: tl.constexpr, QUANTIZE: tl.constexpr):
     h = (blk * HEADS + tl.arange(0, HEADS))[:, None]
     i = tl.arange(0, HALF)[None, :]
     hmask = h < NUM_HEADS
@@ -119,9 +118,9 @@ def _pe_part(tok, pos, blk, q_pe_ptr, pe_s0, pe_s1, cs_ptr, cs_s0, q_scale_ptr,
         dst = mqa_ptr + tok * mqa_s0 + h * mqa_s1 + NOPE + 2 * i
         tl.store(dst, (r1 / scale).to(tl.float8e4nv), mask=hmask)
         tl.store(dst + 1, (r2 / scale).to(tl.float8e4nv), mask=hmask)
-    else:
-        dst = pe_out_ptr + tok * pe_out_s0 + h * pe_out_s1 + 2 * i
-        out_ty = pe_out_ptr.dtype.element_ty
+    else:  # the RoPE'd q_pe itself, in its own dtype
+        dst = mqa_ptr + tok * mqa_s0 + h * mqa_s1 + 2 * i
+        out_ty = mqa_ptr.dtype.element_ty
         tl.store(dst, r1.to(out_ty), mask=hmask)
         tl.store(dst + 1, r2.to(out_ty), mask=hmask)
 
@@ -146,7 +145,7 @@ def _fused_q_blocks_kernel(
     w_ptr, w_s0, softmax_scale, head_scale, w_out_ptr, w_out_s0,
     q_pe_ptr, pe_s0, pe_s1, pe_cs_ptr, pe_cs_s0,
     ql_nope_ptr, qn_s0, qn_s1, q_scale_ptr,
-    mqa_ptr, mqa_s0, mqa_s1, pe_out_ptr, pe_out_s0, pe_out_s1,
+    mqa_ptr, mqa_s0, mqa_s1,
     NUM_INDEX_HEADS: tl.constexpr, INDEX_HEADS: tl.constexpr, INDEX_DIM: tl.constexpr,
     INDEX_HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr, PE_HEADS: tl.constexpr, PE_HALF: tl.constexpr,
@@ -169,8 +168,7 @@ def _fused_q_blocks_kernel(
     elif blk < index_blocks + pe_blocks:
         pos = tl.load(pos_ptr + tok)
         _pe_part(tok, pos, blk - index_blocks, q_pe_ptr, pe_s0, pe_s1, pe_cs_ptr, pe_cs_s0,
-                 q_scale_ptr, mqa_ptr, mqa_s0, mqa_s1, pe_out_ptr, pe_out_s0, pe_out_s1,
-                 NUM_Q_HEADS, PE_HEADS, PE_HALF, NOPE, QUANTIZE)
+                 q_scale_ptr, mqa_ptr, mqa_s0, mqa_s1, NUM_Q_HEADS, PE_HEADS, PE_HALF, NOPE, QUANTIZE)
     else:
         _nope_part(tok, blk - index_blocks - pe_blocks, ql_nope_ptr, qn_s0, qn_s1, q_scale_ptr,
                    mqa_ptr, mqa_s0, mqa_s1, NUM_Q_HEADS, NOPE_HEADS, NOPE, NOPE_BLOCK)
@@ -301,8 +299,7 @@ def fused_q(positions: torch.Tensor, q_pe: torch.Tensor, q_pe_cos_sin_cache: tor
         index_weights_head_scale, weights_out, weights_out.stride(0),
         q_pe, q_pe.stride(0), q_pe.stride(1), q_pe_cos_sin_cache, q_pe_cos_sin_cache.stride(0),
         ql_nope, ql_nope.stride(0), ql_nope.stride(1), q_scale,
-        # one output under two names: the packed fp8 query (QUANTIZE) or the RoPE'd q_pe
-        mqa_q, mqa_q.stride(0), mqa_q.stride(1), mqa_q, mqa_q.stride(0), mqa_q.stride(1),
+        mqa_q, mqa_q.stride(0), mqa_q.stride(1),
         NUM_INDEX_HEADS=num_index_heads, INDEX_HEADS=blocks.index, INDEX_DIM=index_dim,
         INDEX_HALF=index_q_cos_sin_cache.shape[1] // 2, INTERLEAVE=bool(index_rope_interleave),
         NUM_Q_HEADS=num_q_heads, PE_HEADS=blocks.pe, PE_HALF=rope_dim // 2,
