@@ -60,7 +60,7 @@ def make_fused_q(original: Callable[..., Any], *, serves: bool, use_pdl: bool,
         if (serves and has_indexer and index_q is not None and index_q_cos_sin_cache is not None
                 and index_weights is not None
                 and triton_fused_q.input_problem(*args, quantize_mqa=quantize_mqa) is None):
-            return triton_fused_q.fused_q(
+            return triton_fused_q.launch(
                 *args, index_weights_softmax_scale, index_weights_head_scale,
                 index_rope_interleave=index_rope_interleave, quantize_mqa=quantize_mqa,
                 use_pdl=use_pdl, blocks=blocks)
