@@ -56,10 +56,10 @@ def parse_blocks(text: str, pdl: bool) -> tuple[fq.Blocks, bool]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4, 32, 256, 1024, 4096])
-    ap.add_argument("--heads", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4, 16, 64, 256, 1024, 4096])
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 64, 128])
     ap.add_argument("--paths", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    ap.add_argument("--blocks", nargs="+", default=["4/16/2/2", "8/16/2/2", "4/8/1/2", "2/8/1/2", "4/8/1/1"],
+    ap.add_argument("--blocks", nargs="+", default=["4/8/2/1", "4/16/2/2", "8/8/1/1", "2/8/1/1", "1/8/1/1"],
                     help="index/pe/nope heads per program / warps (the first is the default)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--copies", type=int, default=20)

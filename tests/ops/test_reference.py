@@ -1,10 +1,12 @@
 """The reference against a scalar loop that decodes the fused KV bytes itself."""
 
+import math
 import struct
 
 import pytest
 import torch
 
+from vllm_dsa_varlen.ops import reference
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, quantize_kv_fp8, valid_mask
 
 
@@ -75,3 +77,44 @@ def test_valid_mask_bounds_rows_by_their_run():
     m = valid_mask(ctx, 8, ids)
     assert m.sum(1).tolist() == [3, 5, 5, 2]
     assert valid_mask(ctx, 8).sum(1).tolist() == [3, 7, 5, 2]
+
+
+def _fma_exact(a: float, b: float, c: float) -> float:
+    """``a * b + c`` rounded once to float32 (ties to even), in rationals."""
+    from fractions import Fraction
+
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    near = torch.tensor([float(exact)], dtype=torch.float64).float()  # within one step
+    cands = [torch.nextafter(near, torch.tensor([-math.inf])), near,
+             torch.nextafter(near, torch.tensor([math.inf]))]
+    dist = [abs(Fraction(x.item()) - exact) for x in cands]
+    best = min(dist)
+    ties = [x for x, d in zip(cands, dist) if d == best]
+    if len(ties) == 1:
+        return ties[0].item()
+    return next(x.item() for x in ties if x.view(torch.int32).item() & 1 == 0)
+
+
+def test_fma32_rounds_once():
+    """reference.fma32 against rational arithmetic: random float32 triples of
+    mixed magnitudes, and a triple whose float64 sum lands on a float32 tie
+    (rounding through float64 would give the other neighbour)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    n = 3000
+    a = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
+    b = torch.randn(n, generator=g)
+    c = -(a * b) * (1 + torch.randn(n, generator=g) * 2.0 ** -10)  # cancellation: fused matters
+    c[: n // 3] = torch.randn(n // 3, generator=g)
+    got = reference.fma32(a, b, c)
+    want = torch.tensor([_fma_exact(x, y, z) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())])
+    assert torch.equal(got, want)
+    twice = (a * b) + c
+    assert (twice != want).float().mean() > 0.1  # the inputs tell one rounding from two
+
+    a1 = torch.tensor([2.0 ** -12 * (1 + 2.0 ** -23)])
+    b1 = torch.tensor([2.0 ** -12 * (1 - 2.0 ** -23)])
+    c1 = torch.tensor([1 + 2.0 ** -23])
+    via64 = (a1.double() * b1.double() + c1.double()).float()
+    assert via64.item() == 1 + 2.0 ** -22  # the double rounding
+    assert reference.fma32(a1, b1, c1).item() == 1 + 2.0 ** -23 == _fma_exact(
+        a1.item(), b1.item(), c1.item())

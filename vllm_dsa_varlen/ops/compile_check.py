@@ -65,7 +65,8 @@ def compile_fused_q(arch: int, blocks=None, *, quantize: bool = False, interleav
             sig[n] = "i32"  # strides
     src = ASTSource(fn, sig, consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": blocks.warps, "num_stages": 1})
+                          options={"num_warps": blocks.warps, "num_stages": 1,
+                                   **fq.COMPILE_OPTIONS})
 
 
 def compile_cuda_sm90(defines: tuple = ()) -> dict:

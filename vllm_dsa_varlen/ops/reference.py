@@ -264,21 +264,64 @@ def topk_selection_ok(logits: torch.Tensor, lengths: torch.Tensor, k: int,
 # The indexer's query preparation (vLLM 0.33's ``fused_q``; ops.triton_fused_q)
 # --------------------------------------------------------------------------------------
 
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` rounded once to float32, as a fused multiply-add rounds
+    (float32 inputs, broadcast).  The product of two float32 values is exact in
+    float64; the sum is rounded to float64 and then to float32, which rounds
+    twice only where the float64 sum falls on a float32 tie: those values are
+    recomputed exactly (rational arithmetic, ties to even)."""
+    a, b, c = torch.broadcast_tensors(a.float(), b.float(), c.float())
+    s = a.double() * b.double() + c.double()
+    f = s.float()
+    fd = f.double()
+    toward = torch.where(s > fd, torch.full_like(f, float("inf")), torch.full_like(f, -float("inf")))
+    mate = torch.nextafter(f, toward)
+    tie = (s != fd) & torch.isfinite(s) & (s == (fd + mate.double()) / 2)
+    if tie.any():
+        from fractions import Fraction
+
+        f = f.clone()
+        for i in tie.nonzero().tolist():
+            i = tuple(i)
+            exact = Fraction(a[i].item()) * Fraction(b[i].item()) + Fraction(c[i].item())
+            lo, hi = sorted((f[i].item(), mate[i].item()))
+            mid = (Fraction(lo) + Fraction(hi)) / 2
+            if exact != mid:
+                f[i] = lo if exact < mid else hi
+            else:  # the even one: its last mantissa bit clear
+                even = torch.tensor([lo], dtype=torch.float32).view(torch.int32).item() & 1 == 0
+                f[i] = lo if even else hi
+    return f
+
+
 def _rope_index(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                interleave: bool) -> torch.Tensor:
+                interleave: bool, *, fused: str | None) -> torch.Tensor:
     """RoPE on the first ``2 * half`` dims of ``x [T, H, D]`` (float32); ``cos``,
     ``sin [T, half]``.  NeoX: dim ``i < half`` pairs with ``i + half``;
-    interleaved: ``2i`` with ``2i + 1``.  The rest of ``x`` is unchanged."""
+    interleaved: ``2i`` with ``2i + 1``.  The rest of ``x`` is unchanged.
+
+    The pair ``(a, b)`` becomes ``(a cos - b sin, b cos + a sin)``, rounded as
+    ``fused`` says: ``None`` two products and a sum, each rounded; ``"own"``
+    each value's own product fused (``fma(a, cos, -(b sin))``, ``fma(b, cos,
+    a sin)``: vLLM's indexer query on Hopper); ``"first"`` the first value's
+    products fused in both (``fma(a, cos, -(b sin))``, ``fma(a, sin, b cos)``:
+    its MLA query)."""
     half = cos.shape[1]
     out = x.clone()
     if interleave:
-        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
-        out[..., 0:2 * half:2] = a * cos[:, None] - b * sin[:, None]
-        out[..., 1:2 * half:2] = b * cos[:, None] + a * sin[:, None]
+        first, second = slice(0, 2 * half, 2), slice(1, 2 * half, 2)
     else:
-        a, b = x[..., :half], x[..., half:2 * half]
-        out[..., :half] = a * cos[:, None] - b * sin[:, None]
-        out[..., half:2 * half] = b * cos[:, None] + a * sin[:, None]
+        first, second = slice(0, half), slice(half, 2 * half)
+    a, b = x[..., first], x[..., second]
+    cos, sin = cos[:, None], sin[:, None]
+    if fused is None:
+        out[..., first] = a * cos - b * sin
+        out[..., second] = b * cos + a * sin
+    elif fused in ("own", "first"):
+        out[..., first] = fma32(a, cos, -(b * sin))
+        out[..., second] = fma32(b, cos, a * sin) if fused == "own" else fma32(a, sin, b * cos)
+    else:
+        raise ValueError(f"fused: expected None, 'own' or 'first', got {fused!r}")
     return out
 
 
@@ -293,9 +336,11 @@ def fused_q_reference(positions: torch.Tensor, q_pe: torch.Tensor, q_pe_cos_sin_
                       index_q: torch.Tensor, index_q_cos_sin_cache: torch.Tensor,
                       ql_nope: torch.Tensor, q_scale: torch.Tensor, index_weights: torch.Tensor,
                       softmax_scale: float, head_scale: float, *, interleave: bool = False,
-                      quantize_mqa: bool = True) -> dict[str, torch.Tensor]:
+                      quantize_mqa: bool = True, fused: bool = True) -> dict[str, torch.Tensor]:
     """The queries the indexer and the MLA attention take, from the step's
-    projections (float32 maths, no fused multiply-adds):
+    projections (float32 maths; the RoPE's multiply-adds fused where vLLM's
+    kernel fuses them on Hopper (:func:`_rope_index`), or, with ``fused=False``,
+    none):
 
     ``index_q_fp8``: ``index_q [T, Hi, Di]`` RoPE'd (``index_q_roped``, float32;
     ``interleave`` or NeoX,
@@ -309,13 +354,15 @@ def fused_q_reference(positions: torch.Tensor, q_pe: torch.Tensor, q_pe_cos_sin_
     pos = positions.long()
     cs = index_q_cos_sin_cache.float()[pos]
     half = cs.shape[1] // 2
-    x = _rope_index(index_q.float(), cs[:, :half], cs[:, half:], interleave)
+    x = _rope_index(index_q.float(), cs[:, :half], cs[:, half:], interleave,
+                    fused="own" if fused else None)
     scale = ue8m0_scale(x.abs().amax(dim=-1))
     index_q_fp8 = (x / scale[..., None]).to(torch.float8_e4m3fn)
     weights = index_weights.float() * scale * float(softmax_scale) * float(head_scale)
     pcs = q_pe_cos_sin_cache.float()[pos]
     r = pcs.shape[1] // 2
-    q_pe_roped = _rope_index(q_pe.float(), pcs[:, :r], pcs[:, r:], True)
+    q_pe_roped = _rope_index(q_pe.float(), pcs[:, :r], pcs[:, r:], True,
+                             fused="first" if fused else None)
     if quantize_mqa:
         s = q_scale.float().reshape(())
         mqa_q = (torch.cat([ql_nope.float(), q_pe_roped], dim=-1) / s).to(torch.float8_e4m3fn)

@@ -21,9 +21,19 @@ by how fast the GPU starts programs, not by the ~10 MB it moves.  This kernel
 gives each program a block of heads of one part (``INDEX_HEADS`` indexer
 heads, ``PE_HEADS`` MLA heads' RoPE part, ``NOPE_HEADS`` heads' NoPE part) as
 2-D tiles: a few hundred to a few thousand programs per step.  The arithmetic
-is vLLM's, operation for operation, so that the outputs are bit-equal to its
-kernel's on the same GPU (tested there); :func:`~.reference.fused_q_reference`
-is the plain torch statement of the same maths.
+is vLLM's kernel's as it runs on Hopper, operation for operation, so that the
+outputs are bit-equal to its kernel's on the same GPU (tested there);
+:func:`~.reference.fused_q_reference` is the torch statement of the same maths.
+
+Fused multiply-adds are written out, and the compiler may fuse nothing else
+(``COMPILE_OPTIONS``): vLLM's RoPE expressions are contracted by the compiler
+(Triton 3.6-3.9 with its ``ptxas``, sm_90: the same SASS in each), and which
+product of ``a * b + c * d`` is fused depends on the code around it: left to
+the compiler, this kernel's one-warp shapes fused the other product of the
+MLA query's second RoPE value and differed from vLLM's in ~1 value in 10^5
+(H200).  Written out: the indexer query's value fuses its own product,
+``fma(x, cos, sign * partner * sin)``; the MLA query's pair ``(x1, x2)``
+becomes ``fma(x1, cos, -(x2 * sin))`` and ``fma(x1, sin, x2 * cos)``.
 
 Nothing here imports vLLM; the vLLM 0.33 patch
 (:mod:`vllm_dsa_varlen.vllm_0_33.models.deepseek_v32.attention`) decides where
@@ -43,12 +53,17 @@ from .reference import FP8_MAX
 
 # Heads per program of each part (powers of two) and warps, from the H200 sweep
 # (benchmarks/fused_q_bench.py, BENCHMARKS.md "The step's query preparation"):
-# the fastest shape whose bytes equal vLLM's kernel's on every case swept
-# (one-warp shapes, faster still, were not bit-equal there).
+# the fastest shape on both query paths from 64 tokens on (one warp; its bytes
+# equal vLLM's kernel's, like every shape's, since the multiply-adds are
+# written out).
 INDEX_HEADS = 4
-PE_HEADS = 16
+PE_HEADS = 8
 NOPE_HEADS = 2
-NUM_WARPS = 2
+NUM_WARPS = 1
+
+# The multiply-adds the kernel fuses are written in it (tl.fma); nothing else is
+# fused, whatever the Triton version's default.
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 
 @dataclass(frozen=True)
@@ -90,11 +105,15 @@ def _index_part(tok, pos, blk, index_q_ptr, iq_s0, iq_s1, cs_ptr, cs_s0,
     cos = tl.load(cs_ptr + pos * cs_s0 + c, mask=in_rope, other=1.0).to(tl.float32)
     sin = tl.load(cs_ptr + pos * cs_s0 + HALF + c, mask=in_rope, other=0.0).to(tl.float32)
     partner = tl.load(row + mate, mask=hmask, other=0.0).to(tl.float32)
-    x = tl.where(in_rope, x * cos + sign * partner * sin, x)
+    x = tl.where(in_rope, tl.fma(x, cos, sign * partner * sin), x)
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.div_rn(tl.maximum(amax, 1e-4), FP8_LIMIT)
     scale = tl.math.exp2(tl.math.ceil(tl.math.log2(scale)))
-    q8 = tl.div_rn(x, scale[:, None]).to(tl.float8e4nv)
+    # x / scale as vLLM divides, as a product: scale is a power of two (2^-22 ..
+    # 2^120 here), so 1 / scale is exact and x * (1 / scale) is the same
+    # correctly rounded value as the quotient, without an IEEE division (a
+    # reciprocal and a chain of five FMAs) per value.
+    q8 = (x * tl.div_rn(1.0, scale)[:, None]).to(tl.float8e4nv)
     tl.store(out_ptr + tok * out_s0 + h * out_s1 + d, q8, mask=hmask)
     wmask = heads < NUM_HEADS
     w = tl.load(w_ptr + tok * w_s0 + heads, mask=wmask, other=0.0).to(tl.float32)
@@ -116,8 +135,8 @@ def _pe_part(tok, pos, blk, q_pe_ptr, pe_s0, pe_s1, cs_ptr, cs_s0, q_scale_ptr,
     src = q_pe_ptr + tok * pe_s0 + h * pe_s1 + 2 * i
     x1 = tl.load(src, mask=hmask, other=0.0).to(tl.float32)
     x2 = tl.load(src + 1, mask=hmask, other=0.0).to(tl.float32)
-    r1 = x1 * cos - x2 * sin
-    r2 = x2 * cos + x1 * sin
+    r1 = tl.fma(x1, cos, -(x2 * sin))
+    r2 = tl.fma(x1, sin, x2 * cos)
     if QUANTIZE:
         scale = tl.load(q_scale_ptr)
         dst = mqa_ptr + tok * mqa_s0 + h * mqa_s1 + NOPE + 2 * i
@@ -319,5 +338,5 @@ def launch(positions, q_pe, q_pe_cos_sin_cache, index_q, index_q_cos_sin_cache, 
         NUM_Q_HEADS=num_q_heads, PE_HEADS=blocks.pe, PE_HALF=rope_dim // 2,
         NOPE_HEADS=blocks.nope, NOPE=nope, NOPE_BLOCK=triton.next_power_of_2(nope),
         QUANTIZE=bool(quantize_mqa), USE_PDL=bool(use_pdl), FP8_LIMIT=FP8_MAX,
-        num_warps=blocks.warps, **pdl)
+        num_warps=blocks.warps, **COMPILE_OPTIONS, **pdl)
     return index_q_fp8, weights_out, mqa_q
