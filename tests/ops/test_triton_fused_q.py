@@ -196,15 +196,21 @@ def test_against_reference(device, tokens, heads, index_heads, interleave, quant
     assert_matches_reference(got, ref, inp, quantize_mqa, interpreter=device.type == "cpu")
 
 
-# The default shape, and one-warp shapes (one head of the indexer per program
-# too): left to the compiler, one-warp shapes fused other products.
-SHAPES = [fq.Blocks(), fq.Blocks(4, 8, 1, 1), fq.Blocks(1, 8, 1, 1)]
+# The default shape (one warp), a two-warp shape and one indexer head a program:
+# left to the compiler, the products fused differed between such shapes.
+SHAPES = [fq.Blocks(), fq.Blocks(4, 16, 2, 2), fq.Blocks(1, 8, 1, 1)]
+
+# Every case at the default shape; the other shapes at 256 tokens of 64 heads
+# (each shape and head count is a compile of its own on the GPU).
+_GPU_CASES = ([(c, fq.Blocks()) for c in _cases(True)]
+              + [((256, 64, 64, il, qm), b) for b in SHAPES[1:]
+                 for il in (False, True) for qm in (False, True)])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("blocks", SHAPES, ids=str)
-@pytest.mark.parametrize("tokens,heads,index_heads,interleave,quantize_mqa", _cases(True))
-def test_against_reference_gpu(tokens, heads, index_heads, interleave, quantize_mqa, blocks):
+@pytest.mark.parametrize("case,blocks", _GPU_CASES, ids=str)
+def test_against_reference_gpu(case, blocks):
+    tokens, heads, index_heads, interleave, quantize_mqa = case
     inp = make_inputs(tokens, heads, index_heads, device=torch.device("cuda"), seed=tokens + heads)
     got = run_ours(inp, interleave=interleave, quantize_mqa=quantize_mqa, blocks=blocks)
     ref = reference(inp, interleave=interleave, quantize_mqa=quantize_mqa)
@@ -354,18 +360,29 @@ def test_bit_equal_to_vllm_033(device, interleave, quantize_mqa):
     check_bit_equal_to_vllm(device, 3, 16, 64, interleave, quantize_mqa, seed=7)
 
 
+_PATHS = [(False, False), (False, True), (True, False), (True, True)]  # (interleave, quantize_mqa)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4, 256, 1027])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+@pytest.mark.parametrize("interleave,quantize_mqa", _PATHS)
+def test_bit_equal_to_vllm_033_gpu(tokens, heads, interleave, quantize_mqa):
+    for seed in range(3):
+        check_bit_equal_to_vllm(torch.device("cuda"), tokens, heads, 64, interleave,
+                                quantize_mqa, seed=seed * 1000 + tokens)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("blocks", SHAPES, ids=str)
-@pytest.mark.parametrize("tokens", [1, 4, 256, 1027])
-@pytest.mark.parametrize("heads", [16, 64, 128])
-@pytest.mark.parametrize("interleave,quantize_mqa",
-                         [(False, False), (False, True), (True, False), (True, True)])
-def test_bit_equal_to_vllm_033_gpu(tokens, heads, interleave, quantize_mqa, blocks, dtype):
+@pytest.mark.parametrize("interleave,quantize_mqa", _PATHS)
+def test_every_shape_bit_equal_to_vllm_033_gpu(interleave, quantize_mqa, blocks, dtype):
+    """At 1027 tokens of 64 heads, each shape with bf16 and float32 inputs
+    (float32: every bit of the RoPE'd ``q_pe`` shows)."""
     for seed in range(3):
-        check_bit_equal_to_vllm(torch.device("cuda"), tokens, heads, 64, interleave,
-                                quantize_mqa, seed=seed * 1000 + tokens, blocks=blocks,
-                                dtype=dtype)
+        check_bit_equal_to_vllm(torch.device("cuda"), 1027, 64, 64, interleave, quantize_mqa,
+                                seed=seed * 1000 + 1027, blocks=blocks, dtype=dtype)
 
 
 def test_reference_rope_is_a_rotation():
