@@ -155,7 +155,8 @@ def interpreter_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(data).view(view)).view(dtype)
 
 
-def _bytes(x):
+def as_bytes(x):
+    """``x``'s bytes (any dtype, any layout), on the CPU: what the tests compare."""
     return x.contiguous().view(torch.uint8).cpu()
 
 
@@ -165,21 +166,21 @@ def assert_matches_reference(got, ref, inp, quantize_mqa, interpreter):
     pre_mqa = (torch.cat([inp["ql_nope"].float(), ref["q_pe_roped"]], dim=-1) / inp["q_scale"].float()
                if quantize_mqa else ref["q_pe_roped"])
     if interpreter:
-        assert torch.equal(_bytes(weights), _bytes(ref["index_weights_out"]))
-        assert torch.equal(_bytes(index_q_fp8), _bytes(interpreter_cast(pre_index, FP8)))
+        assert torch.equal(as_bytes(weights), as_bytes(ref["index_weights_out"]))
+        assert torch.equal(as_bytes(index_q_fp8), as_bytes(interpreter_cast(pre_index, FP8)))
         want = pre_mqa if mqa.dtype == torch.float32 else interpreter_cast(pre_mqa, mqa.dtype)
-        assert torch.equal(_bytes(mqa), _bytes(want))
+        assert torch.equal(as_bytes(mqa), as_bytes(want))
         return
     # On the GPU: the RoPE and the power-of-two scales exactly as the reference;
     # the fp8 query's quotient by q_scale (an approximate division there) may
     # move a value by one fp8 step, rarely.
-    assert torch.equal(_bytes(index_q_fp8), _bytes(ref["index_q_fp8"]))
-    assert torch.equal(_bytes(weights), _bytes(ref["index_weights_out"]))
+    assert torch.equal(as_bytes(index_q_fp8), as_bytes(ref["index_q_fp8"]))
+    assert torch.equal(as_bytes(weights), as_bytes(ref["index_weights_out"]))
     if quantize_mqa:
         apart = fp8_steps_apart(mqa, ref["mqa_q"])
         assert apart.max() <= 1 and (apart > 0).float().mean() < 1e-3
     else:
-        assert torch.equal(_bytes(mqa), _bytes(ref["mqa_q"]))
+        assert torch.equal(as_bytes(mqa), as_bytes(ref["mqa_q"]))
 
 
 def _cases(gpu):
@@ -242,7 +243,7 @@ def test_every_block_shape_gives_the_same_bytes(device, blocks):
     base = run_ours(inp, quantize_mqa=True)
     other = run_ours(inp, quantize_mqa=True, blocks=blocks)
     for a, b in zip(base, other):
-        assert torch.equal(_bytes(a), _bytes(b))
+        assert torch.equal(as_bytes(a), as_bytes(b))
 
 
 @pytest.mark.gpu
@@ -352,7 +353,7 @@ def check_bit_equal_to_vllm(device, tokens, heads, index_heads, interleave, quan
     got = run_ours(inp, interleave=interleave, quantize_mqa=quantize_mqa, blocks=blocks)
     for name, a, b in zip(("index_q_fp8", "index_weights_out", "mqa_q"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert torch.equal(_bytes(a), _bytes(b)), f"{name} differs from vLLM's fused_q"
+        assert torch.equal(as_bytes(a), as_bytes(b)), f"{name} differs from vLLM's fused_q"
 
 
 @pytest.mark.parametrize("interleave,quantize_mqa", [(False, False), (True, True)])
@@ -410,4 +411,4 @@ def test_the_bf16_query_does_not_read_ql_nope(device):
     inp["ql_nope"] = inp["ql_nope"][..., ::2]
     got = run_ours(inp, quantize_mqa=False)
     for a, b in zip(got, want):
-        assert torch.equal(_bytes(a), _bytes(b))
+        assert torch.equal(as_bytes(a), as_bytes(b))

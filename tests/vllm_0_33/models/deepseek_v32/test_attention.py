@@ -17,7 +17,7 @@ from vllm_dsa_varlen.ops import triton_fused_q
 from vllm_dsa_varlen.vllm_0_33.models.deepseek_v32 import attention as ours
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3] / "ops"))
-from test_triton_fused_q import ARGS, as_args, make_inputs  # noqa: E402
+from test_triton_fused_q import ARGS, as_args, as_bytes, make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_plugin")
 
@@ -67,8 +67,7 @@ def test_serving_calls_take_the_projects_kernel(device, interleave, quantize_mqa
     want = triton_fused_q.fused_q(**inp, index_rope_interleave=interleave, quantize_mqa=quantize_mqa)
     assert rec.calls == []
     for a, b in zip(got, want):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+        assert torch.equal(as_bytes(a), as_bytes(b))
 
 
 @pytest.mark.parametrize("case", ["not serving", "no indexer", "int32 positions", "odd rope dim"])
@@ -147,10 +146,10 @@ def test_traced_by_torch_compile_like_vllms(quantize_mqa):
                 torch.randn(t, 192, device=dev, generator=gen).bfloat16(),
                 torch.randn(64, t, 512, device=dev, generator=gen).bfloat16())
         got, eager, want = compiled(*args), layer(*args), stock(*args)
-        same = [torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-                for a, b in zip(got, eager)]
+        same = [torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(got, eager)]
         assert same[0] and same[2], "compiled, the project's kernel gave other bytes than eager"
-        assert torch.equal(got[1], want[1]), "the weights differ from vLLM's compiled fused_q's"
+        assert torch.equal(as_bytes(got[1]), as_bytes(want[1])), \
+            "the weights differ from vLLM's compiled fused_q's"
         if not quantize_mqa:
-            assert torch.equal(got[2], want[2])
+            assert torch.equal(as_bytes(got[2]), as_bytes(want[2]))
     assert rec.calls == []
