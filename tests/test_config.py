@@ -189,7 +189,7 @@ def test_readers_use_os_environ(monkeypatch):
     assert read_mode() == "off" and read_backend() == "triton"
 
 
-# ---- the query preparation (vLLM 0.33's fused_q) ------------------------------------
+# ---- the query preparation (vLLM 0.33's fused_q, 0.27's indexer query) ------------------------------------
 
 from vllm_dsa_varlen import config  # noqa: E402
 
@@ -197,30 +197,43 @@ from vllm_dsa_varlen import config  # noqa: E402
 def test_fused_q_setting_is_read_and_checked():
     assert config.read_fused_q({}) == "auto"
     assert config.read_fused_q({"VLLM_DSA_VARLEN_FUSED_Q": " OFF "}) == "off"
+    assert config.read_fused_q({"VLLM_DSA_VARLEN_FUSED_Q": "on"}) == "on"
     with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_FUSED_Q"):
         config.read_fused_q({"VLLM_DSA_VARLEN_FUSED_Q": "triton"})
 
 
-@pytest.mark.parametrize("is_cuda,capability,setting,mode,serves", [
-    (True, (9, 0), "auto", "auto", True),
-    (True, (9, 0), "off", "auto", False),
-    (True, (9, 0), "auto", "off", False),
-    (True, (9, 0), "auto", "stock", False),
-    (True, (10, 0), "auto", "auto", False),
-    (True, (8, 9), "auto", "auto", False),
-    (True, None, "auto", "auto", False),
-    (False, (9, 0), "auto", "auto", False),
+@pytest.mark.parametrize("is_cuda,capability,setting,mode,measured,serves", [
+    (True, (9, 0), "auto", "auto", True, True),
+    (True, (9, 0), "auto", "auto", False, False),  # vLLM 0.27's kernel, not yet measured
+    (True, (9, 0), "on", "auto", False, True),
+    (True, (9, 0), "on", "auto", True, True),
+    (True, (8, 9), "on", "auto", False, True),
+    (True, (10, 0), "on", "auto", True, True),
+    (True, (8, 0), "on", "auto", True, False),  # no fp8
+    (True, (9, 0), "on", "off", True, False),
+    (True, (9, 0), "on", "stock", True, False),
+    (False, (9, 0), "on", "auto", True, False),
+    (True, (9, 0), "off", "auto", True, False),
+    (True, (9, 0), "auto", "off", True, False),
+    (True, (9, 0), "auto", "stock", True, False),
+    (True, (10, 0), "auto", "auto", True, False),
+    (True, (8, 9), "auto", "auto", True, False),
+    (True, None, "auto", "auto", True, False),
+    (True, None, "on", "auto", True, False),
+    (False, (9, 0), "auto", "auto", True, False),
 ])
-def test_choose_fused_q(is_cuda, capability, setting, mode, serves):
+def test_choose_fused_q(is_cuda, capability, setting, mode, measured, serves):
     got, why = config.choose_fused_q(is_cuda=is_cuda, capability=capability, setting=setting,
-                                     mode=mode)
+                                     mode=mode, measured=measured)
     assert got is serves and why
     assert why.startswith("the project's kernel") is serves
+    if not measured and setting == "auto" and capability == (9, 0):
+        assert "not measured" in why and "VLLM_DSA_VARLEN_FUSED_Q=on" in why
 
 
 def test_choose_fused_q_refuses_unknown_values():
     with pytest.raises(ValueError, match="setting"):
-        config.choose_fused_q(is_cuda=True, capability=(9, 0), setting="on")
+        config.choose_fused_q(is_cuda=True, capability=(9, 0), setting="always")
     with pytest.raises(ValueError, match="mode"):
         config.choose_fused_q(is_cuda=True, capability=(9, 0), mode="fast")
 

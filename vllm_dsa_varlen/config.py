@@ -12,13 +12,17 @@
   :mod:`vllm_dsa_varlen.ops.launcher` runs the CUDA sm_90 kernel where it
   serves and the Triton kernels elsewhere, so a log line's "varlen (triton)"
   on an H100/H200 is the CUDA kernel.
-* ``VLLM_DSA_VARLEN_FUSED_Q``: ``auto`` (default) or ``off``.  ``auto``
-  prepares the step's queries (vLLM 0.33's ``fused_q``: RoPE, fp8 quant,
-  indexer weights) with the project's kernel on sm_90
-  (:func:`choose_fused_q`); ``off`` keeps vLLM's.
+* ``VLLM_DSA_VARLEN_FUSED_Q``: ``auto`` (default), ``on`` or ``off``: the
+  step's query preparation (vLLM 0.33's ``fused_q``: RoPE, fp8 quant, indexer
+  weights; vLLM 0.27's ``fused_indexer_q_rope_quant``: the indexer's part).
+  ``auto`` takes the project's kernel where it was measured faster than
+  vLLM's (sm_90, vLLM 0.33); ``on`` takes it on any fp8 CUDA GPU, measured
+  or not (vLLM 0.27's until it is measured); ``off`` keeps vLLM's
+  (:func:`choose_fused_q`).
   ``VLLM_DSA_VARLEN_FUSED_Q_BLOCKS=index/pe/nope/warps`` (powers of two) sets
   that kernel's heads per program and warps (tuning; default the measured
-  best, ``ops.triton_fused_q.Blocks``).
+  best, ``ops.triton_fused_q.Blocks``; vLLM 0.27's kernel takes ``index``
+  and ``warps``).
 
 :func:`choose_decode_path` turns the facts a builder knows (platform, GPU
 capability, the installed DeepGEMM's capabilities, whether the project's
@@ -43,7 +47,7 @@ MODE_ENV = "VLLM_DSA_VARLEN"
 BACKEND_ENV = "VLLM_DSA_VARLEN_BACKEND"
 FUSED_Q_ENV = "VLLM_DSA_VARLEN_FUSED_Q"
 MODES = ("auto", "off", "stock")
-FUSED_Q_SETTINGS = ("auto", "off")
+FUSED_Q_SETTINGS = ("auto", "on", "off")
 BACKENDS = ("auto", "deepgemm", "triton")
 
 # fp8 (e4m3) tensor-core support starts with Ada / Hopper.
@@ -76,7 +80,7 @@ def read_backend(environ: Mapping[str, str] | None = None) -> str:
 
 
 def read_fused_q(environ: Mapping[str, str] | None = None) -> str:
-    """``VLLM_DSA_VARLEN_FUSED_Q`` -> ``"auto"`` | ``"off"``."""
+    """``VLLM_DSA_VARLEN_FUSED_Q`` -> ``"auto"`` | ``"on"`` | ``"off"``."""
     return _read(FUSED_Q_ENV, FUSED_Q_SETTINGS, environ)
 
 
@@ -106,14 +110,17 @@ FUSED_Q_CAPABILITY_MAJOR = 9
 
 
 def choose_fused_q(*, is_cuda: bool, capability: tuple[int, int] | None, setting: str = "auto",
-                   mode: str = "auto") -> tuple[bool, str]:
-    """Whether the project's query preparation replaces vLLM 0.33's ``fused_q``
-    kernel on this GPU, and why (pure).  Rules: ``VLLM_DSA_VARLEN`` off or
-    stock, or ``VLLM_DSA_VARLEN_FUSED_Q=off`` -> vLLM's.  Not CUDA / unknown
-    capability -> vLLM's.  sm_90 -> the project's (vLLM launches a one-warp
-    Triton program per token, part and head there; SM100 has its own CuTeDSL
-    kernel, left alone).  Any other GPU -> vLLM's (not measured).  Shapes the
-    kernel cannot take fall back per call (``ops.triton_fused_q.input_problem``)."""
+                   mode: str = "auto", measured: bool = True) -> tuple[bool, str]:
+    """Whether the project's query preparation replaces vLLM's kernel on this
+    GPU, and why (pure).  ``measured``: whether this vLLM line's kernel was
+    measured on sm_90 (0.33's ``fused_q``: yes; 0.27's indexer query: not yet).
+    Rules: ``VLLM_DSA_VARLEN`` off or stock, or ``VLLM_DSA_VARLEN_FUSED_Q=off``
+    -> vLLM's.  Not CUDA / unknown capability -> vLLM's.  ``on``: the
+    project's on a GPU with fp8 (sm_89 and later), vLLM's below.  ``auto``:
+    the project's on sm_90 where ``measured`` (vLLM launches a one-warp Triton
+    program per token, part and head there; SM100 has its own CuTeDSL kernel
+    in 0.33, left alone), vLLM's everywhere else.  Shapes the kernel cannot
+    take fall back per call (``input_problem`` of the kernel's module)."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if setting not in FUSED_Q_SETTINGS:
@@ -123,11 +130,19 @@ def choose_fused_q(*, is_cuda: bool, capability: tuple[int, int] | None, setting
         refusal = f"{FUSED_Q_ENV}=off"
     if refusal is not None:
         return False, f"vLLM's kernel ({refusal})"
-    cap = _fmt_cap((int(capability[0]), int(capability[1])))
-    if int(capability[0]) != FUSED_Q_CAPABILITY_MAJOR:
+    capability = (int(capability[0]), int(capability[1]))
+    cap = _fmt_cap(capability)
+    ours = f"the project's kernel ({cap}: a program per token and block of heads"
+    if setting == "on":
+        if capability < MIN_FP8_CAPABILITY:
+            return False, f"vLLM's kernel ({cap}: no fp8, although {FUSED_Q_ENV}=on)"
+        return True, f"{ours}; {FUSED_Q_ENV}=on)"
+    if capability[0] != FUSED_Q_CAPABILITY_MAJOR:
         return False, f"vLLM's kernel ({cap}: the project's is measured on sm_90 only)"
-    return True, (f"the project's kernel ({cap}: a program per token and block of heads, "
-                  "bit-equal to vLLM's)")
+    if not measured:
+        return False, (f"vLLM's kernel (the project's for this vLLM is not measured yet; "
+                       f"{FUSED_Q_ENV}=on takes it)")
+    return True, f"{ours}, bit-equal to vLLM's)"
 
 
 @dataclass(frozen=True)

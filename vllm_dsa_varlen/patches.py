@@ -118,6 +118,8 @@ _IX = "vllm.v1.attention.backends.mla.indexer"
 _OUR_DG = "vllm_dsa_varlen.vllm_0_27.utils.deep_gemm"
 _OUR_SAI = "vllm_dsa_varlen.vllm_0_27.model_executor.layers.sparse_attn_indexer"
 _OUR_IX = "vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla.indexer"
+_V2 = "vllm.model_executor.models.deepseek_v2"
+_OUR_V2 = "vllm_dsa_varlen.vllm_0_27.model_executor.models.deepseek_v2"
 _GLM5N = "vllm.models.glm5next.nvidia.sparse_indexer"
 _OUR_SAI_33 = "vllm_dsa_varlen.vllm_0_33.model_executor.layers.sparse_attn_indexer"
 _OUR_IX_33 = "vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla.indexer"
@@ -178,6 +180,14 @@ PATCHES: tuple[Patch, ...] = (
           "varlen: choose the step's layout and kernel (policy.varlen_wins), mark the "
           "build for the metadata hook, then hand the run ids to the decode metadata "
           "and to the kernel call (via a per-step schedule view)",
+          wraps=True),
+    Patch(_V2, "fused_indexer_q_rope_quant",
+          f"{_OUR_V2}:wrap_fused_indexer_q_rope_quant",
+          "the indexer layer calls this module global once per layer to prepare its query "
+          "(RoPE, fp8, the weights' scaling): with VLLM_DSA_VARLEN_FUSED_Q=on the project's "
+          "kernel (a program per token and block of heads, vLLM's arithmetic) instead of "
+          "vLLM's one-warp program per token and head; vLLM's otherwise and for any call it "
+          "does not take (config.choose_fused_q: `auto` keeps vLLM's until it is measured)",
           wraps=True),
     # ---- vLLM 0.33 line (read from 0.33.0) ------------------------------------------
     # SM100 + DeepGEMM: upstream varlen, untouched.  Hopper and other fp8 GPUs:

@@ -42,7 +42,7 @@ def test_every_portable_variant_compiles(compiled_variants):
         (h, a, p) for h in (32, 64) for a in (89, 90, 100, 120) for p in (1, 2)}
     assert not any(r["local"] for r in portable)
     assert {r["kernel"] for r in rows} <= {"portable", "cuda_sm90", "cuda_plan_sm90",
-                                           "cuda_topk", "fused_q"}
+                                           "cuda_topk", "fused_q", "indexer_q"}
 
 
 def test_the_query_preparation_compiles_for_sm90(compiled_variants):
@@ -55,6 +55,17 @@ def test_the_query_preparation_compiles_for_sm90(compiled_variants):
         (h, q, i) for h in (64, 128) for q in (False, True) for i in (False, True)}
     assert all(r["ok"] and r["arch"] == 90 for r in fq), fq
     assert not any(r["local"] for r in fq)
+
+
+def test_the_indexer_query_compiles_for_sm90(compiled_variants):
+    """vLLM 0.27's indexer-query kernel at its default shape: NeoX and
+    interleaved RoPE, float32 and bf16 RoPE tables, with no local memory."""
+    _, _, rows = compiled_variants
+    iq = [r for r in rows if r["kernel"] == "indexer_q"]
+    assert {(r["interleave"], r["cs_dtype"]) for r in iq} == {
+        (i, c) for i in (False, True) for c in ("fp32", "bf16")}
+    assert all(r["ok"] and r["arch"] == 90 for r in iq), iq
+    assert not any(r["local"] for r in iq)
 
 
 def test_the_cuda_builds_compile_without_spills(compiled_variants):

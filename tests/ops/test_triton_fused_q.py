@@ -24,62 +24,15 @@ RoPE'd ``q_pe`` (a bf16 output hides most of them).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
+from query_checks import (FP8, as_bytes, check_power_of_two_quantization, fused_q_args,
+                          fused_q_inputs, interpreter_cast, kernel_fuses_fma)
 from vllm_dsa_varlen.ops import triton_fused_q as fq
 from vllm_dsa_varlen.ops.reference import fused_q_reference
-
-FP8 = torch.float8_e4m3fn
-
-
-def rope_table(positions: int, rot_dim: int, device, dtype=torch.float32, base=10000.0):
-    inv = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
-    ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]
-    return torch.cat([ang.cos(), ang.sin()], dim=1).to(dtype).to(device)
-
-
-def make_inputs(tokens, heads=64, index_heads=64, *, device, seed=0, nope=512, rope=64,
-                index_dim=128, index_rope=64, dtype=torch.bfloat16, spread=1.0):
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
-
-    max_pos = 4096
-    positions = torch.randint(0, max_pos, (tokens,), generator=g).to(device)
-    # q rows [T, H, nope_head + rope] as the q projection writes them; q_pe is their tail.
-    q = rand(tokens, heads, 128 + rope, scale=spread)
-    q_pe = q[..., 128:]
-    ql_nope = rand(heads, tokens, nope, scale=spread).transpose(0, 1)
-    # index_q: some heads far larger than others (per-head scales must differ).
-    head_mag = torch.exp2(torch.randint(-6, 7, (index_heads,), generator=g).float())
-    index_q = (torch.randn(tokens, index_heads, index_dim, generator=g) * head_mag[:, None]
-               * spread).to(dtype).to(device)
-    if tokens:
-        index_q[0, 0] = 0  # an all-zero head: the 1e-4 floor of the scale
-    kw = rand(tokens, index_dim + index_heads)
-    return dict(
-        positions=positions, q_pe=q_pe, q_pe_cos_sin_cache=rope_table(max_pos, rope, device),
-        index_q=index_q, index_q_cos_sin_cache=rope_table(max_pos, index_rope, device),
-        ql_nope=ql_nope, q_scale=torch.tensor([0.0371], device=device),
-        index_weights=kw[:, index_dim:], index_weights_softmax_scale=index_dim ** -0.5,
-        index_weights_head_scale=index_heads ** -0.5)
-
-
-# vLLM's fused_q positional order, which the kernel, the reference and the patch share.
-ARGS = ("positions", "q_pe", "q_pe_cos_sin_cache", "index_q", "index_q_cos_sin_cache", "ql_nope",
-        "q_scale", "index_weights", "index_weights_softmax_scale", "index_weights_head_scale")
-
-
-def as_args(inp) -> tuple:
-    """``make_inputs``' inputs as vLLM's ``fused_q`` takes them positionally."""
-    return tuple(inp[name] for name in ARGS)
 
 
 def poisoned_out(inp, quantize_mqa):
@@ -105,27 +58,8 @@ def run_ours(inp, *, interleave=False, quantize_mqa=False, blocks=fq.Blocks()):
 
 def reference(inp, *, interleave=False, quantize_mqa=False):
     fused = kernel_fuses_fma()
-    return fused_q_reference(*as_args(inp), interleave=interleave, quantize_mqa=quantize_mqa,
+    return fused_q_reference(*fused_q_args(inp), interleave=interleave, quantize_mqa=quantize_mqa,
                              fused=fused)
-
-
-@triton.jit
-def _fma_probe(out_ptr, a, b, c):
-    tl.store(out_ptr, tl.fma(a, b, c))
-
-
-@functools.cache
-def kernel_fuses_fma() -> bool:
-    """Whether the kernel's ``tl.fma`` rounds once where the tests run it:
-    compiled for a GPU, always; in Triton's CPU interpreter (no GPU here), 3.9's
-    does and 3.8's does not: ``(1 + 2^-12)^2 - (1 + 2^-11)`` is ``2^-24`` fused,
-    0 rounded twice."""
-    if torch.cuda.is_available():
-        return True
-    out = torch.zeros(1)
-    _fma_probe[(1,)](out, 1 + 2.0 ** -12, 1 + 2.0 ** -12, -(1 + 2.0 ** -11))
-    assert out.item() in (0.0, 2.0 ** -24), out.item()
-    return out.item() != 0.0
 
 
 def fp8_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -136,28 +70,6 @@ def fp8_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         mag = bits & 0x7F
         return torch.where(bits & 0x80 != 0, -mag, mag)
     return (ordinal(a.cpu()) - ordinal(b.cpu())).abs()
-
-
-def interpreter_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What Triton's CPU interpreter stores for the float32 values ``x`` cast to
-    ``dtype`` (its own conversion routine): it rounds fp8 half-up without
-    carrying into the exponent and truncates bf16, unlike the GPU and torch, so
-    on the CPU the kernel's bytes are compared with the reference's float32
-    values passed through the interpreter's conversion: every value before the
-    cast is then checked bit for bit."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime.interpreter import _convert_float, _ir
-
-    tl_dtype, mode, view = {FP8: (tl.float8e4nv, _ir.ROUNDING_MODE.RTNE, np.uint8),
-                            torch.bfloat16: (tl.bfloat16, None, np.int16)}[dtype]
-    data = _convert_float(x.float().contiguous().cpu().numpy(), tl.float32, tl_dtype, mode)
-    return torch.from_numpy(np.ascontiguousarray(data).view(view)).view(dtype)
-
-
-def as_bytes(x):
-    """``x``'s bytes (any dtype, any layout), on the CPU: what the tests compare."""
-    return x.contiguous().view(torch.uint8).cpu()
 
 
 def assert_matches_reference(got, ref, inp, quantize_mqa, interpreter):
@@ -191,7 +103,7 @@ def _cases(gpu):
 
 @pytest.mark.parametrize("tokens,heads,index_heads,interleave,quantize_mqa", _cases(False))
 def test_against_reference(device, tokens, heads, index_heads, interleave, quantize_mqa):
-    inp = make_inputs(tokens, heads, index_heads, device=device, seed=tokens * 131 + heads)
+    inp = fused_q_inputs(tokens, heads, index_heads, device=device, seed=tokens * 131 + heads)
     got = run_ours(inp, interleave=interleave, quantize_mqa=quantize_mqa)
     ref = reference(inp, interleave=interleave, quantize_mqa=quantize_mqa)
     assert_matches_reference(got, ref, inp, quantize_mqa, interpreter=device.type == "cpu")
@@ -212,7 +124,7 @@ _GPU_CASES = ([(c, fq.Blocks()) for c in _cases(True)]
 @pytest.mark.parametrize("case,blocks", _GPU_CASES, ids=str)
 def test_against_reference_gpu(case, blocks):
     tokens, heads, index_heads, interleave, quantize_mqa = case
-    inp = make_inputs(tokens, heads, index_heads, device=torch.device("cuda"), seed=tokens + heads)
+    inp = fused_q_inputs(tokens, heads, index_heads, device=torch.device("cuda"), seed=tokens + heads)
     got = run_ours(inp, interleave=interleave, quantize_mqa=quantize_mqa, blocks=blocks)
     ref = reference(inp, interleave=interleave, quantize_mqa=quantize_mqa)
     assert_matches_reference(got, ref, inp, quantize_mqa, interpreter=False)
@@ -226,12 +138,12 @@ def test_float32_query_shows_which_products_are_fused(device, interleave, blocks
     fused and the twice-rounded forms differ in a good share of the values,
     checked: the comparison can tell them apart)."""
     tokens = 64 if device.type == "cuda" else 3
-    inp = make_inputs(tokens, 8, 16, device=device, seed=21 + interleave, dtype=torch.float32)
+    inp = fused_q_inputs(tokens, 8, 16, device=device, seed=21 + interleave, dtype=torch.float32)
     got = run_ours(inp, interleave=interleave, quantize_mqa=False, blocks=blocks)
     ref = reference(inp, interleave=interleave, quantize_mqa=False)
     assert got[2].dtype == torch.float32
     assert_matches_reference(got, ref, inp, False, interpreter=device.type == "cpu")
-    other = fused_q_reference(*as_args(inp), interleave=interleave, quantize_mqa=False,
+    other = fused_q_reference(*fused_q_args(inp), interleave=interleave, quantize_mqa=False,
                               fused=not kernel_fuses_fma())
     assert (other["q_pe_roped"] != ref["q_pe_roped"]).float().mean() > 0.05
 
@@ -239,7 +151,7 @@ def test_float32_query_shows_which_products_are_fused(device, interleave, blocks
 @pytest.mark.parametrize("blocks", [fq.Blocks(1, 1, 1, 1), fq.Blocks(64, 64, 16, 8),
                                     fq.Blocks(8, 128, 2, 2)])
 def test_every_block_shape_gives_the_same_bytes(device, blocks):
-    inp = make_inputs(3, 24, 48, device=device, seed=5)  # heads not a multiple of every block
+    inp = fused_q_inputs(3, 24, 48, device=device, seed=5)  # heads not a multiple of every block
     base = run_ours(inp, quantize_mqa=True)
     other = run_ours(inp, quantize_mqa=True, blocks=blocks)
     for a, b in zip(base, other):
@@ -248,28 +160,15 @@ def test_every_block_shape_gives_the_same_bytes(device, blocks):
 
 @pytest.mark.gpu
 def test_scales_are_powers_of_two_that_fit_each_head():
-    """Properties of the quantization alone: each head's scale (read back from
-    the weights) is a power of two, its fp8 values use the top octave of e4m3
-    (224..448, no saturation), and fp8 x scale is the RoPE'd query within half
-    an fp8 step.  (GPU only: the interpreter's fp8 cast breaks the last two.)"""
-    inp = make_inputs(4, device=torch.device("cuda"), seed=11, spread=300.0)
+    inp = fused_q_inputs(4, device=torch.device("cuda"), seed=11, spread=300.0)
     index_q_fp8, weights, _ = run_ours(inp)
-    w = (inp["index_weights"].float() * inp["index_weights_softmax_scale"]
-         * inp["index_weights_head_scale"]).cpu()
-    ratio = weights.cpu() / w
-    scale = torch.exp2(torch.log2(ratio).round())
-    torch.testing.assert_close(ratio, scale, rtol=1e-6, atol=0)
-    amax = index_q_fp8.float().abs().amax(-1).cpu()
-    live = amax > 0
-    assert (~live).sum() == 1, "only the all-zero head quantizes to zeros"
-    assert (amax[live] <= 448).all() and (amax[live] >= 224).all()
-    roped = reference(inp)["index_q_roped"].cpu()
-    deq = index_q_fp8.float().cpu() * scale[..., None]
-    assert ((deq - roped).abs() <= 16 * scale[..., None]).all()
+    check_power_of_two_quantization(
+        index_q_fp8, weights, inp["index_weights"].float() * inp["index_weights_softmax_scale"]
+        * inp["index_weights_head_scale"], reference(inp)["index_q_roped"])
 
 
 def test_zero_tokens(device):
-    inp = make_inputs(0, device=device)
+    inp = fused_q_inputs(0, device=device)
     a, b, c = fq.fused_q(**inp)
     assert a.shape == (0, 64, 128) and b.shape == (0, 64) and c.shape == (0, 64, 512 + 64)
 
@@ -287,14 +186,14 @@ def test_zero_tokens(device):
      "index_q_cos_sin_cache"),
 ])
 def test_bad_input_names_the_argument(device, arg, bad, message):
-    inp = make_inputs(2, device=device)
+    inp = fused_q_inputs(2, device=device)
     inp[arg] = bad(inp)
     with pytest.raises(ValueError, match=message):
         fq.fused_q(**inp)
 
 
 def test_bad_blocks_and_out_are_refused(device):
-    inp = make_inputs(2, device=device)
+    inp = fused_q_inputs(2, device=device)
     with pytest.raises(ValueError, match="blocks.pe"):
         fq.fused_q(**inp, blocks=fq.Blocks(pe=3))
     with pytest.raises(ValueError, match="blocks.warps"):
@@ -341,14 +240,14 @@ def _vllm_fused_q():
 
 
 def _vllm_run(stock, inp, interleave, quantize_mqa):
-    return stock(*as_args(inp), has_indexer=True, index_rope_interleave=interleave,
+    return stock(*fused_q_args(inp), has_indexer=True, index_rope_interleave=interleave,
                  quantize_mqa=quantize_mqa)
 
 
 def check_bit_equal_to_vllm(device, tokens, heads, index_heads, interleave, quantize_mqa, seed,
                             blocks=fq.Blocks(), dtype=torch.bfloat16):
     stock = _vllm_fused_q()
-    inp = make_inputs(tokens, heads, index_heads, device=device, seed=seed, dtype=dtype)
+    inp = fused_q_inputs(tokens, heads, index_heads, device=device, seed=seed, dtype=dtype)
     want = _vllm_run(stock, inp, interleave, quantize_mqa)
     got = run_ours(inp, interleave=interleave, quantize_mqa=quantize_mqa, blocks=blocks)
     for name, a, b in zip(("index_q_fp8", "index_weights_out", "mqa_q"), got, want):
@@ -389,7 +288,7 @@ def test_every_shape_bit_equal_to_vllm_033_gpu(interleave, quantize_mqa, blocks,
 def test_reference_rope_is_a_rotation():
     """The reference's RoPE keeps each pair's length and turns it by the
     position's angle (independent of the kernel's arithmetic)."""
-    inp = make_inputs(6, 4, 4, device=torch.device("cpu"), seed=3, dtype=torch.float32)
+    inp = fused_q_inputs(6, 4, 4, device=torch.device("cpu"), seed=3, dtype=torch.float32)
     ref = reference(inp, quantize_mqa=False)
     x = inp["q_pe"].float()
     y = ref["q_pe_roped"]
@@ -406,7 +305,7 @@ def test_reference_rope_is_a_rotation():
 def test_the_bf16_query_does_not_read_ql_nope(device):
     """On the bf16-query path the NoPE part is not read (vLLM hands it to the
     attention as it is), so its layout is not checked there."""
-    inp = make_inputs(2, 16, 64, device=device, seed=8)
+    inp = fused_q_inputs(2, 16, 64, device=device, seed=8)
     want = run_ours(inp, quantize_mqa=False)
     inp["ql_nope"] = inp["ql_nope"][..., ::2]
     got = run_ours(inp, quantize_mqa=False)

@@ -1,9 +1,10 @@
 """Compile the kernels for a GPU target without a GPU: the portable Triton
 kernel through ``triton.compile`` with an explicit ``GPUTarget`` (its ``asm``
 holds TTGIR / PTX, ``n_regs`` is unset without a driver) and the query
-preparation's (vLLM 0.33's ``fused_q``, sm_90), the sm_90 CUDA
-kernel, its schedule planner and the decode top-k through NVRTC.  What the CPU tests use to prove every variant builds
-with the Triton and NVRTC installed."""
+preparation's (vLLM 0.33's ``fused_q``, vLLM 0.27's indexer query; sm_90), the
+sm_90 CUDA kernel, its schedule planner and the decode top-k through NVRTC.
+What the CPU tests use to prove every variant builds with the Triton and NVRTC
+installed."""
 
 from __future__ import annotations
 
@@ -69,6 +70,27 @@ def compile_fused_q(arch: int, blocks=None, *, quantize: bool = False, interleav
                                    **fq.COMPILE_OPTIONS})
 
 
+def compile_indexer_q(arch: int, *, heads: int | None = None, warps: int | None = None,
+                      interleave: bool = False, num_heads: int = 64, cs_dtype: str = "fp32"):
+    """The indexer query's kernel (:mod:`.triton_indexer_q`, vLLM 0.27's
+    ``fused_indexer_q_rope_quant``; 128-dim heads, a 64-dim RoPE) built for
+    ``sm_<arch>``; ``heads`` / ``warps`` per program default to the kernel's.
+    Needs real JIT functions, like :func:`compile_portable`."""
+    from . import triton_indexer_q as iq
+
+    fn = iq._indexer_q_kernel
+    ptr = {"pos_ptr": "*i64", "q_ptr": "*bf16", "cs_ptr": f"*{cs_dtype}", "out_ptr": "*fp8e4nv",
+           "w_ptr": "*bf16", "w_out_ptr": "*fp32"}
+    consts = dict(NUM_HEADS=num_heads, HEADS=iq.INDEX_HEADS if heads is None else heads,
+                  DIM=128, HALF=32, INTERLEAVE=interleave, FP8_LIMIT=448.0)
+    sig = {n: "constexpr" if n in consts else ptr.get(
+        n, "fp32" if n in ("softmax_scale", "head_scale") else "i32") for n in fn.arg_names}
+    src = ASTSource(fn, sig, consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": iq.NUM_WARPS if warps is None else warps,
+                                   "num_stages": 1, **iq.COMPILE_OPTIONS})
+
+
 def compile_cuda_sm90(defines: tuple = ()) -> dict:
     """The sm_90 CUDA kernel's build with ``defines`` through NVRTC (``sm_90a``):
     its registers, spills and whether its wgmmas were serialised, as ptxas
@@ -110,8 +132,8 @@ def main() -> int:
     """Compile every variant a server can use and print one JSON line per kernel:
     the sm_90 CUDA kernel's builds and its planner's (where NVRTC loads), the
     portable kernel for sm_89, sm_90, sm_100 and sm_120, the query
-    preparation's kernel for sm_90.  Exit status 1 on any
-    failure."""
+    preparation's kernels (vLLM 0.33's ``fused_q``, vLLM 0.27's indexer
+    query) for sm_90.  Exit status 1 on any failure."""
     import json
     import os
 
@@ -151,6 +173,9 @@ def main() -> int:
     # path and RoPE layout, 64 and 128 MLA heads
     jobs += [("fused_q", h, 90, {"quantize": qm, "interleave": il})
              for h in (64, 128) for qm in (False, True) for il in (False, True)]
+    # vLLM 0.27's indexer query: its default shape, each RoPE layout and table dtype
+    jobs += [("indexer_q", 64, 90, {"interleave": il, "cs_dtype": cs})
+             for il in (False, True) for cs in ("fp32", "bf16")]
     for job in jobs:
         row = {"kernel": job[0], "heads": job[1]}
         try:
@@ -161,9 +186,10 @@ def main() -> int:
                 failed += not row["ok"]
                 print(json.dumps(row), flush=True)
                 continue
-            if job[0] == "fused_q":
+            if job[0] in ("fused_q", "indexer_q"):
                 row.update(arch=job[2], **job[3])
-                k = compile_fused_q(job[2], q_heads=job[1], **job[3])
+                k = (compile_fused_q(job[2], q_heads=job[1], **job[3]) if job[0] == "fused_q"
+                     else compile_indexer_q(job[2], num_heads=job[1], **job[3]))
                 row.update(ok=True, name=k.name, local=".local" in k.asm["ptx"])
                 print(json.dumps(row), flush=True)
                 continue

@@ -371,3 +371,33 @@ def fused_q_reference(positions: torch.Tensor, q_pe: torch.Tensor, q_pe_cos_sin_
     return {"index_q_fp8": index_q_fp8, "index_q_roped": x, "index_scale": scale,
             "index_weights_out": weights,
             "q_pe_roped": q_pe_roped, "mqa_q": mqa_q}
+
+
+# --------------------------------------------------------------------------------------
+# The indexer query alone (vLLM 0.27's ``fused_indexer_q_rope_quant``; ops.triton_indexer_q)
+# --------------------------------------------------------------------------------------
+
+def indexer_q_reference(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.Tensor,
+                        weights: torch.Tensor, softmax_scale: float, head_scale: float,
+                        is_neox: bool, *, fused: bool = True,
+                        to_bf16=round_bf16) -> dict[str, torch.Tensor]:
+    """The indexer's query and weights from its projections (float32 maths):
+    ``q [T, H, D]`` RoPE'd on its first ``2 * half`` dims (``cos_sin_cache [P,
+    2 * half]`` rows ``cos | sin``; NeoX halves, else interleaved pairs), the
+    first value's products fused in both of a pair's values as vLLM's kernel
+    has them on Hopper (``fused=False``: none fused), each RoPE'd value rounded
+    to bf16 by ``to_bf16`` (``q_roped``, float32; the GPU rounds to nearest
+    even, :func:`round_bf16`; Triton's CPU interpreter truncates); one power-of-two scale per token and head,
+    ``2 ** ceil(log2(max(amax, 1e-10) * (1 / 448)))`` (``scale``); ``q_fp8`` the
+    e4m3 of ``q_roped / scale`` clamped to +-448; ``weights_out`` ``weights *
+    scale * softmax_scale * head_scale``, each product rounded to float32."""
+    cs = cos_sin_cache.float()[positions.long()]
+    half = cs.shape[1] // 2
+    x = _rope_index(q.float(), cs[:, :half], cs[:, half:], not is_neox,
+                    fused="first" if fused else None)
+    x[..., :2 * half] = to_bf16(x[..., :2 * half])
+    scale = torch.clamp(x.abs().amax(dim=-1), min=1e-10) * torch.tensor(1.0 / FP8_MAX)
+    scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q_fp8 = torch.clamp(x / scale[..., None], -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    w = weights.float() * scale * float(softmax_scale) * float(head_scale)
+    return {"q_fp8": q_fp8, "q_roped": x, "scale": scale, "weights_out": w}

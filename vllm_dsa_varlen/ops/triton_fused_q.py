@@ -82,6 +82,32 @@ class Blocks:
 
 
 @triton.jit
+def index_rope_operands(row, pos, cs_ptr, cs_s0, h, d, NUM_HEADS: tl.constexpr,
+                        HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """The RoPE's operands of an indexer query tile (heads ``h`` [HEADS, 1] x
+    dims ``d`` [1, DIM] of the rows at ``row``), float32: each value ``x``, its
+    RoPE partner, ``cos`` and ``sin`` (1 and 0 past the first ``2 * HALF``
+    dims), whether the value is in the RoPE dims and whether it is the first of
+    its pair (NeoX: dim ``i < HALF`` pairs with ``i + HALF``; interleaved:
+    ``2i`` with ``2i + 1``)."""
+    hmask = h < NUM_HEADS
+    x = tl.load(row + d, mask=hmask, other=0.0).to(tl.float32)
+    in_rope = d < 2 * HALF
+    if INTERLEAVE:
+        c = d // 2
+        mate = tl.where(in_rope, d ^ 1, d)
+        first = d % 2 == 0
+    else:
+        c = d % HALF
+        mate = tl.where(in_rope, d ^ HALF, d)
+        first = d < HALF
+    cos = tl.load(cs_ptr + pos * cs_s0 + c, mask=in_rope, other=1.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * cs_s0 + HALF + c, mask=in_rope, other=0.0).to(tl.float32)
+    partner = tl.load(row + mate, mask=hmask, other=0.0).to(tl.float32)
+    return x, partner, cos, sin, in_rope, first
+
+
+@triton.jit
 def _index_part(tok, pos, blk, index_q_ptr, iq_s0, iq_s1, cs_ptr, cs_s0,
                 out_ptr, out_s0, out_s1, w_ptr, w_s0, softmax_scale, head_scale,
                 w_out_ptr, w_out_s0,
@@ -92,19 +118,9 @@ def _index_part(tok, pos, blk, index_q_ptr, iq_s0, iq_s1, cs_ptr, cs_s0,
     d = tl.arange(0, DIM)[None, :]
     hmask = h < NUM_HEADS
     row = index_q_ptr + tok * iq_s0 + h * iq_s1
-    x = tl.load(row + d, mask=hmask, other=0.0).to(tl.float32)
-    in_rope = d < 2 * HALF
-    if INTERLEAVE:
-        c = d // 2
-        mate = tl.where(in_rope, d ^ 1, d)
-        sign = tl.where(d % 2 == 0, -1.0, 1.0)
-    else:
-        c = d % HALF
-        mate = tl.where(in_rope, d ^ HALF, d)
-        sign = tl.where(d < HALF, -1.0, 1.0)
-    cos = tl.load(cs_ptr + pos * cs_s0 + c, mask=in_rope, other=1.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * cs_s0 + HALF + c, mask=in_rope, other=0.0).to(tl.float32)
-    partner = tl.load(row + mate, mask=hmask, other=0.0).to(tl.float32)
+    x, partner, cos, sin, in_rope, first = index_rope_operands(
+        row, pos, cs_ptr, cs_s0, h, d, NUM_HEADS, HALF, INTERLEAVE)
+    sign = tl.where(first, -1.0, 1.0)
     x = tl.where(in_rope, tl.fma(x, cos, sign * partner * sin), x)
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.div_rn(tl.maximum(amax, 1e-4), FP8_LIMIT)

@@ -7,36 +7,23 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
 
 import pytest
 import torch
 
+from query_checks import FUSED_Q_ARGS, Recorder, as_bytes, fused_q_args, fused_q_inputs
 from vllm_dsa_varlen import patches
 from vllm_dsa_varlen.ops import triton_fused_q
 from vllm_dsa_varlen.vllm_0_33.models.deepseek_v32 import attention as ours
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3] / "ops"))
-from test_triton_fused_q import ARGS, as_args, as_bytes, make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_plugin")
 
 V32 = "vllm.models.deepseek_v32.attention"
 
 
-class Recorder:
-    """A stand-in for vLLM's ``fused_q``: records each call, returns a marker."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, *args, **kwargs):
-        self.calls.append((args, kwargs))
-        return "vllm's"
-
-
 def _call(fn, inp, **kw):
-    return fn(*as_args(inp), **kw)
+    return fn(*fused_q_args(inp), **kw)
 
 
 def test_the_registry_installs_it_on_the_layers_global_and_undoes_it():
@@ -62,7 +49,7 @@ def test_signature_is_vllms():
 def test_serving_calls_take_the_projects_kernel(device, interleave, quantize_mqa):
     rec = Recorder()
     fn = ours.make_fused_q(rec, serves=True, use_pdl=False)
-    inp = make_inputs(3, 16, 64, device=device, seed=2)
+    inp = fused_q_inputs(3, 16, 64, device=device, seed=2)
     got = _call(fn, inp, index_rope_interleave=interleave, quantize_mqa=quantize_mqa)
     want = triton_fused_q.fused_q(**inp, index_rope_interleave=interleave, quantize_mqa=quantize_mqa)
     assert rec.calls == []
@@ -74,7 +61,7 @@ def test_serving_calls_take_the_projects_kernel(device, interleave, quantize_mqa
 def test_every_other_call_is_vllms_with_the_same_arguments(device, case):
     rec = Recorder()
     fn = ours.make_fused_q(rec, serves=case != "not serving", use_pdl=False)
-    inp = make_inputs(2, 16, 64, device=device, seed=4)
+    inp = fused_q_inputs(2, 16, 64, device=device, seed=4)
     kw = dict(has_indexer=case != "no indexer", index_rope_interleave=True, quantize_mqa=False)
     if case == "int32 positions":
         inp["positions"] = inp["positions"].int()
@@ -83,7 +70,7 @@ def test_every_other_call_is_vllms_with_the_same_arguments(device, case):
         inp["q_pe_cos_sin_cache"] = inp["q_pe_cos_sin_cache"][:, :48].contiguous()
     assert _call(fn, inp, **kw) == "vllm's"
     (args, kwargs), = rec.calls
-    assert len(args) == len(ARGS) and all(a is inp[k] for a, k in zip(args, ARGS))
+    assert len(args) == len(FUSED_Q_ARGS) and all(a is inp[k] for a, k in zip(args, FUSED_Q_ARGS))
     assert kwargs == kw
 
 
@@ -98,7 +85,7 @@ def test_the_factory_decides_once_and_logs_it(device, caplog, monkeypatch):
     with caplog.at_level("INFO", logger="vllm.dsa_varlen"):
         off = ours.wrap_fused_q(rec)
     assert "VLLM_DSA_VARLEN_FUSED_Q=off" in caplog.text
-    inp = make_inputs(1, 16, 64, device=device, seed=1)
+    inp = fused_q_inputs(1, 16, 64, device=device, seed=1)
     assert _call(off, inp) == "vllm's" and len(rec.calls) == 1
     assert _call(fn, inp) != "vllm's" and len(rec.calls) == 1
 
@@ -125,7 +112,7 @@ def test_traced_by_torch_compile_like_vllms(quantize_mqa):
     rec = Recorder()
     fn = ours.make_fused_q(rec, serves=True, use_pdl=True)
     dev = torch.device("cuda")
-    base = make_inputs(4, 64, 64, device=dev, seed=9)
+    base = fused_q_inputs(4, 64, 64, device=dev, seed=9)
 
     def layer(positions, q, index_q, kw, ql, impl=fn):
         return impl(positions, q[..., 128:], base["q_pe_cos_sin_cache"], index_q,
