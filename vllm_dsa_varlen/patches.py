@@ -155,6 +155,14 @@ PATCHES: tuple[Patch, ...] = (
           "project's top-k kernel where it is chosen and serves (vllm_dsa_varlen.topk: "
           "sm_90, VLLM_DSA_VARLEN_TOPK), the same op otherwise; every other name is torch's",
           wraps=True),
+    Patch(_V2, "fused_indexer_q_rope_quant",
+          f"{_OUR_V2}:wrap_fused_indexer_q_rope_quant",
+          "the indexer layer calls this module global once per layer to prepare its query "
+          "(RoPE, fp8, the weights' scaling): with VLLM_DSA_VARLEN_FUSED_Q=on the project's "
+          "kernel (a program per token and block of heads, vLLM's arithmetic) instead of "
+          "vLLM's one-warp program per token and head; vLLM's otherwise and for any call it "
+          "does not take (config.choose_fused_q: `auto` keeps vLLM's until it is measured)",
+          wraps=True),
     Patch(_IX, "get_paged_mqa_logits_metadata", f"{_OUR_IX}:get_paged_mqa_logits_metadata",
           "the builder's build() calls this module global: during a varlen build pass "
           "the step's run ids to DeepGEMM's scheduler (Triton needs no schedule)"),
@@ -180,14 +188,6 @@ PATCHES: tuple[Patch, ...] = (
           "varlen: choose the step's layout and kernel (policy.varlen_wins), mark the "
           "build for the metadata hook, then hand the run ids to the decode metadata "
           "and to the kernel call (via a per-step schedule view)",
-          wraps=True),
-    Patch(_V2, "fused_indexer_q_rope_quant",
-          f"{_OUR_V2}:wrap_fused_indexer_q_rope_quant",
-          "the indexer layer calls this module global once per layer to prepare its query "
-          "(RoPE, fp8, the weights' scaling): with VLLM_DSA_VARLEN_FUSED_Q=on the project's "
-          "kernel (a program per token and block of heads, vLLM's arithmetic) instead of "
-          "vLLM's one-warp program per token and head; vLLM's otherwise and for any call it "
-          "does not take (config.choose_fused_q: `auto` keeps vLLM's until it is measured)",
           wraps=True),
     # ---- vLLM 0.33 line (read from 0.33.0) ------------------------------------------
     # SM100 + DeepGEMM: upstream varlen, untouched.  Hopper and other fp8 GPUs:

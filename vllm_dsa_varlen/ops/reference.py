@@ -387,10 +387,11 @@ def indexer_q_reference(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache:
     first value's products fused in both of a pair's values as vLLM's kernel
     has them on Hopper (``fused=False``: none fused), each RoPE'd value rounded
     to bf16 by ``to_bf16`` (``q_roped``, float32; the GPU rounds to nearest
-    even, :func:`round_bf16`; Triton's CPU interpreter truncates); one power-of-two scale per token and head,
-    ``2 ** ceil(log2(max(amax, 1e-10) * (1 / 448)))`` (``scale``); ``q_fp8`` the
-    e4m3 of ``q_roped / scale`` clamped to +-448; ``weights_out`` ``weights *
-    scale * softmax_scale * head_scale``, each product rounded to float32."""
+    even, :func:`round_bf16`; Triton's CPU interpreter truncates); one
+    power-of-two scale per token and head, ``2 ** ceil(log2(max(amax, 1e-10) *
+    (1 / 448)))`` (``scale``); ``q_fp8`` the e4m3 of ``q_roped / scale``
+    clamped to +-448; ``weights_out`` ``weights * scale * softmax_scale *
+    head_scale``, each product rounded to float32."""
     cs = cos_sin_cache.float()[positions.long()]
     half = cs.shape[1] // 2
     x = _rope_index(q.float(), cs[:, :half], cs[:, half:], not is_neox,
