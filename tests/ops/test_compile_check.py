@@ -48,22 +48,26 @@ def test_every_portable_variant_compiles(compiled_variants):
 def test_the_query_preparation_compiles_for_sm90(compiled_variants):
     """The query preparation's kernel (vLLM 0.33's fused_q on sm_90) at its
     default shape: bf16 and fp8 query, NeoX and interleaved RoPE, 64 and 128
-    MLA heads, with no local memory."""
+    MLA heads (and one build with every RoPE product rounded), with no local
+    memory."""
     _, _, rows = compiled_variants
     fq = [r for r in rows if r["kernel"] == "fused_q"]
-    assert {(r["heads"], r["quantize"], r["interleave"]) for r in fq} == {
+    assert {(r["heads"], r["quantize"], r["interleave"]) for r in fq if r["fused"]} == {
         (h, q, i) for h in (64, 128) for q in (False, True) for i in (False, True)}
+    assert [(r["heads"], r["quantize"]) for r in fq if not r["fused"]] == [(64, True)]
     assert all(r["ok"] and r["arch"] == 90 for r in fq), fq
     assert not any(r["local"] for r in fq)
 
 
 def test_the_indexer_query_compiles_for_sm90(compiled_variants):
     """vLLM 0.27's indexer-query kernel at its default shape: NeoX and
-    interleaved RoPE, float32 and bf16 RoPE tables, with no local memory."""
+    interleaved RoPE, float32 and bf16 RoPE tables (and one build with every
+    RoPE product rounded), with no local memory."""
     _, _, rows = compiled_variants
     iq = [r for r in rows if r["kernel"] == "indexer_q"]
-    assert {(r["interleave"], r["cs_dtype"]) for r in iq} == {
+    assert {(r["interleave"], r["cs_dtype"]) for r in iq if r["fused"]} == {
         (i, c) for i in (False, True) for c in ("fp32", "bf16")}
+    assert [r["interleave"] for r in iq if not r["fused"]] == [True]
     assert all(r["ok"] and r["arch"] == 90 for r in iq), iq
     assert not any(r["local"] for r in iq)
 

@@ -1,10 +1,10 @@
 """The RoPE forms ops/triton_indexer_q.py writes out are the ones ptxas builds
 for vLLM's own indexer-query kernel on sm_90 with the installed Triton
-(scripts/rope_fma_forms.py reads them from its SASS, no GPU needed): in both of
-a pair's values the first value's product is fused, ``fma(x0, cos, -(x1 *
-sin))`` and ``fma(x0, sin, x1 * cos)``.  A Triton whose build of vLLM's kernel
-fuses otherwise (or not at all: Triton 3.10 is to stop fusing by default)
-fails here, before any GPU run."""
+(scripts/rope_fma_forms.py reads them from its SASS, no GPU needed): where
+Triton fuses by default (``vllm_rope_fused``), in both of a pair's values the
+first value's product, ``fma(x0, cos, -(x1 * sin))`` and ``fma(x0, sin, x1 *
+cos)``; where it does not, none.  A Triton whose build of vLLM's kernel fuses
+otherwise fails here, before any GPU run."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+
+from vllm_dsa_varlen.ops.triton_fused_q import vllm_rope_fused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,11 +32,12 @@ def test_vllms_kernel_fuses_the_first_values_products():
             got[case] = []
         elif line.startswith("  "):
             got[case].append(line.strip())
+    fused = vllm_rope_fused()  # read in this process, under the same environment
     want = {}
     for layout, x1 in (("NeoX", "0x40"), ("interleaved", "0x2")):
         for table, sin in (("fp32", "0x80"), ("bf16", "0x40")):
             # cs[+0x0] is cos, cs[+sin] sin; q[+0x0] is x0, q[+x1] x1
             want[f"{layout}, {table}"] = [
                 f"fma(cs[+0x0], q[+0x0], -(cs[+{sin}] * q[+{x1}]))",
-                f"fma(cs[+{sin}], q[+0x0], (cs[+0x0] * q[+{x1}]))"]
+                f"fma(cs[+{sin}], q[+0x0], (cs[+0x0] * q[+{x1}]))"] if fused else []
     assert got == want, proc.stdout

@@ -36,10 +36,11 @@ def compile_portable(arch: int, H: int, ROWS: int = 2, TILE_PAGES: int = 1, PER_
 
 def compile_fused_q(arch: int, blocks=None, *, quantize: bool = False, interleave: bool = False,
                     use_pdl: bool = True, index_heads: int = 64, q_heads: int = 64,
-                    in_dtype: str = "bf16"):
+                    in_dtype: str = "bf16", fused: bool = True):
     """The query preparation's kernel (:mod:`.triton_fused_q`, one compile-time
     variant: DeepSeek-V3.2's dims) built for ``sm_<arch>``; ``blocks`` a
-    :class:`~.triton_fused_q.Blocks` (default its default).  Needs real JIT
+    :class:`~.triton_fused_q.Blocks` (default its default); ``fused``: the
+    RoPE's fused forms (else every product rounded).  Needs real JIT
     functions, like :func:`compile_portable`."""
     from . import triton_fused_q as fq
 
@@ -53,7 +54,7 @@ def compile_fused_q(arch: int, blocks=None, *, quantize: bool = False, interleav
     consts = dict(NUM_INDEX_HEADS=index_heads, INDEX_HEADS=blocks.index, INDEX_DIM=128,
                   INDEX_HALF=32, INTERLEAVE=interleave, NUM_Q_HEADS=q_heads, PE_HEADS=blocks.pe,
                   PE_HALF=32, NOPE_HEADS=blocks.nope, NOPE=512, NOPE_BLOCK=512,
-                  QUANTIZE=quantize, USE_PDL=use_pdl, FP8_LIMIT=448.0)
+                  QUANTIZE=quantize, USE_PDL=use_pdl, FP8_LIMIT=448.0, FUSED=fused)
     sig = {}
     for n in names:
         if n in consts:
@@ -71,18 +72,20 @@ def compile_fused_q(arch: int, blocks=None, *, quantize: bool = False, interleav
 
 
 def compile_indexer_q(arch: int, *, heads: int | None = None, warps: int | None = None,
-                      interleave: bool = False, num_heads: int = 64, cs_dtype: str = "fp32"):
+                      interleave: bool = False, num_heads: int = 64, cs_dtype: str = "fp32",
+                      fused: bool = True):
     """The indexer query's kernel (:mod:`.triton_indexer_q`, vLLM 0.27's
     ``fused_indexer_q_rope_quant``; 128-dim heads, a 64-dim RoPE) built for
-    ``sm_<arch>``; ``heads`` / ``warps`` per program default to the kernel's.
-    Needs real JIT functions, like :func:`compile_portable`."""
+    ``sm_<arch>``; ``heads`` / ``warps`` per program default to the kernel's;
+    ``fused`` as :func:`compile_fused_q`'s.  Needs real JIT functions, like
+    :func:`compile_portable`."""
     from . import triton_indexer_q as iq
 
     fn = iq._indexer_q_kernel
     ptr = {"pos_ptr": "*i64", "q_ptr": "*bf16", "cs_ptr": f"*{cs_dtype}", "out_ptr": "*fp8e4nv",
            "w_ptr": "*bf16", "w_out_ptr": "*fp32"}
     consts = dict(NUM_HEADS=num_heads, HEADS=iq.INDEX_HEADS if heads is None else heads,
-                  DIM=128, HALF=32, INTERLEAVE=interleave, FP8_LIMIT=448.0)
+                  DIM=128, HALF=32, INTERLEAVE=interleave, FP8_LIMIT=448.0, FUSED=fused)
     sig = {n: "constexpr" if n in consts else ptr.get(
         n, "fp32" if n in ("softmax_scale", "head_scale") else "i32") for n in fn.arg_names}
     src = ASTSource(fn, sig, consts)
@@ -171,11 +174,14 @@ def main() -> int:
                     "cuda_topk": lambda job: compile_topk(job[2])}
     # the query preparation (vLLM 0.33 on sm_90): its default shape, each query
     # path and RoPE layout, 64 and 128 MLA heads
-    jobs += [("fused_q", h, 90, {"quantize": qm, "interleave": il})
+    jobs += [("fused_q", h, 90, {"quantize": qm, "interleave": il, "fused": True})
              for h in (64, 128) for qm in (False, True) for il in (False, True)]
     # vLLM 0.27's indexer query: its default shape, each RoPE layout and table dtype
-    jobs += [("indexer_q", 64, 90, {"interleave": il, "cs_dtype": cs})
+    jobs += [("indexer_q", 64, 90, {"interleave": il, "cs_dtype": cs, "fused": True})
              for il in (False, True) for cs in ("fp32", "bf16")]
+    # both with every RoPE product rounded (Triton not fusing by default)
+    jobs += [("fused_q", 64, 90, {"quantize": True, "interleave": False, "fused": False}),
+             ("indexer_q", 64, 90, {"interleave": True, "cs_dtype": "fp32", "fused": False})]
     for job in jobs:
         row = {"kernel": job[0], "heads": job[1]}
         try:

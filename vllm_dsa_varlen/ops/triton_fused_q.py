@@ -33,7 +33,11 @@ the compiler, this kernel's one-warp shapes fused the other product of the
 MLA query's second RoPE value and differed from vLLM's in ~1 value in 10^5
 (H200).  Written out: the indexer query's value fuses its own product,
 ``fma(x, cos, sign * partner * sin)``; the MLA query's pair ``(x1, x2)``
-becomes ``fma(x1, cos, -(x2 * sin))`` and ``fma(x1, sin, x2 * cos)``.
+becomes ``fma(x1, cos, -(x2 * sin))`` and ``fma(x1, sin, x2 * cos)``.  Where
+Triton does not fuse by default (``TRITON_DEFAULT_FP_FUSION=0``,
+``TRITON_FORCE_DISABLE_FP_FUSION=1``; Triton 3.10 is to stop fusing by
+default) vLLM's kernel rounds every product, and so does this one
+(:func:`vllm_rope_fused`, the ``FUSED`` switch).
 
 Nothing here imports vLLM; the vLLM 0.33 patch
 (:mod:`vllm_dsa_varlen.vllm_0_33.models.deepseek_v32.attention`) decides where
@@ -42,6 +46,7 @@ it serves.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +69,24 @@ NUM_WARPS = 1
 # The multiply-adds the kernel fuses are written in it (tl.fma); nothing else is
 # fused, whatever the Triton version's default.
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
+@functools.cache
+def vllm_rope_fused() -> bool:
+    """Whether vLLM's query kernels get their RoPE multiply-adds fused: they
+    leave it to Triton's default (their launches do not set
+    ``enable_fp_fusion``), which fuses through Triton 3.9 unless
+    ``TRITON_DEFAULT_FP_FUSION=0`` or ``TRITON_FORCE_DISABLE_FP_FUSION=1`` is
+    set (Triton 3.10 is to stop fusing by default).  The project's query
+    kernels then write the fused forms out (``tl.fma``) or round every product
+    (plain ``*`` and ``+``), so that their bytes follow vLLM's either way.
+    Read once a process."""
+    lang = getattr(getattr(triton, "knobs", None), "language", None)
+    if lang is None:  # a Triton without knobs: fusion on
+        return True
+    if getattr(lang, "force_disable_fp_fusion", False):
+        return False
+    return bool(getattr(lang, "default_fp_fusion", True))
 
 
 @dataclass(frozen=True)
@@ -112,7 +135,8 @@ def _index_part(tok, pos, blk, index_q_ptr, iq_s0, iq_s1, cs_ptr, cs_s0,
                 out_ptr, out_s0, out_s1, w_ptr, w_s0, softmax_scale, head_scale,
                 w_out_ptr, w_out_s0,
                 NUM_HEADS: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
-                HALF: tl.constexpr, INTERLEAVE: tl.constexpr, FP8_LIMIT: tl.constexpr):
+                HALF: tl.constexpr, INTERLEAVE: tl.constexpr, FP8_LIMIT: tl.constexpr,
+                FUSED: tl.constexpr):
     heads = blk * HEADS + tl.arange(0, HEADS)
     h = heads[:, None]
     d = tl.arange(0, DIM)[None, :]
@@ -121,7 +145,10 @@ def _index_part(tok, pos, blk, index_q_ptr, iq_s0, iq_s1, cs_ptr, cs_s0,
     x, partner, cos, sin, in_rope, first = index_rope_operands(
         row, pos, cs_ptr, cs_s0, h, d, NUM_HEADS, HALF, INTERLEAVE)
     sign = tl.where(first, -1.0, 1.0)
-    x = tl.where(in_rope, tl.fma(x, cos, sign * partner * sin), x)
+    if FUSED:
+        x = tl.where(in_rope, tl.fma(x, cos, sign * partner * sin), x)
+    else:
+        x = tl.where(in_rope, x * cos + sign * partner * sin, x)
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.div_rn(tl.maximum(amax, 1e-4), FP8_LIMIT)
     scale = tl.math.exp2(tl.math.ceil(tl.math.log2(scale)))
@@ -142,7 +169,8 @@ def _index_part(tok, pos, blk, index_q_ptr, iq_s0, iq_s1, cs_ptr, cs_s0,
 @triton.jit
 def _pe_part(tok, pos, blk, q_pe_ptr, pe_s0, pe_s1, cs_ptr, cs_s0, q_scale_ptr,
              mqa_ptr, mqa_s0, mqa_s1, NUM_HEADS: tl.constexpr, HEADS: tl.constexpr,
-             HALF: tl.constexpr, NOPE: tl.constexpr, QUANTIZE: tl.constexpr):
+             HALF: tl.constexpr, NOPE: tl.constexpr, QUANTIZE: tl.constexpr,
+             FUSED: tl.constexpr):
     h = (blk * HEADS + tl.arange(0, HEADS))[:, None]
     i = tl.arange(0, HALF)[None, :]
     hmask = h < NUM_HEADS
@@ -151,8 +179,12 @@ def _pe_part(tok, pos, blk, q_pe_ptr, pe_s0, pe_s1, cs_ptr, cs_s0, q_scale_ptr,
     src = q_pe_ptr + tok * pe_s0 + h * pe_s1 + 2 * i
     x1 = tl.load(src, mask=hmask, other=0.0).to(tl.float32)
     x2 = tl.load(src + 1, mask=hmask, other=0.0).to(tl.float32)
-    r1 = tl.fma(x1, cos, -(x2 * sin))
-    r2 = tl.fma(x1, sin, x2 * cos)
+    if FUSED:
+        r1 = tl.fma(x1, cos, -(x2 * sin))
+        r2 = tl.fma(x1, sin, x2 * cos)
+    else:
+        r1 = x1 * cos - x2 * sin
+        r2 = x2 * cos + x1 * sin
     if QUANTIZE:
         scale = tl.load(q_scale_ptr)
         dst = mqa_ptr + tok * mqa_s0 + h * mqa_s1 + NOPE + 2 * i
@@ -191,6 +223,7 @@ def _fused_q_blocks_kernel(
     NUM_Q_HEADS: tl.constexpr, PE_HEADS: tl.constexpr, PE_HALF: tl.constexpr,
     NOPE_HEADS: tl.constexpr, NOPE: tl.constexpr, NOPE_BLOCK: tl.constexpr,
     QUANTIZE: tl.constexpr, USE_PDL: tl.constexpr, FP8_LIMIT: tl.constexpr,
+    FUSED: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -204,11 +237,12 @@ def _fused_q_blocks_kernel(
         _index_part(tok, pos, blk, index_q_ptr, iq_s0, iq_s1, index_cs_ptr, index_cs_s0,
                     index_q_fp8_ptr, iqf_s0, iqf_s1, w_ptr, w_s0, softmax_scale, head_scale,
                     w_out_ptr, w_out_s0, NUM_INDEX_HEADS, INDEX_HEADS, INDEX_DIM, INDEX_HALF,
-                    INTERLEAVE, FP8_LIMIT)
+                    INTERLEAVE, FP8_LIMIT, FUSED)
     elif blk < index_blocks + pe_blocks:
         pos = tl.load(pos_ptr + tok)
         _pe_part(tok, pos, blk - index_blocks, q_pe_ptr, pe_s0, pe_s1, pe_cs_ptr, pe_cs_s0,
-                 q_scale_ptr, mqa_ptr, mqa_s0, mqa_s1, NUM_Q_HEADS, PE_HEADS, PE_HALF, NOPE, QUANTIZE)
+                 q_scale_ptr, mqa_ptr, mqa_s0, mqa_s1, NUM_Q_HEADS, PE_HEADS, PE_HALF, NOPE, QUANTIZE,
+                 FUSED)
     else:
         _nope_part(tok, blk - index_blocks - pe_blocks, ql_nope_ptr, qn_s0, qn_s1, q_scale_ptr,
                    mqa_ptr, mqa_s0, mqa_s1, NUM_Q_HEADS, NOPE_HEADS, NOPE, NOPE_BLOCK)
@@ -354,5 +388,5 @@ def launch(positions, q_pe, q_pe_cos_sin_cache, index_q, index_q_cos_sin_cache, 
         NUM_Q_HEADS=num_q_heads, PE_HEADS=blocks.pe, PE_HALF=rope_dim // 2,
         NOPE_HEADS=blocks.nope, NOPE=nope, NOPE_BLOCK=triton.next_power_of_2(nope),
         QUANTIZE=bool(quantize_mqa), USE_PDL=bool(use_pdl), FP8_LIMIT=FP8_MAX,
-        num_warps=blocks.warps, **COMPILE_OPTIONS, **pdl)
+        FUSED=vllm_rope_fused(), num_warps=blocks.warps, **COMPILE_OPTIONS, **pdl)
     return index_q_fp8, weights_out, mqa_q

@@ -20,8 +20,11 @@ there, and ``ptxas`` fuses the first value's product in both (``fma(a, cos,
 -(b sin))``, ``fma(a, sin, b cos)``; the sm_90 SASS of its kernel, Triton 3.8
 and 3.9 alike, NeoX and interleaved, float32 and bf16 tables).  Those forms
 are written out here (``tl.fma``) and nothing else is fused
-(``COMPILE_OPTIONS``); :func:`~.reference.indexer_q_reference` is the torch
-statement of the same maths.
+(``COMPILE_OPTIONS``); where Triton does not fuse by default, vLLM's kernel
+rounds every product and so does this one
+(:func:`~.triton_fused_q.vllm_rope_fused`).
+:func:`~.reference.indexer_q_reference` is the torch statement of the same
+maths.
 
 Nothing here imports vLLM; the vLLM 0.27 patch
 (:mod:`vllm_dsa_varlen.vllm_0_27.model_executor.models.deepseek_v2`) decides
@@ -36,7 +39,8 @@ import triton.language as tl
 
 from .common import fail
 from .reference import FP8_MAX
-from .triton_fused_q import COMPILE_OPTIONS, INDEX_HEADS, NUM_WARPS, index_rope_operands
+from .triton_fused_q import (COMPILE_OPTIONS, INDEX_HEADS, NUM_WARPS, index_rope_operands,
+                             vllm_rope_fused)
 
 
 @triton.jit
@@ -44,7 +48,7 @@ def _indexer_q_kernel(
     pos_ptr, q_ptr, q_s0, q_s1, cs_ptr, cs_s0, out_ptr, out_s0, out_s1,
     w_ptr, w_s0, w_s1, softmax_scale, head_scale, w_out_ptr, w_out_s0, w_out_s1,
     NUM_HEADS: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr,
-    INTERLEAVE: tl.constexpr, FP8_LIMIT: tl.constexpr,
+    INTERLEAVE: tl.constexpr, FP8_LIMIT: tl.constexpr, FUSED: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -54,9 +58,12 @@ def _indexer_q_kernel(
     pos = tl.load(pos_ptr + tok)
     x, partner, cos, sin, in_rope, first = index_rope_operands(
         q_ptr + tok * q_s0 + h * q_s1, pos, cs_ptr, cs_s0, h, d, NUM_HEADS, HALF, INTERLEAVE)
-    # The pair (a, b) -> (fma(a, cos, -(b sin)), fma(a, sin, b cos)), each rounded to bf16.
-    a = tl.where(first, x, partner)
-    roped = tl.fma(a, tl.where(first, cos, sin), tl.where(first, -(partner * sin), x * cos))
+    if FUSED:  # the pair (a, b) -> (fma(a, cos, -(b sin)), fma(a, sin, b cos))
+        a = tl.where(first, x, partner)
+        roped = tl.fma(a, tl.where(first, cos, sin), tl.where(first, -(partner * sin), x * cos))
+    else:  # (a cos - b sin, b cos + a sin), every product rounded
+        roped = tl.where(first, x * cos - partner * sin, x * cos + partner * sin)
+    # each RoPE'd value rounded to bf16
     x = tl.where(in_rope, roped.to(tl.bfloat16).to(tl.float32), x)
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.maximum(amax, 1e-10) * (1.0 / FP8_LIMIT)
@@ -159,5 +166,6 @@ def launch(positions, q, cos_sin_cache, weights, softmax_scale, head_scale, is_n
         weights, weights.stride(0), weights.stride(1), softmax_scale, head_scale,
         weights_out, weights_out.stride(0), weights_out.stride(1),
         NUM_HEADS=num_heads, HEADS=heads, DIM=dim, HALF=cos_sin_cache.shape[1] // 2,
-        INTERLEAVE=not is_neox, FP8_LIMIT=FP8_MAX, num_warps=warps, **COMPILE_OPTIONS)
+        INTERLEAVE=not is_neox, FP8_LIMIT=FP8_MAX, FUSED=vllm_rope_fused(), num_warps=warps,
+        **COMPILE_OPTIONS)
     return q_fp8, weights_out
