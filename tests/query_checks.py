@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_dsa_varlen.ops.triton_fused_q import vllm_rope_fused
+from vllm_dsa_varlen.ops.triton_fused_q import ROPE_FUSED
 
 FP8 = torch.float8_e4m3fn
 
@@ -103,11 +103,11 @@ def _fma_probe(out_ptr, a, b, c):
 def kernel_fuses_fma() -> bool:
     """Whether the query kernels' RoPE rounds each multiply-add once where the
     tests run them.  Not where Triton does not fuse vLLM's kernels by default
-    (``vllm_rope_fused``: then the kernels round every product, as vLLM's);
+    (``ROPE_FUSED``: then the kernels round every product, as vLLM's);
     else their ``tl.fma``: compiled for a GPU, always; in Triton's CPU
     interpreter (no GPU here), 3.9's does and 3.8's does not: ``(1 + 2^-12)^2 -
     (1 + 2^-11)`` is ``2^-24`` fused, 0 rounded twice."""
-    if not vllm_rope_fused():
+    if not ROPE_FUSED:
         return False
     if torch.cuda.is_available():
         return True

@@ -1,7 +1,7 @@
 """The RoPE forms ops/triton_indexer_q.py writes out are the ones ptxas builds
 for vLLM's own indexer-query kernel on sm_90 with the installed Triton
 (scripts/rope_fma_forms.py reads them from its SASS, no GPU needed): where
-Triton fuses by default (``vllm_rope_fused``), in both of a pair's values the
+Triton fuses by default (``ROPE_FUSED``), in both of a pair's values the
 first value's product, ``fma(x0, cos, -(x1 * sin))`` and ``fma(x0, sin, x1 *
 cos)``; where it does not, none.  A Triton whose build of vLLM's kernel fuses
 otherwise fails here, before any GPU run."""
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from vllm_dsa_varlen.ops.triton_fused_q import vllm_rope_fused
+from vllm_dsa_varlen.ops.triton_fused_q import ROPE_FUSED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,7 +32,7 @@ def test_vllms_kernel_fuses_the_first_values_products():
             got[case] = []
         elif line.startswith("  "):
             got[case].append(line.strip())
-    fused = vllm_rope_fused()  # read in this process, under the same environment
+    fused = ROPE_FUSED  # read in this process, under the same environment
     want = {}
     for layout, x1 in (("NeoX", "0x40"), ("interleaved", "0x2")):
         for table, sin in (("fp32", "0x80"), ("bf16", "0x40")):

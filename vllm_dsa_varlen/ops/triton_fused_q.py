@@ -37,7 +37,7 @@ becomes ``fma(x1, cos, -(x2 * sin))`` and ``fma(x1, sin, x2 * cos)``.  Where
 Triton does not fuse by default (``TRITON_DEFAULT_FP_FUSION=0``,
 ``TRITON_FORCE_DISABLE_FP_FUSION=1``; Triton 3.10 is to stop fusing by
 default) vLLM's kernel rounds every product, and so does this one
-(:func:`vllm_rope_fused`, the ``FUSED`` switch).
+(:data:`ROPE_FUSED`, the ``FUSED`` switch).
 
 Nothing here imports vLLM; the vLLM 0.33 patch
 (:mod:`vllm_dsa_varlen.vllm_0_33.models.deepseek_v32.attention`) decides where
@@ -46,7 +46,6 @@ it serves.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +70,6 @@ NUM_WARPS = 1
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 
-@functools.cache
 def vllm_rope_fused() -> bool:
     """Whether vLLM's query kernels get their RoPE multiply-adds fused: they
     leave it to Triton's default (their launches do not set
@@ -80,13 +78,18 @@ def vllm_rope_fused() -> bool:
     set (Triton 3.10 is to stop fusing by default).  The project's query
     kernels then write the fused forms out (``tl.fma``) or round every product
     (plain ``*`` and ``+``), so that their bytes follow vLLM's either way.
-    Read once a process."""
+    The launches read :data:`ROPE_FUSED`, this read once at import (a plain
+    module constant: ``torch.compile`` traces the launches, and it cannot
+    trace Triton's environment reads)."""
     lang = getattr(getattr(triton, "knobs", None), "language", None)
     if lang is None:  # a Triton without knobs: fusion on
         return True
     if getattr(lang, "force_disable_fp_fusion", False):
         return False
     return bool(getattr(lang, "default_fp_fusion", True))
+
+
+ROPE_FUSED = vllm_rope_fused()
 
 
 @dataclass(frozen=True)
@@ -388,5 +391,5 @@ def launch(positions, q_pe, q_pe_cos_sin_cache, index_q, index_q_cos_sin_cache, 
         NUM_Q_HEADS=num_q_heads, PE_HEADS=blocks.pe, PE_HALF=rope_dim // 2,
         NOPE_HEADS=blocks.nope, NOPE=nope, NOPE_BLOCK=triton.next_power_of_2(nope),
         QUANTIZE=bool(quantize_mqa), USE_PDL=bool(use_pdl), FP8_LIMIT=FP8_MAX,
-        FUSED=vllm_rope_fused(), num_warps=blocks.warps, **COMPILE_OPTIONS, **pdl)
+        FUSED=ROPE_FUSED, num_warps=blocks.warps, **COMPILE_OPTIONS, **pdl)
     return index_q_fp8, weights_out, mqa_q

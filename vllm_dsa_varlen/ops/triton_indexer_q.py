@@ -22,7 +22,7 @@ and 3.9 alike, NeoX and interleaved, float32 and bf16 tables).  Those forms
 are written out here (``tl.fma``) and nothing else is fused
 (``COMPILE_OPTIONS``); where Triton does not fuse by default, vLLM's kernel
 rounds every product and so does this one
-(:func:`~.triton_fused_q.vllm_rope_fused`).
+(:data:`~.triton_fused_q.ROPE_FUSED`).
 :func:`~.reference.indexer_q_reference` is the torch statement of the same
 maths.
 
@@ -39,8 +39,8 @@ import triton.language as tl
 
 from .common import fail
 from .reference import FP8_MAX
-from .triton_fused_q import (COMPILE_OPTIONS, INDEX_HEADS, NUM_WARPS, index_rope_operands,
-                             vllm_rope_fused)
+from . import triton_fused_q
+from .triton_fused_q import COMPILE_OPTIONS, INDEX_HEADS, NUM_WARPS, index_rope_operands
 
 
 @triton.jit
@@ -166,6 +166,6 @@ def launch(positions, q, cos_sin_cache, weights, softmax_scale, head_scale, is_n
         weights, weights.stride(0), weights.stride(1), softmax_scale, head_scale,
         weights_out, weights_out.stride(0), weights_out.stride(1),
         NUM_HEADS=num_heads, HEADS=heads, DIM=dim, HALF=cos_sin_cache.shape[1] // 2,
-        INTERLEAVE=not is_neox, FP8_LIMIT=FP8_MAX, FUSED=vllm_rope_fused(), num_warps=warps,
+        INTERLEAVE=not is_neox, FP8_LIMIT=FP8_MAX, FUSED=triton_fused_q.ROPE_FUSED, num_warps=warps,
         **COMPILE_OPTIONS)
     return q_fp8, weights_out
