@@ -37,9 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_fused_q
 from .common import fail
 from .reference import FP8_MAX
-from . import triton_fused_q
 from .triton_fused_q import COMPILE_OPTIONS, INDEX_HEADS, NUM_WARPS, index_rope_operands
 
 
