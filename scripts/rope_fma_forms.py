@@ -35,6 +35,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from vllm_dsa_varlen.ops.compile_check import query_signature  # noqa: E402
+
 KERNEL = "_fused_indexer_q_rope_quant_kernel"
 
 
@@ -62,9 +65,8 @@ def sass(fn, table: str, neox: bool, tmp: str) -> str:
     ptr = {"positions": "*i64", "q": "*bf16", "cos_sin_cache": f"*{table}", "q_fp8": "*fp8e4nv",
            "weights": "*bf16", "weights_out": "*fp32"}
     consts = {"fp8_min": -448.0, "fp8_max": 448.0, "is_neox": neox}
-    sig = {n: "constexpr" if n in consts else ptr.get(
-        n, "fp32" if n in ("softmax_scale", "head_scale") else "i32") for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+    k = triton.compile(ASTSource(fn, query_signature(fn, ptr, consts), consts),
+                       target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 1, "num_stages": 1})
     cubin = os.path.join(tmp, "k.cubin")
     with open(cubin, "wb") as f:

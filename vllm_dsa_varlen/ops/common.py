@@ -24,6 +24,19 @@ def fail(arg: str, expected: str, got) -> None:
     raise ValueError(f"{arg}: expected {expected}, got {got}")
 
 
+def is_pow2(n: int) -> bool:
+    """Whether ``n`` is a positive power of two."""
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_out_tensor(name: str, x, shape: tuple, dtype) -> None:
+    """``ValueError`` naming ``name`` unless the caller's output ``x`` is
+    ``dtype`` of ``shape`` with a unit last stride."""
+    if tuple(x.shape) != shape or x.dtype != dtype or x.stride(-1) != 1:
+        fail(name, f"{dtype} {shape} with a unit last stride",
+             f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+
+
 _logged: set = set()
 
 

@@ -34,6 +34,15 @@ def compile_portable(arch: int, H: int, ROWS: int = 2, TILE_PAGES: int = 1, PER_
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def query_signature(fn, ptr: dict, consts: dict) -> dict:
+    """``triton.compile``'s signature of a query-preparation kernel ``fn``: its
+    ``consts`` constexpr, its pointers as ``ptr`` types them, the two float
+    scales (``softmax_scale``, ``head_scale``) fp32, every other argument (the
+    strides) i32."""
+    return {n: "constexpr" if n in consts else ptr.get(
+        n, "fp32" if n in ("softmax_scale", "head_scale") else "i32") for n in fn.arg_names}
+
+
 def compile_fused_q(arch: int, blocks=None, *, quantize: bool = False, interleave: bool = False,
                     use_pdl: bool = True, index_heads: int = 64, q_heads: int = 64,
                     in_dtype: str = "bf16", fused: bool = True):
@@ -46,7 +55,6 @@ def compile_fused_q(arch: int, blocks=None, *, quantize: bool = False, interleav
 
     blocks = fq.Blocks() if blocks is None else blocks
     fn = fq._fused_q_blocks_kernel
-    names = list(fn.arg_names)
     ptr = {"pos_ptr": "*i64", "index_q_ptr": f"*{in_dtype}", "index_cs_ptr": "*fp32",
            "index_q_fp8_ptr": "*fp8e4nv", "w_ptr": f"*{in_dtype}", "w_out_ptr": "*fp32",
            "q_pe_ptr": f"*{in_dtype}", "pe_cs_ptr": "*fp32", "ql_nope_ptr": f"*{in_dtype}",
@@ -55,17 +63,7 @@ def compile_fused_q(arch: int, blocks=None, *, quantize: bool = False, interleav
                   INDEX_HALF=32, INTERLEAVE=interleave, NUM_Q_HEADS=q_heads, PE_HEADS=blocks.pe,
                   PE_HALF=32, NOPE_HEADS=blocks.nope, NOPE=512, NOPE_BLOCK=512,
                   QUANTIZE=quantize, USE_PDL=use_pdl, FP8_LIMIT=448.0, FUSED=fused)
-    sig = {}
-    for n in names:
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in ptr:
-            sig[n] = ptr[n]
-        elif n in ("softmax_scale", "head_scale"):
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"  # strides
-    src = ASTSource(fn, sig, consts)
+    src = ASTSource(fn, query_signature(fn, ptr, consts), consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": blocks.warps, "num_stages": 1,
                                    **fq.COMPILE_OPTIONS})
@@ -86,9 +84,7 @@ def compile_indexer_q(arch: int, *, heads: int | None = None, warps: int | None 
            "w_ptr": "*bf16", "w_out_ptr": "*fp32"}
     consts = dict(NUM_HEADS=num_heads, HEADS=iq.INDEX_HEADS if heads is None else heads,
                   DIM=128, HALF=32, INTERLEAVE=interleave, FP8_LIMIT=448.0, FUSED=fused)
-    sig = {n: "constexpr" if n in consts else ptr.get(
-        n, "fp32" if n in ("softmax_scale", "head_scale") else "i32") for n in fn.arg_names}
-    src = ASTSource(fn, sig, consts)
+    src = ASTSource(fn, query_signature(fn, ptr, consts), consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": iq.NUM_WARPS if warps is None else warps,
                                    "num_stages": 1, **iq.COMPILE_OPTIONS})

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import fail
+from .common import check_out_tensor, fail, is_pow2
 from .reference import FP8_MAX
 
 # Heads per program of each part (powers of two) and warps, from the H200 sweep
@@ -103,7 +103,7 @@ class Blocks:
 
     def __post_init__(self) -> None:
         for name in ("index", "pe", "nope", "warps"):
-            if not _pow2(getattr(self, name)):
+            if not is_pow2(getattr(self, name)):
                 fail(f"blocks.{name}", "a power of two", getattr(self, name))
 
 
@@ -251,10 +251,6 @@ def _fused_q_blocks_kernel(
                    mqa_ptr, mqa_s0, mqa_s1, NUM_Q_HEADS, NOPE_HEADS, NOPE, NOPE_BLOCK)
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def input_problem(positions, q_pe, q_pe_cos_sin_cache, index_q, index_q_cos_sin_cache, ql_nope,
                   q_scale, index_weights, *, quantize_mqa: bool):
     """``None`` when the kernel takes these inputs, else ``(argument, what was
@@ -270,13 +266,13 @@ def input_problem(positions, q_pe, q_pe_cos_sin_cache, index_q, index_q_cos_sin_
             continue  # read only for the fp8 query
         if x.stride(2) != 1:
             return name, "a unit stride on its last dim", x.stride()
-        if x.dtype not in _FLOATS:
+        if x.dtype not in FLOATS:
             return name, "bf16, fp16 or fp32", x.dtype
     if ql_nope.shape[1] != q_pe.shape[1]:
         return "ql_nope", f"{q_pe.shape[1]} heads (as q_pe)", ql_nope.shape[1]
-    if not _pow2(index_q.shape[2]):
+    if not is_pow2(index_q.shape[2]):
         return "index_q", "a power-of-two head dim", index_q.shape[2]
-    if q_pe.shape[2] % 2 or not _pow2(q_pe.shape[2] // 2):
+    if q_pe.shape[2] % 2 or not is_pow2(q_pe.shape[2] // 2):
         return "q_pe", "an even rope dim whose half is a power of two", q_pe.shape[2]
     for name, cache in (("q_pe_cos_sin_cache", q_pe_cos_sin_cache),
                         ("index_q_cos_sin_cache", index_q_cos_sin_cache)):
@@ -297,7 +293,7 @@ def input_problem(positions, q_pe, q_pe_cos_sin_cache, index_q, index_q_cos_sin_
     return None
 
 
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_inputs(*args, quantize_mqa: bool) -> None:
@@ -328,9 +324,7 @@ def _check_out(out, q_pe, index_q, ql_nope, quantize_mqa) -> None:
             ("out[0] (index_q_fp8)", out[0], (tuple(index_q.shape), torch.float8_e4m3fn)),
             ("out[1] (index_weights_out)", out[1], (tuple(index_q.shape[:2]), torch.float32)),
             ("out[2] (mqa_q)", out[2], mqa)):
-        if tuple(x.shape) != shape or x.dtype != dtype or x.stride(-1) != 1:
-            fail(name, f"{dtype} {shape} with a unit last stride",
-                 f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+        check_out_tensor(name, x, shape, dtype)
 
 
 def fused_q(positions: torch.Tensor, q_pe: torch.Tensor, q_pe_cos_sin_cache: torch.Tensor,

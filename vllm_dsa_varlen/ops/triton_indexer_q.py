@@ -38,9 +38,10 @@ import triton
 import triton.language as tl
 
 from . import triton_fused_q
-from .common import fail
+from .common import check_out_tensor, fail, is_pow2
 from .reference import FP8_MAX
-from .triton_fused_q import COMPILE_OPTIONS, INDEX_HEADS, NUM_WARPS, index_rope_operands
+from .triton_fused_q import (COMPILE_OPTIONS, FLOATS, INDEX_HEADS, NUM_WARPS,
+                             index_rope_operands)
 
 
 @triton.jit
@@ -80,10 +81,6 @@ def _indexer_q_kernel(
     tl.store(w_out_ptr + tok * w_out_s0 + heads * w_out_s1, w, mask=wmask)
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def input_problem(positions, q, cos_sin_cache, weights):
     """``None`` when the kernel takes these inputs, else ``(argument, what was
     expected, what came)`` (the serving patch falls back to vLLM's kernel on
@@ -95,18 +92,18 @@ def input_problem(positions, q, cos_sin_cache, weights):
         return "q", f"[{t}, heads, dim] (one row per position)", tuple(q.shape)
     if q.dtype != torch.bfloat16:
         return "q", "bf16", q.dtype
-    if q.stride(2) != 1 or not _pow2(q.shape[2]):
+    if q.stride(2) != 1 or not is_pow2(q.shape[2]):
         return "q", "a power-of-two head dim with a unit stride", f"{tuple(q.shape)} strides {q.stride()}"
     if (cos_sin_cache.ndim != 2 or cos_sin_cache.stride(1) != 1
-            or cos_sin_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+            or cos_sin_cache.dtype not in FLOATS):
         return "cos_sin_cache", "a float [positions, 2 * half] table with a unit last stride", \
             f"{cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}"
     cols = cos_sin_cache.shape[1]
-    if cols % 2 or not _pow2(cols // 2) or cols > q.shape[2]:
+    if cols % 2 or not is_pow2(cols // 2) or cols > q.shape[2]:
         return "cos_sin_cache", f"2 * half columns, half a power of two, at most {q.shape[2]}", cols
     if weights.ndim != 2 or tuple(weights.shape) != tuple(q.shape[:2]):
         return "weights", f"[{t}, {q.shape[1]}]", tuple(weights.shape)
-    if weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if weights.dtype not in FLOATS:
         return "weights", "bf16, fp16 or fp32", weights.dtype
     return None
 
@@ -124,9 +121,7 @@ def _check_out(out, q, weights) -> None:
     for name, x, shape, dtype in (("out[0] (q_fp8)", out[0], tuple(q.shape), torch.float8_e4m3fn),
                                   ("out[1] (weights_out)", out[1], tuple(weights.shape),
                                    torch.float32)):
-        if tuple(x.shape) != shape or x.dtype != dtype or x.stride(-1) != 1:
-            fail(name, f"{dtype} {shape} with a unit last stride",
-                 f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+        check_out_tensor(name, x, shape, dtype)
 
 
 def indexer_q(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -142,7 +137,7 @@ def indexer_q(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.Ten
     them.  Inputs are checked (:func:`check_inputs`)."""
     check_inputs(positions, q, cos_sin_cache, weights)
     for name, n in (("heads", heads), ("warps", warps)):
-        if not _pow2(n):
+        if not is_pow2(n):
             fail(name, "a power of two", n)
     return launch(positions, q, cos_sin_cache, weights, softmax_scale, head_scale, is_neox,
                   heads=heads, warps=warps, out=out)
