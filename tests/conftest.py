@@ -75,11 +75,37 @@ def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
+_TARGETS_IMPORTED: list[str] = []
+
+
+def import_patch_targets() -> list[str]:
+    """The modules the installed line's patches change, imported once a session
+    as vLLM imports them: on the real platform.  Some read the platform at
+    import (0.27.1's ``deepseek_v2`` asks vLLM's ``_C`` whether CUTLASS fp8
+    runs); a test that fakes a GPU and then applies the registry would
+    otherwise import them under the fake, and pass or fail by test order."""
+    import importlib
+
+    from vllm_dsa_varlen import patches
+
+    if not _TARGETS_IMPORTED:
+        for module in dict.fromkeys(p.module for p in patches.for_line(VLLM_LINE)):
+            try:
+                importlib.import_module(module)
+            except ImportError:  # a module this install lacks: the registry says so itself
+                continue
+            _TARGETS_IMPORTED.append(module)
+        _TARGETS_IMPORTED.append("")  # done, even where none imported
+    return [m for m in _TARGETS_IMPORTED if m]
+
+
 @pytest.fixture
 def clean_plugin(monkeypatch):
-    """The plugin's env unset and its patch registry undone, before and after."""
+    """The plugin's env unset and its patch registry undone, before and after
+    (the patch targets imported first: :func:`import_patch_targets`)."""
     from vllm_dsa_varlen import config, patches, topk
 
+    import_patch_targets()
     monkeypatch.delenv(config.MODE_ENV, raising=False)
     monkeypatch.delenv(config.BACKEND_ENV, raising=False)
     monkeypatch.delenv(topk.TOPK_ENV, raising=False)
