@@ -9,7 +9,8 @@ from vllm_dsa_varlen import bench, bench_launch
 
 
 PATHS = ["prepared launch (addresses only)", "launch (schedule given)", "launcher sm90_cuda",
-         "launcher auto", "launcher auto, no out", "top-k decode_topk"]
+         "launcher auto", "launcher auto, no out", "indexer op 0.33 (glue + launcher)",
+         "indexer op 0.27 (glue + launcher)", "top-k decode_topk"]
 
 
 def _rows(out):
@@ -60,6 +61,53 @@ def test_a_base_folder_imports_its_ops_beside_this_ones(tmp_path):
     assert base.ct is not cuda_topk and base.launcher is not launcher
     assert base.ct.__name__.startswith("dsa_base_") and base.ct.FROM_THE_FOLDER
     assert not hasattr(cuda_topk, "FROM_THE_FOLDER") and base.ct._LOADED is not cuda_topk._LOADED
+
+
+def test_a_base_folders_glue_calls_that_folders_launcher(tmp_path):
+    """``--base DIR``: the indexer op's glue of that tree, its ``ops`` imports
+    pointed at that tree's package (so the base glue times the base launcher)."""
+    import os
+    import shutil
+
+    for path in ["vllm_dsa_varlen/ops", *bench_launch.GLUE.values()]:
+        src = os.path.join(bench_launch.ROOT, path)
+        if os.path.isdir(src):
+            shutil.copytree(src, tmp_path / path)
+        else:
+            os.makedirs(os.path.dirname(tmp_path / path), exist_ok=True)
+            shutil.copy(src, tmp_path / path)
+    base = bench_launch.base_ops(str(tmp_path))
+    assert base.g33 is not None and base.g27 is not None
+    assert base.g33._launcher() is base.launcher and base.g27._launcher() is base.launcher
+    only_ops = tmp_path / "only-ops"
+    shutil.copytree(tmp_path / "vllm_dsa_varlen" / "ops", only_ops / "vllm_dsa_varlen" / "ops")
+    bare = bench_launch.base_ops(str(only_ops))
+    assert bare.g33 is None and bare.g27 is None  # a tree without the glue: no glue paths
+
+
+def test_glue_paths_run_the_lines_glue_then_one_launch_each_call():
+    """The indexer op paths call each line's kernel-call replacement with a
+    tagged varlen step and reach the launcher: one stubbed ``cuLaunchKernel``
+    per call, float32 logits ``[R, longest]``."""
+    import torch
+
+    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+    from vllm_dsa_varlen.workloads import random_decode_step
+
+    ops = bench_launch.this_ops()
+    step = random_decode_step(3, 4, 300, heads=64)
+    rows = step.rows
+    sched = ck.plan_torch(rows.indices, rows.context_lens.view(-1, 1), step.max_context_len,
+                          rows.block_table.shape[1], programs=4)
+    with bench_launch.fake_hopper(), bench_launch.stubbed_launcher(ops, sched) as (fake, *_):
+        paths = bench_launch.glue_paths(ops, step, 4)
+        assert sorted(paths) == sorted(PATHS[5:7])
+        for name, fn in paths.items():
+            before = len(fake.launches)
+            logits = fn()
+            assert len(fake.launches) == before + 1, name
+            assert logits.dtype == torch.float32
+            assert tuple(logits.shape) == (rows.num_rows, step.max_context_len), name
 
 
 def test_without_a_gpu_the_launch_host_mode_takes_the_fake_launch(capsys, monkeypatch):
@@ -203,8 +251,9 @@ def test_topk_paths_call_vllms_op_as_its_eager_step_does_and_ours_meets_the_cont
 @pytest.mark.gpu
 def test_gpu_base_times_both_revisions_in_one_process(capsys):
     """``--launch-host --base REV`` on the GPU ends with the one-process table:
-    the launcher's ``auto`` and ``decode_topk`` of this revision and the
-    base's, each a positive host time inside its rounds' range."""
+    the launcher's ``auto``, ``decode_topk`` and the indexer op's logits call
+    of each line of this revision and the base's, each a positive host time
+    inside its rounds' range."""
     import torch
     from vllm_dsa_varlen.ops.common import capability
 
@@ -216,5 +265,5 @@ def test_gpu_base_times_both_revisions_in_one_process(capsys):
     rows = _rows(out[out.index("one process, 7 rounds interleaved"):])
     assert [(r[1], r[2]) for r in rows] == [
         (p, who) for who in ("now", bench_launch.ROOT)
-        for p in ("launcher auto", "top-k decode_topk")]
+        for p in ("launcher auto", "top-k decode_topk", *PATHS[5:7])]
     assert all(0 < float(lo) <= float(us) <= float(hi) for *_, us, lo, hi in rows)

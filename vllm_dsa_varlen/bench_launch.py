@@ -24,10 +24,13 @@ given), ``launcher sm90_cuda`` / ``portable`` / ``auto`` (the public launcher,
 the step's schedule cache prefilled as serving's first layer leaves it;
 ``auto`` as set: with ``EAGER_CUDA_SM90`` off its eager and graph columns are
 different kernels, as in serving), ``launcher auto, no out`` (the logits
-allocated by the launcher, as vLLM calls it), ``plan`` (the schedule, once
-per step).  With ``--topk-lib`` (vLLM's ``_C`` extension) the decode top-k's
-eager call too (:func:`topk_paths`): vLLM's op as 0.27.1's indexer calls it,
-the plugin's :func:`.topk.dispatch` taking the project's kernel (``own``) and
+allocated by the launcher, as vLLM calls it), ``indexer op 0.33`` / ``0.27
+(glue + launcher)`` (the indexer op's logits call of each vLLM line on a
+tagged varlen step: the plugin's kernel-call replacement, then the launcher,
+:func:`glue_paths`), ``plan`` (the schedule, once per step).  With
+``--topk-lib`` (vLLM's ``_C`` extension) the decode top-k's eager call too
+(:func:`topk_paths`): vLLM's op as 0.27.1's indexer calls it, the plugin's
+:func:`.topk.dispatch` taking the project's kernel (``own``) and
 :func:`.ops.cuda_topk.decode_topk` alone.  A short table ends the output: the
 floor, the prepared launch and the launcher's ``auto`` per case against the
 ≤ 20 µs target.
@@ -35,11 +38,14 @@ floor, the prepared launch and the launcher's ``auto`` per case against the
 ``--fake`` (any machine, no GPU): the same launches on CPU tensors with the
 driver calls stubbed (TMA encode, stream lookup, ``cuLaunchKernel``) and the
 launcher taking the CUDA kernel's path (:func:`fake_hopper`): the host's
-Python alone; beside them the decode top-k's launch on the case's rows
-(``top-k decode_topk``: logits 163840 wide, the context as the bound).
+Python alone; beside them the indexer op's logits call of each vLLM line
+(``indexer op 0.33`` / ``0.27 (glue + launcher)``: the kernel-call
+replacement a varlen step runs per layer, then the launcher, logits
+allocated) and the decode top-k's launch on the case's rows (``top-k
+decode_topk``: logits 163840 wide, the context as the bound).
 ``--base REV`` times that revision's ``ops`` package beside this one, rounds
-interleaved in one process: on the GPU its launcher (``auto``, logits given)
-and decode top-k (``decode_topk``) beside this revision's, host µs per call,
+interleaved in one process: on the GPU its launcher (``auto``, logits given),
+decode top-k (``decode_topk``) and indexer op calls beside this revision's, host µs per call,
 median and range of 7 rounds (:func:`run_ab`).  ``REV``: a git revision, or a
 folder holding a ``vllm_dsa_varlen/ops`` tree (a host without the git history:
 ``git archive REV vllm_dsa_varlen | tar -x -C DIR``).
@@ -159,6 +165,7 @@ def gpu_paths(step):
     no_out: dict = {}
     paths["launcher auto, no out"] = lambda: launcher.varlen_paged_mqa_logits(
         *args, max_run_len=hint, schedule_cache=no_out)
+    paths.update(glue_paths(this_ops(), step, hint))
     return paths
 
 
@@ -286,8 +293,9 @@ def run_gpu(args) -> list[tuple]:
 
 def ab_paths(step, ops) -> dict:
     """The launcher's ``auto`` call (logits given, the step's schedule cache
-    its own) and the decode top-k's ``decode_topk`` (bounded by the step's
-    longest row, as an eager step calls it) of ``ops`` on ``step``."""
+    its own), the decode top-k's ``decode_topk`` (bounded by the step's
+    longest row, as an eager step calls it) and the indexer op's logits call
+    of each vLLM line (:func:`glue_paths`) of ``ops`` on ``step``."""
     args = launcher_args(step)
     hint = int(step.decode_lens.max())
     out = torch.empty((step.rows.num_rows, step.max_context_len), device="cuda")
@@ -298,6 +306,7 @@ def ab_paths(step, ops) -> dict:
         t = topk_inputs(step)
         paths["top-k decode_topk"] = lambda: ops.ct.decode_topk(t.logits, t.lens, t.k, out=t.idx,
                                                                 bound=t.longest)
+    paths.update(glue_paths(ops, step, hint))
     return paths
 
 
@@ -321,12 +330,9 @@ def run_ab(args, base, rounds: int = 7) -> list[tuple]:
     """This revision's :func:`ab_paths` beside ``base``'s (:func:`base_ops`) in
     one process: every path of both timed once per round (``calls`` calls
     without a sync, host µs per call), rounds interleaved; median and range."""
-    from .ops import cuda_paged_mqa_logits as ck
-    from .ops import cuda_topk as ct
-    from .ops import launcher
     from .workloads import random_decode_step
 
-    versions = {"now": types.SimpleNamespace(launcher=launcher, ck=ck, ct=ct), args.base: base}
+    versions = {"now": this_ops(), args.base: base}
     calls = args.calls or CALLS
     table = []
     for name in _selected(args.cases):
@@ -497,13 +503,35 @@ def stubbed_launcher(ops, schedule):
             _clear_caches(ops)
 
 
+# The indexer op's kernel-call replacements (the glue a vLLM step runs per layer),
+# as ``ops`` namespace names: each calls ``vllm_dsa_varlen.ops.launcher``.
+GLUE = {"g33": "vllm_dsa_varlen/vllm_0_33/model_executor/layers/sparse_attn_indexer.py",
+        "g27": "vllm_dsa_varlen/vllm_0_27/model_executor/layers/sparse_attn_indexer.py"}
+
+
+def this_ops():
+    """This revision's ``ops`` namespace: ``.launcher``, ``.ck``, ``.ct`` and
+    the indexer op's glue of each vLLM line (``.g33``, ``.g27``)."""
+    from .ops import cuda_paged_mqa_logits as ck
+    from .ops import cuda_topk as ct
+    from .ops import launcher
+    from .vllm_0_27.model_executor.layers import sparse_attn_indexer as g27
+    from .vllm_0_33.model_executor.layers import sparse_attn_indexer as g33
+
+    return types.SimpleNamespace(launcher=launcher, ck=ck, ct=ct, g33=g33, g27=g27)
+
+
 def base_ops(rev: str):
     """The ``ops`` package at git revision ``rev`` (one with ``ops/launcher.py``)
     or in the folder ``rev`` (its ``vllm_dsa_varlen/ops``), imported beside
-    this one under another name: ``.launcher``, ``.ck`` and ``.ct``."""
+    this one under another name: ``.launcher``, ``.ck`` and ``.ct``; with
+    ``.g33`` / ``.g27`` the indexer op's glue of that revision (``None``
+    where it has none), calling that revision's launcher (the glue's other
+    imports are this revision's modules)."""
     tmp = tempfile.mkdtemp()
     name = "dsa_base_" + "".join(c if c.isalnum() else "_" for c in rev)
-    if os.path.isdir(os.path.join(rev, "vllm_dsa_varlen", "ops")):  # a folder, not a revision
+    folder = os.path.isdir(os.path.join(rev, "vllm_dsa_varlen", "ops"))  # not a revision
+    if folder:
         shutil.copytree(os.path.join(rev, "vllm_dsa_varlen", "ops"),
                         os.path.join(tmp, "vllm_dsa_varlen", "ops"))
     else:
@@ -512,6 +540,17 @@ def base_ops(rev: str):
         subprocess.run(["tar", "-x", "-C", tmp], input=tar, check=True)
     os.rename(os.path.join(tmp, "vllm_dsa_varlen"), os.path.join(tmp, name))
     open(os.path.join(tmp, name, "__init__.py"), "w").close()
+    for short, path in GLUE.items():
+        if folder:
+            src = (open(os.path.join(rev, path)).read()
+                   if os.path.isfile(os.path.join(rev, path)) else None)
+        else:
+            got = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{path}"],
+                                 capture_output=True, text=True)
+            src = got.stdout if got.returncode == 0 else None
+        if src is not None:
+            with open(os.path.join(tmp, name, f"{short}.py"), "w") as f:
+                f.write(src.replace("vllm_dsa_varlen.ops", f"{name}.ops"))
     sys.path.insert(0, tmp)
     try:
         launcher = importlib.import_module(f"{name}.ops.launcher")
@@ -520,9 +559,12 @@ def base_ops(rev: str):
             ct = importlib.import_module(f"{name}.ops.cuda_topk")
         except ImportError:  # a revision before the decode top-k
             ct = None
+        glue = {short: importlib.import_module(f"{name}.{short}")
+                if os.path.isfile(os.path.join(tmp, name, f"{short}.py")) else None
+                for short in GLUE}
     finally:
         sys.path.remove(tmp)
-    return types.SimpleNamespace(launcher=launcher, ck=ck, ct=ct)
+    return types.SimpleNamespace(launcher=launcher, ck=ck, ct=ct, **glue)
 
 
 @contextlib.contextmanager
@@ -583,6 +625,36 @@ def fake_paths(ops, step, out, hint: int) -> dict:
         "launcher auto": lambda: call(*args, max_run_len=hint, out=out, schedule_cache=caches[1]),
         "launcher auto, no out": lambda: call(*args, max_run_len=hint, schedule_cache=caches[2]),
     })
+    paths.update(glue_paths(ops, step, hint))
+    return paths
+
+
+def _stock_unreached(*args, **kwargs):
+    raise AssertionError("a tagged varlen step reached stock's kernel call")
+
+
+def glue_paths(ops, step, hint: int) -> dict:
+    """The indexer op's logits call of each vLLM line as a varlen step makes it
+    (the decode metadata's tagged schedule, queries ``[R, 1, H, D]``, lengths
+    ``[R, 1]``, the logits allocated): the glue of ``ops`` (``.g33``,
+    ``.g27``; absent ones skipped) and its launcher, one tag per path (its
+    schedule cache filled by the first call, as by a step's first layer)."""
+    from .varlen_ids import attach_varlen_ids
+
+    q, kv, w, ctx, bt, ids, longest = launcher_args(step)
+    metadata = torch.zeros(132, 2, dtype=torch.int32, device=q.device)  # the schedule buffer
+    paths = {}
+    g33, g27 = getattr(ops, "g33", None), getattr(ops, "g27", None)
+    if g33 is not None:
+        call = g33.wrap_paged_mqa_logits(_stock_unreached)
+        tag = attach_varlen_ids(metadata, ids, "triton", hint, longest)
+        paths["indexer op 0.33 (glue + launcher)"] = (
+            lambda: call((q, None), kv, w, ctx, bt, tag, longest, indices=ids))
+    if g27 is not None:
+        tag27 = attach_varlen_ids(metadata, ids, "triton", hint, longest)
+        paths["indexer op 0.27 (glue + launcher)"] = (
+            lambda: g27.fp8_fp4_paged_mqa_logits((q, None), kv, w, ctx, bt, tag27, longest,
+                                                 False))
     return paths
 
 
@@ -591,12 +663,10 @@ def run_fake(args) -> list[tuple]:
     (same process, rounds interleaved: every path of every revision timed once
     per round), median of 7 rounds of ``calls * 20`` calls."""
     from .ops import cuda_paged_mqa_logits as ck
-    from .ops import cuda_topk as ct
-    from .ops import launcher
     from .workloads import random_decode_step
 
     torch.set_num_threads(1)
-    versions = {"now": types.SimpleNamespace(launcher=launcher, ck=ck, ct=ct)}
+    versions = {"now": this_ops()}
     if args.base:
         versions[args.base] = base_ops(args.base)
     table = []

@@ -35,11 +35,23 @@ torch's own.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from vllm_dsa_varlen import topk
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg
 from vllm_dsa_varlen.vllm_0_27.utils.deep_gemm import mask_beyond
 from vllm_dsa_varlen.varlen_ids import bound_of, mark_bound, varlen_ids_of
+
+
+@functools.cache
+def _launcher():
+    """:mod:`vllm_dsa_varlen.ops.launcher`, imported on the first varlen call
+    (it loads Triton); its entry point is read per call (a module attribute)."""
+    from vllm_dsa_varlen.ops import launcher
+
+    return launcher
 
 
 def _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids, max_model_len,
@@ -50,11 +62,10 @@ def _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids, max_mo
             "vllm-dsa-varlen: the project's varlen backend serves the FP8 indexer cache only; "
             f"this step has {'MXFP4 (scaled) ' if q_scale is not None else ''}queries of "
             f"dtype {q_values.dtype} (an MXFP4 cache needs the DeepGEMM backend on SM100)")
-    from vllm_dsa_varlen.ops.launcher import varlen_paged_mqa_logits
-
-    logits = varlen_paged_mqa_logits(q_values, kv_cache, weights, context_lens, block_tables,
-                                     ids, max_model_len, max_run_len=max_run_len,
-                                     schedule_cache=schedules)
+    logits = _launcher().varlen_paged_mqa_logits(q_values, kv_cache, weights, context_lens,
+                                                 block_tables, ids, max_model_len,
+                                                 max_run_len=max_run_len,
+                                                 schedule_cache=schedules)
     if clean_logits:
         mask_beyond(logits, context_lens)
     return logits
@@ -108,16 +119,12 @@ class _TopkOps:
         self._ops = ops
 
     def persistent_topk(self, logits, seq_lens, topk_indices, workspace, k, max_seq_len):
-        from vllm_dsa_varlen import topk
-
         # Stock passes the logits' width here (max_model_len), no bound on this step's rows;
         # a varlen step's logits carry its max_seq_len (varlen_ids.mark_bound).
         topk.dispatch(logits, seq_lens, topk_indices, k, lambda: self._ops._C.persistent_topk(
             logits, seq_lens, topk_indices, workspace, k, max_seq_len), bound=bound_of(logits))
 
     def cooperative_topk(self, logits, seq_lens, topk_indices, workspace, k, max_seq_len):
-        from vllm_dsa_varlen import topk
-
         topk.dispatch(logits, seq_lens, topk_indices, k, lambda: self._ops._C.cooperative_topk(
             logits, seq_lens, topk_indices, workspace, k, max_seq_len), bound=max_seq_len)
 

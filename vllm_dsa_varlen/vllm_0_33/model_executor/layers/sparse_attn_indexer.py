@@ -38,7 +38,17 @@ from typing import Any, Callable
 
 import torch
 
+from vllm_dsa_varlen import topk
 from vllm_dsa_varlen.varlen_ids import varlen_ids_of
+
+
+@functools.cache
+def _launcher():
+    """:mod:`vllm_dsa_varlen.ops.launcher`, imported on the first varlen call
+    (it loads Triton); its entry point is read per call (a module attribute)."""
+    from vllm_dsa_varlen.ops import launcher
+
+    return launcher
 
 
 def triton_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.Tensor,
@@ -54,11 +64,9 @@ def triton_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.T
             "vllm-dsa-varlen: the project's varlen backend serves the FP8 indexer cache only; "
             f"this step has {'MXFP4 (scaled) ' if q_scale is not None else ''}queries of "
             f"dtype {q_values.dtype}")
-    from vllm_dsa_varlen.ops import launcher
-
-    return launcher.varlen_paged_mqa_logits(q_values, kv_cache, weights, context_lens,
-                                            block_tables, ids, max_model_len,
-                                            max_run_len=max_run_len, schedule_cache=schedules)
+    return _launcher().varlen_paged_mqa_logits(q_values, kv_cache, weights, context_lens,
+                                               block_tables, ids, max_model_len,
+                                               max_run_len=max_run_len, schedule_cache=schedules)
 
 
 def wrap_paged_mqa_logits(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -85,8 +93,11 @@ def wrap_paged_mqa_logits(original: Callable[..., Any]) -> Callable[..., Any]:
             raise RuntimeError("vllm-dsa-varlen: the decode metadata's indices are not the "
                                "run ids its schedule carries")
         # Stock feeds a single dummy row when a decode batch has no tokens.
+        # (A slice costs a tensor's creation, ~1.5 us of host time a layer: only when needed.)
         ids = tag.ids if rows == tag.ids.shape[0] else tag.ids[:rows]
-        return triton_logits(q, kv_cache, weights, context_lens[:rows], block_tables, ids,
+        if context_lens.shape[0] != rows:
+            context_lens = context_lens[:rows]
+        return triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
                              max_model_len, tag.max_run_len, tag.schedules)
 
     return fp8_fp4_paged_mqa_logits
@@ -100,8 +111,6 @@ class _DecodeTopk:
     (``AUTO_COOPERATIVE_MAX_ROWS``, 64 in 0.33.0; 32 where it has none)."""
 
     def __init__(self, stock: Callable[..., Any]):
-        from vllm_dsa_varlen import topk
-
         self.stock = stock
         home = sys.modules.get(type(stock).__module__)
         limit = getattr(home, "AUTO_COOPERATIVE_MAX_ROWS", None)
@@ -109,8 +118,6 @@ class _DecodeTopk:
                                  else topk.COOPERATIVE_ROWS)
 
     def __call__(self, logits, seq_lens, next_n, topk_indices, topk_tokens, max_seq_len):
-        from vllm_dsa_varlen import topk
-
         topk.dispatch(logits, seq_lens, topk_indices, topk_tokens,
                       lambda: self.stock(logits, seq_lens, next_n, topk_indices, topk_tokens,
                                          max_seq_len), bound=max_seq_len,
