@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_dsa_varlen.varlen_ids import ids_hold, ids_written
+from vllm_dsa_varlen.varlen_ids import first_rows, ids_hold, ids_written
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -48,3 +48,23 @@ def test_a_skipped_write_keeps_the_record():
         pass
     assert holder._varlen_ids_layout == (3, 30)
     assert ids_hold(holder, 3, 30) and not ids_hold(holder, 3, 31) and not ids_hold(holder, 2, 4)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 4, 7, 9])
+def test_first_rows_cuts_longer_tensors_and_hands_back_the_rest(rows):
+    """Each tensor cut to its first ``rows`` rows where it has more (a view of
+    the same storage), itself where it has ``rows`` or fewer."""
+    import torch
+
+    ids = torch.arange(7, dtype=torch.int32)
+    ctx = torch.randint(1, 99, (7, 1), dtype=torch.int32)
+    table = torch.randint(0, 9, (7, 3), dtype=torch.int32)
+    short = torch.zeros(2, dtype=torch.int32)
+    got = first_rows(rows, ids, ctx, table, short)
+    for before, after in zip((ids, ctx, table, short), got):
+        if before.shape[0] <= rows:
+            assert after is before
+        else:
+            assert after.shape == (rows, *before.shape[1:])
+            assert torch.equal(after, before[:rows])
+            assert after._base is before  # a view of it, nothing copied

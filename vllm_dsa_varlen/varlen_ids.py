@@ -93,6 +93,15 @@ def bound_of(logits: object) -> int | None:
     return getattr(logits, _BOUND_ATTR, None)
 
 
+def first_rows(rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of a step's per-row tensors (run ids, context lengths, the per-row
+    block table) cut to its first ``rows`` rows for a call of fewer query
+    rows (stock's one dummy row of a decode batch without tokens); the tensor
+    itself where it has ``rows`` rows or fewer (a view made on every layer
+    costs host time; too few rows are for the kernel's checks to name)."""
+    return tuple(t if t.shape[0] <= rows else t[:rows] for t in tensors)
+
+
 # --------------------------------------------------------------- the id buffer's record
 
 def ids_hold(holder: Any, run_len: int, num_rows: int) -> bool:

@@ -348,6 +348,36 @@ def test_triton_backend_clean_logits(monkeypatch):
     assert torch.all(logits[torch.arange(step.max_context_len)[None, :] >= ctx] == -math.inf)
 
 
+@pytest.mark.parametrize("cut", [0, 1, 3])
+def test_fewer_query_rows_than_the_step_has_take_its_first_rows(monkeypatch, cut):
+    """Queries of ``cut`` rows fewer than the step's ids, lengths and per-row
+    block table (stock's dummy row of a decode batch without tokens): the
+    launcher gets each one's first rows, the logits equal the reference's
+    there; with every row present, the step's own tensors (no view a layer)."""
+    step = _random_step(4 + cut, 3, pad_reqs=0, pad_rows=0)
+    ids, bt = step.rows.indices, step.rows.block_table
+    ctx = step.rows.context_lens.unsqueeze(-1)
+    rows = step.num_rows - cut
+    schedule = attach_varlen_ids(torch.zeros((NUM_SMS + 1, 2), dtype=torch.int32), ids, "triton")
+    seen = []
+    real = launcher.varlen_paged_mqa_logits
+    monkeypatch.setattr(launcher, "varlen_paged_mqa_logits",
+                        lambda *a, **k: (seen.append(a), real(*a, **k))[1])
+    logits = ours.fp8_fp4_paged_mqa_logits((step.q[:rows], None), step.kv_cache,
+                                           step.weights[:rows], ctx, bt, schedule,
+                                           step.max_context_len, clean_logits=False)
+    got_ctx, got_bt, got_ids = seen[0][3], seen[0][4], seen[0][5]
+    assert torch.equal(got_ctx, ctx[:rows]) and torch.equal(got_bt, bt[:rows])
+    assert torch.equal(got_ids, ids[:rows])
+    if cut == 0:
+        assert got_ctx is ctx and got_bt is bt and got_ids is ids
+    ref = paged_mqa_logits_ref(step.q[:rows], step.kv_cache, step.weights[:rows], ctx[:rows],
+                               bt[:rows], step.max_context_len, ids[:rows])
+    valid = torch.arange(step.max_context_len)[None, :] < ctx[:rows]
+    assert logits.shape == (rows, step.max_context_len)
+    torch.testing.assert_close(logits[valid], ref[valid], rtol=1e-4, atol=1e-4)
+
+
 def test_the_op_modules_torch_sends_the_decode_topk_through_the_choice(monkeypatch):
     """The indexer op module's ``torch`` global is a view of torch (every name
     torch's) whose ``ops._C.persistent_topk`` / ``cooperative_topk`` go

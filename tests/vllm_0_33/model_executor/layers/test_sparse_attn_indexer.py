@@ -95,6 +95,38 @@ def test_tagged_step_runs_the_triton_kernel(monkeypatch, lens, seqs):
     torch.testing.assert_close(logits[mask], want[mask], rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("rows", [5, 2, 1])
+def test_fewer_query_rows_than_the_step_has_take_its_first_rows(monkeypatch, rows):
+    """Queries of fewer rows than the step's ids and lengths (stock's dummy
+    row of a decode batch without tokens): the launcher gets the first
+    ``rows`` ids and lengths, the logits equal the reference's there; with
+    every row present it gets the step's own tensors (no view made a layer)."""
+    fake_gpu(monkeypatch, (9, 0))
+    HopperDeepGemm().install(monkeypatch)
+    patches.apply_all(line="0.33")
+    gen = torch.Generator().manual_seed(rows)
+    q, w, ctx, bt, ids, kv = _step(gen, [2, 3], [90, 150])
+    schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "triton", 3)
+    seen = []
+    real = launcher.varlen_paged_mqa_logits
+
+    def spy(*args, **kwargs):
+        seen.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launcher, "varlen_paged_mqa_logits", spy)
+    logits = sai.fp8_fp4_paged_mqa_logits((q[:rows], None), kv, w[:rows], ctx, bt, schedule,
+                                          max_model_len=160, indices=ids)  # stock's weights[:R]
+    got_ctx, got_ids = seen[0][3], seen[0][5]
+    assert torch.equal(got_ctx, ctx[:rows]) and torch.equal(got_ids, ids[:rows])
+    if rows == ids.shape[0]:
+        assert got_ctx is ctx and got_ids is ids
+    want = paged_mqa_logits_ref(q[:rows], kv, w[:rows], ctx[:rows], bt, 160, ids[:rows])
+    mask = valid_mask(ctx[:rows], 160, ids[:rows])
+    assert logits.shape == (rows, 160)
+    torch.testing.assert_close(logits[mask], want[mask], rtol=2e-3, atol=2e-3)
+
+
 def test_bad_varlen_calls_fail_loudly(monkeypatch):
     fake_gpu(monkeypatch, (9, 0))
     patches.apply_all(line="0.33")

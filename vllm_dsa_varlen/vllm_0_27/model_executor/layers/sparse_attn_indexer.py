@@ -42,7 +42,7 @@ import torch
 from vllm_dsa_varlen import topk
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg
 from vllm_dsa_varlen.vllm_0_27.utils.deep_gemm import mask_beyond
-from vllm_dsa_varlen.varlen_ids import bound_of, mark_bound, varlen_ids_of
+from vllm_dsa_varlen.varlen_ids import bound_of, first_rows, mark_bound, varlen_ids_of
 
 
 @functools.cache
@@ -97,12 +97,13 @@ def fp8_fp4_paged_mqa_logits(
             f"vllm-dsa-varlen: varlen decode expects queries [R, 1, H, D] with R <= "
             f"{tag.ids.shape[0]} run ids, got {tuple(q[0].shape)}")
     # Stock feeds a single dummy row when a decode batch has no tokens.
-    ids = tag.ids if rows == tag.ids.shape[0] else tag.ids[:rows]
+    ids = first_rows(rows, tag.ids)[0]
     if tag.backend == "deepgemm":
         logits = dsa_dg.fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens,
                                                  block_tables, schedule_metadata, max_model_len,
                                                  clean_logits, indices=ids)
     else:
+        context_lens, block_tables = first_rows(rows, context_lens, block_tables)
         logits = _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
                                 max_model_len, clean_logits, tag.max_run_len, tag.schedules)
     # The decode top-k after it gets the step's max_seq_len from this tag (stock's
