@@ -96,14 +96,16 @@ def fp8_fp4_paged_mqa_logits(
         raise RuntimeError(
             f"vllm-dsa-varlen: varlen decode expects queries [R, 1, H, D] with R <= "
             f"{tag.ids.shape[0]} run ids, got {tuple(q[0].shape)}")
-    # Stock feeds a single dummy row when a decode batch has no tokens.
-    ids = first_rows(rows, tag.ids)[0]
+    ids = tag.ids
+    if ids.shape[0] != rows:  # stock feeds a single dummy row when a decode batch has no tokens
+        ids = ids[:rows]
     if tag.backend == "deepgemm":
         logits = dsa_dg.fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens,
                                                  block_tables, schedule_metadata, max_model_len,
                                                  clean_logits, indices=ids)
     else:
-        context_lens, block_tables = first_rows(rows, context_lens, block_tables)
+        if context_lens.shape[0] != rows or block_tables.shape[0] != rows:
+            context_lens, block_tables = first_rows(rows, context_lens, block_tables)
         logits = _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
                                 max_model_len, clean_logits, tag.max_run_len, tag.schedules)
     # The decode top-k after it gets the step's max_seq_len from this tag (stock's

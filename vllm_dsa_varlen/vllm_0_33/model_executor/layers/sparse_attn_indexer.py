@@ -92,8 +92,10 @@ def wrap_paged_mqa_logits(original: Callable[..., Any]) -> Callable[..., Any]:
         if indices is not None and indices.data_ptr() != tag.ids.data_ptr():
             raise RuntimeError("vllm-dsa-varlen: the decode metadata's indices are not the "
                                "run ids its schedule carries")
-        # Stock feeds a single dummy row when a decode batch has no tokens.
-        ids, context_lens, block_tables = first_rows(rows, tag.ids, context_lens, block_tables)
+        ids = tag.ids
+        if ids.shape[0] != rows or context_lens.shape[0] != rows or block_tables.shape[0] != rows:
+            # Stock feeds a single dummy row when a decode batch has no tokens.
+            ids, context_lens, block_tables = first_rows(rows, ids, context_lens, block_tables)
         return triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
                              max_model_len, tag.max_run_len, tag.schedules)
 
