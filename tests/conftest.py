@@ -8,6 +8,7 @@ the reason, before they are imported when another line (or no vLLM) is
 installed, so ``python -m pytest tests`` passes in either environment.
 """
 
+import functools
 import os
 import pathlib
 
@@ -75,28 +76,26 @@ def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
-_TARGETS_IMPORTED: list[str] = []
-
-
-def import_patch_targets() -> list[str]:
+@functools.cache
+def import_patch_targets() -> tuple[str, ...]:
     """The modules the installed line's patches change, imported once a session
     as vLLM imports them: on the real platform.  Some read the platform at
     import (0.27.1's ``deepseek_v2`` asks vLLM's ``_C`` whether CUTLASS fp8
     runs); a test that fakes a GPU and then applies the registry would
-    otherwise import them under the fake, and pass or fail by test order."""
+    otherwise import them under the fake, and pass or fail by test order.
+    Returns the modules imported."""
     import importlib
 
     from vllm_dsa_varlen import patches
 
-    if not _TARGETS_IMPORTED:
-        for module in dict.fromkeys(p.module for p in patches.for_line(VLLM_LINE)):
-            try:
-                importlib.import_module(module)
-            except ImportError:  # a module this install lacks: the registry says so itself
-                continue
-            _TARGETS_IMPORTED.append(module)
-        _TARGETS_IMPORTED.append("")  # done, even where none imported
-    return [m for m in _TARGETS_IMPORTED if m]
+    imported = []
+    for module in dict.fromkeys(p.module for p in patches.for_line(VLLM_LINE)):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # a module this install lacks: the registry says so itself
+            continue
+        imported.append(module)
+    return tuple(imported)
 
 
 @pytest.fixture

@@ -540,6 +540,7 @@ def base_ops(rev: str):
         subprocess.run(["tar", "-x", "-C", tmp], input=tar, check=True)
     os.rename(os.path.join(tmp, "vllm_dsa_varlen"), os.path.join(tmp, name))
     open(os.path.join(tmp, name, "__init__.py"), "w").close()
+    written = set()
     for short, path in GLUE.items():
         if folder:
             src = (open(os.path.join(rev, path)).read()
@@ -551,6 +552,7 @@ def base_ops(rev: str):
         if src is not None:
             with open(os.path.join(tmp, name, f"{short}.py"), "w") as f:
                 f.write(src.replace("vllm_dsa_varlen.ops", f"{name}.ops"))
+            written.add(short)
     sys.path.insert(0, tmp)
     try:
         launcher = importlib.import_module(f"{name}.ops.launcher")
@@ -559,8 +561,7 @@ def base_ops(rev: str):
             ct = importlib.import_module(f"{name}.ops.cuda_topk")
         except ImportError:  # a revision before the decode top-k
             ct = None
-        glue = {short: importlib.import_module(f"{name}.{short}")
-                if os.path.isfile(os.path.join(tmp, name, f"{short}.py")) else None
+        glue = {short: importlib.import_module(f"{name}.{short}") if short in written else None
                 for short in GLUE}
     finally:
         sys.path.remove(tmp)
