@@ -91,6 +91,12 @@ def vllm_rope_fused() -> bool:
 
 ROPE_FUSED = vllm_rope_fused()
 
+# A RoPE product negated as a product with -1: Triton before 3.8 compiles a
+# float's unary minus as ``0 - y``, which gives +0 for y = +0 where the negated
+# FFMA operand of vLLM's contracted ``a cos - b sin`` gives -0 (3.8 and later
+# emit a true negation; the product with -1 is one on every version).
+NEG_ONE: tl.constexpr = tl.constexpr(-1.0)
+
 
 @dataclass(frozen=True)
 class Blocks:
@@ -183,7 +189,7 @@ def _pe_part(tok, pos, blk, q_pe_ptr, pe_s0, pe_s1, cs_ptr, cs_s0, q_scale_ptr,
     x1 = tl.load(src, mask=hmask, other=0.0).to(tl.float32)
     x2 = tl.load(src + 1, mask=hmask, other=0.0).to(tl.float32)
     if FUSED:
-        r1 = tl.fma(x1, cos, -(x2 * sin))
+        r1 = tl.fma(x1, cos, x2 * sin * NEG_ONE)  # not -(...): NEG_ONE's note
         r2 = tl.fma(x1, sin, x2 * cos)
     else:
         r1 = x1 * cos - x2 * sin

@@ -40,7 +40,7 @@ import triton.language as tl
 from . import triton_fused_q
 from .common import check_out_tensor, fail, is_pow2
 from .reference import FP8_MAX
-from .triton_fused_q import (COMPILE_OPTIONS, FLOATS, INDEX_HEADS, NUM_WARPS,
+from .triton_fused_q import (COMPILE_OPTIONS, FLOATS, INDEX_HEADS, NEG_ONE, NUM_WARPS,
                              index_rope_operands)
 
 
@@ -61,7 +61,10 @@ def _indexer_q_kernel(
         q_ptr + tok * q_s0 + h * q_s1, pos, cs_ptr, cs_s0, h, d, NUM_HEADS, HALF, INTERLEAVE)
     if FUSED:  # the pair (a, b) -> (fma(a, cos, -(b sin)), fma(a, sin, b cos))
         a = tl.where(first, x, partner)
-        roped = tl.fma(a, tl.where(first, cos, sin), tl.where(first, -(partner * sin), x * cos))
+        # -(b sin) as a product with -1 (NEG_ONE): Triton before 3.8 compiles a
+        # float's unary minus as 0 - y, +0 where vLLM's negated operand gives -0
+        roped = tl.fma(a, tl.where(first, cos, sin),
+                       tl.where(first, partner * sin * NEG_ONE, x * cos))
     else:  # (a cos - b sin, b cos + a sin), every product rounded
         roped = tl.where(first, x * cos - partner * sin, x * cos + partner * sin)
     # each RoPE'd value rounded to bf16
