@@ -65,9 +65,13 @@ def pytest_pycollect_makemodule(module_path, parent):
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU with fp8 support")
+    skip_interpreter = pytest.mark.skip(
+        reason="runs Triton kernels on CPU tensors in the interpreter, which a CUDA GPU turns off")
     for item in items:
         if "gpu" in item.keywords and not HAS_FP8_GPU:
             item.add_marker(skip_gpu)
+        if "interpreter" in item.keywords and HAS_CUDA:
+            item.add_marker(skip_interpreter)
 
 
 @pytest.fixture

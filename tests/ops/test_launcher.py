@@ -280,14 +280,14 @@ def test_logits_narrower_than_a_later_call_asks_are_refused_on_a_kept_route(new_
     assert len(new_routes) == 1
 
 
-def test_the_entry_point_keeps_routes_and_computes_the_same_logits(new_routes):
-    """Through the public entry (portable kernel, CPU interpreter): repeated
-    calls on one layout check once and compute the reference's logits, new
-    data at new addresses included."""
-    step = make_decode_step([2, 1, 3], [70, 20, 130], heads=64)
+def test_the_entry_point_keeps_routes_and_computes_the_same_logits(new_routes, device):
+    """Through the public entry (portable kernel; the CPU's interpreter where
+    there is no GPU): repeated calls on one layout check once and compute the
+    reference's logits, new data at new addresses included."""
+    step = make_decode_step([2, 1, 3], [70, 20, 130], heads=64, device=device)
     rows = step.rows
     for seed in range(2):
-        other = make_decode_step([2, 1, 3], [70, 20, 130], heads=64, seed=seed + 1)
+        other = make_decode_step([2, 1, 3], [70, 20, 130], heads=64, seed=seed + 1, device=device)
         for s in (step, other):
             args = launcher_args(s)
             got = launcher.varlen_paged_mqa_logits(*args, kernel="portable")

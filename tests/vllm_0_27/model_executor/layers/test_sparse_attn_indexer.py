@@ -108,7 +108,8 @@ def _assert_topk_like_padded(topk, step, next_n, tol_rel):
         assert torch.all(ref[row, got.long()] >= kth - tol), r
 
 
-@pytest.mark.parametrize("backend", ["deepgemm", "deepgemm-2.6", "triton"])
+@pytest.mark.parametrize("backend", ["deepgemm", "deepgemm-2.6",
+                                     pytest.param("triton", marks=pytest.mark.interpreter)])
 @pytest.mark.parametrize("seed", range(3))
 def test_decode_topk_equals_the_padded_path(monkeypatch, backend, seed):
     next_n = 3
@@ -333,6 +334,7 @@ def test_untagged_schedule_is_the_stock_call(monkeypatch, clean):
     assert torch.equal(stock, got)
 
 
+@pytest.mark.interpreter
 def test_triton_backend_clean_logits(monkeypatch):
     """clean_logits=True through the Triton backend: -inf past each row's context."""
     step = _random_step(3, 3, pad_reqs=0, pad_rows=1)
@@ -348,6 +350,7 @@ def test_triton_backend_clean_logits(monkeypatch):
     assert torch.all(logits[torch.arange(step.max_context_len)[None, :] >= ctx] == -math.inf)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cut", [0, 1, 3])
 def test_fewer_query_rows_than_the_step_has_take_its_first_rows(monkeypatch, cut):
     """Queries of ``cut`` rows fewer than the step's ids, lengths and per-row
