@@ -63,6 +63,7 @@ def test_untagged_calls_are_stocks_exactly(monkeypatch, module):
         assert call_kwargs == ({} if indices is None else {"indices": ids})
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("lens,seqs", [([3, 1, 4], [130, 70, 200]), ([2, 2], [64, 129]),
                                         ([1], [5])])
 def test_tagged_step_runs_the_triton_kernel(monkeypatch, lens, seqs):
@@ -95,6 +96,7 @@ def test_tagged_step_runs_the_triton_kernel(monkeypatch, lens, seqs):
     torch.testing.assert_close(logits[mask], want[mask], rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("rows", [5, 2, 1])
 def test_fewer_query_rows_than_the_step_has_take_its_first_rows(monkeypatch, rows):
     """Queries of fewer rows than the step's ids and lengths (stock's dummy
