@@ -293,7 +293,9 @@ def test_the_entry_point_keeps_routes_and_computes_the_same_logits(new_routes, d
             got = launcher.varlen_paged_mqa_logits(*args, kernel="portable")
             ref = paged_mqa_logits_ref(*args[:5], s.max_context_len, indices=rows.indices)
             mask = valid_mask(args[3], s.max_context_len, rows.indices)
-            assert (got[mask] - ref[mask]).norm() / ref[mask].norm() < 1e-5
+            # the interpreter sums as the reference does; the GPU's fp8 dot otherwise
+            tol = 1e-5 if device.type == "cpu" else 1e-3
+            assert (got[mask] - ref[mask]).norm() / ref[mask].norm() < tol
     assert len(new_routes) == 1
 
 

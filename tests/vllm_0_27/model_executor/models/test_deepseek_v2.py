@@ -117,8 +117,12 @@ def test_on_this_machine_the_decision_is_the_platforms(monkeypatch):
 @pytest.mark.gpu
 def test_traced_by_torch_compile_like_vllms():
     """The indexer's call, compiled as vLLM compiles the model (whole graph,
-    ``dynamic=False``, the token dim marked dynamic), launches the same kernel: its bytes equal to eager
-    and to vLLM's own function compiled the same way."""
+    ``dynamic=False``, the token dim marked dynamic), launches the same
+    kernel: the fp8 query's bytes equal to eager and to vLLM's own function
+    compiled the same way.  Compiled, the float scales reach the kernel as
+    Inductor passes them and some weights round otherwise than eager (H200,
+    torch 2.11; vLLM 0.33's query kernel alike), so the weights are compared
+    with vLLM's function compiled the same way."""
     from vllm.model_executor.layers.sparse_attn_indexer import fused_indexer_q_rope_quant
 
     rec = Recorder()
@@ -143,7 +147,7 @@ def test_traced_by_torch_compile_like_vllms():
         for a in args:  # vLLM marks the token dim of its inputs dynamic
             torch._dynamo.mark_dynamic(a, 0)
         got, eager, want = compiled(*args), layer(*args), stock(*args)
-        for a, b, c in zip(got, eager, want):
-            assert torch.equal(as_bytes(a), as_bytes(b)), "compiled, other bytes than eager"
+        assert torch.equal(as_bytes(got[0]), as_bytes(eager[0])), "compiled, other q bytes than eager"
+        for a, c in zip(got, want):
             assert torch.equal(as_bytes(a), as_bytes(c)), "other bytes than vLLM's, compiled"
     assert rec.calls == []
