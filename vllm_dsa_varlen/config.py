@@ -113,7 +113,7 @@ def choose_fused_q(*, is_cuda: bool, capability: tuple[int, int] | None, setting
                    mode: str = "auto", measured: bool = True) -> tuple[bool, str]:
     """Whether the project's query preparation replaces vLLM's kernel on this
     GPU, and why (pure).  ``measured``: whether this vLLM line's kernel was
-    measured on sm_90 (0.33's ``fused_q``: yes; 0.27's indexer query: not yet).
+    measured on sm_90 (0.33's ``fused_q`` and 0.27's indexer query: yes).
     Rules: ``VLLM_DSA_VARLEN`` off or stock, or ``VLLM_DSA_VARLEN_FUSED_Q=off``
     -> vLLM's.  Not CUDA / unknown capability -> vLLM's.  ``on``: the
     project's on a GPU with fp8 (sm_89 and later), vLLM's below.  ``auto``:

@@ -83,9 +83,14 @@ def test_the_factory_decides_once_and_logs_it(device, plugin_log, monkeypatch):
         plugin_log.clear()
         return text
 
+    monkeypatch.setattr(ours, "MEASURED", False)  # auto before the measurement
     auto = ours.wrap_fused_indexer_q_rope_quant(rec)
     assert "not measured yet" in logged()
     assert auto(*indexer_q_args(inp, True)) == "vllm's" and len(rec.calls) == 1
+    monkeypatch.setattr(ours, "MEASURED", True)
+    measured = ours.wrap_fused_indexer_q_rope_quant(rec)
+    assert "the project's kernel (sm_90" in logged()
+    assert measured(*indexer_q_args(inp, True)) != "vllm's" and len(rec.calls) == 1
     monkeypatch.setenv("VLLM_DSA_VARLEN_FUSED_Q", "on")
     monkeypatch.setenv("VLLM_DSA_VARLEN_FUSED_Q_BLOCKS", "8/16/2/2")
     on = ours.wrap_fused_indexer_q_rope_quant(rec)
@@ -97,13 +102,14 @@ def test_the_factory_decides_once_and_logs_it(device, plugin_log, monkeypatch):
     assert "VLLM_DSA_VARLEN=off" in logged()
 
 
-def test_auto_waits_for_a_measurement():
-    """``auto`` takes vLLM's kernel on this line until the project's is
-    measured here (ours.MEASURED); this test fails the day that flips, as a
-    reminder to publish the measurement with it."""
-    assert ours.MEASURED is False
-    serves, _ = config.choose_fused_q(is_cuda=True, capability=(9, 0), measured=ours.MEASURED)
-    assert not serves
+def test_auto_takes_the_measured_kernel_on_sm90_only():
+    """``auto`` serves with the project's kernel on sm_90, where it was
+    measured (ours.MEASURED), and keeps vLLM's elsewhere."""
+    assert ours.MEASURED is True
+    for capability, serves in (((9, 0), True), ((10, 0), False), ((8, 9), False)):
+        got, why = config.choose_fused_q(is_cuda=True, capability=capability,
+                                         measured=ours.MEASURED)
+        assert got is serves, why
 
 
 def test_on_this_machine_the_decision_is_the_platforms(monkeypatch):
