@@ -101,12 +101,13 @@ def test_on_this_machine_the_decision_is_the_platforms():
 @pytest.mark.parametrize("quantize_mqa", [False, True])
 def test_traced_by_torch_compile_like_vllms(quantize_mqa):
     """The layer's call, compiled as vLLM compiles the model (whole graph,
-    ``dynamic=False``, the token dim marked dynamic), launches the same kernel: the fp8 indexer query and
-    the MLA query bytes equal to eager.  Compiled, the float scales reach both
-    kernels as Inductor passes them and some weights round otherwise than
-    eager (H200, torch 2.11: ~1.4 % of them, vLLM's kernel alike), so the
-    weights are compared with vLLM's own ``fused_q`` compiled the same way
-    (with the bf16 query, its MLA query too)."""
+    ``dynamic=False``, the token dim marked dynamic), launches the same
+    kernel: the fp8 indexer query and the MLA query bytes equal to eager.
+    Compiled, the float scales reach both kernels as Inductor passes them and
+    some weights round otherwise than eager (H200, torch 2.11: ~1.4 % of
+    them, vLLM's kernel alike), so the weights are compared with vLLM's own
+    ``fused_q`` compiled the same way (with the bf16 query, its MLA query
+    too)."""
     from vllm.models.deepseek_v32.common import kernels
 
     rec = Recorder()
