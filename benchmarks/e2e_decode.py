@@ -16,7 +16,9 @@ speed drifts between processes otherwise decides small-batch rows); the
 stock engine then runs stock's path through the plugin's pass-through
 wrappers (a few host µs per build: ``benchmarks/builder_host.py``; on vLLM
 0.27 its builders also clamp graph-padding requests' context lengths at 0 on
-native steps, one device op, as the plugin's do).  By default the model is a
+native steps, one device op, as the plugin's do), and both engines keep
+vLLM's query kernels unless ``VLLM_DSA_VARLEN_FUSED_Q`` is set (one choice a
+process: :func:`same_process_query_prep`).  By default the model is a
 DeepSeek-V3.2 architecture config written here, dummy weights: the real
 indexer (64 heads x 128, top-k 2048, fp8 cache, page 64) and MLA sizes,
 narrow layers (hidden 1024, dense MLPs), DeepSeek V3.2's 61 layers (``--layers``) plus its MTP
@@ -718,6 +720,24 @@ class OwnEngine:
         return call
 
 
+def same_process_query_prep(environ) -> str:
+    """Both engines in one process share the query preparation's choice: the
+    plugin's query wrappers decide once a process, when the patch set is
+    applied, and the compiled graphs keep it.  Unless ``VLLM_DSA_VARLEN_FUSED_Q``
+    is set, it is set to ``off`` in ``environ`` (the stock engine keeps vLLM's
+    query kernels, so the pair differs in the indexer's logits and top-k path
+    alone; the query kernels' gain is measured a process per mode).  Returns
+    the line to print."""
+    from vllm_dsa_varlen.config import FUSED_Q_ENV
+
+    if FUSED_Q_ENV in environ:
+        return (f"same process: {FUSED_Q_ENV}={environ[FUSED_Q_ENV]} as set, for both engines "
+                f"(the stock engine's query preparation is the plugin's where that takes it)")
+    environ[FUSED_Q_ENV] = "off"
+    return (f"same process: {FUSED_Q_ENV}=off for both engines (one choice a process; the "
+            f"query kernels' gain is measured a process per mode)")
+
+
 def _child(args, results: dict) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -739,6 +759,7 @@ def _child(args, results: dict) -> None:
         # (--control: both engines are such stock engines).
         import vllm_dsa_varlen
 
+        print(same_process_query_prep(os.environ), flush=True)
         os.environ["VLLM_DSA_VARLEN"] = MODES["plugin"]
         vllm_dsa_varlen.register()
     engines, llms = [], []  # the LLM objects kept alive beside their engines
@@ -794,6 +815,7 @@ def _run_header(args, mode: str, engine, kwargs: dict, init_s: float, torch) -> 
             "trace_only": bool(getattr(args, "trace_only", False)),
             "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
             "topk_env": os.environ.get("VLLM_DSA_VARLEN_TOPK", ""),
+            "fused_q_env": os.environ.get("VLLM_DSA_VARLEN_FUSED_Q", ""),
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
             "cases": [], "jit": {}}
     try:

@@ -1114,3 +1114,17 @@ def test_a_child_stopped_by_sigterm_still_writes_what_it_measured(tmp_path, monk
         run = json.load(f)
     assert run["cases"] == [{"batch": 64, "tpot_ms": 22.5}]
     assert "stopped by signal" in run["error"]
+
+
+def test_same_process_engines_keep_vllms_query_kernels_unless_told():
+    """Both engines of one process share the query wrappers' one decision:
+    unset, it is made ``off`` (stock's engine stays stock's); set, it is kept
+    and the line says it holds for both."""
+    env = {}
+    line = e2e.same_process_query_prep(env)
+    assert env == {"VLLM_DSA_VARLEN_FUSED_Q": "off"} and "=off for both engines" in line
+    for value in ("on", "auto", "off"):
+        env = {"VLLM_DSA_VARLEN_FUSED_Q": value}
+        line = e2e.same_process_query_prep(env)
+        assert env == {"VLLM_DSA_VARLEN_FUSED_Q": value}
+        assert f"={value} as set, for both engines" in line
