@@ -72,6 +72,31 @@ def test_the_indexer_query_compiles_for_sm90(compiled_variants):
     assert not any(r["local"] for r in iq)
 
 
+def test_the_query_kernels_negate_no_float(compiled_variants):
+    """Neither query kernel negates a float in its IR (no ``arith.negf``, no
+    subtraction from a zero constant) in any build: the RoPE's negated
+    product is a product with -1, whose bytes are the same under every
+    Triton (before 3.8 a unary minus compiled as ``0 - y``, +0 where vLLM's
+    kernel gives -0)."""
+    _, _, rows = compiled_variants
+    query = [r for r in rows if r["kernel"] in ("fused_q", "indexer_q")]
+    assert query and all(r["float_negations"] == 0 for r in query), \
+        [(r["kernel"], r.get("float_negations")) for r in query]
+
+
+def test_float_negations_counts_both_forms_of_a_unary_minus():
+    """The count the test above asks to be zero, on IR of each form (Triton
+    3.8+'s ``negf``, earlier ``0 - y``) and of a plain difference."""
+    from vllm_dsa_varlen.ops.compile_check import float_negations
+
+    new = "%r = arith.negf %x : tensor<8x32xf32>"
+    old = ("%cst_3 = arith.constant dense<0.000000e+00> : tensor<8x32xf32>\n"
+           "%r = arith.subf %cst_3, %x : tensor<8x32xf32>")
+    plain = ("%cst_3 = arith.constant dense<0.000000e+00> : tensor<8x32xf32>\n"
+             "%r = arith.subf %a, %cst_3 : tensor<8x32xf32>\n%s = arith.subf %a, %b : f32")
+    assert (float_negations(new), float_negations(old), float_negations(plain)) == (1, 1, 0)
+
+
 def test_the_cuda_builds_compile_without_spills(compiled_variants):
     """The sm_90 CUDA kernel through NVRTC in each build the launcher takes (64
     and 32 heads, each run-length hint class; pipelined at 64 from

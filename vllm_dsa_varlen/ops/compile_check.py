@@ -117,6 +117,19 @@ def compile_topk(defines: tuple = ()) -> dict:
         extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines))))
 
 
+def float_negations(ttir: str) -> int:
+    """How many float values a kernel's Triton IR negates: ``arith.negf``
+    (Triton 3.8 and later compile a float's unary minus so) and ``arith.subf``
+    from a zero constant (earlier Tritons' form of it, which gives +0 for +0).
+    The query kernels negate none: their RoPE's bytes must not depend on which
+    form a Triton emits (:data:`~.triton_fused_q.NEG_ONE`)."""
+    import re
+
+    zeros = set(re.findall(r"(%[\w.#]+) = arith\.constant (?:dense<)?-?0\.0+e\+00\b", ttir))
+    subs = re.findall(r"arith\.subf (%[\w.#]+),", ttir)
+    return ttir.count("arith.negf") + sum(lhs in zeros for lhs in subs)
+
+
 def _ptxas_report(cubin: bytes, log: str) -> dict:
     import re
 
@@ -192,7 +205,8 @@ def main() -> int:
                 row.update(arch=job[2], **job[3])
                 k = (compile_fused_q(job[2], q_heads=job[1], **job[3]) if job[0] == "fused_q"
                      else compile_indexer_q(job[2], num_heads=job[1], **job[3]))
-                row.update(ok=True, name=k.name, local=".local" in k.asm["ptx"])
+                row.update(ok=True, name=k.name, local=".local" in k.asm["ptx"],
+                           float_negations=float_negations(k.asm["ttir"]))
                 print(json.dumps(row), flush=True)
                 continue
             row["arch"], row["pairs"] = job[2], job[3]["PAIRS"]
