@@ -8,6 +8,8 @@ installed."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -123,16 +125,12 @@ def float_negations(ttir: str) -> int:
     from a zero constant (earlier Tritons' form of it, which gives +0 for +0).
     The query kernels negate none: their RoPE's bytes must not depend on which
     form a Triton emits (:data:`~.triton_fused_q.NEG_ONE`)."""
-    import re
-
     zeros = set(re.findall(r"(%[\w.#]+) = arith\.constant (?:dense<)?-?0\.0+e\+00\b", ttir))
     subs = re.findall(r"arith\.subf (%[\w.#]+),", ttir)
     return ttir.count("arith.negf") + sum(lhs in zeros for lhs in subs)
 
 
 def _ptxas_report(cubin: bytes, log: str) -> dict:
-    import re
-
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return {"cubin_bytes": len(cubin), "registers": int(regs.group(1)) if regs else None,

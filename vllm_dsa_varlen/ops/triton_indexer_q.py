@@ -61,8 +61,7 @@ def _indexer_q_kernel(
         q_ptr + tok * q_s0 + h * q_s1, pos, cs_ptr, cs_s0, h, d, NUM_HEADS, HALF, INTERLEAVE)
     if FUSED:  # the pair (a, b) -> (fma(a, cos, -(b sin)), fma(a, sin, b cos))
         a = tl.where(first, x, partner)
-        # -(b sin) as a product with -1 (NEG_ONE): Triton before 3.8 compiles a
-        # float's unary minus as 0 - y, +0 where vLLM's negated operand gives -0
+        # -(b sin) as a product with -1: NEG_ONE's note
         roped = tl.fma(a, tl.where(first, cos, sin),
                        tl.where(first, partner * sin * NEG_ONE, x * cos))
     else:  # (a cos - b sin, b cos + a sin), every product rounded
