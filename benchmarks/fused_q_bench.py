@@ -47,7 +47,7 @@ OUTPUTS = {"fused_q": ("index_q_fp8", "index_weights_out", "mqa_q"),
            "indexer_q": ("q_fp8", "weights_out")}
 DEFAULT_BLOCKS = {"fused_q": ["4/8/2/1", "4/16/2/2", "8/8/1/1", "2/8/1/1", "1/8/1/1"],
                   "indexer_q": ["4/1", "8/1", "16/2", "2/1", "1/1"]}
-COPY_RATE = 4.25e12  # B/s, the H200's measured copy rate (DEVELOPERS' floor figure)
+COPY_RATE = 4.25e12  # B/s, the H200's measured copy rate
 
 
 def fused_q_bytes(inp, quantize_mqa: bool) -> int:

@@ -8,6 +8,7 @@ import pytest
 from vllm_dsa_varlen import bench
 
 
+@pytest.mark.interpreter
 def test_cpu_run_writes_json_and_trace(tmp_path, capsys):
     out, trace = tmp_path / "bench.json", tmp_path / "trace.json"
     assert bench.main(["--cpu", "--json", str(out), "--trace", str(trace)]) == 0
@@ -29,6 +30,7 @@ def test_variant_spec_parsing():
         {"rows_per_dot": 2, "num_warps": 4}, {"groups": 1}]
 
 
+@pytest.mark.interpreter
 def test_custom_cases_from_the_command_line(tmp_path):
     out = tmp_path / "bench.json"
     assert bench.main(["--cpu", "--json", str(out), "--batch", "2", "3", "--context", "150",
@@ -41,6 +43,7 @@ def test_custom_cases_from_the_command_line(tmp_path):
         assert row["useful_rows"] <= 3 * int(row["case"].split()[0][1:])  # at most B x tokens
 
 
+@pytest.mark.interpreter
 def test_cpu_json_is_strict(tmp_path):
     """No bare NaN in bench.json (jq and JSON.parse reject it): the CPU run's
     unknown floors are written as null."""

@@ -10,6 +10,7 @@ interpreter (fewer, slower examples).  Derandomized: hypothesis prints the
 failing example and its seed.
 """
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -96,6 +97,7 @@ def test_varlen_reference_equals_padded_path(batch):
     assert not valid_mask(ctx, step.max_context_len, rows.indices)[tokens:].any()
 
 
+@pytest.mark.interpreter
 @settings(max_examples=500, **SETTINGS)
 @given(batch=decode_batches(max_reqs=4, max_len=300))
 def test_triton_varlen_equals_padded_path(batch):

@@ -345,6 +345,7 @@ def test_reference_names_a_bad_kv_cache():
             split_fused_kv(bad)
 
 
+@pytest.mark.interpreter
 def test_triton_under_dcp_logits_wider_than_local_block_table():
     max_model_len, dcp_world = 4096, 2
     width = -(-max_model_len // (PAGE * dcp_world))

@@ -52,6 +52,7 @@ def no_gpu_timing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
 
+@pytest.mark.interpreter
 def test_indexer_q_cases_and_the_byte_comparison(no_gpu_timing, monkeypatch):
     """The indexer-query cases with the project's kernel standing for vLLM's
     function (CUDA-only) and one implementation that flips a weight's sign:
