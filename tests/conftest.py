@@ -80,6 +80,57 @@ def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
+# Without a GPU, each test's Triton launches are watched: one that runs a
+# kernel in the interpreter must say how it would run on a GPU machine, by
+# taking the ``device`` fixture (its tensors then live on the GPU) or carrying
+# the ``interpreter`` mark (skipped there).  Otherwise it hands CPU tensors to
+# a compiled kernel where a GPU is, and fails only there.
+_LAUNCHED = []
+
+
+def _watch_interpreter_launches() -> bool:
+    """Count interpreted kernel launches in :data:`_LAUNCHED` (True where
+    Triton's interpreter has the launch method this wraps)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    run = getattr(interpreter.InterpretedFunction, "run", None)
+    if run is None:
+        return False
+
+    @functools.wraps(run)
+    def counted(self, *args, **kwargs):
+        _LAUNCHED.append(getattr(self, "__name__", "?"))
+        return run(self, *args, **kwargs)
+
+    interpreter.InterpretedFunction.run = counted
+    return True
+
+
+WATCHING = not HAS_CUDA and _watch_interpreter_launches()
+
+
+def undeclared_launches(item, launched: list) -> str | None:
+    """Why ``item`` may not launch ``launched`` (kernel names) in the
+    interpreter, or ``None``."""
+    if not launched or "interpreter" in item.keywords or "device" in item.fixturenames:
+        return None
+    return (f"ran {sorted(set(launched))} in Triton's interpreter on CPU tensors without the "
+            f"`device` fixture or the `interpreter` mark: on a GPU machine it would hand CPU "
+            f"tensors to a compiled kernel")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _LAUNCHED.clear()
+    yield
+    why = undeclared_launches(item, _LAUNCHED) if WATCHING else None
+    _LAUNCHED.clear()
+    if why:
+        pytest.fail(why, pytrace=False)
+
+
 @functools.cache
 def import_patch_targets() -> tuple[str, ...]:
     """The modules the installed line's patches change, imported once a session

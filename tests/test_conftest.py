@@ -1,0 +1,45 @@
+"""The suite's own guard (conftest): without a GPU, a test that runs a Triton
+kernel in the interpreter must take the ``device`` fixture or carry the
+``interpreter`` mark, so the whole suite also runs where a GPU is."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import conftest
+
+
+def _item(marks=(), fixtures=()):
+    return SimpleNamespace(keywords={m: True for m in marks}, fixturenames=list(fixtures))
+
+
+def test_an_undeclared_launch_is_refused_by_name():
+    why = conftest.undeclared_launches(_item(fixtures=("tmp_path",)), ["_k", "_k", "_j"])
+    assert why is not None and "['_j', '_k']" in why and "interpreter" in why
+    assert conftest.undeclared_launches(_item(marks=("interpreter",)), ["_k"]) is None
+    assert conftest.undeclared_launches(_item(fixtures=("device",)), ["_k"]) is None
+    assert conftest.undeclared_launches(_item(), []) is None
+
+
+@pytest.mark.interpreter
+def test_interpreted_launches_are_counted():
+    """The wrap of the interpreter's launch is in place and counts a real
+    launch (a kernel that doubles a random vector, checked)."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    assert conftest.WATCHING
+
+    @triton.jit
+    def _double(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) * 2, mask=mask)
+
+    x = torch.randn(7)
+    want = x * 2
+    before = len(conftest._LAUNCHED)
+    _double[(1,)](x, 7, BLOCK=8)
+    assert conftest._LAUNCHED[before:] == ["_double"]
+    torch.testing.assert_close(x, want)
