@@ -147,45 +147,57 @@ def plan_decode_rows(
     _check_inputs(seq_lens, query_start_loc, block_table, num_rows, uniform_len)
     if indices_ready and (uniform_len is None or out is None):
         raise ValueError("indices_ready: only for a uniform batch planned into `out`")
-    device = seq_lens.device
-    num_reqs = seq_lens.shape[0]
-    if out is None:
-        out = DecodeRowBuffers.allocate(num_rows, block_table.shape[1], device)
-    elif out.indices.shape[0] < num_rows or out.arange.shape[0] < num_rows:
-        raise ValueError(
-            f"out: buffers hold {out.indices.shape[0]} rows, {num_rows} needed")
-    elif out.block_table.shape[1] < block_table.shape[1]:
-        raise ValueError(
-            f"out.block_table: width {out.block_table.shape[1]} < block_table width "
-            f"{block_table.shape[1]}")
     width = block_table.shape[1]
+    if out is None:
+        out = DecodeRowBuffers.allocate(num_rows, width, seq_lens.device)
+    else:
+        _check_out(out, num_rows, width)
     ids = out.indices[:num_rows]
     ctx = out.context_lens[:num_rows]
     rows_bt = out.block_table[:num_rows, :width]
-    rows = out.arange[:num_rows]
-    if num_rows == 0:
-        return DecodeRows(ids, ctx, rows_bt, 0)
-
-    seq = seq_lens.to(torch.int32)
-    if uniform_len is not None:
-        # Request b's rows are rows b*n .. b*n+n-1: every output is a
-        # broadcast over a [B, n] view, so no index tensor is made.
-        n = uniform_len
-        if not indices_ready:
-            torch.div(rows, n, rounding_mode="floor", out=ids)
-        ramp = out.ramp
-        if ramp is not None and ramp.shape[0] >= n:
-            ramp = ramp[ramp.shape[0] - n:]
+    if num_rows:
+        seq = seq_lens.to(torch.int32)
+        if uniform_len is not None:
+            _uniform_rows(seq, block_table, out, ids, ctx, rows_bt, uniform_len, indices_ready)
         else:
-            ramp = out.arange[:n] - (n - 1)
-        torch.add(seq.unsqueeze(1), ramp, out=ctx.view(num_reqs, n))
-        ctx.clamp_min_(0)
-        rows_bt.view(num_reqs, n, width).copy_(block_table[:num_reqs].unsqueeze(1))
-        return DecodeRows(ids, ctx, rows_bt, num_rows)
+            _variable_rows(seq, query_start_loc, block_table, out, ids, ctx, rows_bt, num_tokens,
+                           decode_lens)
+    return DecodeRows(ids, ctx, rows_bt, num_rows)
 
-    # Variable lengths: the first ``num_tokens`` rows are real (their request
-    # index by repeat_interleave, sized from the host so no sync is needed);
-    # any rows after them are padding rows with ids of their own.
+
+def _check_out(out: DecodeRowBuffers, num_rows: int, width: int) -> None:
+    """``ValueError`` naming the buffer of ``out`` too small for ``num_rows``
+    rows of a block table ``width`` wide."""
+    if out.indices.shape[0] < num_rows or out.arange.shape[0] < num_rows:
+        raise ValueError(f"out: buffers hold {out.indices.shape[0]} rows, {num_rows} needed")
+    if out.block_table.shape[1] < width:
+        raise ValueError(f"out.block_table: width {out.block_table.shape[1]} < block_table width "
+                         f"{width}")
+
+
+def _uniform_rows(seq, block_table, out, ids, ctx, rows_bt, n: int, indices_ready: bool) -> None:
+    """Every request has ``n`` tokens: request b's rows are rows b*n .. b*n+n-1,
+    so every output is a broadcast over a ``[B, n]`` view (no index tensor)."""
+    num_reqs, width = seq.shape[0], rows_bt.shape[1]
+    if not indices_ready:
+        torch.div(out.arange[:ids.shape[0]], n, rounding_mode="floor", out=ids)
+    ramp = out.ramp
+    if ramp is not None and ramp.shape[0] >= n:
+        ramp = ramp[ramp.shape[0] - n:]
+    else:
+        ramp = out.arange[:n] - (n - 1)
+    torch.add(seq.unsqueeze(1), ramp, out=ctx.view(num_reqs, n))
+    ctx.clamp_min_(0)
+    rows_bt.view(num_reqs, n, width).copy_(block_table[:num_reqs].unsqueeze(1))
+
+
+def _variable_rows(seq, query_start_loc, block_table, out, ids, ctx, rows_bt,
+                   num_tokens: int | None, decode_lens) -> None:
+    """Variable lengths: the first ``num_tokens`` rows are real (their request
+    index by repeat_interleave, sized from the host so no sync is needed); any
+    rows after them are padding rows with ids of their own, context 0 and a
+    block-table row of zeros."""
+    num_rows, num_reqs = ids.shape[0], seq.shape[0]
     num_real = num_rows if num_tokens is None else num_tokens
     if not 0 <= num_real <= num_rows:
         raise ValueError(f"num_tokens: expected 0..{num_rows}, got {num_tokens}")
@@ -205,6 +217,7 @@ def plan_decode_rows(
     offset = torch.sub(seq, qsl[1:])
     offset.add_(qsl[:1])
     torch.index_select(offset, 0, req, out=real_ctx)
+    rows = out.arange[:num_rows]
     if out.arange.shape[0] > num_real:
         real_ctx.add_(out.arange[1:num_real + 1])  # r + 1
     else:
@@ -218,7 +231,6 @@ def plan_decode_rows(
         torch.add(rows[num_real:], num_reqs, out=ids[num_real:])
         ctx[num_real:].zero_()
         rows_bt[num_real:].zero_()
-    return DecodeRows(ids, ctx, rows_bt, num_rows)
 
 
 def run_starts(indices: torch.Tensor) -> torch.Tensor:
