@@ -204,7 +204,7 @@ def test_fused_q_setting_is_read_and_checked():
 
 @pytest.mark.parametrize("is_cuda,capability,setting,mode,measured,serves", [
     (True, (9, 0), "auto", "auto", True, True),
-    (True, (9, 0), "auto", "auto", False, False),  # vLLM 0.27's kernel, not yet measured
+    (True, (9, 0), "auto", "auto", False, False),  # a kernel not measured faster there
     (True, (9, 0), "on", "auto", False, True),
     (True, (9, 0), "on", "auto", True, True),
     (True, (8, 9), "on", "auto", False, True),

@@ -90,7 +90,7 @@ HEADS = 64            # the head count the launcher routes here (LAUNCHER_HEADS)
 # where it can serve: at 64 heads on the H200 it matched plan_torch bit for bit on
 # 17 steps of 11 to 8199 rows, at 5.7-8.3 µs of GPU time per step up to 1031 rows
 # against plan_torch's 130-178 (vllm-dsa-varlen-bench --plan-timing; docs/design.md
-# §8); its 32-head build is not yet measured on the GPU.
+# §8); its 32-head build likewise, 6.0-8.7 µs up to 1031 rows (h200-765bf97).
 PLAN_KERNEL = True
 HEAD_COUNTS = (32, 64)  # the kernel's builds: a row group is 128 // heads rows
 # Where unsupported_reason lets the launcher take it: the HEADS=32 build measured
