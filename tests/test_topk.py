@@ -5,6 +5,8 @@ arguments)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -285,7 +287,7 @@ def test_a_bound_is_ignored_inside_a_graph_capture(kernel_here, monkeypatch):
     monkeypatch.setattr(topk, "decide",
                         lambda index: topk.TopkChoice(True, "test", per_call=True))
     for capturing, ours in [(False, True), (True, False)]:
-        monkeypatch.setattr(topk, "capturing", lambda: capturing)
+        monkeypatch.setattr(topk, "capturing", lambda logits: capturing)
         logits, lens, out, k = _call(rows=40, width=topk.LONG_ROWS)  # > 32 rows: the bound decides
         stock = []
         before = len(kernel_here)
@@ -298,3 +300,25 @@ def test_a_bound_is_ignored_inside_a_graph_capture(kernel_here, monkeypatch):
     logits, lens, out, k = _call(rows=5)
     topk.dispatch(logits, lens, out, k, lambda: pytest.fail("stock called"), bound=300)
     assert kernel_here[-1][1] is None and topk_selection_ok(logits, lens, k, out) == []
+
+
+def test_capture_is_asked_only_for_cuda_logits(monkeypatch):
+    """``capturing`` asks the stream only for CUDA logits (a CPU tensor or
+    anything else is not captured, and no CUDA query is made for it)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
+                        lambda: pytest.fail("asked the stream for non-CUDA logits"))
+    assert topk.capturing(torch.zeros(2, 3)) is False
+    assert not topk.capturing(None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert topk.capturing(types.SimpleNamespace(is_cuda=True)) is True
+
+
+@pytest.mark.gpu
+def test_capture_is_seen_inside_a_cuda_graph():
+    logits = torch.zeros(4, 8, device="cuda")
+    seen = []
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        seen.append(topk.capturing(logits))
+        logits.add_(1)
+    assert seen == [True] and topk.capturing(logits) is False

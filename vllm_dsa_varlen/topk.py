@@ -209,9 +209,12 @@ def serves(logits, lengths, out, k) -> bool:
                                                                             out, k)
 
 
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def capturing(logits) -> bool:
+    """Whether a CUDA graph capture is under way for this call: CUDA
+    ``logits`` and the current stream capturing (not asking whether CUDA is
+    available: that reads the environment and queries the driver, ~1 µs, on
+    every eager layer)."""
+    return getattr(logits, "is_cuda", False) and torch.cuda.is_current_stream_capturing()
 
 
 def dispatch(logits, lengths, out, k, stock: Callable[[], object],
@@ -233,7 +236,7 @@ def dispatch(logits, lengths, out, k, stock: Callable[[], object],
         if known is not None and not known.own:
             stock()
             return
-    captured = capturing()
+    captured = capturing(logits)
     if captured or not (isinstance(bound, int) and not isinstance(bound, bool) and bound >= 1):
         # A graph replays the launch at other lengths: no bound there (vLLM captures
         # with max_seq_len = max_model_len, which bounds nothing).
