@@ -198,6 +198,8 @@ def test_register_dispatches_on_the_vllm_line(monkeypatch, version, line):
     monkeypatch.delenv(config.MODE_ENV, raising=False)
     monkeypatch.setattr(vllm, "__version__", version)
     monkeypatch.setattr(patches, "apply_all", lambda **kw: asked.append(kw))
+    # the installed source is one line's: the other line's would differ from it
+    monkeypatch.setattr(patches, "upstream_differences", lambda line, api_only=False: [])
     vllm_dsa_varlen.register()
     assert asked == [dict(line=line, defer_unimported=True)]
     assert patches.for_line(line)
@@ -373,3 +375,46 @@ def test_init_then_runs_stock_init_first_then_the_setup():
     obj = Stock.__new__(Stock)
     wrapped(obj, 3, b=4)
     assert order == [("init", 3, 4), ("setup", 3)]
+
+
+def test_every_patch_has_one_recorded_shape():
+    """SHAPES holds one entry per patch of each line, and nothing else."""
+    for line in patches.LINES:
+        assert set(patches.SHAPES[line]) == {p.key for p in patches.for_line(line)}, line
+    assert set(patches.SHAPES) == set(patches.LINES)
+
+
+def test_the_installed_vllm_has_what_its_lines_patches_expect():
+    assert patches.upstream_differences(LINE) == []
+    assert patches.upstream_differences(LINE, api_only=True) == []
+
+
+@pytest.mark.parametrize("mode", ["auto", "stock"])
+def test_register_leaves_a_differing_vllm_stock_and_names_the_difference(monkeypatch, plugin_log,
+                                                                         mode):
+    """A release of the line whose source changed what one patch relies on (a
+    parameter added to a patched function here) is left unpatched: nothing
+    applied or pending, every attribute stock's, a warning naming the target
+    and both shapes."""
+    from vllm_dsa_varlen import upstream
+
+    target = next((p for p in LINE_PATCHES if p.api or mode == "auto"), None)
+    if target is None:
+        pytest.skip(f"vLLM {LINE}'s stock mode applies no patch: nothing to compare")
+    real = upstream.shape
+    changed = {}
+
+    def shape(module, attribute):
+        got = real(module, attribute)
+        if f"{module}:{attribute}" == target.key:
+            got = changed[target.key] = got.replace(")", ", new_arg)", 1)
+        return got
+
+    monkeypatch.setenv(config.MODE_ENV, mode)
+    monkeypatch.setattr(upstream, "shape", shape)
+    before = _snapshot()
+    vllm_dsa_varlen.register()
+    assert patches.applied() == [] and patches.pending() == [] and _snapshot() == before
+    warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and target.key in warnings[0] and changed[target.key] in warnings[0]
+    assert patches.SHAPES[LINE][target.key] in warnings[0]

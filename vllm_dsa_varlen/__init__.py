@@ -4,7 +4,9 @@ vLLM calls :func:`register` (entry point ``vllm.general_plugins`` ->
 ``vllm_dsa_varlen:register``) in every process it starts.  It recognises the
 installed vLLM's line and applies that line's patch set
 (:mod:`vllm_dsa_varlen.patches`): ``vllm_0_27/`` for 0.27.x, ``vllm_0_33/``
-for 0.33.x; any other vLLM is left stock, with a log line.  Importing this
+for 0.33.x, where the installed source still has what each patch was written
+against (:func:`.patches.upstream_differences`); any other vLLM is left
+stock, with a log line.  Importing this
 package is cheap and imports nothing from vLLM; the kernels (``ops``), the row
 planner (``plan``), the decisions (``config``, ``policy``) work without vLLM.
 """
@@ -34,8 +36,10 @@ def register() -> None:
     """Plugin entry point: apply the installed vLLM line's patch set
     (idempotent; target modules not imported yet are patched when they are).
 
-    Does nothing but log when ``VLLM_DSA_VARLEN=off`` or when the installed
-    vLLM is neither 0.27.x nor 0.33.x (stock behaviour).  With
+    Does nothing but log when ``VLLM_DSA_VARLEN=off``, when the installed
+    vLLM is neither 0.27.x nor 0.33.x, or when its source differs from the
+    release the line's patches were read from where they apply (a warning
+    naming each difference; stock behaviour).  With
     ``VLLM_DSA_VARLEN=stock`` only the line's DeepGEMM API adapters are applied
     (stock's decode path, stock's arguments, on a DeepGEMM of another API
     generation).  Raises
@@ -60,6 +64,12 @@ def register() -> None:
     from . import patches
 
     line = f"{series[0]}.{series[1]}"
+    differences = patches.upstream_differences(line, api_only=mode == "stock")
+    if differences:
+        logger.warning("vllm-dsa-varlen: vLLM %s differs from %s where the %s line's patches "
+                       "apply; not patching (stock behaviour): %s", version, patches.LINES[line],
+                       line, "; ".join(differences))
+        return
     if mode == "stock":
         api = patches.for_line(line, api_only=True)
         logger.info("vllm-dsa-varlen: %s=stock: stock decode path; %s", config.MODE_ENV,

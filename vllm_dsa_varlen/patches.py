@@ -8,7 +8,11 @@ changes and why.  Each patch names the vLLM release its target was read from
 :data:`LINES`), and only the installed line's patches are ever applied.
 :func:`apply_all` applies a line's patches (idempotent), :func:`undo_all` puts
 the originals back exactly (also restoring "was not there" by deleting),
-:func:`applied` lists what is in force.
+:func:`applied` lists what is in force.  :data:`SHAPES` records what each
+patched attribute looked like in that release (its parameters, fields or
+import); :func:`upstream_differences` compares them with the installed source
+(:mod:`.upstream`, no import), and the plugin entry point leaves a vLLM that
+differs stock.
 
 A patch names its replacement by dotted path (``"package.module:name"``) so
 this module imports neither vLLM nor the replacement modules until
@@ -241,6 +245,78 @@ PATCHES: tuple[Patch, ...] = (
           "and for any call it does not take (config.choose_fused_q)",
           upstream=_V033, wraps=True),
 )
+
+
+# What each patched attribute looks like in the release its line was read
+# from, as upstream.shape reads it from source (a function's parameters, a
+# class's fields, a global's import).  register() compares them with the
+# installed vLLM before applying a line (upstream_differences): a 0.27.x or
+# 0.33.x release that changed one is left stock, with a warning naming it.
+_BUILDER = "DeepseekV32IndexerMetadataBuilder"
+_DG_PAGED_27 = ("def(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, "
+                "max_model_len, clean_logits)")
+_DG_PAGED_33 = ("def(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, "
+                "max_model_len, indices)")
+_DG_MQA_27 = "def(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)"
+_DG_META = "def(context_lens, block_size, num_sms)"
+_PREPARE = ("def(self, seq_lens, block_table, decode_lens, decode_lens_cpu, query_start_loc, "
+            "num_decodes, num_decode_tokens, use_native, next_n, max_decode_len)")
+_BUILD = "def(self, common_prefix_len, common_attn_metadata, fast_build)"
+_TOPK_33 = "vllm.model_executor.layers.indexer_topk.get_indexer_topk: def(backend)"
+SHAPES: dict[str, dict[str, str]] = {
+    "0.27": {
+        f"{_DG}:get_paged_mqa_logits_metadata": _DG_META,
+        f"{_DG}:fp8_fp4_paged_mqa_logits": _DG_PAGED_27,
+        f"{_DG}:fp8_fp4_mqa_logits": _DG_MQA_27,
+        f"{_SAI}:fp8_fp4_mqa_logits": f"{_DG}.fp8_fp4_mqa_logits: {_DG_MQA_27}",
+        f"{_SAI}:fp8_fp4_paged_mqa_logits": f"{_DG}.fp8_fp4_paged_mqa_logits: {_DG_PAGED_27}",
+        f"{_SAI}:torch": "import torch",
+        f"{_V2}:fused_indexer_q_rope_quant":
+            f"{_SAI}.fused_indexer_q_rope_quant: def(positions, q, cos_sin_cache, weights, "
+            "softmax_scale, head_scale, is_neox)",
+        f"{_IX}:get_paged_mqa_logits_metadata": f"{_DG}.get_paged_mqa_logits_metadata: {_DG_META}",
+        f"{_IX}:DeepSeekV32IndexerDecodeMetadata":
+            "class(block_table, seq_lens, decode_lens, requires_padding, schedule_metadata, "
+            "global_seq_lens)",
+        f"{_IX}:{_BUILDER}.get_cudagraph_support": "def(cls, vllm_config, kv_cache_spec)",
+        f"{_IX}:{_BUILDER}.__init__": "def(self, *args, block_table_width, **kwargs)",
+        f"{_IX}:{_BUILDER}._prepare_decode_tensors": _PREPARE,
+        f"{_IX}:{_BUILDER}.build": _BUILD,
+    },
+    "0.33": {
+        f"{_SAI}:fp8_fp4_paged_mqa_logits": f"{_DG}.fp8_fp4_paged_mqa_logits: {_DG_PAGED_33}",
+        f"{_SAI}:get_indexer_topk": _TOPK_33,
+        f"{_GLM5N}:fp8_fp4_paged_mqa_logits": f"{_DG}.fp8_fp4_paged_mqa_logits: {_DG_PAGED_33}",
+        f"{_GLM5N}:get_indexer_topk": _TOPK_33,
+        f"{_IX}:{_BUILDER}.__init__": "def(self, *args, block_table_width, **kwargs)",
+        f"{_IX}:{_BUILDER}._prepare_decode_tensors": _PREPARE,
+        f"{_IX}:{_BUILDER}.update_draft_decode_metadata": "def(self, metadata)",
+        f"{_IX}:{_BUILDER}.build": _BUILD,
+        f"{_V32_ATTN}:fused_q":
+            "vllm.models.deepseek_v32.common.kernels.fused_q: def(positions, q_pe, "
+            "q_pe_cos_sin_cache, index_q, index_q_cos_sin_cache, ql_nope, q_scale, "
+            "index_weights, index_weights_softmax_scale, index_weights_head_scale, "
+            "has_indexer, index_rope_interleave, quantize_mqa)",
+    },
+}
+
+
+def upstream_differences(line: str, *, api_only: bool = False) -> list[str]:
+    """Where the installed vLLM's source differs from what ``line``'s patches
+    were written against (:data:`SHAPES`, read by :func:`.upstream.shape`
+    without importing vLLM), one line each; empty where it does not.
+    ``api_only``: the DeepGEMM API adapters only (``VLLM_DSA_VARLEN=stock``)."""
+    from .upstream import shape  # read per call: tests stand in for it
+
+    expected = SHAPES.get(line, {})
+    found = []
+    for patch in for_line(line, api_only=api_only):
+        want = expected.get(patch.key)
+        got = shape(patch.module, patch.attribute)
+        if want is None or got != want:
+            found.append(f"{patch.key}: {LINES[line]} has {want or 'no recorded shape'}, "
+                         f"the installed vLLM {got or 'nothing there'}")
+    return found
 
 
 @dataclass
