@@ -418,3 +418,11 @@ def test_register_leaves_a_differing_vllm_stock_and_names_the_difference(monkeyp
     warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and target.key in warnings[0] and changed[target.key] in warnings[0]
     assert patches.SHAPES[LINE][target.key] in warnings[0]
+
+
+def test_the_registry_printout_says_whether_the_installed_vllm_would_be_patched(monkeypatch):
+    assert "has what every patch" in patches.describe_installed()
+    monkeypatch.setattr(patches, "upstream_differences",
+                        lambda line, api_only=False: [f"{LINE_PATCHES[0].key}: changed"])
+    said = patches.describe_installed()
+    assert "not patched" in said and f"- {LINE_PATCHES[0].key}: changed" in said

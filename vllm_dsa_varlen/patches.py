@@ -162,10 +162,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_V2, "fused_indexer_q_rope_quant",
           f"{_OUR_V2}:wrap_fused_indexer_q_rope_quant",
           "the indexer layer calls this module global once per layer to prepare its query "
-          "(RoPE, fp8, the weights' scaling): with VLLM_DSA_VARLEN_FUSED_Q=on the project's "
-          "kernel (a program per token and block of heads, vLLM's arithmetic) instead of "
-          "vLLM's one-warp program per token and head; vLLM's otherwise and for any call it "
-          "does not take (config.choose_fused_q: `auto` keeps vLLM's until it is measured)",
+          "(RoPE, fp8, the weights' scaling): on sm_90 (VLLM_DSA_VARLEN_FUSED_Q=auto; `on` "
+          "also other fp8 GPUs) the project's kernel (a program per token and block of heads, "
+          "vLLM's arithmetic, bytes equal to its outputs) instead of vLLM's one-warp program "
+          "per token and head; vLLM's otherwise and for any call it does not take "
+          "(config.choose_fused_q)",
           wraps=True),
     Patch(_IX, "get_paged_mqa_logits_metadata", f"{_OUR_IX}:get_paged_mqa_logits_metadata",
           "the builder's build() calls this module global: during a varlen build pass "
@@ -568,5 +569,21 @@ def describe() -> str:
     return "\n".join(lines)
 
 
+def describe_installed() -> str:
+    """One line on the installed vLLM against its line's recorded shapes:
+    whether the plugin would patch it, and each difference where not."""
+    line = installed_line()
+    if line not in LINES:
+        return f"installed vLLM line: {line or 'none'}: no patch set (stock behaviour)"
+    differences = upstream_differences(line)
+    if not differences:
+        return (f"installed vLLM ({line} line): its source has what every patch of the line "
+                f"was written against ({LINES[line]})")
+    return (f"installed vLLM ({line} line) differs from {LINES[line]}; not patched (stock "
+            "behaviour):\n" + "\n".join(f"- {d}" for d in differences))
+
+
 if __name__ == "__main__":
     print(describe())
+    print()
+    print(describe_installed())
