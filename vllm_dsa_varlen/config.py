@@ -16,9 +16,8 @@
   step's query preparation (vLLM 0.33's ``fused_q``: RoPE, fp8 quant, indexer
   weights; vLLM 0.27's ``fused_indexer_q_rope_quant``: the indexer's part).
   ``auto`` takes the project's kernel where it was measured (sm_90, both
-  lines); ``on`` takes it on any
-  fp8 CUDA GPU, measured or not; ``off`` keeps vLLM's
-  (:func:`choose_fused_q`).
+  lines); ``on`` takes it on any fp8 CUDA GPU, measured or not; ``off``
+  keeps vLLM's (:func:`choose_fused_q`).
   ``VLLM_DSA_VARLEN_FUSED_Q_BLOCKS=index/pe/nope/warps`` (powers of two) sets
   that kernel's heads per program and warps (tuning; default the measured
   best, ``ops.triton_fused_q.Blocks``; vLLM 0.27's kernel takes ``index``
