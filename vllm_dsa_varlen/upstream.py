@@ -50,12 +50,13 @@ def _tree(path: pathlib.Path, mtime_ns: int) -> ast.Module:
     return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
 
 
-def _module_tree(module: str) -> ast.Module | None:
+def _module_tree(module: str) -> tuple[pathlib.Path, ast.Module] | None:
+    """``module``'s source file and its parsed tree, or ``None``."""
     path = source_path(module)
     if path is None:
         return None
     try:
-        return _tree(path, path.stat().st_mtime_ns)
+        return path, _tree(path, path.stat().st_mtime_ns)
     except (OSError, SyntaxError, UnicodeDecodeError):
         return None
 
@@ -95,8 +96,15 @@ def _fields(cls: ast.ClassDef) -> str:
     return "class(" + ", ".join(names) + ")"
 
 
-def _package(module: str, path: pathlib.Path) -> str:
-    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+def _imported_from(module: str, path: pathlib.Path, node: ast.ImportFrom) -> str:
+    """The absolute name of the module ``node`` (in ``module``, read from
+    ``path``) imports from, its relative levels resolved."""
+    if not node.level:
+        return node.module or ""
+    base = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        base = base.rpartition(".")[0]
+    return f"{base}.{node.module}" if node.module else base
 
 
 def shape(module: str, attribute: str) -> str | None:
@@ -111,9 +119,10 @@ def shape(module: str, attribute: str) -> str | None:
 
 
 def _shape(module: str, attribute: str, depth: int) -> str | None:
-    tree = _module_tree(module)
-    if tree is None:
+    found = _module_tree(module)
+    if found is None:
         return None
+    path, tree = found
     *owners, name = attribute.split(".")
     scope = tree.body
     for owner in owners:
@@ -136,12 +145,7 @@ def _shape(module: str, attribute: str, depth: int) -> str | None:
         if isinstance(node, ast.ImportFrom):
             for alias in node.names:
                 if (alias.asname or alias.name) == name:
-                    source = node.module or ""
-                    if node.level:
-                        base = _package(module, source_path(module))
-                        for _ in range(node.level - 1):
-                            base = base.rpartition(".")[0]
-                        source = f"{base}.{source}" if source else base
+                    source = _imported_from(module, path, node)
                     if depth >= 4:  # a chain of re-exports: not followed further
                         return f"{source}.{alias.name}: ?"
                     there = _shape(source, alias.name, depth + 1)
