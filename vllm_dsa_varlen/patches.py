@@ -263,6 +263,7 @@ _DG_META = "def(context_lens, block_size, num_sms)"
 _PREPARE = ("def(self, seq_lens, block_table, decode_lens, decode_lens_cpu, query_start_loc, "
             "num_decodes, num_decode_tokens, use_native, next_n, max_decode_len)")
 _BUILD = "def(self, common_prefix_len, common_attn_metadata, fast_build)"
+_INIT = "def(self, *args, block_table_width, **kwargs)"
 _TOPK_33 = "vllm.model_executor.layers.indexer_topk.get_indexer_topk: def(backend)"
 SHAPES: dict[str, dict[str, str]] = {
     "0.27": {
@@ -280,7 +281,7 @@ SHAPES: dict[str, dict[str, str]] = {
             "class(block_table, seq_lens, decode_lens, requires_padding, schedule_metadata, "
             "global_seq_lens)",
         f"{_IX}:{_BUILDER}.get_cudagraph_support": "def(cls, vllm_config, kv_cache_spec)",
-        f"{_IX}:{_BUILDER}.__init__": "def(self, *args, block_table_width, **kwargs)",
+        f"{_IX}:{_BUILDER}.__init__": _INIT,
         f"{_IX}:{_BUILDER}._prepare_decode_tensors": _PREPARE,
         f"{_IX}:{_BUILDER}.build": _BUILD,
     },
@@ -289,7 +290,7 @@ SHAPES: dict[str, dict[str, str]] = {
         f"{_SAI}:get_indexer_topk": _TOPK_33,
         f"{_GLM5N}:fp8_fp4_paged_mqa_logits": f"{_DG}.fp8_fp4_paged_mqa_logits: {_DG_PAGED_33}",
         f"{_GLM5N}:get_indexer_topk": _TOPK_33,
-        f"{_IX}:{_BUILDER}.__init__": "def(self, *args, block_table_width, **kwargs)",
+        f"{_IX}:{_BUILDER}.__init__": _INIT,
         f"{_IX}:{_BUILDER}._prepare_decode_tensors": _PREPARE,
         f"{_IX}:{_BUILDER}.update_draft_decode_metadata": "def(self, metadata)",
         f"{_IX}:{_BUILDER}.build": _BUILD,
