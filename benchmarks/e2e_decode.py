@@ -507,15 +507,15 @@ def run_cases(engines, args, prompts_of, build_timer, jit_state, gc_clock=None) 
     (``[(mode, engine, result)]``: one, or stock's and the plugin's in one
     process) into its ``result["cases"]``; returns ``jit_state()`` taken after
     the warm-up.  With two engines every case's rounds alternate between them
-    (``bench_graph.round_order``: for two engines, as given in even rounds and
-    reversed in odd ones), so both meet the same host and GPU; with
-    ``args.lockstep`` their steps alternate within each round
+    (``vllm_dsa_varlen.bench.graph.round_order``: for two engines, as given
+    in even rounds and reversed in odd ones), so both meet the same host and
+    GPU; with ``args.lockstep`` their steps alternate within each round
     (:func:`_run_lockstep`).  Counters and ``build()`` times are taken per
     round (per step in lockstep), so each engine's are its own.
     ``prompts_of(length, count=...)`` gives the prompts; cases whose requests
     do not fit an engine's KV cache at once are recorded as skipped."""
     from vllm_dsa_varlen import stats
-    from vllm_dsa_varlen.bench_graph import round_order
+    from vllm_dsa_varlen.bench.graph import round_order
 
     fits = {}
     for mode, engine, result in engines:

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from query_checks import (fused_q_args, fused_q_inputs, indexer_q_args,  # noqa: E402
                           indexer_q_inputs)
 
-from vllm_dsa_varlen.bench_graph import capture_graph, round_order  # noqa: E402
+from vllm_dsa_varlen.bench.graph import capture_graph, round_order  # noqa: E402
 from vllm_dsa_varlen.ops import triton_fused_q as fq  # noqa: E402
 from vllm_dsa_varlen.ops import triton_indexer_q as iq  # noqa: E402
 

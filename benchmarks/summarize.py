@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Markdown tables from benchmark JSON files (``bench.py --json``; peers' files
+"""Markdown tables from benchmark JSON files (``vllm-dsa-varlen-bench --json``; peers' files
 merged by case): one row per case with every path's graph-replay time, its ratio
 to the floor, and the eager time.
 

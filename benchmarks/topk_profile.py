@@ -23,11 +23,11 @@ import statistics
 def main(argv=None) -> int:
     import torch
 
-    from vllm_dsa_varlen.bench_builds import parse_variant
-    from vllm_dsa_varlen.bench_plan import parse_case
+    from vllm_dsa_varlen.bench.builds import parse_variant
+    from vllm_dsa_varlen.bench.schedule import parse_case
     from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
     from vllm_dsa_varlen.ops.cuda_topk import decode_topk
-    from vllm_dsa_varlen.workloads import random_decode_step
+    from vllm_dsa_varlen.bench.workloads import random_decode_step
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--builds", nargs="+", default=["default"])

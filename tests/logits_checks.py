@@ -6,7 +6,7 @@ import torch
 
 from vllm_dsa_varlen.ops import launcher
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
-from vllm_dsa_varlen.workloads import launcher_args
+from vllm_dsa_varlen.bench.workloads import launcher_args
 
 POISON = float("nan")
 

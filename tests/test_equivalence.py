@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
 from vllm_dsa_varlen.ops.launcher import varlen_paged_mqa_logits
-from vllm_dsa_varlen.workloads import make_decode_step
+from vllm_dsa_varlen.bench.workloads import make_decode_step
 
 PAGE = 64
 

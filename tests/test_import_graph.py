@@ -127,3 +127,12 @@ def test_the_launcher_holds_the_entry_points():
                  "hopper_kernel_for", "resolve_kernel"):
         assert callable(getattr(launcher, name))
         assert not hasattr(triton_paged_mqa_logits, name)
+
+
+def test_nothing_the_plugin_serves_with_imports_the_benchmark():
+    graph = import_graph()
+    bench = f"{PACKAGE}.bench"
+    assert bench in graph and f"{bench}.logits" in graph
+    for mod, deps in graph.items():
+        if mod != bench and not mod.startswith(bench + "."):
+            assert not {d for d in deps if d == bench or d.startswith(bench + ".")}, mod

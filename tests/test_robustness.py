@@ -91,7 +91,7 @@ from vllm_dsa_varlen.ops.reference import (  # noqa: E402
 )
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg  # noqa: E402
 from vllm_dsa_varlen.varlen_ids import VarlenTag, attach_varlen_ids  # noqa: E402
-from vllm_dsa_varlen.workloads import make_decode_step  # noqa: E402
+from vllm_dsa_varlen.bench.workloads import make_decode_step  # noqa: E402
 
 PAGE = 64
 

@@ -18,11 +18,11 @@ import sys
 import pytest
 import torch
 
-from vllm_dsa_varlen.bench_graph import capture_graph
+from vllm_dsa_varlen.bench.graph import capture_graph
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
 from vllm_dsa_varlen.ops import launcher
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
-from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
+from vllm_dsa_varlen.bench.workloads import make_decode_step, random_decode_step
 
 from logits_checks import POISON, check_poisoned, launcher_args, rel_err, run_poisoned
 
@@ -444,7 +444,7 @@ def test_cpu_tensors_are_refused_and_named_kernels_checked():
 
 # ------------------------------------------------- cuda-python, launch (CPU)
 
-from vllm_dsa_varlen import bench_launch as host_time  # noqa: E402  (the stubbed driver)
+from vllm_dsa_varlen.bench import launch as host_time  # noqa: E402  (the stubbed driver)
 
 _C_TYPES = {"TmaMap": 128, "long long": 8, "int": 4}
 

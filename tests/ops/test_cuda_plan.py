@@ -23,7 +23,7 @@ from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
 from vllm_dsa_varlen.ops import cuda_plan as cp
 from vllm_dsa_varlen.ops.common import num_sms
 from vllm_dsa_varlen.ops.reference import run_spans
-from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step, random_step_rows
+from vllm_dsa_varlen.bench.workloads import make_decode_step, random_decode_step, random_step_rows
 
 from logits_checks import check_poisoned, launcher_args, run_poisoned
 
@@ -556,7 +556,7 @@ def test_eager_launch_hands_the_driver_a_fresh_blocks_values(monkeypatch):
     block built afresh by kernel_args holds, the context lengths converted
     when they are not contiguous int32 (their values read back through the
     address handed over).  CPU tensors, the driver stubbed."""
-    from vllm_dsa_varlen import bench_launch as host_time
+    from vllm_dsa_varlen.bench import launch as host_time
     from vllm_dsa_varlen.ops import cuda_binding as cb
 
     drv = _ReadingDriver()
@@ -913,7 +913,7 @@ def test_logits_in_a_graph_with_the_planner_inside(heads, planner_calls):
                         rows.block_table.shape[1], heads)
         launcher.varlen_paged_mqa_logits(*args, out=out, kernel="sm90_cuda", schedule=sched)
 
-    from vllm_dsa_varlen.bench import capture_graph
+    from vllm_dsa_varlen.bench.graph import capture_graph
 
     graph = capture_graph(torch, call)
     assert planner_calls and set(planner_calls) == {heads}

@@ -207,7 +207,7 @@ def test_every_launch_hands_the_driver_the_values_kernel_args_makes(monkeypatch)
     stubbed."""
     import random
 
-    from vllm_dsa_varlen import bench_launch as host_time
+    from vllm_dsa_varlen.bench import launch as host_time
 
     drv = _ReadingDriver()
     monkeypatch.setattr(cb, "driver", lambda: drv)

@@ -20,13 +20,13 @@ import types
 import pytest
 import torch
 
-from vllm_dsa_varlen import bench_launch as host_time
+from vllm_dsa_varlen.bench import launch as host_time
 from vllm_dsa_varlen.ops import common, launcher
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
 from vllm_dsa_varlen.ops import triton_paged_mqa_logits as portable
 from vllm_dsa_varlen.ops.launcher import precompile
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, quantize_kv_fp8, valid_mask
-from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
+from vllm_dsa_varlen.bench.workloads import make_decode_step, random_decode_step
 
 from logits_checks import POISON, StaticStep, check_poisoned, launcher_args, run_poisoned
 
@@ -330,7 +330,7 @@ def _handed_to_driver(launch) -> list[bytes]:
 @contextlib.contextmanager
 def _stubbed_sm90(schedule):
     """The launcher taking the CUDA kernel on CPU tensors, the driver stubbed
-    (:mod:`vllm_dsa_varlen.bench_launch`); yields (driver, encodes, build)."""
+    (:mod:`vllm_dsa_varlen.bench.launch`); yields (driver, encodes, build)."""
     ops = types.SimpleNamespace(launcher=launcher, ck=ck)
     with host_time.fake_hopper(), host_time.stubbed_launcher(ops, schedule) as got:
         yield got

@@ -10,7 +10,7 @@ import torch
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
 from vllm_dsa_varlen.ops.launcher import varlen_paged_mqa_logits
 from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
-from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step
+from vllm_dsa_varlen.bench.workloads import make_decode_step, random_decode_step
 
 from logits_checks import StaticStep
 

@@ -14,7 +14,7 @@ from vllm_stubs import fake_gpu  # noqa: E402
 from vllm_dsa_varlen import patches  # noqa: E402
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask  # noqa: E402
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg  # noqa: E402
-from vllm_dsa_varlen.workloads import make_decode_step  # noqa: E402
+from vllm_dsa_varlen.bench.workloads import make_decode_step  # noqa: E402
 
 # Stock wrappers as vLLM 0.27.1 ships them (captured before any patching).
 STOCK_PAGED = vdg.fp8_fp4_paged_mqa_logits

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref  # noqa: E402
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg  # noqa: E402
-from vllm_dsa_varlen.workloads import make_decode_step  # noqa: E402
+from vllm_dsa_varlen.bench.workloads import make_decode_step  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -164,7 +164,7 @@ DEV u64 sw128_desc(const void* p) {
   return d;
 }
 #if STAMPS
-// A CTA's row of STAMP_SLOTS u64, read back by the benchmark (bench_stamps.py
+// A CTA's row of STAMP_SLOTS u64, read back by the benchmark (bench/stamps.py
 // names the slots): 0 globaltimer at entry, 1 clock64 at entry, 2 clock64 once
 // the barriers are set up, 3 clock64 when ring 0's first page is ready, 4-7
 // clock64 at each math warpgroup's end, 8 globaltimer at ring 0's end, 9 %smid;

@@ -23,7 +23,7 @@ from vllm_dsa_varlen import config, patches, policy  # noqa: E402
 from vllm_dsa_varlen.vllm_0_27.model_executor.layers import sparse_attn_indexer as ours  # noqa: E402
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref  # noqa: E402
 from vllm_dsa_varlen.varlen_ids import attach_varlen_ids, varlen_ids_of  # noqa: E402
-from vllm_dsa_varlen.workloads import make_decode_step  # noqa: E402
+from vllm_dsa_varlen.bench.workloads import make_decode_step  # noqa: E402
 
 PREFIX = "model.layers.0.self_attn.indexer.k_cache"
 HEADS, DIM, PAGE, TOPK = 32, 128, 64, 16

@@ -1,9 +1,10 @@
-"""vllm_dsa_varlen/bench_plan.py (``vllm-dsa-varlen-bench --plan-timing``): its
+"""vllm_dsa_varlen/bench/schedule.py (``vllm-dsa-varlen-bench --plan-timing``): its
 arguments and its table on the CPU (the timing itself needs a GPU)."""
 
 import pytest
 
-from vllm_dsa_varlen import bench, bench_plan
+from vllm_dsa_varlen.bench import logits as bench
+from vllm_dsa_varlen.bench import schedule
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -19,16 +20,16 @@ def test_bad_plan_timing_arguments_are_refused(argv, message):
 
 
 def test_parse_case_reads_variable_steps():
-    assert bench_plan.parse_case("64,-4,8192") == (64, -4, 8192)
-    assert all(bench_plan.parse_case(c) for c in bench_plan.CASES)
+    assert schedule.parse_case("64,-4,8192") == (64, -4, 8192)
+    assert all(schedule.parse_case(c) for c in schedule.CASES)
 
 
 def test_head_counts_default_to_both_builds():
-    assert bench_plan.head_counts(None) == (64, 32)
-    assert bench_plan.head_counts(32) == (32,) and bench_plan.head_counts(64) == (64,)
+    assert schedule.head_counts(None) == (64, 32)
+    assert schedule.head_counts(32) == (32,) and schedule.head_counts(64) == (64,)
     from vllm_dsa_varlen.ops import cuda_plan
 
-    assert sorted(bench_plan.HEADS) == sorted(cuda_plan.HEAD_COUNTS)
+    assert sorted(schedule.HEADS) == sorted(cuda_plan.HEAD_COUNTS)
 
 
 def test_plan_timing_needs_a_gpu(monkeypatch):
@@ -53,11 +54,11 @@ def test_table_columns_medians_and_ranges():
                times={"plan_torch": ([120.0, 121.0, 119.0], [100.0, 100.0, 100.0]),
                       "planner": ([7.0, 7.0, 7.0], [5.0, 5.0, 5.0]),
                       "dg_meta_flat": ([12.0, 11.0, 13.0], [3.0, 3.0, 3.0])})
-    lines, results = bench_plan.format_table([floor, one, two], 3)
+    lines, results = schedule.format_table([floor, one, two], 3)
     assert lines[0].startswith("\nµs, median over 3 rounds")
     assert lines[1] == "floor (one-element add_): replay 4.5 [4.0-5.0], /copy 0.60"
     head = lines[2].split()
-    assert [w for w in head if w in bench_plan.NAMES] == ["plan_torch", "plan_torch", "planner",
+    assert [w for w in head if w in schedule.NAMES] == ["plan_torch", "plan_torch", "planner",
                                                          "planner", "dg_meta_flat",
                                                          "dg_meta_flat"]
     assert head[:4] == ["case", "heads", "rows", "same"]
@@ -85,7 +86,7 @@ def test_prepare_case_checks_the_planner_with_and_without_the_cut(monkeypatch, h
 
     from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
     from vllm_dsa_varlen.ops import cuda_plan as cp
-    from vllm_dsa_varlen.workloads import random_decode_step
+    from vllm_dsa_varlen.bench.workloads import random_decode_step
 
     calls = []
 
@@ -103,10 +104,10 @@ def test_prepare_case_checks_the_planner_with_and_without_the_cut(monkeypatch, h
         torch.empty((programs, cp.CTA_WORDS), dtype=torch.int32)))
     monkeypatch.setattr(cp, "plan_device", planner)
     monkeypatch.setattr(ck, "num_sms", lambda device: sms)  # as on the GPU: the grid's CTAs
-    monkeypatch.setattr(bench_plan, "graph_of", lambda torch, fn, copies: fn)
+    monkeypatch.setattr(schedule, "graph_of", lambda torch, fn, copies: fn)
     tokens = ck.rows_max_for(heads, 0)  # a chunk's rows: the runs the cut takes
     step = random_decode_step(2, tokens, 2048, seed=heads, heads=heads)
-    got = bench_plan.prepare_case(torch, "2,x,2048", heads, step.rows, step.max_context_len,
+    got = schedule.prepare_case(torch, "2,x,2048", heads, step.rows, step.max_context_len,
                                   step.rows.block_table.shape[1], None, sms, None)
     cut = ck.cut_items_for(heads, sms)
     assert set(got["graphs"]) == {"plan_torch", "planner", "planner_cut"}

@@ -1,11 +1,15 @@
-"""The benchmark (`vllm_dsa_varlen/bench.py`): its CPU mode (the README's main job on a
+"""The benchmark (`vllm_dsa_varlen/bench/logits.py`): its CPU mode (the README's main job on a
 machine without a GPU), its JSON, and the profiler option."""
 
 import json
+import os
+import subprocess
+import sys
+import tomllib
 
 import pytest
 
-from vllm_dsa_varlen import bench
+from vllm_dsa_varlen.bench import logits as bench
 
 
 @pytest.mark.interpreter
@@ -22,6 +26,18 @@ def test_cpu_run_writes_json_and_trace(tmp_path, capsys):
         assert row["useful_rows"] > 0 and row["plan_host_us"] > 0
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert any(n and "triton-varlen" in n for n in names)
+
+
+def test_the_command_and_python_m_reach_main(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        script = tomllib.load(f)["project"]["scripts"][bench.PROG]
+    assert script == f"{bench.__name__}:main"
+    out = subprocess.run([sys.executable, "-m", "vllm_dsa_varlen.bench", "--help"], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: {bench.PROG} ") and "--plan-timing" in out.stdout
 
 
 def test_variant_spec_parsing():

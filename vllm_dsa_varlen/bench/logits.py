@@ -21,7 +21,7 @@ project's own plan, and each available path is timed on the same step:
 Reported per path: median µs of a CUDA-graph replay of one call (CUDA events
 via ``triton.testing.do_bench``, which flushes the L2 before every run by
 writing a buffer, leaving it dirty; ``--builds`` flushes it clean by default,
-as a decode step leaves it: ``--flush``, :mod:`.bench_graph`; the
+as a decode step leaves it: ``--flush``, :mod:`.graph`; the
 graph removes host launch time, which a Python launcher adds to small eager
 calls), the same for the eager call (``eager=`` in the note), the floor (max of memory floor and
 compute floor, from a copy bandwidth and an fp8 matmul rate measured in the
@@ -30,11 +30,11 @@ GPU it runs tiny shapes through the reference and the Triton interpreter and
 says so.
 
 Four other modes time something else: ``--plan-timing`` the sm_90 kernel's
-per-step schedule (:mod:`.bench_plan`), ``--launch-host`` the host time of
-eager calls, ``--fake`` without a GPU (:mod:`.bench_launch`), ``--builds``
+per-step schedule (:mod:`.schedule`), ``--launch-host`` the host time of
+eager calls, ``--fake`` without a GPU (:mod:`.launch`), ``--builds``
 the CUDA kernel's builds in one process, beside DeepGEMM and vLLM's top-k
-(:mod:`.bench_builds`), ``--stamps`` where the CUDA kernel's time goes per
-CTA (:mod:`.bench_stamps`).
+(:mod:`.builds`), ``--stamps`` where the CUDA kernel's time goes per
+CTA (:mod:`.stamps`).
 """
 
 from __future__ import annotations
@@ -48,9 +48,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from .bench_deepgemm import Path, deepgemm_paths, vdg_paths
-from .bench_builds import LEADS
-from .bench_graph import FLUSHES, capture_graph, graph_replay_us  # noqa: F401  (the benchmarks' helpers)
+from .deepgemm import Path, deepgemm_paths, vdg_paths
+from .builds import LEADS
+from .graph import FLUSHES, capture_graph, graph_replay_us  # noqa: F401  (the benchmarks' helpers)
+
+PROG = "vllm-dsa-varlen-bench"  # the console script; also python -m vllm_dsa_varlen.bench
 
 
 @dataclass
@@ -157,7 +159,7 @@ def measure_ceilings(torch, do_bench):
 def floors(step, bw, flops_rate):
     """Memory floor (KV once per request + useful fp32 logits + q + weights) and
     compute floor (2·H·D per useful logit), in seconds."""
-    from .plan import run_ends
+    from ..plan import run_ends
 
     rows = step.rows
     heads, dim = step.q.shape[2], step.q.shape[3]
@@ -173,7 +175,7 @@ def floors(step, bw, flops_rate):
 
 def plan_host_us(torch, step, reps=200):
     """Host µs of one plan call (the builder's per-step work), no sync inside."""
-    from .plan import DecodeRowBuffers, plan_decode_rows
+    from ..plan import DecodeRowBuffers, plan_decode_rows
     lens = step.decode_lens
     uniform = int(lens.min()) == int(lens.max())
     n = int(lens.max())
@@ -197,8 +199,8 @@ def plan_host_us(torch, step, reps=200):
 def cuda_default_path(step):
     """The CUDA sm_90 kernel as the launcher runs it (``kernel="sm90_cuda"``),
     its schedule planned once for the step outside the timed call."""
-    from .ops import cuda_paged_mqa_logits as ck
-    from .ops.launcher import varlen_paged_mqa_logits
+    from ..ops import cuda_paged_mqa_logits as ck
+    from ..ops.launcher import varlen_paged_mqa_logits
 
     rows = step.rows
     ctx2d = rows.context_lens.view(-1, 1)
@@ -212,8 +214,8 @@ def cuda_default_path(step):
 
 def case_paths(torch, case, args, dg, num_sms):
     """Build ``case``'s decode step and every path to time on it."""
-    from .ops import cuda_paged_mqa_logits as ck
-    from .ops.launcher import varlen_paged_mqa_logits
+    from ..ops import cuda_paged_mqa_logits as ck
+    from ..ops.launcher import varlen_paged_mqa_logits
 
     step = case.step(args.seed, "cuda")
     rows = step.rows
@@ -325,8 +327,8 @@ def run_gpu(args):
     import torch
     from triton.testing import do_bench
 
-    from .ops import launcher
-    from .ops.reference import paged_mqa_logits_ref, valid_mask
+    from ..ops import launcher
+    from ..ops.reference import paged_mqa_logits_ref, valid_mask
 
     try:
         if args.peer == "sm90":
@@ -413,8 +415,8 @@ def run_gpu(args):
 def run_cpu(args):
     import torch
 
-    from .ops.reference import paged_mqa_logits_ref, valid_mask
-    from .ops.launcher import varlen_paged_mqa_logits
+    from ..ops.reference import paged_mqa_logits_ref, valid_mask
+    from ..ops.launcher import varlen_paged_mqa_logits
 
     print("no CUDA GPU: tiny shapes through the torch reference and the Triton interpreter; "
           "times are not kernel performance")
@@ -485,7 +487,7 @@ def git_commit():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write results here")
     parser.add_argument("--trace", help="write a Chrome trace (torch.profiler, NVTX ranges) here")
     parser.add_argument("--cases", nargs="*", help="substrings of case names to run "
@@ -521,18 +523,19 @@ def main(argv=None):
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--plan-timing", action="store_true",
                       help="time the sm_90 kernel's schedule instead: the one-launch planner, "
-                      "plan_torch and DeepGEMM's metadata (vllm_dsa_varlen.bench_plan); needs a GPU")
+                      "plan_torch and DeepGEMM's metadata (vllm_dsa_varlen.bench.schedule); "
+                      "needs a GPU")
     mode.add_argument("--launch-host", action="store_true",
                       help="time the host side of eager calls instead, against graph replay "
-                      "(vllm_dsa_varlen.bench_launch); without a GPU, --fake")
+                      "(vllm_dsa_varlen.bench.launch); without a GPU, --fake")
     mode.add_argument("--stamps", nargs="*", metavar="BUILD",
                       help="where the sm_90 CUDA kernel's time goes per CTA instead, from its "
-                      "STAMPS=1 build's timestamps (vllm_dsa_varlen.bench_stamps): launch skew, "
+                      "STAMPS=1 build's timestamps (vllm_dsa_varlen.bench.stamps): launch skew, "
                       "prologue, first page, math, tail; of each BUILD as --builds names them "
                       "(none: the default build); needs a GPU")
     mode.add_argument("--builds", nargs="+", metavar="BUILD",
                       help="time the sm_90 CUDA kernel's builds side by side instead, in one "
-                      "process (vllm_dsa_varlen.bench_builds): 'default', 'MACRO=v+MACRO=v', "
+                      "process (vllm_dsa_varlen.bench.builds): 'default', 'MACRO=v+MACRO=v', "
                       "optionally '@c0,c1' for the plan's cost model; needs a GPU")
     parser.add_argument("--rounds", type=int, default=None,
                         help="--plan-timing, --builds: timed rounds, interleaved (default 5; "
@@ -623,19 +626,19 @@ def main(argv=None):
         parser.error(f"--topk-cooperative-rows: expected an int >= 0, got "
                      f"{args.topk_cooperative_rows}")
     if args.plan_timing:
-        from . import bench_plan
-        return bench_plan.run(args)
+        from . import schedule
+        return schedule.run(args)
     if args.launch_host:
-        from . import bench_launch
-        return bench_launch.run(args)
+        from . import launch
+        return launch.run(args)
     if args.stamps is not None:
-        from . import bench_stamps
-        return bench_stamps.run(args)
+        from . import stamps
+        return stamps.run(args)
     if args.builds:
-        from . import bench_builds
+        from . import builds
         if args.layers is None:
             args.layers = 61
-        return bench_builds.run(args)
+        return builds.run(args)
     if args.rep_ms is None:
         args.rep_ms = 200
     import torch
@@ -660,7 +663,7 @@ def write_json(args, results, env, torch, argv=None):
     """The run as strict JSON (no NaN: unknown floors are null)."""
     import triton
 
-    payload = {"command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+    payload = {"command": " ".join([PROG] + (argv or sys.argv[1:])),
                "commit": git_commit(), "python": platform.python_version(),
                "torch": torch.__version__, "triton": triton.__version__, **env,
                "results": [asdict(r) for r in results]}

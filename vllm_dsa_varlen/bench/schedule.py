@@ -28,8 +28,8 @@ from __future__ import annotations
 import json
 import statistics
 
-from .bench_deepgemm import import_deepgemm
-from .bench_graph import capture_graph
+from .deepgemm import import_deepgemm
+from .graph import capture_graph
 
 CASES = ["64,4,32768", "64,4,8192", "128,4,8192", "256,4,8192", "8,4,131072", "16,4,16384",
          "1,4,8192", "64,2,32768", "256,2,4096", "64,3,32768", "64,-4,32768", "128,-4,8192",
@@ -126,8 +126,8 @@ def prepare_case(torch, text: str, heads: int, rows, max_len: int, width: int, n
     the serving plan's small-step cut (``plan``'s ``cut_items``), and, with
     ``dg``, DeepGEMM's metadata, each captured in graphs of one and
     :data:`COPIES` copies."""
-    from .ops import cuda_paged_mqa_logits as ck
-    from .ops import cuda_plan as cp
+    from ..ops import cuda_paged_mqa_logits as ck
+    from ..ops import cuda_plan as cp
 
     ids, ctx = rows.indices, rows.context_lens
     ctx2d = ctx.view(-1, 1)
@@ -167,8 +167,8 @@ def run(args) -> int:
     import torch
     from triton.testing import do_bench
 
-    from .ops import cuda_plan as cp
-    from .ops.common import num_sms
+    from ..ops import cuda_plan as cp
+    from ..ops.common import num_sms
 
     texts = args.cases or CASES
     parsed = [parse_case(t) for t in texts]

@@ -2,7 +2,7 @@
 stock vLLM runs on Hopper (flattened rows, the native ``[B, next_n]`` kernel,
 vLLM 0.33's split of a variable step, emulated) and, on SM100, DeepGEMM's own
 varlen call; :class:`Path`, one timed implementation.  Used by
-:mod:`.bench` and :mod:`.bench_builds`."""
+:mod:`.logits` and :mod:`.builds`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Timing helpers the benchmark's modes share (:mod:`.bench`,
-:mod:`.bench_plan`, :mod:`.bench_launch`, :mod:`.bench_builds`; the order of
+"""Timing helpers the benchmark's modes share (:mod:`.logits`,
+:mod:`.schedule`, :mod:`.launch`, :mod:`.builds`; the order of
 rounds also ``benchmarks/e2e_decode.py``'s): ``torch`` is passed in, so
 importing this module loads nothing."""
 

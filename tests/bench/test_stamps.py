@@ -1,4 +1,4 @@
-"""vllm_dsa_varlen/bench_stamps.py (``vllm-dsa-varlen-bench --stamps``): the
+"""vllm_dsa_varlen/bench/stamps.py (``vllm-dsa-varlen-bench --stamps``): the
 summary of the kernel's per-CTA timestamps on synthetic stamps, the stamped
 build through NVRTC (no GPU needed), and on a GPU the stamped build's logits
 and stamps."""
@@ -10,7 +10,8 @@ import statistics
 import pytest
 import torch
 
-from vllm_dsa_varlen import bench, bench_stamps as st
+from vllm_dsa_varlen.bench import logits as bench
+from vllm_dsa_varlen.bench import stamps as st
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
 
 NVRTC = None
@@ -173,7 +174,7 @@ def test_the_stamped_build_on_the_gpu_keeps_the_logits_and_stamps_every_cta():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the CUDA kernel is sm_90")
     from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
-    from vllm_dsa_varlen.workloads import random_decode_step
+    from vllm_dsa_varlen.bench.workloads import random_decode_step
 
     step = random_decode_step(16, 4, 4096, seed=3, device="cuda")
     rows = step.rows

@@ -1,4 +1,4 @@
-"""``vllm-dsa-varlen-bench --builds`` (:mod:`vllm_dsa_varlen.bench_builds`):
+"""``vllm-dsa-varlen-bench --builds`` (:mod:`vllm_dsa_varlen.bench.builds`):
 its build syntax, its per-step sums, its options (CPU)."""
 
 import collections
@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from vllm_dsa_varlen import bench
-from vllm_dsa_varlen import bench_builds as variants
+from vllm_dsa_varlen.bench import logits as bench
+from vllm_dsa_varlen.bench import builds as variants
 
 
 def test_variant_syntax():
@@ -178,7 +178,7 @@ def test_case_rounds_default_to_one_whole_balanced_cycle(paths):
     """Without --rounds a case runs one whole cycle of the balanced order (every
     path leading and following every other equally often), one round in a fixed
     order; --rounds is taken as given, a bad one refused."""
-    from vllm_dsa_varlen.bench_graph import order_cycle, round_order
+    from vllm_dsa_varlen.bench.graph import order_cycle, round_order
 
     rounds = variants.case_rounds(None, paths)
     assert rounds == order_cycle(paths)
@@ -248,7 +248,7 @@ def test_cut_runs_score_every_row_as_the_requests_runs_do(seed):
     with each request cut into runs of at most n rows (what RUN_ROWS times)."""
     pytest.importorskip("torch")
     from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
-    from vllm_dsa_varlen.workloads import make_decode_step
+    from vllm_dsa_varlen.bench.workloads import make_decode_step
 
     rng = random.Random(seed)
     reqs = rng.randint(1, 5)
@@ -273,7 +273,7 @@ def test_variant_schedule_plans_the_builds_own_runs(seed, run_rows, plan_kw):
     RUN_ROWS), with its cost model and cut (here on the CPU: plan_torch)."""
     torch = pytest.importorskip("torch")
     from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-    from vllm_dsa_varlen.workloads import make_decode_step
+    from vllm_dsa_varlen.bench.workloads import make_decode_step
 
     rng = random.Random(seed)
     reqs = rng.randint(1, 6)
@@ -294,7 +294,7 @@ def test_variant_schedule_plans_the_builds_own_runs(seed, run_rows, plan_kw):
 
 def test_graph_replay_refuses_an_unknown_flush():
     """graph_replay_us names a bad ``flush`` before touching the GPU."""
-    from vllm_dsa_varlen.bench_graph import FLUSHES, graph_replay_us
+    from vllm_dsa_varlen.bench.graph import FLUSHES, graph_replay_us
 
     assert FLUSHES == ("read", "zero")
     with pytest.raises(ValueError, match="flush"):
@@ -307,7 +307,7 @@ def test_led_calls_run_the_lead_before_each_logits_path_only():
     are left alone; ``lead`` alone is added; the copy rewrites the queries
     with their own values (the checks made before still hold)."""
     torch = pytest.importorskip("torch")
-    from vllm_dsa_varlen.workloads import make_decode_step
+    from vllm_dsa_varlen.bench.workloads import make_decode_step
 
     step = make_decode_step([2, 3], [70, 130], heads=64, seed=4)
     before = step.q.clone()
@@ -350,9 +350,9 @@ def test_the_early_lead_copies_the_queries_and_lets_a_dependent_read_them():
     torch = pytest.importorskip("torch")
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("needs an sm_90 GPU")
-    from vllm_dsa_varlen.bench_graph import capture_graph
+    from vllm_dsa_varlen.bench.graph import capture_graph
     from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-    from vllm_dsa_varlen.workloads import random_decode_step
+    from vllm_dsa_varlen.bench.workloads import random_decode_step
 
     from logits_checks import POISON, check_poisoned
 

@@ -69,10 +69,10 @@ import types
 
 import torch
 
-from .bench_graph import capture_graph
+from .graph import capture_graph
 from .workloads import launcher_args
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CALLS = 50  # calls per timed round unless --calls says otherwise
 
 
@@ -131,8 +131,8 @@ def _graph(fn, calls: int, rounds: int = 5):
 
 def gpu_paths(step):
     """Name -> zero-argument call of every path this GPU has, on ``step``."""
-    from .ops import cuda_paged_mqa_logits as ck
-    from .ops import launcher
+    from ..ops import cuda_paged_mqa_logits as ck
+    from ..ops import launcher
 
     rows = step.rows
     args = launcher_args(step)
@@ -195,9 +195,9 @@ def topk_paths(t, ops) -> dict:
     ``--topk-lib``), :func:`.topk.dispatch` taking the project's kernel (the
     plugin's indexer under ``own``) and :func:`.ops.cuda_topk.decode_topk`
     alone."""
-    from . import topk
-    from .bench_builds import vllm_max_seq_len, vllm_topk_op
-    from .ops import cuda_topk
+    from .. import topk
+    from .builds import vllm_max_seq_len, vllm_topk_op
+    from ..ops import cuda_topk
 
     which = vllm_topk_op(t.lens.shape[0], t.logits.stride(0), topk.COOPERATIVE_ROWS)
     op = getattr(ops, which)
@@ -247,7 +247,7 @@ def driver_floor(ck, args, out, sched, defines) -> dict:
 
 
 def run_gpu(args) -> list[tuple]:
-    from .ops import launcher
+    from ..ops import launcher
     from .workloads import random_decode_step
 
     try:
@@ -261,7 +261,7 @@ def run_gpu(args) -> list[tuple]:
     calls = args.calls or CALLS
     ops = None
     if getattr(args, "topk_lib", None):
-        from .bench_builds import load_topk
+        from .builds import load_topk
         ops = load_topk(torch, args.topk_lib)
     for name in _selected(args.cases):
         reqs, tokens, context = CASES[name]
@@ -512,11 +512,11 @@ GLUE = {"g33": "vllm_dsa_varlen/vllm_0_33/model_executor/layers/sparse_attn_inde
 def this_ops():
     """This revision's ``ops`` namespace: ``.launcher``, ``.ck``, ``.ct`` and
     the indexer op's glue of each vLLM line (``.g33``, ``.g27``)."""
-    from .ops import cuda_paged_mqa_logits as ck
-    from .ops import cuda_topk as ct
-    from .ops import launcher
-    from .vllm_0_27.model_executor.layers import sparse_attn_indexer as g27
-    from .vllm_0_33.model_executor.layers import sparse_attn_indexer as g33
+    from ..ops import cuda_paged_mqa_logits as ck
+    from ..ops import cuda_topk as ct
+    from ..ops import launcher
+    from ..vllm_0_27.model_executor.layers import sparse_attn_indexer as g27
+    from ..vllm_0_33.model_executor.layers import sparse_attn_indexer as g33
 
     return types.SimpleNamespace(launcher=launcher, ck=ck, ct=ct, g33=g33, g27=g27)
 
@@ -640,7 +640,7 @@ def glue_paths(ops, step, hint: int) -> dict:
     ``[R, 1]``, the logits allocated): the glue of ``ops`` (``.g33``,
     ``.g27``; absent ones skipped) and its launcher, one tag per path (its
     schedule cache filled by the first call, as by a step's first layer)."""
-    from .varlen_ids import attach_varlen_ids
+    from ..varlen_ids import attach_varlen_ids
 
     q, kv, w, ctx, bt, ids, longest = launcher_args(step)
     metadata = torch.zeros(132, 2, dtype=torch.int32, device=q.device)  # the schedule buffer
@@ -663,7 +663,7 @@ def run_fake(args) -> list[tuple]:
     """Host µs per call of each fake path, this revision's and ``args.base``'s
     (same process, rounds interleaved: every path of every revision timed once
     per round), median of 7 rounds of ``calls * 20`` calls."""
-    from .ops import cuda_paged_mqa_logits as ck
+    from ..ops import cuda_paged_mqa_logits as ck
     from .workloads import random_decode_step
 
     torch.set_num_threads(1)

@@ -115,7 +115,7 @@ def line(got: dict) -> str:
 
 def _stamps_global(kern) -> tuple:
     """``(driver, address, bytes)`` of the loaded build ``kern``'s ``stamps_sm90``."""
-    from .ops import cuda_binding as cb
+    from ..ops import cuda_binding as cb
 
     drv = cb.driver()
     ptr, size = cb.ok(drv.cuModuleGetGlobal(kern.module, SYMBOL), "cuModuleGetGlobal")
@@ -125,7 +125,7 @@ def _stamps_global(kern) -> tuple:
 def read_stamps(torch, kern, ctas: int) -> list[list[int]]:
     """The stamps of the last launch of the loaded build ``kern`` (its module's
     ``stamps_sm90``), ``ctas`` rows."""
-    from .ops import cuda_binding as cb
+    from ..ops import cuda_binding as cb
 
     if ctas > MAX_CTAS:
         raise ValueError(f"ctas: the build stamps {MAX_CTAS} CTAs, got {ctas}")
@@ -139,7 +139,7 @@ def read_stamps(torch, kern, ctas: int) -> list[list[int]]:
 
 def clear_stamps(torch, kern) -> None:
     """Zero the loaded build ``kern``'s stamps (so a CTA that did not stamp reads 0)."""
-    from .ops import cuda_binding as cb
+    from ..ops import cuda_binding as cb
 
     drv, ptr, size = _stamps_global(kern)
     torch.cuda.synchronize()
@@ -153,9 +153,9 @@ def run(args) -> int:
     ``json``."""
     import torch
 
-    from .bench_builds import BENCH_ONLY, parse_variant
-    from .bench_plan import parse_case
-    from .ops import cuda_paged_mqa_logits as ck
+    from .builds import BENCH_ONLY, parse_variant
+    from .schedule import parse_case
+    from ..ops import cuda_paged_mqa_logits as ck
     from .workloads import random_decode_step
 
     builds = args.stamps or ["default"]

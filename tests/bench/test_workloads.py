@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref
-from vllm_dsa_varlen.workloads import make_decode_step, random_decode_step, random_step_rows
+from vllm_dsa_varlen.bench.workloads import make_decode_step, random_decode_step, random_step_rows
 
 
 def _gathered_logits(split, kv_cache):

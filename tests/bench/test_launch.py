@@ -1,11 +1,12 @@
-"""vllm_dsa_varlen/bench_launch.py (``vllm-dsa-varlen-bench --launch-host``): its
+"""vllm_dsa_varlen/bench/launch.py (``vllm-dsa-varlen-bench --launch-host``): its
 CPU mode, the CUDA kernel's launch on CPU tensors with the driver stubbed."""
 
 import re
 
 import pytest
 
-from vllm_dsa_varlen import bench, bench_launch
+from vllm_dsa_varlen.bench import launch as bench_launch
+from vllm_dsa_varlen.bench import logits as bench
 
 
 PATHS = ["prepared launch (addresses only)", "launch (schedule given)", "launcher sm90_cuda",
@@ -92,7 +93,7 @@ def test_glue_paths_run_the_lines_glue_then_one_launch_each_call():
     import torch
 
     from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-    from vllm_dsa_varlen.workloads import random_decode_step
+    from vllm_dsa_varlen.bench.workloads import random_decode_step
 
     ops = bench_launch.this_ops()
     step = random_decode_step(3, 4, 300, heads=64)
@@ -150,7 +151,7 @@ def test_the_fake_leaves_torch_and_the_modules_as_they_were():
 def test_fake_launch_records_one_driver_launch_per_call():
     """The stubs count what the timing loop does: one ``cuLaunchKernel`` per call."""
     from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-    from vllm_dsa_varlen.workloads import make_decode_step
+    from vllm_dsa_varlen.bench.workloads import make_decode_step
 
     import torch
 
@@ -220,7 +221,7 @@ def test_topk_paths_call_vllms_op_as_its_eager_step_does_and_ours_meets_the_cont
     from vllm_dsa_varlen import topk
     from vllm_dsa_varlen.ops.common import capability
     from vllm_dsa_varlen.ops.reference import topk_selection_ok
-    from vllm_dsa_varlen.workloads import random_decode_step
+    from vllm_dsa_varlen.bench.workloads import random_decode_step
 
     if capability(torch.device("cuda")) != (9, 0):
         pytest.skip("the project's top-k kernel is built for sm_90")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from .bench_graph import FLUSHES, order_cycle, round_order
+from .graph import FLUSHES, order_cycle, round_order
 
 CASES = ["64,4,32768", "64,2,32768", "64,3,32768", "64,-4,32768", "128,-4,8192", "64,6,8192"]
 TOPK_PREFIXES = ("topk-",)  # the top-k paths' names (topk_calls)
@@ -70,7 +70,7 @@ def variant_schedule(step, heads: int, plan_kw: dict, run_rows: int | None):
     """A build's run ids for ``step`` (its runs cut to ``run_rows`` rows, or
     the step's own) and their schedule (``plan_kw``: the build's cost model
     and ``cut_items``)."""
-    from .ops import cuda_paged_mqa_logits as ck
+    from ..ops import cuda_paged_mqa_logits as ck
 
     rows = step.rows
     ids = rows.indices if run_rows is None else runs_of_at_most(rows.indices, run_rows)
@@ -114,11 +114,11 @@ def run(args) -> int:
     import torch
     from triton.testing import do_bench
 
-    from .bench_deepgemm import import_deepgemm
-    from .bench_graph import graph_replay_us
-    from .bench_plan import parse_case
-    from .ops import cuda_paged_mqa_logits as ck
-    from .ops.reference import paged_mqa_logits_ref, valid_mask
+    from .deepgemm import import_deepgemm
+    from .graph import graph_replay_us
+    from .schedule import parse_case
+    from ..ops import cuda_paged_mqa_logits as ck
+    from ..ops.reference import paged_mqa_logits_ref, valid_mask
     from .workloads import PAGE_ORDERS, make_decode_step, random_decode_step
 
     if not torch.cuda.is_available():
@@ -131,7 +131,7 @@ def run(args) -> int:
     if args.heads not in ck.HEAD_COUNTS:
         raise SystemExit(f"--heads: the CUDA kernel serves {ck.HEAD_COUNTS} heads, got {args.heads}")
     args.variants = args.builds
-    flush = args.flush or FLUSHES[0]  # the L2 left clean (bench_graph)
+    flush = args.flush or FLUSHES[0]  # the L2 left clean (graph)
     page_order = args.pages or PAGE_ORDERS[0]  # a permutation of the pool
     dg = None
     if args.deepgemm:
@@ -317,7 +317,7 @@ def early_copy():
 
 def case_rounds(asked: int | None, paths: int, fixed_order: bool = False) -> int:
     """Timed rounds of a case: ``asked`` (``--rounds``), else one whole cycle of
-    the balanced order for its ``paths`` (:func:`.bench_graph.order_cycle`;
+    the balanced order for its ``paths`` (:func:`.graph.order_cycle`;
     1 in a fixed order)."""
     if asked is not None:
         if asked < 1:
@@ -328,11 +328,11 @@ def case_rounds(asked: int | None, paths: int, fixed_order: bool = False) -> int
 
 def deepgemm_calls(torch, step, dg, sms, ours, out):
     """DeepGEMM's paths on ``step`` as stock vLLM 0.33 runs them
-    (:func:`.bench_deepgemm.vdg_paths`: flattened, native next_n 1/2/4,
+    (:func:`.deepgemm.vdg_paths`: flattened, native next_n 1/2/4,
     split), checked against this project's logits first, and its schedule
     metadata (``dg-meta``, as the builder makes it once per step)."""
-    from .bench_deepgemm import vdg_paths
-    from .ops.reference import valid_mask
+    from .deepgemm import vdg_paths
+    from ..ops.reference import valid_mask
 
     rows = step.rows
     ctx2d = rows.context_lens.view(-1, 1).contiguous()
@@ -423,7 +423,7 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), widt
     ``eager_line`` ("0.27.1", "0.33.0"): vLLM's op gets ``max_seq_len`` as that
     line's eager call passes it, and takes cooperative_topk up to that line's rows
     unless ``cooperative_rows`` says otherwise (:func:`vllm_max_seq_len`)."""
-    from .topk import COOPERATIVE_ROWS
+    from ..topk import COOPERATIVE_ROWS
 
     if cooperative_rows is None:
         cooperative_rows = LINE_COOPERATIVE_ROWS.get(eager_line, COOPERATIVE_ROWS)
@@ -485,8 +485,8 @@ def own_topk_call(torch, name, logits, lens, k, defines=None, bound=None):
     ``defines``, ``None`` for the launch plan's; ``bound`` on the lengths) on
     the same rows, checked against the reference's contract on every eighth
     row first (``SystemExit`` where it fails)."""
-    from .ops.cuda_topk import decode_topk
-    from .ops.reference import topk_selection_ok
+    from ..ops.cuda_topk import decode_topk
+    from ..ops.reference import topk_selection_ok
 
     out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=logits.device)
     fn = lambda: decode_topk(logits, lens, k, out=out, defines=defines,  # noqa: E731

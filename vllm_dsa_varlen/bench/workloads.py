@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops.reference import quantize_kv_fp8
-from .plan import DecodeRows, plan_decode_rows
+from ..ops.reference import quantize_kv_fp8
+from ..plan import DecodeRows, plan_decode_rows
 
 
 @dataclass

@@ -1,0 +1,5 @@
+import sys
+
+from .logits import main
+
+sys.exit(main())
