@@ -192,6 +192,89 @@ def test_the_abs_split_head_sum_is_relu_of_the_same_products():
     assert (qk[:, 3] < 0).any() and (qk[:, 3] > 0).any()
 
 
+def _half(x: float) -> float:
+    """The nearest fp16 value of a float (ties to even), by IEEE packing."""
+    return struct.unpack("<e", struct.pack("<e", x))[0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_prescale_query_bounds_every_dot_with_the_least_power_of_two(seed):
+    """prescale_query: q' is e4m3, equal to q * 2**-s where q * 2**-s stays in
+    e4m3's normal range; against the fp8 k that makes each dot largest (448
+    with q's signs) |q' . k| <= 2**15, and one power of two less would not
+    bound the original (s is the least); zero vectors keep s = 0."""
+    gen = torch.Generator().manual_seed(seed)
+    mag = torch.exp2(torch.randint(-8, 9, (4, 16, 1), generator=gen).float())
+    q = (torch.randn(4, 16, 128, generator=gen) * mag).clamp(-448, 448)
+    q = q.to(torch.float8_e4m3fn).float()
+    q[1, 3] = 0
+    scaled, s = hp.prescale_query(q)
+    assert torch.equal(scaled, scaled.to(torch.float8_e4m3fn).float())
+    assert s.eq(s.round()).all() and (s >= 0).all() and s[1, 3] == 0
+    exact = q.double() * torch.exp2(-s.double())[..., None]
+    normal = exact.abs() >= 2.0 ** -6
+    assert torch.equal(scaled.double()[normal], exact[normal])
+    worst = (scaled.double().abs() * 448).sum(dim=-1)
+    assert (worst <= hp.FP16_LIMIT).all()
+    bound = 448 * q.double().abs().sum(dim=-1)
+    assert (bound[s > 0] * torch.exp2(-(s[s > 0].double() - 1)) > hp.FP16_LIMIT).all()
+    assert (s > 0).any() and (s == 0).any()
+
+
+def test_the_packed_fp16_head_sum_matches_a_scalar_loop():
+    """head_sum_fp16(packed=True) against a loop written from its rules: the
+    prescaled dot rounded to float32, relu, nearest fp16; the weight times
+    2**(s - t) to nearest fp16; per lane (l = lane % 4) two fp16 chains over
+    the 8-head blocks, each step one fused multiply-add rounded to fp16; the
+    chains and then the lanes added in float32; times 2**t.  The float32-sum
+    build is the same operands' exact sum rounded once; both stay within fp16
+    rounding of the float64 head sum, overflow-free on the largest inputs."""
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 16, 128, generator=gen).mul(150).clamp(-448, 448)
+    q = q.to(torch.float8_e4m3fn).float()
+    k = torch.randn(3, 128, generator=gen).mul(150).clamp(-448, 448)
+    k = k.to(torch.float8_e4m3fn).float()
+    w = torch.randn(2, 16, generator=gen) * 1e-3
+    got = hp.head_sum_fp16(q, k, w, packed=True)
+    plain = hp.head_sum_fp16(q, k, w, packed=False)
+    scaled, s = hp.prescale_query(q)
+    f32 = lambda v: struct.unpack("<f", struct.pack("<f", float(v)))[0]  # noqa: E731
+    for r in range(2):
+        ws = [w[r, h].item() * 2.0 ** s[r, h].item() for h in range(16)]
+        t = math.ceil(math.log2(max(abs(v) for v in ws))) - hp.FP16_W_LOG2
+        wh = [_half(v * 2.0 ** -t) for v in ws]
+        for n in range(3):
+            a = [_half(max(f32(sum(Fraction(x) * Fraction(y) for x, y in
+                                   zip(scaled[r, h].tolist(), k[n].tolist()))), 0.0))
+                 for h in range(16)]
+            lanes = []
+            for lane in range(4):
+                halves = []
+                for half in range(2):
+                    acc = 0.0
+                    for j in range(2):
+                        h = 8 * j + 2 * lane + half
+                        acc = _half(float(Fraction(acc) + Fraction(a[h]) * Fraction(wh[h])))
+                    halves.append(acc)
+                lanes.append(f32(halves[0] + halves[1]))
+            want = f32(f32(f32(lanes[0] + lanes[1]) + f32(lanes[2] + lanes[3])) * 2.0 ** t)
+            assert got[r, n].item() == want
+            exact = float(sum(Fraction(a[h]) * Fraction(wh[h]) for h in range(16)))
+            assert plain[r, n].item() == f32(f32(exact) * 2.0 ** t)
+    ref = (torch.einsum("rhd,nd->rhn", q.double(), k.double()).relu()
+           * w.double()[:, :, None]).sum(dim=1)
+    scale = (torch.einsum("rhd,nd->rhn", q.double(), k.double()).abs()
+             * w.double().abs()[:, :, None]).sum(dim=1)
+    for out in (got, plain):
+        assert ((out.double() - ref).abs() <= scale * 2.0 ** -7).all()
+    big = torch.full((1, 8, 128), 448.0)
+    huge = hp.head_sum_fp16(big, big[0, :1], torch.ones(1, 8), packed=True)
+    assert torch.isfinite(huge).all()
+    assert huge.item() == pytest.approx(8 * 128 * 448.0 ** 2, rel=1e-2)
+    with pytest.raises(ValueError, match="heads"):
+        hp.head_sum_fp16(q[:, :12], k, w[:, :12], packed=True)
+
+
 # ---------------------------------------------------------------- the study
 
 def test_retention_and_calc_diff_measure_what_they_say():
@@ -238,13 +321,17 @@ def test_study_orders_the_head_sums_by_their_rounding():
     # both closer than bf16; three within the contract on every row
     assert rows["abs_split"].calc_diff < rows["abs_split2"].calc_diff < rows["bf16"].calc_diff
     assert rows["abs_split"].keep.min() >= hp.CONTRACT_KEEP
+    # fp16 operands (11 bits, as TF32's): near tf32_round; the packed sum's fp16
+    # chains add their own rounding, still well short of bf16's
+    assert rows["fp16"].calc_diff < rows["fp16x2"].calc_diff < rows["bf16"].calc_diff
+    assert rows["fp16"].calc_diff < 4 * rows["tf32_round"].calc_diff
 
 
 def test_deepgemm_tolerances_separate_the_head_sums():
     """DeepGEMM's own check (its generator, its two references): the fp32 and
     tf32 head sums pass it; the bf16 one does not (so the check is not blind)."""
     got = hp.deepgemm_check(rows=2, context=4096)
-    for how in ("fp32", "tf32", "tf32_round", "abs_split"):
+    for how in ("fp32", "tf32", "tf32_round", "abs_split", "fp16", "fp16x2"):
         ref, sim = got[how]
         assert ref < 1e-3 and sim < 5e-6, (how, ref, sim)
     assert got["bf16"][1] > 5e-6

@@ -32,6 +32,14 @@ accumulation error, which every path shares):
   the absolute part in float32 (an FMA with the operand's absolute value,
   no max), the linear part as the token's dot with ``sum_h w[h] q[h]`` in
   three e4m3 parts (fp8 tensor-core products); ``abs_split2``: two parts;
+* ``fp16``, ``fp16x2``: half-precision operands, which overflow where
+  ``q . k`` passes 65504, so each (row, head) query is first scaled by a
+  power of two in e4m3 (:func:`prescale_query`: ``|q' . k| <= 2**15`` for
+  any fp8 ``k``) and the weights by its inverse and a row's power of two;
+  ``relu(q' . k)`` rounded to fp16 (``cvt.rn.relu.f16x2.f32``).  ``fp16``
+  sums in float32 (an fp16 tensor-core product); ``fp16x2`` on the CUDA
+  cores in packed halves, one ``HFMA2`` for two heads, each lane's chain of
+  eight in fp16 (:func:`head_sum_fp16`), half the float32 sum's instructions;
 * ``fp64``: the exact head sum, to show the float32 path's own noise.
 
 Serving-like inputs (:func:`serving_inputs`): q per (token, head) and k per
@@ -56,11 +64,16 @@ import torch
 from .reference import FP8_MAX, head_sum_tf32, round_bf16, round_tf32, truncate_tf32
 
 HEAD_SUMS = ("fp32", "tf32", "tf32_round", "tf32_trunc", "bf16", "abs_split", "abs_split2",
-             "fp64")
+             "fp16", "fp16x2", "fp64")
 TOPK = 2048
 CONTRACT_KEEP = 0.999  # the share of the fp32 path's top-k every row must keep
 # fp8 parts of a row's linear query in the abs-split head sum (:func:`split_query_fp8`)
 SPLIT_PARTS = 3
+# the fp16 head sums: |q' . k| stays within this (fp16's largest value is 65504),
+# and a row's largest scaled weight within 2**FP16_W_LOG2, so a lane's chain of
+# eight products stays within 2**15 too
+FP16_LIMIT = 2.0 ** 15
+FP16_W_LOG2 = -4
 
 
 # ------------------------------------------------------------------ inputs
@@ -181,6 +194,56 @@ def head_sum_abs_split(qk: torch.Tensor, w: torch.Tensor, q: torch.Tensor,
     return 0.5 * (absolute + linear)
 
 
+def prescale_query(q: torch.Tensor, limit: float = FP16_LIMIT) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [R, H, D]`` (e4m3 values) scaled per (row, head) by ``2**-s`` so that
+    ``|q' . k| <= limit`` for every fp8 ``k`` (``|k| <= 448``): ``s`` is the
+    least whole number >= 0 with ``448 * sum |q| * 2**-s <= limit``, and
+    ``q' = e4m3(q * 2**-s)`` (exact where the value stays in e4m3's normal
+    range, rounded below it).  Returns ``(q'`` float32, ``s`` float32 ``[R, H])``."""
+    bound = FP8_MAX * q.double().abs().sum(dim=-1)
+    s = torch.ceil(torch.log2(bound / limit)).clamp_min(0)
+    s = torch.where(bound > 0, s, torch.zeros_like(s))
+    scaled = (q.double() * torch.exp2(-s)[..., None]).float().to(torch.float8_e4m3fn).float()
+    return scaled, s.float()
+
+
+def head_sum_fp16(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *,
+                  packed: bool) -> torch.Tensor:
+    """``sum_h relu(q[r, h] . k[n]) * w[r, h]`` (float32 ``[R, N]``, before the KV
+    scale) in half precision: ``q`` prescaled (:func:`prescale_query`), its
+    dot with the fp8 ``k`` exact and rounded once to float32 (an fp8
+    tensor-core product), relu and fp16 rounding in one step; the weights
+    ``w * 2**s`` scaled by a row's power of two ``2**-t`` (largest within
+    ``2**FP16_W_LOG2``) and rounded to fp16, ``2**t`` restored at the end.
+    ``packed=False``: exact products summed in float32 (float64 rounded once).
+    ``packed=True``: the CUDA-core sum in packed halves as the kernel's lanes
+    hold the accumulator (a lane has, per 8-head block ``j``, heads
+    ``8j + 2l`` and ``8j + 2l + 1``, ``l`` = lane % 4, one fp16 pair): per lane
+    one fused fp16 multiply-add per pair and block, in block order, then the
+    pair's halves and the four lanes added in float32."""
+    rows, heads, _ = q.shape
+    if packed and heads % 8:
+        raise ValueError(f"q: the packed fp16 sum takes a multiple of 8 heads, got {heads}")
+    scaled, s = prescale_query(q)
+    a = qk_fp32(scaled, k).relu().to(torch.float16).double()
+    ws = w.double() * torch.exp2(s.double())
+    top = ws.abs().amax(dim=-1)
+    t = torch.where(top > 0, torch.ceil(torch.log2(top)) - FP16_W_LOG2, torch.zeros_like(top))
+    wh = (ws * torch.exp2(-t)[:, None]).to(torch.float16).double()
+    if not packed:
+        total = (a * wh[:, :, None]).sum(dim=1).float()
+    else:
+        blocks = heads // 8
+        a = a.view(rows, blocks, 4, 2, -1)
+        wh = wh.view(rows, blocks, 4, 2, 1)
+        acc = torch.zeros_like(a[:, 0])
+        for j in range(blocks):  # fp16 products are exact in float64: one rounding per FMA
+            acc = (acc + a[:, j] * wh[:, j]).to(torch.float16).double()
+        lanes = acc[:, :, 0].float() + acc[:, :, 1].float()
+        total = (lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])
+    return total * torch.exp2(t).float()[:, None]
+
+
 def qk_fp32(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``q . k`` ``[R, H, N]``: exact (float64) and rounded once to float32."""
     return torch.einsum("rhd,nd->rhn", q.double(), k.double()).float()
@@ -190,10 +253,13 @@ def head_sum(qk: torch.Tensor, w: torch.Tensor, k_scale: torch.Tensor, how: str,
              q: torch.Tensor | None = None, k: torch.Tensor | None = None) -> torch.Tensor:
     """Logits ``[R, N]`` from ``qk [R, H, N]`` float32, ``w [R, H]`` and
     ``k_scale [N]`` by head sum ``how`` (:data:`HEAD_SUMS`); the abs-split
-    sums also read the fp8 ``q [R, H, D]`` and ``k [N, D]`` they were made of."""
-    if how in ("abs_split", "abs_split2"):
+    and fp16 sums also read the fp8 ``q [R, H, D]`` and ``k [N, D]`` they
+    were made of."""
+    if how in ("abs_split", "abs_split2", "fp16", "fp16x2"):
         if q is None or k is None:
             raise ValueError(f"how={how!r}: needs q and k")
+        if how in ("fp16", "fp16x2"):
+            return head_sum_fp16(q, k, w, packed=how == "fp16x2") * k_scale.float()
         parts = SPLIT_PARTS if how == "abs_split" else 2
         return head_sum_abs_split(qk, w, q, k, parts) * k_scale.float()
     a = qk.relu()
