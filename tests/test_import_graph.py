@@ -136,3 +136,86 @@ def test_nothing_the_plugin_serves_with_imports_the_benchmark():
     for mod, deps in graph.items():
         if mod != bench and not mod.startswith(bench + "."):
             assert not {d for d in deps if d == bench or d.startswith(bench + ".")}, mod
+
+
+def _top_level_names(path: str) -> set[str]:
+    """What a module defines at its top level (also under a top-level ``if``
+    or ``try``): functions, classes, assigned and imported names."""
+    names = set()
+    with open(path) as f:
+        body = ast.parse(f.read(), path).body
+    todo = list(body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.If, ast.Try)):
+            todo += node.body + node.orelse + getattr(node, "finalbody", [])
+            todo += [s for h in getattr(node, "handlers", []) for s in h.body]
+    return names
+
+
+def unresolved_imports(files: list[str]) -> list[str]:
+    """Every ``from`` import of the package's modules in ``files`` (relative
+    in the package, absolute anywhere; inside functions too) whose module is
+    not a file of the package or whose names are neither its submodules nor
+    names it defines, as ``file:line module.name``."""
+    mods = _modules()
+    defined: dict[str, set[str]] = {}
+    found = []
+    for path in files:
+        mod = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                if mod not in mods:
+                    continue
+                parts = mod.split(".")
+                if not path.endswith("__init__.py"):
+                    parts = parts[:-1]
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            elif (node.module or "").split(".")[0] == PACKAGE:
+                base = node.module
+            else:
+                continue
+            where = f"{os.path.relpath(path, ROOT)}:{node.lineno}"
+            if base not in mods:
+                found.append(f"{where} {base}")
+                continue
+            if base not in defined:
+                defined[base] = _top_level_names(mods[base])
+            found += [f"{where} {base}.{a.name}" for a in node.names
+                      if f"{base}.{a.name}" not in mods and a.name not in defined[base]]
+    return found
+
+
+def test_every_import_of_the_package_resolves():
+    """Imports inside functions run only on the paths that call them (some
+    only on a GPU): each must still name a module of the package and names it
+    defines, in the package, the tests and the benchmarks."""
+    files = [os.path.join(folder, name)
+             for top in (PACKAGE, "tests", "benchmarks")
+             for folder, _, names in os.walk(os.path.join(ROOT, top))
+             for name in names if name.endswith(".py")]
+    assert len(files) > 100
+    assert unresolved_imports(files) == []
+
+
+def test_an_unresolved_import_is_found(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(f"def f():\n    from {PACKAGE}.ops import no_such_module\n"
+                   f"    from {PACKAGE}.bench.graph import capture_graph, no_such_name\n"
+                   f"    from {PACKAGE}.bench_graph import capture_graph\n")
+    assert unresolved_imports([str(bad)]) == [
+        f"{os.path.relpath(bad, ROOT)}:2 {PACKAGE}.ops.no_such_module",
+        f"{os.path.relpath(bad, ROOT)}:3 {PACKAGE}.bench.graph.no_such_name",
+        f"{os.path.relpath(bad, ROOT)}:4 {PACKAGE}.bench_graph"]
