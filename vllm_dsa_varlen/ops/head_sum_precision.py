@@ -194,7 +194,8 @@ def head_sum_abs_split(qk: torch.Tensor, w: torch.Tensor, q: torch.Tensor,
     return 0.5 * (absolute + linear)
 
 
-def prescale_query(q: torch.Tensor, limit: float = FP16_LIMIT) -> tuple[torch.Tensor, torch.Tensor]:
+def prescale_query(q: torch.Tensor,
+                   limit: float = FP16_LIMIT) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [R, H, D]`` (e4m3 values) scaled per (row, head) by ``2**-s`` so that
     ``|q' . k| <= limit`` for every fp8 ``k`` (``|k| <= 448``): ``s`` is the
     least whole number >= 0 with ``448 * sum |q| * 2**-s <= limit``, and
