@@ -2,14 +2,17 @@
 file of the package, the CUDA sources the sm_90 kernels compile at run time
 among them, and declares the vLLM plugin and the benchmark command.  Built from
 a copy of the project's packaging files (nothing written into the checkout),
-without build isolation or dependencies (no package index needed)."""
+without build isolation or dependencies (no package index needed).  And the
+package parses on the oldest Python ``requires-python`` admits."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 
 import pytest
@@ -74,3 +77,27 @@ def test_a_file_the_package_data_misses_is_found(tmp_path):
     header = f"{PACKAGE}/ops/cuda/extra.cuh"
     src, wheel = _wheel(tmp_path, {header: "// a header\n"})
     assert _missing(src, wheel) == {header}
+
+
+def _oldest_python() -> tuple[int, int]:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        spec = tomllib.load(f)["project"]["requires-python"]
+    assert spec.startswith(">="), spec
+    major, minor = spec[2:].split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_the_package_parses_on_the_oldest_python_it_admits():
+    """Every module's syntax in the grammar of ``requires-python``'s lower
+    bound (``ast.parse(feature_version=...)``: newer syntax, such as
+    ``except*`` on 3.10, is refused)."""
+    oldest = _oldest_python()
+    assert oldest >= (3, 10)
+    files = sorted(_package_files(ROOT))
+    assert len([f for f in files if f.endswith(".py")]) > 40
+    for name in files:
+        if name.endswith(".py"):
+            with open(os.path.join(ROOT, name)) as f:
+                ast.parse(f.read(), name, feature_version=oldest)
+    with pytest.raises(SyntaxError):
+        ast.parse("try:\n    pass\nexcept* ValueError:\n    pass\n", feature_version=(3, 10))
