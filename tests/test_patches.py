@@ -183,6 +183,10 @@ def test_register_on_another_vllm_warns_and_patches_nothing(monkeypatch, plugin_
     assert patches.applied() == [] and _snapshot() == before
     warnings = [r for r in plugin_log if r.levelno == logging.WARNING]
     assert warnings and version in warnings[0].getMessage()
+    # it names the lines it has patches for: the registry's, as SUPPORTED_LINES
+    assert all(f"{line}.x" in warnings[0].getMessage() for line in patches.LINES)
+    assert vllm_dsa_varlen.SUPPORTED_LINES == tuple(
+        tuple(int(p) for p in line.split(".")) for line in patches.LINES) == ((0, 27), (0, 33))
 
 
 @pytest.mark.parametrize("version,line", [

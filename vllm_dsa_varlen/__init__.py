@@ -15,21 +15,15 @@ from __future__ import annotations
 
 import logging
 
+from . import patches  # the registry: standard library only, no vLLM
+
 __all__ = ["register", "SUPPORTED_LINES"]
 
-# vLLM lines (major, minor) with a patch set; the release each was read from
-# is in ``patches.LINES``.
-SUPPORTED_LINES = ((0, 27), (0, 33))
+# vLLM lines (major, minor) with a patch set: the registry's (patches.LINES,
+# with the release each was read from).
+SUPPORTED_LINES = tuple(tuple(int(p) for p in line.split(".")) for line in patches.LINES)
 
 logger = logging.getLogger("vllm.dsa_varlen")
-
-
-def _vllm_series(version: str) -> tuple[int, int] | None:
-    parts = version.split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
 
 
 def register() -> None:
@@ -37,9 +31,9 @@ def register() -> None:
     (idempotent; target modules not imported yet are patched when they are).
 
     Does nothing but log when ``VLLM_DSA_VARLEN=off``, when the installed
-    vLLM is neither 0.27.x nor 0.33.x, or when its source differs from the
-    release the line's patches were read from where they apply (a warning
-    naming each difference; stock behaviour).  With
+    vLLM is on no line of the registry (0.27.x, 0.33.x), or when its source
+    differs from the release the line's patches were read from where they
+    apply (a warning naming each difference; stock behaviour).  With
     ``VLLM_DSA_VARLEN=stock`` only the line's DeepGEMM API adapters are applied
     (stock's decode path, stock's arguments, on a DeepGEMM of another API
     generation).  Raises
@@ -55,15 +49,12 @@ def register() -> None:
     import vllm
 
     version = getattr(vllm, "__version__", "unknown")
-    series = _vllm_series(version)
-    if series not in SUPPORTED_LINES:
+    line = patches.line_of(version)
+    if line not in patches.LINES:
         logger.warning("vllm-dsa-varlen: has patches for vLLM %s, found %s; not patching "
-                       "(stock behaviour)",
-                       " and ".join(f"{a}.{b}.x" for a, b in SUPPORTED_LINES), version)
+                       "(stock behaviour)", " and ".join(f"{x}.x" for x in patches.LINES),
+                       version)
         return
-    from . import patches
-
-    line = f"{series[0]}.{series[1]}"
     differences = patches.upstream_differences(line, api_only=mode == "stock")
     if differences:
         logger.warning("vllm-dsa-varlen: vLLM %s differs from %s where the %s line's patches "
