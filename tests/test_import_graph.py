@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import ast
 import os
+import pathlib
 
 import pytest
+
+from vllm_dsa_varlen.upstream import _imported_from, _statements
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "vllm_dsa_varlen"
@@ -33,13 +36,7 @@ def _imported(mod: str, path: str, node, known) -> set[str]:
     if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
     else:
-        base = node.module or ""
-        if node.level:
-            parts = mod.split(".")
-            if not path.endswith("__init__.py"):
-                parts = parts[:-1]  # a module's own package
-            parts = parts[:len(parts) - node.level + 1]
-            base = ".".join(parts + ([base] if base else []))
+        base = _imported_from(mod, pathlib.Path(path), node)
         names = [base] + [f"{base}.{a.name}" for a in node.names]  # a name may be a module
     return {n for n in names if n in known and n != mod}
 
@@ -139,14 +136,12 @@ def test_nothing_the_plugin_serves_with_imports_the_benchmark():
 
 
 def _top_level_names(path: str) -> set[str]:
-    """What a module defines at its top level (also under a top-level ``if``
-    or ``try``): functions, classes, assigned and imported names."""
+    """What a module defines at its top level (also under a top-level ``if``,
+    ``try`` or ``with``): functions, classes, assigned and imported names."""
     names = set()
     with open(path) as f:
         body = ast.parse(f.read(), path).body
-    todo = list(body)
-    while todo:
-        node = todo.pop()
+    for node in _statements(body):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
@@ -154,9 +149,6 @@ def _top_level_names(path: str) -> set[str]:
             names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif isinstance(node, (ast.If, ast.Try)):
-            todo += node.body + node.orelse + getattr(node, "finalbody", [])
-            todo += [s for h in getattr(node, "handlers", []) for s in h.body]
     return names
 
 
@@ -166,23 +158,20 @@ def unresolved_imports(files: list[str]) -> list[str]:
     not a file of the package or whose names are neither its submodules nor
     names it defines, as ``file:line module.name``."""
     mods = _modules()
+    module_of = {path: mod for mod, path in mods.items()}
     defined: dict[str, set[str]] = {}
     found = []
     for path in files:
-        mod = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        mod = module_of.get(path)  # None outside the package
         with open(path) as f:
             tree = ast.parse(f.read(), path)
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom):
                 continue
             if node.level:
-                if mod not in mods:
+                if mod is None:
                     continue
-                parts = mod.split(".")
-                if not path.endswith("__init__.py"):
-                    parts = parts[:-1]
-                parts = parts[:len(parts) - node.level + 1]
-                base = ".".join(parts + ([node.module] if node.module else []))
+                base = _imported_from(mod, pathlib.Path(path), node)
             elif (node.module or "").split(".")[0] == PACKAGE:
                 base = node.module
             else:
