@@ -25,22 +25,25 @@ HAS_FP8_GPU = HAS_CUDA and torch.cuda.get_device_capability() >= (8, 9)
 
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
-VLLM_LINE = installed_line()  # "0.27" | "0.33" | other | None
+VLLM_LINE = installed_line()  # "0.27" | "0.33" | "0.34" | other | None
 
-# vLLM line -> the test modules / folders (first path part under tests/) that need it.
+# The test modules / folders (first path part under tests/) written against
+# one patch set -> the vLLM lines it serves (vllm_0_33/ serves 0.33 and 0.34).
 LINE_TESTS = {
-    "0.27": ("vllm_0_27", "test_builder_equivalence.py", "test_robustness.py"),
-    "0.33": ("vllm_0_33",),
+    "vllm_0_27": ("0.27",),
+    "test_builder_equivalence.py": ("0.27",),
+    "test_robustness.py": ("0.27",),
+    "vllm_0_33": ("0.33", "0.34"),
 }
 
 
-def needed_line(path: pathlib.Path) -> str | None:
-    """The vLLM line the test module at ``path`` is written against, if any."""
+def needed_lines(path: pathlib.Path) -> tuple[str, ...] | None:
+    """The vLLM lines the test module at ``path`` is written against, if any."""
     try:
         first = pathlib.Path(path).resolve().relative_to(TESTS_DIR).parts[0]
     except (ValueError, IndexError):
         return None
-    return next((line for line, names in LINE_TESTS.items() if first in names), None)
+    return LINE_TESTS.get(first)
 
 
 class _OtherLineModule(pytest.Module):
@@ -53,11 +56,12 @@ class _OtherLineModule(pytest.Module):
 
 
 def pytest_pycollect_makemodule(module_path, parent):
-    line = needed_line(module_path)
-    if line is None or line == VLLM_LINE:
+    lines = needed_lines(module_path)
+    if lines is None or VLLM_LINE in lines:
         return None
     node = _OtherLineModule.from_parent(parent, path=module_path)
-    node.skip_reason = (f"{pathlib.Path(module_path).name} is written against vLLM {line}.x; "
+    node.skip_reason = (f"{pathlib.Path(module_path).name} is written against vLLM "
+                        f"{' / '.join(line + '.x' for line in lines)}; "
                         f"installed: "
                         f"{'vLLM ' + VLLM_LINE + '.x' if VLLM_LINE else 'no vLLM'}")
     return node

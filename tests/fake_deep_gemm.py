@@ -25,6 +25,9 @@ argument names, which the double exposes like pybind does
   on ``arch=100`` run ids are *required*, weights must be bf16 and logits come
   back bf16; on ``arch=90`` ``next_n`` must be 1 or 2 and ids are refused;
   the prefill function takes ``max_seqlen_k`` and writes row-compressed logits.
+  ``logits_dtype=True``: the 2.8.1 vLLM 0.34 vendors, whose logits functions
+  take ``logits_dtype`` (before ``indices`` / ``schedule_meta``): logits come
+  back in it, and on ``arch=100`` the weights must be in it too.
 
 The varlen (``indices``) contract is enforced, every violation raises
 ``AssertionError`` naming what broke: ``next_n == 1``; ids int32, 1-D,
@@ -120,12 +123,15 @@ class FakeDeepGemm:
     FLAVOURS = ("2.6", "old", "2.8")
 
     def __init__(self, flavour: str = "2.6", arch: int = 100, num_sms: int = 8,
-                 accepts_indices: bool | None = None):
+                 accepts_indices: bool | None = None, logits_dtype: bool = False):
         if flavour not in self.FLAVOURS:
             raise ValueError(f"flavour: expected one of {self.FLAVOURS}, got {flavour!r}")
         if arch not in (90, 100):
             raise ValueError(f"arch: expected 90 or 100, got {arch}")
+        if logits_dtype and flavour != "2.8":
+            raise ValueError("logits_dtype: only the 2.8 flavour has a logits_dtype option")
         self.flavour, self.arch, self.num_sms = flavour, arch, num_sms
+        self.takes_logits_dtype = logits_dtype
         self.accepts_indices = flavour != "old" if accepts_indices is None else accepts_indices
         self.calls: list[Call] = []
         opt = [("indices", None)] if self.accepts_indices else []
@@ -138,8 +144,9 @@ class FakeDeepGemm:
                  ("schedule_meta", _REQUIRED), ("max_context_len", _REQUIRED)]
         if flavour == "old":
             paged.append(("clean_logits", _REQUIRED))
-        elif flavour == "2.6":
-            paged += [("clean_logits", False), ("logits_dtype", torch.float32)]
+        elif flavour == "2.6" or logits_dtype:
+            paged += ([("clean_logits", False)] if flavour == "2.6" else []) + [
+                ("logits_dtype", torch.float32)]
         self.fp8_fp4_paged_mqa_logits = _PybindLike(
             "fp8_fp4_paged_mqa_logits", paged + opt, self._paged, self)
         prefill = [("q", _REQUIRED), ("kv", _REQUIRED), ("weights", _REQUIRED),
@@ -150,7 +157,9 @@ class FakeDeepGemm:
             prefill += [("clean_logits", True), ("max_seqlen_k", 0),
                         ("logits_dtype", torch.float32)]
         else:
-            prefill += [("max_seqlen_k", _REQUIRED), ("schedule_meta", None)]
+            prefill += [("max_seqlen_k", _REQUIRED)] + (
+                [("logits_dtype", torch.float32)] if logits_dtype else []) + [
+                ("schedule_meta", None)]
         self.fp8_fp4_mqa_logits = _PybindLike("fp8_fp4_mqa_logits", prefill, self._prefill, self)
 
     # ---------------------------------------------------------------- install
@@ -205,6 +214,21 @@ class FakeDeepGemm:
         self._check_indices(indices, batch, next_n)
         return schedule_fingerprint(context_lens, indices, num_sms)
 
+    def _out_dtype(self, logits_dtype: torch.dtype) -> torch.dtype:
+        """The logits' dtype: ``logits_dtype`` where the API takes it (2.6,
+        2.8 with ``logits_dtype=True``), else bf16 on 2.8 SM100, float32."""
+        if self.flavour == "2.6" or self.takes_logits_dtype:
+            assert logits_dtype in (torch.float32, torch.bfloat16), \
+                f"logits_dtype: {logits_dtype} not float32 / bfloat16"
+            return logits_dtype
+        return torch.bfloat16 if (self.flavour == "2.8" and self.arch == 100) else torch.float32
+
+    def _weights_dtype(self, logits_dtype: torch.dtype) -> torch.dtype:
+        """2.8 on SM100 reduces in the logits' dtype, so its weights come in it."""
+        if self.flavour == "2.8" and self.arch == 100:
+            return self._out_dtype(logits_dtype)
+        return torch.float32
+
     def _paged(self, q, kv_cache, weights, context_lens, block_table, schedule_meta,
                max_context_len, clean_logits=False, indices=None, logits_dtype=torch.float32):
         values, scales = q
@@ -218,7 +242,7 @@ class FakeDeepGemm:
             f"kv_cache: uint8 [blocks, block_kv, 1, width] expected, got {tuple(kv_cache.shape)}"
         assert kv_cache.shape[1] in self._block_kvs, \
             f"kv_cache: block_kv {kv_cache.shape[1]} not in {self._block_kvs}"
-        want_w = torch.bfloat16 if (self.flavour == "2.8" and self.arch == 100) else torch.float32
+        want_w = self._weights_dtype(logits_dtype)
         assert weights.dtype == want_w, f"weights: {weights.dtype} != {want_w}"
         assert tuple(weights.shape) == (rows, heads), f"weights: shape {tuple(weights.shape)}"
         b2, n2 = self._check_context_lens(context_lens)
@@ -233,11 +257,7 @@ class FakeDeepGemm:
         assert torch.equal(schedule_meta.cpu(), expect.cpu()), \
             "schedule_meta: not the scheduler's output for these context lengths / ids"
         assert isinstance(max_context_len, int) and max_context_len > 0, "max_context_len"
-        out_dtype = torch.bfloat16 if (self.flavour == "2.8" and self.arch == 100) else torch.float32
-        if self.flavour == "2.6":
-            assert logits_dtype in (torch.float32, torch.bfloat16), \
-                f"logits_dtype: {logits_dtype} not float32 / bfloat16"
-            out_dtype = logits_dtype
+        out_dtype = self._out_dtype(logits_dtype)
         if fp4:
             return torch.zeros((rows, max_context_len), dtype=out_dtype, device=values.device)
         logits = paged_mqa_logits_ref(values, kv_cache, weights.float(), context_lens, block_table,
@@ -255,7 +275,7 @@ class FakeDeepGemm:
             assert logits_dtype == torch.float32, "logits_dtype: only float32 modelled"
         k_values, k_scales = kv
         assert scales is None, "prefill double: FP8 only"
-        want_w = torch.bfloat16 if (self.flavour == "2.8" and self.arch == 100) else torch.float32
+        want_w = self._weights_dtype(logits_dtype)
         assert weights.dtype == want_w, f"weights: {weights.dtype} != {want_w}"
         ks, ke = cu_seq_len_k_start.long(), cu_seq_len_k_end.long()
         num_kv = k_values.shape[0]
@@ -263,7 +283,7 @@ class FakeDeepGemm:
         scores = (qk.relu() * weights.float()[:, :, None]).sum(1) * k_scales.float()[None, :]
         cols = torch.arange(num_kv)
         inside = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
-        out_dtype = torch.bfloat16 if (self.flavour == "2.8" and self.arch == 100) else torch.float32
+        out_dtype = self._out_dtype(logits_dtype) if self.flavour != "2.6" else torch.float32
         if self.flavour in ("old", "2.6"):
             fill = float("-inf") if clean_logits else GARBAGE
             return torch.where(inside, scores, torch.full_like(scores, fill)).to(out_dtype)

@@ -1,6 +1,6 @@
 """The patch registry: lines, apply / undo / idempotence, and the plugin entry point.
 
-Runs against whichever vLLM line is installed (0.27 or 0.33): ``LINE_PATCHES``
+Runs against whichever vLLM line is installed (0.27, 0.33 or 0.34): ``LINE_PATCHES``
 is that line's patch set, and every test applies, undoes and inspects it.
 Version dispatch in ``register()`` is checked for every line without applying
 another line's patches to the installed vLLM.
@@ -49,7 +49,7 @@ def _snapshot():
 
 
 def test_every_patch_is_documented_and_names_its_line():
-    assert set(patches.LINES) == {"0.27", "0.33"}
+    assert set(patches.LINES) == set(patches.PACKAGES) == {"0.27", "0.33", "0.34"}
     for line, release in patches.LINES.items():
         assert patches.line_of(release) == line
         line_patches = patches.for_line(line)
@@ -60,8 +60,8 @@ def test_every_patch_is_documented_and_names_its_line():
             assert patch.upstream == release and patch.line == line, patch
             # A line's replacements live in that line's package (or are version-free).
             ours = patch.replacement.partition(":")[0]
-            other = [f"vllm_dsa_varlen.vllm_{a}" for a in ("0_27", "0_33")
-                     if a != line.replace(".", "_")]
+            other = [f"vllm_dsa_varlen.{pkg}" for pkg in set(patches.PACKAGES.values())
+                     if pkg != patches.PACKAGES[line]]
             assert not any(ours.startswith(o) for o in other), patch
     assert sum(len(patches.for_line(line)) for line in patches.LINES) == len(patches.PATCHES)
     for patch in patches.PATCHES:
@@ -172,7 +172,7 @@ def test_register_applies_once_and_is_safe_to_repeat(monkeypatch):
     assert _snapshot() == state and len(patches.applied()) == len(LINE_PATCHES)
 
 
-@pytest.mark.parametrize("version", ["0.28.0", "0.26.2", "0.32.1", "0.34.0", "1.0.0", "garbage"])
+@pytest.mark.parametrize("version", ["0.28.0", "0.26.2", "0.32.1", "0.35.0", "1.0.0", "garbage"])
 def test_register_on_another_vllm_warns_and_patches_nothing(monkeypatch, plugin_log, version):
     import vllm
 
@@ -186,12 +186,13 @@ def test_register_on_another_vllm_warns_and_patches_nothing(monkeypatch, plugin_
     # it names the lines it has patches for: the registry's, as SUPPORTED_LINES
     assert all(f"{line}.x" in warnings[0].getMessage() for line in patches.LINES)
     assert vllm_dsa_varlen.SUPPORTED_LINES == tuple(
-        tuple(int(p) for p in line.split(".")) for line in patches.LINES) == ((0, 27), (0, 33))
+        tuple(int(p) for p in line.split(".")) for line in patches.LINES) == ((0, 27), (0, 33), (0, 34))
 
 
 @pytest.mark.parametrize("version,line", [
     ("0.27.1", "0.27"), ("0.27.0", "0.27"), ("0.27.1.dev12+gabc", "0.27"), ("0.27.2rc1", "0.27"),
     ("0.33.0", "0.33"), ("0.33.1", "0.33"), ("0.33.0rc2", "0.33"), ("0.33.1.dev3+gdef", "0.33"),
+    ("0.34.0", "0.34"), ("0.34.1", "0.34"), ("0.34.0rc1", "0.34"),
 ])
 def test_register_dispatches_on_the_vllm_line(monkeypatch, version, line):
     """register() asks for the patches of the running vLLM's line (recorded,

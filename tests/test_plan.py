@@ -1,5 +1,7 @@
 """The decode-row plan against a plain per-request loop."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -197,3 +199,26 @@ def test_decode_lens_of_another_shape_are_refused():
         plan_decode_rows(torch.tensor([10, 20], dtype=torch.int32), qsl,
                          torch.zeros((2, 3), dtype=torch.int32), num_rows=4,
                          decode_lens=torch.tensor([2, 2, 0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("short", ["indices", "context_lens", "block_table", "arange"])
+def test_out_buffers_too_short_are_named(short):
+    """Every buffer of ``out`` is checked against the rows to plan (vLLM 0.34
+    sizes the block-table buffer for decode tokens only, shorter than the
+    others): the short one is named, and nothing is written."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [3, 1, 2]
+    rows = sum(lens)
+    qsl = torch.tensor([0, 3, 4, 6], dtype=torch.int32)
+    seq_lens = torch.randint(10, 90, (3,), generator=gen, dtype=torch.int32)
+    bt = torch.randint(0, 50, (3, 4), generator=gen, dtype=torch.int32)
+    out = DecodeRowBuffers.allocate(rows + 2, 4, "cpu")
+    out = dataclasses.replace(out, **{short: getattr(out, short)[: rows - 1]})
+    for name in ("indices", "context_lens", "block_table"):
+        getattr(out, name).fill_(-7)
+    with pytest.raises(ValueError, match=f"out.{short}: holds {rows - 1} rows, {rows} needed"):
+        plan_decode_rows(seq_lens, qsl, bt, num_rows=rows, num_tokens=rows, out=out)
+    assert all(bool((getattr(out, n) == -7).all()) for n in ("indices", "context_lens", "block_table"))
+    # one row fewer to plan fits every buffer
+    plan_decode_rows(seq_lens[:2], qsl[:3], bt[:2], num_rows=rows - 2, num_tokens=4,
+                     out=dataclasses.replace(out, **{short: getattr(out, short)}))

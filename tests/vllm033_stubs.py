@@ -30,6 +30,8 @@ from vllm_fakes import decode_batch, fake_gpu  # noqa: F401  (re-exported)
 from fake_deep_gemm import FakeDeepGemm, schedule_fingerprint
 
 NUM_SMS = 8
+# The installed line the vllm_0_33 patch set is tested on: 0.33 or 0.34.
+LINE = __import__("vllm_dsa_varlen.patches", fromlist=["installed_line"]).installed_line()
 
 # Some vLLM modules branch on the platform at import time (CUDA-only imports):
 # import every patch target and replacement now, before any test fakes a GPU.
@@ -44,6 +46,8 @@ for _name in ("vllm.utils.deep_gemm", "vllm.model_executor.layers.sparse_attn_in
 def make_config(*, next_n: int, max_tokens: int = 256, max_seqs: int = 64, fp4: bool = False,
                 max_model_len: int = 4096, index_heads: int = 32, adaptive: bool = False,
                 dcp: int = 1):
+    hf_config = SimpleNamespace(index_n_heads=index_heads, index_head_dim=128, index_topk=2048,
+                                model_type="deepseek_v32")
     spec = None
     if next_n > 1:
         spec = SimpleNamespace(num_speculative_tokens=next_n - 1,
@@ -60,9 +64,9 @@ def make_config(*, next_n: int, max_tokens: int = 256, max_seqs: int = 64, fp4: 
             resolve_indexer_kv_dtype=lambda default: "mxfp4" if fp4 else "fp8",
             sparse_mla_prefill_workspace_factor=5, indexer_tp_shard_min_rows=0),
         model_config=SimpleNamespace(max_model_len=max_model_len, architectures=[],
-                                     hf_config=SimpleNamespace(index_n_heads=index_heads,
-                                                               model_type="deepseek_v32")),
-        compilation_config=SimpleNamespace(cudagraph_mode=None),
+                                     hf_config=hf_config, hf_text_config=hf_config),
+        # 0.34's builder looks its layers up here (ShardQ): none use it
+        compilation_config=SimpleNamespace(cudagraph_mode=None, static_forward_context={}),
     )
 
 
@@ -137,14 +141,20 @@ def fake_uniform_decode_kernel(monkeypatch, wrap=None) -> UniformDecodeKernel:
 
 
 class HopperDeepGemm(FakeDeepGemm):
-    """The DeepGEMM double as vLLM 0.33.0's vendored DeepGEMM 2.8.1 on SM90:
+    """The DeepGEMM double as vLLM 0.33.0's (0.34.0's) vendored DeepGEMM 2.8.1 on SM90:
     the 2.8 API (no ``clean_logits``, fp32 logits on SM90), native ``next_n``
     in {1, 2, 4}, ``next_n == 4`` scheduled over ``num_sms // 2`` 2-CTA
     clusters (the schedule has ``num_sms // 2 + 1`` rows), run ids refused
     ("varlen is SM100 only")."""
 
     def __init__(self, num_sms: int = NUM_SMS):
-        super().__init__("2.8", 90, num_sms=num_sms)
+        import inspect
+
+        import vllm.utils.deep_gemm as vdg
+
+        # the vendored DeepGEMM matches its vLLM: 0.34's logits functions take logits_dtype
+        takes = "logits_dtype" in inspect.signature(vdg.fp8_fp4_paged_mqa_logits).parameters
+        super().__init__("2.8", 90, num_sms=num_sms, logits_dtype=takes)
         self.full_sms = num_sms
 
     def _check_context_lens(self, context_lens) -> tuple[int, int]:
@@ -165,11 +175,11 @@ class HopperDeepGemm(FakeDeepGemm):
         return super()._metadata(context_lens, block_kv, num_sms, indices)
 
     def _paged(self, q, kv_cache, weights, context_lens, block_table, schedule_meta,
-               max_context_len, clean_logits=False, indices=None):
+               max_context_len, clean_logits=False, indices=None, logits_dtype=torch.float32):
         self.num_sms = self._slots(q[0].shape[1])
         try:
             return super()._paged(q, kv_cache, weights, context_lens, block_table, schedule_meta,
-                                  max_context_len, clean_logits, indices)
+                                  max_context_len, clean_logits, indices, logits_dtype)
         finally:
             self.num_sms = self.full_sms
 

@@ -4,7 +4,7 @@ vLLM calls :func:`register` (entry point ``vllm.general_plugins`` ->
 ``vllm_dsa_varlen:register``) in every process it starts.  It recognises the
 installed vLLM's line and applies that line's patch set
 (:mod:`vllm_dsa_varlen.patches`): ``vllm_0_27/`` for 0.27.x, ``vllm_0_33/``
-for 0.33.x, where the installed source still has what each patch was written
+for 0.33.x and 0.34.x, where the installed source still has what each patch was written
 against (:func:`.patches.upstream_differences`); any other vLLM is left
 stock, with a log line.  Importing this
 package is cheap and imports nothing from vLLM; the kernels (``ops``), the row
@@ -31,7 +31,7 @@ def register() -> None:
     (idempotent; target modules not imported yet are patched when they are).
 
     Does nothing but log when ``VLLM_DSA_VARLEN=off``, when the installed
-    vLLM is on no line of the registry (0.27.x, 0.33.x), or when its source
+    vLLM is on no line of the registry (0.27.x, 0.33.x, 0.34.x), or when its source
     differs from the release the line's patches were read from where they
     apply (a warning naming each difference; stock behaviour).  With
     ``VLLM_DSA_VARLEN=stock`` only the line's DeepGEMM API adapters are applied

@@ -45,8 +45,11 @@ from typing import Any, Callable
 logger = logging.getLogger("vllm.dsa_varlen")
 
 # vLLM line (major.minor) -> the release its patches were read from.
-LINES: dict[str, str] = {"0.27": "0.27.1", "0.33": "0.33.0"}
+LINES: dict[str, str] = {"0.27": "0.27.1", "0.33": "0.33.0", "0.34": "0.34.0"}
 UPSTREAM = LINES["0.27"]  # the first line's release (kept for older callers)
+# vLLM line -> the subpackage holding its replacements: one serves several lines
+# where the upstream code it patches and calls is the same.
+PACKAGES: dict[str, str] = {"0.27": "vllm_0_27", "0.33": "vllm_0_33", "0.34": "vllm_0_33"}
 
 _MISSING = object()
 
@@ -129,9 +132,8 @@ _OUR_SAI_33 = "vllm_dsa_varlen.vllm_0_33.model_executor.layers.sparse_attn_index
 _OUR_IX_33 = "vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla.indexer"
 _V32_ATTN = "vllm.models.deepseek_v32.attention"
 _OUR_V32_ATTN_33 = "vllm_dsa_varlen.vllm_0_33.models.deepseek_v32.attention"
-_V033 = LINES["0.33"]
 
-PATCHES: tuple[Patch, ...] = (
+_PATCHES_0_27: tuple[Patch, ...] = (
     # ---- vLLM 0.27 line (read from 0.27.1) ------------------------------------------
     Patch(_DG, "get_paged_mqa_logits_metadata", f"{_OUR_DG}:get_paged_mqa_logits_metadata",
           "accept the varlen run ids (`indices`) and forward them to DeepGEMM only "
@@ -194,58 +196,69 @@ PATCHES: tuple[Patch, ...] = (
           "build for the metadata hook, then hand the run ids to the decode metadata "
           "and to the kernel call (via a per-step schedule view)",
           wraps=True),
-    # ---- vLLM 0.33 line (read from 0.33.0) ------------------------------------------
-    # SM100 + DeepGEMM: upstream varlen, untouched.  Hopper and other fp8 GPUs:
-    # per-step varlen with the project's kernels (policy.varlen_wins).
-    Patch(_SAI, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI_33}:wrap_paged_mqa_logits",
-          "the indexer op looks this module global up per call: a decode step whose "
-          "schedule tensor carries run ids (a varlen step of the project's kernels) goes "
-          "to the project's varlen kernel; every other call is stock's, `indices` passed "
-          "through",
-          upstream=_V033, wraps=True),
-    Patch(_SAI, "get_indexer_topk", f"{_OUR_SAI_33}:wrap_get_indexer_topk",
-          "the indexer op looks this module global up per call for its decode top-k: with "
-          "the `auto` backend the project's top-k kernel runs where it is chosen and serves "
-          "(vllm_dsa_varlen.topk: sm_90, VLLM_DSA_VARLEN_TOPK), vLLM's otherwise",
-          upstream=_V033, wraps=True),
-    Patch(_GLM5N, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI_33}:wrap_paged_mqa_logits",
-          "GLM-5-Next's indexer op (NVIDIA) has its own copy of the decode call on the "
-          "same builder's metadata: the same dispatch, so its varlen steps reach the "
-          "project's kernel instead of DeepGEMM with ids it cannot take on SM90",
-          upstream=_V033, wraps=True),
-    Patch(_GLM5N, "get_indexer_topk", f"{_OUR_SAI_33}:wrap_get_indexer_topk",
-          "GLM-5-Next's indexer op (NVIDIA) looks its own copy of this global up for its "
-          "decode top-k: the same choice",
-          upstream=_V033, wraps=True),
-    Patch(_IX, "DeepseekV32IndexerMetadataBuilder.__init__", f"{_OUR_IX_33}:wrap_init",
-          "decide once whether the project's varlen kernel serves this builder (SM100 with "
-          "DeepGEMM: upstream varlen, left alone) and log the path in one line",
-          upstream=_V033, wraps=True),
-    Patch(_IX, "DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors",
-          f"{_OUR_IX_33}:wrap_prepare_decode_tensors",
-          "during a planned build, one-token rows into stock's buffers (a uniform step "
-          "through stock's flatten branch, others by plan.plan_decode_rows) and the run "
-          "ids into stock's decode_indices_buffer",
-          upstream=_V033, wraps=True),
-    Patch(_IX, "DeepseekV32IndexerMetadataBuilder.update_draft_decode_metadata",
-          f"{_OUR_IX_33}:wrap_update_draft_decode_metadata",
-          "a drafter reuses a step's metadata one token per request: for a varlen step, "
-          "remake DeepGEMM's schedule without the ids (SM90 takes none) and reset the ids "
-          "to one run per row",
-          upstream=_V033, wraps=True),
-    Patch(_IX, "DeepseekV32IndexerMetadataBuilder.build", f"{_OUR_IX_33}:wrap_build",
-          "classify each step from host facts (what stock runs: native, flattened or "
-          "split) and ask policy.varlen_wins; varlen: flatten without the uniform split "
-          "and hand the run ids to the decode metadata and the kernel call",
-          upstream=_V033, wraps=True),
-    Patch(_V32_ATTN, "fused_q", f"{_OUR_V32_ATTN_33}:wrap_fused_q",
-          "the attention layer calls this module global once per layer to prepare the "
-          "indexer's and the MLA's queries (RoPE, fp8, the indexer weights): on sm_90 the "
-          "project's kernel (a program per token and block of heads, bit-equal outputs) "
-          "instead of vLLM's one-warp program per token, part and head; vLLM's elsewhere "
-          "and for any call it does not take (config.choose_fused_q)",
-          upstream=_V033, wraps=True),
 )
+
+
+def _patches_0_33(release: str) -> tuple[Patch, ...]:
+    """The patch set of the modules under ``vllm_0_33/``, for ``release``: vLLM 0.33.0
+    and 0.34.0 differ in none of the code these patches replace or call, except
+    the logits function's ``logits_dtype``, which the logits wrapper reads from
+    the function it wraps (SM100 + DeepGEMM: upstream varlen, untouched;
+    Hopper and other fp8 GPUs: per-step varlen with the project's kernels)."""
+    return (
+        Patch(_SAI, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI_33}:wrap_paged_mqa_logits",
+              "the indexer op looks this module global up per call: a decode step whose "
+              "schedule tensor carries run ids (a varlen step of the project's kernels) goes "
+              "to the project's varlen kernel; every other call is stock's, `indices` (and "
+              "0.34's `logits_dtype`) passed through",
+              upstream=release, wraps=True),
+        Patch(_SAI, "get_indexer_topk", f"{_OUR_SAI_33}:wrap_get_indexer_topk",
+              "the indexer op looks this module global up per call for its decode top-k: with "
+              "the `auto` backend the project's top-k kernel runs where it is chosen and serves "
+              "(vllm_dsa_varlen.topk: sm_90, VLLM_DSA_VARLEN_TOPK), vLLM's otherwise",
+              upstream=release, wraps=True),
+        Patch(_GLM5N, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI_33}:wrap_paged_mqa_logits",
+              "GLM-5-Next's indexer op (NVIDIA) has its own copy of the decode call on the "
+              "same builder's metadata: the same dispatch, so its varlen steps reach the "
+              "project's kernel instead of DeepGEMM with ids it cannot take on SM90",
+              upstream=release, wraps=True),
+        Patch(_GLM5N, "get_indexer_topk", f"{_OUR_SAI_33}:wrap_get_indexer_topk",
+              "GLM-5-Next's indexer op (NVIDIA) looks its own copy of this global up for its "
+              "decode top-k: the same choice",
+              upstream=release, wraps=True),
+        Patch(_IX, "DeepseekV32IndexerMetadataBuilder.__init__", f"{_OUR_IX_33}:wrap_init",
+              "decide once whether the project's varlen kernel serves this builder (SM100 with "
+              "DeepGEMM: upstream varlen, left alone) and log the path in one line",
+              upstream=release, wraps=True),
+        Patch(_IX, "DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors",
+              f"{_OUR_IX_33}:wrap_prepare_decode_tensors",
+              "during a planned build, one-token rows into stock's buffers (a uniform step "
+              "through stock's flatten branch, others by plan.plan_decode_rows) and the run "
+              "ids into stock's decode_indices_buffer",
+              upstream=release, wraps=True),
+        Patch(_IX, "DeepseekV32IndexerMetadataBuilder.update_draft_decode_metadata",
+              f"{_OUR_IX_33}:wrap_update_draft_decode_metadata",
+              "a drafter reuses a step's metadata one token per request: for a varlen step, "
+              "remake DeepGEMM's schedule without the ids (SM90 takes none) and reset the ids "
+              "to one run per row",
+              upstream=release, wraps=True),
+        Patch(_IX, "DeepseekV32IndexerMetadataBuilder.build", f"{_OUR_IX_33}:wrap_build",
+              "classify each step from host facts (what stock runs: native, flattened or "
+              "split) and ask policy.varlen_wins; varlen: flatten without the uniform split "
+              "and hand the run ids to the decode metadata and the kernel call",
+              upstream=release, wraps=True),
+        Patch(_V32_ATTN, "fused_q", f"{_OUR_V32_ATTN_33}:wrap_fused_q",
+              "the attention layer calls this module global once per layer to prepare the "
+              "indexer's and the MLA's queries (RoPE, fp8, the indexer weights): on sm_90 the "
+              "project's kernel (a program per token and block of heads, bit-equal outputs) "
+              "instead of vLLM's one-warp program per token, part and head; vLLM's elsewhere "
+              "and for any call it does not take (config.choose_fused_q)",
+              upstream=release, wraps=True),
+    )
+
+
+PATCHES: tuple[Patch, ...] = (_PATCHES_0_27 + _patches_0_33(LINES["0.33"])
+                               + _patches_0_33(LINES["0.34"]))
 
 
 # What each patched attribute looks like in the release its line was read
@@ -258,6 +271,8 @@ _DG_PAGED_27 = ("def(q, kv_cache, weights, context_lens, block_tables, schedule_
                 "max_model_len, clean_logits)")
 _DG_PAGED_33 = ("def(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, "
                 "max_model_len, indices)")
+_DG_PAGED_34 = ("def(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, "
+                "max_model_len, logits_dtype, indices)")
 _DG_MQA_27 = "def(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)"
 _DG_META = "def(context_lens, block_size, num_sms)"
 _PREPARE = ("def(self, seq_lens, block_table, decode_lens, decode_lens_cpu, query_start_loc, "
@@ -265,6 +280,27 @@ _PREPARE = ("def(self, seq_lens, block_table, decode_lens, decode_lens_cpu, quer
 _BUILD = "def(self, common_prefix_len, common_attn_metadata, fast_build)"
 _INIT = "def(self, *args, block_table_width, **kwargs)"
 _TOPK_33 = "vllm.model_executor.layers.indexer_topk.get_indexer_topk: def(backend)"
+def _shapes_0_33(paged_logits: str) -> dict[str, str]:
+    """The shapes the ``vllm_0_33/`` patch set was written against; 0.33.0 and
+    0.34.0 differ in the decode logits function only (``paged_logits``)."""
+    logits = f"{_DG}.fp8_fp4_paged_mqa_logits: {paged_logits}"
+    return {
+        f"{_SAI}:fp8_fp4_paged_mqa_logits": logits,
+        f"{_SAI}:get_indexer_topk": _TOPK_33,
+        f"{_GLM5N}:fp8_fp4_paged_mqa_logits": logits,
+        f"{_GLM5N}:get_indexer_topk": _TOPK_33,
+        f"{_IX}:{_BUILDER}.__init__": _INIT,
+        f"{_IX}:{_BUILDER}._prepare_decode_tensors": _PREPARE,
+        f"{_IX}:{_BUILDER}.update_draft_decode_metadata": "def(self, metadata)",
+        f"{_IX}:{_BUILDER}.build": _BUILD,
+        f"{_V32_ATTN}:fused_q":
+            "vllm.models.deepseek_v32.common.kernels.fused_q: def(positions, q_pe, "
+            "q_pe_cos_sin_cache, index_q, index_q_cos_sin_cache, ql_nope, q_scale, "
+            "index_weights, index_weights_softmax_scale, index_weights_head_scale, "
+            "has_indexer, index_rope_interleave, quantize_mqa)",
+    }
+
+
 SHAPES: dict[str, dict[str, str]] = {
     "0.27": {
         f"{_DG}:get_paged_mqa_logits_metadata": _DG_META,
@@ -285,21 +321,8 @@ SHAPES: dict[str, dict[str, str]] = {
         f"{_IX}:{_BUILDER}._prepare_decode_tensors": _PREPARE,
         f"{_IX}:{_BUILDER}.build": _BUILD,
     },
-    "0.33": {
-        f"{_SAI}:fp8_fp4_paged_mqa_logits": f"{_DG}.fp8_fp4_paged_mqa_logits: {_DG_PAGED_33}",
-        f"{_SAI}:get_indexer_topk": _TOPK_33,
-        f"{_GLM5N}:fp8_fp4_paged_mqa_logits": f"{_DG}.fp8_fp4_paged_mqa_logits: {_DG_PAGED_33}",
-        f"{_GLM5N}:get_indexer_topk": _TOPK_33,
-        f"{_IX}:{_BUILDER}.__init__": _INIT,
-        f"{_IX}:{_BUILDER}._prepare_decode_tensors": _PREPARE,
-        f"{_IX}:{_BUILDER}.update_draft_decode_metadata": "def(self, metadata)",
-        f"{_IX}:{_BUILDER}.build": _BUILD,
-        f"{_V32_ATTN}:fused_q":
-            "vllm.models.deepseek_v32.common.kernels.fused_q: def(positions, q_pe, "
-            "q_pe_cos_sin_cache, index_q, index_q_cos_sin_cache, ql_nope, q_scale, "
-            "index_weights, index_weights_softmax_scale, index_weights_head_scale, "
-            "has_indexer, index_rope_interleave, quantize_mqa)",
-    },
+    "0.33": _shapes_0_33(_DG_PAGED_33),
+    "0.34": _shapes_0_33(_DG_PAGED_34),
 }
 
 

@@ -168,8 +168,10 @@ def plan_decode_rows(
 def _check_out(out: DecodeRowBuffers, num_rows: int, width: int) -> None:
     """``ValueError`` naming the buffer of ``out`` too small for ``num_rows``
     rows of a block table ``width`` wide."""
-    if out.indices.shape[0] < num_rows or out.arange.shape[0] < num_rows:
-        raise ValueError(f"out: buffers hold {out.indices.shape[0]} rows, {num_rows} needed")
+    for name in ("indices", "context_lens", "block_table", "arange"):
+        held = getattr(out, name).shape[0]
+        if held < num_rows:
+            raise ValueError(f"out.{name}: holds {held} rows, {num_rows} needed")
     if out.block_table.shape[1] < width:
         raise ValueError(f"out.block_table: width {out.block_table.shape[1]} < block_table width "
                          f"{width}")

@@ -5,7 +5,7 @@ The patch registry (:mod:`.patches`) records, for each attribute it
 replaces, the *shape* the attribute had in the release it was read from
 (:func:`shape`): a function's or method's parameter names, a class's
 annotated fields, a module global's import.  Before the plugin patches a
-vLLM whose version only says "same line" (0.27.x, 0.33.x), it compares
+vLLM whose version only says "same line" (0.27.x, 0.33.x, 0.34.x), it compares
 those shapes with the installed source, so a release that changed what a
 patch relies on is left unpatched (stock behaviour, with a warning that
 names the difference) instead of failing at import or in a decode step.

@@ -44,6 +44,7 @@ from builder_checks import DCP_WORLD, SETTINGS, local_len, reference_kernel, row
 from test_equivalence import assert_same_topk  # noqa: E402
 from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E402
 from vllm033_stubs import (  # noqa: E402
+    LINE,
     HopperDeepGemm,
     decode_batch,
     fake_gpu,
@@ -117,7 +118,7 @@ def world():
         mp.delenv(config.MODE_ENV, raising=False)
         mp.delenv(config.BACKEND_ENV, raising=False)
         patches.undo_all()
-        patches.apply_all(line="0.33")
+        patches.apply_all(line=LINE)
         try:
             yield _World()
         finally:

@@ -4,13 +4,16 @@ untagged calls are exactly stock's, tagged varlen steps reach the real Triton ke
 
 from __future__ import annotations
 
+import inspect
+import logging
+
 import pytest
 import torch
 
 import vllm.model_executor.layers.sparse_attn_indexer as sai  # noqa: E402
 import vllm.models.glm5next.nvidia.sparse_indexer as glm  # noqa: E402
 import vllm.utils.deep_gemm as vdg  # noqa: E402
-from vllm033_stubs import HopperDeepGemm, fake_gpu  # noqa: E402
+from vllm033_stubs import LINE, HopperDeepGemm, fake_gpu  # noqa: E402
 
 from vllm_dsa_varlen import patches  # noqa: E402
 from vllm_dsa_varlen.ops import launcher  # noqa: E402
@@ -42,7 +45,7 @@ def test_untagged_calls_are_stocks_exactly(monkeypatch, module):
     """Without a tag the call reaches stock's wrapper with stock's arguments,
     ``indices`` included (upstream's own SM100 varlen passes them)."""
     stock = module.fp8_fp4_paged_mqa_logits
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     assert module.fp8_fp4_paged_mqa_logits is not stock
     assert module.fp8_fp4_paged_mqa_logits.__wrapped__ is stock
     seen = []
@@ -54,13 +57,21 @@ def test_untagged_calls_are_stocks_exactly(monkeypatch, module):
         torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32), \
         torch.zeros(9, 2, dtype=torch.int32)
     ids = torch.arange(2, dtype=torch.int32)
+    # vLLM 0.34 added logits_dtype (before indices); 0.33's function has none
+    dtypes = ([torch.float32, torch.bfloat16] if "logits_dtype" in inspect.signature(stock).parameters
+              else [None])
     for indices in (None, ids):
-        out = module.fp8_fp4_paged_mqa_logits(tuple(args[0]), *args[1:], max_model_len=77,
-                                              indices=indices)
-        assert out is sentinel
-        call_args, call_kwargs = seen[-1]
-        assert all(a is b for a, b in zip(call_args[1:6], args[1:6])) and call_args[6] == 77
-        assert call_kwargs == ({} if indices is None else {"indices": ids})
+        for dtype in dtypes:
+            dtype_kw = {} if dtype is None else {"logits_dtype": dtype}
+            out = module.fp8_fp4_paged_mqa_logits(tuple(args[0]), *args[1:], max_model_len=77,
+                                                  indices=indices, **dtype_kw)
+            assert out is sentinel
+            call_args, call_kwargs = seen[-1]
+            assert all(a is b for a, b in zip(call_args[1:6], args[1:6])) and call_args[6] == 77
+            assert call_kwargs == {**dtype_kw, **({} if indices is None else {"indices": ids})}
+    if dtypes != [None]:  # the default stock's own: float32
+        module.fp8_fp4_paged_mqa_logits(tuple(args[0]), *args[1:], max_model_len=77)
+        assert seen[-1][1] == {"logits_dtype": torch.float32}
 
 
 @pytest.mark.interpreter
@@ -71,7 +82,7 @@ def test_tagged_step_runs_the_triton_kernel(monkeypatch, lens, seqs):
     CPU), never to DeepGEMM, and equals the reference on every valid position."""
     fake_gpu(monkeypatch, (9, 0))
     dg = HopperDeepGemm().install(monkeypatch)
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     gen = torch.Generator().manual_seed(sum(seqs))
     q, w, ctx, bt, ids, kv = _step(gen, lens, seqs)
     schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "triton",
@@ -105,7 +116,7 @@ def test_fewer_query_rows_than_the_step_has_take_its_first_rows(monkeypatch, row
     every row present it gets the step's own tensors (no view made a layer)."""
     fake_gpu(monkeypatch, (9, 0))
     HopperDeepGemm().install(monkeypatch)
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     gen = torch.Generator().manual_seed(rows)
     q, w, ctx, bt, ids, kv = _step(gen, [2, 3], [90, 150])
     schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "triton", 3)
@@ -131,7 +142,7 @@ def test_fewer_query_rows_than_the_step_has_take_its_first_rows(monkeypatch, row
 
 def test_bad_varlen_calls_fail_loudly(monkeypatch):
     fake_gpu(monkeypatch, (9, 0))
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     gen = torch.Generator().manual_seed(1)
     q, w, ctx, bt, ids, kv = _step(gen, [2, 3], [90, 100])
     schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "triton", 3)
@@ -157,7 +168,7 @@ def test_decode_topk_goes_through_the_choice(monkeypatch, module):
     from vllm_dsa_varlen.ops.reference import topk_ref, topk_selection_ok
 
     stock_get = module.get_indexer_topk
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     auto = module.get_indexer_topk("auto")
     assert auto is module.get_indexer_topk("auto") and auto.stock is stock_get("auto")
     assert module.get_indexer_topk("persistent") is stock_get("persistent")
@@ -196,7 +207,7 @@ def test_auto_counts_stocks_cooperative_rows(monkeypatch, module):
     from vllm_dsa_varlen import topk
     from vllm_dsa_varlen.ops import cuda_topk
 
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     try:
         auto = module.get_indexer_topk("auto")
         limit = sys.modules[type(auto.stock).__module__].AUTO_COOPERATIVE_MAX_ROWS
@@ -222,3 +233,36 @@ def test_auto_counts_stocks_cooperative_rows(monkeypatch, module):
             assert (len(seen), len(ours)) == want, (rows, bound)
     finally:
         patches.undo_all()
+
+
+@pytest.mark.interpreter
+def test_varlen_steps_write_float32_where_bf16_logits_are_asked(monkeypatch, caplog):
+    """vLLM 0.34's ``indexer_logits_dtype=bfloat16``: a varlen step's logits
+    come from the project's kernel in float32 (equal to the reference; vLLM's
+    top-k then reads them as they are), and that is said once in the log."""
+    from vllm_dsa_varlen.vllm_0_33.model_executor.layers import sparse_attn_indexer as ours
+
+    if "logits_dtype" not in inspect.signature(sai.fp8_fp4_paged_mqa_logits).parameters:
+        pytest.skip("this vLLM's decode logits function takes no logits_dtype (0.33)")
+    fake_gpu(monkeypatch, (9, 0))
+    dg = HopperDeepGemm().install(monkeypatch)
+    patches.apply_all(line=LINE)
+    monkeypatch.setattr(ours, "_logged_dtypes", set())
+    gen = torch.Generator().manual_seed(11)
+    lens, seqs = [3, 1, 2], [130, 70, 90]
+    q, w, ctx, bt, ids, kv = _step(gen, lens, seqs)
+    schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "triton", 3)
+    max_len = max(seqs) + 5
+    want = paged_mqa_logits_ref(q, kv, w, ctx, bt, max_len, ids)
+    mask = valid_mask(ctx, max_len, ids)
+    with caplog.at_level(logging.INFO, logger="vllm.dsa_varlen"):
+        for _ in range(3):
+            logits = sai.fp8_fp4_paged_mqa_logits((q, None), kv, w, ctx, bt, schedule,
+                                                  max_model_len=max_len,
+                                                  logits_dtype=torch.bfloat16, indices=ids)
+            assert logits.dtype == torch.float32 and dg.calls == []
+            torch.testing.assert_close(logits[mask], want[mask], rtol=2e-3, atol=2e-3)
+        sai.fp8_fp4_paged_mqa_logits((q, None), kv, w, ctx, bt, schedule, max_model_len=max_len,
+                                     logits_dtype=torch.float32, indices=ids)
+    said = [r.getMessage() for r in caplog.records if "logits dtype" in r.getMessage()]
+    assert len(said) == 1 and "torch.bfloat16" in said[0] and "float32" in said[0]

@@ -1,4 +1,4 @@
-"""Varlen kernel dispatch inside vLLM 0.33.0's sparse-attention indexer op.
+"""Varlen kernel dispatch inside vLLM 0.33.0's and 0.34.0's sparse-attention indexer op.
 
 Wraps the module global ``fp8_fp4_paged_mqa_logits`` of
 ``vllm.model_executor.layers.sparse_attn_indexer`` (and of GLM-5-Next's copy
@@ -33,6 +33,8 @@ builder never serves with varlen, so it never sees a varlen step of the project'
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
 import sys
 from typing import Any, Callable
 
@@ -69,35 +71,72 @@ def triton_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.T
                                                max_run_len=max_run_len, schedule_cache=schedules)
 
 
+_logged_dtypes: set[torch.dtype] = set()
+
+
+def _fp32_for(logits_dtype: torch.dtype) -> None:
+    """Log once per dtype that varlen steps write float32 logits where vLLM
+    0.34's ``indexer_logits_dtype`` asked for another dtype: bf16 logits lose
+    the top-k's boundary to ties (BENCHMARKS.md, "bf16 indexer logits")."""
+    if logits_dtype == torch.float32 or logits_dtype in _logged_dtypes:
+        return
+    _logged_dtypes.add(logits_dtype)
+    logging.getLogger("vllm.dsa_varlen").info(
+        "vllm-dsa-varlen: indexer logits dtype %s asked: the project's varlen kernel writes "
+        "float32 logits for the steps it runs (rounded to %s they keep under 99.9 %% of a row's "
+        "top-k set); vLLM's top-k reads them as they are, stock's steps keep %s",
+        logits_dtype, logits_dtype, logits_dtype)
+
+
+def _route(original: Callable[..., Any], q, kv_cache, weights, context_lens, block_tables,
+           schedule_metadata, max_model_len, indices, dtype_kwargs: dict) -> torch.Tensor:
+    """A decode logits call: the project's varlen kernel for a step whose schedule
+    carries run ids, else ``original`` with the arguments as given."""
+    tag = varlen_ids_of(schedule_metadata)
+    if tag is None:
+        return original(q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+                        max_model_len=max_model_len, indices=indices, **dtype_kwargs)
+    rows = q[0].shape[0]
+    if q[0].dim() != 4 or q[0].shape[1] != 1 or rows > tag.ids.shape[0]:
+        raise RuntimeError(
+            f"vllm-dsa-varlen: varlen decode expects queries [R, 1, H, D] with R <= "
+            f"{tag.ids.shape[0]} run ids, got {tuple(q[0].shape)}")
+    if indices is not None and indices.data_ptr() != tag.ids.data_ptr():
+        raise RuntimeError("vllm-dsa-varlen: the decode metadata's indices are not the "
+                           "run ids its schedule carries")
+    _fp32_for(dtype_kwargs.get("logits_dtype", torch.float32))
+    ids = tag.ids
+    if ids.shape[0] != rows or context_lens.shape[0] != rows or block_tables.shape[0] != rows:
+        # Stock feeds a single dummy row when a decode batch has no tokens.
+        ids, context_lens, block_tables = first_rows(rows, ids, context_lens, block_tables)
+    return triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
+                         max_model_len, tag.max_run_len, tag.schedules)
+
+
 def wrap_paged_mqa_logits(original: Callable[..., Any]) -> Callable[..., Any]:
     """Factory: the dispatching replacement of the op module's
-    ``fp8_fp4_paged_mqa_logits`` around stock's ``original``."""
-
-    @functools.wraps(original)
-    def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables,
-                                 schedule_metadata, max_model_len, indices=None):
-        """Paged MQA logits for the indexer's decode step (see the module
-        docstring).  ``q``: ``(values [B, next_n, H, D], scales or None)``;
-        ``context_lens`` int32 ``[B, next_n]``; a varlen step has ``next_n ==
-        1`` and its run ids tagged on ``schedule_metadata``."""
-        tag = varlen_ids_of(schedule_metadata)
-        if tag is None:
-            return original(q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                            max_model_len=max_model_len, indices=indices)
-        rows = q[0].shape[0]
-        if q[0].dim() != 4 or q[0].shape[1] != 1 or rows > tag.ids.shape[0]:
-            raise RuntimeError(
-                f"vllm-dsa-varlen: varlen decode expects queries [R, 1, H, D] with R <= "
-                f"{tag.ids.shape[0]} run ids, got {tuple(q[0].shape)}")
-        if indices is not None and indices.data_ptr() != tag.ids.data_ptr():
-            raise RuntimeError("vllm-dsa-varlen: the decode metadata's indices are not the "
-                               "run ids its schedule carries")
-        ids = tag.ids
-        if ids.shape[0] != rows or context_lens.shape[0] != rows or block_tables.shape[0] != rows:
-            # Stock feeds a single dummy row when a decode batch has no tokens.
-            ids, context_lens, block_tables = first_rows(rows, ids, context_lens, block_tables)
-        return triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
-                             max_model_len, tag.max_run_len, tag.schedules)
+    ``fp8_fp4_paged_mqa_logits`` around stock's ``original``, with its
+    parameters: vLLM 0.34 added ``logits_dtype`` before ``indices``."""
+    if "logits_dtype" in inspect.signature(original).parameters:
+        @functools.wraps(original)
+        def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables,
+                                     schedule_metadata, max_model_len,
+                                     logits_dtype=torch.float32, indices=None):
+            """Paged MQA logits for the indexer's decode step (see the module
+            docstring); ``logits_dtype``: what stock's kernel writes."""
+            return _route(original, q, kv_cache, weights, context_lens, block_tables,
+                          schedule_metadata, max_model_len, indices,
+                          {"logits_dtype": logits_dtype})
+    else:
+        @functools.wraps(original)
+        def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables,
+                                     schedule_metadata, max_model_len, indices=None):
+            """Paged MQA logits for the indexer's decode step (see the module
+            docstring).  ``q``: ``(values [B, next_n, H, D], scales or None)``;
+            ``context_lens`` int32 ``[B, next_n]``; a varlen step has ``next_n ==
+            1`` and its run ids tagged on ``schedule_metadata``."""
+            return _route(original, q, kv_cache, weights, context_lens, block_tables,
+                          schedule_metadata, max_model_len, indices, {})
 
     return fp8_fp4_paged_mqa_logits
 

@@ -12,6 +12,7 @@ import torch
 
 import vllm.v1.attention.backends.mla.indexer as ix  # noqa: E402
 from vllm033_stubs import (  # noqa: E402
+    LINE,
     HopperDeepGemm,
     decode_batch,
     fake_gpu,
@@ -101,7 +102,7 @@ def test_init_decides_the_path_and_logs_it_once(monkeypatch, plugin_log, cap, de
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     fake_gpu(monkeypatch, cap, deepgemm_installed=deepgemm)
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     builder = make_builder(monkeypatch, next_n=next_n)
     make_builder(monkeypatch, next_n=next_n)  # a second builder of the same kind: no new line
     assert builder.use_varlen is want
@@ -116,7 +117,7 @@ def test_init_decides_the_path_and_logs_it_once(monkeypatch, plugin_log, cap, de
 
 def test_triton_serves_checks_the_cache(monkeypatch):
     fake_gpu(monkeypatch, (9, 0))
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     assert make_builder(monkeypatch, next_n=4).use_varlen
     assert not make_builder(monkeypatch, next_n=4, page=32).use_varlen  # kernel pages are 64
     assert not make_builder(monkeypatch, next_n=4, index_heads=16).use_varlen
@@ -136,7 +137,7 @@ def test_builder_precompiles_the_kernels_at_creation(monkeypatch, cap, next_n, r
     fake_gpu(monkeypatch, cap)
     calls = []
     monkeypatch.setattr(warmup, "precompile_for", lambda **kw: calls.append(kw))
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     builder = make_builder(monkeypatch, next_n=next_n, compress_ratio=ratio)
     assert builder.use_varlen is compiles
     assert calls == ([dict(heads=ours._index_heads(builder), head_size=132, page=64,
@@ -161,7 +162,7 @@ def test_classification_matches_stocks_build(monkeypatch, next_n, adaptive):
     flattened (one row per token), over random steps."""
     _hopper(monkeypatch)
     _stub_stock_triton(monkeypatch)
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     monkeypatch.setenv(config.MODE_ENV, "off")
     stock = make_builder(monkeypatch, next_n=next_n, adaptive=adaptive)
     monkeypatch.delenv(config.MODE_ENV)
@@ -210,7 +211,7 @@ def test_native_choice_is_fixed_by_the_graph_key(monkeypatch, next_n):
     key (padded tokens, requests): whatever the table says, the choice is the
     same for every batch of that key -- real or padding requests, any context."""
     fake_gpu(monkeypatch, (9, 0))
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     builder = make_builder(monkeypatch, next_n=next_n)
     seen = []
     table = (policy.Rule("native", min_rows=3 * next_n),)
@@ -237,7 +238,7 @@ def test_native_choice_is_fixed_by_the_graph_key(monkeypatch, next_n):
 def test_buffers_are_stable_across_steps(monkeypatch, next_n):
     _hopper(monkeypatch)
     _all_win(monkeypatch)
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     builder = make_builder(monkeypatch, next_n=next_n)
     gen = torch.Generator().manual_seed(3)
     ptrs = set()
@@ -279,7 +280,7 @@ def test_build_reads_no_device_memory(monkeypatch, next_n, adaptive):
                                                             device=cl.device))
     monkeypatch.setattr(ix, "num_compute_units", lambda device_index=None: 8)
     fake_uniform_decode_kernel(monkeypatch)  # stock's Triton launch: no host read either
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     import vllm033_stubs
@@ -305,7 +306,7 @@ def test_adaptive_verification_rows_follow_the_device_offsets(monkeypatch):
     are planned from the device's query offsets."""
     _hopper(monkeypatch)
     _all_win(monkeypatch)
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     builder = make_builder(monkeypatch, next_n=4, adaptive=True)
     gen = torch.Generator().manual_seed(11)
     host_lens, device_lens = [3, 3, 3, 3], [4, 1, 3, 4]
@@ -349,7 +350,7 @@ def test_off_and_stock_steps_equal_unpatched_stock(monkeypatch):
         return out
 
     stock = run()
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     monkeypatch.setenv(config.MODE_ENV, "off")
     off = run()
     monkeypatch.delenv(config.MODE_ENV)
@@ -381,7 +382,7 @@ def test_draft_update_of_a_varlen_step(monkeypatch):
 
     dg = _hopper(monkeypatch)
     _all_win(monkeypatch)
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     builder = make_builder(monkeypatch, next_n=4)
     gen = torch.Generator().manual_seed(2)
     bt = _table(gen, 3)
@@ -406,7 +407,7 @@ def test_step_facts_of_padded_steps_are_the_requests_own(monkeypatch, next_n):
     own (variable, 4 tokens), on the classified path and in the counters of
     the steps left to stock."""
     _hopper(monkeypatch)
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     builder = make_builder(monkeypatch, next_n=next_n)
     gen = torch.Generator().manual_seed(5)
     for _ in range(60):
@@ -438,7 +439,7 @@ def test_run_ids_right_on_every_step_of_one_builder(monkeypatch, seed):
 
     _hopper(monkeypatch)
     _all_win(monkeypatch)
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     next_n = 4
     builder = make_builder(monkeypatch, next_n=next_n)
     gen = torch.Generator().manual_seed(seed)
@@ -493,7 +494,7 @@ def test_kernel_gated_rules_follow_the_builders_graph_kernel(monkeypatch, graph_
     asked = []
     monkeypatch.setattr(launcher, "graph_kernel", lambda device, heads, dim, page: (
         asked.append((dim, page)), graph_kernel)[1])
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     builder = make_builder(monkeypatch, next_n=6)
     gen = torch.Generator().manual_seed(3)
     cm = decode_batch([6, 6, 6], [900, 1500, 70], _table(gen, 3))
@@ -549,7 +550,7 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, next_n, adap
                             q, kv_cache, weights, context_lens, block_table, max_context_len,
                             indices))
     monkeypatch.setattr(launcher, "graph_kernel", lambda *a, **k: graph_kernel)
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     max_seqs = 64
     builder = make_builder(monkeypatch, next_n=next_n, adaptive=adaptive, max_seqs=max_seqs)
     assert builder.varlen_graph_kernel == graph_kernel
@@ -659,7 +660,7 @@ def test_native_steps_no_rule_can_take_skip_the_classification(monkeypatch, next
 
     _hopper(monkeypatch)
     _stub_stock_triton(monkeypatch)
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     builder = make_builder(monkeypatch, next_n=next_n, max_seqs=64)
     assert not builder.use_flattening
     rng = random.Random(seed)
@@ -737,7 +738,7 @@ def test_a_common_rewritten_in_place_is_decided_afresh(monkeypatch):
     _hopper(monkeypatch)
     fake_uniform_decode_kernel(monkeypatch)
     monkeypatch.setattr(launcher, "graph_kernel", lambda *a, **k: "cuda_sm90")
-    patches.apply_all(line="0.33")
+    patches.apply_all(line=LINE)
     builder = make_builder(monkeypatch, next_n=3, adaptive=False, max_seqs=64)
     assert builder.use_flattening and builder.varlen_graph_kernel == "cuda_sm90"
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
@@ -750,3 +751,29 @@ def test_a_common_rewritten_in_place_is_decided_afresh(monkeypatch):
     choice = last_step_choice(builder, cm)
     assert not builder.last_step_stock_only and choice.varlen and choice.stock == "flattened"
     assert varlen_ids_of(decode.schedule_metadata) is not None
+
+
+def test_varlen_rows_beyond_the_decode_buffers_fail_clearly(monkeypatch):
+    """The decode buffers the varlen rows are planned into hold a fixed number
+    of rows (vLLM 0.34 sizes the block-table buffer ``min(max_num_seqs *
+    next_n, max_num_batched_tokens)``, 0.33 ``max_num_batched_tokens``): a
+    step planned past them raises a RuntimeError naming the buffers before any
+    is written, and a step that fits is planned as before."""
+    _hopper(monkeypatch)
+    _all_win(monkeypatch)
+    patches.apply_all(line=LINE)
+    builder = make_builder(monkeypatch, next_n=3, max_seqs=5, max_tokens=15)
+    buffers = (builder.decode_indices_buffer, builder.decode_seq_lens_buffer,
+               builder.expanded_block_table_buffer, builder.decode_lens_buffer)
+    assert builder.varlen_max_rows == min(b.shape[0] for b in buffers) == 15
+    gen = torch.Generator().manual_seed(4)
+    for b in buffers:
+        b.fill_(-3)
+    too_many = [3] * 6  # 18 rows
+    cm = decode_batch(too_many, [200 + 7 * i for i in range(6)], _table(gen, 6))
+    with pytest.raises(RuntimeError, match="18 rows .* 15-row decode buffers"):
+        builder.build(0, cm)
+    assert all(bool((b == -3).all()) for b in buffers)
+    md = builder.build(0, decode_batch([3] * 5, [200 + 7 * i for i in range(5)], _table(gen, 5)))
+    assert builder.last_step_choice.varlen and md.decode.indices.tolist() == [
+        r // 3 for r in range(15)]

@@ -266,6 +266,11 @@ def _setup_varlen(builder: Any) -> None:
     )
     if builder.decode_indices_buffer.data_ptr() % 8:
         raise RuntimeError("decode_indices_buffer: run ids need an 8-byte aligned start")
+    # vLLM 0.34 sizes the block-table buffer for decode tokens only
+    # (max_num_seqs * next_n rows), fewer than the other buffers hold.
+    builder.varlen_max_rows = min(int(b.shape[0]) for b in (
+        builder.decode_indices_buffer, builder.decode_seq_lens_buffer,
+        builder.expanded_block_table_buffer, builder.decode_lens_buffer))
     if path.backend == "triton":
         # Every kernel variant a step can launch, compiled now (logged with the
         # time it took) so no decode step waits on a JIT compile.
@@ -624,6 +629,11 @@ def wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
             metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
             _record_step(choice, metadata)
             return metadata
+        if choice.facts.rows > self.varlen_max_rows:
+            raise RuntimeError(
+                f"vllm-dsa-varlen: a decode step of {choice.facts.rows} rows (one a token) "
+                f"exceeds the indexer builder's {self.varlen_max_rows}-row decode buffers "
+                "(expanded_block_table_buffer, decode_seq_lens_buffer, decode_indices_buffer)")
         flattening = self.use_flattening
         self.use_flattening = True
         self._varlen_planning = True
