@@ -69,7 +69,10 @@ import torch
 
 TOPK = 2048
 CONTRACT_KEEP = 0.999
-KEYS = ("bf16", "fp16_row_scaled", "bf16_minus_kth", "bf16_minus_sibling_kth")
+KEYS = ("bf16", "fp16_row_scaled", "bf16_minus_kth", "bf16_minus_sibling_kth",
+        "bf16_minus_sampled_kth")
+# bf16_minus_sampled_kth: the offset is estimated from every SAMPLE_STRIDE-th column
+SAMPLE_STRIDE = 16
 TIE_BREAKS = ("lowest_column", "random", "worst", "best")
 # DeepGEMM's (calc_diff vs its reference, vs its fp8 simulation): fp8 with
 # float32 logits (sm_90), and its mxfp4 / mxfp8 formats with bf16 logits (sm_100)
@@ -117,12 +120,17 @@ def make_key(logits: torch.Tensor, how: str, k: int, siblings: torch.Tensor | No
 
     * ``bf16``: the logit rounded to bf16 (:func:`round_bf16_rn`);
     * ``fp16_row_scaled``: ``logit * 2**-s`` in fp16, ``s`` a row's power of
-      two putting its largest magnitude in ``[2**14, 2**15)``;
+      two putting its largest magnitude in ``[2**14, 2**15)`` (any power of
+      two keeping the row's values normal in fp16 orders them the same, so a
+      bound on the row's magnitude would do);
     * ``bf16_minus_kth``: ``bf16(logit - t)``, ``t`` the row's own float32
       k-th value (an offset no single pass knows: the bound of what offsetting
       can do);
     * ``bf16_minus_sibling_kth``: ``t`` taken from another row of the same
-      request (``siblings``, :func:`sibling_rows`), an offset known ahead."""
+      request (``siblings``, :func:`sibling_rows`), an offset known ahead;
+    * ``bf16_minus_sampled_kth``: ``t`` estimated from every
+      :data:`SAMPLE_STRIDE`-th column, the ``ceil(k / SAMPLE_STRIDE)``-th
+      largest of them (what a pre-pass over that share of the KV could know)."""
     if how == "bf16":
         return round_bf16_rn(logits)
     if how == "fp16_row_scaled":
@@ -130,6 +138,9 @@ def make_key(logits: torch.Tensor, how: str, k: int, siblings: torch.Tensor | No
         top = finite.amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
         s = torch.floor(torch.log2(top)) - 14
         return (logits * torch.exp2(-s)[:, None]).to(torch.float16).float()
+    if how == "bf16_minus_sampled_kth":
+        t = kth_largest(logits[:, ::SAMPLE_STRIDE], -(-k // SAMPLE_STRIDE))
+        return round_bf16_rn(logits - t[:, None])
     if how in ("bf16_minus_kth", "bf16_minus_sibling_kth"):
         t = kth_largest(logits, k)
         if how == "bf16_minus_sibling_kth":
