@@ -859,7 +859,7 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
             groups = identity_groups(args.identity, args.identity_concurrency)
             t1 = time.time()
             recs = run_identity(port, prompts, groups, args.identity_tokens,
-                                max(30.0, deadline - time.time()))
+                                min(1800.0, max(30.0, deadline - time.time())))
             write_json(os.path.join(args.out, f"identity-{mode}.json"), recs)
             info["identity"] = {"requests": len(recs), "failed": sum("error" in r for r in recs),
                                 "window": [t1, time.time()]}

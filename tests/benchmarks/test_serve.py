@@ -11,6 +11,7 @@ import math
 import os
 import random
 import sys
+import time
 import types
 
 import pytest
@@ -529,3 +530,121 @@ def test_the_module_names_no_vllm_import_at_its_top():
     its own process (the client and server are subprocesses)."""
     src = open(_PATH).read()
     assert "\nimport vllm" not in src and "\nfrom vllm " not in src and "\nfrom vllm." not in src
+
+
+# ----------------------------------------------------------------------------- a whole run
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """A stand-in vLLM command line (``fake_vllm_cli.py``) first on the
+    subprocesses' path, this checkout's plugin package after it."""
+    pkg = tmp_path / "fake" / "vllm" / "entrypoints" / "cli"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    here = os.path.dirname(os.path.abspath(__file__))
+    (pkg / "main.py").write_text(open(os.path.join(here, "fake_vllm_cli.py")).read())
+    root = os.path.dirname(os.path.dirname(here))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), root]))
+    monkeypatch.setenv("FAKE_LOG_EVERY_S", "0.3")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return tmp_path
+
+
+_SMALL = ["--config", "tiny", "--layers", "2", "--input-len", "40", "--output-len", "8",
+          "--concurrency", "2", "4", "--waves", "1", "--min-prompts", "4", "--warmup-prompts",
+          "2", "--gap", "0.6", "--identity", "8", "--identity-tokens", "6",
+          "--identity-concurrency", "3", "--stop-timeout", "20", "--python", sys.executable]
+
+
+def _strict(path):
+    def refuse(name):
+        raise AssertionError(f"non-strict JSON constant {name}")
+
+    with open(path) as f:
+        return json.load(f, parse_constant=refuse)
+
+
+def test_a_whole_run_against_a_stand_in_server(fake_vllm, capsys):
+    """Every mode's server started, measured and stopped by SIGTERM; each
+    point's client result, /metrics growth and (plugin) path counts equal to
+    what the stand-in did in that point alone; auto rates shared; identity
+    texts compared; the soak's streams closed mid-way; strict JSON, a table."""
+    out = fake_vllm / "out"
+    rc = serve.main(["--out", str(out), *_SMALL, "--aa", "--rates", "auto",
+                     "--rate-fractions", "0.5", "--rate-seconds", "3", "--soak-minutes", "0.05",
+                     "--soak-rate", "20", "--soak-input-len", "30", "--soak-output-len", "6",
+                     "--soak-disconnects", "2", "--soak-sample-s", "0.5"])
+    assert rc == 0
+    got = _strict(out / "serve.json")
+    assert list(got["servers"]) == ["stock", "plugin", "control"]
+    steps = 2  # fake_vllm_cli.STEPS_PER_REQUEST
+    for mode, info in got["servers"].items():
+        assert info["stop"]["how"] == "SIGTERM" and info["stop"]["rc"] == 0, info["stop"]
+        assert info["health"]["serving"]["lines"] == 0
+        assert info["env"][MODE_ENV] == serve.MODE_VALUES[mode]
+        assert info["vllm_version"] == "0.0.fake"
+        assert (info["path_lines"] > 0) is (mode == "plugin")
+        assert info["final_path_line"] is (mode == "plugin")
+    assert got["servers"]["plugin"]["plugin_log"] == [
+        "[EngineCore_DP0] vllm-dsa-varlen: DSA indexer decode path: varlen (fake)"]
+    ids = [p["id"] for p in got["points"]]
+    assert ids == ["L40-c2", "L40-c4", "L40-r0"]
+    rate = got["points"][2]
+    c4 = got["points"][1]["runs"]["stock"]["client"]["request_throughput"]
+    assert rate["value"] == round(0.5 * c4, 3)
+    for p in got["points"]:
+        for mode, run in p["runs"].items():
+            c = run["client"]
+            assert c["completed"] == p["num_prompts"] and c["failed"] == 0
+            assert not any(isinstance(v, list) for k, v in c.items()
+                           if k not in ("error_examples", "output_len_min_max"))
+            eng = run["engine"]
+            assert eng["requests_finished"] == p["num_prompts"]
+            assert eng["engine_steps"] == steps * p["num_prompts"]
+            assert eng["acceptance_length"] == pytest.approx(1 + 1 / steps)
+            if mode == "plugin":
+                assert run["paths"]["exact"] and run["paths"]["process"] == "EngineCore_DP0"
+                assert run["paths"]["steps"]["varlen"] == steps * p["num_prompts"]
+                assert run["paths"]["variable"]["varlen"] == p["num_prompts"]
+            else:
+                assert run["paths"] is None
+    assert not os.path.exists(out / "raw" / "client-stock-L40-c2.json")  # shrunk, then removed
+    assert _strict(out / "client-plugin-L40-c4.json")["completed"] == 4
+    for mode in ("plugin", "control"):
+        cmp = got["identity_vs_stock"][mode]
+        assert cmp["all_identical"] and cmp["requests"] == 8
+    soak = got["servers"]["plugin"]["soak"]
+    assert soak["client"]["failed"] == 0 and soak["client"]["completed"] == soak["point"][
+        "num_prompts"]
+    assert [d["chunks_read"] for d in soak["disconnects"]] == [3, 3]
+    assert soak["consistency"]["within_bounds"] and soak["consistency"]["exact"]
+    assert soak["gpu_memory"]["samples"] >= 0
+    rows = got["table"]
+    assert len(rows) == 3 * 3 and all(r["failed"] == 0 for r in rows)
+    table = capsys.readouterr().out
+    assert "| L40-c4 | plugin |" in table and "identity plugin vs stock: 8/8 identical" in table
+
+
+def test_a_server_that_fails_and_a_time_limit_leave_a_result(fake_vllm, monkeypatch):
+    """A server that exits before it is ready is recorded as such and the run
+    goes on; points that would pass a server's share of the time limit are
+    skipped (the measured ones first), every server stopped, the run within
+    its limit."""
+    monkeypatch.setenv("FAKE_FAIL_MODE", "auto")
+    out = fake_vllm / "out"
+    limit = 16
+    t0 = time.time()
+    assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "0",
+                       "--concurrency", *map(str, range(1, 13)), "--stop-timeout", "4",
+                       "--time-limit", str(limit)]) == 0
+    assert time.time() - t0 < limit + 4
+    got = _strict(out / "serve.json")
+    assert "exited with 1" in got["servers"]["plugin"]["failed"]
+    assert got["servers"]["plugin"]["health"]["serving"]["by_process"] == {
+        "APIServer": {"error": 1, "traceback": 0}}
+    measured = ["client" in p["runs"]["stock"] for p in got["points"]]
+    assert 0 < sum(measured) < len(measured) and measured == sorted(measured, reverse=True)
+    assert all(p["runs"]["stock"].get("skipped") == "time limit"
+               for p, m in zip(got["points"], measured) if not m)
+    assert got["servers"]["stock"]["stop"]["how"] == "SIGTERM"
