@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import random
+import subprocess
 import sys
 import time
 import types
@@ -648,3 +649,36 @@ def test_a_server_that_fails_and_a_time_limit_leave_a_result(fake_vllm, monkeypa
     assert all(p["runs"]["stock"].get("skipped") == "time limit"
                for p, m in zip(got["points"], measured) if not m)
     assert got["servers"]["stock"]["stop"]["how"] == "SIGTERM"
+
+
+def test_the_device_script_runs_a_preset_from_an_installed_tree(tmp_path):
+    """benchmarks/serve_device.sh on an unpacked tree (the stand-in vLLM in
+    its site folder): the plugin's entry point declared, the run inside the
+    time limit, results and the table under $OUT/serve."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    target = tmp_path / "offline"
+    pkg = target / "site" / "vllm" / "entrypoints" / "cli"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "main.py").write_text(open(os.path.join(here, "fake_vllm_cli.py")).read())
+    (target / "site" / ".complete").write_text("")
+    (target / "parts").mkdir()
+    (target / "parts" / "MANIFEST").write_text("")
+    out = tmp_path / "out"
+    env = dict(os.environ, OFFLINE_GPU=str(target), OUT=str(out), TIME_LIMIT="120",
+               STOP_MARGIN="5", FAKE_LOG_EVERY_S="0.3", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(["bash", "benchmarks/serve_device.sh", "-", *_SMALL[:-2], "--rates",
+                           "--identity", "4"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=200)
+    assert done.returncode == 0, done.stderr
+    assert "serve.py rc=0" in done.stdout and "| L40-c4 | plugin |" in done.stdout
+    got = _strict(out / "serve" / "serve.json")
+    assert got["args"]["time_limit"] <= 120 - 5
+    assert got["servers"]["stock"]["dropped_env"] == []  # the script unset it already
+    assert got["points"][1]["runs"]["plugin"]["paths"]["steps"]["varlen"] == 2 * 4
+    assert (out / "serve" / "table.txt").read_text().startswith("| point |")
+    entry = (target / "site" / "vllm_dsa_varlen-0.0.0.dist-info" / "entry_points.txt").read_text()
+    assert "vllm.general_plugins" in entry
