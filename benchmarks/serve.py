@@ -159,7 +159,7 @@ def sweep_points(args) -> list[dict]:
     mode's results); each with its own seed (fresh prompts, the same in every
     mode) and prompt count."""
     points = []
-    for length in args.input_len:
+    for length in ([] if args.no_sweep else args.input_len):
         for c in args.concurrency:
             points.append({"id": f"L{length}-c{c}", "input_len": length, "kind": "concurrency",
                            "value": c, "num_prompts": max(args.min_prompts, args.waves * c)})
@@ -789,8 +789,10 @@ def run_soak(args, port: int, tokenizer: str, mode: str, vocab: int) -> dict:
 
 def identity_longest(args) -> int:
     """The identity prompts' longest length in words: what the model's
-    length leaves after the new tokens."""
-    return max(16, (args.max_model_len or max_model_len(args)) - args.identity_tokens - 64)
+    length leaves after the new tokens (a quarter of it for a checkpoint of
+    one's own, whose tokenizer may split a word)."""
+    room = max(16, (args.max_model_len or max_model_len(args)) - args.identity_tokens - 64)
+    return room if not args.model else max(16, room // 4)
 
 
 def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], result: dict,
@@ -925,7 +927,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mlp", default="dense", choices=["dense", "moe"])
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"])
     ap.add_argument("--k", type=int, default=3, help="MTP draft tokens")
-    ap.add_argument("--modes", nargs="+", default=["stock", "plugin"], choices=list(MODE_VALUES))
+    ap.add_argument("--modes", nargs="+", default=["stock", "plugin"], choices=list(MODE_VALUES),
+                    help="servers in this order; stock first where it is one of them")
     ap.add_argument("--aa", action="store_true", help="add a second stock server, 'control'")
     ap.add_argument("--input-len", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--output-len", type=int, default=128)
@@ -950,6 +953,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--identity", type=int, default=32, help="greedy identity requests (0: none)")
     ap.add_argument("--identity-tokens", type=int, default=64)
     ap.add_argument("--identity-concurrency", type=int, default=8)
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="no measured points (e.g. a soak alone)")
     ap.add_argument("--soak-minutes", type=float, default=0.0)
     ap.add_argument("--soak-rate", type=float, default=1.0)
     ap.add_argument("--soak-input-len", type=int, default=16384)
@@ -1002,7 +1007,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.modes = list(args.modes) + ["control"]
     if len(set(args.modes)) != len(args.modes):
         ap.error(f"--modes: each mode once, got {args.modes}")
-    if "stock" not in args.modes or args.modes[0] != "stock":
+    if "stock" in args.modes and args.modes[0] != "stock":
         ap.error("--modes: stock first (every other mode is compared with it)")
     for r in args.rates:
         if r != "auto":

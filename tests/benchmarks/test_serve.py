@@ -138,6 +138,15 @@ def test_auto_rates_are_fractions_of_the_first_modes_throughput_at_the_top_concu
     assert all(p["num_prompts"] == max(16, math.ceil(p["value"] * 60)) for p in rates)
 
 
+def test_a_soak_alone_has_no_points_and_a_checkpoints_identity_prompts_leave_room():
+    args = _args("--modes", "plugin", "--no-sweep", "--soak-minutes", "6")
+    assert args.modes == ["plugin"] and serve.sweep_points(args) == []
+    ours = serve.identity_longest(_args("--max-model-len", "5000", "--identity-tokens", "64"))
+    theirs = serve.identity_longest(_args("--max-model-len", "5000", "--identity-tokens", "64",
+                                          "--model", "/some/checkpoint"))
+    assert ours == 5000 - 64 - 64 and theirs == ours // 4
+
+
 def test_quick_is_small_and_what_is_given_wins():
     q = _args("--quick")
     assert q.input_len == [4096] and q.concurrency == [8, 32] and q.rates == []
@@ -145,7 +154,8 @@ def test_quick_is_small_and_what_is_given_wins():
     assert _args("--aa").modes == ["stock", "plugin", "control"]
 
 
-@pytest.mark.parametrize("bad,word", [(["--modes", "plugin"], "--modes"),
+@pytest.mark.parametrize("bad,word", [(["--modes", "plugin", "stock"], "--modes"),
+                                      (["--modes", "stock", "stock"], "--modes"),
                                       (["--rates", "fast"], "--rates"),
                                       (["--rates", "-1"], "--rates"),
                                       (["--rates", "auto", "auto", "auto"], "--rate-fractions"),
