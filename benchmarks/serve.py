@@ -36,7 +36,8 @@ per position; engine steps; preemptions; finished requests), and the
 plugin's per-path decode-step counts from the engine core's log lines
 (``vllm_dsa_varlen.stats.LINE``: a line is written at the first step after an
 idle spell of ``stats.LOG_EVERY_S``, so with ``--gap`` longer than that each
-point's counts are exact).  Per server: the plugin's decode-path lines and
+point's counts are exact; they include the client's one-prompt test request
+that starts each run).  Per server: the plugin's decode-path lines and
 the process that wrote them, error and traceback lines before and after the
 stop was asked.
 

@@ -1,7 +1,6 @@
 """The decode-path counters: what is recorded is what is read back."""
 
 import json
-import logging
 import os
 import random
 import subprocess
@@ -45,8 +44,8 @@ class _Clock:
         return self.t
 
 
-def _lines(caplog) -> list[dict]:
-    got = [stats.parse_line(r.getMessage()) for r in caplog.records]
+def _lines(records) -> list[dict]:
+    got = [stats.parse_line(r.getMessage()) for r in records]
     return [g for g in got if g is not None]
 
 
@@ -66,11 +65,10 @@ def fresh_log(monkeypatch):
 
 
 def test_the_log_line_comes_at_most_every_interval_and_holds_the_counts_before_its_step(
-        fresh_log, caplog):
+        fresh_log, plugin_log):
     """Steps at random times: a line is written at a step iff the counts
     changed since the last line and at least LOG_EVERY_S passed; it holds
     exactly the steps recorded before that step, with the time of the last."""
-    caplog.set_level(logging.INFO, logger="vllm.dsa_varlen")
     rng = random.Random(11)
     clock = fresh_log
     want = {k: dict.fromkeys(stats.PATHS, 0) for k in ("steps", "variable", "mixed")}
@@ -89,51 +87,48 @@ def test_the_log_line_comes_at_most_every_interval_and_holds_the_counts_before_i
         want["variable"][path] += variable
         want["mixed"][path] += mixed
         last_step_at, changed = clock.t, True
-    got = _lines(caplog)
+    got = _lines(plugin_log)
     assert len(got) == len(expected) > 10
     for line, exp in zip(got, expected):
         assert line["pid"] == os.getpid() and line["final"] is False
         assert {k: line[k] for k in exp} == exp
 
 
-def test_an_idle_spell_makes_the_next_line_the_exact_boundary(fresh_log, caplog):
+def test_an_idle_spell_makes_the_next_line_the_exact_boundary(fresh_log, plugin_log):
     """After LOG_EVERY_S without steps, the first step of the next burst
     writes a line with the first burst's counts, stamped with its last step."""
-    caplog.set_level(logging.INFO, logger="vllm.dsa_varlen")
     clock = fresh_log
     n = random.randint(5, 50)
     for _ in range(n):
         clock.t += 0.02
         stats.record("varlen", variable=True, mixed=False)
     end_of_burst = clock.t
-    before = len(_lines(caplog))
+    before = len(_lines(plugin_log))
     clock.t += stats.LOG_EVERY_S + 0.5
     stats.record("stock_native", variable=False, mixed=False)
-    line = _lines(caplog)[before:]
+    line = _lines(plugin_log)[before:]
     assert len(line) == 1
     assert line[0]["as_of"] == end_of_burst < line[0]["t"] == clock.t
     assert line[0]["steps"]["varlen"] == line[0]["variable"]["varlen"] == n
     assert line[0]["steps"]["stock_native"] == 0
 
 
-def test_the_exit_line_has_every_count_once(fresh_log, caplog):
-    caplog.set_level(logging.INFO, logger="vllm.dsa_varlen")
+def test_the_exit_line_has_every_count_once(fresh_log, plugin_log):
     for _ in range(7):
         stats.record("split_avoided", variable=True, mixed=True)
     stats.record_topk(True, False)
     stats._write_final_line()
     stats._write_final_line()  # atexit and multiprocessing's finalizer both call it
-    final = [g for g in _lines(caplog) if g["final"]]
+    final = [g for g in _lines(plugin_log) if g["final"]]
     assert len(final) == 1
     assert final[0]["steps"]["split_avoided"] == final[0]["mixed"]["split_avoided"] == 7
     assert final[0]["topk"]["own_eager"] == 1
 
 
-def test_no_exit_line_from_a_process_that_recorded_nothing(fresh_log, caplog, monkeypatch):
-    caplog.set_level(logging.INFO, logger="vllm.dsa_varlen")
+def test_no_exit_line_from_a_process_that_recorded_nothing(fresh_log, plugin_log, monkeypatch):
     monkeypatch.setattr(stats, "_exit_pid", None)
     stats._write_final_line()
-    assert _lines(caplog) == []
+    assert _lines(plugin_log) == []
 
 
 _CHILD = """
