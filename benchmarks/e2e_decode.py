@@ -948,14 +948,16 @@ def _rep(i: int) -> str:
 
 def log_facts(path: str) -> dict:
     """From a run's log: the CUDA-graph capture lines (kind and count) and the
-    plugin's decode-path lines."""
+    plugin's decode-path lines (not its step counts' lines)."""
     with open(path, errors="replace") as f:
         text = f.read().replace("\r", "\n")
     captures = {}
     for m in re.finditer(r"Capturing CUDA graphs \(([^)]*)\)[^\n]*?(\d+)/(\d+)", text):
         captures[m.group(1)] = int(m.group(3))
     finished = re.findall(r"Graph capturing finished[^\n]*", text)
-    plugin = sorted(set(re.findall(r"vllm-dsa-varlen: [^\n]*", text)))
+    # the counts' periodic lines (vllm_dsa_varlen.stats.LINE) are read from the counters here
+    plugin = sorted({x for x in re.findall(r"vllm-dsa-varlen: [^\n]*", text)
+                     if not x.startswith("vllm-dsa-varlen: decode steps ")})
     lines = [line for line in text.splitlines() if line.strip()]
     return {"cuda_graphs_captured": captures, "capture_log": finished[-2:],
             "plugin_log": plugin[:20], "last_line": lines[-1] if lines else ""}

@@ -6,9 +6,12 @@ Run here (a machine with the package index), from the project root:
     python3 scripts/stage-offline-gpu.py --out .device/offline \\
         --deps scripts/offline-gpu/vllm-0.27.1-deps.txt --deep-gemm-from 0.33.0
 
+(add ``scripts/offline-gpu/serve-extra-deps.txt`` to ``--deps`` for ``vllm serve``
+and ``vllm bench serve``: ``benchmarks/serve_device.sh``).
+
 It builds one installed tree (``site/``) for the GPU host's Python (default
 CPython 3.12, manylinux x86-64): vLLM's wheel unpacked, every package of
-``--deps`` installed for that Python (``pip install --target`` with
+``--deps`` (one or more files) installed for that Python (``pip install --target`` with
 ``--platform``/``--python-version``, binary wheels only, no dependency
 resolution: the list is the closure), optionally the DeepGEMM another vLLM
 release vendors as a top-level ``deep_gemm`` (it is built on torch's stable
@@ -212,9 +215,13 @@ def prune_tree(site: str, keep_arch: int = 90) -> tuple[int, int]:
     return kept, zeroed
 
 
-def install_deps(requirements: str, site: str, python: str) -> None:
+def install_deps(requirements: list[str], site: str, python: str) -> None:
+    """Every file of ``requirements`` into ``site`` in one pip call (a
+    package pinned in two files must be pinned alike)."""
     args = ["install", "-q", "--no-deps", "--only-binary=:all:", "--target", site,
-            "--python-version", python, "--implementation", "cp", "-r", requirements]
+            "--python-version", python, "--implementation", "cp"]
+    for r in requirements:
+        args += ["-r", r]
     for p in PLATFORMS:
         args += ["--platform", p]
     _pip(*args)
@@ -258,8 +265,9 @@ def pack(site: str, out: str, part_mib: int, per_call_mib: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm", default="0.27.1", help="vLLM release to stage (default 0.27.1)")
-    ap.add_argument("--deps", help="requirements file: the packages the GPU host lacks, "
-                    "pinned (required but with --ops-only)")
+    ap.add_argument("--deps", nargs="+", help="requirements files: the packages the GPU host "
+                    "lacks, pinned (required but with --ops-only; e.g. a vLLM release's list "
+                    "and scripts/offline-gpu/serve-extra-deps.txt for vllm serve)")
     ap.add_argument("--ops-only", action="store_true",
                     help="stage only vLLM's operator library, sm_90's code, xz'd (see above)")
     ap.add_argument("--python", default="3.12", help="the GPU host's CPython (default 3.12)")

@@ -174,6 +174,16 @@ def clean_plugin(monkeypatch):
     topk.reset()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_final_counts_line():
+    """The test process's own decode-step counts are no run's: no final line
+    at its exit (pytest has closed the streams vLLM's log handler writes to)."""
+    yield
+    from vllm_dsa_varlen import stats
+
+    stats._final_written_pid = os.getpid()
+
+
 @pytest.fixture
 def plugin_log(monkeypatch):
     """Records of the plugin's logger from DEBUG up (vLLM's 'vllm' logger does not

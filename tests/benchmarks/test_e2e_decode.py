@@ -40,6 +40,7 @@ def test_log_facts_reads_captures_and_plugin_lines(tmp_path):
     log = tmp_path / "log.txt"
     log.write_text(
         "INFO vllm-dsa-varlen: DSA indexer decode path: varlen (triton): sm_90\n"
+        "INFO vllm-dsa-varlen: decode steps {\"pid\":1,\"steps\":{}}\n"
         "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 10%|#| 5/49\r"
         "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%|##| 49/49\n"
         "Capturing CUDA graphs (decode, FULL): 100%|##| 33/33\n"

@@ -122,3 +122,41 @@ def test_deps_required_without_ops_only(capsys):
     with pytest.raises(SystemExit):
         stage.main(["--out", "/nonexistent/never-made"])
     assert "--deps" in capsys.readouterr().err
+
+
+def test_every_deps_file_goes_to_one_pip_call(monkeypatch, tmp_path):
+    """--deps takes several files (a release's list and the serve extras):
+    all reach one pip install, each as a requirements file, with the target
+    Python and platforms."""
+    calls = []
+    monkeypatch.setattr(stage, "_pip", lambda *a: calls.append(a))
+    files = [str(tmp_path / f"d{i}.txt") for i in range(3)]
+    stage.install_deps(files, str(tmp_path / "site"), "3.12")
+    assert len(calls) == 1
+    args = list(calls[0])
+    assert [args[i + 1] for i, a in enumerate(args) if a == "-r"] == files
+    assert args[args.index("--python-version") + 1] == "3.12" and "--no-deps" in args
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--platform"] == list(stage.PLATFORMS)
+
+
+def test_the_serve_extras_agree_with_each_release_list():
+    """A package pinned in a release's list and in the serve extras is pinned
+    alike (one pip call installs both files), and every line is name==version."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "offline-gpu")
+
+    def pins(name):
+        out = {}
+        for line in open(os.path.join(root, name)):
+            line = line.split("#")[0].strip()
+            if line:
+                pkg, _, version = line.partition("==")
+                assert version and pkg.strip(), line
+                out[pkg.strip().lower().replace("_", "-")] = version.strip()
+        return out
+
+    extra = pins("serve-extra-deps.txt")
+    assert {"uvicorn", "h11", "aiohttp", "prometheus-client", "uvloop",
+            "model-hosting-container-standards"} <= set(extra)
+    for release in sorted(f for f in os.listdir(root) if f.startswith("vllm-")):
+        base = pins(release)
+        assert {p: v for p, v in extra.items() if base.get(p, v) != v} == {}, release

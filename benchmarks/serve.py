@@ -1,0 +1,1084 @@
+#!/usr/bin/env python3
+"""``vllm serve`` under vLLM's own client: stock against the plugin, under load.
+
+    python3 benchmarks/serve.py --out serve-out --config proxy --k 3            # the full sweep
+    python3 benchmarks/serve.py --out serve-out --config proxy --k 3 --quick    # one GPU call
+    python3 benchmarks/serve.py --out serve-out --quick --aa                    # + stock twice
+    python3 benchmarks/serve.py --out serve-out --dry-run                       # the commands
+
+For each mode -- ``stock`` (the plugin's mode variable ``stock``), ``plugin``
+(``auto``) and with ``--aa`` ``control`` (stock again: the A/A spread) -- it
+starts ``vllm serve`` as a process of its own (vLLM's default multiprocess
+engine core; loopback, a free port), waits for ``/v1/models``, and runs:
+
+1. a warm-up (unmeasured) with vLLM's client;
+2. the sweep: per input length (``--input-len``, random dataset, fixed seeds,
+   the same prompts in every mode), ``vllm bench serve`` at each
+   ``--max-concurrency`` (``--concurrency``) and each Poisson
+   ``--request-rate`` (``--rates``; ``auto``: fractions of the first mode's
+   request throughput at the highest concurrency, so every mode gets the same
+   rates), each point after an idle spell of ``--gap`` seconds;
+3. the greedy identity requests (``/v1/completions``, temperature 0,
+   ``ignore_eos``, mixed prompt lengths, a quarter one at a time, the rest in
+   concurrent groups), texts compared with stock's;
+4. with ``--soak-minutes``, a soak: Poisson load at ``--soak-rate`` with
+   variable output lengths and long prompts (chunked prefill mixed with
+   decode), a few streams closed by the client mid-way, GPU memory sampled
+   with ``nvidia-smi``;
+
+then stops the server (SIGTERM to the API server, which shuts its engine core
+down; SIGKILL to the process group only past ``--stop-timeout``).
+
+Per point it keeps the client's result file without its per-request arrays
+(``client-<mode>-<point>.json``), the growth of vLLM's ``/metrics`` counters
+over the point (speculative decoding: drafts, draft tokens, accepted tokens,
+per position; engine steps; preemptions; finished requests), and the
+plugin's per-path decode-step counts from the engine core's log lines
+(``vllm_dsa_varlen.stats.LINE``: a line is written at the first step after an
+idle spell of ``stats.LOG_EVERY_S``, so with ``--gap`` longer than that each
+point's counts are exact; they include the client's one-prompt test request
+that starts each run).  Per server: the plugin's decode-path lines and
+the process that wrote them, error and traceback lines before and after the
+stop was asked.
+
+Output: ``OUT/serve.json`` (strict JSON, rewritten after every point so a
+stopped run keeps what it measured), the client and identity files, each
+server's log, and a table on stdout: TTFT, TPOT, ITL (mean / p50 / p99) and
+output tokens/s per point and mode, each mode's speed against stock's
+(``x``: stock's time over the mode's, the mode's tokens/s over stock's).
+
+The model: ``--config tiny|proxy`` writes a model folder
+(``benchmarks/serve_model.py``: DeepSeek-V3.2's architecture, dummy weights,
+a word-level tokenizer); ``--model`` takes any checkpoint instead
+(``--load-format auto`` for its weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import http.client
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# this checkout's plugin package (its log-line format), then the benchmarks beside this file
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
+import serve_model  # noqa: E402
+
+from vllm_dsa_varlen import stats  # noqa: E402
+from vllm_dsa_varlen.config import MODE_ENV  # noqa: E402
+
+# The one place the plugin's settings are named: each mode's value of its mode variable.
+MODE_VALUES = {"stock": "stock", "plugin": "auto", "control": "stock"}
+# Taken out of the servers' environment: the offline benchmark's in-process
+# engine core (a server runs vLLM's default, its own process).
+DROPPED_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING",)
+SERVED_NAME = "dsa-serve"
+PERCENTILES = (50, 90, 99)
+METRICS = ("ttft", "tpot", "itl", "e2el")
+# The identity prompts' lengths in words, cycled (clipped to the model's length).
+IDENTITY_LENGTHS = (16, 200, 1000, 3000, 8000, 15000)
+LEVEL = re.compile(r"\b(ERROR|CRITICAL)\b")
+PROCESS_TAG = re.compile(r"\((\w+)(?: pid=(\d+))?\)")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+# ----------------------------------------------------------------------------- commands
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(mode: str, base: dict, extra: dict) -> dict:
+    """The server's environment in ``mode``: ``base`` without
+    :data:`DROPPED_ENV`, uncoloured unbuffered logs, no hub look-ups,
+    ``extra`` (``--env``), then the mode's value of the plugin's mode variable."""
+    if mode not in MODE_VALUES:
+        raise ValueError(f"mode: expected one of {', '.join(MODE_VALUES)}, got {mode!r}")
+    env = {k: v for k, v in base.items() if k not in DROPPED_ENV}
+    env.update(PYTHONUNBUFFERED="1", VLLM_LOGGING_COLOR="0", NO_COLOR="1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.update(extra)
+    env[MODE_ENV] = MODE_VALUES[mode]
+    return env
+
+
+def max_model_len(args) -> int:
+    """Room for the longest prompt the dataset can draw (``--input-len`` x
+    (1 + range ratio), the soak's too), its output and the draft tokens."""
+    ratio = max(args.range_ratio, args.soak_range_ratio if args.soak_minutes else 0.0)
+    longest = max(list(args.input_len) + ([args.soak_input_len] if args.soak_minutes else []))
+    out = max(args.output_len, args.soak_output_len if args.soak_minutes else 0,
+              args.identity_tokens)
+    return int(longest * (1 + ratio)) + int(out * (1 + ratio)) + args.k + 64
+
+
+def serve_command(args, model: str, port: int) -> list[str]:
+    spec = {"method": "mtp", "num_speculative_tokens": args.k}
+    attention = {}
+    if args.attention_backend:
+        spec["attention_backend"] = args.attention_backend
+        attention["backend"] = args.attention_backend
+    if args.force_sparse_prefill:
+        attention["sparse_mla_force_mqa"] = True
+    cmd = [args.python, "-m", "vllm.entrypoints.cli.main", "serve", model,
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+           "--load-format", args.load_format, "--seed", "0",
+           "--max-model-len", str(args.max_model_len or max_model_len(args)),
+           "--max-num-seqs", str(max(args.concurrency + [args.identity_concurrency])),
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--kv-cache-dtype", args.kv_cache_dtype,
+           "--speculative-config", json.dumps(spec), "--disable-uvicorn-access-log"]
+    if attention:
+        cmd += ["--attention-config", json.dumps(attention)]
+    if args.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.async_scheduling != "default":
+        cmd += ["--async-scheduling" if args.async_scheduling == "on" else "--no-async-scheduling"]
+    return cmd + list(args.serve_arg)
+
+
+def sweep_points(args) -> list[dict]:
+    """The measured points: per input length the concurrency sweep, then the
+    Poisson rates (``None`` values: ``--rates auto``, filled from the first
+    mode's results); each with its own seed (fresh prompts, the same in every
+    mode) and prompt count."""
+    points = []
+    for length in ([] if args.no_sweep else args.input_len):
+        for c in args.concurrency:
+            points.append({"id": f"L{length}-c{c}", "input_len": length, "kind": "concurrency",
+                           "value": c, "num_prompts": max(args.min_prompts, args.waves * c)})
+        autos = 0
+        for i, r in enumerate(args.rates or []):
+            rate = None if r == "auto" else float(r)
+            fraction = None
+            if rate is None:
+                fraction, autos = args.rate_fractions[autos], autos + 1
+            points.append({"id": f"L{length}-r{i}", "input_len": length, "kind": "rate",
+                           "value": rate, "fraction": fraction,
+                           "num_prompts": (max(args.min_prompts, math.ceil(rate * args.rate_seconds))
+                                           if rate is not None else None)})
+    for i, p in enumerate(points):
+        p["seed"] = args.seed + i
+    return points
+
+
+def bench_command(args, point: dict, port: int, tokenizer: str, result_dir: str,
+                  filename: str, label: str) -> list[str]:
+    """``vllm bench serve`` for one point (``point`` as :func:`sweep_points`
+    makes it, with ``value`` and ``num_prompts`` set)."""
+    if point["value"] is None or point["num_prompts"] is None:
+        raise ValueError(f"point: {point['id']} has no rate yet (--rates auto)")
+    cmd = [args.python, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+           "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
+           "--model", SERVED_NAME, "--tokenizer", tokenizer, "--dataset-name", "random",
+           "--random-input-len", str(point["input_len"]),
+           "--random-output-len", str(point.get("output_len", args.output_len)),
+           "--random-range-ratio", str(point.get("range_ratio", args.range_ratio)),
+           "--num-prompts", str(point["num_prompts"]), "--seed", str(point["seed"]),
+           "--temperature", "0", "--ignore-eos",
+           "--percentile-metrics", ",".join(METRICS),
+           "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+           "--save-result", "--save-detailed", "--result-dir", result_dir,
+           "--result-filename", filename, "--label", label, "--disable-tqdm"]
+    if point["kind"] == "concurrency":
+        cmd += ["--max-concurrency", str(point["value"])]
+    else:
+        cmd += ["--request-rate", str(point["value"]), "--burstiness", "1"]
+    return cmd
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict, float]]]:
+    """Prometheus text exposition: ``{sample name: [(labels, value)]}``."""
+    out: dict[str, list] = {}
+    sample = re.compile(r'^([A-Za-z_:][\w:]*)(\{(.*)\})?\s+(\S+)')
+    label = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = sample.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        labels = dict(label.findall(m.group(3) or ""))
+        out.setdefault(m.group(1), []).append((labels, value))
+    return out
+
+
+def _total(samples: dict, name: str) -> float | None:
+    got = samples.get(name)
+    return sum(v for _, v in got) if got else None
+
+
+def engine_counters(samples: dict) -> dict:
+    """The counters a point is judged by, summed over engines (and finish
+    reasons): speculative decoding's (drafts, draft tokens, accepted tokens,
+    accepted per draft position), engine steps (``iteration_tokens``
+    observations), preemptions, finished requests, prompt / generated tokens."""
+    per_pos: dict[str, float] = {}
+    for labels, v in samples.get("vllm:spec_decode_num_accepted_tokens_per_pos_total", []):
+        key = labels.get("position", "?")
+        per_pos[key] = per_pos.get(key, 0.0) + v
+    return {
+        "spec_drafts": _total(samples, "vllm:spec_decode_num_drafts_total"),
+        "spec_draft_tokens": _total(samples, "vllm:spec_decode_num_draft_tokens_total"),
+        "spec_accepted_tokens": _total(samples, "vllm:spec_decode_num_accepted_tokens_total"),
+        "spec_accepted_per_pos": dict(sorted(per_pos.items())),
+        "engine_steps": _total(samples, "vllm:iteration_tokens_total_count"),
+        "preemptions": _total(samples, "vllm:num_preemptions_total"),
+        "requests_finished": _total(samples, "vllm:request_success_total"),
+        "prompt_tokens": _total(samples, "vllm:prompt_tokens_total"),
+        "generation_tokens": _total(samples, "vllm:generation_tokens_total"),
+    }
+
+
+def counters_growth(before: dict, after: dict) -> dict:
+    """:func:`engine_counters` after minus before, with the acceptance rate
+    (accepted / draft tokens) and length (1 + accepted / drafts)."""
+    out = {}
+    for k, a in after.items():
+        b = before.get(k)
+        if isinstance(a, dict):
+            b = b or {}
+            out[k] = {p: v - b.get(p, 0.0) for p, v in a.items()}
+        else:
+            out[k] = None if a is None or b is None else a - b
+    drafts, tokens, accepted = out["spec_drafts"], out["spec_draft_tokens"], out["spec_accepted_tokens"]
+    out["acceptance_rate"] = accepted / tokens if tokens else None
+    out["acceptance_length"] = 1 + accepted / drafts if drafts else None
+    return out
+
+
+def shrink_client(result: dict) -> dict:
+    """A client result without its per-request arrays; the errors kept as a
+    count and the distinct messages (at most 5)."""
+    small = {k: v for k, v in result.items() if not isinstance(v, list)}
+    errors = [e for e in result.get("errors") or [] if e]
+    small["error_count"] = len(errors)
+    small["error_examples"] = sorted(set(errors))[:5]
+    if "output_lens" in result:
+        lens = result["output_lens"]
+        small["output_len_min_max"] = [min(lens), max(lens)] if lens else None
+    return small
+
+
+def path_lines(text: str) -> list[dict]:
+    """The plugin's step-count lines of a log (:func:`stats.parse_line`), each
+    with the process tag vLLM put before it (``EngineCore_DP0`` ...)."""
+    out = []
+    for line in ANSI.sub("", text).splitlines():
+        got = stats.parse_line(line)
+        if got is None:
+            continue
+        tag = PROCESS_TAG.search(line[:line.find(stats.LINE)])
+        got["process"] = tag.group(1) if tag else None
+        out.append(got)
+    return out
+
+
+def counts_at(lines: list[dict], t: float) -> tuple[dict | None, bool]:
+    """The counts of one process's lines (:func:`path_lines`) as they stood
+    at wall time ``t``, and whether exactly: exact when a line counts every
+    step up to ``t`` (its last step at or before ``t``, written after ``t``,
+    or the final line), else the last line written by ``t``."""
+    for line in lines:
+        if line.get("as_of") is not None and line["as_of"] <= t and (line["t"] > t or line["final"]):
+            return line, True
+    written = [x for x in lines if x["t"] <= t]
+    if written:
+        return max(written, key=lambda x: x["t"]), False
+    return None, not any(x.get("as_of") is not None and x["as_of"] <= t for x in lines)
+
+
+def _counts_only(line: dict | None) -> dict:
+    kinds = ("steps", "variable", "mixed", "topk")
+    return {k: dict(line[k]) if line else {} for k in kinds}
+
+
+def path_growth(lines: list[dict], t0: float, t1: float) -> dict | None:
+    """Each process's per-path step counts between wall times ``t0`` and
+    ``t1`` (``None`` without lines: a stock server), with whether both ends
+    are exact (:func:`counts_at`); the first process's as the figures."""
+    if not lines:
+        return None
+    by_pid: dict[int, list] = {}
+    for line in lines:
+        by_pid.setdefault(line["pid"], []).append(line)
+    per = {}
+    for pid, own in sorted(by_pid.items()):
+        a, exact_a = counts_at(own, t0)
+        b, exact_b = counts_at(own, t1)
+        ca, cb = _counts_only(a), _counts_only(b)
+        per[str(pid)] = {
+            "process": own[0]["process"], "exact": exact_a and exact_b,
+            **{k: {p: v - ca[k].get(p, 0) for p, v in cb[k].items()} for k in cb}}
+    first = next(iter(per.values()))
+    return {**first, "processes": len(per), "by_pid": per if len(per) > 1 else None}
+
+
+def log_health(text: str, stop_at: int | None = None) -> dict:
+    """Error-level and traceback lines of a server log, by process tag, before
+    the stop was asked (byte offset ``stop_at``) and during the shutdown."""
+    def count(part: str) -> dict:
+        by: dict[str, dict] = {}
+        examples = []
+        for line in ANSI.sub("", part).splitlines():
+            bad = "Traceback (most recent call last)" in line or LEVEL.search(line)
+            if not bad:
+                continue
+            tag = PROCESS_TAG.match(line.strip())
+            key = tag.group(1) if tag else "main"
+            kind = "traceback" if "Traceback" in line else "error"
+            by.setdefault(key, {"error": 0, "traceback": 0})[kind] += 1
+            if len(examples) < 5:
+                examples.append(line.strip()[:300])
+        total = sum(v["error"] + v["traceback"] for v in by.values())
+        return {"lines": total, "by_process": by, "examples": examples}
+
+    cut = len(text) if stop_at is None else stop_at
+    return {"serving": count(text[:cut]), "shutdown": count(text[cut:])}
+
+
+def plugin_path_log(text: str) -> list[str]:
+    """The plugin's own lines other than the step counts (its decode-path
+    choice among them), with their process tags, distinct, in order."""
+    seen, out = set(), []
+    for line in ANSI.sub("", text).splitlines():
+        at = line.find("vllm-dsa-varlen: ")
+        if at < 0 or stats.LINE in line:
+            continue
+        tag = PROCESS_TAG.search(line[:at])
+        item = f"[{tag.group(1) if tag else 'main'}] {line[at:].strip()}"
+        if item not in seen:
+            seen.add(item)
+            out.append(item)
+    return out[:40]
+
+
+# ----------------------------------------------------------------------------- identity
+
+def identity_prompts(n: int, vocab_size: int, longest: int, seed: int) -> list[str]:
+    """``n`` fixed prompts (words of the tokenizer, :func:`serve_model.word`),
+    their lengths cycling through :data:`IDENTITY_LENGTHS` up to ``longest``."""
+    import random
+
+    lengths = [min(x, longest) for x in IDENTITY_LENGTHS]
+    out = []
+    for i in range(n):
+        rng = random.Random(seed * 1000003 + i)
+        out.append(" ".join(serve_model.word(rng.randrange(3, vocab_size))
+                            for _ in range(lengths[i % len(lengths)])))
+    return out
+
+
+def identity_groups(n: int, concurrency: int) -> list[list[int]]:
+    """Which requests go together: the first quarter one at a time, the rest
+    in concurrent groups of ``concurrency``."""
+    alone = n // 4
+    groups = [[i] for i in range(alone)]
+    rest = list(range(alone, n))
+    groups += [rest[i:i + concurrency] for i in range(0, len(rest), concurrency)]
+    return groups
+
+
+def _post(port: int, path: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def completion_record(response: dict) -> dict:
+    """Text, tokens and top logprobs of a /v1/completions response's choice."""
+    choice = response["choices"][0]
+    lp = choice.get("logprobs") or {}
+    return {"text": choice["text"], "tokens": lp.get("tokens"),
+            "top_logprobs": lp.get("top_logprobs"), "finish_reason": choice.get("finish_reason")}
+
+
+def run_identity(port: int, prompts: list[str], groups: list[list[int]], max_tokens: int,
+                 timeout: float) -> list[dict]:
+    def one(i):
+        body = {"model": SERVED_NAME, "prompt": prompts[i], "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "logprobs": 2}
+        try:
+            return completion_record(_post(port, "/v1/completions", body, timeout))
+        except Exception as exc:  # noqa: BLE001 - a failed request is a finding
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    out: list = [None] * len(prompts)
+    with ThreadPoolExecutor(max_workers=max(len(g) for g in groups)) as pool:
+        for g in groups:
+            for i, rec in zip(g, pool.map(one, g)):
+                out[i] = rec
+    return out
+
+
+def _top2(rec: dict, pos: int):
+    tops = rec.get("top_logprobs") or []
+    if pos < len(tops) and tops[pos]:
+        return sorted(tops[pos].items(), key=lambda kv: -kv[1])[:2]
+    return None
+
+
+def compare_identity(ref: list[dict], other: list[dict]) -> dict:
+    """Request by request: identical texts, or where they part (the first
+    differing token, from the logprobs' tokens or else the words) with both
+    sides' top-2 logprobs there; failed requests counted apart."""
+    if len(ref) != len(other):
+        raise ValueError(f"other: {len(other)} results against {len(ref)}")
+    same, failed, diverged = 0, 0, []
+    for i, (a, b) in enumerate(zip(ref, other)):
+        if "error" in a or "error" in b:
+            failed += 1
+            continue
+        if a["text"] == b["text"]:
+            same += 1
+            continue
+        ta, tb = a.get("tokens") or a["text"].split(), b.get("tokens") or b["text"].split()
+        pos = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+        diverged.append({"request": i, "position": pos, "ref_top2": _top2(a, pos),
+                         "other_top2": _top2(b, pos)})
+    return {"requests": len(ref), "identical": same, "failed": failed, "diverged": diverged,
+            "all_identical": same == len(ref)}
+
+
+# ----------------------------------------------------------------------------- the server
+
+class Server:
+    """One ``vllm serve`` process: started, waited for, stopped."""
+
+    def __init__(self, cmd: list[str], env: dict, log: str):
+        self.cmd, self.env, self.log = cmd, env, log
+        self.proc = None
+        self.stop_offset = None
+
+    def start(self) -> None:
+        self._logf = open(self.log, "w")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._logf,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, port: int, timeout: float) -> str | None:
+        """``None`` once ``/v1/models`` answers, else why not."""
+        end = time.time() + timeout
+        while time.time() < end:
+            if self.proc.poll() is not None:
+                return f"exited with {self.proc.returncode} before it was ready"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        return None
+            except (urllib.error.URLError, OSError, http.client.HTTPException):
+                pass
+            time.sleep(2)
+        return f"not ready after {timeout:.0f} s"
+
+    def stop(self, timeout: float) -> dict:
+        """SIGTERM to the API server (it stops its engine core), SIGKILL to
+        the process group past ``timeout``."""
+        if self.proc is None:
+            return {"how": "never started"}
+        self._logf.flush()
+        self.stop_offset = os.path.getsize(self.log)
+        t0 = time.time()
+        how = "exited by itself"
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            how = "SIGTERM"
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                how = "SIGKILL (process group) after SIGTERM timed out"
+        try:  # whatever of the group is left (an engine core its parent did not reap)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self._logf.close()
+        return {"how": how, "rc": self.proc.returncode, "seconds": round(time.time() - t0, 1)}
+
+
+def _get(port: int, path: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+        return r.read().decode(errors="replace")
+
+
+def scrape(port: int) -> dict:
+    try:
+        return engine_counters(parse_prometheus(_get(port, "/metrics")))
+    except Exception as exc:  # noqa: BLE001 - a missing scrape is recorded, not fatal
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+# ----------------------------------------------------------------------------- soak
+
+def gpu_memory_mib(index: int) -> float | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", str(index), "--query-gpu=memory.used",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=10).stdout
+        return float(out.strip().splitlines()[0])
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+        return None
+
+
+def memory_flatness(samples: list[tuple[float, float | None]], warmup_fraction: float,
+                    tolerance_mib: float) -> dict:
+    """GPU memory after the first ``warmup_fraction`` of the samples: its
+    range, and flat when that range is at most ``tolerance_mib``."""
+    vals = [v for _, v in samples if v is not None]
+    if not vals:
+        return {"samples": len(samples), "flat": None, "range_mib": None}
+    after = vals[int(len(vals) * warmup_fraction):] or vals[-1:]
+    spread = max(after) - min(after)
+    return {"samples": len(vals), "first_mib": vals[0], "last_mib": vals[-1],
+            "after_warmup_min_mib": min(after), "after_warmup_max_mib": max(after),
+            "range_mib": spread, "flat": spread <= tolerance_mib}
+
+
+def disconnect_mid_stream(port: int, prompt: str, chunks: int, timeout: float) -> dict:
+    """A streaming completion the client closes after ``chunks`` chunks."""
+    body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": 4096,
+                       "temperature": 0, "ignore_eos": True, "stream": True})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    got = 0
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        while got < chunks:
+            line = resp.fp.readline()
+            if not line:
+                break
+            if line.startswith(b"data:"):
+                got += 1
+        return {"status": resp.status, "chunks_read": got}
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}", "chunks_read": got}
+    finally:
+        conn.close()
+
+
+# ----------------------------------------------------------------------------- output
+
+def finite(obj):
+    """``obj`` with every non-finite float made ``None`` (strict JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(finite(obj), f, indent=1, allow_nan=False)
+    os.replace(tmp, path)
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def table_rows(result: dict) -> list[dict]:
+    """One row per point and mode: the client's figures, the acceptance
+    length, the plugin's varlen / variable-step counts, and against stock:
+    TPOT and p99 ITL as stock's over the mode's, tokens/s the other way."""
+    rows = []
+    for point in result["points"]:
+        runs = point.get("runs", {})
+        base = (runs.get("stock") or {}).get("client") or {}
+        for mode, run in runs.items():
+            c = run.get("client") or {}
+            paths = run.get("paths") or {}
+            row = {"point": point["id"], "mode": mode, "failed": c.get("failed"),
+                   "output_tok_s": c.get("output_throughput"),
+                   "acceptance_length": (run.get("engine") or {}).get("acceptance_length"),
+                   "varlen_steps": (paths.get("steps") or {}).get("varlen"),
+                   "variable_steps": sum((paths.get("variable") or {}).values()) if paths else None,
+                   "skipped": run.get("skipped")}
+            for m in ("ttft", "tpot", "itl"):
+                for stat in ("mean", "p50", "p99"):
+                    key = f"{'median' if stat == 'p50' else stat}_{m}_ms"
+                    row[f"{m}_{stat}"] = c.get(key, c.get(f"{stat}_{m}_ms"))
+            if mode != "stock" and base:
+                row["x_tpot"] = _ratio(base.get("mean_tpot_ms"), c.get("mean_tpot_ms"))
+                row["x_itl_p99"] = _ratio(base.get("p99_itl_ms"), c.get("p99_itl_ms"))
+                row["x_tok_s"] = _ratio(c.get("output_throughput"), base.get("output_throughput"))
+            rows.append(row)
+    return rows
+
+
+def render_table(rows: list[dict]) -> str:
+    def f(v, nd=2):
+        return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+    head = ("| point | mode | TTFT mean/p50/p99 | TPOT mean/p50/p99 | ITL mean/p50/p99 | tok/s "
+            "| acc. len | varlen / variable steps | x TPOT | x p99 ITL | x tok/s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['point']} | {r['mode']} | skipped: {r['skipped']} |")
+            continue
+        trio = [" / ".join(f(r[f"{m}_{s}"]) for s in ("mean", "p50", "p99")) for m in ("ttft", "tpot", "itl")]
+        lines.append(f"| {r['point']} | {r['mode']} | {trio[0]} | {trio[1]} | {trio[2]} | "
+                     f"{f(r['output_tok_s'], 1)} | {f(r['acceptance_length'])} | "
+                     f"{f(r['varlen_steps'])} / {f(r['variable_steps'])} | {f(r.get('x_tpot'), 3)} | "
+                     f"{f(r.get('x_itl_p99'), 3)} | {f(r.get('x_tok_s'), 3)} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the run
+
+class Budget:
+    """``--time-limit``: a deadline for the whole run, shared out per server."""
+
+    def __init__(self, limit: float | None):
+        self.t0 = time.time()
+        self.end = None if limit is None else self.t0 + limit
+
+    def left(self) -> float:
+        return float("inf") if self.end is None else self.end - time.time()
+
+    def share(self, servers_left: int, reserve: float) -> float:
+        """The deadline of the next server: an equal share of what is left."""
+        if self.end is None:
+            return float("inf")
+        return time.time() + max(0.0, (self.left() - reserve * servers_left) / servers_left)
+
+
+def _model_folder(args) -> tuple[str, dict]:
+    if args.model:
+        cfg_path = os.path.join(args.model, "config.json")
+        cfg = json.load(open(cfg_path)) if os.path.exists(cfg_path) else {}
+        return args.model, cfg
+    cfg = serve_model.model_config(args.config, layers=args.layers, mlp=args.mlp,
+                                   weights=args.weights)
+    path = serve_model.write_model(os.path.join(args.out, f"model-{args.config}"), cfg)
+    return path, cfg
+
+
+def run_client(args, point: dict, port: int, tokenizer: str, mode: str, timeout: float) -> dict:
+    """One ``vllm bench serve`` run; its result file shrunk (:func:`shrink_client`)."""
+    raw_dir = os.path.join(args.out, "raw")
+    os.makedirs(raw_dir, exist_ok=True)
+    name = f"client-{mode}-{point['id']}.json"
+    cmd = bench_command(args, point, port, tokenizer, raw_dir, name, mode)
+    log = os.path.join(args.out, f"client-{mode}-{point['id']}.log")
+    t0 = time.time()
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=max(1.0, timeout)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    out = {"rc": rc, "t0": t0, "t1": time.time(), "wall_s": round(time.time() - t0, 1),
+           "log": os.path.basename(log)}
+    raw = os.path.join(raw_dir, name)
+    if os.path.exists(raw):
+        with open(raw) as f:
+            client = shrink_client(json.load(f))
+        write_json(os.path.join(args.out, name), client)
+        out["client"] = client
+        if not args.keep_detailed:
+            os.remove(raw)
+    return out
+
+
+def measure_point(args, point: dict, port: int, tokenizer: str, mode: str,
+                  timeout: float) -> dict:
+    before = scrape(port)
+    run = run_client(args, point, port, tokenizer, mode, timeout)
+    after = scrape(port)
+    run["engine"] = (counters_growth(before, after)
+                     if "error" not in before and "error" not in after else
+                     {"error": before.get("error") or after.get("error")})
+    run["window"] = [run["t0"], run["t1"]]
+    return run
+
+
+def fill_rates(points: list[dict], args) -> None:
+    """``--rates auto``: each rate point's rate from the first mode's request
+    throughput at the highest concurrency of its input length."""
+    by_id = {p["id"]: p for p in points}
+    for p in points:
+        if p["kind"] != "rate" or p["value"] is not None:
+            continue
+        top = by_id.get(f"L{p['input_len']}-c{max(args.concurrency)}") or {}
+        client = ((top.get("runs") or {}).get(args.modes[0]) or {}).get("client") or {}
+        knee = client.get("request_throughput")
+        if knee:
+            p["value"] = round(knee * p["fraction"], 3)
+            p["num_prompts"] = max(args.min_prompts, math.ceil(p["value"] * args.rate_seconds))
+
+
+def first_gpu() -> int:
+    """The index nvidia-smi gives the GPU the server sees first."""
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
+    return int(first) if first.isdigit() else 0
+
+
+def run_soak(args, port: int, tokenizer: str, mode: str, vocab: int) -> dict:
+    """Poisson load for ``--soak-minutes`` (variable output lengths, long
+    prompts), ``--soak-disconnects`` streams closed mid-way spread over it,
+    GPU memory sampled every ``--soak-sample-s``."""
+    n = math.ceil(args.soak_rate * 60 * args.soak_minutes)
+    point = {"id": "soak", "input_len": args.soak_input_len, "output_len": args.soak_output_len,
+             "range_ratio": args.soak_range_ratio, "kind": "rate", "value": args.soak_rate,
+             "num_prompts": n, "seed": args.seed + 7919}
+    gpu, span, start = first_gpu(), 60 * args.soak_minutes, time.time()
+    samples: list = [(start, gpu_memory_mib(gpu))]
+    disconnects: list = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.wait(args.soak_sample_s):
+            samples.append((time.time(), gpu_memory_mib(gpu)))
+
+    def disconnect():
+        prompts = identity_prompts(args.soak_disconnects, vocab, args.soak_input_len,
+                                   args.seed + 31)
+        for i, prompt in enumerate(prompts):
+            at = start + span * (i + 1) / (args.soak_disconnects + 1)
+            if stop.wait(max(0.0, at - time.time())):
+                return
+            disconnects.append(disconnect_mid_stream(port, prompt, 3, 120))
+
+    threads = [threading.Thread(target=sample, daemon=True),
+               threading.Thread(target=disconnect, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        run = measure_point(args, point, port, tokenizer, mode, 3 * span + 300)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    samples.append((time.time(), gpu_memory_mib(gpu)))
+    run["gpu_memory"] = memory_flatness(samples, 0.2, args.soak_memory_tolerance_mib)
+    run["gpu_memory_samples"] = samples
+    run["disconnects"] = disconnects
+    run["point"] = point
+    return run
+
+
+def identity_longest(args) -> int:
+    """The identity prompts' longest length in words: what the model's
+    length leaves after the new tokens (a quarter of it for a checkpoint of
+    one's own, whose tokenizer may split a word)."""
+    room = max(16, (args.max_model_len or max_model_len(args)) - args.identity_tokens - 64)
+    return room if not args.model else max(16, room // 4)
+
+
+def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], result: dict,
+               identity: dict, deadline: float, save) -> dict:
+    """One mode's server: started, measured (warm-up, the points, identity,
+    soak) until ``deadline``, stopped; its facts into ``result["servers"]``,
+    its runs into each point's ``runs``, its identity records into ``identity``."""
+    port = free_port()
+    cmd = serve_command(args, model, port)
+    env_extra = dict(kv.split("=", 1) for kv in args.env)
+    env = server_env(mode, dict(os.environ), env_extra)
+    log = os.path.join(args.out, f"server-{mode}.log")
+    info = {"cmd": cmd, "env": {k: env[k] for k in sorted(set(env_extra) | {MODE_ENV})},
+            "dropped_env": [k for k in DROPPED_ENV if k in os.environ], "port": port,
+            "log": os.path.basename(log)}
+    result["servers"][mode] = info
+    server = Server(cmd, env, log)
+    t0 = time.time()
+    server.start()
+    try:
+        why = server.wait_ready(port, min(args.server_timeout, max(1.0, deadline - time.time())))
+        info["startup_s"] = round(time.time() - t0, 1)
+        if why:
+            info["failed"] = why
+            print(f"[{mode}] server {why} (log {log})", flush=True)
+            return info
+        try:
+            info["vllm_version"] = json.loads(_get(port, "/version")).get("version")
+        except Exception:  # noqa: BLE001
+            info["vllm_version"] = None
+        print(f"[{mode}] ready in {info['startup_s']} s on port {port}", flush=True)
+        tokenizer = model
+        warm = {"id": "warmup", "input_len": args.input_len[0], "kind": "concurrency",
+                "value": max(args.concurrency), "num_prompts": args.warmup_prompts,
+                "seed": args.seed + 104729}
+        per_point_s = 0.0  # the longest point so far: what the next one may take
+        if args.warmup_prompts:
+            w = run_client(args, warm, port, tokenizer, mode, max(1.0, deadline - time.time()))
+            info["warmup"] = {k: w[k] for k in ("rc", "wall_s")}
+            per_point_s = w["wall_s"]
+        for point in points:
+            fill_rates(points, args)
+            runs = point.setdefault("runs", {})
+            if point["value"] is None:
+                runs[mode] = {"skipped": "no rate (the first mode measured no throughput)"}
+            elif time.time() + (per_point_s + args.gap) * (2 if args.prompts == "cached" else 1) \
+                    > deadline:
+                runs[mode] = {"skipped": "time limit"}
+            else:
+                if args.prompts == "cached":  # the same prompts once before, unmeasured
+                    time.sleep(args.gap)
+                    run_client(args, dict(point, id=point["id"] + "-prime"), port, tokenizer, mode,
+                               deadline - time.time())
+                time.sleep(args.gap)  # the idle spell that marks the point's start in the log
+                run = measure_point(args, point, port, tokenizer, mode, deadline - time.time())
+                per_point_s = max(per_point_s, run["wall_s"])
+                runs[mode] = run
+                c = run.get("client") or {}
+                print(f"[{mode}] {point['id']}: rc {run['rc']}, {run['wall_s']} s, TPOT "
+                      f"{c.get('mean_tpot_ms')} ms, failed {c.get('failed')}", flush=True)
+            save()
+        if args.identity and time.time() + args.gap + 60 < deadline:
+            time.sleep(args.gap)
+            prompts = identity_prompts(args.identity, cfg.get("vocab_size", 4096),
+                                       identity_longest(args), args.seed)
+            groups = identity_groups(args.identity, args.identity_concurrency)
+            t1 = time.time()
+            recs = run_identity(port, prompts, groups, args.identity_tokens,
+                                min(1800.0, max(30.0, deadline - time.time())))
+            write_json(os.path.join(args.out, f"identity-{mode}.json"), recs)
+            info["identity"] = {"requests": len(recs), "failed": sum("error" in r for r in recs),
+                                "window": [t1, time.time()]}
+            identity[mode] = recs
+        elif args.identity:
+            info["identity"] = {"skipped": "time limit"}
+        if args.soak_minutes:
+            if time.time() + args.gap + 60 * args.soak_minutes + 60 < deadline:
+                time.sleep(args.gap)
+                info["soak"] = run_soak(args, port, tokenizer, mode, cfg.get("vocab_size", 4096))
+            else:
+                info["soak"] = {"skipped": "time limit"}
+    finally:
+        info["stop"] = server.stop(args.stop_timeout)
+        with open(log, errors="replace") as f:
+            text = f.read()
+        info["health"] = log_health(text, server.stop_offset)
+        info["plugin_log"] = plugin_path_log(text)
+        lines = path_lines(text)
+        info["path_lines"] = len(lines)
+        info["final_path_line"] = any(x["final"] for x in lines)
+        for point in points:
+            run = (point.get("runs") or {}).get(mode) or {}
+            if "window" in run:
+                run["paths"] = path_growth(lines, *run["window"])
+        soak = info.get("soak") or {}
+        if "window" in soak:
+            soak["paths"] = path_growth(lines, *soak["window"])
+            soak["consistency"] = soak_consistency(soak, args.k)
+        save()
+    return info
+
+
+def soak_consistency(soak: dict, k: int) -> dict:
+    """The plugin's counted decode builds against vLLM's engine steps over the
+    soak: per engine step the target model builds once and the MTP drafter at
+    most ``k`` times, so 0 < builds <= (k + 1) x steps where decode ran."""
+    paths = soak.get("paths")
+    steps = (soak.get("engine") or {}).get("engine_steps")
+    if not paths or not steps:
+        return {"builds": None, "engine_steps": steps, "within_bounds": None}
+    builds = sum(paths["steps"].values())
+    return {"builds": builds, "engine_steps": steps, "builds_per_step": builds / steps,
+            "within_bounds": 0 < builds <= (k + 1) * steps, "exact": paths.get("exact")}
+
+
+def summarize(result: dict, ident: dict) -> None:
+    """The identity comparisons (``ident``: each mode's records) and the
+    table, into ``result``."""
+    if "stock" in ident:
+        result["identity_vs_stock"] = {m: compare_identity(ident["stock"], recs)
+                                       for m, recs in ident.items() if m != "stock"}
+    result["table"] = table_rows(result)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default=None, help="a model folder (default: --config's)")
+    ap.add_argument("--config", default="proxy", choices=list(serve_model.CONFIGS))
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 61)")
+    ap.add_argument("--mlp", default="dense", choices=["dense", "moe"])
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"])
+    ap.add_argument("--k", type=int, default=3, help="MTP draft tokens")
+    ap.add_argument("--modes", nargs="+", default=["stock", "plugin"], choices=list(MODE_VALUES),
+                    help="servers in this order; stock first where it is one of them")
+    ap.add_argument("--aa", action="store_true", help="add a second stock server, 'control'")
+    ap.add_argument("--input-len", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--range-ratio", type=float, default=0.0,
+                    help="random dataset's length spread (0: every prompt the same length)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--rates", nargs="*", default=["auto", "auto"],
+                    help="Poisson request rates (req/s), or 'auto' (--rate-fractions)")
+    ap.add_argument("--rate-fractions", type=float, nargs="+", default=[0.6, 0.9],
+                    help="auto rates as fractions of the highest concurrency's request rate")
+    ap.add_argument("--waves", type=int, default=4, help="prompts per concurrency point / C")
+    ap.add_argument("--min-prompts", type=int, default=16)
+    ap.add_argument("--rate-seconds", type=float, default=60.0,
+                    help="a rate point's prompts: rate x this")
+    ap.add_argument("--prompts", default="fresh", choices=["fresh", "cached"],
+                    help="fresh: a seed per point; cached: one seed, each point run twice, "
+                    "the second measured")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup-prompts", type=int, default=32)
+    ap.add_argument("--gap", type=float, default=stats.LOG_EVERY_S + 1.5,
+                    help="idle seconds before each point (> the plugin's log interval)")
+    ap.add_argument("--identity", type=int, default=32, help="greedy identity requests (0: none)")
+    ap.add_argument("--identity-tokens", type=int, default=64)
+    ap.add_argument("--identity-concurrency", type=int, default=8)
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="no measured points (e.g. a soak alone)")
+    ap.add_argument("--soak-minutes", type=float, default=0.0)
+    ap.add_argument("--soak-rate", type=float, default=1.0)
+    ap.add_argument("--soak-input-len", type=int, default=16384)
+    ap.add_argument("--soak-output-len", type=int, default=256)
+    ap.add_argument("--soak-range-ratio", type=float, default=0.5)
+    ap.add_argument("--soak-disconnects", type=int, default=4)
+    ap.add_argument("--soak-sample-s", type=float, default=5.0)
+    ap.add_argument("--soak-memory-tolerance-mib", type=float, default=64.0)
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--attention-backend", default="FLASHMLA_SPARSE")
+    ap.add_argument("--force-sparse-prefill", type=int, default=1,
+                    help="1: sparse MLA's MQA path for prefills too, as the engine benchmark")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="default: vLLM's for a server")
+    ap.add_argument("--async-scheduling", default="default", choices=["default", "on", "off"])
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for every server")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="one more argument for vllm serve (repeat)")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--server-timeout", type=float, default=900.0)
+    ap.add_argument("--stop-timeout", type=float, default=60.0)
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds for the whole run: each server gets a share")
+    ap.add_argument("--keep-detailed", action="store_true",
+                    help="keep the client's per-request result files (raw/)")
+    ap.add_argument("--quick", action="store_true",
+                    help="one GPU call: 4K prompts, concurrency 8 and 32, no rate points, "
+                    "16 identity requests")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands and stop")
+    return ap
+
+
+QUICK = {"input_len": [4096], "concurrency": [8, 32], "rates": [], "waves": 2,
+         "warmup_prompts": 16, "identity": 16, "identity_tokens": 32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.quick:
+        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
+        for key, value in QUICK.items():
+            if f"--{key.replace('_', '-')}" not in given:
+                setattr(args, key, value)
+    if args.aa and "control" not in args.modes:
+        args.modes = list(args.modes) + ["control"]
+    if len(set(args.modes)) != len(args.modes):
+        ap.error(f"--modes: each mode once, got {args.modes}")
+    if "stock" in args.modes and args.modes[0] != "stock":
+        ap.error("--modes: stock first (every other mode is compared with it)")
+    for r in args.rates:
+        if r != "auto":
+            try:
+                if float(r) <= 0:
+                    raise ValueError
+            except ValueError:
+                ap.error(f"--rates: a positive number or 'auto', got {r!r}")
+    if sum(r == "auto" for r in args.rates) > len(args.rate_fractions):
+        ap.error("--rate-fractions: one per 'auto' rate")
+    for name in ("k", "output_len", "waves", "min_prompts"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}: expected >= 1")
+    if min(args.concurrency) < 1 or min(args.input_len) < 1:
+        ap.error("--concurrency / --input-len: expected >= 1")
+    if not 0 <= args.range_ratio < 1 or not 0 <= args.soak_range_ratio < 1:
+        ap.error("--range-ratio / --soak-range-ratio: expected in [0, 1)")
+    if args.gap < 0:
+        ap.error("--gap: expected >= 0")
+    for kv in args.env:
+        if "=" not in kv:
+            ap.error(f"--env: expected KEY=VALUE, got {kv!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    model, cfg = _model_folder(args)
+    points = sweep_points(args)
+    if args.dry_run:
+        port = 8000
+        print(shlex.join(serve_command(args, model, port)))
+        for p in points:
+            if p["value"] is None:
+                p = dict(p, value=1.0, num_prompts=args.min_prompts)
+            print(shlex.join(bench_command(args, p, port, model, "raw", f"client-{p['id']}.json",
+                                         "MODE")))
+        return 0
+    result = {"schema": "serve-bench/1", "started": datetime.datetime.now().isoformat(),
+              "args": vars(args), "model": model, "config": cfg,
+              "memory_estimate": (serve_model.memory_estimate(cfg, kv_cache_dtype=args.kv_cache_dtype)
+                                  if not args.model else None),
+              "stats_log_every_s": stats.LOG_EVERY_S, "points": points, "servers": {}}
+    out_json = os.path.join(args.out, "serve.json")
+
+    identity: dict = {}
+
+    def save():
+        summarize(result, identity)
+        write_json(out_json, result)
+
+    budget = Budget(args.time_limit)
+    for i, mode in enumerate(args.modes):
+        deadline = budget.share(len(args.modes) - i, args.stop_timeout / 2)
+        run_server(args, mode, model, cfg, points, result, identity, deadline, save)
+    result["finished"] = datetime.datetime.now().isoformat()
+    save()
+    print(render_table(result["table"]))
+    for mode, cmp in (result.get("identity_vs_stock") or {}).items():
+        print(f"identity {mode} vs stock: {cmp['identical']}/{cmp['requests']} identical, "
+              f"{cmp['failed']} failed, {len(cmp['diverged'])} diverged")
+    for mode, info in result["servers"].items():
+        h = info.get("health", {}).get("serving", {})
+        print(f"[{mode}] error/traceback lines while serving: {h.get('lines')}; "
+              f"plugin lines: {len(info.get('plugin_log') or [])}; step-count lines: "
+              f"{info.get('path_lines')} (final: {info.get('final_path_line')})")
+    print(f"wrote {out_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

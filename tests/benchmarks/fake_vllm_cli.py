@@ -1,0 +1,212 @@
+"""A stand-in for ``python -m vllm.entrypoints.cli.main`` in the serve
+benchmark's tests (copied to ``vllm/entrypoints/cli/main.py`` of a folder put
+first on PYTHONPATH), so the harness runs its processes, waits, stops and
+parses for real without a GPU.
+
+``serve``: loopback HTTP with ``/v1/models``, ``/version``, ``/metrics``
+(vLLM's metric names and labels) and ``/v1/completions`` (plain and streamed;
+the text a fixed function of the prompt, with top logprobs), logging as
+vLLM's engine core does; with the plugin's mode variable at ``auto`` it logs
+a decode-path line and records ``STEPS_PER_REQUEST`` varlen steps per
+completion through the plugin's own counters, its log interval shortened by
+``FAKE_LOG_EVERY_S``.  ``FAKE_FAIL_MODE``: a server in that mode exits at once.
+``bench serve``: sends the point's requests (concurrency or Poisson arrivals)
+and writes a result file with vLLM's keys, per-request arrays included.
+"""
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+STEPS_PER_REQUEST = 2
+MODE_VAR = "VLLM_DSA_VARLEN"
+
+
+def words_out(prompt: str, n: int) -> list[str]:
+    words = prompt.split() or ["a"]
+    return [words[(7 * i + len(words)) % len(words)] for i in range(n)]
+
+
+def serve(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--served-model-name", default="m")
+    args, _ = ap.parse_known_args(argv)
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO,
+                        format="(EngineCore_DP0 pid=%(process)d) %(levelname)s 12-06 00:00:00 "
+                               "[%(filename)s:%(lineno)d] %(message)s")
+    mode = os.environ.get(MODE_VAR, "auto")
+    if os.environ.get("FAKE_FAIL_MODE") == mode:
+        print("(APIServer pid=1) ERROR 12-06 00:00:00 [fake.py:1] cannot start", flush=True)
+        return 1
+    from vllm_dsa_varlen import stats
+
+    stats.LOG_EVERY_S = float(os.environ.get("FAKE_LOG_EVERY_S", "0.3"))
+    log = logging.getLogger("vllm.dsa_varlen")
+    if mode == "auto":
+        log.info("vllm-dsa-varlen: DSA indexer decode path: varlen (fake)")
+    lock = threading.Lock()
+    counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "steps": 0, "ok": 0}
+
+    def complete(body: dict) -> list[str]:
+        out = words_out(body["prompt"], int(body["max_tokens"]))
+        if mode == "auto":
+            for i in range(STEPS_PER_REQUEST):
+                stats.record("varlen", variable=i % 2 == 0, mixed=False)
+        with lock:
+            counts["drafts"] += STEPS_PER_REQUEST
+            counts["draft_tokens"] += 3 * STEPS_PER_REQUEST
+            counts["accepted"] += 1
+            counts["steps"] += STEPS_PER_REQUEST
+            counts["ok"] += 1
+        return out
+
+    def metrics() -> str:
+        lab = f'engine="0",model_name="{args.served_model_name}"'
+        with lock:
+            c = dict(counts)
+        return "\n".join([
+            "# TYPE vllm:spec_decode_num_drafts counter",
+            f"vllm:spec_decode_num_drafts_total{{{lab}}} {float(c['drafts'])}",
+            f"vllm:spec_decode_num_draft_tokens_total{{{lab}}} {float(c['draft_tokens'])}",
+            f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}} {float(c['accepted'])}",
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="0"}} '
+            f"{float(c['accepted'])}",
+            f"vllm:iteration_tokens_total_count{{{lab}}} {float(c['steps'])}",
+            f'vllm:request_success_total{{{lab},finished_reason="length"}} {float(c["ok"])}',
+            f"vllm:num_preemptions_total{{{lab}}} 0.0", ""])
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def _send(self, code: int, body: bytes, kind: str = "application/json") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path == "/v1/models":
+                self._send(200, json.dumps({"data": [{"id": args.served_model_name}]}).encode())
+            elif self.path == "/version":
+                self._send(200, b'{"version": "0.0.fake"}')
+            elif self.path == "/metrics":
+                self._send(200, metrics().encode(), "text/plain")
+            else:
+                self._send(404, b"{}")
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            out = complete(body)
+            if body.get("stream"):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                try:
+                    for w in out:
+                        chunk = {"choices": [{"index": 0, "text": " " + w}]}
+                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                        self.wfile.flush()
+                        time.sleep(0.01)
+                    self.wfile.write(b"data: [DONE]\n\n")
+                except (BrokenPipeError, ConnectionResetError):
+                    log.info("aborted request")
+                self.close_connection = True
+                return
+            toks = [" " + w for w in out]
+            resp = {"choices": [{"index": 0, "text": "".join(toks), "finish_reason": "length",
+                                 "logprobs": {"tokens": toks,
+                                              "top_logprobs": [{t: -0.5, " zz": -1.5}
+                                                               for t in toks]}}]}
+            self._send(200, json.dumps(resp).encode())
+
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    server.serve_forever()
+    logging.getLogger("vllm").info("shutting down")
+    return 0
+
+
+def _pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(math.ceil(p / 100 * len(s))) - 1)] if s else 0.0
+
+
+def bench(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    for name in ("--base-url", "--model", "--result-dir", "--result-filename", "--label"):
+        ap.add_argument(name)
+    for name in ("--num-prompts", "--random-input-len", "--random-output-len", "--seed",
+                 "--max-concurrency"):
+        ap.add_argument(name, type=int)
+    ap.add_argument("--request-rate", type=float, default=math.inf)
+    args, _ = ap.parse_known_args(argv)
+    rng = random.Random(args.seed)
+    prompts = [" ".join(f"w{rng.randrange(999)}" for _ in range(args.random_input_len))
+               for _ in range(args.num_prompts)]
+
+    def one(prompt: str) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        body = json.dumps({"model": args.model, "prompt": prompt,
+                           "max_tokens": args.random_output_len}).encode()
+        req = urllib.request.Request(f"{args.base_url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            n = len(json.loads(r.read())["choices"][0]["logprobs"]["tokens"])
+        return time.perf_counter() - t0, n
+
+    t0 = time.perf_counter()
+    workers = args.max_concurrency or args.num_prompts
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = []
+        for p in prompts:
+            if args.max_concurrency is None and math.isfinite(args.request_rate):
+                time.sleep(rng.expovariate(args.request_rate))
+            futures.append(pool.submit(one, p))
+        done = [f.result() for f in futures]
+    dur = time.perf_counter() - t0
+    lat = [d for d, _ in done]
+    result = {"backend": "vllm", "label": args.label, "num_prompts": args.num_prompts,
+              "duration": dur, "completed": len(done), "failed": 0,
+              "request_throughput": len(done) / dur,
+              "output_throughput": sum(n for _, n in done) / dur,
+              "output_lens": [n for _, n in done], "ttfts": lat, "itls": [[x] for x in lat],
+              "errors": [""] * len(done), "generated_texts": [""] * len(done)}
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        ms = [1e3 * x / (1 if m in ("ttft", "e2el") else args.random_output_len) for x in lat]
+        result[f"mean_{m}_ms"] = sum(ms) / len(ms)
+        result[f"median_{m}_ms"] = _pct(ms, 50)
+        for p in (50, 90, 99):
+            result[f"p{p}_{m}_ms"] = _pct(ms, p)
+    with open(os.path.join(args.result_dir, args.result_filename), "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    if argv[:1] == ["serve"]:
+        return serve(argv[1:])
+    if argv[:2] == ["bench", "serve"]:
+        return bench(argv[2:])
+    print(f"fake vllm: unknown command {argv[:2]}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,694 @@
+"""The serve benchmark's host side (no GPU, no server): its command lines as
+vLLM's own parsers read them, the parsing of /metrics, client results and the
+plugin's log lines, the identity comparison, the table and strict JSON."""
+
+import contextlib
+import importlib.util
+import io
+import json
+import logging
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "serve.py")
+_spec = importlib.util.spec_from_file_location("serve_bench", _PATH)
+serve = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(serve)
+
+from vllm_dsa_varlen import stats  # noqa: E402
+from vllm_dsa_varlen.config import MODE_ENV  # noqa: E402
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _args(*extra):
+    return serve.parse_args(["--out", "/tmp/unused", *extra])
+
+
+# ----------------------------------------------------------------------------- commands
+
+def test_each_mode_gets_its_value_of_the_mode_variable_and_a_multiprocess_engine():
+    base = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PATH": "/bin", MODE_ENV: "off"}
+    extra = {"VLLM_DSA_VARLEN_TOPK": "own"}
+    for mode, value in serve.MODE_VALUES.items():
+        env = serve.server_env(mode, base, extra)
+        assert env[MODE_ENV] == value and env["PATH"] == "/bin"
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # vLLM's default: its own process
+        assert env["VLLM_DSA_VARLEN_TOPK"] == "own"
+    assert serve.server_env("plugin", base, {})[MODE_ENV] != serve.server_env("stock", base, {})[
+        MODE_ENV]
+    with pytest.raises(ValueError, match="mode"):
+        serve.server_env("fast", base, {})
+
+
+@pytest.fixture
+def cpu_platform(monkeypatch):
+    """vLLM's engine arguments read the device type: the CPU's platform here."""
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr(platforms, "_current_platform", CpuPlatform())
+
+
+def _serve_parser():
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+    except ImportError:  # where newer vLLMs keep it
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")
+@pytest.mark.parametrize("asynchronous", ["default", "on", "off"])
+def test_vllm_serve_reads_the_server_command_as_meant(tmp_path, cpu_platform, asynchronous):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    k = random.randint(1, 4)
+    args = _args("--k", str(k), "--concurrency", "3", "40", "--input-len", "5000",
+                 "--range-ratio", "0.2", "--async-scheduling", asynchronous,
+                 "--max-num-batched-tokens", "8192", "--serve-arg=--enforce-eager")
+    port = serve.free_port()
+    cmd = serve.serve_command(args, str(tmp_path), port)
+    assert cmd[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+    ns = _serve_parser().parse_args(cmd[4:])
+    assert (ns.model_tag, ns.host, ns.port) == (str(tmp_path), "127.0.0.1", port)
+    engine = AsyncEngineArgs.from_cli_args(ns)
+    assert engine.speculative_config == {"method": "mtp", "num_speculative_tokens": k,
+                                         "attention_backend": "FLASHMLA_SPARSE"}
+    assert engine.attention_config.sparse_mla_force_mqa is True
+    assert engine.load_format == "dummy" and engine.max_num_seqs == 40
+    assert engine.max_model_len >= int(5000 * 1.2) + int(128 * 1.2) + k
+    assert engine.max_num_batched_tokens == 8192 and engine.enforce_eager
+    assert engine.async_scheduling == {"default": None, "on": True, "off": False}[asynchronous]
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")
+def test_vllm_bench_serve_reads_every_point_as_meant(tmp_path):
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = _args("--rates", "2.5", "auto", "--rate-fractions", "0.5")
+    points = serve.sweep_points(args)
+    assert [p["id"] for p in points] == [
+        f"L{n}-{x}" for n in (4096, 16384) for x in ("c1", "c8", "c32", "c64", "r0", "r1")]
+    assert len({p["seed"] for p in points}) == len(points)  # fresh prompts per point
+    serve.fill_rates(points, args)  # nothing measured yet: auto stays unset
+    for p in points:
+        if p["value"] is None:
+            with pytest.raises(ValueError, match="point"):
+                serve.bench_command(args, p, 1, "tok", str(tmp_path), "f.json", "stock")
+            continue
+        cmd = serve.bench_command(args, p, 8123, "/m", str(tmp_path), "f.json", "stock")
+        ns = parser.parse_args(cmd[cmd.index("serve") + 1:])
+        assert (ns.dataset_name, ns.random_input_len, ns.random_output_len) == (
+            "random", p["input_len"], 128)
+        assert (ns.seed, ns.num_prompts, ns.temperature) == (p["seed"], p["num_prompts"], 0.0)
+        assert ns.ignore_eos and ns.save_result and ns.base_url == "http://127.0.0.1:8123"
+        assert (ns.model, ns.tokenizer, ns.result_dir) == (serve.SERVED_NAME, "/m", str(tmp_path))
+        assert ns.metric_percentiles == "50,90,99"
+        if p["kind"] == "concurrency":
+            assert ns.max_concurrency == p["value"] and ns.request_rate == math.inf
+            assert p["num_prompts"] == max(16, 4 * p["value"])
+        else:
+            assert ns.max_concurrency is None and ns.request_rate == 2.5
+            assert p["num_prompts"] == math.ceil(2.5 * 60)
+
+
+def test_auto_rates_are_fractions_of_the_first_modes_throughput_at_the_top_concurrency():
+    args = _args("--input-len", "100", "--concurrency", "4", "16", "--rate-fractions", "0.5", "0.8")
+    points = serve.sweep_points(args)
+    knee = random.uniform(1, 9)
+    top = next(p for p in points if p["id"] == "L100-c16")
+    top["runs"] = {"stock": {"client": {"request_throughput": knee}},
+                   "plugin": {"client": {"request_throughput": 100.0}}}
+    serve.fill_rates(points, args)
+    rates = [p for p in points if p["kind"] == "rate"]
+    assert [p["value"] for p in rates] == [round(knee * 0.5, 3), round(knee * 0.8, 3)]
+    assert all(p["num_prompts"] == max(16, math.ceil(p["value"] * 60)) for p in rates)
+
+
+def test_a_soak_alone_has_no_points_and_a_checkpoints_identity_prompts_leave_room():
+    args = _args("--modes", "plugin", "--no-sweep", "--soak-minutes", "6")
+    assert args.modes == ["plugin"] and serve.sweep_points(args) == []
+    ours = serve.identity_longest(_args("--max-model-len", "5000", "--identity-tokens", "64"))
+    theirs = serve.identity_longest(_args("--max-model-len", "5000", "--identity-tokens", "64",
+                                          "--model", "/some/checkpoint"))
+    assert ours == 5000 - 64 - 64 and theirs == ours // 4
+
+
+def test_quick_is_small_and_what_is_given_wins():
+    q = _args("--quick")
+    assert q.input_len == [4096] and q.concurrency == [8, 32] and q.rates == []
+    assert _args("--quick", "--concurrency", "4").concurrency == [4]
+    assert _args("--aa").modes == ["stock", "plugin", "control"]
+
+
+@pytest.mark.parametrize("bad,word", [(["--modes", "plugin", "stock"], "--modes"),
+                                      (["--modes", "stock", "stock"], "--modes"),
+                                      (["--rates", "fast"], "--rates"),
+                                      (["--rates", "-1"], "--rates"),
+                                      (["--rates", "auto", "auto", "auto"], "--rate-fractions"),
+                                      (["--range-ratio", "1.5"], "--range-ratio"),
+                                      (["--env", "NOEQUALS"], "--env"),
+                                      (["--k", "0"], "--k")])
+def test_bad_arguments_are_refused_naming_them(bad, word, capsys):
+    with pytest.raises(SystemExit):
+        _args(*bad)
+    assert word in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- /metrics
+
+@contextlib.contextmanager
+def _prometheus():
+    """Collectors registered in prometheus_client's default registry (where
+    vLLM's live) inside the block, unregistered after it."""
+    import prometheus_client as pc
+
+    before = set(pc.REGISTRY._collector_to_names)
+    try:
+        yield pc
+    finally:
+        for c in set(pc.REGISTRY._collector_to_names) - before:
+            pc.REGISTRY.unregister(c)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")
+def test_engine_counters_read_vllms_own_exposition():
+    """vLLM's speculative-decoding metrics (its own class), the step histogram
+    and request counters as vLLM names them, two engines: the counters read
+    back are the sums of what was observed."""
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
+
+    rng = random.Random(3)
+    k = rng.randint(2, 4)
+    with _prometheus() as pc:
+        labels = ["model_name", "engine"]
+        per_engine = {0: ["m", "0"], 1: ["m", "1"]}
+        spec = SpecDecodingProm(types.SimpleNamespace(num_speculative_tokens=k), labels,
+                                per_engine)
+        steps = pc.Histogram("vllm:iteration_tokens_total", "", labelnames=labels,
+                             buckets=[1, 8, 64, 512])
+        success = pc.Counter("vllm:request_success", "", labelnames=labels + ["finished_reason"])
+        preempt = pc.Counter("vllm:num_preemptions", "", labelnames=labels)
+        want = {"drafts": 0, "tokens": 0, "accepted": 0, "pos": [0] * k, "steps": 0, "ok": 0}
+
+        def observe(n):
+            for _ in range(n):
+                engine = rng.randrange(2)
+                s = SpecDecodingStats.new(k)
+                for _ in range(rng.randint(1, 5)):
+                    acc = rng.randint(0, k)
+                    s.observe_draft(num_draft_tokens=k, num_accepted_tokens=acc)
+                    want["drafts"] += 1
+                    want["tokens"] += k
+                    want["accepted"] += acc
+                    for p in range(acc):
+                        want["pos"][p] += 1
+                spec.observe(s, engine)
+                steps.labels("m", str(engine)).observe(rng.randint(1, 300))
+                want["steps"] += 1
+                reason = rng.choice(["length", "stop", "abort"])
+                success.labels("m", str(engine), reason).inc()
+                want["ok"] += 1
+            preempt.labels("m", "0").inc(0)
+
+        observe(rng.randint(5, 20))
+        before = serve.engine_counters(serve.parse_prometheus(pc.generate_latest().decode()))
+        snap = {k2: (list(v) if isinstance(v, list) else v) for k2, v in want.items()}
+        observe(rng.randint(5, 20))
+        after = serve.engine_counters(serve.parse_prometheus(pc.generate_latest().decode()))
+    assert after["spec_drafts"] == want["drafts"] and after["spec_draft_tokens"] == want["tokens"]
+    assert after["spec_accepted_tokens"] == want["accepted"]
+    assert after["spec_accepted_per_pos"] == {str(p): float(n) for p, n in enumerate(want["pos"])}
+    assert after["engine_steps"] == want["steps"] and after["requests_finished"] == want["ok"]
+    assert after["preemptions"] == 0
+    grew = serve.counters_growth(before, after)
+    assert grew["spec_drafts"] == want["drafts"] - snap["drafts"]
+    assert grew["engine_steps"] == want["steps"] - snap["steps"]
+    assert grew["acceptance_rate"] == pytest.approx(
+        (want["accepted"] - snap["accepted"]) / (want["tokens"] - snap["tokens"]))
+    assert grew["acceptance_length"] == pytest.approx(
+        1 + (want["accepted"] - snap["accepted"]) / (want["drafts"] - snap["drafts"]))
+    assert after["generation_tokens"] is None  # not exposed here: unknown, not zero
+
+
+def test_prometheus_parse_keeps_labels_and_skips_comments():
+    text = ('# HELP x a\n# TYPE x counter\nx_total{a="1",b="q\\"r"} 3.0\nx_total{a="2"} 4\n'
+            'y 1e3\nbad line\n')
+    got = serve.parse_prometheus(text)
+    assert got["x_total"] == [({"a": "1", "b": 'q\\"r'}, 3.0), ({"a": "2"}, 4.0)]
+    assert got["y"] == [({}, 1000.0)] and len(got) == 2
+
+
+# ----------------------------------------------------------------------------- client results
+
+def _client_result(rng, n):
+    """A result as `vllm bench serve --save-detailed` writes it (vLLM's keys)."""
+    errors = [rng.choice(["", "", "", "ClientPayloadError: closed"]) for _ in range(n)]
+    out = {"date": "20261206-040000", "backend": "vllm", "label": "stock", "model_id": "m",
+           "num_prompts": n, "request_rate": "inf", "burstiness": 1.0, "max_concurrency": 8,
+           "duration": rng.uniform(5, 50), "completed": n - sum(bool(e) for e in errors),
+           "failed": sum(bool(e) for e in errors), "output_throughput": rng.uniform(100, 9000),
+           "request_throughput": rng.uniform(1, 9), "input_lens": [4096] * n,
+           "output_lens": [rng.randint(100, 128) for _ in range(n)],
+           "ttfts": [rng.random() for _ in range(n)],
+           "itls": [[rng.random() for _ in range(5)] for _ in range(n)],
+           "latencies": [rng.random() for _ in range(n)], "start_times": list(range(n)),
+           "queue_times": [0.0] * n, "generated_texts": ["a b"] * n, "errors": errors,
+           "spec_decode_acceptance_length": 1.2, "spec_decode_per_position_acceptance_rates":
+           [0.1, 0.05, 0.0]}
+    for m in serve.METRICS:
+        for stat in ("mean", "median", "std", "p50", "p90", "p99"):
+            out[f"{stat}_{m}_ms"] = rng.uniform(1, 100)
+    return out
+
+
+def test_a_client_result_is_kept_without_per_request_arrays():
+    rng = random.Random(4)
+    raw = _client_result(rng, 40)
+    small = serve.shrink_client(raw)
+    assert not any(isinstance(v, list) for k, v in small.items()
+                   if k not in ("error_examples", "output_len_min_max"))
+    assert small["error_count"] == raw["failed"]
+    assert small["error_examples"] == sorted({e for e in raw["errors"] if e})
+    assert small["output_len_min_max"] == [min(raw["output_lens"]), max(raw["output_lens"])]
+    assert small["p99_itl_ms"] == raw["p99_itl_ms"] and small["failed"] == raw["failed"]
+    assert len(json.dumps(small)) < len(json.dumps(raw)) / 3
+
+
+# ----------------------------------------------------------------------------- the plugin's lines
+
+class _VllmFormat(logging.Formatter):
+    """vLLM's log line: the process tag, level, time, file, message."""
+
+    def format(self, record):
+        return (f"(EngineCore_DP0 pid={record.process}) {record.levelname} 12-06 04:00:00 "
+                f"[stats.py:{record.lineno}] {record.getMessage()}")
+
+
+@pytest.fixture
+def engine_log(monkeypatch):
+    """The plugin's counters in a fresh state, their lines captured as vLLM's
+    engine core prints them; a fake wall clock."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(_VllmFormat())
+    log = logging.getLogger("vllm.dsa_varlen")
+    old = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    stats.reset()
+    for name, value in (("_version", 0), ("_logged_version", 0), ("_logged_at", -math.inf),
+                        ("_last_step_at", None), ("_exit_pid", os.getpid()),
+                        ("_final_written_pid", None)):
+        monkeypatch.setattr(stats, name, value)
+    clock = types.SimpleNamespace(t=1.8e9)
+    monkeypatch.setattr(stats, "_clock", lambda: clock.t)
+    yield clock, stream
+    log.removeHandler(handler)
+    log.setLevel(old)
+    stats.reset()
+
+
+def _burst(rng, clock, n):
+    got = {k: dict.fromkeys(stats.PATHS, 0) for k in ("steps", "variable", "mixed")}
+    for _ in range(n):
+        clock.t += rng.uniform(0.005, 0.05)
+        path = rng.choice(stats.PATHS)
+        variable, mixed = rng.random() < 0.5, rng.random() < 0.2
+        stats.record(path, variable=variable, mixed=mixed)
+        got["steps"][path] += 1
+        got["variable"][path] += variable
+        got["mixed"][path] += mixed
+    return got
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_per_point_counts_from_the_log_are_each_points_own(engine_log, seed):
+    """Points (bursts of steps) separated by idle spells longer than the log
+    interval: each point's counts read from the log lines equal the steps
+    recorded in it, and are marked exact; the final line closes the last."""
+    clock, stream = engine_log
+    rng = random.Random(seed)
+    windows, truth = [], []
+    _burst(rng, clock, 30)  # the warm-up
+    for _ in range(rng.randint(2, 5)):
+        clock.t += stats.LOG_EVERY_S + rng.uniform(0.5, 3)  # the harness's gap
+        t0 = clock.t
+        truth.append(_burst(rng, clock, rng.randint(1, 400)))
+        clock.t += rng.uniform(0.01, 0.5)  # the client's exit
+        windows.append((t0, clock.t))
+    stats._write_final_line()
+    lines = serve.path_lines(stream.getvalue())
+    assert lines and all(x["process"] == "EngineCore_DP0" for x in lines)
+    for (t0, t1), want in zip(windows, truth):
+        got = serve.path_growth(lines, t0, t1)
+        assert got["exact"] and got["processes"] == 1
+        assert {k: got[k] for k in want} == want
+
+
+def test_a_point_without_an_idle_spell_before_it_is_not_called_exact(engine_log):
+    clock, stream = engine_log
+    rng = random.Random(8)
+    _burst(rng, clock, 50)
+    clock.t += stats.LOG_EVERY_S + 1
+    _burst(rng, clock, 50)
+    clock.t += 0.5  # too short a gap
+    t0 = clock.t
+    _burst(rng, clock, 50)
+    t1 = clock.t
+    clock.t += stats.LOG_EVERY_S + 1
+    _burst(rng, clock, 5)
+    got = serve.path_growth(serve.path_lines(stream.getvalue()), t0, t1)
+    assert got["exact"] is False
+
+
+def test_no_lines_no_counts():
+    assert serve.path_growth([], 0.0, 1.0) is None
+
+
+def test_log_health_counts_error_and_traceback_lines_per_process_before_and_after_the_stop():
+    rng = random.Random(2)
+    serving, shutdown = [], []
+    want = {"serving": {}, "shutdown": {}}
+    for part, lines in (("serving", serving), ("shutdown", shutdown)):
+        for _ in range(200):
+            proc = rng.choice(["APIServer", "EngineCore_DP0"])
+            kind = rng.choice(["INFO", "WARNING", "ERROR", "DEBUG", "trace"])
+            if kind == "trace":
+                lines.append("Traceback (most recent call last):")
+                want[part].setdefault("main", {"error": 0, "traceback": 0})["traceback"] += 1
+                continue
+            lines.append(f"({proc} pid=12) {kind} 12-06 04:00:00 [x.py:1] message "
+                         f"{rng.random()} with the word error in it")
+            if kind == "ERROR":
+                want[part].setdefault(proc, {"error": 0, "traceback": 0})["error"] += 1
+    text = "\n".join(serving) + "\n"
+    got = serve.log_health(text + "\n".join(shutdown), stop_at=len(text))
+    for part in ("serving", "shutdown"):
+        assert got[part]["by_process"] == want[part]
+        assert got[part]["lines"] == sum(v["error"] + v["traceback"]
+                                         for v in want[part].values())
+
+
+def test_the_plugin_path_lines_keep_their_process_and_leave_out_the_counts():
+    text = ("(APIServer pid=1) INFO 12-06 [__init__.py:9] vllm-dsa-varlen: patched\n"
+            "(EngineCore_DP0 pid=2) INFO 12-06 [config.py:9] vllm-dsa-varlen: DSA indexer "
+            "decode path: varlen (triton): sm_90\n"
+            "(EngineCore_DP0 pid=2) INFO 12-06 [config.py:9] vllm-dsa-varlen: DSA indexer "
+            "decode path: varlen (triton): sm_90\n"
+            f"(EngineCore_DP0 pid=2) INFO [stats.py:1] {stats.LINE}{{\"steps\": {{}}}}\n")
+    assert serve.plugin_path_log(text) == [
+        "[APIServer] vllm-dsa-varlen: patched",
+        "[EngineCore_DP0] vllm-dsa-varlen: DSA indexer decode path: varlen (triton): sm_90"]
+
+
+# ----------------------------------------------------------------------------- identity
+
+def test_identity_requests_are_fixed_mixed_and_grouped():
+    a = serve.identity_prompts(40, 4096, 3000, 5)
+    assert a == serve.identity_prompts(40, 4096, 3000, 5)
+    assert a != serve.identity_prompts(40, 4096, 3000, 6)
+    lengths = {len(p.split()) for p in a}
+    assert max(lengths) == 3000 and min(lengths) == 16 and len(lengths) >= 4
+    for n, c in ((32, 8), (7, 3), (1, 4)):
+        groups = serve.identity_groups(n, c)
+        assert sorted(i for g in groups for i in g) == list(range(n))
+        assert all(len(g) == 1 for g in groups[:n // 4])
+        assert all(len(g) <= c for g in groups) and any(len(g) > 1 for g in groups) == (n > 1)
+
+
+def _records(rng, n):
+    out = []
+    for _ in range(n):
+        toks = [serve.serve_model.word(rng.randrange(3, 999)) for _ in range(rng.randint(3, 30))]
+        tops = [{t: -0.1, "zz": -2.0} for t in toks]
+        out.append({"text": " " + " ".join(toks), "tokens": [" " + t for t in toks],
+                    "top_logprobs": [{" " + k: v for k, v in d.items()} for d in tops],
+                    "finish_reason": "length"})
+    return out
+
+
+def test_identity_comparison_finds_a_changed_text_and_where():
+    rng = random.Random(6)
+    ref = _records(rng, 32)
+    same = json.loads(json.dumps(ref))
+    assert serve.compare_identity(ref, same)["all_identical"]
+    changed = json.loads(json.dumps(ref))
+    i = rng.randrange(32)
+    pos = rng.randrange(len(changed[i]["tokens"]))
+    changed[i]["tokens"][pos] = " qqq"
+    changed[i]["text"] = "".join(changed[i]["tokens"])
+    changed[(i + 1) % 32] = {"error": "HTTPError: 500"}
+    got = serve.compare_identity(ref, changed)
+    assert not got["all_identical"] and got["identical"] == 30 and got["failed"] == 1
+    assert got["diverged"] == [{"request": i, "position": pos,
+                                "ref_top2": sorted(ref[i]["top_logprobs"][pos].items(),
+                                                   key=lambda kv: -kv[1]),
+                                "other_top2": sorted(changed[i]["top_logprobs"][pos].items(),
+                                                     key=lambda kv: -kv[1])}]
+    with pytest.raises(ValueError, match="other"):
+        serve.compare_identity(ref, ref[:3])
+
+
+def test_a_completion_response_is_read_as_vllm_writes_it():
+    resp = {"id": "cmpl-1", "object": "text_completion", "model": serve.SERVED_NAME,
+            "choices": [{"index": 0, "text": " ab cd", "finish_reason": "length",
+                         "logprobs": {"tokens": [" ab", " cd"], "token_logprobs": [-0.1, -0.2],
+                                      "top_logprobs": [{" ab": -0.1}, {" cd": -0.2}],
+                                      "text_offset": [0, 3]}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    rec = serve.completion_record(resp)
+    assert rec == {"text": " ab cd", "tokens": [" ab", " cd"],
+                   "top_logprobs": [{" ab": -0.1}, {" cd": -0.2}], "finish_reason": "length"}
+
+
+# ----------------------------------------------------------------------------- table, JSON
+
+def test_the_table_compares_every_mode_with_stock_at_every_point(tmp_path):
+    rng = random.Random(12)
+    points = []
+    for pid in ("L4096-c8", "L4096-c32"):
+        runs = {}
+        for mode in ("stock", "plugin", "control"):
+            c = _client_result(rng, 4)
+            runs[mode] = {"client": serve.shrink_client(c),
+                          "engine": {"acceptance_length": rng.uniform(1, 2)},
+                          "paths": None if mode != "plugin" else {
+                              "steps": {"varlen": 9}, "variable": {"varlen": 4, "stock_native": 1}}}
+        points.append({"id": pid, "runs": runs})
+    points.append({"id": "L4096-r0", "runs": {"stock": {"skipped": "time limit"}}})
+    rows = serve.table_rows({"points": points})
+    assert len(rows) == 7
+    for r in rows:
+        if r["mode"] == "stock" or r.get("skipped"):
+            assert "x_tpot" not in r
+            continue
+        base = next(p for p in points if p["id"] == r["point"])["runs"]["stock"]["client"]
+        mine = next(p for p in points if p["id"] == r["point"])["runs"][r["mode"]]["client"]
+        assert r["x_tpot"] == pytest.approx(base["mean_tpot_ms"] / mine["mean_tpot_ms"])
+        assert r["x_itl_p99"] == pytest.approx(base["p99_itl_ms"] / mine["p99_itl_ms"])
+        assert r["x_tok_s"] == pytest.approx(mine["output_throughput"] / base["output_throughput"])
+        assert r["tpot_p50"] == mine["median_tpot_ms"] and r["ttft_p99"] == mine["p99_ttft_ms"]
+    plugin = [r for r in rows if r["mode"] == "plugin"]
+    assert all(r["varlen_steps"] == 9 and r["variable_steps"] == 5 for r in plugin)
+    text = serve.render_table(rows)
+    assert len(text.splitlines()) == 2 + len(rows) and "skipped: time limit" in text
+    path = tmp_path / "out.json"
+    serve.write_json(str(path), {"rows": rows, "nan": float("nan"), "inf": [math.inf]})
+
+    def refuse(name):
+        raise AssertionError(f"non-strict JSON constant {name}")
+
+    back = json.loads(path.read_text(), parse_constant=refuse)
+    assert back["nan"] is None and back["inf"] == [None] and len(back["rows"]) == 7
+
+
+def test_memory_flatness_ignores_the_warm_up():
+    t = [(float(i), 1000.0 + (500 if i < 3 else 0) + (i % 2)) for i in range(20)]
+    got = serve.memory_flatness(t, 0.2, 4)
+    assert got["flat"] and got["range_mib"] == 1
+    t[-1] = (19.0, 1300.0)
+    assert not serve.memory_flatness(t, 0.2, 4)["flat"]
+    assert serve.memory_flatness([(0.0, None)], 0.2, 4)["flat"] is None
+
+
+def test_soak_consistency_bounds_the_builds_by_the_engine_steps():
+    k = 3
+    ok = {"paths": {"steps": {"varlen": 300, "stock_native": 500}, "exact": True},
+          "engine": {"engine_steps": 250}}
+    got = serve.soak_consistency(ok, k)
+    assert got["within_bounds"] and got["builds_per_step"] == 800 / 250
+    too_many = dict(ok, engine={"engine_steps": 100})
+    assert serve.soak_consistency(too_many, k)["within_bounds"] is False
+    assert serve.soak_consistency({"paths": None, "engine": {}}, k)["within_bounds"] is None
+
+
+def test_the_module_names_no_vllm_import_at_its_top():
+    """The harness runs beside a server it does not import: vLLM stays out of
+    its own process (the client and server are subprocesses)."""
+    src = open(_PATH).read()
+    assert "\nimport vllm" not in src and "\nfrom vllm " not in src and "\nfrom vllm." not in src
+
+
+# ----------------------------------------------------------------------------- a whole run
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """A stand-in vLLM command line (``fake_vllm_cli.py``) first on the
+    subprocesses' path, this checkout's plugin package after it."""
+    pkg = tmp_path / "fake" / "vllm" / "entrypoints" / "cli"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    here = os.path.dirname(os.path.abspath(__file__))
+    (pkg / "main.py").write_text(open(os.path.join(here, "fake_vllm_cli.py")).read())
+    root = os.path.dirname(os.path.dirname(here))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), root]))
+    monkeypatch.setenv("FAKE_LOG_EVERY_S", "0.3")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return tmp_path
+
+
+_SMALL = ["--config", "tiny", "--layers", "2", "--input-len", "40", "--output-len", "8",
+          "--concurrency", "2", "4", "--waves", "1", "--min-prompts", "4", "--warmup-prompts",
+          "2", "--gap", "0.6", "--identity", "8", "--identity-tokens", "6",
+          "--identity-concurrency", "3", "--stop-timeout", "20", "--python", sys.executable]
+
+
+def _strict(path):
+    def refuse(name):
+        raise AssertionError(f"non-strict JSON constant {name}")
+
+    with open(path) as f:
+        return json.load(f, parse_constant=refuse)
+
+
+def test_a_whole_run_against_a_stand_in_server(fake_vllm, capsys):
+    """Every mode's server started, measured and stopped by SIGTERM; each
+    point's client result, /metrics growth and (plugin) path counts equal to
+    what the stand-in did in that point alone; auto rates shared; identity
+    texts compared; the soak's streams closed mid-way; strict JSON, a table."""
+    out = fake_vllm / "out"
+    rc = serve.main(["--out", str(out), *_SMALL, "--aa", "--rates", "auto",
+                     "--rate-fractions", "0.5", "--rate-seconds", "3", "--soak-minutes", "0.05",
+                     "--soak-rate", "20", "--soak-input-len", "30", "--soak-output-len", "6",
+                     "--soak-disconnects", "2", "--soak-sample-s", "0.5"])
+    assert rc == 0
+    got = _strict(out / "serve.json")
+    assert list(got["servers"]) == ["stock", "plugin", "control"]
+    steps = 2  # fake_vllm_cli.STEPS_PER_REQUEST
+    for mode, info in got["servers"].items():
+        assert info["stop"]["how"] == "SIGTERM" and info["stop"]["rc"] == 0, info["stop"]
+        assert info["health"]["serving"]["lines"] == 0
+        assert info["env"][MODE_ENV] == serve.MODE_VALUES[mode]
+        assert info["vllm_version"] == "0.0.fake"
+        assert (info["path_lines"] > 0) is (mode == "plugin")
+        assert info["final_path_line"] is (mode == "plugin")
+    assert got["servers"]["plugin"]["plugin_log"] == [
+        "[EngineCore_DP0] vllm-dsa-varlen: DSA indexer decode path: varlen (fake)"]
+    ids = [p["id"] for p in got["points"]]
+    assert ids == ["L40-c2", "L40-c4", "L40-r0"]
+    rate = got["points"][2]
+    c4 = got["points"][1]["runs"]["stock"]["client"]["request_throughput"]
+    assert rate["value"] == round(0.5 * c4, 3)
+    for p in got["points"]:
+        for mode, run in p["runs"].items():
+            c = run["client"]
+            assert c["completed"] == p["num_prompts"] and c["failed"] == 0
+            assert not any(isinstance(v, list) for k, v in c.items()
+                           if k not in ("error_examples", "output_len_min_max"))
+            eng = run["engine"]
+            assert eng["requests_finished"] == p["num_prompts"]
+            assert eng["engine_steps"] == steps * p["num_prompts"]
+            assert eng["acceptance_length"] == pytest.approx(1 + 1 / steps)
+            if mode == "plugin":
+                assert run["paths"]["exact"] and run["paths"]["process"] == "EngineCore_DP0"
+                assert run["paths"]["steps"]["varlen"] == steps * p["num_prompts"]
+                assert run["paths"]["variable"]["varlen"] == p["num_prompts"]
+            else:
+                assert run["paths"] is None
+    assert not os.path.exists(out / "raw" / "client-stock-L40-c2.json")  # shrunk, then removed
+    assert _strict(out / "client-plugin-L40-c4.json")["completed"] == 4
+    for mode in ("plugin", "control"):
+        cmp = got["identity_vs_stock"][mode]
+        assert cmp["all_identical"] and cmp["requests"] == 8
+    soak = got["servers"]["plugin"]["soak"]
+    assert soak["client"]["failed"] == 0 and soak["client"]["completed"] == soak["point"][
+        "num_prompts"]
+    assert [d["chunks_read"] for d in soak["disconnects"]] == [3, 3]
+    assert soak["consistency"]["within_bounds"] and soak["consistency"]["exact"]
+    assert soak["gpu_memory"]["samples"] >= 0
+    rows = got["table"]
+    assert len(rows) == 3 * 3 and all(r["failed"] == 0 for r in rows)
+    table = capsys.readouterr().out
+    assert "| L40-c4 | plugin |" in table and "identity plugin vs stock: 8/8 identical" in table
+
+
+def test_a_server_that_fails_and_a_time_limit_leave_a_result(fake_vllm, monkeypatch):
+    """A server that exits before it is ready is recorded as such and the run
+    goes on; points that would pass a server's share of the time limit are
+    skipped (the measured ones first), every server stopped, the run within
+    its limit."""
+    monkeypatch.setenv("FAKE_FAIL_MODE", "auto")
+    out = fake_vllm / "out"
+    limit = 16
+    t0 = time.time()
+    assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "0",
+                       "--concurrency", *map(str, range(1, 13)), "--stop-timeout", "4",
+                       "--time-limit", str(limit)]) == 0
+    assert time.time() - t0 < limit + 4
+    got = _strict(out / "serve.json")
+    assert "exited with 1" in got["servers"]["plugin"]["failed"]
+    assert got["servers"]["plugin"]["health"]["serving"]["by_process"] == {
+        "APIServer": {"error": 1, "traceback": 0}}
+    measured = ["client" in p["runs"]["stock"] for p in got["points"]]
+    assert 0 < sum(measured) < len(measured) and measured == sorted(measured, reverse=True)
+    assert all(p["runs"]["stock"].get("skipped") == "time limit"
+               for p, m in zip(got["points"], measured) if not m)
+    assert got["servers"]["stock"]["stop"]["how"] == "SIGTERM"
+
+
+def test_the_device_script_runs_a_preset_from_an_installed_tree(tmp_path):
+    """benchmarks/serve_device.sh on an unpacked tree (the stand-in vLLM in
+    its site folder): the plugin's entry point declared, the run inside the
+    time limit, results and the table under $OUT/serve."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    target = tmp_path / "offline"
+    pkg = target / "site" / "vllm" / "entrypoints" / "cli"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "main.py").write_text(open(os.path.join(here, "fake_vllm_cli.py")).read())
+    (target / "site" / ".complete").write_text("")
+    (target / "parts").mkdir()
+    (target / "parts" / "MANIFEST").write_text("")
+    out = tmp_path / "out"
+    env = dict(os.environ, OFFLINE_GPU=str(target), OUT=str(out), TIME_LIMIT="120",
+               STOP_MARGIN="5", FAKE_LOG_EVERY_S="0.3", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(["bash", "benchmarks/serve_device.sh", "-", *_SMALL[:-2], "--rates",
+                           "--identity", "4"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=200)
+    assert done.returncode == 0, done.stderr
+    assert "serve.py rc=0" in done.stdout and "| L40-c4 | plugin |" in done.stdout
+    got = _strict(out / "serve" / "serve.json")
+    assert got["args"]["time_limit"] <= 120 - 5
+    assert got["servers"]["stock"]["dropped_env"] == []  # the script unset it already
+    assert got["points"][1]["runs"]["plugin"]["paths"]["steps"]["varlen"] == 2 * 4
+    assert (out / "serve" / "table.txt").read_text().startswith("| point |")
+    entry = (target / "site" / "vllm_dsa_varlen-0.0.0.dist-info" / "entry_points.txt").read_text()
+    assert "vllm.general_plugins" in entry
