@@ -29,12 +29,11 @@ same run), useful vs padded rows, and the plan's host µs per step.  Without a
 GPU it runs tiny shapes through the reference and the Triton interpreter and
 says so.
 
-Four other modes time something else: ``--plan-timing`` the sm_90 kernel's
+Three other modes time something else: ``--plan-timing`` the sm_90 kernel's
 per-step schedule (:mod:`.schedule`), ``--launch-host`` the host time of
 eager calls, ``--fake`` without a GPU (:mod:`.launch`), ``--builds``
 the CUDA kernel's builds in one process, beside DeepGEMM and vLLM's top-k
-(:mod:`.builds`), ``--stamps`` where the CUDA kernel's time goes per
-CTA (:mod:`.stamps`).
+(:mod:`.builds`).
 """
 
 from __future__ import annotations
@@ -491,7 +490,7 @@ def main(argv=None):
     parser.add_argument("--json", help="write results here")
     parser.add_argument("--trace", help="write a Chrome trace (torch.profiler, NVTX ranges) here")
     parser.add_argument("--cases", nargs="*", help="substrings of case names to run "
-                        "(--plan-timing, --builds, --stamps: requests,tokens,context each, "
+                        "(--plan-timing, --builds: requests,tokens,context each, "
                         "tokens -n for 1..n)")
     parser.add_argument("--variants", help="Triton kernel parameter sets, e.g. "
                         "'rows_per_dot=2,pages_per_split=8;rows_per_dot=4,num_warps=8'")
@@ -528,11 +527,6 @@ def main(argv=None):
     mode.add_argument("--launch-host", action="store_true",
                       help="time the host side of eager calls instead, against graph replay "
                       "(vllm_dsa_varlen.bench.launch); without a GPU, --fake")
-    mode.add_argument("--stamps", nargs="*", metavar="BUILD",
-                      help="where the sm_90 CUDA kernel's time goes per CTA instead, from its "
-                      "STAMPS=1 build's timestamps (vllm_dsa_varlen.bench.stamps): launch skew, "
-                      "prologue, first page, math, tail; of each BUILD as --builds names them "
-                      "(none: the default build); needs a GPU")
     mode.add_argument("--builds", nargs="+", metavar="BUILD",
                       help="time the sm_90 CUDA kernel's builds side by side instead, in one "
                       "process (vllm_dsa_varlen.bench.builds): 'default', 'MACRO=v+MACRO=v', "
@@ -631,9 +625,6 @@ def main(argv=None):
     if args.launch_host:
         from . import launch
         return launch.run(args)
-    if args.stamps is not None:
-        from . import stamps
-        return stamps.run(args)
     if args.builds:
         from . import builds
         if args.layers is None:
