@@ -528,9 +528,10 @@ def main(argv=None):
                       help="time the host side of eager calls instead, against graph replay "
                       "(vllm_dsa_varlen.bench.launch); without a GPU, --fake")
     mode.add_argument("--builds", nargs="+", metavar="BUILD",
-                      help="time the sm_90 CUDA kernel's builds side by side instead, in one "
-                      "process (vllm_dsa_varlen.bench.builds): 'default', 'MACRO=v+MACRO=v', "
-                      "optionally '@c0,c1' for the plan's cost model; needs a GPU")
+                      help="time the sm_90 CUDA kernel's shipped builds side by side instead, "
+                      "in one process (vllm_dsa_varlen.bench.builds): 'default' or "
+                      "'MACRO=v+MACRO=v' as the settings select them, e.g. HEAD_SUM_TC=1, "
+                      "NUM_MATH=3+DUAL_ACC=4, PDL=1; needs a GPU")
     parser.add_argument("--rounds", type=int, default=None,
                         help="--plan-timing, --builds: timed rounds, interleaved (default 5; "
                         "--builds: one whole cycle of the balanced order per case, 1 with "
@@ -567,7 +568,8 @@ def main(argv=None):
                         help="--builds --topk-lib: indexer layers per decode step (default 61)")
     parser.add_argument("--topk-builds", nargs="+", default=None,
                         help="--builds --topk-lib: builds of this project's top-k kernel "
-                        "timed beside vLLM's (default: default; MACRO=v: cuda/decode_topk.cu)")
+                        "timed beside vLLM's (default: default, the launch plan's; "
+                        "MACRO=v+...: one of ops.cuda_topk.plan_builds(); +bound=N|step)")
     parser.add_argument("--topk-width", type=int, default=None,
                         help="--builds --topk-lib: the top-k calls read logits of this many "
                         "columns (the step's in the first; the rest -inf) and vLLM's gets it as "

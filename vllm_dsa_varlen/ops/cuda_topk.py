@@ -328,15 +328,21 @@ def _values(defines: tuple) -> tuple[int, int, bool, int]:
     return split_of(defines), threads_of(defines), listed(defines), minb_of(defines)
 
 
+def is_planned(defines: tuple) -> bool:
+    """Whether ``defines`` make one of :func:`plan_builds` (absent macros at
+    their defaults): the only builds the source compiles."""
+    known = all(d.partition("=")[0] in ("SPLIT", "THREADS", "LIST", "MINB") for d in defines)
+    return known and _values(tuple(defines)) in {_values(b) for b in plan_builds()}
+
+
 @functools.lru_cache(maxsize=None)
 def _facts(defines: tuple) -> tuple[int, int, bool]:
     """A build's CTAs per row, threads per CTA and candidate list, checked
-    (once per build): one of :func:`plan_builds`, the only builds the source
-    compiles."""
-    got = _values(defines)
-    if got not in {_values(b) for b in plan_builds()}:
+    (once per build): ``ValueError`` naming ``defines`` unless
+    :func:`is_planned`."""
+    if not is_planned(defines):
         _fail("defines", f"one of plan_builds() {plan_builds()}", defines)
-    return got[:3]
+    return _values(defines)[:3]
 
 
 class _Call:
