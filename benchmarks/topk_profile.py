@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     if args.reps < 1:
         parser.error(f"--reps: expected >= 1, got {args.reps}")
     try:
-        builds = {build: topk_build(build) for build in args.builds}
+        builds = {build: topk_build(build, "--builds") for build in args.builds}
         cases = [parse_case(case) for case in args.cases]
     except ValueError as exc:
         parser.error(str(exc))

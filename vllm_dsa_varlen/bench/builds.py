@@ -318,27 +318,27 @@ def load_topk(torch, lib):
     return torch.ops._C
 
 
-def topk_build(text: str) -> tuple[tuple, int | str | None]:
+def topk_build(text: str, flag: str = "--topk-builds") -> tuple[tuple, int | str | None]:
     """A ``--topk-builds`` entry -> (the kernel's ``-D`` macros, a host bound
     on the lengths or ``None``): ``"default"`` is the launch plan's build,
     ``"THREADS=512+LIST=0+MINB=4+SPLIT=1+bound=8192"`` a planned build and
     ``bound`` (which sizes the plan and the stage, as vLLM's ``max_seq_len``
     does in serving); ``bound=step``: the step's longest row (``"step"``).
-    ``ValueError`` naming ``--topk-builds`` for a build
-    :func:`.ops.cuda_topk.plan_builds` does not list."""
+    ``ValueError`` naming ``flag`` for a build :func:`.ops.cuda_topk.plan_builds`
+    does not list."""
     from ..ops import cuda_topk as ct
 
     given = _macros(text)
     bound = [d.split("=", 1)[1] for d in given if d.startswith("bound=")]
     if len(bound) > 1:
-        raise ValueError(f"--topk-builds {text!r}: one bound=N at most")
+        raise ValueError(f"{flag} {text!r}: one bound=N at most")
     defines = tuple(d for d in given if not d.startswith("bound="))
     if defines and not ct.is_planned(defines):
         names = ", ".join("+".join(b) for b in ct.plan_builds())
-        raise ValueError(f"--topk-builds {text!r}: not a build the top-k plans; one of: "
+        raise ValueError(f"{flag} {text!r}: not a build the top-k plans; one of: "
                          f"{names} (or default)")
     if bound and bound[0] != "step" and not (bound[0].isdigit() and int(bound[0]) >= 1):
-        raise ValueError(f"--topk-builds {text!r}: bound=N takes an int >= 1 or 'step'")
+        raise ValueError(f"{flag} {text!r}: bound=N takes an int >= 1 or 'step'")
     return defines, (bound[0] if bound[0] == "step" else int(bound[0])) if bound else None
 
 
