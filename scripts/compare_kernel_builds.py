@@ -36,7 +36,7 @@ _TOKEN = re.compile(r"""
   | <<=|>>=|->|\+\+|--|<<|>>|<=|>=|==|!=|&&|\|\||::|[-+*/%&|^!=<>]=
   | \S                           # any other punctuator
 """, re.VERBOSE)
-_INT = re.compile(r"\d+[uUlL]*$")
+_INT = re.compile(r"(?:0[xX][0-9a-fA-F]+|\d+)[uUlL]*$")
 _OPERATORS = {"(", ")", "+", "-", "*", "/", "%", "<<", ">>", "<", ">", "<=", ">=", "==", "!=",
               "&", "^", "|", "&&", "||", "!", "~", "?", ":"}
 
@@ -109,7 +109,9 @@ def _value(group: list[str]) -> int:
             take(")")
             return got
         if _INT.match(t):
-            return int(re.sub(r"[uUlL]+$", "", t), 0 if t.startswith("0x") else 10)
+            digits = re.sub(r"[uUlL]+$", "", t)
+            base = 16 if digits[:2] in ("0x", "0X") else 8 if digits[:1] == "0" else 10
+            return int(digits, base)
         raise ValueError(f"not a constant: {t!r}")
 
     got = conditional()
@@ -208,10 +210,12 @@ def _decide(inner: list[str]) -> list[str] | None:
 
 def _no_empty_statements(toks: list[str]) -> list[str]:
     """``toks`` without empty statements: a ``;`` right after ``;``, ``{`` or
-    ``}`` (what a macro that expands to nothing leaves)."""
+    ``}`` outside parentheses (what a macro that expands to nothing leaves)."""
     out: list[str] = []
+    depth = 0  # inside parentheses (a for loop's header) a ';' is no statement
     for t in toks:
-        if t == ";" and out and out[-1] in (";", "{", "}"):
+        depth += (t == "(") - (t == ")")
+        if t == ";" and depth == 0 and out and out[-1] in (";", "{", "}"):
             continue
         out.append(t)
     return out
@@ -270,7 +274,7 @@ def main(argv=None) -> int:
             old, new = preprocess(old_path, defines), preprocess(new_path, defines)
             hunks = [op for op in difflib.SequenceMatcher(None, old, new, autojunk=False)
                      .get_opcodes() if op[0] != "equal"]
-            row = f"{name:24} {'+'.join(defines) or 'default':44} tokens " + (
+            row = f"{name:24} {'+'.join(defines) or 'default':56} tokens " + (
                 "identical" if not hunks else f"{len(hunks)} differences")
             same = not hunks
             if compile_source is not None:
