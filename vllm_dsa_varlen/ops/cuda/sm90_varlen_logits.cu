@@ -17,11 +17,12 @@
 // rows (first row, rows, KV length, first item, items, block-table row), the
 // CTA's first segment and item range.
 //
-// Builds (cuda_paged_mqa_logits.defines_for; every one writes the default
-// build's bits):
+// Builds (cuda_paged_mqa_logits.defines_for; all but HEAD_SUM_TC write the
+// default build's bits):
 //   HEADS=32              32 query heads: a row group is four rows
-//   EVICT_FIRST=1         page loads with an L2 evict-first hint
-//   HEAD_SUM_TC=1         the head sum on the tensor cores (group_logit_tc)
+//   EVICT_FIRST=1         page loads with an L2 evict-first hint (a request's
+//                         rows within one row group)
+//   HEAD_SUM_TC=1         the head sum on the tensor cores in TF32 (group_logit_tc)
 //   NUM_MATH=3 DUAL_ACC=4 the pipelined build: three math warpgroups with two
 //                         accumulators each, a QK chain under the previous
 //                         unit's head sum (pipe_block); 64 heads, fp32 sum
