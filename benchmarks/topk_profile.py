@@ -4,7 +4,8 @@
 step's logits come from the project's sm_90 kernel on random queries and
 KV (the value distribution the benchmark times), then each build of
 ``cuda/decode_topk.cu`` (``default``: the launch plan's for the shape;
-``MACRO=v+...``, e.g. ``SPLIT=2+MINB=1``) runs ``--reps`` times, in the
+``MACRO=v+...``, one of ``cuda_topk.plan_builds()``, e.g. ``SPLIT=2+MINB=1``;
+``+bound=N``: a host bound on the lengths) runs ``--reps`` times, in the
 order given, after one untimed launch per build (its NVRTC build and load).  Prints each build's
 median time from CUDA events (no L2 flush: the profiler's own figures are
 the point).  Run under Nsight Compute, e.g.
@@ -23,7 +24,7 @@ import statistics
 def main(argv=None) -> int:
     import torch
 
-    from vllm_dsa_varlen.bench.builds import parse_variant
+    from vllm_dsa_varlen.bench.builds import topk_build
     from vllm_dsa_varlen.bench.schedule import parse_case
     from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
     from vllm_dsa_varlen.ops.cuda_topk import decode_topk
@@ -37,9 +38,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps: expected >= 1, got {args.reps}")
+    try:
+        builds = {build: topk_build(build, "--builds") for build in args.builds}
+        cases = [parse_case(case) for case in args.cases]
+    except ValueError as exc:
+        parser.error(str(exc))
     steps = []
-    for case in args.cases:
-        reqs, tokens, context = parse_case(case)
+    for case, (reqs, tokens, context) in zip(args.cases, cases):
         step = random_decode_step(reqs, abs(tokens), context, variable=tokens < 0, seed=0,
                                   device="cuda")
         rows = step.rows
@@ -49,20 +54,24 @@ def main(argv=None) -> int:
                   step.max_context_len, logits)
         steps.append((case, logits, ctx))
     out = {}
+    def call(case, logits, ctx, build):  # "default": the launch plan's build
+        defines, bound = builds[build]
+        bound = int(ctx.max()) if bound == "step" else bound
+        decode_topk(logits, ctx, args.k, out=out[case], defines=defines or None, bound=bound)
+
     for case, logits, ctx in steps:  # one load launch per build, before any timed one
         for build in args.builds:
             out[case] = torch.empty(logits.shape[0], args.k, dtype=torch.int32, device="cuda")
-            decode_topk(logits, ctx, args.k, out=out[case], defines=parse_variant(build)[0] or None)
+            call(case, logits, ctx, build)
     torch.cuda.synchronize()
     for case, logits, ctx in steps:
         for build in args.builds:
-            defines = parse_variant(build)[0] or None  # default: the launch plan's build
             times = []
             for _ in range(args.reps):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                     enable_timing=True)
                 start.record()
-                decode_topk(logits, ctx, args.k, out=out[case], defines=defines)
+                call(case, logits, ctx, build)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) * 1e3)

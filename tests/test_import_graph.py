@@ -107,7 +107,9 @@ def test_no_import_circle_in_the_package():
     graph = import_graph()
     assert len(graph) > 20
     cycle = find_cycle(graph)
-    assert cycle is None, "import circle: " + " -> ".join(cycle)
+    assert cycle is None, ("import circle: " + " -> ".join(cycle) + ".  Move what both sides "
+                           "need into a module below them, or import the higher one inside the "
+                           "function that needs it (and say why).")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -132,7 +134,69 @@ def test_nothing_the_plugin_serves_with_imports_the_benchmark():
     assert bench in graph and f"{bench}.logits" in graph
     for mod, deps in graph.items():
         if mod != bench and not mod.startswith(bench + "."):
-            assert not {d for d in deps if d == bench or d.startswith(bench + ".")}, mod
+            assert not {d for d in deps if d == bench or d.startswith(bench + ".")}, (
+                f"{mod} imports the benchmark (vllm_dsa_varlen.bench): the plugin sits below "
+                "it; move what both use into the plugin (e.g. ops/ or plan.py)")
+
+
+def _outside_modules() -> set[str]:
+    """Names a module could import from the project's folders outside the
+    package (benchmarks/, scripts/, tests/, on ``sys.path`` when run there)."""
+    names = {"benchmarks", "scripts", "tests"}
+    for top in ("benchmarks", "scripts", "tests"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            names |= {n[:-3] for n in files if n.endswith(".py")}
+            names.add(os.path.basename(folder))
+    return names - {"__init__"}
+
+
+def outside_imports(files: list[str], outside: set[str], no_path: set[str] = frozenset()
+                    ) -> list[str]:
+    """Each import in ``files`` of a module named in ``outside`` (top-level
+    names), and each use of ``sys.path`` in ``no_path``, as ``file:line what``."""
+    found = []
+    for path in files:
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        where = os.path.relpath(path, ROOT)
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            found += [f"{where}:{node.lineno} import {n}" for n in names
+                      if n.split(".")[0] in outside]
+            if (path in no_path and isinstance(node, ast.Attribute) and node.attr == "path"
+                    and isinstance(node.value, ast.Name) and node.value.id == "sys"):
+                found.append(f"{where}:{node.lineno} sys.path")
+    return found
+
+
+def test_the_package_imports_nothing_from_outside_it():
+    """benchmarks/, scripts/ and tests/ sit above the package: it imports none
+    of their modules, and the plugin (all but the benchmark, whose
+    ``--launch-host --base`` imports another revision's ``ops``) never edits
+    ``sys.path``."""
+    mods = _modules()
+    files = list(mods.values())
+    plugin = {p for m, p in mods.items() if not m.startswith(f"{PACKAGE}.bench")}
+    outside = _outside_modules()
+    assert {"summarize", "e2e_decode", "conftest", "logits_checks"} <= outside
+    found = outside_imports(files, outside, plugin)
+    assert found == [], ("the package reaches outside itself: " + "; ".join(found) + ".  Move "
+                         "what it needs into the package; benchmarks/, scripts/ and tests/ may "
+                         "import the package, never the reverse.")
+
+
+def test_an_import_from_outside_is_found(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os, sys\nsys.path.insert(0, 'benchmarks')\n"
+                   "def f():\n    import summarize\n    from logits_checks import POISON\n"
+                   "    from .ops import launcher\n")
+    where = os.path.relpath(bad, ROOT)
+    assert sorted(outside_imports([str(bad)], _outside_modules(), {str(bad)})) == [
+        f"{where}:2 sys.path", f"{where}:4 import summarize", f"{where}:5 import logits_checks"]
 
 
 def _top_level_names(path: str) -> set[str]:

@@ -11,11 +11,26 @@ from vllm_dsa_varlen.bench import logits as bench
 from vllm_dsa_varlen.bench import builds as variants
 
 
-def test_variant_syntax():
-    assert variants.parse_variant("default") == ((), None)
-    assert variants.parse_variant("default@1,0") == ((), (1, 0))
-    assert variants.parse_variant("MATH_REGS=112+PRODUCER_REGS=24@5,2") == (
-        ("MATH_REGS=112", "PRODUCER_REGS=24"), (5, 2))
+def test_a_build_is_one_the_kernel_ships_in_any_order():
+    """parse_build: ``default`` and the shipped builds' macros (in any order,
+    at the run's head count) -> their macros; anything else -> ValueError
+    naming --builds and listing the shipped ones."""
+    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+
+    assert variants.parse_build("default") == ()
+    for heads in ck.LAUNCHER_HEADS:
+        shipped = variants.shipped_at(heads)
+        assert shipped and all("HEADS=32" not in b for b in shipped)
+        for build in shipped:
+            text = "+".join(reversed(build)) or "default"
+            assert set(variants.parse_build(text, heads)) == set(build)
+    assert "+".join(ck.PIPELINE) in ["+".join(b) for b in variants.shipped_at(64)]
+    for bad, heads in [("STAGES=4", 64), ("MATH_REGS=112+PRODUCER_REGS=24", 64),
+                       ("NUM_MATH=3", 64), ("NUM_MATH=3+DUAL_ACC=4", 32), ("HEADS=32", 64),
+                       ("EVICT_FIRST=1+EVICT_FIRST=1", 64), ("default@1,0", 64),
+                       ("RUN_ROWS=2", 64), ("EVICT_FIRST=2", 64)]:
+        with pytest.raises(ValueError, match="--builds.*one of: default"):
+            variants.parse_build(bad, heads)
 
 
 def _times(**kw):
@@ -195,101 +210,29 @@ def test_case_rounds_default_to_one_whole_balanced_cycle(paths):
 def test_topk_build_splits_macros_from_the_bound():
     assert variants.topk_build("default") == ((), None)
     assert variants.topk_build("SPLIT=2+MINB=1") == (("SPLIT=2", "MINB=1"), None)
-    assert variants.topk_build("THREADS=512+bound=8192+LIST=0") == (("THREADS=512", "LIST=0"),
-                                                                    8192)
+    assert variants.topk_build("SPLIT=1+THREADS=512+bound=8192+LIST=0+MINB=4") == (
+        ("SPLIT=1", "THREADS=512", "LIST=0", "MINB=4"), 8192)
     assert variants.topk_build("bound=100") == ((), 100)
     assert variants.topk_build("bound=step") == ((), "step")
     with pytest.raises(ValueError, match="one bound=N"):
         variants.topk_build("bound=1+bound=2")
+    for bad in ("bound=0", "bound=x", "bound=-3"):
+        with pytest.raises(ValueError, match="bound=N takes"):
+            variants.topk_build(bad)
 
 
-def test_run_rows_is_the_benchs_and_leaves_the_kernels_macros():
-    assert variants.run_rows_of(("EVICT_FIRST=1", "RUN_ROWS=2")) == (("EVICT_FIRST=1",), 2)
-    assert variants.run_rows_of(("HALF_MMA=0",)) == (("HALF_MMA=0",), None)
-    with pytest.raises(ValueError, match="RUN_ROWS"):
-        variants.run_rows_of(("RUN_ROWS=0",))
-    assert variants.bench_value(("CUT_ITEMS=0", "HALF_MMA=0"), "CUT_ITEMS", 0) == (
-        ("HALF_MMA=0",), 0)
-    with pytest.raises(ValueError, match="CUT_ITEMS"):
-        variants.bench_value(("CUT_ITEMS=-1",), "CUT_ITEMS", 0)
+def test_topk_builds_are_the_planned_ones():
+    """--topk-builds: each of cuda_topk.plan_builds (absent macros at their
+    defaults); the A/B builds the source no longer compiles are refused,
+    naming the flag."""
+    from vllm_dsa_varlen.ops import cuda_topk as ct
 
-
-@pytest.mark.parametrize("seed", range(20))
-def test_runs_of_at_most_cut_each_run_into_the_fewest_runs_of_n_rows(seed):
-    """Every new run lies inside one old run, holds at most n rows, and an old
-    run of L rows becomes ceil(L / n) runs, all full but its last; ids count
-    up from 0 (checked row by row against a plain loop)."""
-    torch = pytest.importorskip("torch")
-    rng = random.Random(seed)
-    n = rng.choice([1, 2, 3, 4])
-    lens = [rng.randint(1, 9) for _ in range(rng.randint(1, 30))]
-    rid, last = [], -1
-    for length in lens:  # ids need only differ between neighbouring runs
-        last += rng.randint(1, 3)
-        rid += [last] * length
-    got = variants.runs_of_at_most(torch.tensor(rid, dtype=torch.int32), n)
-    assert got.dtype == torch.int32
-    want, new, prev, pos = [], -1, None, 0
-    for r in rid:
-        pos = pos + 1 if r == prev else 0
-        if pos % n == 0:
-            new += 1
-        want.append(new)
-        prev = r
-    assert got.tolist() == want
-    counts = collections.Counter(got.tolist())
-    assert max(counts.values()) <= n
-    assert len(counts) == sum(-(-length // n) for length in lens)
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_cut_runs_score_every_row_as_the_requests_runs_do(seed):
-    """The reference logits and the positions a kernel must write are the same
-    with each request cut into runs of at most n rows (what RUN_ROWS times)."""
-    pytest.importorskip("torch")
-    from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, valid_mask
-    from vllm_dsa_varlen.bench.workloads import make_decode_step
-
-    rng = random.Random(seed)
-    reqs = rng.randint(1, 5)
-    step = make_decode_step([rng.randint(1, 4) for _ in range(reqs)],
-                            [rng.randint(5, 300) for _ in range(reqs)], seed=seed, heads=32)
-    rows = step.rows
-    ctx = rows.context_lens.view(-1, 1)
-    cut = variants.runs_of_at_most(rows.indices, rng.choice([1, 2, 3]))
-    args = (step.q, step.kv_cache, step.weights, ctx, rows.block_table, step.max_context_len)
-    want = paged_mqa_logits_ref(*args, indices=rows.indices)
-    got = paged_mqa_logits_ref(*args, indices=cut)
-    mask = valid_mask(ctx, step.max_context_len, rows.indices)
-    assert mask.equal(valid_mask(ctx, step.max_context_len, cut))
-    assert got[mask].equal(want[mask])
-
-
-@pytest.mark.parametrize("plan_kw", [{}, {"cut_items": 10**6}, {"cost": (5, 2, 0)}])
-@pytest.mark.parametrize("run_rows", [None, 1, 2])
-@pytest.mark.parametrize("seed", range(3))
-def test_variant_schedule_plans_the_builds_own_runs(seed, run_rows, plan_kw):
-    """A build's schedule is plan()'s on its run ids (the step's, or cut to
-    RUN_ROWS), with its cost model and cut (here on the CPU: plan_torch)."""
-    torch = pytest.importorskip("torch")
-    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-    from vllm_dsa_varlen.bench.workloads import make_decode_step
-
-    rng = random.Random(seed)
-    reqs = rng.randint(1, 6)
-    step = make_decode_step([4] + [rng.randint(1, 4) for _ in range(reqs)],
-                            [rng.randint(1000, 3000)] + [rng.randint(5, 3000) for _ in range(reqs)],
-                            seed=seed, heads=64)
-    rows = step.rows
-    ids, sched = variants.variant_schedule(step, 64, plan_kw, run_rows)
-    want_ids = rows.indices if run_rows is None else variants.runs_of_at_most(rows.indices,
-                                                                               run_rows)
-    assert ids.equal(want_ids)
-    want = ck.plan_torch(want_ids, rows.context_lens.view(-1, 1), step.max_context_len,
-                         rows.block_table.shape[1], 64, programs=ck.num_sms(ids.device),
-                         **{"cut_items": ck.cut_items_for(64, ck.num_sms(ids.device)),
-                            **plan_kw})
-    assert all(a.equal(b) for a, b in zip(sched, want))
+    for build in ct.plan_builds():
+        assert variants.topk_build("+".join(build)) == (build, None)
+    for bad in ("SPLIT=8+MINB=1", "THREADS=256+LIST=0+MINB=8", "SPLIT=4+LIST=0+MINB=1",
+                "KEY16=1"):
+        with pytest.raises(ValueError, match="--topk-builds.*not a build the top-k plans"):
+            variants.topk_build(bad)
 
 
 def test_graph_replay_refuses_an_unknown_flush():

@@ -18,3 +18,15 @@ def test_reps_below_one_is_refused_by_name(reps, capsys):
         topk_profile.main(["--reps", reps])
     assert "--reps" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--builds", "SPLIT=8+MINB=1"], "--builds 'SPLIT=8+MINB=1': not a build the top-k plans"),
+    (["--builds", "default", "THREADS=256"], "--builds 'THREADS=256'"),
+    (["--cases", "64,4"], "--cases: expected requests,tokens,context"),
+])
+def test_bad_builds_and_cases_are_refused_by_name(argv, message, capsys):
+    """Refused before any GPU work, naming the flag."""
+    with pytest.raises(SystemExit) as exc:
+        topk_profile.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -337,8 +337,8 @@ def _four_warpgroups(hint, head_sum, heads=ck.HEADS) -> tuple:
 def test_pipelined_build_keeps_a_chain_in_flight_under_each_head_sum():
     """SASS of the pipelined build (the launcher's at 64 heads, float32): each
     QK chain is one fence and DIM / 32 = 4 wgmmas (m64n128, or m64n64 for a
-    half group: PIPE_HALF; ptxas did not
-    serialise them: that would fence every wgmma), and the head sums wait
+    half group; ptxas did not serialise them: that would fence every
+    wgmma), and the head sums wait
     with one chain still in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) as
     well as with none; the four-warpgroup build only ever waits for none."""
     def sass(defines):
@@ -415,20 +415,6 @@ def test_half_mma_build_runs_a_partial_groups_qk_over_its_present_rows(heads, he
     assert half["HMMA.1688.F32.TF32"] == base["HMMA.1688.F32.TF32"]
     if heads == 64:
         assert half["FMNMX"] == base["FMNMX"] and half["FFMA"] == base["FFMA"]
-
-
-@pytest.mark.skipif(NVRTC is not None or CUOBJDUMP is None,
-                    reason=f"needs NVRTC and cuobjdump (NVRTC: {NVRTC})")
-def test_desc_step_build_steps_descriptors_with_fewer_uniform_instructions():
-    """SASS of DESC_STEP=1 (a chain's descriptors stepped from its first)
-    against descriptors built from each address, both without HALF_MMA (whose
-    default takes DESC_STEP): fewer uniform-datapath instructions, the same
-    wgmmas."""
-    step = _sass_ops(("HALF_MMA=0", "DESC_STEP=1"))
-    base = _sass_ops(("HALF_MMA=0",))
-    uniform = lambda ops: sum(n for op, n in ops.items() if op.startswith("U"))  # noqa: E731
-    assert uniform(step) < uniform(base)
-    assert step["QGMMA.64x128x32.F32.E4M3.E4M3"] == base["QGMMA.64x128x32.F32.E4M3.E4M3"]
 
 
 def test_cpu_tensors_are_refused_and_named_kernels_checked():
@@ -1170,72 +1156,46 @@ def test_launch_from_a_thread_that_made_no_cuda_call():
     check_poisoned(step, out)
 
 
-# ------------------------------------------------ the A/B builds (same arithmetic)
+# ------------------------------------------- the shipped builds (same arithmetic)
 
-# a ring's first fill all at once (RAMP=0), or its first page before the rest in
-# every CTA (RAMP=1, 2; the default RAMP=3 ramps only in CTAs of <= 96 items: the
-# GPU test's last step has ~117 per CTA); 2 or 4 pages in flight
-# per ring; 3 math warpgroups (152 registers), with the chunk's weights held in
-# registers (64 heads), with 4 pages per ring (the default's 12 pages in flight);
-# a row group with absent rows running its full m64n128 wgmma (HALF_MMA=0, the
-# default before), with its chain's descriptors built from addresses or stepped
-# from its first (the same descriptors); the evict-first build the launcher
-# takes for short hints (only the page loads' L2 policy differs); 3 math
-# warpgroups with the two-deep pipeline over a chunk's (page, row group) units
-# (the launcher's build at 64 heads), with and without the evict-first hint,
-# with a half group's full m64n128 chain, in blocks of 2 or 1 pages (64 heads;
-# the same products summed in the same order)
-AB_BUILDS = (("EVICT_FIRST=1",), ("RAMP=0",), ("RAMP=1",), ("RAMP=2",), ("STAGES=2",),
-             ("STAGES=4",), ("NUM_MATH=3",), ("NUM_MATH=3", "WEIGHTS_REG=1"),
-             ("NUM_MATH=3", "WEIGHTS_REG=1", "STAGES=4"), ("HALF_MMA=0",),
-             ("HALF_MMA=0", "DESC_STEP=1"), ("NUM_MATH=3", "DUAL_ACC=4"),
-             ("NUM_MATH=3", "DUAL_ACC=4", "EVICT_FIRST=1"), ("NUM_MATH=3", "DUAL_ACC=4", "PIPE_HALF=0"),
-             ("NUM_MATH=3", "DUAL_ACC=2", "PIPE_HALF=0"), ("NUM_MATH=3", "DUAL_ACC=1", "PIPE_HALF=0"))
-HEADS_64_ONLY = ("WEIGHTS_REG=1", "DUAL_ACC=1", "DUAL_ACC=2", "DUAL_ACC=4")
+def _same_arithmetic_builds(heads):
+    """The shipped builds at ``heads`` other than the default that sum in
+    float32 as it does: evict-first, the pipelined build, PDL, HALF_MMA=0."""
+    default = () if heads == ck.HEADS else (f"HEADS={heads}",)
+    return [b for b in ck.shipped_builds() if ("HEADS=32" in b) == (heads == 32)
+            and "HEAD_SUM_TC=1" not in b and b != default]
 
 
-def _ab_builds(heads):
-    return [d for d in AB_BUILDS if heads == 64 or not set(d) & set(HEADS_64_ONLY)]
+def test_the_shipped_builds_are_the_launchers():
+    """shipped_builds: every build defines_for names at either head count for
+    any hint, launch size and setting (HEADS=32 added), and the HALF_MMA=0
+    twin of each four-warpgroup one; nothing else, no duplicates."""
+    want = set()
+    for heads in ck.LAUNCHER_HEADS:
+        for hint in range(1, 12):
+            for head_sum in ck.HEAD_SUMS:
+                for rows in (1, 8, ck.PIPELINE_MIN_ROWS - 1, ck.PIPELINE_MIN_ROWS, 4096):
+                    for pipeline in (False, True):
+                        for pdl in (False, True):
+                            want.add(ck.defines_for(hint, head_sum, heads, rows, pipeline, pdl)
+                                     + (() if heads == ck.HEADS else (f"HEADS={heads}",)))
+    want |= {b + ("HALF_MMA=0",) for b in want if ck.math_warpgroups(b) == ck.MATH}
+    got = ck.shipped_builds()
+    assert len(got) == len(set(got)) and set(got) == want
 
 
-@pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC: {NVRTC}")
-@pytest.mark.parametrize("heads", ck.HEAD_COUNTS)
-@pytest.mark.parametrize("defines", AB_BUILDS, ids="+".join)
-def test_ab_builds_compile_without_spills(defines, heads):
-    """The A/B builds: no spills, no wgmma serialization, a binary of their
-    own, shared memory that fits; a 64-head-only build refuses 32 heads at
-    compile time, naming itself."""
-    extra = () if heads == ck.HEADS else (f"-DHEADS={heads}",)
-    flags = tuple(f"-D{d}" for d in defines)
-    if defines not in _ab_builds(heads):
-        name = next(d for d in defines if d in HEADS_64_ONLY).partition("=")[0]
-        with pytest.raises(RuntimeError, match=f"{name} is a build of "):
-            ck.compile_cubin(extra=(*flags, *extra))
-        return
-    built, log = ck.compile_cubin(extra=("--ptxas-options=-v", *flags, *extra))
-    plain, _ = ck.compile_cubin(extra=extra)
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
-    assert "serializ" not in log.lower(), log
-    assert built != plain
-    assert ck.smem_bytes(defines) <= 227 * 1024
-
-
-def test_the_stages_define_resizes_the_hosts_shared_memory():
-    """smem_bytes follows STAGES=n by a ring slot (a page and its scales) and
-    two mbarriers per math warpgroup per stage; the default is SMEM_BYTES."""
-    slot = ck.PAGE * ck.DIM + ck.PAGE * 4 + 2 * 8
-    assert ck.smem_bytes(("STAGES=3",)) == ck.SMEM_BYTES == ck.smem_bytes(("RAMP=1",))
-    for n in (2, 4):
-        assert ck.smem_bytes((f"STAGES={n}",)) - ck.SMEM_BYTES == (n - ck.STAGES) * ck.MATH * slot
-    assert (ck.smem_bytes(("STAGES=4", "HEAD_SUM_TC=1"))
-            == ck.smem_bytes(("STAGES=4",)) + ck.HEAD_SUM_TC_BYTES)
-    # NUM_MATH=3: one ring (STAGES slots, their scales and mbarriers) fewer, 128 threads fewer
-    ring = ck.STAGES * slot
-    assert ck.smem_bytes(("NUM_MATH=3",)) == ck.SMEM_BYTES - ring
-    assert ck.smem_bytes(("NUM_MATH=3", "STAGES=4")) == ck.smem_bytes(("STAGES=4",)) - 4 * slot
-    assert ck.threads() == ck.THREADS == 640 and ck.threads(("NUM_MATH=3",)) == 512
-    assert (ck.smem_bytes(("NUM_MATH=3", "HEAD_SUM_TC=1"))
-            == ck.smem_bytes(("NUM_MATH=3",)) + ck.HEAD_SUM_TC_BYTES * 3 // 4)
+def test_shared_memory_follows_the_builds_rings():
+    """smem_bytes: a ring per math warpgroup (STAGES slots of a page and its
+    scales, two mbarriers each), so the pipelined build's three take one ring
+    fewer; the tensor-core head sum adds its weight fragments; every shipped
+    build fits sm_90's 227 KB and its threads are a producer and its math
+    warpgroups."""
+    ring = ck.STAGES * (ck.PAGE * ck.DIM + ck.PAGE * 4 + 2 * 8)
+    assert ck.SMEM_BYTES - ck.smem_bytes(ck.PIPELINE) == ring
+    assert ck.smem_bytes(("HEAD_SUM_TC=1",)) - ck.SMEM_BYTES == ck.HEAD_SUM_TC_BYTES
+    assert ck.threads() == ck.THREADS == 640 and ck.threads(ck.PIPELINE) == 512
+    for build in ck.shipped_builds():
+        assert ck.smem_bytes(build) <= 227 * 1024, build
 
 
 @pytest.mark.gpu
@@ -1243,13 +1203,13 @@ def test_the_stages_define_resizes_the_hosts_shared_memory():
 @pytest.mark.parametrize("heads", ck.HEAD_COUNTS)
 @pytest.mark.parametrize("shape", [(12, 4, 1500, True), (3, 1, 100, False), (40, 3, 9000, True),
                                    (130, 2, 700, False), (33, 4, 30000, False)])
-def test_ab_builds_write_the_default_builds_bits(shape, heads):
-    """RAMP and STAGES change only when pages are asked for, NUM_MATH=3 which
-    warpgroup takes a page and WEIGHTS_REG where the weights are read from (the
-    same products summed in the same order): on steps where rings get no page,
-    one page or many, chunks a half group, and CTAs several segments, each A/B
-    build writes the default build's logits bit for bit, and nothing outside
-    them (poisoned buffers 2 rows and 40 columns larger)."""
+def test_shipped_builds_write_the_default_builds_bits(shape, heads):
+    """The shipped builds that sum in float32 (evict-first, pipelined, PDL,
+    HALF_MMA=0: the same products summed in the same order) on steps where
+    rings get no page, one page or many, chunks a half group, and CTAs
+    several segments: each writes the default build's logits bit for bit,
+    and nothing outside them (poisoned buffers 2 rows and 40 columns
+    larger)."""
     if NVRTC is not None:
         pytest.skip(f"no NVRTC: {NVRTC}")
     reqs, tokens, context, variable = shape
@@ -1259,7 +1219,8 @@ def test_ab_builds_write_the_default_builds_bits(shape, heads):
     ctx = rows.context_lens.view(-1, 1)
     sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1], heads)
     outs = []
-    for defines in [()] + _ab_builds(heads):
+    for defines in [()] + [tuple(d for d in b if d != "HEADS=32")
+                           for b in _same_arithmetic_builds(heads)]:
         out = torch.full((rows.num_rows + 2, step.max_context_len + 40), POISON, device="cuda")
         ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
                   step.max_context_len, out[: rows.num_rows], schedule=sched, defines=defines)

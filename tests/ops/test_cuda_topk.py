@@ -282,10 +282,7 @@ def test_split_and_minb_of_a_build():
     assert ct.minb_of(("SPLIT=1", "MINB=4")) == 4 and ct.minb_of(ct.SHORT_ROWS) == 4
 
 
-# Builds beside the plan's: other thread counts, no candidate list (LIST=0) over clusters.
-OTHER_BUILDS = [("THREADS=512", "LIST=0", "MINB=2"), ("THREADS=256", "LIST=0", "MINB=8"),
-                ("SPLIT=4", "LIST=0", "MINB=1")]
-BUILDS = list(dict.fromkeys(ct.plan_builds() + OTHER_BUILDS))
+BUILDS = ct.plan_builds()  # the only builds the source compiles
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
@@ -298,8 +295,27 @@ def test_nvrtc_builds_every_planned_build_without_spills(build):
     assert report["spills"] == 0 and 0 < report["registers"] <= min(cap, 255), report
 
 
+def test_only_the_planned_builds_are_taken():
+    """decode_topk's ``defines``: one of plan_builds (absent macros at their
+    defaults), else a ValueError naming ``defines`` before anything runs; the
+    source refuses the others at compile time too."""
+    logits, lens = torch.zeros(2, 8), torch.ones(2, dtype=torch.int32)
+    for bad in [("SPLIT=8", "MINB=1"), ("THREADS=256", "LIST=0", "MINB=8"),
+                ("SPLIT=4", "LIST=0", "MINB=1"), ("SPLIT=2", "MINB=2"), ("LIST=0",)]:
+        with pytest.raises(ValueError, match="defines"):
+            ct.decode_topk(logits, lens, 4, defines=bad)
+    for build in ct.plan_builds():  # taken: the check passes, the CPU tensor is refused next
+        with pytest.raises(ValueError, match="logits"):
+            ct.decode_topk(logits, lens, 4, defines=build)
+    with pytest.raises(ValueError, match="logits"):  # MINB=1 and LIST=1 are the defaults
+        ct.decode_topk(logits, lens, 4, defines=("SPLIT=2",))
+    if NVRTC is None:
+        with pytest.raises(RuntimeError, match="not a build cuda_topk.plan_builds names"):
+            ct.compile_cubin(extra=("-DSPLIT=8",))
+
+
 def test_a_build_s_threads_list_and_shared_memory():
-    assert ct.threads_of(()) == ct.THREADS and ct.threads_of(("THREADS=256",)) == 256
+    assert ct.threads_of(()) == ct.THREADS and ct.threads_of(("THREADS=512",)) == 512
     assert ct.listed(()) and ct.listed(("LIST=1",)) and not ct.listed(("LIST=0",))
     for width in (1, 5000, ct.MAX_STAGE, 10**6):
         assert ct.smem_bytes(width, 1, False) == ct.HEADER_BYTES + 4 * ct.stage_for(width, 1, False)
@@ -326,9 +342,9 @@ def _run_poisoned(logits, lens, k, extra_cols=5, defines=(), bound=None):
 @pytest.mark.parametrize("width", [3000, 33000, 60000, 200000])
 @pytest.mark.parametrize("k", [2048, 512, 7])
 def test_kernel_meets_the_contract(build, kind, width, k):
-    """Every build the launch plan takes and the others timed beside them
-    (1-8 CTAs per row, a cluster summing its histograms; candidates listed in
-    CTA 0 or narrowed over the slices; 256-1024 threads), slices staged in shared
+    """Every build the launch plan takes (1, 2 or 4 CTAs per row, a cluster
+    summing its histograms; candidates listed in CTA 0 or narrowed over the
+    slices; 512 or 1024 threads), slices staged in shared
     memory and slices longer than the stage read from global memory in
     every pass (60000 columns over one CTA, 200000 over up to four)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f'{build} {kind} {width} {k}'.encode()))
@@ -342,7 +358,7 @@ def test_kernel_meets_the_contract(build, kind, width, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("offset", [0, 1, 3])
-@pytest.mark.parametrize("build", [None, OTHER_BUILDS[0]], ids=["plan", "+".join(OTHER_BUILDS[0])])
+@pytest.mark.parametrize("build", [None, ct.SHORT_ROWS], ids=["plan", "+".join(ct.SHORT_ROWS)])
 def test_unaligned_rows_and_wide_lengths(offset, build):
     """Rows that start off a 16-byte boundary (odd strides, a sliced start),
     lengths as int64 ``[B, next_n]``, lengths past the width (clamped) and
@@ -400,24 +416,20 @@ def test_first_bin_holding_exactly_the_keys_needed(build, k):
     assert topk_selection_ok(logits, lens, k, got.cpu()) == []
 
 
-SPLITS = (1, 2, 4, 8)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("build", BUILDS, ids="+".join)
 @pytest.mark.parametrize("k", [2048, 6000, 7])
 @pytest.mark.parametrize("offset", [0, 1])
-@pytest.mark.parametrize("lists", [1, 0])
-def test_split_kernel_on_block_rows_unaligned_rows_and_other_k(split, k, offset, lists):
-    """8 CTAs per row too; first bins holding exactly k keys (taken whole),
-    rows off a 16-byte boundary (no bulk copies), k = 6000 (past CAND) and 7."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"split block {split} {k} {offset}".encode()))
+def test_every_build_on_block_rows_unaligned_rows_and_other_k(build, k, offset):
+    """First bins holding exactly k keys (taken whole), rows off a 16-byte
+    boundary (no bulk copies), k = 6000 (past CAND) and 7, in every build."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"split block {build} {k} {offset}".encode()))
     width = 90000  # staged from two CTAs per row up
     base = block_logits(8, width + offset, k, gen)
     logits = base[:, offset:]
     lens = torch.tensor([width] * 3 + [width - 1, 30000, k + 1, 20000, 5], dtype=torch.int32)
-    got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=(f"SPLIT={split}", f"LIST={lists}"))
+    got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=build)
     assert topk_selection_ok(logits, lens, k, got.cpu()) == []
 
 

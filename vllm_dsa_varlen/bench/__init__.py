@@ -11,7 +11,6 @@ Nothing the plugin runs while serving imports this package
   with the driver stubbed, on the CPU);
 * :mod:`.builds` — ``--builds``: the CUDA kernel's builds in one process,
   beside DeepGEMM and vLLM's top-k, per call and per decode step;
-* :mod:`.stamps` — ``--stamps``: where the CUDA kernel's time goes, CTA by CTA;
 * :mod:`.deepgemm` — the DeepGEMM paths (2.8.2, vLLM 0.33's 2.8.1);
 * :mod:`.graph` — timing helpers the modes share (graph replay, L2 flushes,
   the rounds' order);

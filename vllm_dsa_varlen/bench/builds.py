@@ -1,26 +1,22 @@
-"""``vllm-dsa-varlen-bench --builds``: the sm_90 CUDA kernel's builds (``-D``
-macros of ``ops/cuda/sm90_varlen_logits.cu``) and schedule cost models side
-by side, each checked against the torch reference on small steps, then timed
-in one process, rounds interleaved in a balanced order (:func:`round_order`;
-CUDA-graph replay, L2 flushed, the plan made outside the timed call); with ``--deepgemm`` DeepGEMM's flattened,
-native and split paths and its metadata beside them, with ``--topk-lib``
-vLLM's decode top-k and the per-step figures (:func:`per_step`).
+"""``vllm-dsa-varlen-bench --builds``: the sm_90 CUDA kernel's shipped builds
+(``-D`` macros of ``ops/cuda/sm90_varlen_logits.cu`` that the settings
+select) side by side, each checked against the torch reference on small
+steps, then timed in one process, rounds interleaved in a balanced order
+(:func:`round_order`; CUDA-graph replay, L2 flushed, the plan made outside
+the timed call); with ``--deepgemm`` DeepGEMM's flattened, native and split
+paths and its metadata beside them, with ``--topk-lib`` vLLM's decode top-k
+and the per-step figures (:func:`per_step`).
 
-    vllm-dsa-varlen-bench --builds default HEAD_SUM_TC=1 "default@1,0" \
+    vllm-dsa-varlen-bench --builds default HEAD_SUM_TC=1 NUM_MATH=3+DUAL_ACC=4 \
         [--cases 64,4,32768 64,-4,32768 ...] [--rounds 5] [--deepgemm] \
         [--topk-lib <vllm>/_C_stable_libtorch.abi3.so] [--json f]
 
-A build is ``MACRO=v+MACRO=v`` (or ``default``), optionally ``@c0,c1`` for
-the plan's cost model (:data:`.ops.cuda_paged_mqa_logits.COST` otherwise).
-``RUN_ROWS=n`` among the macros is the bench's, not the kernel's: the step's
-runs cut into runs of at most ``n`` rows (:func:`runs_of_at_most`), so each
-CTA item holds one row group and a request's pages are read once per group,
-the layout of DeepGEMM's native kernel (a CTA per row group); ``CUT_ITEMS=n``
-is the plan's ``cut_items`` (the same cut made by the planner on steps of at
-most ``n`` items; ``CUT_ITEMS=0``: never; default: ``plan``'s).
-Cases: ``requests,tokens,context`` (tokens ``-n``: 1..n per request).
-``--heads 32`` runs every check and case at 32 heads (the kernel's HEADS=32
-build, which ``launch`` takes from the queries' shape).
+A build is ``default`` or ``MACRO=v+MACRO=v``, one of
+:func:`.ops.cuda_paged_mqa_logits.shipped_builds` at the run's head count
+(:func:`parse_build`).  Cases: ``requests,tokens,context`` (tokens ``-n``:
+1..n per request).  ``--heads 32`` runs every check and case at 32 heads
+(the kernel's HEADS=32 build, which ``launch`` takes from the queries'
+shape).
 """
 
 from __future__ import annotations
@@ -36,63 +32,33 @@ LEADS = ("copy", "early")  # --lead: the kernel before each logits path (led_cal
 REP_MS = 30  # do_bench repetition time per timed call (ms) unless --rep-ms says otherwise
 
 
-def parse_variant(text: str):
-    """``"A=1+B=2@5,2"`` -> (("A=1", "B=2"), (5, 2)); ``"default"`` -> ((), None)."""
-    body, _, cost = text.partition("@")
-    defines = () if body in ("", "default") else tuple(body.split("+"))
-    return defines, (tuple(int(x) for x in cost.split(",")) if cost else None)
+def _macros(text: str) -> tuple[str, ...]:
+    """``"A=1+B=2"`` -> ``("A=1", "B=2")``; ``"default"`` -> ``()``."""
+    return () if text in ("", "default") else tuple(text.split("+"))
 
 
-# the bench's own macro names (plan settings, not kernel macros): --builds only
-BENCH_ONLY = ("RUN_ROWS", "CUT_ITEMS")
-
-
-def bench_value(defines: tuple, name: str, least: int) -> tuple[tuple, int | None]:
-    """``defines`` without the bench's own ``name=n``, and ``n`` (None: not
-    given); ``n`` below ``least`` is refused."""
-    rest = tuple(d for d in defines if not d.startswith(name + "="))
-    given = [d for d in defines if d.startswith(name + "=")]
-    if not given:
-        return rest, None
-    n = int(given[-1].partition("=")[2])
-    if n < least:
-        raise ValueError(f"{name}: must be >= {least}, got {n}")
-    return rest, n
-
-
-def run_rows_of(defines: tuple) -> tuple[tuple, int | None]:
-    """``defines`` without the bench's ``RUN_ROWS=n``, and ``n`` (None: the
-    step's own runs)."""
-    return bench_value(defines, "RUN_ROWS", 1)
-
-
-def variant_schedule(step, heads: int, plan_kw: dict, run_rows: int | None):
-    """A build's run ids for ``step`` (its runs cut to ``run_rows`` rows, or
-    the step's own) and their schedule (``plan_kw``: the build's cost model
-    and ``cut_items``)."""
+def shipped_at(heads: int) -> list[tuple[str, ...]]:
+    """The logits kernel's shipped builds at ``heads`` heads, as ``--builds``
+    names them (without the ``HEADS=32`` that ``launch`` adds)."""
     from ..ops import cuda_paged_mqa_logits as ck
 
-    rows = step.rows
-    ids = rows.indices if run_rows is None else runs_of_at_most(rows.indices, run_rows)
-    return ids, ck.plan(ids, rows.context_lens.view(-1, 1), step.max_context_len,
-                        rows.block_table.shape[1], heads, **plan_kw)
+    return [tuple(d for d in b if d != "HEADS=32") for b in ck.shipped_builds()
+            if ("HEADS=32" in b) == (heads == 32)]
 
 
-def runs_of_at_most(indices, n: int):
-    """Run ids (int32 ``[R]``, a run = a maximal stretch of equal ids) with
-    every run cut into consecutive runs of at most ``n`` rows, the last the
-    shorter.  Each row keeps its own context length, so the result is the
-    same logits: a run's KV length is its last row's, which covers its rows'
-    (a request's lengths grow along its rows)."""
-    import torch
-
-    i = indices.long()
-    at = torch.arange(i.numel(), device=i.device)
-    starts = torch.ones_like(i, dtype=torch.bool)
-    starts[1:] = i[1:] != i[:-1]
-    run_start = torch.cummax(torch.where(starts, at, torch.zeros_like(at)), 0).values
-    cut = (at - run_start) % n == 0
-    return (torch.cumsum(cut.long(), 0) - 1).to(torch.int32)
+def parse_build(text: str, heads: int = 64) -> tuple[str, ...]:
+    """A ``--builds`` entry -> its macros: ``"default"`` -> ``()``,
+    ``"EVICT_FIRST=1+PDL=1"`` -> ``("EVICT_FIRST=1", "PDL=1")``, in any
+    order; ``ValueError`` naming ``--builds`` unless it is a shipped build at
+    ``heads`` heads (:func:`shipped_at`)."""
+    defines = _macros(text)
+    shipped = shipped_at(heads)
+    if set(defines) not in [set(b) for b in shipped] or len(set(defines)) != len(defines):
+        names = ", ".join(sorted(("+".join(b) or "default" for b in shipped),
+                                 key=lambda n: (n != "default", n)))
+        raise ValueError(f"--builds: {text!r} is not a build this kernel ships at {heads} "
+                         f"heads; one of: {names}")
+    return defines
 
 
 def paired_ratios(times: dict, base: str) -> dict:
@@ -150,28 +116,19 @@ def run(args) -> int:
               "pages": page_order, "flush": flush, "lead": lead,
               "order": "fixed" if args.fixed_order else "balanced",
               "cases": []}
-    variants = {}
-    for v in args.variants:
-        defines, cost = parse_variant(v)
-        defines, run_rows = run_rows_of(defines)
-        defines, cut = bench_value(defines, "CUT_ITEMS", 0)
-        plan_kw = {"cost": cost} if cost else {}
-        if cut is not None:
-            plan_kw["cut_items"] = cut
-        variants[v] = (defines, plan_kw, run_rows)
+    variants = {v: parse_build(v, args.heads) for v in args.variants}
 
     small = [([4, 4, 4, 4], [700, 1500, 64, 2000]), ([3, 1, 2, 4, 3], [10, 3, 130, 999, 64]),
              ([1, 1, 1], [300, 900, 40]), ([7, 5, 6], [5000, 70, 129]), ([4, 3], [2, 3])]
-    for name, (defines, plan_kw, run_rows) in variants.items():
+    for name, defines in variants.items():
         worst = 0.0
         for seed, (lens, seqs) in enumerate(small):
             step = make_decode_step(lens, seqs, seed=seed, device="cuda", heads=args.heads)
             rows = step.rows
             ctx = rows.context_lens.view(-1, 1)
             out = torch.full((rows.num_rows, step.max_context_len), float("nan"), device="cuda")
-            ids, sched = variant_schedule(step, args.heads, plan_kw, run_rows)
-            ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, ids,
-                      step.max_context_len, out, schedule=sched, defines=defines)
+            ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                      step.max_context_len, out, defines=defines)
             ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
                                        step.max_context_len, indices=rows.indices)
             mask = valid_mask(ctx, step.max_context_len, rows.indices)
@@ -192,12 +149,13 @@ def run(args) -> int:
                           torch.ones(1, dtype=torch.bool, device="cuda")])
         pages = int(((rows.context_lens.view(-1)[ends] + 63) // 64).sum())
         out = torch.empty(rows.num_rows, step.max_context_len, device="cuda")
+        sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1],
+                        args.heads)
         calls = {}
-        for name, (defines, plan_kw, run_rows) in variants.items():
-            ids, sched = variant_schedule(step, args.heads, plan_kw, run_rows)
-            calls[name] = lambda s=sched, d=defines, i=ids: ck.launch(
-                step.q, step.kv_cache, step.weights, ctx, rows.block_table, i,
-                step.max_context_len, out, schedule=s, defines=d)
+        for name, defines in variants.items():
+            calls[name] = lambda d=defines: ck.launch(
+                step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                step.max_context_len, out, schedule=sched, defines=d)
         first = next(iter(variants))
         extra = {}
         if dg is not None:
@@ -360,18 +318,28 @@ def load_topk(torch, lib):
     return torch.ops._C
 
 
-def topk_build(text: str) -> tuple[tuple, int | str | None]:
+def topk_build(text: str, flag: str = "--topk-builds") -> tuple[tuple, int | str | None]:
     """A ``--topk-builds`` entry -> (the kernel's ``-D`` macros, a host bound
     on the lengths or ``None``): ``"default"`` is the launch plan's build,
-    ``"THREADS=512+LIST=0+bound=8192"`` a build and ``bound`` (which sizes the
-    plan and the stage, as vLLM's ``max_seq_len`` does in serving);
-    ``bound=step``: the step's longest row (``"step"``)."""
-    defines, _ = parse_variant(text)
-    bound = [d.split("=", 1)[1] for d in defines if d.startswith("bound=")]
+    ``"THREADS=512+LIST=0+MINB=4+SPLIT=1+bound=8192"`` a planned build and
+    ``bound`` (which sizes the plan and the stage, as vLLM's ``max_seq_len``
+    does in serving); ``bound=step``: the step's longest row (``"step"``).
+    ``ValueError`` naming ``flag`` for a build :func:`.ops.cuda_topk.plan_builds`
+    does not list."""
+    from ..ops import cuda_topk as ct
+
+    given = _macros(text)
+    bound = [d.split("=", 1)[1] for d in given if d.startswith("bound=")]
     if len(bound) > 1:
-        raise ValueError(f"--topk-builds {text!r}: one bound=N at most")
-    return (tuple(d for d in defines if not d.startswith("bound=")),
-            (bound[0] if bound[0] == "step" else int(bound[0])) if bound else None)
+        raise ValueError(f"{flag} {text!r}: one bound=N at most")
+    defines = tuple(d for d in given if not d.startswith("bound="))
+    if defines and not ct.is_planned(defines):
+        names = ", ".join("+".join(b) for b in ct.plan_builds())
+        raise ValueError(f"{flag} {text!r}: not a build the top-k plans; one of: "
+                         f"{names} (or default)")
+    if bound and bound[0] != "step" and not (bound[0].isdigit() and int(bound[0]) >= 1):
+        raise ValueError(f"{flag} {text!r}: bound=N takes an int >= 1 or 'step'")
+    return defines, (bound[0] if bound[0] == "step" else int(bound[0])) if bound else None
 
 
 def vllm_topk_op(rows: int, row_stride: int, cooperative_rows: int) -> str:

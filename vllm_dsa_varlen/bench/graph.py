@@ -25,10 +25,9 @@ def capture_graph(torch, fn, copies: int = 1):
 # What the L2 holds when a timed call starts (``--flush``): "zero" Triton's
 # do_bench flush (a 256 MB buffer written: every line dirty); "read" the same
 # buffer read (every line clean), as a decode step leaves it after the GEMMs
-# that read the layer's weights.  On the H200 "read" reproduced the engine's
-# time of this project's kernel at B64 16K 4 tokens (73.8 µs vs 73.7 traced in
-# vLLM 0.33.0's engine) where "zero" read 68.3, and moved DeepGEMM's native
-# kernel the other way (69.8 vs 70.2; the engine 66.1): ratios depend on it.
+# that read the layer's weights.  "read" is the default: it reproduced the
+# kernels' times traced in vLLM's engine, where "zero" moved them apart
+# (BENCHMARKS.md, how it is measured).
 FLUSHES = ("read", "zero")
 FLUSH_BYTES = 256 << 20
 
@@ -84,11 +83,10 @@ def round_order(names: list, r: int, fixed: bool = False) -> list:
     """The order in which round ``r`` times ``names``: a balanced Latin square
     (Williams): over one cycle (:func:`order_cycle` rounds) every path runs
     once per round, leads equally often, and follows every other path equally
-    often.  A timed path inherits the machine state its predecessor left (on
-    the H200 a large step timed right after the light schedule timings read
-    3-5 % faster than the same binary timed after a large step), so only a
-    balance of predecessors makes paths comparable.  ``fixed``: the given
-    order every round (the control)."""
+    often.  A timed path inherits the machine state its predecessor left (a
+    large step timed right after light ones reads faster than the same binary
+    timed after a large step), so only a balance of predecessors makes paths
+    comparable.  ``fixed``: the given order every round (the control)."""
     n = len(names)
     if fixed or n < 2:
         return list(names)

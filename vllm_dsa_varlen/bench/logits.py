@@ -29,12 +29,11 @@ same run), useful vs padded rows, and the plan's host µs per step.  Without a
 GPU it runs tiny shapes through the reference and the Triton interpreter and
 says so.
 
-Four other modes time something else: ``--plan-timing`` the sm_90 kernel's
+Three other modes time something else: ``--plan-timing`` the sm_90 kernel's
 per-step schedule (:mod:`.schedule`), ``--launch-host`` the host time of
 eager calls, ``--fake`` without a GPU (:mod:`.launch`), ``--builds``
 the CUDA kernel's builds in one process, beside DeepGEMM and vLLM's top-k
-(:mod:`.builds`), ``--stamps`` where the CUDA kernel's time goes per
-CTA (:mod:`.stamps`).
+(:mod:`.builds`).
 """
 
 from __future__ import annotations
@@ -305,15 +304,24 @@ def profile_pass(torch, cases, args, dg, num_sms):
 
 
 def triton_variants(spec: str | None):
-    """Kernel parameter sets to time: ``default`` or ``k=v,k=v;k=v,...``."""
+    """Kernel parameter sets to time: ``default`` or ``k=v,k=v;k=v,...`` with
+    ``k`` one of :data:`KNOBS` and ``v`` an int (``ValueError`` naming
+    ``--variants`` otherwise)."""
     if not spec:
         return [{}]
     out = []
     for part in spec.split(";"):
         params = {}
         for kv in filter(None, part.split(",")):
-            k, v = kv.split("=")
-            params[k.strip()] = int(v)
+            k, eq, v = kv.partition("=")
+            k = k.strip()
+            if not eq or k not in KNOBS:
+                raise ValueError(f"--variants: expected k=v with k one of {', '.join(KNOBS)}, "
+                                 f"got {kv!r}")
+            try:
+                params[k] = int(v)
+            except ValueError:
+                raise ValueError(f"--variants: {k} takes an int, got {v!r}") from None
         out.append(params)
     return out
 
@@ -344,8 +352,7 @@ def run_gpu(args):
             raise SystemExit(f"--peer {args.peer}: DeepGEMM not importable ({exc})")
         print(f"DeepGEMM not available ({exc}); timing the Triton kernels only")
         dg, num_sms = None, 0
-    cases = custom_cases(args) or [
-        c for c in GPU_CASES if not args.cases or any(s in c.name for s in args.cases)]
+    cases = selected_cases(args, gpu=True)
     if args.profile:  # nothing timed: one call per path for a profiler
         profile_pass(torch, cases, args, dg, num_sms)
         return [], {"device": torch.cuda.get_device_name(), "profiled": True}
@@ -425,7 +432,7 @@ def run_cpu(args):
     if args.trace:  # CPU activity only: no NVTX without CUDA
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         profiler.__enter__()
-    for case in custom_cases(args) or CPU_CASES:
+    for case in selected_cases(args, gpu=False):
         step = case.step(args.seed)
         rows = step.rows
         ctx2d = rows.context_lens.view(-1, 1)
@@ -486,40 +493,86 @@ def git_commit():
         return None
 
 
-def main(argv=None):
+OUT_DIR = "bench-out"  # the output folder (git ignores it), made on first use
+DEFAULT_JSON = os.path.join(OUT_DIR, "bench.json")
+DEFAULT_TRACE = os.path.join(OUT_DIR, "trace.json")
+# The portable kernel's tuning knobs (--variants): keywords of the launcher's call.
+KNOBS = ("rows_per_dot", "per_row", "groups", "tile_pages", "tiles_per_split", "num_warps",
+         "num_stages")
+
+
+def _int_at_least(least: int):
+    """An argparse type: an int >= ``least`` (argparse names the flag)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {least}, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected an int >= {least}, got {value}")
+        return value
+    parse.__name__ = f"int >= {least}"
+    return parse
+
+
+def _probability(text: str) -> float:
+    """An argparse type: a float in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value:g}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's arguments (each value's type checked by argparse; what
+    depends on several is :func:`check_args`')."""
+    positive, natural = _int_at_least(1), _int_at_least(0)
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
-    parser.add_argument("--json", help="write results here")
-    parser.add_argument("--trace", help="write a Chrome trace (torch.profiler, NVTX ranges) here")
-    parser.add_argument("--cases", nargs="*", help="substrings of case names to run "
-                        "(--plan-timing, --builds, --stamps: requests,tokens,context each, "
-                        "tokens -n for 1..n)")
+    parser.add_argument("--json", nargs="?", const=DEFAULT_JSON, metavar="PATH",
+                        help=f"write the results here (alone: {DEFAULT_JSON}; the folder must "
+                        f"exist, {OUT_DIR}/ is made)")
+    parser.add_argument("--trace", nargs="?", const=DEFAULT_TRACE, metavar="PATH",
+                        help="write a Chrome trace (torch.profiler, NVTX ranges) here (alone: "
+                        f"{DEFAULT_TRACE})")
+    parser.add_argument("--cases", nargs="+", help="substrings of the case names to run "
+                        "(--plan-timing, --builds: requests,tokens,context each, tokens -n "
+                        "for 1..n)")
     parser.add_argument("--variants", help="Triton kernel parameter sets, e.g. "
-                        "'rows_per_dot=2,pages_per_split=8;rows_per_dot=4,num_warps=8'")
-    parser.add_argument("--rep-ms", type=int, default=None,
+                        "'rows_per_dot=2,tiles_per_split=8;rows_per_dot=4,num_warps=8' "
+                        f"(knobs: {', '.join(KNOBS)}); needs a GPU")
+    parser.add_argument("--rep-ms", type=positive, default=None,
                         help="do_bench repetition time (ms; default 200, --plan-timing 20)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch", type=int, nargs="*", help="custom cases: batch sizes")
-    parser.add_argument("--context", type=int, nargs="*", help="custom cases: mean KV lengths")
-    parser.add_argument("--tokens", type=int, nargs="*", help="custom cases: MTP tokens per request")
-    parser.add_argument("--acceptance", type=float, help="custom cases: draft acceptance rate")
+    parser.add_argument("--seed", type=natural, default=0)
+    parser.add_argument("--batch", type=positive, nargs="+", help="custom cases: batch sizes")
+    parser.add_argument("--context", type=positive, nargs="+",
+                        help="custom cases: mean KV lengths")
+    parser.add_argument("--tokens", type=positive, nargs="+",
+                        help="custom cases: MTP tokens per request")
+    parser.add_argument("--acceptance", type=_probability,
+                        help="custom cases: draft acceptance rate")
     parser.add_argument("--variable", action="store_true",
                         help="custom cases: tokens per request uniform in 1..tokens")
-    parser.add_argument("--compress-ratio", type=int, default=1,
+    parser.add_argument("--compress-ratio", type=positive, default=1,
                         help="custom cases: DeepSeek V4 compressed cache ratio")
-    parser.add_argument("--heads", type=int, default=None,
-                        help="custom cases: indexer heads (default 64 on a GPU, 32 on the CPU); "
+    parser.add_argument("--heads", type=int, choices=(32, 64), default=None,
+                        help="indexer heads (default 64 on a GPU, 32 on the CPU); "
                         "--plan-timing: 64 or 32 (default both)")
     parser.add_argument("--cpu", action="store_true", help="force the tiny CPU run")
     parser.add_argument("--peer", choices=["vdg", "sm90"], help="time only one peer in this "
                         "process: vdg (vLLM 0.33's DeepGEMM 2.8.1, importable as vllm_deep_gemm) "
-                        "or sm90 (this project's sm_90 CUDA kernel)")
+                        "or sm90 (this project's sm_90 CUDA kernel); needs a GPU")
     parser.add_argument("--no-sm90", action="store_true",
                         help="leave the sm_90 kernel out (time it with --peer sm90 instead)")
-    parser.add_argument("--merge", nargs="*", help="JSON files of --peer runs to merge into this run")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="JSON files of --peer runs to merge into this run; needs a GPU")
     parser.add_argument("--profile", action="store_true", help="time nothing: one call of every "
                         "path per case inside cudaProfilerStart/Stop, for Nsight Compute "
                         "(ncu --profile-from-start off); needs a GPU")
-    parser.add_argument("--paths", nargs="*", help="with --profile: substrings of path names to keep")
+    parser.add_argument("--paths", nargs="+", help="with --profile: substrings of path names "
+                        "to keep")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--plan-timing", action="store_true",
                       help="time the sm_90 kernel's schedule instead: the one-launch planner, "
@@ -528,16 +581,12 @@ def main(argv=None):
     mode.add_argument("--launch-host", action="store_true",
                       help="time the host side of eager calls instead, against graph replay "
                       "(vllm_dsa_varlen.bench.launch); without a GPU, --fake")
-    mode.add_argument("--stamps", nargs="*", metavar="BUILD",
-                      help="where the sm_90 CUDA kernel's time goes per CTA instead, from its "
-                      "STAMPS=1 build's timestamps (vllm_dsa_varlen.bench.stamps): launch skew, "
-                      "prologue, first page, math, tail; of each BUILD as --builds names them "
-                      "(none: the default build); needs a GPU")
     mode.add_argument("--builds", nargs="+", metavar="BUILD",
-                      help="time the sm_90 CUDA kernel's builds side by side instead, in one "
-                      "process (vllm_dsa_varlen.bench.builds): 'default', 'MACRO=v+MACRO=v', "
-                      "optionally '@c0,c1' for the plan's cost model; needs a GPU")
-    parser.add_argument("--rounds", type=int, default=None,
+                      help="time the sm_90 CUDA kernel's shipped builds side by side instead, "
+                      "in one process (vllm_dsa_varlen.bench.builds): 'default' or "
+                      "'MACRO=v+MACRO=v' as the settings select them, e.g. HEAD_SUM_TC=1, "
+                      "NUM_MATH=3+DUAL_ACC=4, PDL=1; needs a GPU")
+    parser.add_argument("--rounds", type=positive, default=None,
                         help="--plan-timing, --builds: timed rounds, interleaved (default 5; "
                         "--builds: one whole cycle of the balanced order per case, 1 with "
                         "--fixed-order; median)")
@@ -551,8 +600,7 @@ def main(argv=None):
     parser.add_argument("--flush", choices=list(FLUSHES), default=None,
                         help="--builds: the L2 before each timed call: read (default; a 256 MB "
                         "buffer read, clean lines, as a decode step leaves it) or zero (written, "
-                        "dirty lines: Triton do_bench's flush, which every table published "
-                        "before this option used)")
+                        "dirty lines: Triton do_bench's flush)")
     parser.add_argument("--lead", choices=list(LEADS), default=None,
                         help="--builds: each logits call timed right after a kernel that "
                         "writes its queries, captured in the same graph (as a decode step "
@@ -569,17 +617,18 @@ def main(argv=None):
     parser.add_argument("--topk-lib", help="--builds: vLLM's _C extension (.so): its decode "
                         "top-k on each path's rows, and per-step figures; --launch-host: "
                         "the host time of its eager top-k call beside the project's")
-    parser.add_argument("--layers", type=int, default=None,
+    parser.add_argument("--layers", type=positive, default=None,
                         help="--builds --topk-lib: indexer layers per decode step (default 61)")
     parser.add_argument("--topk-builds", nargs="+", default=None,
                         help="--builds --topk-lib: builds of this project's top-k kernel "
-                        "timed beside vLLM's (default: default; MACRO=v: cuda/decode_topk.cu)")
-    parser.add_argument("--topk-width", type=int, default=None,
+                        "timed beside vLLM's (default: default, the launch plan's; "
+                        "MACRO=v+...: one of ops.cuda_topk.plan_builds(); +bound=N|step)")
+    parser.add_argument("--topk-width", type=positive, default=None,
                         help="--builds --topk-lib: the top-k calls read logits of this many "
                         "columns (the step's in the first; the rest -inf) and vLLM's gets it as "
                         "max_seq_len, this project's no bound: a CUDA-graph-captured step's "
                         "call, whose width is max_model_len (e.g. 163840)")
-    parser.add_argument("--topk-cooperative-rows", type=int, default=None,
+    parser.add_argument("--topk-cooperative-rows", type=natural, default=None,
                         help="--builds --topk-lib: vLLM's call takes cooperative_topk up to this "
                         "many rows (default 32: vLLM 0.27.1's indexer; 64: vLLM 0.33.0's auto "
                         "chain, with its extension as --topk-lib)")
@@ -588,7 +637,7 @@ def main(argv=None):
                         "step calls it (max_seq_len the step's longest row, except 0.27.1's "
                         "persistent_topk: the width; cooperative_topk up to 32 / 64 rows); "
                         "default: a captured step's call (max_seq_len the width)")
-    parser.add_argument("--calls", type=int, default=None,
+    parser.add_argument("--calls", type=positive, default=None,
                         help="--launch-host: calls per timed round (default 50)")
     parser.add_argument("--fake", action="store_true", help="--launch-host: the launch on CPU "
                         "tensors, driver calls stubbed (any machine)")
@@ -596,7 +645,35 @@ def main(argv=None):
                         help="--launch-host: also time this git revision's launcher and "
                         "launch (a revision with ops/launcher.py), or those of a folder holding "
                         "vllm_dsa_varlen/ops, beside this one in one process")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_output(flag: str, path: str) -> str:
+    """``path`` checked as a file a run may write: not a folder, in a folder
+    that exists (the output folder :data:`OUT_DIR` is made) and is writable;
+    the message of what is wrong, naming ``flag``, else ``""``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    parts = os.path.normpath(path).split(os.sep)
+    if not os.path.isdir(folder) and not os.path.isabs(path) and parts[0] == OUT_DIR:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            return f"{flag}: cannot make the folder {folder}: {exc.strerror}"
+    if not os.path.isdir(folder):
+        return f"{flag}: the folder {folder} does not exist"
+    if os.path.isdir(path):
+        return f"{flag}: {path} is a folder; name a file"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{flag}: {path} is not writable"
+    return ""
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """What one value's type cannot say: the options each mode takes, the
+    output paths (before the run), the case specs, the merged files;
+    ``parser.error`` (exit status 2) naming the flag otherwise."""
+    default_mode = not (args.plan_timing or args.launch_host or args.builds)
+    custom = bool(args.batch or args.context or args.tokens)
     wrong = [f"{flag} only with {mode}" for flag, mode, given, on in (
         ("--rounds", "--plan-timing or --builds", args.rounds is not None,
          args.plan_timing or bool(args.builds)),
@@ -619,21 +696,83 @@ def main(argv=None):
          bool(args.builds and args.topk_lib)),
         ("--calls", "--launch-host", args.calls is not None, args.launch_host),
         ("--fake", "--launch-host", args.fake, args.launch_host),
-        ("--base", "--launch-host", bool(args.base), args.launch_host)) if given and not on]
+        ("--base", "--launch-host", bool(args.base), args.launch_host),
+        ("--cpu", "the default mode or --launch-host", args.cpu,
+         default_mode or args.launch_host),
+        ("--rep-ms", "the default mode, --plan-timing or --builds", args.rep_ms is not None,
+         not args.launch_host),
+        ("--heads", "the default mode, --plan-timing or --builds", args.heads is not None,
+         not args.launch_host),
+        ("--trace", "the default mode", args.trace is not None, default_mode),
+        ("--variants", "the default mode", args.variants is not None, default_mode),
+        ("--peer", "the default mode", args.peer is not None, default_mode),
+        ("--no-sm90", "the default mode", args.no_sm90, default_mode),
+        ("--merge", "the default mode", args.merge is not None, default_mode),
+        ("--profile", "the default mode", args.profile, default_mode),
+        ("--paths", "--profile", args.paths is not None, args.profile),
+        ("--seed", "the default mode", args.seed != 0, default_mode),
+        ("--batch, --context, --tokens", "the default mode", custom, default_mode),
+        ("--acceptance", "--batch, --context or --tokens", args.acceptance is not None, custom),
+        ("--variable", "--batch, --context or --tokens", args.variable, custom),
+        ("--compress-ratio", "--batch, --context or --tokens", args.compress_ratio != 1,
+         custom)) if given and not on]
+    if args.acceptance is not None and args.variable:
+        wrong.append("--acceptance and --variable: one or the other (accepted drafts, or "
+                     "uniform 1..tokens)")
     if wrong:
         parser.error("; ".join(wrong))
-    if args.topk_cooperative_rows is not None and args.topk_cooperative_rows < 0:
-        parser.error(f"--topk-cooperative-rows: expected an int >= 0, got "
-                     f"{args.topk_cooperative_rows}")
+    for flag, path in (("--json", args.json), ("--trace", args.trace)):
+        problem = check_output(flag, path) if path is not None else ""
+        if problem:
+            parser.error(problem)
+    for path in args.merge or []:
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            parser.error(f"--merge: {path} is not a readable file")
+    if args.variants is not None:
+        try:
+            triton_variants(args.variants)
+        except ValueError as exc:
+            parser.error(str(exc))
+    try:
+        if args.plan_timing or args.builds:
+            from .schedule import parse_case
+            for text in args.cases or []:
+                parse_case(text)
+        if args.builds:
+            from .builds import parse_build, topk_build
+            for text in args.builds:
+                parse_build(text, args.heads or 64)
+            for text in args.topk_builds or []:
+                topk_build(text)
+        if args.launch_host and args.cases:
+            from .launch import CASES, _selected
+            if not _selected(args.cases):
+                raise ValueError(f"--cases: {' '.join(args.cases)!r} matches none of "
+                                 f"--launch-host's cases: {', '.join(CASES)}")
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def selected_cases(args, gpu: bool) -> list[Case]:
+    """The default mode's cases: the custom ones (``--batch``, ``--context``,
+    ``--tokens``) or this machine's built-in ones (:data:`GPU_CASES`,
+    :data:`CPU_CASES`), those whose name holds one of ``--cases`` when given."""
+    cases = custom_cases(args) or (GPU_CASES if gpu else CPU_CASES)
+    if args.cases:
+        cases = [c for c in cases if any(s in c.name for s in args.cases)]
+    return cases
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     if args.plan_timing:
         from . import schedule
         return schedule.run(args)
     if args.launch_host:
         from . import launch
         return launch.run(args)
-    if args.stamps is not None:
-        from . import stamps
-        return stamps.run(args)
     if args.builds:
         from . import builds
         if args.layers is None:
@@ -643,11 +782,19 @@ def main(argv=None):
         args.rep_ms = 200
     import torch
     gpu = torch.cuda.is_available() and not args.cpu
-    if args.profile and not gpu:
-        raise SystemExit("--profile: needs a CUDA GPU (it brackets one kernel call per path for "
-                         "Nsight Compute)")
+    if not gpu:
+        needs = [flag for flag, given in (("--profile", args.profile), ("--peer", args.peer),
+                                          ("--merge", args.merge), ("--variants", args.variants),
+                                          ("--no-sm90", args.no_sm90)) if given]
+        if needs:
+            parser.error(f"{', '.join(needs)}: needs a CUDA GPU (this run is the CPU's: "
+                         "the reference and the Triton interpreter on tiny shapes)")
     if args.heads is None:
         args.heads = 64 if gpu else 32
+    if args.cases and not selected_cases(args, gpu):
+        names = [c.name for c in custom_cases(args) or (GPU_CASES if gpu else CPU_CASES)]
+        parser.error(f"--cases: {' '.join(map(repr, args.cases))} matches none of this run's "
+                     f"cases ({'GPU' if gpu else 'CPU'}): {', '.join(names)}")
     if not gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     results, env = (run_gpu if gpu else run_cpu)(args)

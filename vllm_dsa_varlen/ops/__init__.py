@@ -12,8 +12,6 @@ decode top-k, and the step's query preparation.
   (compile, load, launch), for the CUDA kernels;
 * :mod:`.cuda_topk` — the indexer's decode top-k in one launch (sm_90; chosen
   by :mod:`vllm_dsa_varlen.topk`);
-* :mod:`.head_sum_precision` — what a cheaper head sum costs the top-k (a
-  CPU study);
 * :mod:`.triton_paged_mqa_logits` — the portable Triton kernel (any fp8 GPU,
   the CPU interpreter);
 * :mod:`.triton_fused_q` — the step's query preparation (vLLM 0.33's

@@ -162,14 +162,9 @@ def main() -> int:
     report = {"triton": triton.__version__, "nvrtc": nvrtc}
     print(json.dumps(report), flush=True)
     jobs = []
-    if nvrtc == "ok":  # the builds the launcher takes (per head count, run-length hint class;
-        # the pipelined ones too, VLLM_DSA_VARLEN_PIPELINE=1's; each launched
-        # plainly and as a programmatic dependent, VLLM_DSA_VARLEN_PDL)
-        builds = {(h, ck.defines_for(n, heads=h, rows=rows, pipeline=True, pdl=pdl)
-                   + (() if h == ck.HEADS else (f"HEADS={h}",)))
-                  for h in ck.LAUNCHER_HEADS for n in (1, ck.rows_max_for(h, 1))
-                  for rows in (1, ck.PIPELINE_MIN_ROWS) for pdl in (False, True)}
-        jobs += [("cuda_sm90", h, defines, {}) for h, defines in sorted(builds)]
+    if nvrtc == "ok":  # every build the launcher can load, each setting's included
+        jobs += [("cuda_sm90", 32 if "HEADS=32" in defines else ck.HEADS, defines, {})
+                 for defines in ck.shipped_builds()]
         jobs += [("cuda_plan_sm90", h, cp.defines_for(h), {}) for h in cp.HEAD_COUNTS]
         from . import cuda_topk as ct
 

@@ -3,61 +3,37 @@
 Same inputs, outputs and semantics as
 :func:`vllm_dsa_varlen.ops.launcher.varlen_paged_mqa_logits`; the launcher
 takes it on sm_90 for 32 and 64 heads (``hopper_kernel_for``) and the
-portable kernel where this one cannot run.
+portable kernel where this one cannot run.  CUDA C++ rather than Gluon: four
+math warpgroups that move independently, each with its own ring, running one
+copy of the math code, cannot be written in Gluon (docs/design.md).
 
-Why CUDA C++ and not Gluon (docs/design.md): the structure
-that sets DeepGEMM's pace — four math warpgroups that move independently, each
-with its own ring and its own arrive, running one copy of the math code — is
-not expressible in Gluon (Triton 3.6-3.9): warpgroups sharing a partition move
-in lockstep, warpgroups in partitions of their own are separate code copies.
-In CUDA it measured 7-37 % faster than the Gluon kernel on every step (call 53).
+Builds (:func:`defines_for`, :func:`shipped_builds`): four math warpgroups
+(the default) or, with ``VLLM_DSA_VARLEN_PIPELINE=1`` at 64 heads and the
+float32 head sum, the pipelined one (:data:`PIPELINE`); page loads with an
+L2 evict-first hint where a request's rows fit one row group; the head sum
+on the CUDA cores in float32 (DeepGEMM's arithmetic, the default) or on the
+tensor cores (``HEAD_SUM_TC``, ``VLLM_DSA_VARLEN_HEAD_SUM=tf32``;
+``reference.head_sum_tf32`` is its exact emulation); launched plainly or as
+a programmatic dependent (:data:`PDL`); 64 or 32 heads (``HEADS=32``, from
+``q``'s shape).  Each is compiled once per process by NVRTC (``sm_90a``) and
+launched through the driver API, both through ``cuda-python``: no host
+compiler, no build step; without ``cuda-python`` :func:`available` says why
+and the launcher takes another kernel.  Launches go on PyTorch's current
+stream, so CUDA graphs capture them; the TMA descriptors are
+``__grid_constant__`` parameters, encoded once per tensor layout.
 
-Builds (:func:`defines_for`; the launcher passes the hint): four math
-warpgroups (the default) or, where ``VLLM_DSA_VARLEN_PIPELINE=1`` at 64 heads
-with the float32 head sum, the pipelined one (:data:`PIPELINE`: three math
-warpgroups with two accumulators each, a QK chain under the previous head
-sum; docs/design.md §2); for run-length
-hints up to a row group (one row group per page) the page loads carry an L2
-evict-first hint.  Each comes with the head
-sum on the CUDA cores in float32 (DeepGEMM's arithmetic, the default) or on
-the tensor cores (``HEAD_SUM_TC``: relu(q . k) rounded to TF32 against the
-weights as two TF32 parts; ``reference.head_sum_tf32`` is its exact
-emulation, :mod:`.head_sum_precision` the study of what it costs the top-k),
-chosen once per process by ``VLLM_DSA_VARLEN_HEAD_SUM`` (:func:`read_head_sum`).
-Heads: 64 and 32 (``HEADS=32`` builds, taken from ``q``'s shape by
-:func:`launch`; a row group is then four rows x 32 heads in the same 64 x 128
-wgmma and a chunk eight rows; :data:`LAUNCHER_HEADS`).
-The kernel is compiled once per process and build by NVRTC (``sm_90a``), loaded
-and launched through the driver API, both through NVIDIA's ``cuda-python``
-(``cuda.bindings``, installed with vLLM; the TMA descriptors' encode excepted,
-see :func:`_encode`): no host compiler, no build step.  Without
-``cuda-python`` the kernel says so (:func:`available`) and the launcher takes
-another.  Launches are plain ``cuLaunchKernel`` calls on PyTorch's current
-stream (``cuLaunchKernelEx`` as a programmatic dependent for the opt-in
-:data:`PDL` build, :func:`read_pdl`), so they are captured into CUDA graphs
-like any kernel; the TMA
-descriptors are ``__grid_constant__`` parameters (copied at launch or
-capture), encoded once per tensor layout.
+A launch is prepared once per layout of its arguments (:func:`prepare`: the
+build, the grid, the strides, the descriptor dicts) and then called with the
+tensors' data addresses alone (:class:`Prepared`), so an eager call does
+little host work.
 
-Host time per launch (eager calls pay it on every layer of every step): a
-launch is prepared once per layout of its arguments (:func:`prepare`: the
-loaded build, the grid, the strides, the descriptor dicts of the queries' and
-the cache's layouts) and then called with the tensors' data addresses alone
-(:class:`Prepared`): each TMA descriptor comes from its layout's dict by
-address, and the build's parameter block is packed whole by one
-``struct.pack_into`` and handed to ``cuLaunchKernel`` by address.  The
-launcher keeps the preparation per call layout; :func:`launch` prepares on
-every call.
-
-Schedule (:func:`plan`, once per step, no host sync: on the GPU one launch
-of the planner kernel, :mod:`.cuda_plan`, built per head count; its
-definition :func:`plan_torch`, torch operations): each run is split into
-chunks of up to 4 rows at 64 heads, 8 at 32 (two wgmma row groups); a
-chunk's items are its run's pages, each costing ``c0 + c1 * rows + c2 * row
-groups`` of its chunk (:data:`COST`, :func:`page_cost`); CTA ``c`` of ``n``
-takes the items, in row order, whose cost ends past ``c * C // n`` and
-starts before ``(c + 1) * C // n`` of the step's total ``C`` (each output
-element written by one CTA: bitwise repeatable).
+Schedule (:func:`plan`, once per step, no host sync: one launch of the
+planner kernel, :mod:`.cuda_plan`, or its definition :func:`plan_torch`):
+each run is split into chunks of two row groups (4 rows at 64 heads, 8 at
+32); a chunk's items are its run's pages, each costing :func:`page_cost`;
+CTA ``c`` of ``n`` takes the items, in row order, whose cost ends past ``c *
+C // n`` and starts before ``(c + 1) * C // n`` of the step's total ``C``
+(each output element written by one CTA: bitwise repeatable).
 :func:`schedule_model` is the host mirror.
 """
 
@@ -86,74 +62,50 @@ logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "sm90_varlen_logits.cu")
 KERNEL_NAME = b"varlen_logits_sm90"
 HEADS = 64            # the head count the launcher routes here (LAUNCHER_HEADS)
-# plan() takes the one-launch planner kernel (.cuda_plan, a build per head count)
-# where it can serve: at 64 heads on the H200 it matched plan_torch bit for bit on
-# 17 steps of 11 to 8199 rows, at 5.7-8.3 µs of GPU time per step up to 1031 rows
-# against plan_torch's 130-178 (vllm-dsa-varlen-bench --plan-timing; docs/design.md
-# §8); its 32-head build likewise, 6.0-8.7 µs up to 1031 rows (h200-765bf97).
+# plan() takes the one-launch planner kernel (.cuda_plan) where it can serve:
+# it writes plan_torch's schedule bit for bit, a launch instead of some forty.
 PLAN_KERNEL = True
 HEAD_COUNTS = (32, 64)  # the kernel's builds: a row group is 128 // heads rows
-# Where unsupported_reason lets the launcher take it: the HEADS=32 build measured
-# 1.08-1.18x faster than the Gluon kernel on every 32-head step timed (H200,
-# rounds interleaved; docs/design.md §8).
-LAUNCHER_HEADS = (32, 64)
+LAUNCHER_HEADS = (32, 64)  # where unsupported_reason lets the launcher take it
 ROWS_MAX = 4          # rows per chunk at 64 heads (two row groups of two rows)
 GMAX = 2
-STAGES = 3
+STAGES = 3            # pages in flight per ring (STAGES in the source)
 MATH = 4
 THREADS = 128 * (MATH + 1)
 
 
-def _smem(stages: int, math: int = MATH) -> int:
-    """Dynamic shared memory with ``stages`` pages per ring and ``math`` math
-    warpgroups (a ring each): 1 KB of alignment slack, the page rings, the
-    double-buffered queries, the rings' scales, the weights, the mbarriers."""
-    return (1024 + math * stages * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
-            + math * stages * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * math * stages + 4) * 8)
+def _smem(math: int = MATH) -> int:
+    """Dynamic shared memory with ``math`` math warpgroups (a ring each): 1 KB
+    of alignment slack, the page rings, the double-buffered queries, the
+    rings' scales, the weights, the mbarriers."""
+    return (1024 + math * STAGES * PAGE * DIM + 2 * GMAX * 2 * HEADS * DIM
+            + math * STAGES * PAGE * 4 + 2 * 2 * GMAX * HEADS * 4 + (2 * math * STAGES + 4) * 8)
 
 
-SMEM_BYTES = _smem(STAGES)  # four math warpgroups (the pipelined build: a ring fewer)
+SMEM_BYTES = _smem()  # four math warpgroups (the pipelined build: a ring fewer)
 # HEAD_SUM_TC builds: each math warpgroup's double-buffered B fragments of its
 # chunk's weights (8 lane classes x 9 float4 per row group; WT_BYTES in the source).
 HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 
-# The build by run-length hint (``defines_for``): a step's pages are read once,
-# so where a request's rows fit one row group (hints <= rows_per_group: 2 at 64
-# heads, 4 at 32) the page loads carry an L2 evict-first hint, which keeps the
-# step's other data (queries, weights, block tables, logits) in L2: at 64 heads
-# 2-token steps 1-8 % faster (call 50); at 32 heads 3- and 4-token steps 1-5 %
-# faster (h200-7fd28dd/evict-32h.log, h200-c31af84/evict-32h-3tok.log).  With
-# two groups per page large steps were up to 5 % slower (calls 41-42; B256 L8K
-# 1.016x in evict-64h.log), so longer hints keep the default build.
+# A step's pages are read once, so where a request's rows fit one row group
+# (hints <= rows_per_group) the page loads carry an L2 evict-first hint, which
+# keeps the step's other data in L2; with two groups per page it measured
+# slower, so longer hints keep the default build (docs/design.md).
 #
-# The pipelined build (:data:`PIPELINE`, at 64 heads with the float32 head sum;
-# on where VLLM_DSA_VARLEN_PIPELINE=1, :func:`read_pipeline`): three math
-# warpgroups, each with two accumulators, a row group's QK chain running under
-# the previous one's head sum (the same products summed in the same order: the
-# four-warpgroup build's bits).  Timed with Triton's L2 flush (every line left
-# dirty) it read 0.94-0.97x the four-warpgroup build's time on uniform 4-token
-# steps (docs/results/h200-9f1a909/); with the L2 left clean before each call,
-# as a decode step leaves it, 1.02x on uniform 4-token steps, 1.06x on variable
-# ones, level on 2 and 3 tokens (h200-533ddd0/read-flush.log), and in vLLM
-# 0.33.0's engine it ran 73.7 us a call at B64 16K 4 tokens where the bench's
-# clean-L2 timing reads 73.8: so the four-warpgroup build is the default again
-# and the pipelined one an opt-in.  The tensor-core head sum and 32 heads (a row
-# group of four rows) have four math warpgroups only.
-# Launches of fewer than PIPELINE_MIN_ROWS rows keep four warpgroups with the
-# pipeline on (h200-d7ab4e3/short*: B8 L2K 4 tokens 1.05x the time, B16 L2K 2
-# tokens 1.02x).  The row count is a launch's shape, known on the host in a
-# capture too.
+# The pipelined build (VLLM_DSA_VARLEN_PIPELINE=1, :func:`read_pipeline`; 64
+# heads, float32 head sum): three math warpgroups with two accumulators each,
+# a row group's QK chain under the previous one's head sum, the same bits as
+# the four-warpgroup build.  An opt-in: with the L2 left clean, as a decode
+# step leaves it, it was not faster than the default (BENCHMARKS.md).
+# Launches of fewer than PIPELINE_MIN_ROWS rows keep four warpgroups (a
+# launch's row count is known on the host, in a capture too).
 PIPELINE = ("NUM_MATH=3", "DUAL_ACC=4")
 PIPELINE_MIN_ROWS = 64
 
-# Programmatic dependent launch (:func:`read_pdl`, ``VLLM_DSA_VARLEN_PDL``):
-# the build PDL=1 is launched as a programmatic dependent of the kernel before
-# it on the stream (cuLaunchKernelEx, cuda_binding.dependent_launch), as vLLM
-# 0.33 launches DeepGEMM's kernels on Hopper: its CTAs start and set up under
-# that kernel's tail, then wait for it (griddepcontrol.wait) before reading.
-# Measured level with the plain launch behind a copy and behind a kernel that
-# lets its dependents launch at its start (0.996-1.003x, H200,
-# docs/results/h200-9220b82/lead-*.log): off by default.
+# Programmatic dependent launch (VLLM_DSA_VARLEN_PDL=1, :func:`read_pdl`): the
+# kernel launched as vLLM 0.33 launches DeepGEMM's on Hopper, its CTAs set up
+# under the previous kernel's tail; off by default, as it measured level with
+# the plain launch (BENCHMARKS.md).
 PDL = ("PDL=1",)
 PDL_ENV = "VLLM_DSA_VARLEN_PDL"
 
@@ -221,8 +173,7 @@ def _pack_format() -> struct.Struct:
     :class:`_Params`' own field offsets and sizes (so it cannot drift from
     them): each descriptor as its 128 raw bytes, each scalar in native byte
     order, the C padding between fields as pad bytes.  One ``pack_into`` then
-    rewrites the block: 0.6 µs on a CPU where the fourteen ctypes field writes
-    it replaces took 1.2-1.3 µs."""
+    rewrites the block, at about half the host time of a write per field."""
     fmt, pos = "=", 0  # native byte order, standard sizes, no implicit alignment
     for name, kind in PARAMS:
         offset, size = getattr(_Params, name).offset, ctypes.sizeof(kind)
@@ -306,8 +257,8 @@ _BY_DEVICE: dict = {}  # (torch.device, defines) -> _Loaded: the launch's lookup
 def load(device, defines: tuple = ()) -> _Loaded:
     """Compile (NVRTC) and load the kernel for ``device`` once per process.
     Done by ``precompile`` at start-up, so no decode step waits on it.
-    ``defines``: ``NAME=value`` macros of the source (measured variants, e.g.
-    ``MATH_REGS=112``; the default build takes none)."""
+    ``defines``: ``NAME=value`` macros of the source, one of
+    :func:`shipped_builds` (the default build takes none)."""
     fast = isinstance(device, torch.device) and isinstance(defines, tuple)
     got = _BY_DEVICE.get((device, defines)) if fast else None
     if got is not None:
@@ -472,6 +423,28 @@ def defines_for(max_run_len: int, head_sum: str | None = None,
         PDL if pdl else ())
 
 
+def shipped_builds() -> list[tuple[str, ...]]:
+    """Every build the launcher can load, as :func:`load` gets its defines:
+    :func:`defines_for` at each head count over the run-length hint classes,
+    head sums, launch sizes and the pipeline and PDL settings (``HEADS=32``
+    added as :func:`prepare` adds it), then each four-warpgroup build's
+    ``HALF_MMA=0`` twin, what :func:`build_cubin` makes where ptxas
+    serialises its wgmmas."""
+    builds: list[tuple[str, ...]] = []
+    for heads in LAUNCHER_HEADS:
+        extra = () if heads == HEADS else (f"HEADS={heads}",)
+        for hint in (1, rows_max_for(heads, 1)):  # within one row group, and past it
+            for head_sum in HEAD_SUMS:
+                for rows in (1, PIPELINE_MIN_ROWS):
+                    for pipeline in (False, True):
+                        for pdl in (False, True):
+                            build = defines_for(hint, head_sum, heads, rows, pipeline,
+                                                pdl) + extra
+                            if build not in builds:
+                                builds.append(build)
+    return builds + [(*b, "HALF_MMA=0") for b in builds if not set(PIPELINE) <= set(b)]
+
+
 @functools.lru_cache(maxsize=None)
 def read_pdl() -> bool:
     """``VLLM_DSA_VARLEN_PDL`` (read once per process): ``1`` the launcher's
@@ -516,7 +489,7 @@ def _define(defines: tuple, name: str, default: int) -> int:
 
 
 def math_warpgroups(defines: tuple = ()) -> int:
-    """Math warpgroups of a build: :data:`MATH`, or an A/B build's ``NUM_MATH=3``."""
+    """Math warpgroups of a build: :data:`MATH`, or the pipelined build's ``NUM_MATH=3``."""
     return _define(defines, "NUM_MATH", MATH)
 
 
@@ -527,11 +500,9 @@ def threads(defines: tuple = ()) -> int:
 
 def smem_bytes(defines: tuple = ()) -> int:
     """Dynamic shared memory of a build (:data:`SMEM_BYTES`; more with
-    ``HEAD_SUM_TC=1``; an A/B build's ``STAGES=n`` resizes the rings,
-    ``NUM_MATH=3`` drops one)."""
+    ``HEAD_SUM_TC=1``; a ring fewer in the pipelined build)."""
     math = math_warpgroups(defines)
-    return _smem(_define(defines, "STAGES", STAGES), math) + (
-        HEAD_SUM_TC_BYTES * math // MATH if "HEAD_SUM_TC=1" in defines else 0)
+    return _smem(math) + (HEAD_SUM_TC_BYTES * math // MATH if "HEAD_SUM_TC=1" in defines else 0)
 
 
 def rows_per_group(heads: int) -> int:
@@ -550,15 +521,10 @@ def rows_max_for(heads: int, max_run_len: int) -> int:
 # --------------------------------------------------------------- schedule
 
 # Small steps planned a CTA item per row group (``plan_torch``'s ``cut_items``):
-# up to this many items (chunk pages) per CTA of the grid, by head count.  At 64
-# heads a 4-row request cut into two 2-row runs took 0.93-0.96x the default's time
-# on steps of 64-512 pages, 0.985x at 1024, 0.99-1.00x at 256, but 1.01-1.11x from
-# 2048 pages (H200, 132 CTAs; h200-f8204c1/run-rows*.log, timed as relabelled ids);
-# built, 0.92-0.96x on 64-512 pages, level at 1024 (h200-ea919aa).  32 heads (the
-# cut takes 8-row runs there): 0.93-0.97x on 64-512 pages, 0.98-1.00x at 1024
-# (h200-053bba8).  A run between one and two row groups long is cut too, the
-# last piece the shorter: 0.93-0.98x on 3-token steps of 32-512 pages at 64 heads
-# and 0.93-0.95x on 5-7-token ones at 32, level from 1024 (h200-79724f5).
+# up to this many items (chunk pages) per CTA of the grid, by head count.  On
+# small steps a request's row groups in items of their own spread the work over
+# more CTAs; from a few thousand pages the cut costs more than it spreads
+# (BENCHMARKS.md, docs/design.md).
 CUT_PER_PROGRAM = {64: 8, 32: 8}
 
 
@@ -830,7 +796,7 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
            rows_max: int | None = None, schedule=None, defines: tuple = ()):
     """Launch on checked inputs (:mod:`.launcher` checks them); ``schedule``:
     the step's :func:`plan` (made here when not given); ``defines``: a
-    measured variant's macros (:func:`load`).  32 heads (``q [R, 1, 32, D]``)
+    build's macros (:func:`load`).  32 heads (``q [R, 1, 32, D]``)
     take the ``HEADS=32`` build of ``defines``.  Returns the build launched.
 
     Prepares the launch on every call (:func:`prepare`); the launcher keeps

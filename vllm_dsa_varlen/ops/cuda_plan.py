@@ -46,9 +46,8 @@ CTA_WORDS = 4            # int32 per CTA: first segment, item range [lo, hi)
 # A page's cost for the schedule's balance, c0 + c1 * rows + c2 * row groups of
 # its chunk (page_cost): the CTAs' shares are equal in cost, not in pages, so a
 # CTA that draws long runs does not finish last.  Each row group runs one full
-# wgmma (a chunk's odd last row too), the epilogue follows the rows; from the
-# H200 (call 48, cycles per page): ~610 with two rows, ~960 with three, ~1040
-# with four.
+# wgmma (a chunk's odd last row too), the epilogue follows the rows; the
+# weights follow the kernel's measured cycles per page (docs/design.md).
 COST = (3, 1, 4)
 
 _lock = threading.Lock()

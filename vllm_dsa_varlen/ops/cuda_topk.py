@@ -2,7 +2,7 @@
 
 :func:`decode_topk` writes, per row, the columns of the ``k`` largest
 logits among the row's first ``lengths[r]`` (an exact radix select, each
-row over a cluster of 1-8 CTAs; the source says how), the contract of vLLM's
+row over a cluster of 1, 2 or 4 CTAs; the source says how), the contract of vLLM's
 decode top-k ops (``persistent_topk``, ``cooperative_topk``): int32
 ``[R, k]``, no order, a row with ``length <= k`` gets ``0 .. length - 1`` and
 then ``-1``; ties at the k-th value broken arbitrarily.
@@ -42,9 +42,7 @@ MAX_SMEM = 227 * 1024                # sm_90's dynamic shared memory per CTA
 SM_SMEM = 228 * 1024                 # shared memory per SM (each CTA also takes 1 KB)
 MAX_STAGE = (MAX_SMEM - HEADER_BYTES - 8 * CAND) // 16 * 4  # staged columns, a multiple of 4
 MAX_STAGE_UNLISTED = (MAX_SMEM - HEADER_BYTES) // 16 * 4     # the same for LIST=0 builds
-MAX_SPLIT = 8                        # CTAs per row (a portable cluster)
 SPREAD = 4                           # CTAs per row that spreading few rows goes up to
-THREAD_COUNTS = (256, 512, 1024)     # a build's THREADS
 assert MAX_STAGE_UNLISTED <= BARS * CHUNK  # every chunk of a staged slice has a barrier
 
 _lock = threading.Lock()
@@ -138,19 +136,20 @@ def launch_plan(rows: int, longest: int, sms: int, bounded: bool = False) -> tup
     on the lengths), on ``sms`` SMs.  ``SPLIT``: CTAs per row, doubled up to
     :data:`SPREAD` while twice as many CTAs still fit on the SMs at once
     (rows from ~SMs / 2 up get one CTA each: more cost more in per-CTA work
-    than they spread, measured on the H200); ``MINB=2`` (registers for two
+    than they spread); ``MINB=2`` (registers for two
     CTAs per SM) where there are more CTAs than SMs and two CTAs' shared
     memory fits an SM.  More rows than SMs, each CTA's rows in flight per SM
     set by shared memory: of at most ~12.1K columns, :data:`SHORT_ROWS` (four
     per SM); of ~18.4K-26.6K columns, where the candidate list leaves room
-    for one CTA only, :data:`MID_ROWS` (two; measured faster there on the
-    H200, slower on fewer or longer rows).  ``bounded``: ``longest`` is a
+    for one CTA only, :data:`MID_ROWS` (two; faster there, slower on fewer
+    or longer rows).  ``bounded``: ``longest`` is a
     host bound on the lengths (an eager step's ``max_seq_len``), not the
     logits' width; then ``SPLIT`` doubles once more where that stages a slice
     the spread leaves past :data:`MAX_STAGE` (read from global memory in
     every pass) and the grid stays within :func:`_doubled_grid_fits`
     (:func:`_stages_when_doubled`; under a width, rows are mostly far
-    shorter: 36-64 rows of 32K took 1.3-1.7x SPLIT=2's time at SPLIT=4)."""
+    shorter, and splitting them further was slower).  The measurements behind
+    each bound: BENCHMARKS.md, the decode top-k."""
     split = 1
     while split < SPREAD and rows * split * 2 <= sms:
         split *= 2
@@ -168,18 +167,15 @@ def launch_plan(rows: int, longest: int, sms: int, bounded: bool = False) -> tup
 
 def _doubled_grid_fits(rows: int, split: int, sms: int) -> bool:
     """Whether ``rows`` rows over ``2 * split`` CTAs each stay within two
-    waves of ``sms`` CTAs for pairs, one and a half for clusters of four.
-    On the H200 (132 SMs), each row's slice staged once doubled, against the
-    plan's split: pairs at 192 and 256 CTAs (96 rows of 64K, 128 of 48K)
-    0.83x and 0.93x its time; fours at 144 and 192 CTAs (36 and 48 rows of
-    96K) 0.81x and 0.93x, at 256 (64 rows of 96K) 1.03x (h200-9fb2ff6)."""
+    waves of ``sms`` CTAs for pairs, one and a half for clusters of four
+    (where doubling, each row's slice staged, was faster than the plan's
+    split)."""
     return rows * split * 2 <= (2 * sms if split == 1 else sms * 3 // 2)
 
 
 def _stages_when_doubled(longest: int, split: int) -> bool:
     """Whether the longest row's slice over ``split`` CTAs is past the stage
-    and over ``2 * split`` within it (the H200: 36 rows of up to 128K
-    columns, SPLIT=4 at 0.78-0.84x SPLIT=2's time)."""
+    and over ``2 * split`` within it."""
     return _slice(longest, split) > MAX_STAGE >= _slice(longest, 2 * split)
 
 
@@ -282,7 +278,7 @@ def check_args(logits: torch.Tensor, lengths: torch.Tensor, k: int,
 def _flat(lengths: torch.Tensor) -> torch.Tensor:
     """``lengths`` as contiguous int32 values, one per row: the tensor itself
     where it already is (the launch reads its address only; a reshaped view
-    costs ~1.5 µs of host time a call), else converted."""
+    costs host time on every call), else converted."""
     if lengths.dtype == torch.int32 and lengths.is_contiguous():
         return lengths
     flat = lengths.reshape(-1)
@@ -303,10 +299,13 @@ def decode_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     ``B * next_n == R``: row ``r`` reads ``lengths.reshape(-1)[r]``); ``out``:
     int32 ``[R, k]``, unit column stride (e.g. a view of a wider buffer),
     written in place; ``defines``: a build (:func:`load`: ``SPLIT=c``,
-    ``THREADS=t``, ``LIST=0|1``, ``MINB=m``), ``None`` for :func:`launch_plan`'s;
+    ``THREADS=t``, ``LIST=0|1``, ``MINB=m``: one of :func:`plan_builds`),
+    ``None`` for :func:`launch_plan`'s;
     ``bound``: a host-known bound on the lengths (e.g.
     vLLM's ``max_seq_len``) that sizes the plan and the stage in place of the
     width (speed only: longer rows are still right, read from global memory)."""
+    if defines is not None:
+        _facts(tuple(defines))
     if not isinstance(logits, torch.Tensor) or not logits.is_cuda:
         _fail("logits", "a CUDA tensor", getattr(logits, "device", type(logits)))
     flat = check_args(logits, lengths, k, out)
@@ -324,16 +323,26 @@ def launch_checked(logits: torch.Tensor, lengths: torch.Tensor, k: int, out: tor
     return _launch(logits, _flat(lengths), k, out, None, bound)
 
 
+def _values(defines: tuple) -> tuple[int, int, bool, int]:
+    """A build's SPLIT, THREADS, LIST and MINB (absent ones at their defaults)."""
+    return split_of(defines), threads_of(defines), listed(defines), minb_of(defines)
+
+
+def is_planned(defines: tuple) -> bool:
+    """Whether ``defines`` make one of :func:`plan_builds` (absent macros at
+    their defaults): the only builds the source compiles."""
+    known = all(d.partition("=")[0] in ("SPLIT", "THREADS", "LIST", "MINB") for d in defines)
+    return known and _values(tuple(defines)) in {_values(b) for b in plan_builds()}
+
+
 @functools.lru_cache(maxsize=None)
 def _facts(defines: tuple) -> tuple[int, int, bool]:
     """A build's CTAs per row, threads per CTA and candidate list, checked
-    (once per build)."""
-    split, threads = split_of(defines), threads_of(defines)
-    if split not in (1, 2, 4, 8):
-        _fail("defines", "SPLIT of 1, 2, 4 or 8", split)
-    if threads not in THREAD_COUNTS:
-        _fail("defines", f"THREADS of {', '.join(map(str, THREAD_COUNTS))}", threads)
-    return split, threads, listed(defines)
+    (once per build): ``ValueError`` naming ``defines`` unless
+    :func:`is_planned`."""
+    if not is_planned(defines):
+        _fail("defines", f"one of plan_builds() {plan_builds()}", defines)
+    return _values(defines)[:3]
 
 
 class _Call:

@@ -261,19 +261,14 @@ KERNELS = ("auto", "portable", "sm90", "sm90_cuda")  # "sm90" and "sm90_cuda": t
 RETIRED_KERNELS = {"sm90_gluon": 'the sm_90 Gluon kernel was retired; "sm90" takes the sm_90 '
                                  'CUDA kernel'}
 # "auto" takes the sm_90 CUDA kernel (ops/cuda_paged_mqa_logits.py) on Hopper
-# wherever it can run (32 and 64 heads, NVRTC and cuda-python present): it
-# measured faster than the portable kernel on every step, at every run length
-# (BENCHMARKS.md, docs/design.md), so the longest-run hint does not change the
-# choice (it picks the kernel's build: cuda_paged_mqa_logits.defines_for).
+# wherever it can run (32 and 64 heads, NVRTC and cuda-python present): it was
+# faster than the portable kernel on every step, at every run length
+# (BENCHMARKS.md), so the longest-run hint picks its build, not the kernel.
 HOPPER_AUTO = True
 # Eager calls (outside a CUDA-graph capture: vLLM's piecewise mode runs the
 # indexer op eagerly in every mixed prefill+decode step).  True: "auto" takes
-# the CUDA kernel eagerly too: its launch is prepared once per call layout
-# (cuda_paged_mqa_logits.prepare, kept in the call's route), and on the
-# H200 an eager call through this launcher cost 48-55 µs of host time against
-# the portable kernel's 83-88, with less GPU time on every step timed
-# (vllm-dsa-varlen-bench --launch-host).  False: the portable kernel for eager
-# calls (as while a launch cost 55-230 µs).
+# the CUDA kernel eagerly too, its launch prepared once per call layout: less
+# host and GPU time than the portable kernel (BENCHMARKS.md, eager calls).
 EAGER_CUDA_SM90 = True
 
 
@@ -427,8 +422,7 @@ def varlen_paged_mqa_logits(
 def new_logits(rows: int, max_context_len: int, device) -> torch.Tensor:
     """Float32 logits ``[rows, max_context_len]``, each row starting 512-byte
     aligned: the row stride rounded up to :data:`LOGITS_ALIGN` elements, made
-    by one ``empty_strided`` (1.1 µs of host time on a CPU where ``empty`` and
-    a slice took 3.8)."""
+    by one ``empty_strided`` (cheaper on the host than ``empty`` and a slice)."""
     width = -(-max_context_len // LOGITS_ALIGN) * LOGITS_ALIGN
     return torch.empty_strided((rows, max_context_len), (width, 1), dtype=torch.float32,
                                device=device)

@@ -41,13 +41,6 @@ HEAD_SUMS = ("fp32", "tf32")
 _TF32_DROP = 13
 
 
-def truncate_tf32(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> the TF32 value toward zero (the low 13 mantissa bits cleared):
-    what the tensor core takes from a float32 register it was given unconverted."""
-    bits = x.float().contiguous().view(torch.int32)
-    return (bits & ~((1 << _TF32_DROP) - 1)).view(torch.float32)
-
-
 def round_tf32(x: torch.Tensor) -> torch.Tensor:
     """float32 -> the nearest TF32 value, ties to even (PTX ``cvt.rn.tf32.f32``;
     a finite value past TF32's largest rounds to infinity).  NaN stays NaN."""

@@ -30,8 +30,8 @@ Fused multiply-adds are written out, and the compiler may fuse nothing else
 (Triton 3.6-3.9 with its ``ptxas``, sm_90: the same SASS in each), and which
 product of ``a * b + c * d`` is fused depends on the code around it: left to
 the compiler, this kernel's one-warp shapes fused the other product of the
-MLA query's second RoPE value and differed from vLLM's in ~1 value in 10^5
-(H200).  Written out: the indexer query's value fuses its own product,
+MLA query's second RoPE value and differed from vLLM's in a few values.
+Written out: the indexer query's value fuses its own product,
 ``fma(x, cos, sign * partner * sin)``; the MLA query's pair ``(x1, x2)``
 becomes ``fma(x1, cos, -(x2 * sin))`` and ``fma(x1, sin, x2 * cos)``.  Where
 Triton does not fuse by default (``TRITON_DEFAULT_FP_FUSION=0``,
@@ -55,11 +55,9 @@ import triton.language as tl
 from .common import check_out_tensor, fail, is_pow2
 from .reference import FP8_MAX
 
-# Heads per program of each part (powers of two) and warps, from the H200 sweep
-# (benchmarks/fused_q_bench.py, BENCHMARKS.md "The step's query preparation"):
-# the fastest shape on both query paths from 64 tokens on (one warp; its bytes
-# equal vLLM's kernel's, like every shape's, since the multiply-adds are
-# written out).
+# Heads per program of each part (powers of two) and warps: the fastest shape
+# of the sweep on both query paths (benchmarks/fused_q_bench.py; BENCHMARKS.md,
+# the step's query preparation).
 INDEX_HEADS = 4
 PE_HEADS = 8
 NOPE_HEADS = 2

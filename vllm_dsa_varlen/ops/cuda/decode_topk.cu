@@ -38,7 +38,7 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #ifndef THREADS
-#define THREADS 1024              // per CTA: 256, 512 or 1024
+#define THREADS 1024              // per CTA: 512 or 1024
 #endif
 #define WARPS (THREADS / 32)
 #define BINS 2048                 // 11-bit digits: 11 + 11 + 10 = 32
@@ -48,7 +48,7 @@ typedef unsigned long long u64;
 #define BARS 16                   // one mbarrier per CHUNK columns of a staged slice
 #define CHUNK 4096                //   (the launcher's BARS, CHUNK)
 #ifndef SPLIT
-#define SPLIT 1                   // CTAs per row (a cluster): 1, 2, 4, 8
+#define SPLIT 1                   // CTAs per row (a cluster): 1, 2, 4
 #endif
 #ifndef MINB
 #define MINB 1                    // CTAs per SM the registers must allow (2: 32 per thread)
@@ -56,6 +56,14 @@ typedef unsigned long long u64;
 #ifndef LIST
 #define LIST 1                    // 1: list the threshold bin's keys (<= CAND) in CTA 0 and
 #endif                            //    narrow them there; 0: narrow over the slices to the end
+// The builds cuda_topk.plan_builds names: SPLIT c (MINB 1, or 2 at one CTA a row),
+// and one CTA a row without the list at 512 threads (MINB 4) or 1024 (MINB 2).
+#if !((LIST == 1 && THREADS == 1024 && (MINB == 1 || (SPLIT == 1 && MINB == 2)) \
+       && (SPLIT == 1 || SPLIT == 2 || SPLIT == 4)) \
+      || (LIST == 0 && SPLIT == 1 && ((THREADS == 512 && MINB == 4) \
+                                      || (THREADS == 1024 && MINB == 2))))
+#error "not a build cuda_topk.plan_builds names"
+#endif
 
 __device__ __forceinline__ u32 order_key(float x) {
   u32 b = __float_as_uint(x);
@@ -111,8 +119,7 @@ __device__ __forceinline__ Keys4 load4_staged(const u32* __restrict__ keys, int 
 }
 
 // Add one to bin `bin` of `h` for each lane with `valid` (shared-memory
-// atomics; aggregating equal bins per warp with __match_any_sync measured
-// 1.5-3x slower on the H200).
+// atomics; aggregating equal bins per warp with __match_any_sync was slower).
 __device__ __forceinline__ void hist_add(int* __restrict__ h, u32 bin, bool valid) {
   if (valid) atomicAdd(&h[bin], 1);
 }

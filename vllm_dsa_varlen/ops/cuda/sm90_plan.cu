@@ -32,21 +32,15 @@
 //   4. CTA c takes the last tag at or before c (a max scan over c) and its
 //      item offset; its hi is CTA c + 1's lo.
 //
-// What set its time on the H200 (thread 0's clock between the steps, the
-// PLAN_TIMING build, of an earlier version with unrolled loops and the table
-// stored straight to global memory): 1000-2000 cycles per step whatever the
-// row count, about 8000 in all for 11 rows (4 us), which points at the code
-// being fetched cold (it runs once per launch, on one SM), so the loops here
-// stay rolled and the two walks over a thread's rows share one copy of the
-// code; and step 3 growing with K (3200 cycles at 1031 rows, K = 2; 30600 at
-// 8007, K = 8): the table's 16-byte stores are K rows apart between
-// neighbouring threads, an L2 request each, so steps of up to TABLE_ROWS rows
-// build the table in shared memory and copy it out coalesced.  Steps of up to
-// STAGE_ROWS rows copy the ids and context lengths to shared memory first
-// (coalesced; one padding word per 32 so the threads' strided reads hit
-// distinct banks); larger steps read them from global memory.  Dynamic shared
-// memory is a function of the row count alone, the grid is fixed (graph
-// safe); the step's facts never leave the GPU.
+// It runs once per launch, on one SM, its code fetched cold: so the loops stay
+// rolled and the two walks over a thread's rows share one copy of the code.
+// Neighbouring threads' table rows are K rows apart (an L2 request per 16-byte
+// store), so steps of up to TABLE_ROWS rows build the table in shared memory
+// and copy it out coalesced.  Steps of up to STAGE_ROWS rows copy the ids and
+// context lengths to shared memory first (coalesced; one padding word per 32 so
+// the threads' strided reads hit distinct banks); larger steps read them from
+// global memory.  Dynamic shared memory is a function of the row count alone,
+// the grid is fixed (graph safe); the step's facts never leave the GPU.
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -250,12 +244,6 @@ DEV i64 first_cta_at(i64 a, i64 programs, i64 cost, float ratio) {
   return c;
 }
 
-#ifdef PLAN_TIMING  // measured variant: thread 0's clock at each step, after ctas' P rows
-#define STAMP(i) if (threadIdx.x == 0) reinterpret_cast<i64*>(ctas + 4 * programs)[i] = clock64()
-#else
-#define STAMP(i)
-#endif
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows, int cap,
           int programs, int cut_items, ByRows<i64> unit, u64 magic_p, ByRows<u64> magic,
@@ -272,7 +260,6 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
   __shared__ int tag_rows[MAX_PROGRAMS];  // its rows (its cost per item: unit.at(rows))
   __shared__ int s_lo[MAX_PROGRAMS];
 
-  STAMP(0);
   const int t = threadIdx.x;
   if (t < programs) tag_seg[t] = -1;
   const bool staged = rows <= STAGE_ROWS;
@@ -302,7 +289,6 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
     __syncthreads();
   }
   Src src{ids_g, ctx_g, ids_s, ctx_s, staged};
-  STAMP(1);
   const int per = (rows + THREADS - 1) / THREADS;  // <= 32 (the launcher's check)
   const int r0 = min(t * per, rows), r1 = min(r0 + per, rows), n = r1 - r0;
 
@@ -325,7 +311,6 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
   int start_before = starts ? r0 + 31 - __clz(starts) : -1;
   int end_after = ends ? r0 + __ffs(ends) - 1 : rows;
   scan_start_end(start_before, end_after, -1, rows, s_scan);
-  STAMP(2);
 
   // 2. items and chunks with work (packed: items << 16 | chunks, at most
   // 32768 chunks), cost: this thread's sums, then the block's exclusive sums;
@@ -392,9 +377,7 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
   for (int pass = 0; pass < 2; ++pass) {
     if (pass == 1) {
       thread_cost = seg_cost;
-      STAMP(3);
       scan_sums(packed, seg_cost, totals, cost, s_sums);
-      STAMP(4);
       total_items = (int)(totals >> 16);
       with_work = (int)(totals & 0xffff);
       seg = (int)(packed & 0xffff);
@@ -444,7 +427,6 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
     }
   }
   __syncthreads();
-  STAMP(5);
   if (table_in_smem) {  // coalesced copy out
 #pragma unroll 1
     for (int q = t; q < 2 * rows; q += THREADS)
@@ -453,7 +435,6 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
 
   // 4. CTA c: its share's first item, its first segment; hi is CTA c + 1's lo
   const int tagged = scan_max(t < programs && tag_seg[t] >= 0 ? t : -1, s_max);
-  STAMP(6);
   int lo = total_items, seg0 = rows;  // no work: every range empty, past every segment
   if (t < programs && cost > 0) {
     const int n_rows = tag_rows[tagged];
@@ -463,10 +444,8 @@ plan_sm90(const int* __restrict__ ids_g, const int* __restrict__ ctx_g, int rows
   }
   if (t < programs) s_lo[t] = lo;
   __syncthreads();
-  STAMP(7);
   if (t < programs) {
     const int hi = t + 1 < programs ? s_lo[t + 1] : total_items;
     reinterpret_cast<int4*>(ctas)[t] = make_int4(seg0, lo, hi, 0);
   }
-  STAMP(8);
 }

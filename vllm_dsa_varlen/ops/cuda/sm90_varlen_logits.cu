@@ -1,5 +1,5 @@
-// sm_90 (Hopper) varlen paged MQA logits: four (or, pipelined, three)
-// independent math warpgroups, a TMA ring each, one copy of the math code.  Loaded by
+// sm_90 (Hopper) varlen paged MQA logits: independent math warpgroups, a TMA
+// ring each, one copy of the math code.  Loaded by
 // vllm_dsa_varlen/ops/cuda_paged_mqa_logits.py (NVRTC, sm_90a), which documents
 // the inputs; the torch reference (ops/reference.py) defines the semantics.
 //
@@ -12,65 +12,51 @@
 // last group's present rows where they fit half of it: HALF_MMA), then relu *
 // weight summed over each row's heads (in the thread, then across the 4 lanes
 // of a quad; a chunk's last group with absent rows skips their part), times the
-// token's scale, stored where the row may look.  The HEAD_SUM_TC build sums
-// over heads on the tensor cores instead (group_logit_tc).  The DUAL_ACC build
-// (the launcher's at 64 heads with the float32 head sum: NUM_MATH=3
-// DUAL_ACC=4) keeps two accumulators per warpgroup and runs each unit's QK
-// chain under the previous unit's head sum (pipe_block).  Segments come from
-// the planner (a run's chunk of <= 2 row groups and a range of its pages):
-// int32 [R, 8] rows (first row, rows, KV length, first item, items, block-table
-// row), the CTA's first segment and item range.  A/B builds (the macros
-// below; each must write the default build's bits): RAMP, STAGES, NUM_MATH=3
-// (three math warpgroups, 152 registers) with WEIGHTS_REG, HALF_MMA=0 (with
-// or without DESC_STEP), STAMPS; DUAL_ACC=1 or 2, PIPE_HALF=0.
+// token's scale, stored where the row may look.  Segments come from the planner
+// (a run's chunk of <= 2 row groups and a range of its pages): int32 [R, 8]
+// rows (first row, rows, KV length, first item, items, block-table row), the
+// CTA's first segment and item range.
+//
+// Builds (cuda_paged_mqa_logits.defines_for; all but HEAD_SUM_TC write the
+// default build's bits):
+//   HEADS=32              32 query heads: a row group is four rows
+//   EVICT_FIRST=1         page loads with an L2 evict-first hint (a request's
+//                         rows within one row group)
+//   HEAD_SUM_TC=1         the head sum on the tensor cores in TF32 (group_logit_tc)
+//   NUM_MATH=3 DUAL_ACC=4 the pipelined build: three math warpgroups with two
+//                         accumulators each, a QK chain under the previous
+//                         unit's head sum (pipe_block); 64 heads, fp32 sum
+//   PDL=1                 launched as a programmatic dependent
+//   HALF_MMA=0            the host's build where ptxas serialises the default's
+//                         wgmmas
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned char u8;
 
-#ifndef EVICT_FIRST  // pages loaded with an L2 evict-first hint: the launcher's build for
-#define EVICT_FIRST 0    // run-length hints <= 2 (cuda_paged_mqa_logits.defines_for, call 50)
+#ifndef EVICT_FIRST
+#define EVICT_FIRST 0
 #endif
-#ifndef PDL  // 1: launched as a programmatic dependent of the kernel before it on the stream
-#define PDL 0   // (the launcher's build with VLLM_DSA_VARLEN_PDL=1): the CTAs set up their
-#endif          // barriers and fetch their TMA descriptors under that kernel's tail, then
-                // wait for it (griddepcontrol.wait) before their first global read
-#ifndef HEAD_SUM_TC  // 1: the head sum on the tensor cores (TF32 mma.sync; group_logit_tc)
+#ifndef PDL  // 1: the CTAs set up their barriers and fetch their TMA descriptors under
+#define PDL 0   // the previous kernel's tail, then wait for it before their first global read
+#endif
+#ifndef HEAD_SUM_TC
 #define HEAD_SUM_TC 0
 #endif
-#ifndef STAMPS  // 1: per-CTA timestamps into stamps_sm90 (vllm-dsa-varlen-bench --stamps);
-#define STAMPS 0    // 2: also each math warpgroup's cycles by part of a page
-#endif
-#ifndef RAMP    // a ring's first fill: 0 all STAGES pages at once; 1 the rest once its first
-#define RAMP 3  // page has landed; 2 each page once the one before has; 3 (the default) as 2
-#endif          // in a CTA of at most RAMP_ITEMS items, else as 0 (0-2: A/B builds)
-#ifndef RAMP_ITEMS
-#define RAMP_ITEMS 96
-#endif
-#define GMAX 2
-#ifndef STAGES  // pages in flight per ring (an A/B build may set 2 or 4; the host's
-#define STAGES 3  // smem_bytes reads the same define)
-#endif
-#ifndef NUM_MATH       // math warpgroups (an A/B build may take 3: 152 registers each)
+#ifndef NUM_MATH  // math warpgroups: 4, or 3 in the pipelined build
 #define NUM_MATH 4
 #endif
-#ifndef DUAL_ACC      // n (NUM_MATH=3, 64 heads, the CUDA-core head sum): a chunk's (page, row
-#define DUAL_ACC 0      // group) units in two accumulators, unit i + 1's QK chain under unit i's
-#endif                  // head sum (pipe_block), in blocks of n pages of two full row groups
-                        // (four units for other chunks: pipe_pages); 160 registers per math
-                        // thread, 24 per producer
-#ifndef MATH_REGS      // registers per thread after setmaxnreg (A/B builds may set them)
-#define MATH_REGS (NUM_MATH == 4 ? 104 : DUAL_ACC ? 160 : 152)
+#ifndef DUAL_ACC  // the pipelined build's pages per block of a chunk of two full row groups
+#define DUAL_ACC 0
 #endif
-#ifndef WEIGHTS_REG    // 1: a lane keeps its chunk's weights in registers for the chunk's
-#define WEIGHTS_REG 0  // pages instead of reading them per page (an A/B build, NUM_MATH=3)
+#if !((NUM_MATH == 4 && DUAL_ACC == 0) || (NUM_MATH == 3 && DUAL_ACC == 4))
+#error "NUM_MATH=3 comes with DUAL_ACC=4 (the pipelined build), NUM_MATH=4 without DUAL_ACC"
 #endif
-#ifndef PRODUCER_REGS
+#define GMAX 2
+#define STAGES 3          // pages in flight per ring (the host's smem_bytes assumes 3)
+#define RAMP_ITEMS 96     // a CTA of at most this many items fills its rings a page at a time
+#define MATH_REGS (NUM_MATH == 4 ? 104 : 160)   // registers per thread after setmaxnreg
 #define PRODUCER_REGS (DUAL_ACC ? 24 : 40)
-#endif
-#if NUM_MATH != 4 && NUM_MATH != 3
-#error "NUM_MATH: 4 or 3 math warpgroups"
-#endif
 #define THREADS (128 * (NUM_MATH + 1))
 #define PAGE 64
 #define DIM 128
@@ -79,27 +65,16 @@ typedef unsigned char u8;
 #endif
 #define RG (128 / HEADS)   // rows per row group
 #ifndef HALF_MMA      // 1: a row group with absent rows (a chunk's last) runs its QK wgmma
-#define HALF_MMA (NUM_MATH == 4 && STAGES == 3 && !STAMPS)  // over half its columns
-#endif                // where its present rows fit there (m64n64: a 64-head half group, 1-2
-                      // of 4 rows at 32 heads): the default; off in the A/B builds of other
-                      // ring / warpgroup shapes and the stamped ones, some of whose wgmmas
-                      // serialise with it (the host's build_cubin drops it where the
-                      // default's would)
-#ifndef DESC_STEP     // 1: a wgmma chain's descriptors as its first ones plus 2 a step (32
-#define DESC_STEP HALF_MMA  // bytes along K: the start-address field, 16-byte units) instead
-#endif                // of each built from its address (fewer uniform ops; HALF_MMA's
-                      // default: without it NVRTC 13.0's ptxas serialises the wgmmas)
-#ifndef PIPE_HALF     // DUAL_ACC: a two-group chunk's half group's chain over its first 64
-#define PIPE_HALF 1     // columns (m64n64; 0: its full m64n128, as DUAL_ACC=1 and 2 need:
-#endif                  // ptxas serialises their wgmmas with it)
-#if DUAL_ACC && (NUM_MATH != 3 || RG != 2 || HEAD_SUM_TC || WEIGHTS_REG || STAMPS)
+#define HALF_MMA (NUM_MATH == 4)  // over half its columns where its present rows fit there
+#endif                // (m64n64: a 64-head half group, 1-2 of 4 rows at 32 heads)
+#if HALF_MMA && NUM_MATH != 4
+#error "HALF_MMA is a build of four math warpgroups"
+#endif
+// A wgmma chain's descriptors as its first ones plus 2 a step (fewer uniform ops):
+// with HALF_MMA, NVRTC 13.0's ptxas serialises the wgmmas otherwise.
+#define DESC_STEP HALF_MMA
+#if DUAL_ACC && (RG != 2 || HEAD_SUM_TC)
 #error "DUAL_ACC is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
-#endif
-#if HALF_MMA && !DESC_STEP
-#error "HALF_MMA without DESC_STEP: NVRTC 13.0's ptxas serialises the wgmmas"
-#endif
-#if WEIGHTS_REG && (NUM_MATH != 3 || HEAD_SUM_TC || RG != 2)
-#error "WEIGHTS_REG is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
 #endif
 #define HB (HEADS / 8)     // 8-column blocks per row
 #define ROWS_MAX (GMAX * RG)
@@ -163,33 +138,6 @@ DEV u64 sw128_desc(const void* p) {
   d |= u64(1) << 62;
   return d;
 }
-#if STAMPS
-// A CTA's row of STAMP_SLOTS u64, read back by the benchmark (bench/stamps.py
-// names the slots): 0 globaltimer at entry, 1 clock64 at entry, 2 clock64 once
-// the barriers are set up, 3 clock64 when ring 0's first page is ready, 4-7
-// clock64 at each math warpgroup's end, 8 globaltimer at ring 0's end, 9 %smid;
-// STAMPS=2: from PROF_SLOT, 4 per math warpgroup (its thread 0's clock64
-// deltas summed over its pages): cycles waiting for a page, cycles in the QK
-// wgmma chain (issue to wait_group 0: its work and the tensor cores' queue),
-// cycles of the page after its data (the chain, the head sum, the stores),
-// pages.
-#define STAMP_CTAS 1024
-#define STAMP_SLOTS 32
-#define PROF_SLOT 16
-__device__ unsigned long long stamps_sm90[STAMP_CTAS * STAMP_SLOTS];
-DEV u64 global_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
-DEV u64 sm_clock() { u64 t; asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)); return t; }
-DEV void stamp(int slot, u64 value) {
-  if (blockIdx.x < STAMP_CTAS) stamps_sm90[blockIdx.x * STAMP_SLOTS + slot] = value;
-}
-#endif
-#if STAMPS >= 2
-__shared__ u64 prof_sm90[NUM_MATH * 4];  // the counters above, per math warpgroup
-DEV void prof_add(int field, u64 value) {
-  if (threadIdx.x % 128 == 0) prof_sm90[(threadIdx.x / 128 - 1) * 4 + field] += value;
-}
-#endif
-
 DEV void mma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 DEV void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 DEV void mma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
@@ -251,9 +199,6 @@ DEV int first_page(const Seg& s, int r) {
 // (acc[0, 32): its present rows' heads where they fit there).
 DEV void qk_group(float (&acc)[64], const u8* page, const u8* qg, u64* slot_empty, bool release,
                   int lane, int cols = 128) {
-#if STAMPS >= 2
-  const u64 t_chain = sm_clock();
-#endif
   mma_fence();
   const u64 a0 = sw128_desc(page), b0 = sw128_desc(qg);
 #pragma unroll
@@ -264,9 +209,6 @@ DEV void qk_group(float (&acc)[64], const u8* page, const u8* qg, u64* slot_empt
   }
   mma_commit();
   mma_wait();
-#if STAMPS >= 2
-  prof_add(1, sm_clock() - t_chain);
-#endif
   if (release) {  // every read of the slot is done: hand it back
     __syncwarp();
     if (lane == 0) bar_arrive(slot_empty);
@@ -290,15 +232,10 @@ DEV void mma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memo
 #endif
 
 // A lane's weights of 8-column block n of its row group (heads 8 (n % 8) + 2q,
-// + 1 of row n / 8): read from the chunk's copy in shared memory per page, or
-// (WEIGHTS_REG) held in registers for the chunk's pages.
+// + 1 of row n / 8), read from the chunk's copy in shared memory per page.
 struct SmemWeights {
   const float* p;  // the group's weights, at this lane's 2q
   DEV float2 operator[](int n) const { return *reinterpret_cast<const float2*>(p + 8 * n); }
-};
-struct RegWeights {
-  float2 v[16];
-  DEV float2 operator[](int n) const { return v[n]; }
 };
 // Row group g's weights in the chunk's copy (buffer b), at lane's 2q.
 DEV SmemWeights group_weights(const float* w_buf, int b, int g, int lane) {
@@ -525,20 +462,19 @@ DEV void pipe_block(float (&acc)[64], float (&acc2)[64], const Chunk& c, int p, 
   constexpr int N = G * K;
   // unit v's chain: into acc (v even) or acc2, its page's slot waited for
   // when v is the page's first unit; a two-group chunk's half group's over
-  // its first 64 columns (PIPE_HALF)
+  // its first 64 columns
   auto issue = [&](int v) {
     const int t = v / G, g = v % G, slot = ring * STAGES + (j + t) % STAGES;
     if (g == 0) bar_wait(&full[slot], ((j + t) / STAGES) & 1);
     const u8* page = kv_ring + slot * SLOT_BYTES;
     const u8* qg = c.q + g * Q_GROUP_BYTES;
-    const bool half = PIPE_HALF && HALF && G == 2 && g == 1;
+    const bool half = HALF && G == 2 && g == 1;
     if (v % 2 == 0) qk_issue(acc, page, qg, half);
     else qk_issue(acc2, page, qg, half);
   };
   // is unit v issued before step v - 1 waits: a page's second unit, at step
   // v - 2's end; a page's first one only once the page before is handed back
-  // (issuing it earlier, under the page before's second head sum, measured
-  // no faster)
+  // (issuing it earlier, under the page before's second head sum, was no faster)
   auto early = [](int v) { return v % G != 0; };
   float scale = 0.f;
   issue(0);
@@ -566,9 +502,9 @@ DEV void pipe_block(float (&acc)[64], float (&acc2)[64], const Chunk& c, int p, 
 
 // A chunk's pages of this warpgroup: blocks of K pages (DUAL_ACC pages of two
 // full row groups; four units for other chunks: 2 pages of a two-group chunk
-// with a half group, 4 of one group), then of 2, then 1.  (DUAL_ACC=4 for
-// every chunk made the kernel 156 KB of code, and variable steps, which run
-// every copy, 6-16 % slower: instruction fetch.)
+// with a half group, 4 of one group), then of 2, then 1.  (Blocks of DUAL_ACC
+// pages for every chunk grow the code enough to slow variable steps, which run
+// every copy: instruction fetch.)
 template <int G, bool HALF>
 DEV void pipe_pages(float (&acc)[64], float (&acc2)[64], const Chunk& c, const Seg& s, int& j,
                     int ring, int tok, int lane, u8* kv_ring, const float* sc_ring, u64* full,
@@ -609,16 +545,10 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 
   const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   const int warp = __shfl_sync(0xffffffffu, (threadIdx.x / 32) % 4, 0), lane = threadIdx.x % 32;
-#if STAMPS
-  if (threadIdx.x == 0) { stamp(0, global_ns()); stamp(1, sm_clock()); }
-#endif
   if (threadIdx.x == 0) {
     for (int i = 0; i < NUM_MATH * STAGES; ++i) { bar_init(&full[i], 1); bar_init(&empty[i], 4); }
     for (int i = 0; i < 2; ++i) { bar_init(&q_full[i], 1); bar_init(&q_empty[i], 4 * NUM_MATH); }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#if STAMPS >= 2
-    for (int i = 0; i < NUM_MATH * 4; ++i) prof_sm90[i] = 0;
-#endif
 #if PDL
     // the descriptors are launch parameters, not another kernel's output
     asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<u64>(&kv_map)) : "memory");
@@ -634,14 +564,6 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
   // for this grid the same way).  Without the launch attribute both are no-ops.
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-#if STAMPS
-  if (threadIdx.x == 0) {
-    u32 sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    stamp(2, sm_clock());
-    stamp(9, sm);
-  }
 #endif
   const int4 cta = __ldg(reinterpret_cast<const int4*>(ctas) + blockIdx.x);
   const int seg0 = __shfl_sync(0xffffffffu, cta.x, 0);
@@ -672,17 +594,13 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       for (int p = first_page(s, ring); p < s.page_hi; p += NUM_MATH, ++j) {
         const int block = __ldg(bt_row + p);
         const int slot = ring * STAGES + j % STAGES;
-#if RAMP
         // At the start every CTA's rings ask for STAGES pages at once, and a
-        // ring's first page queues behind the others' later ones: the CTA
-        // whose first page lands last sets the kernel's span (--stamps).  Ask
-        // for the first pages first.  Phase 0 of the slot waited on completes
-        // before the ring issues any later page into it: no later phase aliases.
-        // RAMP=3: only where a CTA has few items (H200, 320b823, paths in a
-        // balanced order: -3.5 to -8 % at <= 64 items per CTA, level at >= 124).
-        if (j > 0 && j < STAGES && (RAMP != 3 || hi - lo <= RAMP_ITEMS))
-          bar_wait(&full[ring * STAGES + (RAMP == 1 ? 0 : j - 1)], 0);
-#endif
+        // ring's first page queues behind the others' later ones: where a CTA
+        // has few items, ask for each page once the one before has landed.
+        // Phase 0 of the slot waited on completes before the ring issues any
+        // later page into it: no later phase aliases.
+        if (j > 0 && j < STAGES && (hi - lo <= RAMP_ITEMS))
+          bar_wait(&full[ring * STAGES + (j - 1)], 0);
         bar_wait(&empty[slot], ((j / STAGES) & 1) ^ 1);
         bar_expect(&full[slot], LOAD_BYTES);
 #if EVICT_FIRST
@@ -728,13 +646,6 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
       lim[g] = (r < s.n_rows) ? min(__ldg(ctx + s.first_row + r), s.kv_len) : 0;
     }
     bar_wait(&q_full[b], (k >> 1) & 1);
-#if WEIGHTS_REG
-    RegWeights wreg[GMAX];  // (rows past the chunk's: never read)
-#pragma unroll
-    for (int g = 0; g < GMAX; ++g)
-#pragma unroll
-      for (int n = 0; n < 16; ++n) wreg[g].v[n] = group_weights(w_buf, b, g, lane)[n];
-#endif
 #if HEAD_SUM_TC
     u8* wt_seg = wt_buf + (ring * 2 + b) * GMAX * WT_GROUP_BYTES;
     weights_tf32(wt_seg, w_buf + b * ROWS_MAX * HEADS, s.n_rows, ring, threadIdx.x % 128);
@@ -764,17 +675,7 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 #else
     for (int p = first_page(s, ring); p < s.page_hi; p += NUM_MATH, ++j) {
       const int slot = ring * STAGES + j % STAGES;
-#if STAMPS >= 2
-      const u64 t_wait = sm_clock();
-#endif
       bar_wait(&full[slot], (j / STAGES) & 1);
-#if STAMPS >= 2
-      const u64 t_page = sm_clock();
-      prof_add(0, t_page - t_wait);
-#endif
-#if STAMPS
-      if (j == 0 && ring == 0 && threadIdx.x % 128 == 0) stamp(3, sm_clock());
-#endif
       const u8* page = kv_ring + slot * SLOT_BYTES;
 #if RG == 2
       const float scale = sc_ring[slot * PAGE + tok];
@@ -789,19 +690,14 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 #if RG == 2
           // a chunk's odd last row (a half group) runs the full wgmma (HALF_MMA: its
           // row's 64 heads only) and only its row's epilogue, in a code copy of
-          // its own (calls 47-48: one copy with a branch inside the epilogue cost
-          // full groups 1-2 %)
+          // its own (a branch inside one copy's epilogue slowed full groups)
 #if HEAD_SUM_TC
           const float4* wt = wt_lane + g * (WT_GROUP_BYTES / 16);
           const float v = 2 * g + 1 < s.n_rows
               ? group_logit_tc(acc, page, qg, wt, &empty[slot], g == groups - 1, lane, false)
               : group_logit_tc(acc, page, qg, wt, &empty[slot], g == groups - 1, lane, true);
 #else
-#if WEIGHTS_REG
-          const RegWeights& wq = wreg[g];
-#else
           const SmemWeights wq = group_weights(w_buf, b, g, lane);
-#endif
           const float v = 2 * g + 1 < s.n_rows
               ? group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 16)
               : group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 8);
@@ -837,22 +733,9 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
 #endif
         }
       }
-#if STAMPS >= 2
-      prof_add(2, sm_clock() - t_page);
-      prof_add(3, 1);
-#endif
     }
 #endif  // DUAL_ACC
     __syncwarp();
     if (lane == 0) bar_arrive(&q_empty[b]);
   }
-#if STAMPS
-  if (threadIdx.x % 128 == 0) {
-    stamp(4 + ring, sm_clock());
-    if (ring == 0) stamp(8, global_ns());
-#if STAMPS >= 2
-    for (int i = 0; i < 4; ++i) stamp(PROF_SLOT + 4 * ring + i, prof_sm90[4 * ring + i]);
-#endif
-  }
-#endif
 }

@@ -47,8 +47,8 @@ token quantised to e4m3 with scale ``amax / 448`` (DeepSeek V3.2's indexer:
 values up to +-448, optionally power-of-two scales as with ``ue8m0``), the
 query scale folded into the weights as vLLM does (``w * q_scale *
 head_dim**-0.5 * heads**-0.5``); channels of unequal size (log-normal
-spread), as activations have.  Run ``python -m
-vllm_dsa_varlen.ops.head_sum_precision`` for the table; with ``--gpu`` (an
+spread), as activations have.  Run ``python3
+benchmarks/studies/head_sum_precision.py`` for the table; with ``--gpu`` (an
 sm_90 GPU) the same inputs go through both builds of the CUDA kernel
 (:func:`gpu_study`): the TF32 build's top-k against the fp32 build's, each
 against the torch reference, and DeepGEMM's check on the kernel's logits.
@@ -57,11 +57,25 @@ against the torch reference, and DeepGEMM's check on the kernel's logits.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
 
-from .reference import FP8_MAX, head_sum_tf32, round_bf16, round_tf32, truncate_tf32
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from vllm_dsa_varlen.ops.reference import FP8_MAX, head_sum_tf32, round_bf16, round_tf32  # noqa: E402
+
+# TF32 keeps float32's sign and 8 exponent bits and the top 10 of its 23
+# mantissa bits; the low 13 bits of the 32-bit word are dropped.
+_TF32_DROP = 13
+
+
+def truncate_tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the TF32 value toward zero (the low 13 mantissa bits cleared):
+    what the tensor core takes from a float32 register it was given unconverted."""
+    bits = x.float().contiguous().view(torch.int32)
+    return (bits & ~((1 << _TF32_DROP) - 1)).view(torch.float32)
 
 HEAD_SUMS = ("fp32", "tf32", "tf32_round", "tf32_trunc", "bf16", "abs_split", "abs_split2",
              "fp16", "fp16x2", "fp64")
@@ -395,7 +409,7 @@ def paged_step(parts: list[Inputs], *, device="cuda", seed: int = 0, mtp: bool =
 
 def _run_build(step: dict, head_sum: str, max_run_len: int) -> torch.Tensor:
     """One of the CUDA kernel's builds on ``step`` (poisoned output)."""
-    from . import cuda_paged_mqa_logits as ck
+    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
 
     rows = step["q"].shape[0]
     out = torch.full((rows, step["max_context_len"]), float("nan"), device=step["q"].device)
@@ -414,7 +428,7 @@ def gpu_study(requests: int = 8, rows: int = 4, context: int = 32768, seeds: int
     contract's comparison), each build against the torch reference (fp32
     head sum; the fp8 tensor cores' own accumulation error shows here), the
     TF32 build against its emulation."""
-    from .reference import paged_mqa_logits_ref
+    from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref
 
     table: dict[str, Row] = {}
     for seed in range(seeds):
