@@ -20,9 +20,10 @@ DOCS_LIMIT = 1024 * 1024
 
 # `<commit>:<path>`: a file cited from git history (`git show` it).
 HISTORY = re.compile(r"\b([0-9a-f]{7,40}):((?:docs|vllm_dsa_varlen|tests|benchmarks|scripts)/[^\s`'\"<>|]*)")
-# A path under docs/results/, written from the repository root or from that folder.
-RESULT = re.compile(r"(?<![\w/.:-])(?:docs/results/)?((?:h200|cpu)-[0-9a-f]{7}[\w.-]*(?:/[^\s`'\"<>|]*)?"
-                    r"|head-sum-precision(?:/[^\s`'\"<>|]*)?)")
+# A path under docs/results/: written from the repository root (any folder), or
+# from that folder when it is a run's (named by card or CPU and commit).
+RESULT = re.compile(r"(?<![\w/.:-])(?:docs/results/([^\s`'\"<>|]+)"
+                    r"|((?:h200|h100|cpu)-[0-9a-f]{7}[\w.-]*(?:/[^\s`'\"<>|]*)?))")
 TRAILING = ".,;:)]"
 
 
@@ -62,7 +63,7 @@ def cited_results(text: str) -> set[str]:
     live = HISTORY.sub(" ", text)
     found = set()
     for m in RESULT.finditer(live):
-        path = m.group(1).rstrip(TRAILING)
+        path = (m.group(1) or m.group(2)).rstrip(TRAILING)
         found.update(_expand(path))
     return found
 
