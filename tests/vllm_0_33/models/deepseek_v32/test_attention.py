@@ -99,7 +99,7 @@ def test_on_this_machine_the_decision_is_the_platforms():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantize_mqa", [False, True])
-def test_traced_by_torch_compile_like_vllms(quantize_mqa):
+def test_traced_by_torch_compile_like_vllms(monkeypatch, quantize_mqa):
     """The layer's call, compiled as vLLM compiles the model (whole graph,
     ``dynamic=False``, the token dim marked dynamic), launches the same
     kernel: the fp8 indexer query and the MLA query bytes equal to eager.
@@ -109,7 +109,13 @@ def test_traced_by_torch_compile_like_vllms(quantize_mqa):
     ``fused_q`` compiled the same way (with the bf16 query, its MLA query
     too)."""
     from vllm.models.deepseek_v32.common import kernels
+    from vllm.models.deepseek_v32.nvidia.ops import fused_q_cutedsl
 
+    # vLLM's fused_q asks whether its SM100 CuTeDSL kernel serves (not on
+    # sm_90); 0.34 answers from a functools.cache'd platform query, which a
+    # lone layer's fullgraph compile cannot trace: the same answer, in Python.
+    assert not fused_q_cutedsl.current_platform.has_device_capability(100)
+    monkeypatch.setattr(fused_q_cutedsl, "is_fused_q_cutedsl_supported", lambda *a, **k: False)
     rec = Recorder()
     fn = ours.make_fused_q(rec, serves=True, use_pdl=True)
     dev = torch.device("cuda")
