@@ -31,11 +31,11 @@ import torch
 
 _ATTR = "_vllm_dsa_varlen_ids"
 _BOUND_ATTR = "_vllm_dsa_varlen_bound"
-BACKENDS = ("deepgemm", "triton")
+BACKENDS = ("deepgemm", "own")  # DeepGEMM with ids, or the project's kernels
 
 
 class VarlenTag(NamedTuple):
-    """``ids``: int32 ``[R]`` run ids; ``backend``: ``"deepgemm"`` | ``"triton"``;
+    """``ids``: int32 ``[R]`` run ids; ``backend``: ``"deepgemm"`` | ``"own"``;
     ``max_run_len``: the step's longest run as the host knows it (a sizing hint
     for the project's kernel; correctness never depends on it); ``schedules``: the
     step's planned kernel schedules, filled by the first layer's call and read
@@ -56,7 +56,7 @@ def attach_varlen_ids(schedule: torch.Tensor, ids: torch.Tensor, backend: str,
     """Return a fresh view of ``schedule`` (same storage) tagged with ``ids``.
 
     ``schedule``: the builder's scheduler-metadata buffer (any shape/dtype).
-    ``ids``: int32 ``[R]``.  ``backend``: ``"deepgemm"`` or ``"triton"``.
+    ``ids``: int32 ``[R]``.  ``backend``: ``"deepgemm"`` or ``"own"``.
     ``max_run_len``: the step's longest request in tokens (>= 1);
     ``max_context``: the step's longest context (>= 1) or ``None``."""
     if backend not in BACKENDS:

@@ -72,6 +72,10 @@ import threading
 
 import torch
 
+# Absolute: the benchmark imports another revision's ops/ under another name.
+from vllm_dsa_varlen import settings
+from vllm_dsa_varlen.settings import HEAD_SUM_ENV, PDL_ENV, PIPELINE_ENV  # read here
+
 from .common import DIM, PAGE, capability, log_once, num_sms
 from .cuda_binding import NVRTC_ENV  # noqa: F401  (the setting this kernel honours)
 from .cuda_binding import (ARCH, INVALID_CONTEXT, compile_source, current_device, current_stream,
@@ -155,13 +159,10 @@ PIPELINE_MIN_ROWS = 64
 # lets its dependents launch at its start (0.996-1.003x, H200,
 # docs/results/h200-9220b82/lead-*.log): off by default.
 PDL = ("PDL=1",)
-PDL_ENV = "VLLM_DSA_VARLEN_PDL"
 
 # The head sum (``read_head_sum``): "fp32" on the CUDA cores (the default build,
 # DeepGEMM's arithmetic) or "tf32" on the tensor cores (HEAD_SUM_TC=1).
-PIPELINE_ENV = "VLLM_DSA_VARLEN_PIPELINE"
-HEAD_SUM_ENV = "VLLM_DSA_VARLEN_HEAD_SUM"
-HEAD_SUMS = ("fp32", "tf32")
+HEAD_SUMS = settings.HEAD_SUMS
 
 _lock = threading.Lock()
 
@@ -474,39 +475,23 @@ def defines_for(max_run_len: int, head_sum: str | None = None,
 
 @functools.lru_cache(maxsize=None)
 def read_pdl() -> bool:
-    """``VLLM_DSA_VARLEN_PDL`` (read once per process): ``1`` the launcher's
-    builds launched as programmatic dependents (:data:`PDL`), ``0`` / unset /
-    empty plain launches; ``ValueError`` naming the variable otherwise."""
-    return _read_setting(PDL_ENV, ("0", "1")) == "1"
+    """``DSA_VARLEN_PDL`` (read once per process): the launcher's builds
+    launched as programmatic dependents (:data:`PDL`), or plain launches."""
+    return settings.get(PDL_ENV)
 
 
 @functools.lru_cache(maxsize=None)
 def read_pipeline() -> bool:
-    """``VLLM_DSA_VARLEN_PIPELINE`` (read once per process): ``1`` the
-    pipelined build where it applies (:func:`defines_for`), ``0`` / unset /
-    empty the four-warpgroup one (the default); ``ValueError`` naming the
-    variable otherwise."""
-    return _read_setting(PIPELINE_ENV, ("0", "1")) == "1"
+    """``DSA_VARLEN_PIPELINE`` (read once per process): the pipelined build
+    where it applies (:func:`defines_for`), or the four-warpgroup one."""
+    return settings.get(PIPELINE_ENV)
 
 
 @functools.lru_cache(maxsize=None)
 def read_head_sum() -> str:
-    """``VLLM_DSA_VARLEN_HEAD_SUM`` (read once per process): ``"fp32"`` (unset or
-    empty: the default; DeepGEMM's float32 arithmetic) or ``"tf32"`` (the
-    tensor-core head sum).  ``ValueError`` naming the variable otherwise."""
-    return _read_setting(HEAD_SUM_ENV, HEAD_SUMS)
-
-
-def _read_setting(name: str, allowed: tuple[str, ...]) -> str:
-    """Environment variable ``name``, blanks and case ignored, one of
-    ``allowed`` (unset or empty: the first); ``ValueError`` naming it
-    otherwise."""
-    raw = os.environ.get(name, "")
-    value = raw.strip().lower() or allowed[0]
-    if value not in allowed:
-        raise ValueError(f"{name}={raw!r} is not valid: expected one of "
-                         f"{', '.join(allowed)} (default {allowed[0]})")
-    return value
+    """``DSA_VARLEN_HEAD_SUM`` (read once per process): ``"fp32"`` (DeepGEMM's
+    float32 arithmetic) or ``"tf32"`` (the tensor-core head sum)."""
+    return settings.get(HEAD_SUM_ENV)
 
 
 def _define(defines: tuple, name: str, default: int) -> int:

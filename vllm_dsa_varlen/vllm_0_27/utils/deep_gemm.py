@@ -39,11 +39,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-
-from vllm_dsa_varlen.config import DeepGemmCaps
 
 __all__ = [
     "DeepGemmCaps", "param_names", "detect_caps", "current_caps",
@@ -54,6 +53,38 @@ __all__ = [
 
 logger = logging.getLogger("vllm.dsa_varlen")
 _logged: set[str] = set()
+
+
+@dataclass(frozen=True)
+class DeepGemmCaps:
+    """What the installed DeepGEMM's indexer functions accept (detected from
+    their signatures, never from a version string).
+
+    ``paged_indices`` / ``metadata_indices``: ``fp8_fp4_paged_mqa_logits`` /
+    ``get_paged_mqa_logits_metadata`` take an ``indices`` argument (both do in
+    the DeepGEMM 2.6.1 vLLM 0.27.1 vendors and in 2.8.x).
+    ``paged_clean_logits`` / ``prefill_clean_logits``: the paged / prefill
+    logits functions take ``clean_logits`` (the vendored 2.6.1 does; 2.8.x
+    does not).
+    ``prefill_max_seqlen_k``: the prefill function takes ``max_seqlen_k``
+    (2.8.x: row-compressed prefill logits).
+    ``signatures_known``: the argument names could be read at all.
+    """
+
+    has_paged: bool = True
+    has_metadata: bool = True
+    has_prefill: bool = True
+    paged_indices: bool = False
+    metadata_indices: bool = False
+    paged_clean_logits: bool = True
+    prefill_clean_logits: bool = True
+    prefill_max_seqlen_k: bool = False
+    signatures_known: bool = True
+
+    @property
+    def varlen(self) -> bool:
+        """Both the scheduler and the kernel accept run ids."""
+        return self.has_paged and self.has_metadata and self.paged_indices and self.metadata_indices
 
 
 def _log_once(level: int, msg: str, *args: Any) -> None:

@@ -91,15 +91,15 @@ def test_the_factory_decides_once_and_logs_it(device, plugin_log, monkeypatch):
     measured = ours.wrap_fused_indexer_q_rope_quant(rec)
     assert "the project's kernel (sm_90" in logged()
     assert measured(*indexer_q_args(inp, True)) != "vllm's" and len(rec.calls) == 1
-    monkeypatch.setenv("VLLM_DSA_VARLEN_FUSED_Q", "on")
-    monkeypatch.setenv("VLLM_DSA_VARLEN_FUSED_Q_BLOCKS", "8/16/2/2")
+    monkeypatch.setenv("DSA_VARLEN_FUSED_Q", "on")
+    monkeypatch.setenv("DSA_VARLEN_FUSED_Q_BLOCKS", "8/16/2/2")
     on = ours.wrap_fused_indexer_q_rope_quant(rec)
     text = logged()
     assert "the project's kernel (sm_90" in text and "8 heads per program, 2 warps" in text
     assert on(*indexer_q_args(inp, True)) != "vllm's" and len(rec.calls) == 1
-    monkeypatch.setenv("VLLM_DSA_VARLEN", "off")
+    monkeypatch.setenv("DSA_VARLEN", "off")
     assert ours.wrap_fused_indexer_q_rope_quant(rec)(*indexer_q_args(inp, True)) == "vllm's"
-    assert "VLLM_DSA_VARLEN=off" in logged()
+    assert "DSA_VARLEN=off" in logged()
 
 
 def test_auto_takes_the_measured_kernel_on_sm90_only():
@@ -113,7 +113,7 @@ def test_auto_takes_the_measured_kernel_on_sm90_only():
 
 
 def test_on_this_machine_the_decision_is_the_platforms(monkeypatch):
-    monkeypatch.setenv("VLLM_DSA_VARLEN_FUSED_Q", "on")
+    monkeypatch.setenv("DSA_VARLEN_FUSED_Q", "on")
     is_cuda, capability = ours._platform()
     serves, why = config.choose_fused_q(is_cuda=is_cuda, capability=capability, setting="on",
                                         measured=ours.MEASURED)

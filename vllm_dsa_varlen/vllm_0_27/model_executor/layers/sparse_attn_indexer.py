@@ -18,7 +18,7 @@ is False, so stock reshapes the decode queries to ``[R, 1, H, D]`` and
 run ids ride on ``schedule_metadata`` (:mod:`vllm_dsa_varlen.varlen_ids`):
 
 * tagged ``deepgemm``: DeepGEMM with ``indices=ids`` (FP8 and MXFP4 caches);
-* tagged ``triton``: :func:`vllm_dsa_varlen.ops.launcher.varlen_paged_mqa_logits`
+* tagged ``own``: :func:`vllm_dsa_varlen.ops.launcher.varlen_paged_mqa_logits`
   (FP8 cache only; an MXFP4 step raises);
 * no tag: exactly the stock call (through :mod:`vllm_dsa_varlen.vllm_0_27.utils.deep_gemm`,
   which passes stock's arguments unchanged).
@@ -54,8 +54,8 @@ def _launcher():
     return launcher
 
 
-def _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids, max_model_len,
-                   clean_logits, max_run_len, schedules=None):
+def _own_logits(q, kv_cache, weights, context_lens, block_tables, ids, max_model_len,
+                clean_logits, max_run_len, schedules=None):
     q_values, q_scale = q
     if q_scale is not None or q_values.dtype != torch.float8_e4m3fn:
         raise RuntimeError(
@@ -106,8 +106,8 @@ def fp8_fp4_paged_mqa_logits(
     else:
         if context_lens.shape[0] != rows or block_tables.shape[0] != rows:
             context_lens, block_tables = first_rows(rows, context_lens, block_tables)
-        logits = _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
-                                max_model_len, clean_logits, tag.max_run_len, tag.schedules)
+        logits = _own_logits(q, kv_cache, weights, context_lens, block_tables, ids,
+                             max_model_len, clean_logits, tag.max_run_len, tag.schedules)
     # The decode top-k after it gets the step's max_seq_len from this tag (stock's
     # persistent_topk call passes the logits' width).
     return mark_bound(logits, tag.max_context)

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_dsa_varlen import config
+from vllm_dsa_varlen import config, settings
 from vllm_dsa_varlen.ops import triton_indexer_q
 
 logger = logging.getLogger("vllm.dsa_varlen")
@@ -78,9 +78,10 @@ def wrap_fused_indexer_q_rope_quant(original: Callable[..., Any]) -> Callable[..
     on every call where the project's kernel does not serve)."""
     is_cuda, capability = _platform()
     serves, why = config.choose_fused_q(is_cuda=is_cuda, capability=capability,
-                                        setting=config.read_fused_q(), mode=config.read_mode(),
+                                        setting=settings.get(settings.FUSED_Q_ENV),
+                                        mode=settings.get(settings.MODE_ENV),
                                         measured=MEASURED)
-    blocks = config.read_fused_q_blocks()
+    blocks = settings.get(settings.FUSED_Q_BLOCKS_ENV)
     heads, warps = ((triton_indexer_q.INDEX_HEADS, triton_indexer_q.NUM_WARPS) if blocks is None
                     else (blocks[0], blocks[3]))
     logger.info("vllm-dsa-varlen: DeepSeek-V3.2 indexer query preparation "

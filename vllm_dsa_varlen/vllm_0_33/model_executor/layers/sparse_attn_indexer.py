@@ -16,7 +16,7 @@ After a varlen build ``decode_lens`` is all ones and ``requires_padding`` is
 False, so stock reshapes the decode queries to ``[R, 1, H, D]`` and
 ``seq_lens`` is ``[R, 1]``: the arguments already are the varlen layout.
 
-* schedule tagged ``triton`` (:mod:`vllm_dsa_varlen.varlen_ids`): the Triton
+* schedule tagged ``own`` (:mod:`vllm_dsa_varlen.varlen_ids`): the project's
   varlen kernel :func:`vllm_dsa_varlen.ops.launcher.varlen_paged_mqa_logits`
   with the tag's ids (FP8 cache only; anything else raises);
 * no tag: exactly stock's call (``indices`` passed through: upstream's own
@@ -53,7 +53,7 @@ def _launcher():
     return launcher
 
 
-def triton_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.Tensor,
+def own_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.Tensor,
                   weights: torch.Tensor, context_lens: torch.Tensor,
                   block_tables: torch.Tensor, ids: torch.Tensor, max_model_len: int,
                   max_run_len: int, schedules: dict | None = None) -> torch.Tensor:
@@ -109,8 +109,8 @@ def _route(original: Callable[..., Any], q, kv_cache, weights, context_lens, blo
     if ids.shape[0] != rows or context_lens.shape[0] != rows or block_tables.shape[0] != rows:
         # Stock feeds a single dummy row when a decode batch has no tokens.
         ids, context_lens, block_tables = first_rows(rows, ids, context_lens, block_tables)
-    return triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
-                         max_model_len, tag.max_run_len, tag.schedules)
+    return own_logits(q, kv_cache, weights, context_lens, block_tables, ids,
+                      max_model_len, tag.max_run_len, tag.schedules)
 
 
 def wrap_paged_mqa_logits(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_dsa_varlen import config
+from vllm_dsa_varlen import config, settings
 from vllm_dsa_varlen.ops import triton_fused_q
 
 logger = logging.getLogger("vllm.dsa_varlen")
@@ -78,8 +78,9 @@ def wrap_fused_q(original: Callable[..., Any]) -> Callable[..., Any]:
     on every call where the project's kernel does not serve)."""
     is_cuda, capability, use_pdl = _platform()
     serves, why = config.choose_fused_q(is_cuda=is_cuda, capability=capability,
-                                        setting=config.read_fused_q(), mode=config.read_mode())
-    blocks = config.read_fused_q_blocks()
+                                        setting=settings.get(settings.FUSED_Q_ENV),
+                                        mode=settings.get(settings.MODE_ENV))
+    blocks = settings.get(settings.FUSED_Q_BLOCKS_ENV)
     blocks = triton_fused_q.Blocks() if blocks is None else triton_fused_q.Blocks(*blocks)
     logger.info("vllm-dsa-varlen: DeepSeek-V3.2 query preparation (fused_q): %s%s", why,
                 f" (heads per program {blocks.index}/{blocks.pe}/{blocks.nope}, "

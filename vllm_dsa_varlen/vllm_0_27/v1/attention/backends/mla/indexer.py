@@ -69,6 +69,7 @@ buffer holds them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from dataclasses import dataclass
@@ -81,10 +82,9 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla import indexer as _ix
 
-from vllm_dsa_varlen import policy, stats, warmup
+from vllm_dsa_varlen import config, policy, settings, stats, warmup
+from vllm_dsa_varlen.config import DecodePath, LineFacts, log_decode_path
 from vllm_dsa_varlen.patches import init_then
-from vllm_dsa_varlen.config import (DecodePath, choose_decode_path, log_decode_path,
-                                     read_backend, read_mode)
 from vllm_dsa_varlen.plan import DecodeRowBuffers, make_ramp, plan_decode_rows
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg
 from vllm_dsa_varlen.varlen_ids import attach_varlen_ids, ids_hold, ids_written
@@ -106,6 +106,42 @@ class DeepSeekV32IndexerDecodeMetadata(_ix.DeepSeekV32IndexerDecodeMetadata):
 # The decode-path decision (__init__, get_cudagraph_support)
 # --------------------------------------------------------------------------------------
 
+def line_facts(capability: tuple[int, int], *, deepgemm: dsa_dg.DeepGemmCaps | None,
+               next_n: int) -> LineFacts:
+    """What the 0.27 line adds to :func:`vllm_dsa_varlen.config.choose_decode_path`
+    (pure): DeepGEMM varlen on SM10x with a DeepGEMM whose scheduler and kernel
+    take run ids; else what stock runs for a multi-token step, which the
+    project's kernels are compared with per step."""
+    sm10x = capability[0] == config.SM100_MAJOR
+    if not sm10x:
+        refusal = f"DeepGEMM varlen needs SM10x (device is {config.fmt_cap(capability)})"
+    elif deepgemm is None:
+        refusal = "DeepGEMM is not installed"
+    elif not deepgemm.varlen:
+        refusal = ("the installed DeepGEMM's paged MQA logits take no `indices` "
+                   "(vLLM 0.27.1's vendored 2.6.1 and 2.8.x do)")
+    else:
+        refusal = None
+    if deepgemm is None:  # stock has no decode kernel: every step is the project's
+        return LineFacts(refusal, "no DeepGEMM installed: stock has no decode kernel")
+    if sm10x or next_n == 2:  # native [B, next_n] on uniform steps, prefill for the rest
+        return LineFacts(refusal, "stock splits non-uniform steps to the prefill path",
+                         per_step="split")
+    return LineFacts(refusal, "stock flattens and re-reads the KV per token",
+                     per_step="flattened")
+
+
+def choose_decode_path(*, is_cuda: bool, capability: tuple[int, int] | None,
+                       deepgemm: dsa_dg.DeepGemmCaps | None, own_ok: bool, next_n: int,
+                       fp4_cache: bool, mode: str = "auto", backend: str = "auto") -> DecodePath:
+    """A 0.27 builder's decode path (pure): the shared decision with this
+    line's facts (:func:`line_facts`)."""
+    return config.choose_decode_path(
+        functools.partial(line_facts, deepgemm=deepgemm, next_n=next_n), is_cuda=is_cuda,
+        capability=capability, own_ok=own_ok, next_n=next_n, fp4_cache=fp4_cache, mode=mode,
+        backend=backend)
+
+
 def _capability() -> tuple[int, int] | None:
     cap = current_platform.get_device_capability()
     if cap is None:
@@ -113,23 +149,15 @@ def _capability() -> tuple[int, int] | None:
     return (int(cap[0]), int(cap[1]))
 
 
-def _triton_serves(vllm_config: Any, kv_cache_spec: Any) -> bool:
-    """Whether the project's varlen kernel supports this cache."""
+def _own_kernel_serves(vllm_config: Any, kv_cache_spec: Any) -> bool:
+    """Whether the project's varlen kernel supports this cache and head count."""
     try:
         from vllm.triton_utils import HAS_TRITON
-
-        from vllm_dsa_varlen.ops import launcher
-    except Exception:  # noqa: BLE001 - Triton missing or broken: no Triton path
+    except Exception:  # noqa: BLE001 - Triton missing or broken: no kernel of ours
         return False
-    if not HAS_TRITON:
-        return False
-    page = _kernel_page(kv_cache_spec)
-    head_size = getattr(kv_cache_spec, "head_size", None)
-    if (page not in launcher.SUPPORTED_PAGES or head_size is None
-            or head_size - 4 not in launcher.SUPPORTED_DIMS):
-        return False
-    heads = _index_heads(vllm_config)
-    return heads is None or heads in launcher.SUPPORTED_HEADS
+    return HAS_TRITON and config.own_kernel_serves(
+        page=_kernel_page(kv_cache_spec), head_size=getattr(kv_cache_spec, "head_size", None),
+        heads=_index_heads(vllm_config))
 
 
 def _kernel_page(kv_cache_spec: Any) -> int | None:
@@ -147,9 +175,9 @@ def _index_heads(vllm_config: Any) -> int | None:
 
 def decide_decode_path_for(vllm_config: Any, kv_cache_spec: Any) -> DecodePath:
     """Gather the facts for :func:`choose_decode_path` from a vLLM config, the
-    indexer's KV-cache spec and the platform (what the builder and its
-    ``get_cudagraph_support`` classmethod both know)."""
-    mode, backend = read_mode(), read_backend()
+    indexer's KV-cache spec, the settings and the platform (what the builder
+    and its ``get_cudagraph_support`` classmethod both know)."""
+    mode, backend = settings.get(settings.MODE_ENV), settings.get(settings.BACKEND_ENV)
     is_cuda = bool(current_platform.is_cuda())
     on = mode != "off" and is_cuda
     caps = dsa_dg.current_caps() if on and _ix.has_deep_gemm() else None
@@ -159,7 +187,7 @@ def decide_decode_path_for(vllm_config: Any, kv_cache_spec: Any) -> DecodePath:
         is_cuda=is_cuda,
         capability=_capability() if is_cuda else None,
         deepgemm=caps,
-        triton_ok=on and _triton_serves(vllm_config, kv_cache_spec),
+        own_ok=on and _own_kernel_serves(vllm_config, kv_cache_spec),
         next_n=next_n,
         fp4_cache=bool(vllm_config.attention_config.use_fp4_indexer_cache),
         mode=mode,
@@ -192,12 +220,18 @@ def wrap_get_cudagraph_support(original: Callable[..., Any]) -> classmethod:
 
 def _setup_varlen(builder: Any) -> None:
     path = decide_decode_path(builder)
+    if path.use_varlen:
+        # The varlen kernel a captured step runs: a fact of the builder, asked
+        # once (the policy's kernel-gated rules read it; the log line names it).
+        builder.varlen_graph_kernel = _graph_kernel(builder)
+        if path.backend == "own":
+            path = dataclasses.replace(path, kernel=builder.varlen_graph_kernel)
     builder.decode_path = path
     builder.use_varlen = path.use_varlen
     builder.varlen_backend = path.backend
     # Steps left to stock get padding requests' context lengths clamped at 0,
     # except when the plugin is switched off (then vLLM is exactly stock).
-    builder.clamp_stock_padding = read_mode() != "off"
+    builder.clamp_stock_padding = settings.get(settings.MODE_ENV) != "off"
     builder.stock_use_flattening = builder.use_flattening
     builder._varlen_step = False
     builder._varlen_step_ids = None
@@ -210,9 +244,6 @@ def _setup_varlen(builder: Any) -> None:
     log_decode_path(path)
     if not path.use_varlen:
         return
-    # The varlen kernel a captured step runs: a fact of the builder, asked once
-    # (the per-step policy's kernel-gated rules read it).
-    builder.varlen_graph_kernel = _graph_kernel(builder)
     if path.per_step != "split":
         builder.use_flattening = True
     max_rows = builder.decode_seq_lens_buffer.shape[0]
@@ -235,7 +266,7 @@ def _setup_varlen(builder: Any) -> None:
     builder.varlen_ones = torch.ones(max_rows, dtype=torch.int32, device=builder.device)
     if builder.decode_indices_buffer.data_ptr() % 8:
         raise RuntimeError("decode_indices_buffer: DeepGEMM needs an 8-byte aligned start")
-    if path.backend == "triton":
+    if path.backend == "own":
         # Every kernel variant a step can launch, compiled now (logged with the
         # time it took) so no decode step waits on a JIT compile.
         warmup.precompile_for(heads=_index_heads(builder.vllm_config),
@@ -408,9 +439,9 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int,
 
     ``context_lens``: int32 ``[B, next_n]``.  During a varlen build the
     scheduler sees the step's ``[R, 1]`` rows: with the step's run ids for
-    the DeepGEMM backend; id-less (stock's flattened schedule) for the Triton
-    backend compared per step with stock's flattened call; the Triton kernel
-    itself needs no schedule (the buffer is left as it is).  Else: stock."""
+    the DeepGEMM backend; id-less (stock's flattened schedule) for the
+    project's kernels compared per step with stock's flattened call; those
+    kernels need no schedule (the buffer is left as it is).  Else: stock."""
     builder = getattr(_building, "builder", None)
     ids = None if builder is None else builder._varlen_step_ids
     if ids is None:
