@@ -108,33 +108,29 @@ def test_own_kernel_serves_the_indexer_caches_of_its_kernels(page, head_size, he
 
 # ---- the query preparation (vLLM 0.33's fused_q, 0.27's indexer query) -------------------
 
-@pytest.mark.parametrize("is_cuda,capability,setting,mode,measured,serves", [
-    (True, (9, 0), "auto", "auto", True, True),
-    (True, (9, 0), "auto", "auto", False, False),  # a kernel not measured faster there
-    (True, (9, 0), "on", "auto", False, True),
-    (True, (9, 0), "on", "auto", True, True),
-    (True, (8, 9), "on", "auto", False, True),
-    (True, (10, 0), "on", "auto", True, True),
-    (True, (8, 0), "on", "auto", True, False),  # no fp8
-    (True, (9, 0), "on", "off", True, False),
-    (True, (9, 0), "on", "stock", True, False),
-    (False, (9, 0), "on", "auto", True, False),
-    (True, (9, 0), "off", "auto", True, False),
-    (True, (9, 0), "auto", "off", True, False),
-    (True, (9, 0), "auto", "stock", True, False),
-    (True, (10, 0), "auto", "auto", True, False),
-    (True, (8, 9), "auto", "auto", True, False),
-    (True, None, "auto", "auto", True, False),
-    (True, None, "on", "auto", True, False),
-    (False, (9, 0), "auto", "auto", True, False),
+@pytest.mark.parametrize("is_cuda,capability,setting,mode,serves", [
+    (True, (9, 0), "auto", "auto", True),
+    (True, (9, 0), "on", "auto", True),
+    (True, (8, 9), "on", "auto", True),
+    (True, (10, 0), "on", "auto", True),
+    (True, (8, 0), "on", "auto", False),  # no fp8
+    (True, (9, 0), "on", "off", False),
+    (True, (9, 0), "on", "stock", False),
+    (False, (9, 0), "on", "auto", False),
+    (True, (9, 0), "off", "auto", False),
+    (True, (9, 0), "auto", "off", False),
+    (True, (9, 0), "auto", "stock", False),
+    (True, (10, 0), "auto", "auto", False),
+    (True, (8, 9), "auto", "auto", False),
+    (True, None, "auto", "auto", False),
+    (True, None, "on", "auto", False),
+    (False, (9, 0), "auto", "auto", False),
 ])
-def test_choose_fused_q(is_cuda, capability, setting, mode, measured, serves):
+def test_choose_fused_q(is_cuda, capability, setting, mode, serves):
     got, why = config.choose_fused_q(is_cuda=is_cuda, capability=capability, setting=setting,
-                                     mode=mode, measured=measured)
+                                     mode=mode)
     assert got is serves and why
     assert why.startswith("the project's kernel") is serves
-    if not measured and setting == "auto" and capability == (9, 0):
-        assert "not measured" in why and "DSA_VARLEN_FUSED_Q=on" in why
 
 
 def test_choose_fused_q_refuses_unknown_values():

@@ -29,12 +29,11 @@ KERNEL_LABELS = {"cuda_sm90": "cuda_sm90", "portable": "portable Triton",
 
 
 def choose_fused_q(*, is_cuda: bool, capability: tuple[int, int] | None, setting: str = "auto",
-                   mode: str = "auto", measured: bool = True) -> tuple[bool, str]:
+                   mode: str = "auto") -> tuple[bool, str]:
     """Whether the project's query preparation replaces vLLM's kernel on this
-    GPU, and why (pure).  ``measured``: whether this vLLM line's kernel was
-    measured on sm_90.  ``off`` / ``stock`` modes, ``setting == "off"``, no
+    GPU, and why (pure).  ``off`` / ``stock`` modes, ``setting == "off"``, no
     CUDA or no capability: vLLM's.  ``on``: the project's on an fp8 GPU.
-    ``auto``: the project's on sm_90 where ``measured`` (SM100 keeps vLLM's
+    ``auto``: the project's on sm_90, where it was measured (SM100 keeps vLLM's
     own kernel), vLLM's elsewhere.  Shapes the kernel cannot take fall back
     per call."""
     if mode not in MODES:
@@ -55,9 +54,6 @@ def choose_fused_q(*, is_cuda: bool, capability: tuple[int, int] | None, setting
         return True, f"{ours}; {FUSED_Q_ENV}=on)"
     if capability[0] != FUSED_Q_CAPABILITY_MAJOR:
         return False, f"vLLM's kernel ({cap}: the project's is measured on sm_90 only)"
-    if not measured:
-        return False, (f"vLLM's kernel (the project's for this vLLM is not measured yet; "
-                       f"{FUSED_Q_ENV}=on takes it)")
     return True, f"{ours}, bit-equal to vLLM's)"
 
 

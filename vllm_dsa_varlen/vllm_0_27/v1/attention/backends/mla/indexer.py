@@ -1,70 +1,17 @@
 """Varlen decode for vLLM 0.27.1's ``DeepseekV32IndexerMetadataBuilder``.
 
-Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
-:mod:`vllm_dsa_varlen.patches`):
-
-* ``DeepseekV32IndexerMetadataBuilder.get_cudagraph_support`` (wrapped):
-  ``AttentionCGSupport.ALWAYS`` when every decode step of the builder gets the
-  varlen layout (DeepGEMM varlen; Triton varlen with ``per_step`` ``None`` or
-  ``"flattened"``), as upstream 0.28.0 does for its varlen path: every step
-  then has one row per query token, so a full CUDA graph captured for one
-  batch replays any batch of the same token count.  Otherwise stock's
-  ``UNIFORM_BATCH`` (the ``"split"`` hybrid below switches layout per step,
-  which is graph-safe only because vLLM then captures full graphs for uniform
-  decode batches alone).
-* ``DeepseekV32IndexerMetadataBuilder.__init__`` (wrapped): after stock's
-  init, decide the decode path once (:func:`vllm_dsa_varlen.config.choose_decode_path`)
-  and log it.  When varlen: ``use_flattening = True`` -- stock ``build`` then
-  splits with ``require_uniform=False`` (variable-length decodes stay decodes)
-  and takes its flatten branch, in which it treats the per-row context lengths
-  as a view of ``decode_seq_lens_buffer`` and applies DCP localisation and
-  DeepSeek V4's ``//= compress_ratio`` to it *in place*, exactly as 0.27.1
-  does -- and allocate the run-id buffer (int32, 8-byte aligned).  With
-  ``per_step == "split"`` the flag is set per step instead (see ``build``).
-* ``DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors`` (wrapped):
-  varlen steps are planned into stock's buffers (``decode_seq_lens_buffer``,
-  ``expanded_block_table_buffer``): rows ``R = num_decode_tokens``, one token
-  each (``decode_lens`` all 1, ``requires_padding`` False), so the indexer op
-  reshapes decode queries to ``[R, 1, H, D]``.  Multi-token steps by
-  :func:`vllm_dsa_varlen.plan.plan_decode_rows`; plain steps (one token per
-  request) by a per-request copy that stock's own post-processing (DCP, V4)
-  then finishes, extended to ``R`` rows afterwards -- rows past the real
-  tokens are padding rows with ids of their own and context 0.  Steps left to
-  stock: stock's tensors, with graph-padding requests' per-token context
-  lengths clamped at 0 (0.27.1 gives ``seq_len - next_n + j + 1 < 0`` there,
-  which DeepGEMM reads as uint32; 0.28.0 clamps too) -- except under
-  ``VLLM_DSA_VARLEN=off``, which leaves vLLM exactly stock.
-* ``DeepseekV32IndexerMetadataBuilder.build`` (wrapped): decides the step
-  (``per_step == "split"``: a step stock would split is flattened when
-  :func:`vllm_dsa_varlen.policy.varlen_wins` says so, a uniform one keeps
-  stock's native path), marks the build (a thread-local) for the metadata hook
-  below, and after stock's build hands the ids to the decode metadata
-  (``indices``) and -- when the varlen kernel is chosen for the step -- to the
-  kernel call (a fresh view of ``scheduler_metadata_buffer`` tagged by
-  :mod:`vllm_dsa_varlen.varlen_ids`).  With ``per_step == "flattened"`` the
-  kernel is chosen per step from host-known facts (no device sync); both
-  kernels find valid metadata either way, so a CUDA graph that baked one
-  choice replays correctly for any batch.  Steps no rule can send to varlen
-  are left to stock's own build (:func:`_stock_only_step`: decided from the
-  padded token count a FULL graph is keyed on, so capture and every replay
-  agree).
-* module global ``get_paged_mqa_logits_metadata``: during a varlen build the
-  DeepGEMM backend's scheduler gets the step's ``indices``; the Triton backend
-  with ``per_step == "flattened"`` gets stock's id-less schedule for the same
-  rows (the stock alternative's); otherwise Triton needs no schedule.  Not a
-  varlen build: stock's call.
-* module global ``DeepSeekV32IndexerDecodeMetadata``: a subclass adding
-  ``indices: int32 [R] | None``.
-
-All buffers are preallocated and every varlen step uses the same ones (ids in
-``decode_indices_buffer``, lengths in ``decode_seq_lens_buffer``, block-table
-rows in ``expanded_block_table_buffer``, ``decode_lens`` in ``varlen_ones``),
-so addresses are stable across steps (CUDA graphs capture the kernel call with
-the views later builds rewrite in place).  Two are not rewritten every step:
-``varlen_ones`` is filled at creation and written by nothing after, and the
-ids of a uniform step are skipped while the builder's record of its own last
-write (``_varlen_ids_layout``; only this module writes the buffer) says the
-buffer holds them.
+The wrapped ``__init__`` decides the decode path once
+(:func:`choose_decode_path`: DeepGEMM varlen on SM10x, else the project's
+kernels, compared per step with stock's flattened or split path); a varlen
+builder takes stock's flatten branch, which splits without the uniform rule
+(variable decodes stay decodes) and applies DCP and DeepSeek V4's compression
+to the rows in place.  ``_prepare_decode_tensors`` plans one row per token
+and the run ids into stock's preallocated buffers (stable addresses for CUDA
+graphs); ``build`` hands the ids to the decode metadata and, where the step
+takes the varlen kernel, to the kernel call on a tagged view of the schedule;
+the module's ``get_paged_mqa_logits_metadata`` gives DeepGEMM's scheduler the
+ids.  ``get_cudagraph_support`` answers ``ALWAYS`` where every decode step
+gets the varlen rows (docs/design.md).
 """
 
 from __future__ import annotations
@@ -459,7 +406,7 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int,
 
 def _decode_lens_cpu(common: Any, num_decodes: int) -> list[int]:
     """Host token counts of the first ``num_decodes`` requests (no device sync)."""
-    # through numpy: half the host time of two torch slices and a subtraction
+    # through numpy: less host time than torch slices and a subtraction
     return np.diff(common.query_start_loc_cpu.numpy()[: num_decodes + 1]).tolist()
 
 

@@ -1,76 +1,16 @@
-"""Varlen decode for vLLM 0.33.0's ``DeepseekV32IndexerMetadataBuilder`` (Hopper and
-other fp8 GPUs without a DeepGEMM varlen kernel).
+"""Varlen decode for vLLM 0.33's and 0.34's ``DeepseekV32IndexerMetadataBuilder``.
 
-What stock 0.33.0 does with a decode step (``vllm/v1/attention/backends/mla/indexer.py``):
-
-* SM100 with DeepGEMM (``_supports_varlen_paged_mqa_logits``): varlen already,
-  ids built on the device, ``DecodeMetadata.indices`` handed to the kernel.
-  **Left alone** (logged).
-* Otherwise, per builder, ``use_flattening`` (``_use_flattening``): next_n
-  without a native kernel (SM90: not 1, 2 or 4) or adaptive verification ->
-  every step flattened to one row per token without ids, each row re-reading
-  its request's KV.  Else the native ``[B, next_n]`` kernel with
-  ``require_uniform``: the requests of a non-uniform step after the first
-  length mismatch are split off to the prefill path.
-
-Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
-:mod:`vllm_dsa_varlen.patches`):
-
-* ``DeepseekV32IndexerMetadataBuilder.__init__`` (wrapped): decide once whether
-  the project's varlen kernel can serve this builder (:func:`choose_decode_path`)
-  and log the path in one line.
-* ``DeepseekV32IndexerMetadataBuilder.build`` (wrapped): a flattened step
-  that no rule can send to varlen by its token count is stock's at once
-  (:func:`_stock_only_step`, O(1) host ints); else classify the step from
-  host-known facts (:func:`classify_step`: what stock would run, and
-  :func:`vllm_dsa_varlen.policy.varlen_wins`), then
-
-  - varlen: run stock's build with ``use_flattening`` set for this build, so
-    the step is split with ``require_uniform=False`` (variable steps stay
-    decodes) and takes the flatten branch; hand the run ids to the decode
-    metadata (``indices``) and to the kernel call (a fresh view of the
-    schedule tensor tagged by :mod:`vllm_dsa_varlen.varlen_ids`);
-  - stock's path is flattened anyway (same rows as varlen): rows and ids are
-    planned as for varlen, only no ids reach the kernel call, so a CUDA graph
-    captured with either kernel replays correctly on any batch of its key;
-  - stock's path is flattened and no rule can send the step to varlen
-    (:func:`_left_to_stock`: fewer tokens than
-    :func:`vllm_dsa_varlen.policy.min_varlen_rows`, decided from the graph's
-    key only): stock's build, untouched;
-  - otherwise: stock's build, untouched.
-
-* ``DeepseekV32IndexerMetadataBuilder.update_draft_decode_metadata``
-  (wrapped): a drafter's later steps (one token per request) reuse a step's
-  metadata; for a varlen step stock would hand the ids to DeepGEMM's
-  scheduler, which takes none on SM90: the schedule is remade without them
-  (the project's kernel needs none) and the ids are reset to one run per row.
-* ``DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors`` (wrapped):
-  during a planned build, rows ``R = num_decode_tokens`` of one token each go
-  to stock's buffers (``decode_seq_lens_buffer``,
-  ``expanded_block_table_buffer``) and the ids to stock's
-  ``decode_indices_buffer``: a uniform step without padding through stock's
-  own flatten branch (one launch, the same rows as
-  :func:`vllm_dsa_varlen.plan.plan_decode_rows`) plus the ids when the
-  buffer does not hold them; other steps planned by ``plan_decode_rows``.
-  Stock then applies DCP localisation and DeepSeek V4's ``//= compress_ratio``
-  in place and makes DeepGEMM's schedule for the flattened rows, exactly as in
-  its flatten branch.
-
-CUDA graphs (0.33's key: padded token count, request count derived from it,
-and the uniform-decode flag): a step whose stock path is native could be
-replayed from a FULL graph of a uniform key, and native and varlen lay the
-metadata out differently, so for such steps the decision uses only facts
-fixed by the key (padded rows and requests, the run length; no context
-length).  Non-uniform steps never replay a FULL graph on a native builder
-(stock reports ``UNIFORM_BATCH``), and on a flattening builder both kernels
-read the same metadata.  A flattened step left to stock is decided from the
-token count the builder sees, which under a FULL graph is the graph's padded
-count (at capture and at every replay, also when a drafter's graph reuses the
-step's metadata), and, only where no FULL graph replays batches of other
-per-request lengths, the step's longest request (fixed by a uniform key): the
-capture and every replay of a graph agree, so the captured call is stock's
-own and reads the buffers stock's build refreshes.  Nothing here reads device
-memory: no sync.
+Stock leaves SM100 with DeepGEMM varlen already (left alone here); elsewhere
+it flattens every step to one row per token without run ids, or runs
+DeepGEMM's native ``[B, next_n]`` kernel and splits non-uniform steps to the
+prefill path.  The wrapped ``__init__`` decides once whether the project's
+varlen kernel serves the builder (:func:`choose_decode_path`); the wrapped
+``build`` classifies each step from host-known facts (:func:`classify_step`,
+:func:`vllm_dsa_varlen.policy.varlen_wins`) and, for a varlen step, runs
+stock's flatten branch with the rows and run ids planned into stock's own
+buffers (``_prepare_decode_tensors``), the ids handed to the kernel call on a
+tagged view of the schedule.  Decisions a CUDA graph replays use only facts
+its key fixes; nothing here reads device memory (docs/design.md).
 """
 
 from __future__ import annotations
@@ -512,7 +452,7 @@ def wrap_prepare_decode_tensors(original: Callable[..., Any]) -> Callable[..., A
         if not getattr(self, "_varlen_planning", False):
             return original(self, *args, **kwargs)
         # stock passes every argument by name: no binding (its parameter walk
-        # was a third of the plugin's Python calls on a varlen step)
+        # costs host time on every varlen step)
         a = (kwargs if not args and _PREPARE_ARGS <= kwargs.keys()
              else signature.bind(self, *args, **kwargs).arguments)
         return _plan_varlen_rows(self, functools.partial(original, self, *args, **kwargs),
