@@ -223,13 +223,13 @@ def measure(mode: str, k: int, batches, calls: int, context: int, by_function: b
     import pytest
     from vllm_stubs import decode_batch, random_block_table
 
-    from vllm_dsa_varlen import config, patches, stats
+    from vllm_dsa_varlen import patches, settings, stats
 
     results = {}
     costs = FunctionCosts()
     with pytest.MonkeyPatch.context() as mp:
-        mp.delenv(config.BACKEND_ENV, raising=False)
-        mp.setenv(config.MODE_ENV, "off" if mode == "stock" else "auto")
+        mp.delenv(settings.BACKEND_ENV, raising=False)
+        mp.setenv(settings.MODE_ENV, "off" if mode == "stock" else "auto")
         patches.undo_all()
         if mode == "plugin":
             patches.apply_all(line=line)

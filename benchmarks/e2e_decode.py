@@ -5,10 +5,10 @@
     python3 benchmarks/e2e_decode.py --out e2e-out --k 3 --batch 64 --prompt 4096 --layers 4
 
 For each MTP depth ``k`` it runs vLLM's offline engine twice, in separate
-processes: ``VLLM_DSA_VARLEN=stock`` (stock vLLM; only the DeepGEMM API
+processes: ``DSA_VARLEN=stock`` (stock vLLM; only the DeepGEMM API
 adapters are applied, so stock runs on a DeepGEMM of another API generation
 than the one it was built with -- say so wherever its figures appear) and the
-plugin (``VLLM_DSA_VARLEN=auto``).  ``--same-process``: both engines in one
+plugin (``DSA_VARLEN=auto``).  ``--same-process``: both engines in one
 process instead (half the GPU memory each; each keeps its own CUDA graphs and
 workspace: :class:`OwnEngine`), every case's rounds alternating between
 them, so both meet the same host phase and GPU state (a machine whose host
@@ -17,7 +17,7 @@ stock engine then runs stock's path through the plugin's pass-through
 wrappers (a few host µs per build: ``benchmarks/builder_host.py``; on vLLM
 0.27 its builders also clamp graph-padding requests' context lengths at 0 on
 native steps, one device op, as the plugin's do), and both engines keep
-vLLM's query kernels unless ``VLLM_DSA_VARLEN_FUSED_Q`` is set (one choice a
+vLLM's query kernels unless ``DSA_VARLEN_FUSED_Q`` is set (one choice a
 process: :func:`same_process_query_prep`).  By default the model is a
 DeepSeek-V3.2 architecture config written here, dummy weights: the real
 indexer (64 heads x 128, top-k 2048, fp8 cache, page 64) and MLA sizes,
@@ -71,6 +71,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_compare import compare, table  # noqa: E402
 from e2e_trace import (  # noqa: E402
     rebuilt_run, share_table, summarize_trace, trace_windows)
+
+from vllm_dsa_varlen.settings import FUSED_Q_ENV, MODE_ENV, TOPK_ENV  # noqa: E402
 
 MODES = {"stock": "stock", "plugin": "auto"}
 BOTH = "both"  # a child running both modes' engines in one process
@@ -723,13 +725,11 @@ class OwnEngine:
 def same_process_query_prep(environ) -> str:
     """Both engines in one process share the query preparation's choice: the
     plugin's query wrappers decide once a process, when the patch set is
-    applied, and the compiled graphs keep it.  Unless ``VLLM_DSA_VARLEN_FUSED_Q``
+    applied, and the compiled graphs keep it.  Unless ``DSA_VARLEN_FUSED_Q``
     is set, it is set to ``off`` in ``environ`` (the stock engine keeps vLLM's
     query kernels, so the pair differs in the indexer's logits and top-k path
     alone; the query kernels' gain is measured a process per mode).  Returns
     the line to print."""
-    from vllm_dsa_varlen.config import FUSED_Q_ENV
-
     if FUSED_Q_ENV in environ:
         return (f"same process: {FUSED_Q_ENV}={environ[FUSED_Q_ENV]} as set, for both engines "
                 f"(the stock engine's query preparation is the plugin's where that takes it)")
@@ -754,17 +754,17 @@ def _child(args, results: dict) -> None:
     if len(modes) > 1:
         # Both engines in one process: the plugin's whole patch set first (the
         # env at its first load decides what it patches); each engine's
-        # builders then read VLLM_DSA_VARLEN as they are made, so the stock
+        # builders then read DSA_VARLEN as they are made, so the stock
         # engine's builders take stock's path through the pass-through wrappers
         # (--control: both engines are such stock engines).
         import vllm_dsa_varlen
 
         print(same_process_query_prep(os.environ), flush=True)
-        os.environ["VLLM_DSA_VARLEN"] = MODES["plugin"]
+        os.environ[MODE_ENV] = MODES["plugin"]
         vllm_dsa_varlen.register()
     engines, llms = [], []  # the LLM objects kept alive beside their engines
     for mode in modes:
-        os.environ["VLLM_DSA_VARLEN"] = ENGINE_ENV[mode]
+        os.environ[MODE_ENV] = ENGINE_ENV[mode]
         t0 = time.perf_counter()
         if len(modes) > 1:
             own = OwnEngine(lambda: LLM(**kwargs),
@@ -780,7 +780,7 @@ def _child(args, results: dict) -> None:
         llms.append(llm)
         engines.append((mode, engine, results[mode]))
         results[mode].update(_run_header(args, mode, engine, kwargs, init_s, torch))
-    os.environ["VLLM_DSA_VARLEN"] = ENGINE_ENV[modes[-1]]
+    os.environ[MODE_ENV] = ENGINE_ENV[modes[-1]]
     vocab = engines[0][1].model_config.get_vocab_size()
     dg_dir = os.path.join(os.environ.get("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm")),
                           "deep_gemm")
@@ -814,8 +814,8 @@ def _run_header(args, mode: str, engine, kwargs: dict, init_s: float, torch) -> 
             "lockstep": bool(getattr(args, "lockstep", False)),
             "trace_only": bool(getattr(args, "trace_only", False)),
             "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
-            "topk_env": os.environ.get("VLLM_DSA_VARLEN_TOPK", ""),
-            "fused_q_env": os.environ.get("VLLM_DSA_VARLEN_FUSED_Q", ""),
+            "topk_env": os.environ.get(TOPK_ENV, ""),
+            "fused_q_env": os.environ.get(FUSED_Q_ENV, ""),
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
             "cases": [], "jit": {}}
     try:
@@ -984,9 +984,9 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
         cmd += ["--trace-skip", *(f"{b}x{x}" for b, x in args.trace_skip)]
     for rule in getattr(args, "rule", None) or []:
         cmd += ["--rule", rule["note"]]
-    env = dict(os.environ, VLLM_DSA_VARLEN=MODES.get(mode, MODES["plugin"]))
+    env = dict(os.environ, **{MODE_ENV: MODES.get(mode, MODES["plugin"])})
     if args.topk:
-        env["VLLM_DSA_VARLEN_TOPK"] = args.topk
+        env[TOPK_ENV] = args.topk
     t0 = time.perf_counter()
     log = os.path.join(args.out, f"log-{mode}-k{k}{_rep(rep)}.txt")
     with open(log, "w") as f:
@@ -1295,7 +1295,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "torch.compile both engines compile: ~400 s at 61 layers on the "
                          "H200; --graph-mode none starts both in ~20 s)")
     ap.add_argument("--topk", choices=["auto", "own", "vllm"], default=None,
-                    help="the plugin engine's VLLM_DSA_VARLEN_TOPK (default: as the "
+                    help="the plugin engine's DSA_VARLEN_TOPK (default: as the "
                          "environment has it, else auto); stock's engine keeps vLLM's")
     ap.add_argument("--control", action="store_true",
                     help="with --same-process: an A/A control, stock's engine twice (the "

@@ -80,7 +80,7 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 import serve_model  # noqa: E402
 
 from vllm_dsa_varlen import stats  # noqa: E402
-from vllm_dsa_varlen.config import MODE_ENV  # noqa: E402
+from vllm_dsa_varlen.settings import MODE_ENV  # noqa: E402
 
 # The one place the plugin's settings are named: each mode's value of its mode variable.
 MODE_VALUES = {"stock": "stock", "plugin": "auto", "control": "stock"}

@@ -159,14 +159,15 @@ def import_patch_targets() -> tuple[str, ...]:
 
 @pytest.fixture
 def clean_plugin(monkeypatch):
-    """The plugin's env unset and its patch registry undone, before and after
-    (the patch targets imported first: :func:`import_patch_targets`)."""
-    from vllm_dsa_varlen import config, patches, topk
+    """The plugin's settings unset (their deprecated names too) and its patch
+    registry undone, before and after (the patch targets imported first:
+    :func:`import_patch_targets`)."""
+    from vllm_dsa_varlen import patches, settings, topk
 
     import_patch_targets()
-    monkeypatch.delenv(config.MODE_ENV, raising=False)
-    monkeypatch.delenv(config.BACKEND_ENV, raising=False)
-    monkeypatch.delenv(topk.TOPK_ENV, raising=False)
+    for setting in settings.SETTINGS.values():
+        monkeypatch.delenv(setting.name, raising=False)
+        monkeypatch.delenv(setting.old_name, raising=False)
     patches.undo_all()
     topk.reset()
     yield

@@ -141,7 +141,7 @@ class _World:
             b = make_builder(mp, next_n=next_n, width=WIDTH, block_size=PAGE * ratio,
                              compress_ratio=ratio)
             assert b.use_varlen, b.decode_path
-            assert b.varlen_backend == ("triton" if backend == "hopper" else backend)
+            assert b.varlen_backend == ("own" if backend == "hopper" else backend)
             assert b.decode_path.per_step == ("flattened" if backend == "hopper" else None)
             assert b.dcp_world_size == (DCP_WORLD if layout.startswith("dcp") else 1)
             assert b.compress_ratio == ratio
@@ -166,11 +166,11 @@ def world():
 
 @st.composite
 def builder_batches(draw):
-    backend = draw(st.sampled_from(["deepgemm", "triton", "hopper"]))
+    backend = draw(st.sampled_from(["deepgemm", "own", "hopper"]))
     layout = draw(st.sampled_from(LAYOUTS))
     # DeepGEMM varlen serves any next_n on SM100; Triton needs next_n >= 2; on
     # Hopper stock flattens (and is compared per step) from next_n = 3.
-    next_n = draw(st.integers({"deepgemm": 1, "triton": 2, "hopper": 3}[backend], 4))
+    next_n = draw(st.integers({"deepgemm": 1, "own": 2, "hopper": 3}[backend], 4))
     kind = draw(st.sampled_from(["variable", "uniform", "plain", "variable"]))
     num_reqs = draw(st.integers(1, 6))
     if kind == "plain":
@@ -258,7 +258,7 @@ def test_builder_varlen_equals_padded_path(world, batch):
         ids = dec.indices
         tag = varlen_ids_of(dec.schedule_metadata)
         kernel = backend if backend != "hopper" else (
-            "triton" if policy.varlen_wins(policy.StepFacts.from_decode_lens(
+            "own" if policy.varlen_wins(policy.StepFacts.from_decode_lens(
                 lens, rows=num_rows, max_context=max(seqs)), "flattened") else "stock")
         # A multi-token step with fewer padded tokens than the test table's
         # longest-run bound (3), one row per token in stock's rows: stock's own build.

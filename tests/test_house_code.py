@@ -24,12 +24,7 @@ COMMIT_ID = re.compile(r"(?<![\w.])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{
 # Modules that still name runs, each to be cleaned by whoever owns it now; the
 # test below fails for a module listed here once it is clean (strict xfail), so
 # the list only shrinks.
-PENDING_CLEANUP = {
-    f"{PACKAGE}/policy.py": "the split-path and native-rule comments cite run folders",
-    f"{PACKAGE}/topk.py": "the top-k rule's comment cites run folders and a commit",
-    f"{PACKAGE}/vllm_0_27/model_executor/models/deepseek_v2.py":
-        "the indexer-query comment cites run folders",
-}
+PENDING_CLEANUP: dict[str, str] = {}
 
 
 def run_names(text: str) -> list[tuple[int, str]]:

@@ -137,7 +137,7 @@ def test_wrapping_patches_call_the_original(monkeypatch):
 def test_failed_apply_rolls_back(monkeypatch):
     before = _snapshot()
     broken = patches.Patch("vllm.utils.deep_gemm", "no_such_function_here",
-                           "vllm_dsa_varlen.config:read_mode",
+                           "vllm_dsa_varlen.config:platform_refusal",
                            "a patch whose target does not exist, to test rollback",
                            upstream=patches.LINES[LINE])
     with pytest.raises(AttributeError, match="no_such_function_here"):
@@ -153,7 +153,8 @@ def test_undo_restores_an_attribute_that_was_inherited(monkeypatch):
     cls = ix.DeepseekV32IndexerMetadataBuilder
     assert "get_cudagraph_support" in vars(cls) and "_init_reorder_batch_threshold" not in vars(cls)
     patch = patches.Patch(ix.__name__, "DeepseekV32IndexerMetadataBuilder._init_reorder_batch_threshold",
-                          "vllm_dsa_varlen.config:read_mode", "inherited-attribute test patch",
+                          "vllm_dsa_varlen.config:platform_refusal",
+                          "inherited-attribute test patch",
                           upstream=patches.LINES[LINE])
     patches.apply_all((patch,))
     assert "_init_reorder_batch_threshold" in vars(cls)
@@ -225,7 +226,7 @@ def test_register_off_patches_nothing(monkeypatch, plugin_log):
 
 
 def test_register_stock_applies_only_the_deepgemm_api_adapters(monkeypatch, plugin_log):
-    """``VLLM_DSA_VARLEN=stock``: the baseline mode applies the line's DeepGEMM
+    """``DSA_VARLEN=stock``: the baseline mode applies the line's DeepGEMM
     API adapters and nothing else (no builder patch), and says so."""
     monkeypatch.setenv(config.MODE_ENV, "stock")
     before = _snapshot()
@@ -431,3 +432,18 @@ def test_the_registry_printout_says_whether_the_installed_vllm_would_be_patched(
                         lambda line, api_only=False: [f"{LINE_PATCHES[0].key}: changed"])
     said = patches.describe_installed()
     assert "not patched" in said and f"- {LINE_PATCHES[0].key}: changed" in said
+
+
+@pytest.mark.parametrize("module,first", [("vllm_dsa_varlen.patches", "| module |"),
+                                          ("vllm_dsa_varlen.settings", "| variable |")])
+def test_the_registry_and_the_settings_print_as_modules_without_a_warning(module, first):
+    """``python -m`` of either prints its table, and nothing on stderr (the
+    package does not import them first, which would make runpy warn)."""
+    import os
+    import pathlib
+
+    root = pathlib.Path(vllm_dsa_varlen.__file__).parent.parent
+    out = subprocess.run([sys.executable, "-W", "default", "-m", module], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0 and out.stdout.startswith(first), out.stderr[-2000:]
+    assert "Warning" not in out.stderr, out.stderr[-2000:]

@@ -51,7 +51,7 @@ Where each bad input of the issue is covered ("here" = this file):
 * unsupported head count or head dim (or page size)
     - Triton kernel: ...[head count, head dim, kv page]
     - builder (logged fallback to stock): here test_unsupported_triton_cache_falls_back_to_stock,
-      test_triton_serves_only_supported_caches
+      test_own_kernel_serves_only_supported_caches
 * vLLM not 0.27.x
     - tests/test_patches.py::test_register_on_another_vllm_warns_and_patches_nothing
       (logged, stock), ::test_register_accepts_the_0_27_series,
@@ -235,7 +235,7 @@ def test_layout_checks_apply_only_with_ids(monkeypatch):
 
 # --------------------------------------------------------------------------- dispatch
 
-@pytest.mark.parametrize("backend", ["deepgemm", "triton"])
+@pytest.mark.parametrize("backend", ["deepgemm", "own"])
 @pytest.mark.parametrize("case", ["int64", "2-D", "not contiguous", "misaligned"])
 def test_dispatch_refuses_bad_ids_before_the_kernel(monkeypatch, backend, case):
     """ids on the schedule tensor that break the contract stop at the plugin's
@@ -264,7 +264,7 @@ def test_dispatch_refuses_bad_ids_before_the_kernel(monkeypatch, backend, case):
     assert len(dg.calls) == n
 
 
-@pytest.mark.parametrize("backend", ["deepgemm", "triton"])
+@pytest.mark.parametrize("backend", ["deepgemm", "own"])
 def test_dispatch_refuses_too_few_ids(monkeypatch, backend):
     dg = _sm100(monkeypatch) if backend == "deepgemm" else None
     a = _varlen(_step())
@@ -310,7 +310,7 @@ def test_dispatch_triton_names_the_argument(case):
     """Bad arguments of the indexer op's call, routed to the Triton backend."""
     a = _varlen(_step(lens=(3, 1, 2, 2)))
     tagged = attach_varlen_ids(torch.zeros((NUM_SMS + 1, 2), dtype=torch.int32), a["ids"],
-                               "triton", 3)
+                               "own", 3)
     mutate, error, match = BAD_TRITON_CALL[case]
     mutate(a)
     with pytest.raises(error, match=match):
@@ -330,7 +330,7 @@ def test_dispatch_triton_names_the_argument(case):
     (dict(max_context=2.5), "max_context: expected an int >= 1 or None"),
 ])
 def test_attach_refuses_bad_ids_backend_and_run_length(kwargs, match):
-    args = dict(ids=torch.zeros(4, dtype=torch.int32), backend="triton", max_run_len=1,
+    args = dict(ids=torch.zeros(4, dtype=torch.int32), backend="own", max_run_len=1,
                 max_context=None)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
@@ -356,7 +356,7 @@ def test_triton_under_dcp_logits_wider_than_local_block_table():
     bt[:, : rows.block_table.shape[1]] = rows.block_table
     ctx = rows.context_lens.unsqueeze(-1)
     tagged = attach_varlen_ids(torch.zeros((NUM_SMS + 1, 2), dtype=torch.int32), rows.indices,
-                               "triton", 3)
+                               "own", 3)
     logits = dispatch.fp8_fp4_paged_mqa_logits((step.q, None), step.kv_cache, step.weights, ctx,
                                                bt, tagged, max_model_len=max_model_len,
                                                clean_logits=False)
@@ -410,7 +410,7 @@ def test_sm100_without_a_varlen_deepgemm_falls_back_to_stock(monkeypatch, plugin
 
 @pytest.mark.parametrize("kwargs,forced", [
     (dict(index_heads=16), None),
-    (dict(index_heads=128), "triton"),
+    (dict(index_heads=128), "own"),
     (dict(block_size=32), None),
 ])
 def test_unsupported_triton_cache_falls_back_to_stock(monkeypatch, plugin_log, kwargs, forced):
@@ -437,7 +437,7 @@ def test_unsupported_triton_cache_falls_back_to_stock(monkeypatch, plugin_log, k
     (132, 64, 16, False),
     (132, 64, None, True),  # head count unknown: the kernel checks it per call
 ])
-def test_triton_serves_only_supported_caches(monkeypatch, head_size, block_size, heads, serves):
+def test_own_kernel_serves_only_supported_caches(monkeypatch, head_size, block_size, heads, serves):
     from vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla import indexer as ours
 
     fake_gpu(monkeypatch, (9, 0))
@@ -446,4 +446,4 @@ def test_triton_serves_only_supported_caches(monkeypatch, head_size, block_size,
                                       head_size=head_size),
         vllm_config=SimpleNamespace(model_config=SimpleNamespace(
             hf_config=SimpleNamespace(index_n_heads=heads))))
-    assert ours._triton_serves(builder.vllm_config, builder.kv_cache_spec) is serves
+    assert ours._own_kernel_serves(builder.vllm_config, builder.kv_cache_spec) is serves

@@ -1,5 +1,5 @@
-"""The decode top-k choice (vllm_dsa_varlen/topk.py): the setting, the pure
-per-device decision, the per-call layout check, and the dispatch (the
+"""The decode top-k choice (vllm_dsa_varlen/topk.py; its setting:
+tests/test_settings.py): the pure per-device decision, the per-call layout check, and the dispatch (the
 project's kernel where it serves, vLLM's call otherwise, with its own
 arguments)."""
 
@@ -15,14 +15,6 @@ from vllm_dsa_varlen.ops import cuda_topk
 from vllm_dsa_varlen.ops.reference import topk_ref, topk_selection_ok
 
 
-def test_read_topk():
-    assert topk.read_topk({}) == "auto"
-    assert topk.read_topk({topk.TOPK_ENV: " VLLM "}) == "vllm"
-    assert topk.read_topk({topk.TOPK_ENV: "own"}) == "own"
-    with pytest.raises(ValueError, match=topk.TOPK_ENV):
-        topk.read_topk({topk.TOPK_ENV: "cuda"})
-
-
 def test_choose_topk_table():
     own = dict(mode="auto", setting="own", capability=(9, 0), kernel_error=None)
     got = topk.choose_topk(**own)
@@ -30,9 +22,9 @@ def test_choose_topk_table():
     got = topk.choose_topk(**{**own, "setting": "auto"})
     assert got.own and got.per_call and "measured faster" in got.reason
     for setting in ("own", "auto"):
-        for change, words in [({"mode": "off"}, "VLLM_DSA_VARLEN=off"),
-                              ({"mode": "stock"}, "VLLM_DSA_VARLEN=stock"),
-                              ({"setting": "vllm"}, "VLLM_DSA_VARLEN_TOPK=vllm"),
+        for change, words in [({"mode": "off"}, "DSA_VARLEN=off"),
+                              ({"mode": "stock"}, "DSA_VARLEN=stock"),
+                              ({"setting": "vllm"}, "DSA_VARLEN_TOPK=vllm"),
                               ({"capability": (10, 0)}, "sm_100"),
                               ({"capability": (8, 9)}, "sm_89"),
                               ({"capability": None}, "unknown"),
@@ -162,7 +154,7 @@ def test_dispatch_leaves_other_calls_to_stock(kernel_here, monkeypatch):
 
 def test_decide_once_per_device_from_the_environment(monkeypatch):
     """decide() reads the settings and the device once, logs, and caches;
-    VLLM_DSA_VARLEN_TOPK=vllm never loads the kernel; own loads every build
+    DSA_VARLEN_TOPK=vllm never loads the kernel; own loads every build
     the launch plan can take, auto those its rule can reach."""
     topk.reset()
     loads = []

@@ -1,50 +1,49 @@
 """Varlen sparse-attention-indexer decode for vLLM (DeepSeek V3.2 / V4, GLM), as a plugin.
 
 vLLM calls :func:`register` (entry point ``vllm.general_plugins`` ->
-``vllm_dsa_varlen:register``) in every process it starts.  It recognises the
-installed vLLM's line and applies that line's patch set
-(:mod:`vllm_dsa_varlen.patches`): ``vllm_0_27/`` for 0.27.x, ``vllm_0_33/``
-for 0.33.x and 0.34.x, where the installed source still has what each patch was written
-against (:func:`.patches.upstream_differences`); any other vLLM is left
-stock, with a log line.  Importing this
-package is cheap and imports nothing from vLLM; the kernels (``ops``), the row
-planner (``plan``), the decisions (``config``, ``policy``) work without vLLM.
+``vllm_dsa_varlen:register``) in every process it starts.  It checks the
+settings (:mod:`.settings`), recognises the installed vLLM's line and applies
+that line's patch set (:mod:`.patches`) where the installed source still has
+what each patch was written against; any other vLLM is left stock, with a log
+line.  Importing this package is cheap and imports nothing from vLLM.
 """
 
 from __future__ import annotations
 
 import logging
 
-from . import patches  # the registry: standard library only, no vLLM
-
 __all__ = ["register", "SUPPORTED_LINES"]
 
-# vLLM lines (major, minor) with a patch set: the registry's (patches.LINES,
-# with the release each was read from).
-SUPPORTED_LINES = tuple(tuple(int(p) for p in line.split(".")) for line in patches.LINES)
-
 logger = logging.getLogger("vllm.dsa_varlen")
+
+
+def __getattr__(name: str):
+    # The registry is imported on first use, not with the package, so that
+    # ``python -m vllm_dsa_varlen.patches`` runs it as a fresh module.
+    if name == "SUPPORTED_LINES":  # the registry's lines as (major, minor)
+        from .patches import LINES
+
+        return tuple(tuple(int(p) for p in line.split(".")) for line in LINES)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:
     """Plugin entry point: apply the installed vLLM line's patch set
     (idempotent; target modules not imported yet are patched when they are).
 
-    Does nothing but log when ``VLLM_DSA_VARLEN=off``, when the installed
-    vLLM is on no line of the registry (0.27.x, 0.33.x, 0.34.x), or when its source
-    differs from the release the line's patches were read from where they
-    apply (a warning naming each difference; stock behaviour).  With
-    ``VLLM_DSA_VARLEN=stock`` only the line's DeepGEMM API adapters are applied
-    (stock's decode path, stock's arguments, on a DeepGEMM of another API
-    generation).  Raises
-    ``ValueError`` for an invalid ``VLLM_DSA_VARLEN`` /
-    ``VLLM_DSA_VARLEN_BACKEND`` value."""
-    from . import config
+    Every setting is read first (:func:`.settings.validate`): a bad value
+    raises ``ValueError`` naming its variable, here at start-up.  Then does
+    nothing but log when ``DSA_VARLEN=off``, when the installed vLLM is on no
+    line of the registry, or when its source differs from the release the
+    line's patches were read from where they apply (a warning naming each
+    difference; stock behaviour).  With ``DSA_VARLEN=stock`` only the line's
+    DeepGEMM API adapters are applied (stock's decode path on a DeepGEMM of
+    another API generation)."""
+    from . import patches, settings
 
-    mode = config.read_mode()
-    config.read_backend()  # validate early: a typo fails at start-up, not at first build
+    mode = settings.validate()[settings.MODE_ENV]
     if mode == "off":
-        logger.info("vllm-dsa-varlen: %s=off, vLLM left unpatched", config.MODE_ENV)
+        logger.info("vllm-dsa-varlen: %s=off, vLLM left unpatched", settings.MODE_ENV)
         return
     import vllm
 
@@ -63,7 +62,7 @@ def register() -> None:
         return
     if mode == "stock":
         api = patches.for_line(line, api_only=True)
-        logger.info("vllm-dsa-varlen: %s=stock: stock decode path; %s", config.MODE_ENV,
+        logger.info("vllm-dsa-varlen: %s=stock: stock decode path; %s", settings.MODE_ENV,
                     f"only the DeepGEMM API adapters applied ({len(api)} patches)" if api
                     else "this line needs no DeepGEMM API adapter, vLLM left unpatched")
         if api:

@@ -46,7 +46,6 @@ logger = logging.getLogger("vllm.dsa_varlen")
 
 # vLLM line (major.minor) -> the release its patches were read from.
 LINES: dict[str, str] = {"0.27": "0.27.1", "0.33": "0.33.0", "0.34": "0.34.0"}
-UPSTREAM = LINES["0.27"]  # the first line's release (kept for older callers)
 # vLLM line -> the subpackage holding its replacements: one serves several lines
 # where the upstream code it patches and calls is the same.
 PACKAGES: dict[str, str] = {"0.27": "vllm_0_27", "0.33": "vllm_0_33", "0.34": "vllm_0_33"}
@@ -69,7 +68,7 @@ class Patch:
     major.minor is the patch's :attr:`line`.
     ``api``: the patch only adapts a call to the installed DeepGEMM's API
     generation (stock's arguments, stock's path); these alone are applied in
-    ``VLLM_DSA_VARLEN=stock`` mode, the baseline where the installed DeepGEMM
+    ``DSA_VARLEN=stock`` mode, the baseline where the installed DeepGEMM
     is not the one vLLM was built with.
     """
 
@@ -77,7 +76,7 @@ class Patch:
     attribute: str
     replacement: str
     reason: str
-    upstream: str = UPSTREAM
+    upstream: str
     wraps: bool = False
     api: bool = False
 
@@ -133,70 +132,77 @@ _OUR_IX_33 = "vllm_dsa_varlen.vllm_0_33.v1.attention.backends.mla.indexer"
 _V32_ATTN = "vllm.models.deepseek_v32.attention"
 _OUR_V32_ATTN_33 = "vllm_dsa_varlen.vllm_0_33.models.deepseek_v32.attention"
 
-_PATCHES_0_27: tuple[Patch, ...] = (
-    # ---- vLLM 0.27 line (read from 0.27.1) ------------------------------------------
-    Patch(_DG, "get_paged_mqa_logits_metadata", f"{_OUR_DG}:get_paged_mqa_logits_metadata",
-          "accept the varlen run ids (`indices`) and forward them to DeepGEMM only "
-          "when set; without them the call is exactly stock's"),
-    Patch(_DG, "fp8_fp4_paged_mqa_logits", f"{_OUR_DG}:fp8_fp4_paged_mqa_logits",
-          "forward `indices` when set; adapt to DeepGEMM 2.8.x (no `clean_logits`: "
-          "drop it and emulate; bf16 weights/logits on SM100: convert) so 0.27.1's "
-          "fp32 top-k kernels keep working", api=True),
-    Patch(_DG, "fp8_fp4_mqa_logits", f"{_OUR_DG}:fp8_fp4_mqa_logits",
-          "prefill logits: DeepGEMM 2.8.x has no `clean_logits` and writes "
-          "row-compressed logits; adapt so stock's absolute-column top-k still reads "
-          "right (unchanged call on the API 0.27.1 was built with)", api=True),
-    Patch(_SAI, "fp8_fp4_mqa_logits", f"{_OUR_DG}:fp8_fp4_mqa_logits",
-          "the indexer op imported the prefill wrapper by name; point it at the "
-          "adapted one", api=True),
-    Patch(_SAI, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI}:fp8_fp4_paged_mqa_logits",
-          "the registered custom op captured `sparse_attn_indexer` itself but looks "
-          "this module global up per call: route varlen decode steps (ids carried "
-          "by the schedule tensor) to DeepGEMM-with-indices or the project's varlen "
-          "kernel; untagged calls (every call in `stock` mode) are stock's call through "
-          "the DeepGEMM adapter", api=True),
-    Patch(_SAI, "torch", f"{_OUR_SAI}:torch_with_own_topk",
-          "the decode top-k is `torch.ops._C.persistent_topk` / `cooperative_topk` reached "
-          "through this module global: a view of torch whose two top-k ops run the "
-          "project's top-k kernel where it is chosen and serves (vllm_dsa_varlen.topk: "
-          "sm_90, VLLM_DSA_VARLEN_TOPK), the same op otherwise; every other name is torch's",
-          wraps=True),
-    Patch(_V2, "fused_indexer_q_rope_quant",
-          f"{_OUR_V2}:wrap_fused_indexer_q_rope_quant",
-          "the indexer layer calls this module global once per layer to prepare its query "
-          "(RoPE, fp8, the weights' scaling): on sm_90 (VLLM_DSA_VARLEN_FUSED_Q=auto; `on` "
-          "also other fp8 GPUs) the project's kernel (a program per token and block of heads, "
-          "vLLM's arithmetic, bytes equal to its outputs) instead of vLLM's one-warp program "
-          "per token and head; vLLM's otherwise and for any call it does not take "
-          "(config.choose_fused_q)",
-          wraps=True),
-    Patch(_IX, "get_paged_mqa_logits_metadata", f"{_OUR_IX}:get_paged_mqa_logits_metadata",
-          "the builder's build() calls this module global: during a varlen build pass "
-          "the step's run ids to DeepGEMM's scheduler (Triton needs no schedule)"),
-    Patch(_IX, "DeepSeekV32IndexerDecodeMetadata", f"{_OUR_IX}:DeepSeekV32IndexerDecodeMetadata",
-          "build() constructs the decode metadata through this module global: a "
-          "subclass adds the `indices` field (None when not varlen)"),
-    Patch(_IX, "DeepseekV32IndexerMetadataBuilder.get_cudagraph_support",
-          f"{_OUR_IX}:wrap_get_cudagraph_support",
-          "full CUDA graphs for every batch: ALWAYS when every decode step gets the "
-          "varlen rows (one row per token, any batch composition), as upstream 0.28.0; "
-          "stock's UNIFORM_BATCH otherwise", wraps=True),
-    Patch(_IX, "DeepseekV32IndexerMetadataBuilder.__init__", f"{_OUR_IX}:wrap_init",
-          "decide the decode path once (config.choose_decode_path), force the flatten "
-          "branch and allocate the run-id buffer when varlen", wraps=True),
-    Patch(_IX, "DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors",
-          f"{_OUR_IX}:wrap_prepare_decode_tensors",
-          "varlen: plan rows with plan.plan_decode_rows into stock's buffers (no "
-          "Triton helper, no second copy of the row logic), plain steps flattened too, "
-          "and remember the run ids; stock steps: padding requests' context lengths "
-          "clamped at 0",
-          wraps=True),
-    Patch(_IX, "DeepseekV32IndexerMetadataBuilder.build", f"{_OUR_IX}:wrap_build",
-          "varlen: choose the step's layout and kernel (policy.varlen_wins), mark the "
-          "build for the metadata hook, then hand the run ids to the decode metadata "
-          "and to the kernel call (via a per-step schedule view)",
-          wraps=True),
-)
+
+def _patches_0_27(release: str) -> tuple[Patch, ...]:
+    """The patch set of the modules under ``vllm_0_27/``, read from ``release``."""
+    return (
+        Patch(_DG, "get_paged_mqa_logits_metadata", f"{_OUR_DG}:get_paged_mqa_logits_metadata",
+              "accept the varlen run ids (`indices`) and forward them to DeepGEMM only "
+              "when set; without them the call is exactly stock's", upstream=release),
+        Patch(_DG, "fp8_fp4_paged_mqa_logits", f"{_OUR_DG}:fp8_fp4_paged_mqa_logits",
+              "forward `indices` when set; adapt to DeepGEMM 2.8.x (no `clean_logits`: "
+              "drop it and emulate; bf16 weights/logits on SM100: convert) so 0.27.1's "
+              "fp32 top-k kernels keep working", api=True, upstream=release),
+        Patch(_DG, "fp8_fp4_mqa_logits", f"{_OUR_DG}:fp8_fp4_mqa_logits",
+              "prefill logits: DeepGEMM 2.8.x has no `clean_logits` and writes "
+              "row-compressed logits; adapt so stock's absolute-column top-k still reads "
+              "right (unchanged call on the API 0.27.1 was built with)",
+              api=True, upstream=release),
+        Patch(_SAI, "fp8_fp4_mqa_logits", f"{_OUR_DG}:fp8_fp4_mqa_logits",
+              "the indexer op imported the prefill wrapper by name; point it at the "
+              "adapted one", api=True, upstream=release),
+        Patch(_SAI, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI}:fp8_fp4_paged_mqa_logits",
+              "the registered custom op captured `sparse_attn_indexer` itself but looks "
+              "this module global up per call: route varlen decode steps (ids carried "
+              "by the schedule tensor) to DeepGEMM-with-indices or the project's varlen "
+              "kernel; untagged calls (every call in `stock` mode) are stock's call through "
+              "the DeepGEMM adapter", api=True, upstream=release),
+        Patch(_SAI, "torch", f"{_OUR_SAI}:torch_with_own_topk",
+              "the decode top-k is `torch.ops._C.persistent_topk` / `cooperative_topk` "
+              "reached through this module global: a view of torch whose two top-k ops run "
+              "the project's top-k kernel where it is chosen and serves "
+              "(vllm_dsa_varlen.topk: sm_90, DSA_VARLEN_TOPK), the same op otherwise; every "
+              "other name is torch's",
+              wraps=True, upstream=release),
+        Patch(_V2, "fused_indexer_q_rope_quant",
+              f"{_OUR_V2}:wrap_fused_indexer_q_rope_quant",
+              "the indexer layer calls this module global once per layer to prepare its "
+              "query (RoPE, fp8, the weights' scaling): on sm_90 (DSA_VARLEN_FUSED_Q=auto; "
+              "`on` also other fp8 GPUs) the project's kernel (a program per token and block "
+              "of heads, vLLM's arithmetic, bytes equal to its outputs) instead of vLLM's "
+              "one-warp program per token and head; vLLM's otherwise and for any call it "
+              "does not take (config.choose_fused_q)",
+              wraps=True, upstream=release),
+        Patch(_IX, "get_paged_mqa_logits_metadata", f"{_OUR_IX}:get_paged_mqa_logits_metadata",
+              "the builder's build() calls this module global: during a varlen build pass "
+              "the step's run ids to DeepGEMM's scheduler (the project's kernels need no "
+              "schedule)", upstream=release),
+        Patch(_IX, "DeepSeekV32IndexerDecodeMetadata",
+              f"{_OUR_IX}:DeepSeekV32IndexerDecodeMetadata",
+              "build() constructs the decode metadata through this module global: a "
+              "subclass adds the `indices` field (None when not varlen)", upstream=release),
+        Patch(_IX, "DeepseekV32IndexerMetadataBuilder.get_cudagraph_support",
+              f"{_OUR_IX}:wrap_get_cudagraph_support",
+              "full CUDA graphs for every batch: ALWAYS when every decode step gets the "
+              "varlen rows (one row per token, any batch composition), as upstream 0.28.0; "
+              "stock's UNIFORM_BATCH otherwise", wraps=True, upstream=release),
+        Patch(_IX, "DeepseekV32IndexerMetadataBuilder.__init__", f"{_OUR_IX}:wrap_init",
+              "decide the decode path once (config.choose_decode_path with the 0.27 line's "
+              "facts), force the flatten "
+              "branch and allocate the run-id buffer when varlen", wraps=True, upstream=release),
+        Patch(_IX, "DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors",
+              f"{_OUR_IX}:wrap_prepare_decode_tensors",
+              "varlen: plan rows with plan.plan_decode_rows into stock's buffers (no "
+              "second copy of the row logic), plain steps flattened too, "
+              "and remember the run ids; stock steps: padding requests' context lengths "
+              "clamped at 0",
+              wraps=True, upstream=release),
+        Patch(_IX, "DeepseekV32IndexerMetadataBuilder.build", f"{_OUR_IX}:wrap_build",
+              "varlen: choose the step's layout and kernel (policy.varlen_wins), mark the "
+              "build for the metadata hook, then hand the run ids to the decode metadata "
+              "and to the kernel call (via a per-step schedule view)",
+              wraps=True, upstream=release),
+    )
 
 
 def _patches_0_33(release: str) -> tuple[Patch, ...]:
@@ -215,7 +221,7 @@ def _patches_0_33(release: str) -> tuple[Patch, ...]:
         Patch(_SAI, "get_indexer_topk", f"{_OUR_SAI_33}:wrap_get_indexer_topk",
               "the indexer op looks this module global up per call for its decode top-k: with "
               "the `auto` backend the project's top-k kernel runs where it is chosen and serves "
-              "(vllm_dsa_varlen.topk: sm_90, VLLM_DSA_VARLEN_TOPK), vLLM's otherwise",
+              "(vllm_dsa_varlen.topk: sm_90, DSA_VARLEN_TOPK), vLLM's otherwise",
               upstream=release, wraps=True),
         Patch(_GLM5N, "fp8_fp4_paged_mqa_logits", f"{_OUR_SAI_33}:wrap_paged_mqa_logits",
               "GLM-5-Next's indexer op (NVIDIA) has its own copy of the decode call on the "
@@ -257,7 +263,7 @@ def _patches_0_33(release: str) -> tuple[Patch, ...]:
     )
 
 
-PATCHES: tuple[Patch, ...] = (_PATCHES_0_27 + _patches_0_33(LINES["0.33"])
+PATCHES: tuple[Patch, ...] = (_patches_0_27(LINES["0.27"]) + _patches_0_33(LINES["0.33"])
                                + _patches_0_33(LINES["0.34"]))
 
 
@@ -330,7 +336,7 @@ def upstream_differences(line: str, *, api_only: bool = False) -> list[str]:
     """Where the installed vLLM's source differs from what ``line``'s patches
     were written against (:data:`SHAPES`, read by :func:`.upstream.shape`
     without importing vLLM), one line each; empty where it does not.
-    ``api_only``: the DeepGEMM API adapters only (``VLLM_DSA_VARLEN=stock``)."""
+    ``api_only``: the DeepGEMM API adapters only (``DSA_VARLEN=stock``)."""
     from .upstream import shape  # read per call: tests stand in for it
 
     expected = SHAPES.get(line, {})

@@ -1,25 +1,12 @@
 """Decode-row planning: one pure function that turns a decode batch into rows.
 
-A decode step holds ``B`` requests; request ``b`` carries ``n_b`` query tokens
-(1 for plain decode, up to ``next_n`` with MTP / speculative decode) and has
-``seq_lens[b]`` tokens of KV *including* those new tokens.  The varlen layout
-flattens the batch to one row per query token (``next_n == 1``) and ties the
-rows of one request together with a run id:
-
-* ``indices[r]``       int32 — run id; a request is a maximal run of equal
-  adjacent ids.  Real rows carry their request's index ``b``; padding rows get
-  ids of their own.
-* ``context_lens[r]``  int32 — the row's own causal context length
-  ``seq_lens[b] - n_b + j + 1`` for the ``j``-th token of request ``b``,
-  clamped at 0 (graph-padding requests have ``seq_len == 0``).
-* ``block_table[r]``   int32 — the request's block-table row (a kernel reads
-  the run's first row; every row is filled so any row may be read).
-
-This function is the single source of the layout: the vLLM builder, the kernel
-tests and the benchmark all call it.  It only issues device ops (no ``.item()``
-or ``.tolist()``), so the uniform path never synchronises with the host and can
-run while a CUDA graph is captured.  Host-side facts (number of rows, whether
-the batch is uniform) come in as Python ints, as vLLM has them on the CPU.
+The varlen layout flattens a decode step to one row per query token and ties
+the rows of one request together with a run id (:class:`DecodeRows`).
+:func:`plan_decode_rows` is its single source: the vLLM builders, the kernel
+tests and the benchmark all call it.  It issues device ops only, so the
+uniform path never synchronises with the host and can run under CUDA-graph
+capture; host-side facts (row counts, uniformity) come in as Python ints, as
+vLLM has them on the CPU.
 """
 
 from __future__ import annotations
@@ -31,10 +18,16 @@ import torch
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """Rows of one decode step in the varlen layout (see module docstring).
+    """Rows of one decode step in the varlen layout.  Request ``b`` of the step
+    carries ``n_b`` query tokens and ``seq_lens[b]`` tokens of KV including them.
 
-    ``indices``: int32 ``[R]``; ``context_lens``: int32 ``[R]``;
-    ``block_table``: int32 ``[R, W]``; ``num_rows``: ``R``.
+    ``indices``: int32 ``[R]`` run ids: a request is a maximal run of equal
+    adjacent ids; real rows carry their request's index ``b``, padding rows
+    ids of their own.  ``context_lens``: int32 ``[R]``, the ``j``-th token's
+    causal context ``seq_lens[b] - n_b + j + 1``, clamped at 0 (graph-padding
+    requests have ``seq_len == 0``).  ``block_table``: int32 ``[R, W]``, the
+    request's block-table row on each of its rows (a kernel reads the run's
+    first).  ``num_rows``: ``R``.
     """
 
     indices: torch.Tensor

@@ -1,41 +1,12 @@
-"""Per-step choice: the varlen kernel, or what stock vLLM runs for this step.
+"""Per-step choice: the project's varlen kernel, or what stock vLLM runs for this step.
 
-The builder-level decision (:func:`vllm_dsa_varlen.config.choose_decode_path`)
-says whether a varlen backend *can* serve a builder.  On GPUs where the varlen
-kernel is the project's own (Hopper and other fp8 GPUs without a DeepGEMM
-varlen kernel) it is not faster than stock for every step, so each decode step
-is also checked here: :func:`varlen_wins` says whether the varlen kernel was
-measured at least as fast as the path stock vLLM would take for *this* step.
-Nothing here reads global state or tensors: the facts are host-known ints
-(``StepFacts``), so the choice never synchronises with the device.
-
-CUDA graphs: a full graph is keyed by the step's token count (and, in vLLM,
-whether the batch is a uniform decode), so a decision that also depends on the
-batch size or the longest run is made once at capture and replayed for other
-batches with the same key.  That is safe as long as the builder prepares the
-metadata both kernels need whenever it could go either way (it does); only the
-speed of the baked choice is then a property of the captured batch.  A step
-with fewer rows than :func:`min_varlen_rows` can never go to varlen; the
-builder may leave such steps wholly to stock when the bound is checked against
-the graph's own (padded) token count.
-
-What stock runs for a step (``StockKind``):
-
-* ``"native"``   DeepGEMM's ``[B, next_n]`` kernel on a uniform step
-  (Hopper: next_n 1 or 2 on vLLM 0.27; 1, 2 or 4 on vLLM 0.33);
-* ``"flattened"`` one row per token without ids, every row re-reading its
-  request's KV (vLLM 0.27 Hopper with next_n > 2; 0.33 Hopper with next_n not
-  native, or with adaptive verification);
-* ``"split"``    a non-uniform step under ``require_uniform``: the requests
-  after the first length mismatch are computed by the prefill path.
-
-:data:`MEASURED` is the table the decision follows (BENCHMARKS.md holds the
-measurements behind it), looked up at call time.  A step matches a rule when
-every bound holds; the varlen kernel is used only where a rule says it won.
-A rule may name the kernel it was measured with (``kernel``): it then applies
-only when the caller says that kernel is the one a captured step runs
-(:func:`vllm_dsa_varlen.ops.launcher.graph_kernel`, a fact of
-the builder: GPU, index heads, cache geometry, NVRTC).
+Where a builder's decode path is the project's kernels
+(:func:`vllm_dsa_varlen.config.choose_decode_path`), :func:`varlen_wins`
+decides each step from host-known ints (:class:`StepFacts`; no device sync)
+against the rule table :data:`MEASURED`: varlen only where a rule says it
+was at least as fast as the path stock would take.  A CUDA graph bakes the
+choice made at capture, so the builders prepare the metadata both kernels
+read wherever a step could go either way (docs/design.md).
 """
 
 from __future__ import annotations
@@ -43,6 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+# What stock runs for a step: DeepGEMM's native [B, next_n] kernel on a uniform
+# step; one row per token without ids, each re-reading its request's KV; or a
+# non-uniform step split, its requests after the first length mismatch on the
+# prefill path.
 StockKind = Literal["native", "flattened", "split"]
 STOCK_KINDS: tuple[str, ...] = ("native", "flattened", "split")
 
@@ -102,8 +77,7 @@ class StepFacts:
         """:meth:`from_decode_lens` of the counts between consecutive
         ``query_starts`` (host ints: a list, or anything with ``tolist()``
         such as ``query_start_loc_cpu[:n + 1]``).  Builders call it on every
-        step: list counting here, no per-element conversion or generator
-        (a third of ``from_decode_lens``'s host time on 8 requests)."""
+        step, so it counts on the list, with no per-element conversion."""
         starts = query_starts.tolist() if hasattr(query_starts, "tolist") else list(query_starts)
         lens = [b - a for a, b in zip(starts, starts[1:])]
         if lens and min(lens) < 0:
@@ -170,74 +144,46 @@ class Rule:
                 and (self.uniform is None or step.uniform == self.uniform))
 
 
-# The rule table (H200, CUDA-graph replay, every path in one run: BENCHMARKS.md,
-# "Per step: varlen against what stock runs").  Each "flattened" rule covers only steps
-# like the measured rows where varlen was at least as fast as DeepGEMM
-# flattened; the "split" rule was timed against an emulation of stock's
-# split path (see its note).  No rule replaces stock's native kernel (DeepGEMM
-# next_n = 2, and next_n = 4 on vLLM 0.33): two did, for the pipelined build
-# (uniform 4 tokens from 256 rows, 2 tokens from 128: 1.04-1.09x native with
-# the L2 flushed dirty, h200-9f1a909), until vLLM 0.33.0's engine ran the first
-# at k = 3 B64 16K 0.973x stock (GPU 24.90 -> 25.47 ms a step; its kernel 73.7
-# us a call against DeepGEMM's 66.1) and the bench with the L2 left clean, as
-# the engine leaves it, read native 0.98x the kernel's time at 4 tokens, 1.02x
-# at 2 (h200-533ddd0); the four-warpgroup build on the same engine steps read
-# 0.997x stock (h200-9220b82): level, not a gain.  Where no rule matches,
-# stock is kept.
+# The rule table.  Each rule covers only steps like the measured ones where
+# varlen was at least as fast as stock's path (BENCHMARKS.md, "Which steps take
+# varlen"); where no rule matches, stock is kept.  No rule replaces stock's
+# native kernel: varlen measured level with it, not faster.
 MEASURED: tuple[Rule, ...] = (
-    # A non-uniform step that stock splits to the prefill path: the prefill
-    # path gathers the tail requests' KV into a workspace (reading and writing
-    # it once more), scores it and runs outside a full CUDA graph; varlen keeps
-    # them as decodes.  Timed against an emulation of that path (DeepGEMM's
-    # native kernel on the uniform prefix, a torch gather, DeepGEMM's
-    # non-paged MQA logits on the tail in one chunk): 8-13x slower than varlen
-    # on every variable step measured (BENCHMARKS.md).
-    Rule("split", note="variable steps stay decodes: stock's split path, emulated, measured "
-                       "8-10x slower (B64/B128, 8K/32K, 1..4 and acceptance 0.7)"),
+    # The prefill path gathers the split-off requests' KV into a workspace,
+    # scores it and runs outside a full CUDA graph; varlen keeps them as
+    # decodes (timed against an emulation of that path: BENCHMARKS.md,
+    # "Variable steps against an emulation of stock's split path").
+    Rule("split", note="variable steps stay decodes, faster than stock's split path (emulated)"),
     # Stock flattening re-reads each request's KV once per token.
     Rule("flattened", min_run=2, max_run_le=2, min_rows=128, uniform=True,
-         note="uniform 2 tokens, >= 128 rows: 1.41x (B64 L32K) and 1.49x (B256 L4K) "
-              "DeepGEMM flattened"),
+         note="uniform 2 tokens, >= 128 rows"),
     Rule("flattened", min_run=3, max_run_le=4, min_rows=64, uniform=True,
-         note="uniform 3-4 tokens, >= 64 rows: 1.16x (B16 L16K) to 1.74x (B256 L8K) "
-              "DeepGEMM flattened; B1 (4 rows) measured slower"),
+         note="uniform 3-4 tokens, >= 64 rows"),
     Rule("flattened", min_run=8, max_run_le=8, min_requests=64, uniform=True,
-         note="uniform 8 tokens, B64 L8K: 1.16x DeepGEMM flattened (sm_90 kernel; the "
-              "portable one 1.07x)"),
+         note="uniform 8 tokens, >= 64 requests"),
+    # Fewer tokens per request, or shorter contexts, measured slower.
     Rule("flattened", min_run=4, max_run_le=4, min_requests=64, min_context=32768,
          min_tokens_per_request=2.6, uniform=False,
-         note="variable steps up to 4 tokens at 32K contexts with >= 2.6 tokens per "
-              "request: B64 1..4 (2.67) 1.10x, B128 acceptance 0.7 (2.61) 1.10x DeepGEMM "
-              "flattened; B64 acceptance 0.7 (2.28) measured slower (0.87x), as did B64 "
-              "at 8K contexts (0.93x)"),
-    # Steps only the CUDA sm_90 kernel won (v8: calls 39, 49 and 53, the
-    # figures call 53's); the Gluon and portable kernels tied or lost them.
+         note="variable steps up to 4 tokens, >= 64 requests, >= 32K contexts, >= 2.6 tokens "
+              "per request"),
+    # Steps only the CUDA sm_90 kernel won; the portable kernel tied or lost them.
     Rule("flattened", min_run=5, max_run_le=7, min_requests=64, uniform=True, kernel="cuda_sm90",
-         note="uniform 5, 6 or 7 tokens, B64 L8K: 1.16x, 1.55x, 1.30x DeepGEMM flattened (CUDA "
-              "sm_90 kernel; Gluon 0.73x, 1.00x, 1.00x; portable 0.73x, 1.01x, 0.92x)"),
+         note="uniform 5, 6 or 7 tokens, >= 64 requests (CUDA sm_90 kernel)"),
     Rule("flattened", min_run=4, max_run_le=4, min_requests=64, min_context=8192,
          min_tokens_per_request=2.6, uniform=False, kernel="cuda_sm90",
-         note="variable steps up to 4 tokens at >= 8K contexts with >= 2.6 tokens per request: "
-              "B64 L8K 1..4 1.22x, B128 L8K 1..4 1.57x, B64 L32K 1..4 1.41x DeepGEMM flattened "
-              "(CUDA sm_90 kernel; at 8K the Gluon and portable kernels lost, 0.93x / 0.70x)"),
-    # Small uniform steps (h200-744ee8f, h200-320b823: one process beside
-    # DeepGEMM 2.8.1, rounds in a balanced order): the CUDA kernel was never
-    # slower than DeepGEMM flattened from 32 rows of 4 tokens (1K-32K) or 18
-    # rows of 3 tokens (2K-32K); at 16 rows of 4 tokens it lost at 1K.  No
-    # context bound: a captured graph's kernel is chosen without contexts.
-    # In vLLM 0.27.1's engine (61 layers) these steps gain at 16K-32K (B8: k = 2
-    # 1.01-1.02x, k = 3 faster) and at 4K pay the varlen build's host time
-    # (+95 us a step at 01f2093) for a kernel gain <= 0.04 ms (BENCHMARKS.md).
+         note="variable steps up to 4 tokens, >= 64 requests, >= 8K contexts, >= 2.6 tokens "
+              "per request (CUDA sm_90 kernel)"),
+    # Small uniform steps bound no context: a captured graph's kernel is chosen
+    # without the contexts it will replay, and these held at every context
+    # measured; fewer rows measured slower at short contexts.
     Rule("flattened", min_run=4, max_run_le=4, min_rows=32, uniform=True, kernel="cuda_sm90",
-         note="uniform 4 tokens, 32-63 rows: B8 1.02-1.36x DeepGEMM flattened (1K-32K; CUDA "
-              "sm_90 kernel); B4 (16 rows) 1.06-1.17x at 4K-32K but 0.94x at 1K"),
+         note="uniform 4 tokens, >= 32 rows (CUDA sm_90 kernel)"),
     Rule("flattened", min_run=3, max_run_le=3, min_rows=18, uniform=True, kernel="cuda_sm90",
-         note="uniform 3 tokens, 18-63 rows: B6 L2K 1.02x, B8 1.01-1.19x (4K-32K) DeepGEMM "
-              "flattened (CUDA sm_90 kernel); B4 (12 rows) L2K 0.95x"),
+         note="uniform 3 tokens, >= 18 rows (CUDA sm_90 kernel)"),
     Rule("flattened", min_run=8, max_run_le=8, min_requests=64, min_context=8192,
          min_tokens_per_request=4.5, uniform=False, kernel="cuda_sm90",
-         note="variable steps up to 8 tokens, B64 L8K 1..8 (4.67 tokens per request): 1.19x "
-              "DeepGEMM flattened (CUDA sm_90 kernel; Gluon 0.84x, portable 0.71x)"),
+         note="variable steps up to 8 tokens, >= 64 requests, >= 8K contexts, >= 4.5 tokens "
+              "per request (CUDA sm_90 kernel)"),
 )
 
 

@@ -1,19 +1,14 @@
 """Per-step decode-path counters: which path each indexer decode step took
 (and which decode top-k each dispatched call took).
 
-The builders record one entry per metadata build that has decode requests
-(host values only: a dict increment, no device work), so a run can say how
-many decode steps took the varlen kernel, stock's native or flattened
-DeepGEMM call, or avoided stock's split, and how many of those steps were
-variable (requests with different token counts) or mixed (prefills in the
-same step, where vLLM runs the indexer op outside the piecewise CUDA graphs).
-The end-to-end benchmark reads them from the engine's process
-(``benchmarks/e2e_decode.py``).  A server's engine core is another process:
-there the counts reach its log as one line, ``vllm-dsa-varlen: decode steps
-{json}`` (:data:`LINE`), written by :func:`record` at most every
-:data:`LOG_EVERY_S` seconds when they changed, and once when the process
-exits; ``benchmarks/serve.py`` parses it (:func:`parse_line`).  Nothing
-here imports vLLM.
+The builders record one entry per metadata build with decode requests (a
+dict increment on the host), so a run can say how many decode steps took the
+varlen kernel, stock's native or flattened call, or avoided stock's split,
+and how many were variable or mixed with prefills.  The offline benchmark
+reads them in its own process; a server's engine core writes them to its log
+as one line (:data:`LINE`, parsed by :func:`parse_line` in
+``benchmarks/serve.py``) at most every :data:`LOG_EVERY_S` seconds and at
+exit.  Nothing here imports vLLM.
 """
 
 from __future__ import annotations

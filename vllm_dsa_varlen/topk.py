@@ -1,69 +1,36 @@
 """The indexer's decode top-k: this project's kernel in place of vLLM's where it serves.
 
-vLLM's decode top-k (``persistent_topk``, ``cooperative_topk`` from its
-``_C`` extension) reads the logits the indexer's decode kernel wrote, once
-per layer.  :func:`.ops.cuda_topk.decode_topk` meets the same contract
-(:func:`.ops.reference.topk_ref`) in one launch; BENCHMARKS.md times the two
-side by side.  ``VLLM_DSA_VARLEN_TOPK``:
-
-* ``own``: the project's top-k for every decode step on an sm_90 GPU where
-  its kernel compiles and loads (NVRTC through ``cuda-python``), whatever
-  kernel wrote the logits; vLLM's elsewhere and for calls it does not serve
-  (:func:`serves`: float32 logits with unit column stride, one length per
-  row, an int32 output of ``[rows, k]``);
-* ``vllm``: vLLM's top-k always;
-* ``auto`` (default): the project's top-k on sm_90 for the calls where it
-  was measured faster than vLLM's (:func:`measured_faster`: outside
-  CUDA-graph capture, more than 32 rows whose host bound on the lengths is
-  :data:`LONG_ROWS` columns or more, and either rows that a CTA's stage holds
-  whole or, past the rows the vLLM line gives its ``cooperative_topk`` (32
-  in 0.27.1, 64 in 0.33.0), up to as many rows as SMs), vLLM's for the
-  others.
-
-``VLLM_DSA_VARLEN=off`` or ``stock`` keeps vLLM's too.  The decision per
-process and device is made once (:func:`choose_topk`, pure; logged once),
-the per-call check reads tensor metadata only (no sync, graph safe).  The
-vLLM-line modules call :func:`dispatch` from their patched call sites.
-Nothing here imports vLLM.
+vLLM's decode top-k (``persistent_topk``, ``cooperative_topk``) reads the
+logits the indexer's decode kernel wrote, once per layer;
+:func:`.ops.cuda_topk.decode_topk` meets the same contract
+(:func:`.ops.reference.topk_ref`) in one launch.  ``DSA_VARLEN_TOPK``
+(:mod:`.settings`): ``own`` takes it on sm_90 for every call it serves,
+``vllm`` never, ``auto`` (the default) where it was measured faster
+(:func:`measured_faster`).  The choice per process and device is made once
+(:func:`choose_topk`, pure; logged once); the per-call check reads tensor
+metadata only (no sync, graph safe).  The vLLM lines call :func:`dispatch`
+from their patched call sites.  Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 
-from . import stats
-from .config import MODE_ENV, read_mode
+from . import settings, stats
+from .settings import MODE_ENV, TOPK_ENV
 from .ops import cuda_topk
 from .ops.common import num_sms
 
-TOPK_ENV = "VLLM_DSA_VARLEN_TOPK"
-TOPK_SETTINGS = ("auto", "vllm", "own")
 CAPABILITY = (9, 0)
-# Where ``auto`` takes the project's top-k, from its measurement beside vLLM
-# 0.27.1's ``persistent_topk`` / ``cooperative_topk`` on the H200 on logits as
-# the engine lays them out (rows max_model_len = 163840 wide, which picks
-# vLLM's cooperative kernel up to 32 rows; one process, rounds interleaved;
-# BENCHMARKS.md "One process", the decode top-k table).  More than 32 rows
-# bounded at 32K columns or more: 0.57-0.79x vLLM's time up to as many rows as
-# SMs (36-128 rows of 32K, 64K and 128K), 0.77-0.93x past them where one CTA
-# stages a row whole (B64 L32K 2, 3, 1..4, 4 tokens); 0.94-1.93x on every
-# other step timed (few rows, rows of 16K columns and fewer, more rows than
-# SMs of 64K columns; the worst 32 rows of 8K, eager).
-# Against vLLM 0.27.1 those wins are all against persistent_topk (its call takes
-# cooperative_topk up to 32 rows).  vLLM 0.33.0's takes cooperative_topk up to 64 rows
-# (its AUTO_COOPERATIVE_MAX_ROWS; its line hands that limit to dispatch as
-# ``cooperative_rows``), and passes both ops the step's max_seq_len in eager steps:
-# beside its own extension, 33-64 rows bounded at 42.6K: 0.92-0.94x its
-# cooperative_topk; 64K-81K: 0.96-0.99x (level, left to it); 96-256 rows of 32K:
-# 0.82-0.88x its persistent_topk; 8K-16K: 1.07-1.19x (h200-b425cab).  With the plan's
-# bounded doubling (cuda_topk.launch_plan, 2e367fe), eager calls of 36-128 rows of 48K-96K
-# took 0.53-0.93x vLLM 0.27.1's time (96 rows of 64K: 0.85x, 1.02x before; h200-9fb2ff6).
+# Where ``auto`` takes the project's top-k (measured_faster): calls like those
+# where it was faster than vLLM 0.27.1's and 0.33.0's top-k; on the others timed
+# (few or short rows, more long rows than SMs) it was level or slower
+# (BENCHMARKS.md, "The decode top-k").
 LONG_ROWS = 32768
 COOPERATIVE_ROWS = 32  # vLLM 0.27.1's cooperative_topk serves up to this many rows
 
@@ -100,20 +67,6 @@ def auto_builds(sms: int) -> list[tuple[str, ...]]:
 logger = logging.getLogger("vllm.dsa_varlen")
 
 
-def read_topk(environ: Mapping[str, str] | None = None) -> str:
-    """``VLLM_DSA_VARLEN_TOPK`` -> ``"auto"`` | ``"vllm"`` | ``"own"`` (unset
-    or empty: ``"auto"``); ``ValueError`` naming the variable otherwise."""
-    env = os.environ if environ is None else environ
-    raw = env.get(TOPK_ENV)
-    if raw is None or raw.strip() == "":
-        return "auto"
-    value = raw.strip().lower()
-    if value not in TOPK_SETTINGS:
-        raise ValueError(f"{TOPK_ENV}={raw!r} is not valid: expected one of "
-                         f"{', '.join(TOPK_SETTINGS)} (default auto)")
-    return value
-
-
 @dataclass(frozen=True)
 class TopkChoice:
     """Whether the project's top-k serves a device (``own``), for every call
@@ -127,8 +80,8 @@ class TopkChoice:
 
 def choose_topk(*, mode: str, setting: str, capability: tuple[int, int] | None,
                 kernel_error: str | None) -> TopkChoice:
-    """The top-k for a device (pure): vLLM's under ``VLLM_DSA_VARLEN=off`` /
-    ``stock`` or ``VLLM_DSA_VARLEN_TOPK=vllm``, off sm_90, or where the
+    """The top-k for a device (pure): vLLM's under ``DSA_VARLEN=off`` /
+    ``stock`` or ``DSA_VARLEN_TOPK=vllm``, off sm_90, or where the
     kernel failed to compile or load (``kernel_error``); the project's
     otherwise, per call under ``auto``."""
     if mode in ("off", "stock"):
@@ -173,7 +126,7 @@ def decide(index: int) -> TopkChoice:
     with _lock:
         got = _choices.get(index)
         if got is None:
-            mode, setting = read_mode(), read_topk()
+            mode, setting = settings.get(MODE_ENV), settings.get(TOPK_ENV)
             capability = torch.cuda.get_device_capability(index)
             error = None
             if mode == "auto" and setting != "vllm" and tuple(capability) == CAPABILITY:
@@ -212,8 +165,8 @@ def serves(logits, lengths, out, k) -> bool:
 def capturing(logits) -> bool:
     """Whether a CUDA graph capture is under way for this call: CUDA
     ``logits`` and the current stream capturing (not asking whether CUDA is
-    available: that reads the environment and queries the driver, ~1 µs, on
-    every eager layer)."""
+    available: that reads the environment and queries the driver on every
+    eager layer)."""
     return getattr(logits, "is_cuda", False) and torch.cuda.is_current_stream_capturing()
 
 

@@ -1,26 +1,14 @@
 """How a decode step's run ids travel from the metadata builder to the kernel call.
 
-vLLM 0.27.1's indexer op calls ``fp8_fp4_paged_mqa_logits(..., seq_lens,
-block_table, schedule_metadata, ...)`` with fields of the decode metadata but
-not the metadata itself, so the run ids need a carrier among those arguments.
-The builder gives every varlen step a *fresh view* of its (CUDA-graph-stable)
-scheduler-metadata buffer -- same storage, same address -- and tags that view
-object with the step's ids and backend.  The kernel-call replacement reads the
-tag off the tensor it is handed.
-
-* No global "last step" state: the tag lives on the step's own tensor object,
-  so metadata of another step, group or builder can never pick it up.
-* Per-layer host cost: one attribute lookup on a tensor (and, for the sm_90
-  kernel, one dict lookup for the step's planned schedule, which the tag's
-  ``schedules`` dict holds from the step's first layer on).
-* Stock steps (and anything else that reaches the kernel call) carry no tag
-  and take the stock path.
-
-A builder's id buffer is also remembered between steps (:func:`ids_hold`,
-:func:`ids_written`): a uniform step's ids ``r // n`` are rewritten only when
-the buffer does not hold them already.
-
-Nothing here imports vLLM.
+The indexer op hands the kernel call fields of the decode metadata, not the
+metadata, so the ids need a carrier among those arguments: the builder gives
+each varlen step a fresh view of its graph-stable scheduler-metadata buffer
+(same storage) tagged with the step's ids (:func:`attach_varlen_ids`), and
+the kernel-call replacement reads the tag off the tensor it gets.  The tag
+lives on the step's own tensor, so no other step can pick it up; untagged
+calls take stock's path.  A builder also records what its id buffer holds
+(:func:`ids_hold`, :class:`ids_written`), so a uniform step's ids are written
+only when they change.  Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -31,11 +19,11 @@ import torch
 
 _ATTR = "_vllm_dsa_varlen_ids"
 _BOUND_ATTR = "_vllm_dsa_varlen_bound"
-BACKENDS = ("deepgemm", "triton")
+BACKENDS = ("deepgemm", "own")  # DeepGEMM with ids, or the project's kernels
 
 
 class VarlenTag(NamedTuple):
-    """``ids``: int32 ``[R]`` run ids; ``backend``: ``"deepgemm"`` | ``"triton"``;
+    """``ids``: int32 ``[R]`` run ids; ``backend``: ``"deepgemm"`` | ``"own"``;
     ``max_run_len``: the step's longest run as the host knows it (a sizing hint
     for the project's kernel; correctness never depends on it); ``schedules``: the
     step's planned kernel schedules, filled by the first layer's call and read
@@ -56,7 +44,7 @@ def attach_varlen_ids(schedule: torch.Tensor, ids: torch.Tensor, backend: str,
     """Return a fresh view of ``schedule`` (same storage) tagged with ``ids``.
 
     ``schedule``: the builder's scheduler-metadata buffer (any shape/dtype).
-    ``ids``: int32 ``[R]``.  ``backend``: ``"deepgemm"`` or ``"triton"``.
+    ``ids``: int32 ``[R]``.  ``backend``: ``"deepgemm"`` or ``"own"``.
     ``max_run_len``: the step's longest request in tokens (>= 1);
     ``max_context``: the step's longest context (>= 1) or ``None``."""
     if backend not in BACKENDS:
@@ -99,7 +87,7 @@ def first_rows(rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     rows (stock's one dummy row of a decode batch without tokens); the tensor
     itself where it has ``rows`` rows or fewer (too few rows are for the
     kernel's checks to name).  Callers test for a cut first: a view made, or
-    this call, on every layer costs host time (~1.5 µs each)."""
+    this call, costs host time on every layer."""
     return tuple([t if t.shape[0] <= rows else t[:rows] for t in tensors])
 
 
@@ -118,7 +106,7 @@ class ids_written:  # noqa: N801 -- a context manager used as a function, as con
     write that fails leaves it unknown) and set to ``layout`` after (``(n,
     rows)``: ``ids[r] == r // n`` for ``r < rows``; ``None``: any other ids).
     ``skip``: no write happens, the record stands.  (A class, not a generator:
-    builders enter it on every step, and this costs half the Python calls.)"""
+    builders enter it on every step, and a class makes fewer Python calls.)"""
 
     __slots__ = ("holder", "layout", "skip")
 

@@ -2,10 +2,10 @@
 project's) a builder will launch when the builder is made.
 
 Both vLLM lines' metadata builders call :func:`precompile_for` from their
-``__init__`` when their decode path is the project's (Triton / sm_90) kernel,
-so no decode step waits on a JIT compile (vLLM creates the builders before it
-captures CUDA graphs or serves a request).  Each line passes the facts it
-reads from its own config and KV-cache spec; nothing here imports vLLM.
+``__init__`` when their decode path is the project's kernels, so no decode
+step waits on a JIT compile (vLLM makes the builders before it captures CUDA
+graphs or serves a request).  Each line passes the facts it reads from its
+own config and KV-cache spec; nothing here imports vLLM.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ time.  Three things stand in for the GPU host:
 
 Then: the modules the offline engine, the DeepSeek V3.2 model and MTP drafter,
 the FlashMLA-sparse and indexer backends, the sampler and the spec-decode
-proposers need; this project's plugin (``VLLM_DSA_VARLEN=auto``); the imports
+proposers need; this project's plugin (``DSA_VARLEN=auto``); the imports
 written inside functions of every loaded vLLM module, followed to a fixpoint
 (printed, not judged: most serve other platforms, models or options); and
 ``LLM(...)`` built as ``benchmarks/e2e_decode.py``'s child builds it (tiny
@@ -169,7 +169,7 @@ def main() -> int:
                        LD_LIBRARY_PATH=work, TMPDIR=work, VLLM_CACHE_ROOT=work,
                        TRITON_CACHE_DIR=os.path.join(work, "triton"),
                        VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_FLASHINFER_SAMPLER="0",
-                       VLLM_DSA_VARLEN="auto")
+                       DSA_VARLEN="auto")
             cmd = [sys.executable, os.path.abspath(__file__), site]
             return subprocess.run(cmd, env=env).returncode
 

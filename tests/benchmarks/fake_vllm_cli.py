@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 STEPS_PER_REQUEST = 2
-MODE_VAR = "VLLM_DSA_VARLEN"
+MODE_VAR = "DSA_VARLEN"
 
 
 def words_out(prompt: str, n: int) -> list[str]:

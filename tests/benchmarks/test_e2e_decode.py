@@ -116,7 +116,7 @@ def test_capture_sizes_cover_every_case_and_shrinking_batches(k):
 # from run_child itself)
 PARENT_ONLY = {"out", "model", "k", "repeats", "modes", "merge", "child", "mode", "repeat", "help",
                "same_process", "control",
-               "topk"}  # reaches the child as VLLM_DSA_VARLEN_TOPK (its own test)
+               "topk"}  # reaches the child as DSA_VARLEN_TOPK (its own test)
 
 
 def _child_start(monkeypatch, args, mode: str) -> tuple[list, dict]:
@@ -141,14 +141,14 @@ def _child_command(monkeypatch, args, mode: str) -> list:
 
 @pytest.mark.parametrize("choice", [None, "auto", "own", "vllm"])
 def test_the_topk_choice_reaches_the_child_as_its_environment(tmp_path, monkeypatch, choice):
-    """--topk sets VLLM_DSA_VARLEN_TOPK for the child (the plugin's engine
+    """--topk sets DSA_VARLEN_TOPK for the child (the plugin's engine
     reads it; stock's keeps vLLM's by its own mode); without it the child
     inherits the environment's."""
-    monkeypatch.setenv("VLLM_DSA_VARLEN_TOPK", "inherited")
+    monkeypatch.setenv("DSA_VARLEN_TOPK", "inherited")
     argv = ["--out", str(tmp_path), "--model", "m"] + (["--topk", choice] if choice else [])
     _, env = _child_start(monkeypatch, e2e.build_parser().parse_args(argv), "plugin")
-    assert env["VLLM_DSA_VARLEN_TOPK"] == (choice or "inherited")
-    assert env["VLLM_DSA_VARLEN"] == e2e.MODES["plugin"]
+    assert env["DSA_VARLEN_TOPK"] == (choice or "inherited")
+    assert env["DSA_VARLEN"] == e2e.MODES["plugin"]
 
 
 def test_every_engine_option_reaches_the_engine_process(tmp_path, monkeypatch):
@@ -610,7 +610,7 @@ def test_same_process_control_runs_stocks_engine_twice_and_compares_the_pair(
         tmp_path, monkeypatch, control, capsys):
     """--same-process --control: one child process of mode ``control`` whose
     engines are stock's twice (the second named "control", both with
-    VLLM_DSA_VARLEN=stock); e2e.json says so, compares stock with the control
+    DSA_VARLEN=stock); e2e.json says so, compares stock with the control
     in the plugin's columns and names it in the table; the grid refuses such a
     folder.  Without --control: the child runs stock and the plugin."""
     rng = random.Random()
@@ -1123,9 +1123,9 @@ def test_same_process_engines_keep_vllms_query_kernels_unless_told():
     and the line says it holds for both."""
     env = {}
     line = e2e.same_process_query_prep(env)
-    assert env == {"VLLM_DSA_VARLEN_FUSED_Q": "off"} and "=off for both engines" in line
+    assert env == {"DSA_VARLEN_FUSED_Q": "off"} and "=off for both engines" in line
     for value in ("on", "auto", "off"):
-        env = {"VLLM_DSA_VARLEN_FUSED_Q": value}
+        env = {"DSA_VARLEN_FUSED_Q": value}
         line = e2e.same_process_query_prep(env)
-        assert env == {"VLLM_DSA_VARLEN_FUSED_Q": value}
+        assert env == {"DSA_VARLEN_FUSED_Q": value}
         assert f"={value} as set, for both engines" in line

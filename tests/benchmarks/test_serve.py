@@ -36,12 +36,12 @@ def _args(*extra):
 
 def test_each_mode_gets_its_value_of_the_mode_variable_and_a_multiprocess_engine():
     base = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PATH": "/bin", MODE_ENV: "off"}
-    extra = {"VLLM_DSA_VARLEN_TOPK": "own"}
+    extra = {"DSA_VARLEN_TOPK": "own"}
     for mode, value in serve.MODE_VALUES.items():
         env = serve.server_env(mode, base, extra)
         assert env[MODE_ENV] == value and env["PATH"] == "/bin"
         assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # vLLM's default: its own process
-        assert env["VLLM_DSA_VARLEN_TOPK"] == "own"
+        assert env["DSA_VARLEN_TOPK"] == "own"
     assert serve.server_env("plugin", base, {})[MODE_ENV] != serve.server_env("stock", base, {})[
         MODE_ENV]
     with pytest.raises(ValueError, match="mode"):

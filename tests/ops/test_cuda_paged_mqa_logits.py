@@ -149,10 +149,10 @@ def test_the_build_follows_the_run_length_hint():
 # name for it, its reader, the builds that show it, each as (got, want when
 # on, want when off)).
 SWITCHES = {
-    "VLLM_DSA_VARLEN_PIPELINE": (ck.PIPELINE_ENV, ck.read_pipeline, lambda: [
+    "DSA_VARLEN_PIPELINE": (ck.PIPELINE_ENV, ck.read_pipeline, lambda: [
         (ck.defines_for(4, "fp32"), ck.PIPELINE, ()),
         (ck.defines_for(4, "fp32", rows=ck.PIPELINE_MIN_ROWS - 1), (), ())]),
-    "VLLM_DSA_VARLEN_PDL": (ck.PDL_ENV, ck.read_pdl, lambda: [
+    "DSA_VARLEN_PDL": (ck.PDL_ENV, ck.read_pdl, lambda: [
         (ck.defines_for(4, "fp32", pipeline=False), ck.PDL, ()),
         (ck.defines_for(1, "fp32", heads=32), ("EVICT_FIRST=1", *ck.PDL), ("EVICT_FIRST=1",))]),
 }
@@ -160,8 +160,8 @@ SWITCHES = {
 
 @pytest.mark.parametrize("name", list(SWITCHES))
 def test_build_switches_are_read_once_and_checked(process_setting, name):
-    """VLLM_DSA_VARLEN_PIPELINE (the pipelined build where it applies) and
-    VLLM_DSA_VARLEN_PDL (every build launched as a programmatic dependent):
+    """DSA_VARLEN_PIPELINE (the pipelined build where it applies) and
+    DSA_VARLEN_PDL (every build launched as a programmatic dependent):
     unset, empty or 0 -> off (the default), 1 -> on, blanks ignored; read
     once; anything else -> ValueError naming the variable."""
     env, read, builds = SWITCHES[name]
@@ -184,15 +184,15 @@ def test_build_switches_are_read_once_and_checked(process_setting, name):
 
 @pytest.fixture
 def head_sum_env(process_setting):
-    """Set ``VLLM_DSA_VARLEN_HEAD_SUM`` for one test (``process_setting``)."""
+    """Set ``DSA_VARLEN_HEAD_SUM`` for one test (``process_setting``)."""
     return lambda value: process_setting(ck.HEAD_SUM_ENV, ck.read_head_sum, value)
 
 
 def test_head_sum_env_is_read_once_and_checked(head_sum_env):
-    """VLLM_DSA_VARLEN_HEAD_SUM: unset or empty -> fp32 (the default), case and
+    """DSA_VARLEN_HEAD_SUM: unset or empty -> fp32 (the default), case and
     blanks ignored; read once (a later change is not seen until the cache is
     cleared); anything else -> ValueError naming the variable."""
-    assert ck.HEAD_SUM_ENV == "VLLM_DSA_VARLEN_HEAD_SUM"
+    assert ck.HEAD_SUM_ENV == "DSA_VARLEN_HEAD_SUM"
     for raw, want in [(None, "fp32"), ("", "fp32"), ("fp32", "fp32"), (" TF32 ", "tf32")]:
         head_sum_env(raw)
         assert ck.read_head_sum() == want
@@ -201,9 +201,9 @@ def test_head_sum_env_is_read_once_and_checked(head_sum_env):
     assert ck.read_head_sum() == "tf32"
     for bad in ("bf16", "tf", "fp32,tf32"):
         head_sum_env(bad)
-        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_HEAD_SUM"):
+        with pytest.raises(ValueError, match="DSA_VARLEN_HEAD_SUM"):
             ck.read_head_sum()
-        with pytest.raises(ValueError, match="VLLM_DSA_VARLEN_HEAD_SUM"):
+        with pytest.raises(ValueError, match="DSA_VARLEN_HEAD_SUM"):
             ck.defines_for(4)
 
 
@@ -677,7 +677,7 @@ print(cubin[:4] == b"\x7fELF", sys.argv[1] in maps)
 @pytest.mark.skipif(NVRTC is not None or not sys.platform.startswith("linux"),
                     reason=f"no NVRTC here: {NVRTC}")
 def test_nvrtc_override_names_the_library_compiled_with(tmp_path):
-    """``VLLM_DSA_VARLEN_NVRTC``: cuda-python compiles with that library (a copy
+    """``DSA_VARLEN_NVRTC``: cuda-python compiles with that library (a copy
     of this environment's NVRTC in another folder is the one mapped)."""
     from cuda.pathfinder import load_nvidia_dynamic_lib
 
@@ -687,7 +687,7 @@ def test_nvrtc_override_names_the_library_compiled_with(tmp_path):
         if name.startswith(("libnvrtc.so", "libnvrtc-builtins.so")):
             shutil.copy(os.path.join(folder, name), tmp_path / name)
     copy = str(tmp_path / os.path.basename(lib))
-    env = dict(os.environ, VLLM_DSA_VARLEN_NVRTC=copy)
+    env = dict(os.environ, DSA_VARLEN_NVRTC=copy)
     proc = subprocess.run([sys.executable, "-c", _NVRTC_OVERRIDE, copy], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -736,17 +736,14 @@ def test_matches_reference_small(name, padding, hint):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 def test_auto_takes_it_inside_captures_for_every_hint(monkeypatch):
     """Inside a CUDA-graph capture "auto" takes this kernel whatever the
-    longest-run hint, and a step's schedule cache holds its plan; eager calls
-    take the portable kernel where ``EAGER_CUDA_SM90`` is off.  (Graph replay on new contents and batch
-    compositions, serving-size repeats: test_launcher.py with
-    ``kernel="sm90"``, this kernel at 32 and 64 heads.)"""
+    longest-run hint, and a step's schedule cache holds its plan.  (Graph
+    replay on new contents and batch compositions, serving-size repeats:
+    test_launcher.py with ``kernel="sm90"``, this kernel at 32 and 64 heads.)"""
     if NVRTC is not None:
         pytest.skip(f"no NVRTC: {NVRTC}")
     step = make_decode_step([4, 2, 3], [300, 200, 90], device="cuda")
     args = launcher_args(step)
     out = torch.full((step.rows.num_rows, step.max_context_len), POISON, device="cuda")
-    monkeypatch.setattr(launcher, "EAGER_CUDA_SM90", False)
-    assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto", 4, step.weights) is None
     launcher.varlen_paged_mqa_logits(*args, out=out, kernel="sm90_cuda")  # loaded outside capture
     cache = {}
     side = torch.cuda.Stream()
@@ -838,7 +835,7 @@ def _same_bits(a, b) -> bool:
 @pytest.mark.parametrize("padding", [0, 3])
 @pytest.mark.parametrize("hint", ["longest", 1, 4])
 def test_tensor_core_build_matches_reference_small(name, padding, hint, head_sum_env):
-    """VLLM_DSA_VARLEN_HEAD_SUM=tf32 takes the HEAD_SUM_TC build for every hint:
+    """DSA_VARLEN_HEAD_SUM=tf32 takes the HEAD_SUM_TC build for every hint:
     on every small step every valid position is written (nothing else), close
     to its own emulation and to the fp32 reference, the same bits on a repeat."""
     if NVRTC is not None:
@@ -881,17 +878,13 @@ def _integer_step(lens, seqs, seed, heads=64):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_eager_auto_takes_it_when_enabled(monkeypatch):
-    """With ``EAGER_CUDA_SM90`` (the default) "auto" takes this kernel outside
-    captures too (and not without it); its eager logits match the reference."""
+def test_eager_auto_takes_it():
+    """"auto" takes this kernel outside captures too; its eager logits match
+    the reference."""
     if NVRTC is not None:
         pytest.skip(f"no NVRTC: {NVRTC}")
     step = make_decode_step([4, 1, 3, 2], [300, 64, 1000, 65], heads=64, padding_rows=2,
                             device="cuda", seed=5)
-    assert launcher.EAGER_CUDA_SM90 is True
-    monkeypatch.setattr(launcher, "EAGER_CUDA_SM90", False)
-    assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto", 4, step.weights) is None
-    monkeypatch.setattr(launcher, "EAGER_CUDA_SM90", True)
     for hint in (1, 4, 8):
         assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto", hint, step.weights) is ck
     cache = {}

@@ -20,6 +20,7 @@ import types
 import pytest
 import torch
 
+from vllm_dsa_varlen import settings
 from vllm_dsa_varlen.bench import launch as host_time
 from vllm_dsa_varlen.ops import common, launcher
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
@@ -68,10 +69,10 @@ def test_the_retired_gluon_kernel_name_is_refused_with_what_to_ask_for():
 
 @pytest.fixture
 def kernel_env(monkeypatch):
-    """Set ``VLLM_DSA_VARLEN_KERNEL`` as a new process would read it (the
+    """Set ``DSA_VARLEN_KERNEL`` as a new process would read it (the
     setting is read once per process); the process's reading comes back after."""
     def set_env(value):
-        monkeypatch.setenv(launcher.KERNEL_ENV, value)
+        monkeypatch.setenv(settings.KERNEL_ENV, value)
         launcher.kernel_setting.cache_clear()
     yield set_env
     monkeypatch.undo()
@@ -81,7 +82,7 @@ def kernel_env(monkeypatch):
 def test_the_kernel_setting_is_read_and_checked(kernel_env):
     step = make_decode_step([2, 1], [70, 20], heads=64)
     kernel_env("sm90_gluon")
-    with pytest.raises(ValueError, match=f"kernel: .*from {launcher.KERNEL_ENV}.*retired"):
+    with pytest.raises(ValueError, match=f"{settings.KERNEL_ENV}='sm90_gluon'.*retired"):
         launcher.varlen_paged_mqa_logits(*launcher_args(step))
     kernel_env("sm90")
     with pytest.raises(RuntimeError, match="sm_90 CUDA kernel cannot run"):
@@ -96,7 +97,7 @@ def test_the_kernel_setting_is_read_once_per_process(kernel_env):
     once: an environment read costs about a microsecond per call)."""
     kernel_env("portable")
     assert launcher.resolve_kernel(None) == "portable"
-    os.environ[launcher.KERNEL_ENV] = "sm90"  # undone by the fixture's monkeypatch
+    os.environ[settings.KERNEL_ENV] = "sm90"  # undone by the fixture's monkeypatch
     assert launcher.resolve_kernel(None) == "portable"
 
 
@@ -124,16 +125,13 @@ def test_auto_falls_back_to_the_portable_kernel_where_the_cuda_one_cannot_run(mo
     kernel with the reason otherwise; "sm90" raises with it instead."""
     step = make_decode_step([2, 1], [70, 20], heads=64)
     monkeypatch.setattr(ck, "unsupported_reason", lambda q, kv, w=None: None)
-    for capturing in (True, False):
-        assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto",
-                                          capturing=capturing) is ck
-    monkeypatch.setattr(launcher, "EAGER_CUDA_SM90", False)
-    assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto", capturing=False) is None
-    assert launcher.hopper_kernel_for(step.q, step.kv_cache, "sm90", capturing=False) is ck
+    for kernel in ("auto", "sm90", "sm90_cuda"):
+        assert launcher.hopper_kernel_for(step.q, step.kv_cache, kernel) is ck
+    assert launcher.hopper_kernel_for(step.q, step.kv_cache, "portable") is None
     monkeypatch.setattr(ck, "unsupported_reason", lambda q, kv, w=None: "no NVRTC")
-    assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto", capturing=True) is None
+    assert launcher.hopper_kernel_for(step.q, step.kv_cache, "auto") is None
     with pytest.raises(RuntimeError, match="no NVRTC"):
-        launcher.hopper_kernel_for(step.q, step.kv_cache, "sm90", capturing=True)
+        launcher.hopper_kernel_for(step.q, step.kv_cache, "sm90")
 
 
 # ---------------------------------------------------------------- launcher (CPU)
@@ -360,7 +358,7 @@ def _moving_calls(step):
 
 @pytest.fixture(params=[None, "1"])
 def pipeline(request, process_setting):
-    """VLLM_DSA_VARLEN_PIPELINE unset or 1 for one test (``process_setting``)."""
+    """DSA_VARLEN_PIPELINE unset or 1 for one test (``process_setting``)."""
     process_setting(ck.PIPELINE_ENV, ck.read_pipeline, request.param)
     return request.param
 
@@ -374,7 +372,7 @@ def test_the_launcher_asks_for_the_build_of_its_hint_and_head_count(heads, hint,
     """The launcher's route loads the build ``defines_for`` gives the call's
     run-length hint at its head count and row count: evict-first where a
     request's rows fit one row group (2 rows at 64 heads, 4 at 32), with
-    VLLM_DSA_VARLEN_PIPELINE=1 pipelined at 64 heads from PIPELINE_MIN_ROWS
+    DSA_VARLEN_PIPELINE=1 pipelined at 64 heads from PIPELINE_MIN_ROWS
     rows (unset: four warpgroups), ``HEADS=32`` at 32 heads."""
     reps = ck.PIPELINE_MIN_ROWS // (hint + 1) + 1 if big else 1
     step = make_decode_step([hint, 1] * reps, [300, 70] * reps, heads=heads)
@@ -704,7 +702,6 @@ def test_eager_calls_on_kept_routes_follow_their_tensors(heads):
     when an old address comes back with other contents, when another layout
     sits at a known address, and on steps of other row counts."""
     _needs_cuda_kernel()
-    assert launcher.EAGER_CUDA_SM90
     launcher._ROUTES.clear()  # the routes counted at the end are this test's
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     gen = torch.Generator(device="cuda").manual_seed(seed)

@@ -252,10 +252,10 @@ def test_cuda_graph_replay_with_new_contents():
 
 
 def _captured_kernel(q, kv, hint):
-    """The kernel "auto" takes inside a CUDA-graph capture, to run eagerly."""
+    """The kernel "auto" takes (in a CUDA-graph capture as eagerly), to run eagerly."""
     from vllm_dsa_varlen.ops import launcher
 
-    if launcher.hopper_kernel_for(q, kv, "auto", hint, capturing=True) is not None:
+    if launcher.hopper_kernel_for(q, kv, "auto", hint) is not None:
         return "sm90"
     return "portable"
 

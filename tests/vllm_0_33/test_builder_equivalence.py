@@ -25,7 +25,7 @@ request ``b``'s token ``j`` sees ``L(seq_len_b - n_b + j + 1)`` tokens
 ``b``'s block-table row (native, flattened and the prefill split all compute
 this function).  On valid positions the logits agree and every real row's
 top-k set is identical; padding rows see nothing.  Where stock's own path runs
-on the CPU (native steps), a builder with ``VLLM_DSA_VARLEN=off`` gives the
+on the CPU (native steps), a builder with ``DSA_VARLEN=off`` gives the
 same logits as well.
 """
 
@@ -276,7 +276,7 @@ def test_builder_varlen_equals_upstream_path(world, batch):
                 assert dec.global_seq_lens[:tokens].tolist() == want_global
         tag = varlen_ids_of(dec.schedule_metadata)
         if choice.varlen:
-            assert tag is not None and tag.ids is dec.indices and tag.backend == "triton"
+            assert tag is not None and tag.ids is dec.indices and tag.backend == "own"
             assert dec.indices.data_ptr() == builder.decode_indices_buffer.data_ptr()
         else:
             assert tag is None and dec.indices is None

@@ -22,8 +22,7 @@ launcher's kept route calls it), ``cuda launch``
 (:func:`cuda_paged_mqa_logits.launch`, which prepares on every call; schedule
 given), ``launcher sm90_cuda`` / ``portable`` / ``auto`` (the public launcher,
 the step's schedule cache prefilled as serving's first layer leaves it;
-``auto`` as set: with ``EAGER_CUDA_SM90`` off its eager and graph columns are
-different kernels, as in serving), ``launcher auto, no out`` (the logits
+``auto`` as set), ``launcher auto, no out`` (the logits
 allocated by the launcher, as vLLM calls it), ``indexer op 0.33`` / ``0.27
 (glue + launcher)`` (the indexer op's logits call of each vLLM line on a
 tagged varlen step: the plugin's kernel-call replacement, then the launcher,
@@ -255,8 +254,8 @@ def run_gpu(args) -> list[tuple]:
         bindings = cuda.bindings.__version__
     except ImportError as exc:
         bindings = f"missing ({exc})"
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuda-bindings {bindings}, "
-          f"EAGER_CUDA_SM90 = {launcher.EAGER_CUDA_SM90}", flush=True)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuda-bindings {bindings}",
+          flush=True)
     table = []
     calls = args.calls or CALLS
     ops = None
@@ -648,11 +647,11 @@ def glue_paths(ops, step, hint: int) -> dict:
     g33, g27 = getattr(ops, "g33", None), getattr(ops, "g27", None)
     if g33 is not None:
         call = g33.wrap_paged_mqa_logits(_stock_unreached)
-        tag = attach_varlen_ids(metadata, ids, "triton", hint, longest)
+        tag = attach_varlen_ids(metadata, ids, "own", hint, longest)
         paths["indexer op 0.33 (glue + launcher)"] = (
             lambda: call((q, None), kv, w, ctx, bt, tag, longest, indices=ids))
     if g27 is not None:
-        tag27 = attach_varlen_ids(metadata, ids, "triton", hint, longest)
+        tag27 = attach_varlen_ids(metadata, ids, "own", hint, longest)
         paths["indexer op 0.27 (glue + launcher)"] = (
             lambda: g27.fp8_fp4_paged_mqa_logits((q, None), kv, w, ctx, bt, tag27, longest,
                                                  False))

@@ -2,7 +2,7 @@
 what this project's CUDA C++ kernels need to be compiled, loaded and launched
 with no host compiler and no build step (the sm_90 logits kernel,
 :mod:`.cuda_paged_mqa_logits`, and its planner, :mod:`.cuda_plan`).  Knows no
-kernel.  ``VLLM_DSA_VARLEN_NVRTC`` names another NVRTC library.
+kernel.  ``DSA_VARLEN_NVRTC`` names another NVRTC library.
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ import threading
 
 import torch
 
+# Absolute: the benchmark imports another revision's ops/ under another name.
+from vllm_dsa_varlen import settings
+from vllm_dsa_varlen.settings import NVRTC_ENV
+
 ARCH = "sm_90a"
 INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
-NVRTC_ENV = "VLLM_DSA_VARLEN_NVRTC"  # path of another NVRTC library to compile with
 
 
 def _import(name: str):
@@ -34,11 +37,14 @@ def _import(name: str):
 def nvrtc():
     """cuda-python's NVRTC module with a library loaded, or ``OSError`` why not.
 
-    ``VLLM_DSA_VARLEN_NVRTC`` names another NVRTC library: it is loaded first,
+    ``DSA_VARLEN_NVRTC`` names another NVRTC library: it is loaded first,
     and cuda-python takes an NVRTC the process has loaded (by its soname,
     ``libnvrtc.so.13`` or ``.12``) before searching for one."""
     nvrtc = _import("nvrtc")
-    path = os.environ.get(NVRTC_ENV)
+    try:
+        path = settings.get(NVRTC_ENV)
+    except ValueError as exc:  # register() refuses it at start-up; here: no NVRTC
+        raise OSError(str(exc)) from None
     if path:
         try:
             ctypes.CDLL(path, mode=os.RTLD_GLOBAL)

@@ -8,11 +8,11 @@ math warpgroups that move independently, each with its own ring, running one
 copy of the math code, cannot be written in Gluon (docs/design.md).
 
 Builds (:func:`defines_for`, :func:`shipped_builds`): four math warpgroups
-(the default) or, with ``VLLM_DSA_VARLEN_PIPELINE=1`` at 64 heads and the
+(the default) or, with ``DSA_VARLEN_PIPELINE=1`` at 64 heads and the
 float32 head sum, the pipelined one (:data:`PIPELINE`); page loads with an
 L2 evict-first hint where a request's rows fit one row group; the head sum
 on the CUDA cores in float32 (DeepGEMM's arithmetic, the default) or on the
-tensor cores (``HEAD_SUM_TC``, ``VLLM_DSA_VARLEN_HEAD_SUM=tf32``;
+tensor cores (``HEAD_SUM_TC``, ``DSA_VARLEN_HEAD_SUM=tf32``;
 ``reference.head_sum_tf32`` is its exact emulation); launched plainly or as
 a programmatic dependent (:data:`PDL`); 64 or 32 heads (``HEADS=32``, from
 ``q``'s shape).  Each is compiled once per process by NVRTC (``sm_90a``) and
@@ -47,6 +47,10 @@ import struct
 import threading
 
 import torch
+
+# Absolute: the benchmark imports another revision's ops/ under another name.
+from vllm_dsa_varlen import settings
+from vllm_dsa_varlen.settings import HEAD_SUM_ENV, PDL_ENV, PIPELINE_ENV  # read here
 
 from .common import DIM, PAGE, capability, log_once, num_sms
 from .cuda_binding import NVRTC_ENV  # noqa: F401  (the setting this kernel honours)
@@ -92,7 +96,7 @@ HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 # keeps the step's other data in L2; with two groups per page it measured
 # slower, so longer hints keep the default build (docs/design.md).
 #
-# The pipelined build (VLLM_DSA_VARLEN_PIPELINE=1, :func:`read_pipeline`; 64
+# The pipelined build (DSA_VARLEN_PIPELINE=1, :func:`read_pipeline`; 64
 # heads, float32 head sum): three math warpgroups with two accumulators each,
 # a row group's QK chain under the previous one's head sum, the same bits as
 # the four-warpgroup build.  An opt-in: with the L2 left clean, as a decode
@@ -102,18 +106,15 @@ HEAD_SUM_TC_BYTES = MATH * 2 * GMAX * 8 * 9 * 16
 PIPELINE = ("NUM_MATH=3", "DUAL_ACC=4")
 PIPELINE_MIN_ROWS = 64
 
-# Programmatic dependent launch (VLLM_DSA_VARLEN_PDL=1, :func:`read_pdl`): the
+# Programmatic dependent launch (DSA_VARLEN_PDL=1, :func:`read_pdl`): the
 # kernel launched as vLLM 0.33 launches DeepGEMM's on Hopper, its CTAs set up
 # under the previous kernel's tail; off by default, as it measured level with
 # the plain launch (BENCHMARKS.md).
 PDL = ("PDL=1",)
-PDL_ENV = "VLLM_DSA_VARLEN_PDL"
 
 # The head sum (``read_head_sum``): "fp32" on the CUDA cores (the default build,
 # DeepGEMM's arithmetic) or "tf32" on the tensor cores (HEAD_SUM_TC=1).
-PIPELINE_ENV = "VLLM_DSA_VARLEN_PIPELINE"
-HEAD_SUM_ENV = "VLLM_DSA_VARLEN_HEAD_SUM"
-HEAD_SUMS = ("fp32", "tf32")
+HEAD_SUMS = settings.HEAD_SUMS
 
 _lock = threading.Lock()
 
@@ -447,39 +448,23 @@ def shipped_builds() -> list[tuple[str, ...]]:
 
 @functools.lru_cache(maxsize=None)
 def read_pdl() -> bool:
-    """``VLLM_DSA_VARLEN_PDL`` (read once per process): ``1`` the launcher's
-    builds launched as programmatic dependents (:data:`PDL`), ``0`` / unset /
-    empty plain launches; ``ValueError`` naming the variable otherwise."""
-    return _read_setting(PDL_ENV, ("0", "1")) == "1"
+    """``DSA_VARLEN_PDL`` (read once per process): the launcher's builds
+    launched as programmatic dependents (:data:`PDL`), or plain launches."""
+    return settings.get(PDL_ENV)
 
 
 @functools.lru_cache(maxsize=None)
 def read_pipeline() -> bool:
-    """``VLLM_DSA_VARLEN_PIPELINE`` (read once per process): ``1`` the
-    pipelined build where it applies (:func:`defines_for`), ``0`` / unset /
-    empty the four-warpgroup one (the default); ``ValueError`` naming the
-    variable otherwise."""
-    return _read_setting(PIPELINE_ENV, ("0", "1")) == "1"
+    """``DSA_VARLEN_PIPELINE`` (read once per process): the pipelined build
+    where it applies (:func:`defines_for`), or the four-warpgroup one."""
+    return settings.get(PIPELINE_ENV)
 
 
 @functools.lru_cache(maxsize=None)
 def read_head_sum() -> str:
-    """``VLLM_DSA_VARLEN_HEAD_SUM`` (read once per process): ``"fp32"`` (unset or
-    empty: the default; DeepGEMM's float32 arithmetic) or ``"tf32"`` (the
-    tensor-core head sum).  ``ValueError`` naming the variable otherwise."""
-    return _read_setting(HEAD_SUM_ENV, HEAD_SUMS)
-
-
-def _read_setting(name: str, allowed: tuple[str, ...]) -> str:
-    """Environment variable ``name``, blanks and case ignored, one of
-    ``allowed`` (unset or empty: the first); ``ValueError`` naming it
-    otherwise."""
-    raw = os.environ.get(name, "")
-    value = raw.strip().lower() or allowed[0]
-    if value not in allowed:
-        raise ValueError(f"{name}={raw!r} is not valid: expected one of "
-                         f"{', '.join(allowed)} (default {allowed[0]})")
-    return value
+    """``DSA_VARLEN_HEAD_SUM`` (read once per process): ``"fp32"`` (DeepGEMM's
+    float32 arithmetic) or ``"tf32"`` (the tensor-core head sum)."""
+    return settings.get(HEAD_SUM_ENV)
 
 
 def _define(defines: tuple, name: str, default: int) -> int:

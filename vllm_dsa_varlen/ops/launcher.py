@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 
 import torch
+
+# Absolute: the benchmark imports another revision's ops/ under another name.
+from vllm_dsa_varlen import settings
 
 from . import cuda_paged_mqa_logits as cuda_sm90
 from . import triton_paged_mqa_logits as portable
@@ -170,7 +172,7 @@ def _route_key(q, kv_cache, weights, context_lens, block_table, indices, out, ke
     arguments checked for being tensors), the addresses' alignment
     (``aligned``, from :func:`_alignment`), the kernel asked for, the portable
     tuning knobs' presence, the run-length hint (it picks the build), whether
-    a capture is under way, and the module switches.  ``AttributeError`` when
+    a capture is under way.  ``AttributeError`` when
     an argument is not a tensor (the checks then name it)."""
     return (type(q), q.shape, q.stride(), q.dtype, q.device,
             kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device,
@@ -179,7 +181,7 @@ def _route_key(q, kv_cache, weights, context_lens, block_table, indices, out, ke
             block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
             type(indices), indices.shape, indices.stride(), indices.dtype, indices.device,
             None if out is None else (out.shape, out.stride(), out.dtype, out.device),
-            aligned, kernel, knobs, max_run_len, capturing, HOPPER_AUTO, EAGER_CUDA_SM90)
+            aligned, kernel, knobs, max_run_len, capturing)
 
 
 def _alignment(q_ptr: int, kv_ptr: int, w_ptr: int, ids_ptr: int) -> int:
@@ -204,7 +206,7 @@ def _new_route(q, kv_cache, weights, context_lens, block_table, indices, max_con
         route.out_width, route.out_stride = out.shape[1], out.stride(0)
     route.sm90 = route.launch = route.rows_max = None
     if rows and (not knobs or kernel in ("sm90", "sm90_cuda")):
-        route.sm90 = hopper_kernel_for(q, kv_cache, kernel, max_run_len, weights, capturing)
+        route.sm90 = hopper_kernel_for(q, kv_cache, kernel, max_run_len, weights)
     if route.sm90 is not None:
         route.rows_max = route.sm90.rows_max_for(heads, max_run_len)
         route.launch = route.sm90.prepare(q, kv_cache, weights, block_table,
@@ -255,44 +257,31 @@ def route_for(q, kv_cache, weights, context_lens, block_table, indices, max_cont
 
 # ------------------------------------------------------------ kernel choice
 
-KERNEL_ENV = "VLLM_DSA_VARLEN_KERNEL"  # "auto" (default), "portable", "sm90", "sm90_cuda"
-KERNELS = ("auto", "portable", "sm90", "sm90_cuda")  # "sm90" and "sm90_cuda": the same kernel
+# "auto" takes the sm_90 CUDA kernel wherever it can run, in a CUDA-graph capture
+# and eagerly: it was faster than the portable kernel on every step timed, with
+# its launch prepared once per call layout (BENCHMARKS.md).
+KERNELS = settings.KERNELS  # "sm90" and "sm90_cuda": the same kernel
 # Names no longer taken, with what to ask for instead (a ValueError says so).
-RETIRED_KERNELS = {"sm90_gluon": 'the sm_90 Gluon kernel was retired; "sm90" takes the sm_90 '
-                                 'CUDA kernel'}
-# "auto" takes the sm_90 CUDA kernel (ops/cuda_paged_mqa_logits.py) on Hopper
-# wherever it can run (32 and 64 heads, NVRTC and cuda-python present): it was
-# faster than the portable kernel on every step, at every run length
-# (BENCHMARKS.md), so the longest-run hint picks its build, not the kernel.
-HOPPER_AUTO = True
-# Eager calls (outside a CUDA-graph capture: vLLM's piecewise mode runs the
-# indexer op eagerly in every mixed prefill+decode step).  True: "auto" takes
-# the CUDA kernel eagerly too, its launch prepared once per call layout: less
-# host and GPU time than the portable kernel (BENCHMARKS.md, eager calls).
-EAGER_CUDA_SM90 = True
+RETIRED_KERNELS = settings.RETIRED_KERNELS
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_setting() -> str:
-    """``VLLM_DSA_VARLEN_KERNEL`` (default "auto"), read once per process: every
-    call asks, and an environment read costs about a microsecond (on every
-    layer of every eager step).  Checked where it is used
-    (:func:`resolve_kernel`)."""
-    return os.environ.get(KERNEL_ENV, "auto")
+    """``DSA_VARLEN_KERNEL`` (default "auto"), read once per process: every
+    call asks, on every layer of every eager step."""
+    return settings.get(settings.KERNEL_ENV)
 
 
 def resolve_kernel(kernel: str | None) -> str:
-    """``kernel``, or the ``VLLM_DSA_VARLEN_KERNEL`` setting when it is ``None``
-    (:func:`kernel_setting`), checked against :data:`KERNELS` (``ValueError``
-    naming ``kernel``, and the variable when the name came from it)."""
-    source = ""
+    """``kernel``, or the ``DSA_VARLEN_KERNEL`` setting when it is ``None``
+    (:func:`kernel_setting`, checked by the settings), checked against
+    :data:`KERNELS` (``ValueError`` naming ``kernel``)."""
     if kernel is None:
-        kernel = kernel_setting()
-        source = f" (from {KERNEL_ENV})"
+        return kernel_setting()
     if kernel not in KERNELS:
         retired = RETIRED_KERNELS.get(kernel)
         fail("kernel", " or ".join(f'"{k}"' for k in KERNELS),
-             f"{kernel!r}{source}" + (f": {retired}" if retired else ""))
+             repr(kernel) + (f": {retired}" if retired else ""))
     return kernel
 
 
@@ -302,7 +291,7 @@ def graph_kernel(device, heads: int | None, dim: int = 128, page: int = 64) -> s
     "cuda_sm90" or "portable".  ``heads=None`` (unknown) never claims the CUDA
     kernel, which serves 32 and 64 heads only."""
     device = torch.device(device)
-    if (not HOPPER_AUTO or device.type != "cuda" or not torch.cuda.is_available()
+    if (device.type != "cuda" or not torch.cuda.is_available()
             or torch.cuda.get_device_capability(device) != (9, 0)):
         return "portable"
     ck = cuda_sm90
@@ -312,23 +301,18 @@ def graph_kernel(device, heads: int | None, dim: int = 128, page: int = 64) -> s
     return "portable"
 
 
-def hopper_kernel_for(q, kv_cache, kernel: str | None, max_run_len: int = 4, weights=None,
-                      capturing: bool | None = None):
+def hopper_kernel_for(q, kv_cache, kernel: str | None, max_run_len: int = 4, weights=None):
     """The sm_90 CUDA kernel's module (:mod:`.cuda_paged_mqa_logits`, with
     ``rows_max_for``, ``plan``, ``schedule_key``, ``defines_for`` and
     ``launch``) when this call should take it, else ``None`` (the portable
     kernel).  ``kernel``: one of :data:`KERNELS` (``None``: the
-    ``VLLM_DSA_VARLEN_KERNEL`` setting); "sm90" / "sm90_cuda" force the CUDA
+    ``DSA_VARLEN_KERNEL`` setting); "sm90" / "sm90_cuda" force the CUDA
     kernel (``RuntimeError`` where it cannot run); "auto" takes it where it
-    can run, else the portable kernel with a log line on Hopper.
-    ``max_run_len`` does not change the choice (every hint has a build).
-    ``capturing``: whether the current stream is being captured (asked here
-    when not given)."""
+    can run, in a CUDA-graph capture and eagerly alike, else the portable
+    kernel with a log line on Hopper.  ``max_run_len`` does not change the
+    choice (every hint has a build)."""
     kernel = resolve_kernel(kernel)
-    if capturing is None:
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    if kernel == "portable" or (
-            kernel == "auto" and not (HOPPER_AUTO and (capturing or EAGER_CUDA_SM90))):
+    if kernel == "portable":
         return None
     why = cuda_sm90.unsupported_reason(q, kv_cache, weights)
     if why is None:
@@ -368,10 +352,9 @@ def varlen_paged_mqa_logits(
 
     ``max_run_len``: a hint (the host knows the longest request's token count)
     used to size the work split; any run length is handled correctly.
-    ``kernel``: "auto" (default; env ``VLLM_DSA_VARLEN_KERNEL``) takes the sm_90
-    CUDA kernel (:mod:`.cuda_paged_mqa_logits`) on Hopper inside CUDA graphs
-    (and eagerly, with :data:`EAGER_CUDA_SM90`) where it can run, and the
-    portable kernel (:mod:`.triton_paged_mqa_logits`) elsewhere or when a
+    ``kernel``: "auto" (default; env ``DSA_VARLEN_KERNEL``) takes the sm_90
+    CUDA kernel (:mod:`.cuda_paged_mqa_logits`) on Hopper where it can run,
+    and the portable kernel (:mod:`.triton_paged_mqa_logits`) elsewhere or when a
     portable tuning knob is given; "portable" and "sm90" (= "sm90_cuda")
     force one.
     Tuning knobs of the portable kernel: ``rows_per_dot`` (rows stacked per
@@ -478,14 +461,13 @@ def precompile(*, heads: int, dim: int = 128, page: int = 64, device=None,
     pool = torch.zeros(blocks * stride, dtype=torch.uint8, device=device)
     kv_cache = pool.as_strided((blocks, page, 1, dim + 4), (stride, dim + 4, dim + 4, 1))
     # "auto" takes the sm_90 CUDA kernel where it can serve this cache and the
-    # portable kernel elsewhere, for calls with a portable tuning knob, and for
-    # eager calls without EAGER_CUDA_SM90: both are compiled where the CUDA
-    # kernel can serve this cache.
+    # portable kernel elsewhere and for calls with a portable tuning knob: both
+    # are compiled where the CUDA kernel can serve this cache.
     if kernel is not None:
         resolve_kernel(kernel)
     if kernel is None or kernel == "auto":
         probe = torch.zeros((1, 1, heads, dim), device=device).to(torch.float8_e4m3fn)
-        sm90 = HOPPER_AUTO and cuda_sm90.unsupported_reason(probe, kv_cache) is None
+        sm90 = cuda_sm90.unsupported_reason(probe, kv_cache) is None
         kernels = ["portable"] + (["sm90"] if sm90 else [])
     else:
         kernels = [kernel]

@@ -1,49 +1,26 @@
 """DeepGEMM indexer wrappers with varlen run ids; mirrors ``vllm/utils/deep_gemm.py``.
 
-Replaces (through :mod:`vllm_dsa_varlen.patches`) vLLM 0.27.1's
-``vllm.utils.deep_gemm.get_paged_mqa_logits_metadata``,
-``fp8_fp4_paged_mqa_logits`` and ``fp8_fp4_mqa_logits`` (and the copies of
-the latter two imported into ``vllm.model_executor.layers.sparse_attn_indexer``).
-Why:
-
-* ``indices`` (int32 ``[R]`` run ids of the varlen decode layout) must reach
-  DeepGEMM's scheduler and kernel.  They are forwarded *only when set*: every
-  other call reaches DeepGEMM with exactly the arguments stock 0.27.1 passes.
-* Two DeepGEMM API generations exist and are told apart by the functions'
-  signatures (``inspect.signature``, else the first line of the pybind
-  ``__doc__``), never by a version string:
-
-  - the API vLLM 0.27.1 was built with, e.g. the DeepGEMM 2.6.1 it vendors
-    (``vllm/third_party/deep_gemm``): ``clean_logits`` keyword, fp32 logits
-    (``logits_dtype`` defaults to float32 and is not passed), and ``indices``
-    on both ``get_paged_mqa_logits_metadata`` and ``fp8_fp4_paged_mqa_logits``
-    (it asserts SM10x and ``next_n == 1`` with ids and takes the FP8 cache on
-    SM100), so a default B200 install has DeepGEMM varlen;
-  - 2.8.x: no ``clean_logits`` (dropped here; when ``clean_logits=True`` was
-    asked, columns at or past each row's context length are set to ``-inf``
-    here), ``indices`` required on SM100 where weights must be bf16 and logits
-    come back bf16 (weights converted before, logits converted to fp32 after:
-    0.27.1's top-k kernels read fp32), and a prefill function that takes
-    ``max_seqlen_k`` and writes each row's KV span from column 0.
-
-The DeepGEMM functions are resolved the way vLLM resolves them
-(``vllm.utils.deep_gemm._lazy_init`` and its module globals
-``_fp8_fp4_paged_mqa_logits_impl``, ``_get_paged_mqa_logits_metadata_impl``,
-``_fp8_fp4_mqa_logits_impl``), so a test double set there is used here too.
-The helpers that do the argument work (:func:`call_paged_logits`,
-:func:`call_metadata`, :func:`call_prefill_logits`, :func:`detect_caps`) take
-the DeepGEMM function as an argument and import nothing from vLLM.
+vLLM 0.27.1's paged-logits scheduler and kernel calls must carry the run ids
+(``indices``) of a varlen step; they are forwarded only when set, so every
+other call is stock's.  The wrappers also adapt to the DeepGEMM API
+generation installed, told apart by the functions' signatures
+(:class:`DeepGemmCaps`), never a version string: the one 0.27.1 was built
+with (``clean_logits``, float32 logits) and 2.8.x (no ``clean_logits``,
+emulated here; bf16 weights and logits on SM100, converted; row-compressed
+prefill logits, realigned).  The DeepGEMM functions are resolved as vLLM
+resolves them, so a test double set there is used here too; the helpers
+that do the argument work take the function as an argument and import
+nothing from vLLM.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-
-from vllm_dsa_varlen.config import DeepGemmCaps
 
 __all__ = [
     "DeepGemmCaps", "param_names", "detect_caps", "current_caps",
@@ -54,6 +31,38 @@ __all__ = [
 
 logger = logging.getLogger("vllm.dsa_varlen")
 _logged: set[str] = set()
+
+
+@dataclass(frozen=True)
+class DeepGemmCaps:
+    """What the installed DeepGEMM's indexer functions accept (detected from
+    their signatures, never from a version string).
+
+    ``paged_indices`` / ``metadata_indices``: ``fp8_fp4_paged_mqa_logits`` /
+    ``get_paged_mqa_logits_metadata`` take an ``indices`` argument (both do in
+    the DeepGEMM 2.6.1 vLLM 0.27.1 vendors and in 2.8.x).
+    ``paged_clean_logits`` / ``prefill_clean_logits``: the paged / prefill
+    logits functions take ``clean_logits`` (the vendored 2.6.1 does; 2.8.x
+    does not).
+    ``prefill_max_seqlen_k``: the prefill function takes ``max_seqlen_k``
+    (2.8.x: row-compressed prefill logits).
+    ``signatures_known``: the argument names could be read at all.
+    """
+
+    has_paged: bool = True
+    has_metadata: bool = True
+    has_prefill: bool = True
+    paged_indices: bool = False
+    metadata_indices: bool = False
+    paged_clean_logits: bool = True
+    prefill_clean_logits: bool = True
+    prefill_max_seqlen_k: bool = False
+    signatures_known: bool = True
+
+    @property
+    def varlen(self) -> bool:
+        """Both the scheduler and the kernel accept run ids."""
+        return self.has_paged and self.has_metadata and self.paged_indices and self.metadata_indices
 
 
 def _log_once(level: int, msg: str, *args: Any) -> None:

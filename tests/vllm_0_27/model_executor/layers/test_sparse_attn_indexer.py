@@ -60,13 +60,13 @@ def _run_indexer(monkeypatch, md, q_quant, q_scale, kv_cache, weights, max_model
 
 def _setup(monkeypatch, backend, fp4=False):
     """'deepgemm' (SM100, DeepGEMM 2.8.x double), 'deepgemm-2.6' (SM100, vLLM
-    0.27.1's vendored generation), 'triton' (SM90, backend forced)."""
+    0.27.1's vendored generation), 'own' (SM90, backend forced)."""
     if backend.startswith("deepgemm"):
         fake_gpu(monkeypatch, (10, 0))
         flavour = "2.6" if backend == "deepgemm-2.6" else "2.8"
         return FakeDeepGemm(flavour, 100, num_sms=NUM_SMS).install(monkeypatch)
     fake_gpu(monkeypatch, (9, 0))
-    monkeypatch.setenv(config.BACKEND_ENV, "triton")
+    monkeypatch.setenv(config.BACKEND_ENV, "own")
     return FakeDeepGemm("2.6", 90, num_sms=NUM_SMS).install(monkeypatch)
 
 
@@ -109,7 +109,7 @@ def _assert_topk_like_padded(topk, step, next_n, tol_rel):
 
 
 @pytest.mark.parametrize("backend", ["deepgemm", "deepgemm-2.6",
-                                     pytest.param("triton", marks=pytest.mark.interpreter)])
+                                     pytest.param("own", marks=pytest.mark.interpreter)])
 @pytest.mark.parametrize("seed", range(3))
 def test_decode_topk_equals_the_padded_path(monkeypatch, backend, seed):
     next_n = 3
@@ -305,7 +305,7 @@ def test_mxfp4_is_never_routed_to_triton():
     q = (torch.zeros((rows, 1, HEADS, DIM // 2), dtype=torch.int8),
          torch.zeros((rows, 1, HEADS), dtype=torch.int32))
     schedule = attach_varlen_ids(torch.zeros((NUM_SMS + 1, 2), dtype=torch.int32),
-                                 step.rows.indices, "triton")
+                                 step.rows.indices, "own")
     with pytest.raises(RuntimeError, match="FP8 indexer cache only"):
         ours.fp8_fp4_paged_mqa_logits(q, step.kv_cache, step.weights,
                                       step.rows.context_lens.unsqueeze(-1), step.rows.block_table,
@@ -340,7 +340,7 @@ def test_triton_backend_clean_logits(monkeypatch):
     step = _random_step(3, 3, pad_reqs=0, pad_rows=1)
     ids = step.rows.indices
     ctx = step.rows.context_lens.unsqueeze(-1)
-    schedule = attach_varlen_ids(torch.zeros((NUM_SMS + 1, 2), dtype=torch.int32), ids, "triton")
+    schedule = attach_varlen_ids(torch.zeros((NUM_SMS + 1, 2), dtype=torch.int32), ids, "own")
     logits = ours.fp8_fp4_paged_mqa_logits((step.q, None), step.kv_cache, step.weights, ctx,
                                            step.rows.block_table, schedule, step.max_context_len,
                                            clean_logits=True)
@@ -361,7 +361,7 @@ def test_fewer_query_rows_than_the_step_has_take_its_first_rows(monkeypatch, cut
     ids, bt = step.rows.indices, step.rows.block_table
     ctx = step.rows.context_lens.unsqueeze(-1)
     rows = step.num_rows - cut
-    schedule = attach_varlen_ids(torch.zeros((NUM_SMS + 1, 2), dtype=torch.int32), ids, "triton")
+    schedule = attach_varlen_ids(torch.zeros((NUM_SMS + 1, 2), dtype=torch.int32), ids, "own")
     seen = []
     real = launcher.varlen_paged_mqa_logits
     monkeypatch.setattr(launcher, "varlen_paged_mqa_logits",

@@ -83,40 +83,37 @@ def test_the_factory_decides_once_and_logs_it(device, plugin_log, monkeypatch):
         plugin_log.clear()
         return text
 
-    monkeypatch.setattr(ours, "MEASURED", False)  # auto before the measurement
+    monkeypatch.setenv("DSA_VARLEN_FUSED_Q", "off")
+    off = ours.wrap_fused_indexer_q_rope_quant(rec)
+    assert "vLLM's kernel (DSA_VARLEN_FUSED_Q=off)" in logged()
+    assert off(*indexer_q_args(inp, True)) == "vllm's" and len(rec.calls) == 1
+    monkeypatch.delenv("DSA_VARLEN_FUSED_Q")
     auto = ours.wrap_fused_indexer_q_rope_quant(rec)
-    assert "not measured yet" in logged()
-    assert auto(*indexer_q_args(inp, True)) == "vllm's" and len(rec.calls) == 1
-    monkeypatch.setattr(ours, "MEASURED", True)
-    measured = ours.wrap_fused_indexer_q_rope_quant(rec)
     assert "the project's kernel (sm_90" in logged()
-    assert measured(*indexer_q_args(inp, True)) != "vllm's" and len(rec.calls) == 1
-    monkeypatch.setenv("VLLM_DSA_VARLEN_FUSED_Q", "on")
-    monkeypatch.setenv("VLLM_DSA_VARLEN_FUSED_Q_BLOCKS", "8/16/2/2")
+    assert auto(*indexer_q_args(inp, True)) != "vllm's" and len(rec.calls) == 1
+    monkeypatch.setenv("DSA_VARLEN_FUSED_Q", "on")
+    monkeypatch.setenv("DSA_VARLEN_FUSED_Q_BLOCKS", "8/16/2/2")
     on = ours.wrap_fused_indexer_q_rope_quant(rec)
     text = logged()
     assert "the project's kernel (sm_90" in text and "8 heads per program, 2 warps" in text
     assert on(*indexer_q_args(inp, True)) != "vllm's" and len(rec.calls) == 1
-    monkeypatch.setenv("VLLM_DSA_VARLEN", "off")
+    monkeypatch.setenv("DSA_VARLEN", "off")
     assert ours.wrap_fused_indexer_q_rope_quant(rec)(*indexer_q_args(inp, True)) == "vllm's"
-    assert "VLLM_DSA_VARLEN=off" in logged()
+    assert "DSA_VARLEN=off" in logged()
 
 
 def test_auto_takes_the_measured_kernel_on_sm90_only():
     """``auto`` serves with the project's kernel on sm_90, where it was
-    measured (ours.MEASURED), and keeps vLLM's elsewhere."""
-    assert ours.MEASURED is True
+    measured, and keeps vLLM's elsewhere."""
     for capability, serves in (((9, 0), True), ((10, 0), False), ((8, 9), False)):
-        got, why = config.choose_fused_q(is_cuda=True, capability=capability,
-                                         measured=ours.MEASURED)
+        got, why = config.choose_fused_q(is_cuda=True, capability=capability)
         assert got is serves, why
 
 
 def test_on_this_machine_the_decision_is_the_platforms(monkeypatch):
-    monkeypatch.setenv("VLLM_DSA_VARLEN_FUSED_Q", "on")
+    monkeypatch.setenv("DSA_VARLEN_FUSED_Q", "on")
     is_cuda, capability = ours._platform()
-    serves, why = config.choose_fused_q(is_cuda=is_cuda, capability=capability, setting="on",
-                                        measured=ours.MEASURED)
+    serves, why = config.choose_fused_q(is_cuda=is_cuda, capability=capability, setting="on")
     assert serves == (is_cuda and capability is not None and capability >= (8, 9)), why
 
 

@@ -85,7 +85,7 @@ def test_tagged_step_runs_the_triton_kernel(monkeypatch, lens, seqs):
     patches.apply_all(line=LINE)
     gen = torch.Generator().manual_seed(sum(seqs))
     q, w, ctx, bt, ids, kv = _step(gen, lens, seqs)
-    schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "triton",
+    schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "own",
                                  max(lens))
     max_len = max(seqs) + 13
     seen = []
@@ -119,7 +119,7 @@ def test_fewer_query_rows_than_the_step_has_take_its_first_rows(monkeypatch, row
     patches.apply_all(line=LINE)
     gen = torch.Generator().manual_seed(rows)
     q, w, ctx, bt, ids, kv = _step(gen, [2, 3], [90, 150])
-    schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "triton", 3)
+    schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "own", 3)
     seen = []
     real = launcher.varlen_paged_mqa_logits
 
@@ -145,7 +145,7 @@ def test_bad_varlen_calls_fail_loudly(monkeypatch):
     patches.apply_all(line=LINE)
     gen = torch.Generator().manual_seed(1)
     q, w, ctx, bt, ids, kv = _step(gen, [2, 3], [90, 100])
-    schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "triton", 3)
+    schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "own", 3)
     call = sai.fp8_fp4_paged_mqa_logits
     with pytest.raises(RuntimeError, match="FP8 indexer cache only"):
         call((q, torch.ones(q.shape[:-1], dtype=torch.int32)), kv, w, ctx, bt, schedule,
@@ -251,7 +251,7 @@ def test_varlen_steps_write_float32_where_bf16_logits_are_asked(monkeypatch, cap
     gen = torch.Generator().manual_seed(11)
     lens, seqs = [3, 1, 2], [130, 70, 90]
     q, w, ctx, bt, ids, kv = _step(gen, lens, seqs)
-    schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "triton", 3)
+    schedule = attach_varlen_ids(torch.zeros((9, 2), dtype=torch.int32), ids, "own", 3)
     max_len = max(seqs) + 5
     want = paged_mqa_logits_ref(q, kv, w, ctx, bt, max_len, ids)
     mask = valid_mask(ctx, max_len, ids)

@@ -80,11 +80,11 @@ def test_the_factory_decides_once_and_logs_it(device, caplog, monkeypatch):
     with caplog.at_level("INFO", logger="vllm.dsa_varlen"):
         fn = ours.wrap_fused_q(rec)
     assert "the project's kernel (sm_90" in caplog.text
-    monkeypatch.setenv("VLLM_DSA_VARLEN_FUSED_Q", "off")
+    monkeypatch.setenv("DSA_VARLEN_FUSED_Q", "off")
     caplog.clear()
     with caplog.at_level("INFO", logger="vllm.dsa_varlen"):
         off = ours.wrap_fused_q(rec)
-    assert "VLLM_DSA_VARLEN_FUSED_Q=off" in caplog.text
+    assert "DSA_VARLEN_FUSED_Q=off" in caplog.text
     inp = fused_q_inputs(1, 16, 64, device=device, seed=1)
     assert _call(off, inp) == "vllm's" and len(rec.calls) == 1
     assert _call(fn, inp) != "vllm's" and len(rec.calls) == 1

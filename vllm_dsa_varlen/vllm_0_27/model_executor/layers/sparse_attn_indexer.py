@@ -1,36 +1,15 @@
 """Varlen kernel dispatch inside vLLM 0.27.1's sparse-attention indexer op.
 
-Replaces the module global ``fp8_fp4_paged_mqa_logits`` of
-``vllm.model_executor.layers.sparse_attn_indexer`` (see
-:mod:`vllm_dsa_varlen.patches`).  The registered custom op
-``torch.ops.vllm.sparse_attn_indexer`` captured the *function*
-``sparse_attn_indexer``, so that cannot be swapped, but the function looks
-its module globals up at call time; its decode branch calls::
-
-    fp8_fp4_paged_mqa_logits((q, q_scale), kv_cache, weights[:R], seq_lens,
-                             decode_metadata.block_table,
-                             decode_metadata.schedule_metadata,
-                             max_model_len=..., clean_logits=False)
-
-With the varlen builder, ``decode_lens`` is all ones and ``requires_padding``
-is False, so stock reshapes the decode queries to ``[R, 1, H, D]`` and
-``seq_lens`` is ``[R, 1]``: the arguments already are the varlen layout.  The
-run ids ride on ``schedule_metadata`` (:mod:`vllm_dsa_varlen.varlen_ids`):
-
-* tagged ``deepgemm``: DeepGEMM with ``indices=ids`` (FP8 and MXFP4 caches);
-* tagged ``triton``: :func:`vllm_dsa_varlen.ops.launcher.varlen_paged_mqa_logits`
-  (FP8 cache only; an MXFP4 step raises);
-* no tag: exactly the stock call (through :mod:`vllm_dsa_varlen.vllm_0_27.utils.deep_gemm`,
-  which passes stock's arguments unchanged).
-
-The decode top-k after it is ``torch.ops._C.persistent_topk`` or
-``cooperative_topk``, reached through the module global ``torch`` (a varlen
-step's logits carry its ``max_seq_len``, which stock's ``persistent_topk``
-call does not pass):
-:func:`torch_with_own_topk` replaces that global with a view of ``torch``
-whose ``ops._C`` sends those two calls to :func:`vllm_dsa_varlen.topk.dispatch`
-(the project's top-k where it serves, else the same op); every other name is
-torch's own.
+The registered op captured ``sparse_attn_indexer`` itself, which looks its
+module globals up per call.  Replacing ``fp8_fp4_paged_mqa_logits`` routes the
+decode call: after a varlen build its arguments already are the varlen
+layout (queries ``[R, 1, H, D]``, lengths ``[R, 1]``) and the run ids ride on
+the schedule tensor (:mod:`vllm_dsa_varlen.varlen_ids`): tagged ``deepgemm``,
+DeepGEMM with ``indices``; tagged ``own``, the project's kernel (FP8 cache
+only); untagged, stock's call through the DeepGEMM adapter.  The decode top-k
+after it is reached through the module global ``torch``:
+:func:`torch_with_own_topk` sends its two top-k ops to
+:func:`vllm_dsa_varlen.topk.dispatch`, with the step's bound the logits carry.
 """
 
 from __future__ import annotations
@@ -54,8 +33,8 @@ def _launcher():
     return launcher
 
 
-def _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids, max_model_len,
-                   clean_logits, max_run_len, schedules=None):
+def _own_logits(q, kv_cache, weights, context_lens, block_tables, ids, max_model_len,
+                clean_logits, max_run_len, schedules=None):
     q_values, q_scale = q
     if q_scale is not None or q_values.dtype != torch.float8_e4m3fn:
         raise RuntimeError(
@@ -106,8 +85,8 @@ def fp8_fp4_paged_mqa_logits(
     else:
         if context_lens.shape[0] != rows or block_tables.shape[0] != rows:
             context_lens, block_tables = first_rows(rows, context_lens, block_tables)
-        logits = _triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
-                                max_model_len, clean_logits, tag.max_run_len, tag.schedules)
+        logits = _own_logits(q, kv_cache, weights, context_lens, block_tables, ids,
+                             max_model_len, clean_logits, tag.max_run_len, tag.schedules)
     # The decode top-k after it gets the step's max_seq_len from this tag (stock's
     # persistent_topk call passes the logits' width).
     return mark_bound(logits, tag.max_context)

@@ -1,22 +1,16 @@
 """The indexer query's preparation in vLLM 0.27.1's DeepSeek-V3.2 indexer.
 
-``vllm.model_executor.models.deepseek_v2`` imports
-``fused_indexer_q_rope_quant`` (from ``vllm.model_executor.layers.
-sparse_attn_indexer``) by name and its ``Indexer.forward`` calls it once per
-layer, right before the indexer op, for a bf16 query on CUDA: RoPE and fp8
-quantization of the indexer's query and the weights' scaling.  Its Triton
-kernel launches a one-warp program per token and head (16384 at 256 tokens),
-bound by how fast programs start.
-
-:func:`wrap_fused_indexer_q_rope_quant` replaces that module global (see
-:mod:`vllm_dsa_varlen.patches`).  Where :func:`vllm_dsa_varlen.config.choose_fused_q`
-picks the project's kernel (decided once when the module is patched: with
-``VLLM_DSA_VARLEN_FUSED_Q=on``, or ``auto`` on sm_90 where it is measured
-faster, :data:`MEASURED`), a call whose inputs the kernel takes goes to
+The indexer layer calls the module global ``fused_indexer_q_rope_quant`` once
+per layer (RoPE, fp8 quantization of the indexer's query, the weights'
+scaling); vLLM's Triton kernel launches a one-warp program per token and
+head, bound by how fast programs start.  :func:`wrap_fused_indexer_q_rope_quant`
+replaces it (:mod:`vllm_dsa_varlen.patches`): where
+:func:`vllm_dsa_varlen.config.choose_fused_q` picks the project's kernel
+(decided once), a call it takes goes to
 :func:`vllm_dsa_varlen.ops.triton_indexer_q.launch` (the same arithmetic,
-fewer and wider programs); every other call, and everything elsewhere, is
-vLLM's own function.  The wrapper is traced by ``torch.compile`` like the
-function it replaces: it reads no environment and logs nothing per call.
+fewer and wider programs), every other call to vLLM's.  Traced by
+``torch.compile`` like the function it replaces, it reads no setting and
+logs nothing per call.
 """
 
 from __future__ import annotations
@@ -27,18 +21,10 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_dsa_varlen import config
+from vllm_dsa_varlen import config, settings
 from vllm_dsa_varlen.ops import triton_indexer_q
 
 logger = logging.getLogger("vllm.dsa_varlen")
-
-# Measured against vLLM's kernel on the H200 (docs/results/h200-2c0a294): bytes
-# equal at every case and block shape; vLLM's time / this one's 2.29 at 256
-# tokens, 3.31 at 1024, 1.04 from 16, 0.94-0.98 at 1-8 (<= 0.11 us a call); in
-# vLLM 0.27.1's engine (k = 3 B64 4K, torch.compile and CUDA graphs) 5.2 us a
-# layer where vLLM's kernel took 11.4 in stock's trace (h200-085bf18).  `auto`
-# takes it on sm_90.
-MEASURED = True
 
 
 def make_fused_indexer_q_rope_quant(original: Callable[..., Any], *, serves: bool,
@@ -78,9 +64,9 @@ def wrap_fused_indexer_q_rope_quant(original: Callable[..., Any]) -> Callable[..
     on every call where the project's kernel does not serve)."""
     is_cuda, capability = _platform()
     serves, why = config.choose_fused_q(is_cuda=is_cuda, capability=capability,
-                                        setting=config.read_fused_q(), mode=config.read_mode(),
-                                        measured=MEASURED)
-    blocks = config.read_fused_q_blocks()
+                                        setting=settings.get(settings.FUSED_Q_ENV),
+                                        mode=settings.get(settings.MODE_ENV))
+    blocks = settings.get(settings.FUSED_Q_BLOCKS_ENV)
     heads, warps = ((triton_indexer_q.INDEX_HEADS, triton_indexer_q.NUM_WARPS) if blocks is None
                     else (blocks[0], blocks[3]))
     logger.info("vllm-dsa-varlen: DeepSeek-V3.2 indexer query preparation "

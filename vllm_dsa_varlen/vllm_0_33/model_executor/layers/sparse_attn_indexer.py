@@ -1,33 +1,15 @@
-"""Varlen kernel dispatch inside vLLM 0.33.0's and 0.34.0's sparse-attention indexer op.
+"""Varlen kernel dispatch inside vLLM 0.33's and 0.34's sparse-attention indexer op.
 
-Wraps the module global ``fp8_fp4_paged_mqa_logits`` of
-``vllm.model_executor.layers.sparse_attn_indexer`` (and of GLM-5-Next's copy
-of the op, ``vllm.models.glm5next.nvidia.sparse_indexer``; see
-:mod:`vllm_dsa_varlen.patches`).  The registered custom op captured the
-function ``sparse_attn_indexer``, which looks this global up per call; its
-decode branch calls::
-
-    fp8_fp4_paged_mqa_logits((q, q_scale), kv_cache, weights[:R], seq_lens,
-                             decode_metadata.block_table,
-                             decode_metadata.schedule_metadata,
-                             max_model_len=..., indices=decode_metadata.indices)
-
-After a varlen build ``decode_lens`` is all ones and ``requires_padding`` is
-False, so stock reshapes the decode queries to ``[R, 1, H, D]`` and
-``seq_lens`` is ``[R, 1]``: the arguments already are the varlen layout.
-
-* schedule tagged ``triton`` (:mod:`vllm_dsa_varlen.varlen_ids`): the Triton
-  varlen kernel :func:`vllm_dsa_varlen.ops.launcher.varlen_paged_mqa_logits`
-  with the tag's ids (FP8 cache only; anything else raises);
-* no tag: exactly stock's call (``indices`` passed through: upstream's own
-  SM100 varlen is untouched).
-
-The kernel is looked up per call (a module attribute), so a GPU-specific fast
-path added behind that function is used here without change.
-
-DeepSeek V4.1's latency-specialized decode makes its own DeepGEMM calls with
-``decode.indices``; it needs the MXFP4 indexer cache (SM100), which the
-builder never serves with varlen, so it never sees a varlen step of the project's kernels.
+The registered op looks its module globals up per call, so wrapping
+``fp8_fp4_paged_mqa_logits`` (and GLM-5-Next's copy of the op) routes its
+decode call: after a varlen build the call's arguments already are the
+varlen layout (queries ``[R, 1, H, D]``, lengths ``[R, 1]``), and a schedule
+tagged with run ids (:mod:`vllm_dsa_varlen.varlen_ids`) goes to the
+project's kernel (FP8 cache only); an untagged call is stock's, ``indices``
+passed through, so upstream's own SM100 varlen is untouched.  Wrapping
+``get_indexer_topk`` puts the project's decode top-k first in line
+(:mod:`vllm_dsa_varlen.topk`).  DeepSeek V4.1's latency-specialised decode
+needs the MXFP4 cache, which no varlen step of the project's kernels serves.
 """
 
 from __future__ import annotations
@@ -53,7 +35,7 @@ def _launcher():
     return launcher
 
 
-def triton_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.Tensor,
+def own_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.Tensor,
                   weights: torch.Tensor, context_lens: torch.Tensor,
                   block_tables: torch.Tensor, ids: torch.Tensor, max_model_len: int,
                   max_run_len: int, schedules: dict | None = None) -> torch.Tensor:
@@ -109,8 +91,8 @@ def _route(original: Callable[..., Any], q, kv_cache, weights, context_lens, blo
     if ids.shape[0] != rows or context_lens.shape[0] != rows or block_tables.shape[0] != rows:
         # Stock feeds a single dummy row when a decode batch has no tokens.
         ids, context_lens, block_tables = first_rows(rows, ids, context_lens, block_tables)
-    return triton_logits(q, kv_cache, weights, context_lens, block_tables, ids,
-                         max_model_len, tag.max_run_len, tag.schedules)
+    return own_logits(q, kv_cache, weights, context_lens, block_tables, ids,
+                      max_model_len, tag.max_run_len, tag.schedules)
 
 
 def wrap_paged_mqa_logits(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,21 +1,15 @@
-"""The step's query preparation in vLLM 0.33.0's DeepSeek-V3.2 attention layer.
+"""The step's query preparation in vLLM 0.33's DeepSeek-V3.2 attention layer.
 
-``vllm.models.deepseek_v32.attention`` imports ``fused_q`` (from
-``vllm.models.deepseek_v32.common.kernels``) by name and calls it once per
-layer, right before the indexer: RoPE and fp8 quantization of the indexer's
-query, the indexer weights' scaling, and the RoPE (and, for an fp8 query, the
-quantization) of the MLA query.  On SM100 vLLM takes a CuTeDSL kernel; on
-Hopper its Triton kernel launches a one-warp program per token, part and head
-(49152 at 256 tokens), bound by how fast programs start.
-
-:func:`wrap_fused_q` replaces that module global (see
-:mod:`vllm_dsa_varlen.patches`).  Where :func:`vllm_dsa_varlen.config.choose_fused_q`
-picks the project's kernel (sm_90, decided once when the module is patched),
-a call with an indexer whose inputs the kernel takes goes to
-:func:`vllm_dsa_varlen.ops.triton_fused_q.fused_q` (bit-equal outputs, fewer and
-wider programs); every other call, and everything elsewhere, is vLLM's own
-``fused_q``.  The wrapper is traced by ``torch.compile`` like the function it
-replaces: it reads no environment and logs nothing per call.
+The layer calls the module global ``fused_q`` once per layer (RoPE and fp8
+quantization of the indexer's query, the indexer weights' scaling, the MLA
+query's RoPE); on Hopper vLLM's Triton kernel launches a one-warp program per
+token, part and head, bound by how fast programs start.  :func:`wrap_fused_q`
+replaces it (:mod:`vllm_dsa_varlen.patches`): where
+:func:`vllm_dsa_varlen.config.choose_fused_q` picks the project's kernel
+(decided once), a call it takes goes to
+:func:`vllm_dsa_varlen.ops.triton_fused_q.launch` (bit-equal outputs, fewer and
+wider programs), every other call to vLLM's.  Traced by ``torch.compile``
+like the function it replaces, it reads no setting and logs nothing per call.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_dsa_varlen import config
+from vllm_dsa_varlen import config, settings
 from vllm_dsa_varlen.ops import triton_fused_q
 
 logger = logging.getLogger("vllm.dsa_varlen")
@@ -78,8 +72,9 @@ def wrap_fused_q(original: Callable[..., Any]) -> Callable[..., Any]:
     on every call where the project's kernel does not serve)."""
     is_cuda, capability, use_pdl = _platform()
     serves, why = config.choose_fused_q(is_cuda=is_cuda, capability=capability,
-                                        setting=config.read_fused_q(), mode=config.read_mode())
-    blocks = config.read_fused_q_blocks()
+                                        setting=settings.get(settings.FUSED_Q_ENV),
+                                        mode=settings.get(settings.MODE_ENV))
+    blocks = settings.get(settings.FUSED_Q_BLOCKS_ENV)
     blocks = triton_fused_q.Blocks() if blocks is None else triton_fused_q.Blocks(*blocks)
     logger.info("vllm-dsa-varlen: DeepSeek-V3.2 query preparation (fused_q): %s%s", why,
                 f" (heads per program {blocks.index}/{blocks.pe}/{blocks.nope}, "

@@ -1,5 +1,6 @@
 """The patched DeepseekV32IndexerMetadataBuilder, driven through vLLM 0.27.1's own build()."""
 
+import itertools
 import random
 from types import SimpleNamespace
 
@@ -24,6 +25,8 @@ from vllm_stubs import (  # noqa: E402
 
 from vllm_dsa_varlen import config, patches, policy, stats  # noqa: E402
 from vllm_dsa_varlen.varlen_ids import varlen_ids_of  # noqa: E402
+from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg  # noqa: E402
+from vllm_dsa_varlen.vllm_0_27.v1.attention.backends.mla import indexer as plugin_ix  # noqa: E402
 
 WIDTH = 64
 NUM_BLOCKS = 1000
@@ -44,13 +47,13 @@ def _no_triton_slot_mapping(monkeypatch):
 
 def _setup(monkeypatch, backend, flavour="2.6"):
     """Fake the GPU for a backend: 'deepgemm' (SM100 + the DeepGEMM double,
-    default: vLLM 0.27.1's vendored generation), 'triton' (SM90, Triton
+    default: vLLM 0.27.1's vendored generation), 'own' (SM90, the project's kernels
     forced: every step takes the varlen kernel)."""
     if backend == "deepgemm":
         fake_gpu(monkeypatch, (10, 0))
         return FakeDeepGemm(flavour, 100, num_sms=NUM_SMS).install(monkeypatch)
     fake_gpu(monkeypatch, (9, 0))
-    monkeypatch.setenv(config.BACKEND_ENV, "triton")
+    monkeypatch.setenv(config.BACKEND_ENV, "own")
     return FakeDeepGemm(flavour, 90, num_sms=NUM_SMS).install(monkeypatch)
 
 
@@ -126,6 +129,154 @@ def _check_varlen_decode(md, builder, lens, seqs, bt, compress_ratio=1, kernel=T
     return ids
 
 
+# --------------------------------------------------------------------------- the decision (pure)
+
+Caps = dsa_dg.DeepGemmCaps
+DG_VARLEN = Caps(paged_indices=True, metadata_indices=True, paged_clean_logits=False,
+                 prefill_clean_logits=False, prefill_max_seqlen_k=True)  # 2.8.x
+# The DeepGEMM 2.6.1 vLLM 0.27.1 vendors: clean_logits *and* indices on both functions.
+DG_VENDORED = Caps(paged_indices=True, metadata_indices=True, prefill_max_seqlen_k=True)
+DG_OLD = Caps()  # a DeepGEMM without run ids (clean_logits, fp32 logits)
+DG_HALF = Caps(paged_indices=True, metadata_indices=False)  # kernel only
+
+SM100, SM90, SM89, SM80, SM120 = (10, 0), (9, 0), (8, 9), (8, 0), (12, 0)
+
+
+def decide(**kw):
+    base = dict(is_cuda=True, capability=SM90, deepgemm=DG_OLD, own_ok=True, next_n=2,
+                fp4_cache=False, mode="auto", backend="auto")
+    base.update(kw)
+    return plugin_ix.choose_decode_path(**base)
+
+
+# (kwargs, expected (use_varlen, backend, warning, per_step), a word the reason must contain)
+TABLE = [
+    (dict(mode="off", capability=SM100, deepgemm=DG_VARLEN), (False, None, False, None), "off"),
+    (dict(is_cuda=False, capability=None), (False, None, False, None), "CUDA"),
+    (dict(capability=None), (False, None, False, None), "capability"),
+    (dict(capability=SM100, deepgemm=DG_VARLEN, next_n=1), (True, "deepgemm", False, None),
+     "sm_100"),
+    (dict(capability=SM100, deepgemm=DG_VARLEN, next_n=4), (True, "deepgemm", False, None),
+     "run ids"),
+    (dict(capability=SM100, deepgemm=DG_VARLEN, next_n=4, fp4_cache=True),
+     (True, "deepgemm", False, None), "MXFP4"),
+    (dict(capability=(10, 3), deepgemm=DG_VARLEN, next_n=2), (True, "deepgemm", False, None),
+     "sm_103"),
+    # A default B200 install: vLLM 0.27.1's vendored DeepGEMM takes ids -> DeepGEMM varlen.
+    (dict(capability=SM100, deepgemm=DG_VENDORED, next_n=1), (True, "deepgemm", False, None),
+     "run ids"),
+    (dict(capability=SM100, deepgemm=DG_VENDORED, next_n=3), (True, "deepgemm", False, None),
+     "FP8"),
+    (dict(capability=SM100, deepgemm=DG_VENDORED, next_n=3, fp4_cache=True),
+     (True, "deepgemm", False, None), "MXFP4"),
+    # SM100 without a DeepGEMM that takes ids: stock runs native [B, next_n] on uniform
+    # steps, so the project's kernels only take the steps stock would split.
+    (dict(capability=SM100, deepgemm=DG_OLD, next_n=3), (True, "own", False, "split"),
+     "splits"),
+    (dict(capability=SM100, deepgemm=DG_HALF, next_n=2), (True, "own", False, "split"),
+     "prefill path"),
+    (dict(capability=SM100, deepgemm=DG_OLD, next_n=1), (False, None, False, None),
+     "next_n == 1"),
+    (dict(capability=SM100, deepgemm=DG_OLD, next_n=3, fp4_cache=True),
+     (False, None, False, None), "MXFP4"),
+    (dict(capability=SM100, deepgemm=None, next_n=3, fp4_cache=True), (False, None, False, None),
+     "not installed"),
+    # Hopper / Ada / Blackwell consumer: DeepGEMM varlen never.  next_n > 2: stock
+    # flattens, compared per step; next_n == 2: stock's native kernel on uniform steps,
+    # the project's kernels on the steps stock splits; no DeepGEMM: theirs every step.
+    (dict(capability=SM90, deepgemm=DG_VARLEN, next_n=3), (True, "own", False, "flattened"),
+     "sm_90"),
+    (dict(capability=SM90, deepgemm=DG_VENDORED, next_n=4),
+     (True, "own", False, "flattened"), "flattens"),
+    (dict(capability=SM90, deepgemm=DG_VARLEN, next_n=2), (True, "own", False, "split"),
+     "splits"),
+    (dict(capability=SM90, deepgemm=None, next_n=2), (True, "own", False, None),
+     "no DeepGEMM"),
+    (dict(capability=SM90, deepgemm=None, next_n=4), (True, "own", False, None),
+     "no DeepGEMM"),
+    (dict(capability=SM90, backend="own", next_n=2), (True, "own", False, None), "forced"),
+    (dict(capability=SM90, deepgemm=DG_VARLEN, next_n=1), (False, None, False, None),
+     "next_n == 1"),
+    (dict(capability=SM89, next_n=4), (True, "own", False, "flattened"), "sm_89"),
+    (dict(capability=SM120, next_n=4), (True, "own", False, "flattened"), "sm_120"),
+    (dict(capability=SM80, next_n=4), (False, None, False, None), "fp8"),
+    (dict(capability=SM90, next_n=4, own_ok=False), (False, None, False, None),
+     "kernel is unavailable"),
+    # Forced backends.
+    (dict(capability=SM90, backend="deepgemm", deepgemm=DG_VARLEN, next_n=4),
+     (False, None, True, None), "SM10x"),
+    (dict(capability=SM100, backend="deepgemm", deepgemm=DG_OLD, next_n=4),
+     (False, None, True, None), "indices"),
+    (dict(capability=SM100, backend="deepgemm", deepgemm=DG_VARLEN, next_n=4),
+     (True, "deepgemm", False, None), "run ids"),
+    (dict(capability=SM100, backend="own", deepgemm=DG_VARLEN, next_n=4),
+     (True, "own", False, None), "forced"),
+    (dict(capability=SM100, backend="own", deepgemm=DG_VARLEN, next_n=4, fp4_cache=True),
+     (False, None, True, None), "MXFP4"),
+    (dict(capability=SM80, backend="own", next_n=4), (False, None, True, None), "fp8"),
+    (dict(capability=SM90, backend="own", next_n=4, own_ok=False),
+     (False, None, True, None), "kernel is unavailable"),
+    (dict(capability=SM90, backend="own", next_n=1), (False, None, True, None),
+     "next_n == 1"),
+]
+
+
+@pytest.mark.parametrize("kwargs,expected,word", TABLE)
+def test_decision_table(kwargs, expected, word):
+    path = decide(**kwargs)
+    assert (path.use_varlen, path.backend, path.warning, path.per_step) == expected
+    assert word.lower() in path.reason.lower()
+    assert path.describe().startswith("varlen" if path.use_varlen else "stock")
+
+
+@pytest.mark.parametrize("cap,dg,own_ok,next_n,fp4,backend", itertools.product(
+    [SM80, SM89, SM90, SM100, SM120], [None, DG_OLD, DG_VARLEN], [False, True], [1, 2, 4],
+    [False, True], ["auto", "deepgemm", "own"]))
+def test_invariants_over_the_whole_space(cap, dg, own_ok, next_n, fp4, backend):
+    """Properties every decision must have, whatever the inputs."""
+    path = decide(capability=cap, deepgemm=dg, own_ok=own_ok, next_n=next_n,
+                  fp4_cache=fp4, backend=backend)
+    assert (path.backend is not None) == path.use_varlen
+    assert path.reason
+    if path.backend == "deepgemm":
+        assert cap[0] == 10 and dg is not None and dg.varlen
+    if path.backend == "own":
+        assert not fp4 and cap >= (8, 9) and own_ok and next_n > 1
+    # Per-step comparison exactly where stock has a decode kernel and the
+    # project's backend was not forced; which of stock's paths it is follows stock.
+    if path.per_step is not None:
+        assert path.backend == "own" and backend == "auto" and dg is not None
+        stock_flattens = cap[0] != 10 and next_n > 2
+        assert path.per_step == ("flattened" if stock_flattens else "split")
+    elif path.backend == "own":
+        assert backend == "own" or dg is None
+    if fp4:
+        assert path.backend != "own"
+    if backend != "auto" and path.use_varlen:
+        assert path.backend == backend
+    if backend != "auto" and not path.use_varlen:
+        assert path.warning
+    if backend == "auto":
+        assert not path.warning
+        # auto never leaves a usable varlen backend unused
+        if cap[0] == 10 and dg is not None and dg.varlen:
+            assert path.backend == "deepgemm"
+
+
+def test_off_and_not_cuda_win_over_everything():
+    for backend in ("auto", "deepgemm", "own"):
+        assert not decide(mode="off", capability=SM100, deepgemm=DG_VARLEN, backend=backend,
+                          next_n=4).use_varlen
+        assert not decide(is_cuda=False, capability=SM100, deepgemm=DG_VARLEN, backend=backend,
+                          next_n=4).use_varlen
+
+
+@pytest.mark.parametrize("bad", [dict(mode="on"), dict(backend="cuda"), dict(next_n=0)])
+def test_bad_arguments_raise(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        decide(**bad)
+
+
 # --------------------------------------------------------------------------- __init__
 
 @pytest.mark.parametrize("cap,flavour,next_n,fp4,env,want,per_step", [
@@ -134,14 +285,14 @@ def _check_varlen_decode(md, builder, lens, seqs, bt, compress_ratio=1, kernel=T
     ((10, 0), "2.6", 3, True, {}, "deepgemm", None),
     ((10, 0), "2.8", 4, False, {}, "deepgemm", None),
     ((10, 0), "2.8", 1, False, {}, "deepgemm", None),
-    ((10, 0), "old", 3, False, {}, "triton", "split"),
+    ((10, 0), "old", 3, False, {}, "own", "split"),
     ((10, 0), "old", 1, False, {}, None, None),
-    ((9, 0), "2.6", 3, False, {}, "triton", "flattened"),
-    ((9, 0), "2.6", 2, False, {}, "triton", "split"),
-    ((9, 0), "old", 2, False, {config.BACKEND_ENV: "triton"}, "triton", None),
+    ((9, 0), "2.6", 3, False, {}, "own", "flattened"),
+    ((9, 0), "2.6", 2, False, {}, "own", "split"),
+    ((9, 0), "old", 2, False, {config.BACKEND_ENV: "own"}, "own", None),
     ((9, 0), "2.6", 1, False, {}, None, None),
     ((10, 0), "2.6", 4, False, {config.MODE_ENV: "off"}, None, None),
-    ((10, 0), "2.6", 4, False, {config.BACKEND_ENV: "triton"}, "triton", None),
+    ((10, 0), "2.6", 4, False, {config.BACKEND_ENV: "own"}, "own", None),
     ((9, 0), "old", 4, False, {config.BACKEND_ENV: "deepgemm"}, None, None),
     (None, "2.6", 4, False, {}, None, None),
 ])
@@ -176,7 +327,7 @@ def test_init_decides_the_path(monkeypatch, plugin_log, cap, flavour, next_n, fp
     ((10, 0), "2.6", 4, {}, AttentionCGSupport.ALWAYS),      # DeepGEMM varlen
     ((10, 0), "2.6", 1, {}, AttentionCGSupport.ALWAYS),
     ((9, 0), "2.6", 4, {}, AttentionCGSupport.ALWAYS),       # Triton, per step vs flattened
-    ((9, 0), "2.6", 2, {config.BACKEND_ENV: "triton"}, AttentionCGSupport.ALWAYS),
+    ((9, 0), "2.6", 2, {config.BACKEND_ENV: "own"}, AttentionCGSupport.ALWAYS),
     ((9, 0), None, 2, {}, AttentionCGSupport.ALWAYS),        # Triton, no DeepGEMM at all
     ((9, 0), "2.6", 2, {}, AttentionCGSupport.UNIFORM_BATCH),  # "split": layout per step
     ((10, 0), "old", 3, {}, AttentionCGSupport.UNIFORM_BATCH),
@@ -208,7 +359,7 @@ def test_cudagraph_support(monkeypatch, cap, flavour, next_n, env, want, v4):
 
 # --------------------------------------------------------------------------- varlen builds
 
-@pytest.mark.parametrize("backend", ["deepgemm", "triton"])
+@pytest.mark.parametrize("backend", ["deepgemm", "own"])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("kind", ["uniform", "variable", "graph_padded", "token_padded"])
 def test_varlen_build(monkeypatch, backend, seed, kind):
@@ -233,7 +384,7 @@ def test_varlen_build(monkeypatch, backend, seed, kind):
         assert meta_calls == []  # the Triton kernel needs no schedule
 
 
-@pytest.mark.parametrize("backend", ["deepgemm", "triton"])
+@pytest.mark.parametrize("backend", ["deepgemm", "own"])
 @pytest.mark.parametrize("compress_ratio", [1, 4])
 @pytest.mark.parametrize("lens,pad_tokens", [
     ([1, 1, 1, 1, 0], 0),      # a graph-padding request with no token
@@ -292,7 +443,7 @@ def test_plain_decode_with_padding_tokens_fails_without_flattening(monkeypatch):
     assert md.decode.seq_lens.shape[0] == 6 and md.decode.block_table.shape[0] == 3
 
 
-@pytest.mark.parametrize("backend", ["deepgemm", "triton"])
+@pytest.mark.parametrize("backend", ["deepgemm", "own"])
 @pytest.mark.parametrize("seed", range(3))
 def test_v4_compressed_cache(monkeypatch, backend, seed):
     """compress_ratio 4: stock divides the planned per-row lengths in place."""
@@ -365,7 +516,7 @@ def test_mixed_batch_keeps_variable_decodes_as_decodes(monkeypatch):
 def test_stock_paths_clamp_padding_requests_at_zero(monkeypatch, where):
     """A graph-padded uniform step on the paths left to stock's native kernel:
     0.27.1 gives the padding request negative per-token lengths (read as uint32
-    by DeepGEMM); the plugin clamps them at 0.  ``VLLM_DSA_VARLEN=off`` leaves
+    by DeepGEMM); the plugin clamps them at 0.  ``DSA_VARLEN=off`` leaves
     vLLM exactly stock."""
     lens, seqs, next_n = [2, 2, 0], [10, 7, 0], 2  # num_tokens 6
     if where == "sm100_no_varlen_deepgemm_split":
@@ -428,7 +579,7 @@ def test_split_hybrid_keeps_uniform_steps_native_and_flattens_the_steps_stock_sp
         pad = 1 if decodes == len(lens) else 0  # padding tokens belong to the last request
         _check_varlen_decode(md, builder, lens[:decodes], seqs[:decodes], bt)
         assert md.num_decode_tokens == sum(lens[:decodes]) + pad
-        assert varlen_ids_of(md.decode.schedule_metadata).backend == "triton"
+        assert varlen_ids_of(md.decode.schedule_metadata).backend == "own"
         assert not builder.use_flattening  # stock's flag again between steps
     # the counters saw what the builds did; the builder made before the patches runs
     # the patched class's build() with no decode path: counted as stock's own steps,
@@ -552,7 +703,7 @@ def test_off_or_stock_path_is_identical_to_unpatched(monkeypatch, platform, seed
         assert torch.equal(a_args[0], b_args[0]) and a_args[1:] == b_args[1:]
 
 
-@pytest.mark.parametrize("backend", ["deepgemm", "triton"])
+@pytest.mark.parametrize("backend", ["deepgemm", "own"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("compress_ratio", [1, 4])
 def test_varlen_rows_match_stock_flatten_branch(monkeypatch, backend, seed, compress_ratio):
@@ -578,7 +729,7 @@ def test_varlen_rows_match_stock_flatten_branch(monkeypatch, backend, seed, comp
 
 
 @pytest.mark.parametrize("backend,next_n,ratio,compiles", [
-    ("triton", 4, 1, True), ("triton", 3, 1, True), ("triton", 3, 4, True),
+    ("own", 4, 1, True), ("own", 3, 1, True), ("own", 3, 4, True),
     ("deepgemm", 4, 1, False)])
 def test_builder_precompiles_the_triton_kernels_at_creation(monkeypatch, backend, next_n, ratio,
                                                             compiles):
@@ -801,7 +952,7 @@ def _random_step(gen):
     return kind, lens, seqs, pad
 
 
-@pytest.mark.parametrize("backend", ["deepgemm", "triton"])
+@pytest.mark.parametrize("backend", ["deepgemm", "own"])
 @pytest.mark.parametrize("seed", range(3))
 def test_every_step_rewrites_what_it_reads_whatever_came_before(monkeypatch, backend, seed):
     """A captured graph replays with whatever the last build left in the buffers,

@@ -1,7 +1,7 @@
 """The patched DeepseekV32IndexerMetadataBuilder of vLLM 0.33.0, driven through its own build():
 the builder-level decision and its log line, the per-step classification against
 stock's real build, graph safety (stable buffers, no device reads, key-determined
-choices), adaptive verification, and ``VLLM_DSA_VARLEN=off``."""
+choices), adaptive verification, and ``DSA_VARLEN=off``."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _table(gen, rows):
 
 # ------------------------------------------------------------------ the decision (pure)
 
-BASE = dict(is_cuda=True, capability=(9, 0), upstream_varlen=False, triton_ok=True, next_n=4,
+BASE = dict(is_cuda=True, capability=(9, 0), upstream_varlen=False, own_ok=True, next_n=4,
             fp4_cache=False, flattening=False)
 
 DECISIONS = [
@@ -55,12 +55,12 @@ DECISIONS = [
     (dict(next_n=3, flattening=True), True, False, ["flattens every step"]),
     (dict(next_n=2), True, False, ["native [B, 2]"]),
     (dict(next_n=1), False, False, ["next_n == 1"]),
-    (dict(next_n=1, backend="triton"), False, True, ["triton but next_n == 1"]),
-    (dict(mode="off"), False, False, ["VLLM_DSA_VARLEN=off"]),
+    (dict(next_n=1, backend="own"), False, True, ["own but next_n == 1"]),
+    (dict(mode="off"), False, False, ["DSA_VARLEN=off"]),
     (dict(is_cuda=False, capability=None), False, False, ["not a CUDA platform"]),
     (dict(capability=None), False, False, ["capability unknown"]),
     (dict(capability=(10, 0), upstream_varlen=True), False, False, ["upstream varlen", "sm_100"]),
-    (dict(capability=(10, 0), upstream_varlen=True, backend="triton"), False, True,
+    (dict(capability=(10, 0), upstream_varlen=True, backend="own"), False, True,
      ["ignored", "upstream varlen"]),
     (dict(capability=(10, 0)), True, False, ["sm_100"]),  # SM100 without DeepGEMM
     (dict(backend="deepgemm"), False, True, ["deepgemm but", "SM100"]),
@@ -68,8 +68,10 @@ DECISIONS = [
     (dict(capability=(8, 0)), False, False, ["no fp8"]),
     (dict(capability=(8, 9)), True, False, ["sm_89"]),
     (dict(capability=(12, 0)), True, False, ["sm_120"]),
-    (dict(triton_ok=False), False, False, ["varlen kernel is unavailable"]),
-    (dict(triton_ok=False, backend="triton"), False, True, ["triton but"]),
+    (dict(own_ok=False), False, False, ["varlen kernel is unavailable"]),
+    (dict(own_ok=False, backend="own"), False, True, ["own but"]),
+    # a forced backend still runs the per-step rules on this line
+    (dict(backend="own"), True, False, ["forced by DSA_VARLEN_BACKEND=own", "per step"]),
 ]
 
 
@@ -77,7 +79,7 @@ DECISIONS = [
 def test_choose_decode_path_table(overrides, want, warning, words):
     path = ours.choose_decode_path(**{**BASE, **overrides})
     assert path.use_varlen is want and path.warning is warning
-    assert path.backend == ("triton" if want else None)
+    assert path.backend == ("own" if want else None)
     for word in words:
         assert word in path.describe(), (word, path.describe())
 
@@ -90,8 +92,8 @@ def test_choose_decode_path_rejects_bad_next_n():
 # ------------------------------------------------------------------ init and the log line
 
 @pytest.mark.parametrize("cap,deepgemm,next_n,env,want,words", [
-    ((9, 0), True, 4, {}, True, ["varlen (triton)", "sm_90", "next_n=4"]),
-    ((9, 0), True, 3, {}, True, ["varlen (triton)", "flattens"]),
+    ((9, 0), True, 4, {}, True, ["varlen (portable Triton)", "sm_90", "next_n=4"]),
+    ((9, 0), True, 3, {}, True, ["varlen (portable Triton)", "flattens"]),
     ((9, 0), True, 1, {}, False, ["stock", "next_n == 1"]),
     ((10, 0), True, 4, {}, False, ["stock", "upstream varlen"]),
     ((9, 0), True, 4, {config.MODE_ENV: "off"}, False, ["stock", "off"]),
@@ -115,7 +117,23 @@ def test_init_decides_the_path_and_logs_it_once(monkeypatch, plugin_log, cap, de
     assert [r.levelno for r in plugin_log if "decode path" in r.getMessage()] == [level]
 
 
-def test_triton_serves_checks_the_cache(monkeypatch):
+@pytest.mark.parametrize("kernel,label", [("cuda_sm90", "varlen (cuda_sm90)"),
+                                          ("portable", "varlen (portable Triton)")])
+def test_the_log_line_names_the_kernel_a_step_runs(monkeypatch, plugin_log, kernel, label):
+    """The kernel named is the one the launcher takes for this builder's cache
+    (``launcher.graph_kernel``), which the policy's kernel-gated rules read."""
+    from vllm_dsa_varlen.ops import launcher
+
+    fake_gpu(monkeypatch, (9, 0))
+    monkeypatch.setattr(launcher, "graph_kernel", lambda *a, **k: kernel)
+    patches.apply_all(line=LINE)
+    builder = make_builder(monkeypatch, next_n=4)
+    assert builder.varlen_graph_kernel == kernel and builder.decode_path.kernel == kernel
+    lines = [r.getMessage() for r in plugin_log if "decode path" in r.getMessage()]
+    assert len(lines) == 1 and f"decode path: {label}, per step" in lines[0], lines
+
+
+def test_own_kernel_serves_checks_the_cache(monkeypatch):
     fake_gpu(monkeypatch, (9, 0))
     patches.apply_all(line=LINE)
     assert make_builder(monkeypatch, next_n=4).use_varlen
@@ -329,7 +347,7 @@ def test_adaptive_verification_rows_follow_the_device_offsets(monkeypatch):
 # ------------------------------------------------------------------ off and stock steps
 
 def test_off_and_stock_steps_equal_unpatched_stock(monkeypatch):
-    """``VLLM_DSA_VARLEN=off`` builders, and steps the policy leaves to stock
+    """``DSA_VARLEN=off`` builders, and steps the policy leaves to stock
     (native ones under the measured table), produce exactly unpatched stock's
     metadata."""
     _hopper(monkeypatch)

@@ -1,74 +1,22 @@
 """Varlen decode for vLLM 0.27.1's ``DeepseekV32IndexerMetadataBuilder``.
 
-Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
-:mod:`vllm_dsa_varlen.patches`):
-
-* ``DeepseekV32IndexerMetadataBuilder.get_cudagraph_support`` (wrapped):
-  ``AttentionCGSupport.ALWAYS`` when every decode step of the builder gets the
-  varlen layout (DeepGEMM varlen; Triton varlen with ``per_step`` ``None`` or
-  ``"flattened"``), as upstream 0.28.0 does for its varlen path: every step
-  then has one row per query token, so a full CUDA graph captured for one
-  batch replays any batch of the same token count.  Otherwise stock's
-  ``UNIFORM_BATCH`` (the ``"split"`` hybrid below switches layout per step,
-  which is graph-safe only because vLLM then captures full graphs for uniform
-  decode batches alone).
-* ``DeepseekV32IndexerMetadataBuilder.__init__`` (wrapped): after stock's
-  init, decide the decode path once (:func:`vllm_dsa_varlen.config.choose_decode_path`)
-  and log it.  When varlen: ``use_flattening = True`` -- stock ``build`` then
-  splits with ``require_uniform=False`` (variable-length decodes stay decodes)
-  and takes its flatten branch, in which it treats the per-row context lengths
-  as a view of ``decode_seq_lens_buffer`` and applies DCP localisation and
-  DeepSeek V4's ``//= compress_ratio`` to it *in place*, exactly as 0.27.1
-  does -- and allocate the run-id buffer (int32, 8-byte aligned).  With
-  ``per_step == "split"`` the flag is set per step instead (see ``build``).
-* ``DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors`` (wrapped):
-  varlen steps are planned into stock's buffers (``decode_seq_lens_buffer``,
-  ``expanded_block_table_buffer``): rows ``R = num_decode_tokens``, one token
-  each (``decode_lens`` all 1, ``requires_padding`` False), so the indexer op
-  reshapes decode queries to ``[R, 1, H, D]``.  Multi-token steps by
-  :func:`vllm_dsa_varlen.plan.plan_decode_rows`; plain steps (one token per
-  request) by a per-request copy that stock's own post-processing (DCP, V4)
-  then finishes, extended to ``R`` rows afterwards -- rows past the real
-  tokens are padding rows with ids of their own and context 0.  Steps left to
-  stock: stock's tensors, with graph-padding requests' per-token context
-  lengths clamped at 0 (0.27.1 gives ``seq_len - next_n + j + 1 < 0`` there,
-  which DeepGEMM reads as uint32; 0.28.0 clamps too) -- except under
-  ``VLLM_DSA_VARLEN=off``, which leaves vLLM exactly stock.
-* ``DeepseekV32IndexerMetadataBuilder.build`` (wrapped): decides the step
-  (``per_step == "split"``: a step stock would split is flattened when
-  :func:`vllm_dsa_varlen.policy.varlen_wins` says so, a uniform one keeps
-  stock's native path), marks the build (a thread-local) for the metadata hook
-  below, and after stock's build hands the ids to the decode metadata
-  (``indices``) and -- when the varlen kernel is chosen for the step -- to the
-  kernel call (a fresh view of ``scheduler_metadata_buffer`` tagged by
-  :mod:`vllm_dsa_varlen.varlen_ids`).  With ``per_step == "flattened"`` the
-  kernel is chosen per step from host-known facts (no device sync); both
-  kernels find valid metadata either way, so a CUDA graph that baked one
-  choice replays correctly for any batch.  Steps no rule can send to varlen
-  are left to stock's own build (:func:`_stock_only_step`: decided from the
-  padded token count a FULL graph is keyed on, so capture and every replay
-  agree).
-* module global ``get_paged_mqa_logits_metadata``: during a varlen build the
-  DeepGEMM backend's scheduler gets the step's ``indices``; the Triton backend
-  with ``per_step == "flattened"`` gets stock's id-less schedule for the same
-  rows (the stock alternative's); otherwise Triton needs no schedule.  Not a
-  varlen build: stock's call.
-* module global ``DeepSeekV32IndexerDecodeMetadata``: a subclass adding
-  ``indices: int32 [R] | None``.
-
-All buffers are preallocated and every varlen step uses the same ones (ids in
-``decode_indices_buffer``, lengths in ``decode_seq_lens_buffer``, block-table
-rows in ``expanded_block_table_buffer``, ``decode_lens`` in ``varlen_ones``),
-so addresses are stable across steps (CUDA graphs capture the kernel call with
-the views later builds rewrite in place).  Two are not rewritten every step:
-``varlen_ones`` is filled at creation and written by nothing after, and the
-ids of a uniform step are skipped while the builder's record of its own last
-write (``_varlen_ids_layout``; only this module writes the buffer) says the
-buffer holds them.
+The wrapped ``__init__`` decides the decode path once
+(:func:`choose_decode_path`: DeepGEMM varlen on SM10x, else the project's
+kernels, compared per step with stock's flattened or split path); a varlen
+builder takes stock's flatten branch, which splits without the uniform rule
+(variable decodes stay decodes) and applies DCP and DeepSeek V4's compression
+to the rows in place.  ``_prepare_decode_tensors`` plans one row per token
+and the run ids into stock's preallocated buffers (stable addresses for CUDA
+graphs); ``build`` hands the ids to the decode metadata and, where the step
+takes the varlen kernel, to the kernel call on a tagged view of the schedule;
+the module's ``get_paged_mqa_logits_metadata`` gives DeepGEMM's scheduler the
+ids.  ``get_cudagraph_support`` answers ``ALWAYS`` where every decode step
+gets the varlen rows (docs/design.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from dataclasses import dataclass
@@ -81,10 +29,9 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla import indexer as _ix
 
-from vllm_dsa_varlen import policy, stats, warmup
+from vllm_dsa_varlen import config, policy, settings, stats, warmup
+from vllm_dsa_varlen.config import DecodePath, LineFacts, log_decode_path
 from vllm_dsa_varlen.patches import init_then
-from vllm_dsa_varlen.config import (DecodePath, choose_decode_path, log_decode_path,
-                                     read_backend, read_mode)
 from vllm_dsa_varlen.plan import DecodeRowBuffers, make_ramp, plan_decode_rows
 from vllm_dsa_varlen.vllm_0_27.utils import deep_gemm as dsa_dg
 from vllm_dsa_varlen.varlen_ids import attach_varlen_ids, ids_hold, ids_written
@@ -106,6 +53,42 @@ class DeepSeekV32IndexerDecodeMetadata(_ix.DeepSeekV32IndexerDecodeMetadata):
 # The decode-path decision (__init__, get_cudagraph_support)
 # --------------------------------------------------------------------------------------
 
+def line_facts(capability: tuple[int, int], *, deepgemm: dsa_dg.DeepGemmCaps | None,
+               next_n: int) -> LineFacts:
+    """What the 0.27 line adds to :func:`vllm_dsa_varlen.config.choose_decode_path`
+    (pure): DeepGEMM varlen on SM10x with a DeepGEMM whose scheduler and kernel
+    take run ids; else what stock runs for a multi-token step, which the
+    project's kernels are compared with per step."""
+    sm10x = capability[0] == config.SM100_MAJOR
+    if not sm10x:
+        refusal = f"DeepGEMM varlen needs SM10x (device is {config.fmt_cap(capability)})"
+    elif deepgemm is None:
+        refusal = "DeepGEMM is not installed"
+    elif not deepgemm.varlen:
+        refusal = ("the installed DeepGEMM's paged MQA logits take no `indices` "
+                   "(vLLM 0.27.1's vendored 2.6.1 and 2.8.x do)")
+    else:
+        refusal = None
+    if deepgemm is None:  # stock has no decode kernel: every step is the project's
+        return LineFacts(refusal, "no DeepGEMM installed: stock has no decode kernel")
+    if sm10x or next_n == 2:  # native [B, next_n] on uniform steps, prefill for the rest
+        return LineFacts(refusal, "stock splits non-uniform steps to the prefill path",
+                         per_step="split")
+    return LineFacts(refusal, "stock flattens and re-reads the KV per token",
+                     per_step="flattened")
+
+
+def choose_decode_path(*, is_cuda: bool, capability: tuple[int, int] | None,
+                       deepgemm: dsa_dg.DeepGemmCaps | None, own_ok: bool, next_n: int,
+                       fp4_cache: bool, mode: str = "auto", backend: str = "auto") -> DecodePath:
+    """A 0.27 builder's decode path (pure): the shared decision with this
+    line's facts (:func:`line_facts`)."""
+    return config.choose_decode_path(
+        functools.partial(line_facts, deepgemm=deepgemm, next_n=next_n), is_cuda=is_cuda,
+        capability=capability, own_ok=own_ok, next_n=next_n, fp4_cache=fp4_cache, mode=mode,
+        backend=backend)
+
+
 def _capability() -> tuple[int, int] | None:
     cap = current_platform.get_device_capability()
     if cap is None:
@@ -113,23 +96,15 @@ def _capability() -> tuple[int, int] | None:
     return (int(cap[0]), int(cap[1]))
 
 
-def _triton_serves(vllm_config: Any, kv_cache_spec: Any) -> bool:
-    """Whether the project's varlen kernel supports this cache."""
+def _own_kernel_serves(vllm_config: Any, kv_cache_spec: Any) -> bool:
+    """Whether the project's varlen kernel supports this cache and head count."""
     try:
         from vllm.triton_utils import HAS_TRITON
-
-        from vllm_dsa_varlen.ops import launcher
-    except Exception:  # noqa: BLE001 - Triton missing or broken: no Triton path
+    except Exception:  # noqa: BLE001 - Triton missing or broken: no kernel of ours
         return False
-    if not HAS_TRITON:
-        return False
-    page = _kernel_page(kv_cache_spec)
-    head_size = getattr(kv_cache_spec, "head_size", None)
-    if (page not in launcher.SUPPORTED_PAGES or head_size is None
-            or head_size - 4 not in launcher.SUPPORTED_DIMS):
-        return False
-    heads = _index_heads(vllm_config)
-    return heads is None or heads in launcher.SUPPORTED_HEADS
+    return HAS_TRITON and config.own_kernel_serves(
+        page=_kernel_page(kv_cache_spec), head_size=getattr(kv_cache_spec, "head_size", None),
+        heads=_index_heads(vllm_config))
 
 
 def _kernel_page(kv_cache_spec: Any) -> int | None:
@@ -147,9 +122,9 @@ def _index_heads(vllm_config: Any) -> int | None:
 
 def decide_decode_path_for(vllm_config: Any, kv_cache_spec: Any) -> DecodePath:
     """Gather the facts for :func:`choose_decode_path` from a vLLM config, the
-    indexer's KV-cache spec and the platform (what the builder and its
-    ``get_cudagraph_support`` classmethod both know)."""
-    mode, backend = read_mode(), read_backend()
+    indexer's KV-cache spec, the settings and the platform (what the builder
+    and its ``get_cudagraph_support`` classmethod both know)."""
+    mode, backend = settings.get(settings.MODE_ENV), settings.get(settings.BACKEND_ENV)
     is_cuda = bool(current_platform.is_cuda())
     on = mode != "off" and is_cuda
     caps = dsa_dg.current_caps() if on and _ix.has_deep_gemm() else None
@@ -159,7 +134,7 @@ def decide_decode_path_for(vllm_config: Any, kv_cache_spec: Any) -> DecodePath:
         is_cuda=is_cuda,
         capability=_capability() if is_cuda else None,
         deepgemm=caps,
-        triton_ok=on and _triton_serves(vllm_config, kv_cache_spec),
+        own_ok=on and _own_kernel_serves(vllm_config, kv_cache_spec),
         next_n=next_n,
         fp4_cache=bool(vllm_config.attention_config.use_fp4_indexer_cache),
         mode=mode,
@@ -192,12 +167,18 @@ def wrap_get_cudagraph_support(original: Callable[..., Any]) -> classmethod:
 
 def _setup_varlen(builder: Any) -> None:
     path = decide_decode_path(builder)
+    if path.use_varlen:
+        # The varlen kernel a captured step runs: a fact of the builder, asked
+        # once (the policy's kernel-gated rules read it; the log line names it).
+        builder.varlen_graph_kernel = _graph_kernel(builder)
+        if path.backend == "own":
+            path = dataclasses.replace(path, kernel=builder.varlen_graph_kernel)
     builder.decode_path = path
     builder.use_varlen = path.use_varlen
     builder.varlen_backend = path.backend
     # Steps left to stock get padding requests' context lengths clamped at 0,
     # except when the plugin is switched off (then vLLM is exactly stock).
-    builder.clamp_stock_padding = read_mode() != "off"
+    builder.clamp_stock_padding = settings.get(settings.MODE_ENV) != "off"
     builder.stock_use_flattening = builder.use_flattening
     builder._varlen_step = False
     builder._varlen_step_ids = None
@@ -210,9 +191,6 @@ def _setup_varlen(builder: Any) -> None:
     log_decode_path(path)
     if not path.use_varlen:
         return
-    # The varlen kernel a captured step runs: a fact of the builder, asked once
-    # (the per-step policy's kernel-gated rules read it).
-    builder.varlen_graph_kernel = _graph_kernel(builder)
     if path.per_step != "split":
         builder.use_flattening = True
     max_rows = builder.decode_seq_lens_buffer.shape[0]
@@ -235,7 +213,7 @@ def _setup_varlen(builder: Any) -> None:
     builder.varlen_ones = torch.ones(max_rows, dtype=torch.int32, device=builder.device)
     if builder.decode_indices_buffer.data_ptr() % 8:
         raise RuntimeError("decode_indices_buffer: DeepGEMM needs an 8-byte aligned start")
-    if path.backend == "triton":
+    if path.backend == "own":
         # Every kernel variant a step can launch, compiled now (logged with the
         # time it took) so no decode step waits on a JIT compile.
         warmup.precompile_for(heads=_index_heads(builder.vllm_config),
@@ -408,9 +386,9 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int,
 
     ``context_lens``: int32 ``[B, next_n]``.  During a varlen build the
     scheduler sees the step's ``[R, 1]`` rows: with the step's run ids for
-    the DeepGEMM backend; id-less (stock's flattened schedule) for the Triton
-    backend compared per step with stock's flattened call; the Triton kernel
-    itself needs no schedule (the buffer is left as it is).  Else: stock."""
+    the DeepGEMM backend; id-less (stock's flattened schedule) for the
+    project's kernels compared per step with stock's flattened call; those
+    kernels need no schedule (the buffer is left as it is).  Else: stock."""
     builder = getattr(_building, "builder", None)
     ids = None if builder is None else builder._varlen_step_ids
     if ids is None:
@@ -428,7 +406,7 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int,
 
 def _decode_lens_cpu(common: Any, num_decodes: int) -> list[int]:
     """Host token counts of the first ``num_decodes`` requests (no device sync)."""
-    # through numpy: half the host time of two torch slices and a subtraction
+    # through numpy: less host time than torch slices and a subtraction
     return np.diff(common.query_start_loc_cpu.numpy()[: num_decodes + 1]).tolist()
 
 

@@ -1,80 +1,21 @@
-"""Varlen decode for vLLM 0.33.0's ``DeepseekV32IndexerMetadataBuilder`` (Hopper and
-other fp8 GPUs without a DeepGEMM varlen kernel).
+"""Varlen decode for vLLM 0.33's and 0.34's ``DeepseekV32IndexerMetadataBuilder``.
 
-What stock 0.33.0 does with a decode step (``vllm/v1/attention/backends/mla/indexer.py``):
-
-* SM100 with DeepGEMM (``_supports_varlen_paged_mqa_logits``): varlen already,
-  ids built on the device, ``DecodeMetadata.indices`` handed to the kernel.
-  **Left alone** (logged).
-* Otherwise, per builder, ``use_flattening`` (``_use_flattening``): next_n
-  without a native kernel (SM90: not 1, 2 or 4) or adaptive verification ->
-  every step flattened to one row per token without ids, each row re-reading
-  its request's KV.  Else the native ``[B, next_n]`` kernel with
-  ``require_uniform``: the requests of a non-uniform step after the first
-  length mismatch are split off to the prefill path.
-
-Replaces, in ``vllm.v1.attention.backends.mla.indexer`` (see
-:mod:`vllm_dsa_varlen.patches`):
-
-* ``DeepseekV32IndexerMetadataBuilder.__init__`` (wrapped): decide once whether
-  the project's varlen kernel can serve this builder (:func:`choose_decode_path`)
-  and log the path in one line.
-* ``DeepseekV32IndexerMetadataBuilder.build`` (wrapped): a flattened step
-  that no rule can send to varlen by its token count is stock's at once
-  (:func:`_stock_only_step`, O(1) host ints); else classify the step from
-  host-known facts (:func:`classify_step`: what stock would run, and
-  :func:`vllm_dsa_varlen.policy.varlen_wins`), then
-
-  - varlen: run stock's build with ``use_flattening`` set for this build, so
-    the step is split with ``require_uniform=False`` (variable steps stay
-    decodes) and takes the flatten branch; hand the run ids to the decode
-    metadata (``indices``) and to the kernel call (a fresh view of the
-    schedule tensor tagged by :mod:`vllm_dsa_varlen.varlen_ids`);
-  - stock's path is flattened anyway (same rows as varlen): rows and ids are
-    planned as for varlen, only no ids reach the kernel call, so a CUDA graph
-    captured with either kernel replays correctly on any batch of its key;
-  - stock's path is flattened and no rule can send the step to varlen
-    (:func:`_left_to_stock`: fewer tokens than
-    :func:`vllm_dsa_varlen.policy.min_varlen_rows`, decided from the graph's
-    key only): stock's build, untouched;
-  - otherwise: stock's build, untouched.
-
-* ``DeepseekV32IndexerMetadataBuilder.update_draft_decode_metadata``
-  (wrapped): a drafter's later steps (one token per request) reuse a step's
-  metadata; for a varlen step stock would hand the ids to DeepGEMM's
-  scheduler, which takes none on SM90: the schedule is remade without them
-  (the project's kernel needs none) and the ids are reset to one run per row.
-* ``DeepseekV32IndexerMetadataBuilder._prepare_decode_tensors`` (wrapped):
-  during a planned build, rows ``R = num_decode_tokens`` of one token each go
-  to stock's buffers (``decode_seq_lens_buffer``,
-  ``expanded_block_table_buffer``) and the ids to stock's
-  ``decode_indices_buffer``: a uniform step without padding through stock's
-  own flatten branch (one launch, the same rows as
-  :func:`vllm_dsa_varlen.plan.plan_decode_rows`) plus the ids when the
-  buffer does not hold them; other steps planned by ``plan_decode_rows``.
-  Stock then applies DCP localisation and DeepSeek V4's ``//= compress_ratio``
-  in place and makes DeepGEMM's schedule for the flattened rows, exactly as in
-  its flatten branch.
-
-CUDA graphs (0.33's key: padded token count, request count derived from it,
-and the uniform-decode flag): a step whose stock path is native could be
-replayed from a FULL graph of a uniform key, and native and varlen lay the
-metadata out differently, so for such steps the decision uses only facts
-fixed by the key (padded rows and requests, the run length; no context
-length).  Non-uniform steps never replay a FULL graph on a native builder
-(stock reports ``UNIFORM_BATCH``), and on a flattening builder both kernels
-read the same metadata.  A flattened step left to stock is decided from the
-token count the builder sees, which under a FULL graph is the graph's padded
-count (at capture and at every replay, also when a drafter's graph reuses the
-step's metadata), and, only where no FULL graph replays batches of other
-per-request lengths, the step's longest request (fixed by a uniform key): the
-capture and every replay of a graph agree, so the captured call is stock's
-own and reads the buffers stock's build refreshes.  Nothing here reads device
-memory: no sync.
+Stock leaves SM100 with DeepGEMM varlen already (left alone here); elsewhere
+it flattens every step to one row per token without run ids, or runs
+DeepGEMM's native ``[B, next_n]`` kernel and splits non-uniform steps to the
+prefill path.  The wrapped ``__init__`` decides once whether the project's
+varlen kernel serves the builder (:func:`choose_decode_path`); the wrapped
+``build`` classifies each step from host-known facts (:func:`classify_step`,
+:func:`vllm_dsa_varlen.policy.varlen_wins`) and, for a varlen step, runs
+stock's flatten branch with the rows and run ids planned into stock's own
+buffers (``_prepare_decode_tensors``), the ids handed to the kernel call on a
+tagged view of the schedule.  Decisions a CUDA graph replays use only facts
+its key fixes; nothing here reads device memory (docs/design.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
@@ -85,91 +26,48 @@ from vllm.config import CUDAGraphMode
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.mla import indexer as _ix
 
-from vllm_dsa_varlen import policy, stats, warmup
+from vllm_dsa_varlen import config, policy, settings, stats, warmup
+from vllm_dsa_varlen.config import DecodePath, LineFacts, log_decode_path
 from vllm_dsa_varlen.patches import init_then
-from vllm_dsa_varlen.config import (
-    BACKEND_ENV,
-    MIN_FP8_CAPABILITY,
-    DecodePath,
-    log_decode_path,
-    platform_refusal,
-    read_backend,
-    read_mode,
-)
 from vllm_dsa_varlen.plan import DecodeRowBuffers, plan_decode_rows
 from vllm_dsa_varlen.policy import StepFacts, uniform_unpadded, varlen_wins
 from vllm_dsa_varlen.varlen_ids import attach_varlen_ids, ids_hold, ids_written, varlen_ids_of
-
 
 
 # --------------------------------------------------------------------------------------
 # The builder-level decision (pure)
 # --------------------------------------------------------------------------------------
 
-def _stock(reason: str, warning: bool = False) -> DecodePath:
-    return DecodePath(False, None, reason, warning)
-
-
-def choose_decode_path(
-    *,
-    is_cuda: bool,
-    capability: tuple[int, int] | None,
-    upstream_varlen: bool,
-    triton_ok: bool,
-    next_n: int,
-    fp4_cache: bool,
-    flattening: bool,
-    mode: str = "auto",
-    backend: str = "auto",
-) -> DecodePath:
-    """Whether the project's varlen kernel serves a vLLM 0.33 builder (pure).
-
-    ``upstream_varlen``: vLLM runs DeepGEMM varlen itself (SM100 + DeepGEMM).
-    ``flattening``: stock flattens every step (``_use_flattening``).
-    Rules, in order: ``mode == "off"`` -> stock.  Not CUDA / capability
-    unknown -> stock.  Upstream varlen -> stock (a forced backend warns: it is
-    upstream's).  ``backend == "deepgemm"`` -> stock with a warning (vLLM 0.33
-    drives DeepGEMM varlen itself, on SM100 only).  MXFP4 cache, < sm_89, the
-    project's kernel unusable -> stock.  ``next_n == 1`` -> stock (one row per
-    request: varlen saves nothing).  Otherwise varlen (Triton), chosen per
-    step by :func:`vllm_dsa_varlen.policy.varlen_wins`.
-    """
-    if next_n < 1:
-        raise ValueError(f"next_n: expected >= 1, got {next_n}")
-    refusal = platform_refusal(mode=mode, is_cuda=is_cuda, capability=capability)
-    if refusal is not None:
-        return _stock(refusal)
-    cap = f"sm_{capability[0]}{capability[1]}"
+def line_facts(capability: tuple[int, int], *, upstream_varlen: bool, flattening: bool,
+               next_n: int) -> LineFacts:
+    """What the 0.33 line adds to :func:`vllm_dsa_varlen.config.choose_decode_path`
+    (pure): vLLM's own varlen (SM100 with DeepGEMM) is left alone, and the
+    project's kernels are compared per step with what stock runs for the step,
+    also under a forced backend.  ``flattening``: stock flattens every step."""
+    cap = config.fmt_cap(capability)
+    deepgemm = (f"vLLM 0.33 drives DeepGEMM varlen itself, on SM100 with DeepGEMM only "
+                f"(device is {cap})")
     if upstream_varlen:
-        msg = (f"upstream varlen: vLLM 0.33 runs DeepGEMM's varlen kernel itself on {cap} "
-               "(run ids built on the device); left as is")
-        if backend != "auto":
-            return _stock(f"{BACKEND_ENV}={backend} ignored, {msg}", warning=True)
-        return _stock(msg)
-    if backend == "deepgemm":
-        return _stock(f"{BACKEND_ENV}=deepgemm but vLLM 0.33 drives DeepGEMM varlen itself, "
-                      f"on SM100 with DeepGEMM only (device is {cap})", warning=True)
-    forced = backend == "triton"
-    refusal = None
-    if fp4_cache:
-        refusal = "the MXFP4 indexer cache is served by DeepGEMM on SM100 only (never Triton)"
-    elif tuple(capability) < MIN_FP8_CAPABILITY:
-        refusal = f"{cap} has no fp8 support (the project's varlen kernels need >= sm_89)"
-    elif not triton_ok:
-        refusal = "the project's varlen kernel is unavailable or does not support this cache"
-    elif next_n == 1:
-        refusal = "next_n == 1: one row per request, varlen would save nothing"
-    if refusal is not None:
-        return _stock(f"{BACKEND_ENV}=triton but {refusal}" if forced else refusal,
-                      warning=forced)
+        return LineFacts(deepgemm, "", upstream=(
+            f"upstream varlen: vLLM 0.33 runs DeepGEMM's varlen kernel itself on {cap} "
+            "(run ids built on the device); left as is"))
     stock = ("stock flattens every step (one row per token, KV re-read per token)"
              if flattening else
              f"stock runs DeepGEMM's native [B, {next_n}] kernel on uniform steps and splits "
              "non-uniform ones to the prefill path")
-    return DecodePath(True, "triton",
-                      f"{cap}, FP8 cache, next_n={next_n}: {stock}; per step the project's "
-                      "varlen kernel (ops.launcher: CUDA sm_90 where it serves, else Triton) "
-                      "where measured at least as fast (policy.MEASURED), else stock's path")
+    return LineFacts(deepgemm, stock, per_step="each", forced_per_step="each")
+
+
+def choose_decode_path(*, is_cuda: bool, capability: tuple[int, int] | None,
+                       upstream_varlen: bool, own_ok: bool, next_n: int, fp4_cache: bool,
+                       flattening: bool, mode: str = "auto", backend: str = "auto") -> DecodePath:
+    """A 0.33 builder's decode path (pure): the shared decision with this
+    line's facts (:func:`line_facts`)."""
+    return config.choose_decode_path(
+        functools.partial(line_facts, upstream_varlen=upstream_varlen, flattening=flattening,
+                          next_n=next_n),
+        is_cuda=is_cuda, capability=capability, own_ok=own_ok, next_n=next_n,
+        fp4_cache=fp4_cache, mode=mode, backend=backend)
 
 
 # --------------------------------------------------------------------------------------
@@ -200,37 +98,30 @@ def _graph_kernel(builder: Any) -> str:
                                  spec.num_states)
 
 
-def _triton_serves(builder: Any) -> bool:
+def _own_kernel_serves(builder: Any) -> bool:
     """Whether the project's varlen kernel supports this builder's cache (pages of
     ``num_states`` entries of ``head_size`` bytes) and index head count."""
     try:
         from vllm.triton_utils import HAS_TRITON
-
-        from vllm_dsa_varlen.ops import launcher
-    except Exception:  # noqa: BLE001 - Triton missing or broken: no Triton path
-        return False
-    if not HAS_TRITON:
+    except Exception:  # noqa: BLE001 - Triton missing or broken: no kernel of ours
         return False
     spec = builder.kv_cache_spec
-    page = getattr(spec, "num_states", None)
-    head_size = getattr(spec, "head_size", None)
-    if (page not in launcher.SUPPORTED_PAGES or head_size is None
-            or head_size - 4 not in launcher.SUPPORTED_DIMS):
-        return False
-    heads = _index_heads(builder)
-    return heads is None or heads in launcher.SUPPORTED_HEADS
+    return HAS_TRITON and config.own_kernel_serves(
+        page=getattr(spec, "num_states", None), head_size=getattr(spec, "head_size", None),
+        heads=_index_heads(builder))
 
 
 def decide_decode_path(builder: Any) -> DecodePath:
-    """Gather the facts for :func:`choose_decode_path` from ``builder`` and the platform."""
-    mode, backend = read_mode(), read_backend()
+    """Gather the facts for :func:`choose_decode_path` from ``builder``, the
+    settings and the platform."""
+    mode, backend = settings.get(settings.MODE_ENV), settings.get(settings.BACKEND_ENV)
     is_cuda = bool(current_platform.is_cuda())
     on = mode != "off" and is_cuda
     return choose_decode_path(
         is_cuda=is_cuda,
         capability=_capability() if is_cuda else None,
         upstream_varlen=bool(builder.supports_varlen),
-        triton_ok=on and _triton_serves(builder),
+        own_ok=on and _own_kernel_serves(builder),
         next_n=builder.num_speculative_tokens + 1,
         fp4_cache=bool(builder.indexer_uses_fp4),
         flattening=bool(builder.use_flattening),
@@ -241,6 +132,11 @@ def decide_decode_path(builder: Any) -> DecodePath:
 
 def _setup_varlen(builder: Any) -> None:
     path = decide_decode_path(builder)
+    if path.use_varlen:
+        # The varlen kernel a captured step runs: a fact of the builder, asked
+        # once (the policy's kernel-gated rules read it; the log line names it).
+        builder.varlen_graph_kernel = _graph_kernel(builder)
+        path = dataclasses.replace(path, kernel=builder.varlen_graph_kernel)
     builder.decode_path = path
     builder.use_varlen = path.use_varlen
     builder.varlen_backend = path.backend
@@ -253,9 +149,6 @@ def _setup_varlen(builder: Any) -> None:
     log_decode_path(path)
     if not path.use_varlen:
         return
-    # The varlen kernel a captured step runs: a fact of the builder, asked once
-    # (the per-step policy's kernel-gated rules read it).
-    builder.varlen_graph_kernel = _graph_kernel(builder)
     # Rows are planned straight into stock's buffers (stock post-processes the
     # context lengths in place); the ids go to stock's own id buffer.
     builder.varlen_rows = DecodeRowBuffers(
@@ -271,7 +164,7 @@ def _setup_varlen(builder: Any) -> None:
     builder.varlen_max_rows = min(int(b.shape[0]) for b in (
         builder.decode_indices_buffer, builder.decode_seq_lens_buffer,
         builder.expanded_block_table_buffer, builder.decode_lens_buffer))
-    if path.backend == "triton":
+    if path.backend == "own":
         # Every kernel variant a step can launch, compiled now (logged with the
         # time it took) so no decode step waits on a JIT compile.
         warmup.precompile_for(heads=_index_heads(builder),
@@ -559,7 +452,7 @@ def wrap_prepare_decode_tensors(original: Callable[..., Any]) -> Callable[..., A
         if not getattr(self, "_varlen_planning", False):
             return original(self, *args, **kwargs)
         # stock passes every argument by name: no binding (its parameter walk
-        # was a third of the plugin's Python calls on a varlen step)
+        # costs host time on every varlen step)
         a = (kwargs if not args and _PREPARE_ARGS <= kwargs.keys()
              else signature.bind(self, *args, **kwargs).arguments)
         return _plan_varlen_rows(self, functools.partial(original, self, *args, **kwargs),
