@@ -13,6 +13,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from float_samples import tf32_samples
 
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref
 
@@ -30,18 +31,8 @@ def _bits(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
-def _samples(n=4000, seed=0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    mag = torch.exp2(torch.randint(-30, 30, (n,), generator=gen).float())
-    x = (torch.rand(n, generator=gen) * 2 - 1) * mag
-    # values exactly halfway between two TF32 neighbours, and the largest float32
-    ties = torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11, -(1 + 2 ** -11), 3 * 2 ** -12 + 2 ** -23,
-                         1.5 + 2 ** -12, 3.4028234663852886e38, 2.0 ** -126, 0.0, -0.0])
-    return torch.cat([x, ties])
-
-
 def test_truncate_tf32_is_toward_zero():
-    x = _samples(seed=1)
+    x = tf32_samples(seed=1)
     got = truncate_tf32(x)
     for a, b in zip(x.tolist(), got.tolist()):
         assert _bits(b) == _bits(a) & 0xFFFFE000

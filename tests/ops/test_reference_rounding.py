@@ -10,6 +10,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from float_samples import tf32_samples
 
 from vllm_dsa_varlen.ops.reference import (
     head_sum_tf32, paged_mqa_logits_ref, quantize_kv_fp8, round_bf16, round_tf32, split_tf32)
@@ -31,18 +32,8 @@ def _tf32_nearest(x: float) -> float:
     return out if abs(out) <= 3.4028234663852886e38 else math.copysign(math.inf, x)
 
 
-def _samples(n=4000, seed=0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    mag = torch.exp2(torch.randint(-30, 30, (n,), generator=gen).float())
-    x = (torch.rand(n, generator=gen) * 2 - 1) * mag
-    # values exactly halfway between two TF32 neighbours, and the largest float32
-    ties = torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11, -(1 + 2 ** -11), 3 * 2 ** -12 + 2 ** -23,
-                         1.5 + 2 ** -12, 3.4028234663852886e38, 2.0 ** -126, 0.0, -0.0])
-    return torch.cat([x, ties])
-
-
 def test_round_tf32_is_nearest_ties_to_even():
-    x = _samples()
+    x = tf32_samples()
     got = round_tf32(x)
     for a, b in zip(x.tolist(), got.tolist()):
         assert b == _tf32_nearest(a) or (b == a == 0), (a, b, _tf32_nearest(a))
@@ -55,7 +46,7 @@ def test_round_tf32_is_nearest_ties_to_even():
 
 
 def test_round_bf16_keeps_8_bits_nearest():
-    x = _samples(seed=2)
+    x = tf32_samples(seed=2)
     x = x[x.abs() < 1e38]  # bf16 rounds float32's largest values to infinity
     got = round_bf16(x)
     assert (got.view(torch.int32) & 0xFFFF).eq(0).all()
