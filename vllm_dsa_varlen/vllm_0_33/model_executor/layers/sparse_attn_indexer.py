@@ -36,9 +36,9 @@ def _launcher():
 
 
 def own_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.Tensor,
-                  weights: torch.Tensor, context_lens: torch.Tensor,
-                  block_tables: torch.Tensor, ids: torch.Tensor, max_model_len: int,
-                  max_run_len: int, schedules: dict | None = None) -> torch.Tensor:
+               weights: torch.Tensor, context_lens: torch.Tensor,
+               block_tables: torch.Tensor, ids: torch.Tensor, max_model_len: int,
+               max_run_len: int, schedules: dict | None = None) -> torch.Tensor:
     """The project's varlen kernel (``ops.launcher``) on the indexer op's arguments, float32
     ``[R, max_model_len]``.  ``q``: ``(fp8 [R, 1, H, D], None)``;
     ``schedules``: the step's tag's schedule cache (planned by the first layer)."""
