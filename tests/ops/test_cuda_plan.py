@@ -30,11 +30,6 @@ from logits_checks import check_poisoned, launcher_args, run_poisoned
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.fixture(autouse=True)
-def planner_on(monkeypatch):
-    """plan() takes the planner kernel where it can serve (the tests here are
-    about that path, whatever the module's default)."""
-    monkeypatch.setattr(ck, "PLAN_KERNEL", True)
 NVRTC = None
 try:
     ck._nvrtc()

@@ -82,7 +82,6 @@ def capability(device: torch.device) -> tuple[int, int]:
 
 _BOUND: dict = {}
 CACHE_LIMIT = 4096
-PREBOUND = True  # launch cached compiled kernels directly (set False to always go through the JIT)
 
 
 def _spec(v) -> tuple:
@@ -106,12 +105,12 @@ def launch_bound(kernel, grid, args: tuple, constexprs: dict, options: dict, uns
     key = (kernel, grid[1:] if len(grid) > 1 else (), tuple(sorted(constexprs.items())),
            tuple(sorted(options.items())),
            tuple(_spec(v) if n not in unspecialized else None for n, v in zip(names, args)))
-    compiled = _BOUND.get(key) if PREBOUND else None
+    compiled = _BOUND.get(key)
     if compiled is not None:  # a compiled kernel launches on a 3-D grid
         compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs.values())
         return compiled
     compiled = kernel[grid](*args, **constexprs, **options)
-    if PREBOUND and not isinstance(compiled, type(None)) and hasattr(compiled, "function"):
+    if compiled is not None and hasattr(compiled, "function"):
         if len(_BOUND) >= CACHE_LIMIT:
             _BOUND.clear()
         _BOUND[key] = compiled

@@ -66,9 +66,6 @@ logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "sm90_varlen_logits.cu")
 KERNEL_NAME = b"varlen_logits_sm90"
 HEADS = 64            # the head count the launcher routes here (LAUNCHER_HEADS)
-# plan() takes the one-launch planner kernel (.cuda_plan) where it can serve:
-# it writes plan_torch's schedule bit for bit, a launch instead of some forty.
-PLAN_KERNEL = True
 HEAD_COUNTS = (32, 64)  # the kernel's builds: a row group is 128 // heads rows
 LAUNCHER_HEADS = (32, 64)  # where unsupported_reason lets the launcher take it
 ROWS_MAX = 4          # rows per chunk at 64 heads (two row groups of two rows)
@@ -522,17 +519,17 @@ def plan(indices, context_lens, max_context_len: int, bt_width: int, heads: int 
          rows_max: int | None = None, *, programs: int | None = None, cost=COST,
          cut_items: int | None = None):
     """The step's schedule: ``(table int32 [R, 8], ctas int32 [programs, 4])``
-    as :func:`plan_torch` defines it.  With :data:`PLAN_KERNEL` on the GPU
-    (int32 run ids, NVRTC present) one launch of the planner kernel's build
-    for ``heads`` (:func:`.cuda_plan.plan_device`), else :func:`plan_torch`.
+    as :func:`plan_torch` defines it.  On the GPU (int32 run ids, NVRTC
+    present) one launch of the planner kernel's build for ``heads``
+    (:func:`.cuda_plan.plan_device`: plan_torch's schedule bit for bit, a
+    launch instead of some forty), else :func:`plan_torch`.
     ``cut_items``: :func:`plan_torch`'s (default: :data:`CUT_PER_PROGRAM`
     times the CTAs).  No host sync, graph safe."""
     rows_max = _check_structure(heads, rows_max)
     grid = programs if programs is not None else num_sms(indices.device)  # once a step
     if cut_items is None:
         cut_items = cut_items_for(heads, grid)
-    if (PLAN_KERNEL and indices.is_cuda and indices.dtype == torch.int32
-            and available() is None):
+    if indices.is_cuda and indices.dtype == torch.int32 and available() is None:
         if ((programs is None or programs <= cuda_plan.MAX_PROGRAMS)
                 and indices.numel() <= cuda_plan.MAX_ROWS):
             return plan_device(indices, context_lens, max_context_len, bt_width, heads=heads,
