@@ -67,6 +67,8 @@ import time
 
 import torch
 
+from vllm_dsa_varlen.ops.reference import round_low_bits
+
 TOPK = 2048
 CONTRACT_KEEP = 0.999
 KEYS = ("bf16", "fp16_row_scaled", "bf16_minus_kth", "bf16_minus_sibling_kth",
@@ -87,14 +89,8 @@ _BF16_DROP = 16  # bf16 keeps the top 16 bits of the float32 word
 
 def round_bf16_rn(x: torch.Tensor) -> torch.Tensor:
     """float32 -> the nearest bfloat16, ties to even, as float32 (what PTX
-    ``cvt.rn.bf16.f32`` stores): from the bits, not through torch's cast.
-    Past bf16's largest finite value rounds to infinity; NaN stays NaN."""
-    x = x.float().contiguous()
-    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    odd = (bits >> _BF16_DROP) & 1
-    bits = (bits + ((1 << (_BF16_DROP - 1)) - 1) + odd) & (0xFFFFFFFF & ~((1 << _BF16_DROP) - 1))
-    out = bits.to(torch.int32).view(torch.float32)  # int64 -> int32 keeps the low 32 bits
-    return torch.where(torch.isnan(x), x, out)
+    ``cvt.rn.bf16.f32`` stores): from the bits, not through torch's cast."""
+    return round_low_bits(x, _BF16_DROP)
 
 
 def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:

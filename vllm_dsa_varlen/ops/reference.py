@@ -41,15 +41,22 @@ HEAD_SUMS = ("fp32", "tf32")
 _TF32_DROP = 13
 
 
-def round_tf32(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> the nearest TF32 value, ties to even (PTX ``cvt.rn.tf32.f32``;
-    a finite value past TF32's largest rounds to infinity).  NaN stays NaN."""
+def round_low_bits(x: torch.Tensor, drop: int) -> torch.Tensor:
+    """float32 -> the nearest float32 whose low ``drop`` bits are zero, ties to
+    even, from the bits: what PTX's ``cvt.rn`` to a float32-exponent format
+    stores (TF32 drops 13, bf16 16).  A finite value past the format's largest
+    rounds to infinity; NaN stays NaN."""
     x = x.float().contiguous()
     bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    odd = (bits >> _TF32_DROP) & 1
-    bits = (bits + ((1 << (_TF32_DROP - 1)) - 1) + odd) & (0xFFFFFFFF & ~((1 << _TF32_DROP) - 1))
+    odd = (bits >> drop) & 1
+    bits = (bits + ((1 << (drop - 1)) - 1) + odd) & (0xFFFFFFFF & ~((1 << drop) - 1))
     out = bits.to(torch.int32).view(torch.float32)  # int64 -> int32 keeps the low 32 bits
     return torch.where(torch.isnan(x), x, out)
+
+
+def round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the nearest TF32 value, ties to even (PTX ``cvt.rn.tf32.f32``)."""
+    return round_low_bits(x, _TF32_DROP)
 
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
