@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import re
+from collections.abc import Sequence
 
 import pytest
 
@@ -19,24 +20,28 @@ PACKAGE = os.path.join(ROOT, "vllm_dsa_varlen")
 NAME = re.compile(r"(?<![A-Za-z0-9_])(?:VLLM_)?DSA_VARLEN(?:_[A-Z0-9]+)*(?![A-Za-z0-9_])")
 
 
+class _Warnings(Sequence):
+    """The warning messages among the plugin logger's records, read live."""
+
+    def __init__(self, records: list):
+        self._records = records
+
+    def _messages(self) -> list[str]:
+        return [r.getMessage() for r in self._records if r.levelno >= logging.WARNING]
+
+    def __getitem__(self, i):
+        return self._messages()[i]
+
+    def __len__(self) -> int:
+        return len(self._messages())
+
+
 @pytest.fixture
-def warnings_seen(monkeypatch):
+def warnings_seen(monkeypatch, plugin_log):
     """The settings' warnings logged in this test (each given once a process:
-    the memory of those given is emptied first)."""
+    the memory of those given is emptied first), from conftest's plugin_log."""
     monkeypatch.setattr(settings, "_warned", set())
-    records = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    log = logging.getLogger("vllm.dsa_varlen")
-    handler, level = _Keep(level=logging.WARNING), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-    yield records
-    log.removeHandler(handler)
-    log.setLevel(level)
+    return _Warnings(plugin_log)
 
 
 # ---------------------------------------------------------------- the table
