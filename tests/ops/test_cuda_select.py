@@ -274,3 +274,55 @@ def test_replays_in_a_graph_with_new_contents():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), model(host, hl, k))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("heads", [64, 32])
+@pytest.mark.parametrize("reqs, tokens, context", [(1, 4, 8192), (16, 4, 16384), (9, -4, 9000),
+                                                   (40, 3, 3000), (64, 2, 32768), (5, 1, 1500)])
+def test_counted_by_the_logits_kernel_equals_the_two_launches(heads, reqs, tokens, context):
+    """The logits kernel's ROW_HIST=1 build writes the default build's bits
+    and counts the histograms row_hist would; the one-launch select on them
+    selects what the host model selects, slot for slot."""
+    from vllm_dsa_varlen.bench.workloads import random_decode_step
+    from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+
+    step = random_decode_step(reqs, abs(tokens), context, variable=tokens < 0, seed=reqs,
+                              device="cuda", heads=heads)
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    width = step.max_context_len
+    plain = torch.full((rows.num_rows, width), float("nan"), device="cuda")
+    counted = torch.full_like(plain, float("nan"))
+    ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices, width,
+              plain)
+    ws = cs.workspace(rows.num_rows, width, "cuda")
+    ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices, width,
+              counted, defines=ck.ROW_HIST, hist=cs.histograms(ws, rows.num_rows))
+    torch.cuda.synchronize()
+    assert torch.equal(plain.nan_to_num(7.0), counted.nan_to_num(7.0))
+    host = plain.nan_to_num(float("-inf")).cpu()
+    lens = rows.context_lens.view(-1).cpu()
+    want = torch.zeros(rows.num_rows, cs.BINS, dtype=torch.int32)
+    for r, n in enumerate(lens.tolist()):
+        if n > 2048:
+            want[r] = torch.bincount(order_keys(host[r, :n]) >> 21, minlength=cs.BINS)
+    got_hist = cs.histograms(ws, rows.num_rows).cpu()
+    long_rows = lens > 2048
+    assert torch.equal(got_hist[long_rows], want[long_rows])
+    out = torch.full((rows.num_rows, 2048), POISON, dtype=torch.int32, device="cuda")
+    cs.select_topk(plain, ctx, 2048, out=out, counted=ws)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), model(host, lens, 2048))
+
+
+def test_a_counted_workspace_of_the_wrong_size_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    logits = torch.zeros(4, 10000)
+    lens = torch.full((4,), 100, dtype=torch.int32)
+    monkeypatch.setattr(cs, "num_sms", lambda index: 132)
+    monkeypatch.setattr(cs.cb, "current_device", lambda: 0)
+    small = torch.zeros(10, dtype=torch.int32)
+    with pytest.raises(ValueError, match="^counted: expected a workspace"):
+        cs.select_topk(logits, lens, 8, counted=small)

@@ -6,8 +6,9 @@
 lowest columns, so the selected set is :func:`.reference.topk_first_ties`'s
 and the output is bitwise the same on every run.  Two launches, each reading
 the logits once: a per-row histogram of the keys' top 11 bits, then the
-select (the source says how).  The histogram is the part a logits kernel can
-make in its epilogue.
+select (the source says how); or one, the select, where the logits kernel's
+``ROW_HIST=1`` build counted the histograms while it wrote the logits
+(``counted``: a :func:`workspace` zeroed before it).
 
 Graph safe: the build (columns per thread), grid and workspace follow from
 the logits' shape; the workspace is zeroed by the caching allocator's
@@ -102,20 +103,44 @@ def select_args(logits: int, row_stride: int, lens: int, width: int, k: int, sli
 
 
 def workspace_words(rows: int, slices_: int) -> int:
-    """int32 words of the zeroed workspace: per row its slices' counts (two
-    words each, 8-byte aligned first), its histogram and its ticket."""
-    return rows * (2 * slices_ + BINS + 1)
+    """int32 words of the zeroed workspace: the rows' histograms (``rows x
+    BINS``), their tickets, one pad word where that count is odd, then two
+    words per row and slice (the slices' published counts, 8-byte aligned)."""
+    head = rows * (BINS + 1)
+    return head + (head & 1) + 2 * rows * slices_
+
+
+def workspace(rows: int, width: int, device, items: int | None = None) -> torch.Tensor:
+    """A zeroed workspace (int32) for :func:`select_topk` on ``rows`` rows of
+    ``width`` columns (``items`` as it will be given; ``None``: the plan's)
+    on ``device``: its first ``rows x BINS`` words (:func:`histograms`) are
+    what a ``ROW_HIST=1`` build of the logits kernel counts into."""
+    device = torch.device(device)
+    if items is None:
+        index = device.index if device.index is not None else cb.current_device()
+        items = plan_items(rows, width, num_sms(index))
+    return torch.zeros(workspace_words(rows, slices(width, items)), dtype=torch.int32,
+                       device=device)
+
+
+def histograms(ws: torch.Tensor, rows: int) -> torch.Tensor:
+    """The rows' histograms in a :func:`workspace`: int32 ``[rows, BINS]``."""
+    return ws[:rows * BINS].view(rows, BINS)
 
 
 def select_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
-                out: torch.Tensor | None = None, items: int | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, items: int | None = None,
+                counted: torch.Tensor | None = None) -> torch.Tensor:
     """The columns of each row's ``k`` largest logits (ties: the lowest
-    columns), int32 ``[R, k]``, from two launches on the current stream.
-    ``logits``: float32 ``[R, W]`` on an sm_90 GPU, unit column stride;
-    ``lengths``: ``R`` integers in any shape (clamped to ``[0, W]``); ``out``:
-    int32 ``[R, k]``, unit column stride, written in place; ``items``: one of
-    :data:`ITEMS_BUILDS`, ``None`` for :func:`plan_items`'s.  ``ValueError``
-    naming the argument for bad input."""
+    columns), int32 ``[R, k]``, on the current stream.  ``logits``: float32
+    ``[R, W]`` on an sm_90 GPU, unit column stride; ``lengths``: ``R``
+    integers in any shape (clamped to ``[0, W]``); ``out``: int32 ``[R, k]``,
+    unit column stride, written in place; ``items``: one of
+    :data:`ITEMS_BUILDS`, ``None`` for :func:`plan_items`'s; ``counted``: a
+    :func:`workspace` made for this call whose histograms the logits kernel
+    counted while it wrote ``logits`` (a ``ROW_HIST=1`` build): one launch,
+    else two (the histograms first).  ``ValueError`` naming the argument for
+    bad input."""
     if not isinstance(logits, torch.Tensor) or not logits.is_cuda:
         ct._fail("logits", "a CUDA tensor", getattr(logits, "device", type(logits)))
     flat = ct.check_args(logits, lengths, k, out)
@@ -132,15 +157,24 @@ def select_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     if items is None:
         items = plan_items(rows, width, num_sms(index))
     s = slices(width, items)
+    words = workspace_words(rows, s)
+    if counted is None:
+        ws = torch.zeros(words, dtype=torch.int32, device=logits.device)
+    elif (not isinstance(counted, torch.Tensor) or counted.dtype != torch.int32
+          or counted.device != logits.device or counted.dim() != 1
+          or counted.numel() < words or not counted.is_contiguous()):
+        ct._fail("counted", f"a workspace() of >= {words} int32 on {logits.device}",
+                 f"{getattr(counted, 'dtype', type(counted))} "
+                 f"{tuple(getattr(counted, 'shape', ()))}")
+    else:
+        ws = counted
     kern = load(torch.device("cuda", index), items)
-    ws = torch.zeros(workspace_words(rows, s), dtype=torch.int32, device=logits.device)
-    status = ws.data_ptr()
-    hist = status + 4 * 2 * rows * s
+    hist = ws.data_ptr()
     tickets = hist + 4 * BINS * rows
+    head = rows * (BINS + 1)
+    status = hist + 4 * (head + (head & 1))
     cand = torch.empty(2 * rows * CAP, dtype=torch.int32, device=logits.device)
     grid = rows * s
-    hp = cb.ParamBlock(hist_args(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
-                                 s, hist))
     sp = cb.ParamBlock(select_args(logits.data_ptr(), logits.stride(0), flat.data_ptr(), width, k,
                                    s, hist, status, tickets, cand.data_ptr(),
                                    cand.data_ptr() + 4 * rows * CAP, out.data_ptr(),
@@ -148,6 +182,9 @@ def select_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int,
     stream = cb.current_stream(index)
     drv = cb.driver()
     with torch.cuda.device(index):
-        cb.launch_function(drv, kern.hist, kern.ctx, grid, THREADS, 0, stream, hp.addr)
+        if counted is None:
+            hp = cb.ParamBlock(hist_args(logits.data_ptr(), logits.stride(0), flat.data_ptr(),
+                                         width, k, s, hist))
+            cb.launch_function(drv, kern.hist, kern.ctx, grid, THREADS, 0, stream, hp.addr)
         cb.launch_function(drv, kern.select, kern.ctx, grid, THREADS, 0, stream, sp.addr)
     return out
