@@ -78,6 +78,10 @@ def test_per_step_sums_the_paths_each_line_takes():
     assert got["plugin, select"] == res["plan"] + layers * (res["default"] + 2.0)
     assert got["native, select"] == res["dg-meta"] + layers * (77.0 + 2.5)
     assert got["native, select / stock 0.33"] == got["native, select"] / got["stock 0.33"]
+    res = _times(**{"dg-native4": 77.0, "fused-select": 50.0})
+    got = variants.per_step(res, "default", 4, False, layers)
+    assert got["plugin, fused"] == res["plan"] + layers * 50.0
+    assert got["plugin, fused / stock 0.33"] == got["plugin, fused"] / got["stock 0.33"]
     res = _times(**{"dg-native4": 77.0, "topk-padded-select": 2.5})
     assert "native, select" not in variants.per_step(res, "default", 3, False, layers)
     # without DeepGEMM only the plugin's figure

@@ -171,6 +171,8 @@ def run(args) -> int:
                                     cooperative_rows=getattr(args, "topk_cooperative_rows",
                                                              None),
                                     eager_line=getattr(args, "topk_eager_line", None)))
+        if topk_ops is not None and "select" in (getattr(args, "topk_builds", None) or ()):
+            extra["fused-select"] = fused_select_call(torch, step, sched, variants[first])
         calls.update(extra)
         if lead:
             calls = led_calls(torch, step, calls, lead)
@@ -497,6 +499,46 @@ def select_topk_call(torch, name, logits, lens, k):
     return fn
 
 
+def fused_select_call(torch, step, sched, defines, k=2048):
+    """Logits and top-k as the fused path runs them: a zeroed workspace, the
+    logits kernel's ``ROW_HIST=1`` twin of build ``defines`` counting the
+    rows' histograms as it writes, the one-launch select on them
+    (:func:`.ops.cuda_select.select_topk` with ``counted``); checked first
+    against the reference's first-ties selection on every eighth row
+    (``SystemExit`` where a set differs)."""
+    from ..ops import cuda_paged_mqa_logits as ck
+    from ..ops import cuda_select as cs
+    from ..ops.reference import topk_first_ties
+
+    rows = step.rows
+    ctx = rows.context_lens.view(-1, 1)
+    width = step.max_context_len
+    logits = torch.empty(rows.num_rows, width, device="cuda")
+    idx = torch.full((rows.num_rows, k), -7, dtype=torch.int32, device="cuda")
+    built = tuple(defines) + ck.ROW_HIST
+
+    def fn():
+        ws = cs.workspace(rows.num_rows, width, logits.device)
+        ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
+                  width, logits, schedule=sched, defines=built,
+                  hist=cs.histograms(ws, rows.num_rows))
+        cs.select_topk(logits, ctx, k, out=idx, counted=ws)
+
+    fn()
+    some = torch.arange(0, rows.num_rows, 8, device="cuda")
+    lens = ctx.reshape(-1)[some].cpu()
+    host = logits[some].cpu()
+    for i, n in enumerate(lens.tolist()):
+        host[i, n:] = float("-inf")
+    want = topk_first_ties(host, lens, k)
+    bad = int((idx[some].cpu().sort(dim=1).values != want.sort(dim=1).values).any(dim=1).sum())
+    print(f"  fused-select (logits {'+'.join(built)} + select_topk counted): {bad} of "
+          f"{some.numel()} rows off the first-ties selection", flush=True)
+    if bad:
+        raise SystemExit("the fused select failed its check")
+    return fn
+
+
 def per_step(res: dict, ours: str, tokens: int, variable: bool, layers: int) -> dict:
     """A decode step's indexer cost (µs): once per step the schedule (the
     project's plan, DeepGEMM's metadata), per layer the logits and the top-k.
@@ -509,6 +551,8 @@ def per_step(res: dict, ours: str, tokens: int, variable: bool, layers: int) -> 
         got["plugin, own top-k"] = res["plan"] + layers * (res[ours] + res["topk-rows-ours"])
     if "topk-rows-select" in res:  # ... or its many-CTA top-k
         got["plugin, select"] = res["plan"] + layers * (res[ours] + res["topk-rows-select"])
+    if "fused-select" in res:  # ... its histogram counted by the logits kernel
+        got["plugin, fused"] = res["plan"] + layers * res["fused-select"]
     if "dg-flat" not in res:
         return got
     meta = res["dg-meta"]
@@ -528,7 +572,8 @@ def per_step(res: dict, ours: str, tokens: int, variable: bool, layers: int) -> 
     else:
         got["stock 0.27"] = flat
     for k in ("stock 0.33", "stock 0.27"):
-        for mine in ("plugin", "plugin, own top-k", "plugin, select", "native, select"):
+        for mine in ("plugin", "plugin, own top-k", "plugin, select", "plugin, fused",
+                     "native, select"):
             if mine in got:
                 got[f"{mine} / {k}"] = got[mine] / got[k]
     return got

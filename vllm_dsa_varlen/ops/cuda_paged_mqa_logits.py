@@ -807,11 +807,11 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
         ctx = ctx.reshape(-1).contiguous()
     go(q.data_ptr(), kv_cache.data_ptr(), weights.data_ptr(), ctx.data_ptr(),
        block_table.data_ptr(), out.data_ptr(), out.stride(0), table.data_ptr(), ctas.data_ptr(),
-       _hist_ptr(hist, rows, defines))
+       _hist_ptr(hist, rows, defines, out.device))
     return go.kern
 
 
-def _hist_ptr(hist, rows: int, defines: tuple) -> int:
+def _hist_ptr(hist, rows: int, defines: tuple, device) -> int:
     """The address ``launch`` passes as ``hist``: a ``ROW_HIST=1`` build counts
     into int32 ``[rows, 2048]`` (``ValueError`` naming ``hist``; none given: a
     zeroed scratch one); others take none."""
@@ -819,7 +819,7 @@ def _hist_ptr(hist, rows: int, defines: tuple) -> int:
     if hist is None and not counting:
         return 0
     if hist is None:  # counted into a scratch histogram no one reads
-        hist = torch.zeros((rows, HIST_BINS), dtype=torch.int32, device="cuda")
+        hist = torch.zeros((rows, HIST_BINS), dtype=torch.int32, device=device)
     if not counting:
         raise ValueError(f"hist: only a ROW_HIST=1 build counts into it, got defines {defines}")
     if (not isinstance(hist, torch.Tensor) or hist.dtype != torch.int32
