@@ -111,11 +111,15 @@ def test_traced_by_torch_compile_like_vllms(monkeypatch, quantize_mqa):
     from vllm.models.deepseek_v32.common import kernels
     from vllm.models.deepseek_v32.nvidia.ops import fused_q_cutedsl
 
-    # vLLM's fused_q asks whether its SM100 CuTeDSL kernel serves (not on
-    # sm_90); 0.34 answers from a functools.cache'd platform query, which a
-    # lone layer's fullgraph compile cannot trace: the same answer, in Python.
+    # vLLM 0.34's fused_q asks functools.cache'd platform queries (whether its
+    # SM100 CuTeDSL kernel serves, whether the GPU takes PDL), which a lone
+    # layer's fullgraph compile cannot trace: the same answers, in Python.
     assert not fused_q_cutedsl.current_platform.has_device_capability(100)
     monkeypatch.setattr(fused_q_cutedsl, "is_fused_q_cutedsl_supported", lambda *a, **k: False)
+    platform = getattr(kernels, "current_platform", None)
+    if platform is not None and hasattr(platform, "is_arch_support_pdl"):
+        pdl = bool(platform.is_arch_support_pdl())
+        monkeypatch.setattr(platform, "is_arch_support_pdl", lambda *a: pdl)
     rec = Recorder()
     fn = ours.make_fused_q(rec, serves=True, use_pdl=True)
     dev = torch.device("cuda")
