@@ -5,8 +5,7 @@ step's logits come from the project's sm_90 kernel on random queries and
 KV (the value distribution the benchmark times), then each build of
 ``cuda/decode_topk.cu`` (``default``: the launch plan's for the shape;
 ``MACRO=v+...``, one of ``cuda_topk.plan_builds()``, e.g. ``SPLIT=2+MINB=1``;
-``+bound=N``: a host bound on the lengths; ``select``: the many-CTA top-k of
-``ops/cuda_select.py``) runs ``--reps`` times, in the
+``+bound=N``: a host bound on the lengths) runs ``--reps`` times, in the
 order given, after one untimed launch per build (its NVRTC build and load).  Prints each build's
 median time from CUDA events (no L2 flush: the profiler's own figures are
 the point).  Run under Nsight Compute, e.g.
@@ -28,7 +27,6 @@ def main(argv=None) -> int:
     from vllm_dsa_varlen.bench.builds import topk_build
     from vllm_dsa_varlen.bench.schedule import parse_case
     from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
-    from vllm_dsa_varlen.ops.cuda_select import select_topk
     from vllm_dsa_varlen.ops.cuda_topk import decode_topk
     from vllm_dsa_varlen.bench.workloads import random_decode_step
 
@@ -58,9 +56,6 @@ def main(argv=None) -> int:
     out = {}
     def call(case, logits, ctx, build):  # "default": the launch plan's build
         defines, bound = builds[build]
-        if defines == ("select",):
-            select_topk(logits, ctx, args.k, out=out[case])
-            return
         bound = int(ctx.max()) if bound == "step" else bound
         decode_topk(logits, ctx, args.k, out=out[case], defines=defines or None, bound=bound)
 

@@ -72,18 +72,6 @@ def test_per_step_sums_the_paths_each_line_takes():
     assert got["plugin, own top-k"] == own
     assert got["stock 0.33"] == res["dg-meta"] + layers * (77.0 + res["topk-padded"])
     assert got["plugin, own top-k / stock 0.33"] == own / got["stock 0.33"]
-    # the many-CTA select beside them: after the plugin's kernel and after stock's native one
-    res = _times(**{"dg-native4": 77.0, "topk-rows-select": 2.0, "topk-padded-select": 2.5})
-    got = variants.per_step(res, "default", 4, False, layers)
-    assert got["plugin, select"] == res["plan"] + layers * (res["default"] + 2.0)
-    assert got["native, select"] == res["dg-meta"] + layers * (77.0 + 2.5)
-    assert got["native, select / stock 0.33"] == got["native, select"] / got["stock 0.33"]
-    res = _times(**{"dg-native4": 77.0, "fused-select": 50.0})
-    got = variants.per_step(res, "default", 4, False, layers)
-    assert got["plugin, fused"] == res["plan"] + layers * 50.0
-    assert got["plugin, fused / stock 0.33"] == got["plugin, fused"] / got["stock 0.33"]
-    res = _times(**{"dg-native4": 77.0, "topk-padded-select": 2.5})
-    assert "native, select" not in variants.per_step(res, "default", 3, False, layers)
     # without DeepGEMM only the plugin's figure
     res = {"default": 10.0, "plan": 5.0, "topk-rows": 3.0}
     assert variants.per_step(res, "default", 4, False, 2) == {"plugin": 5.0 + 2 * 13.0}
@@ -226,7 +214,6 @@ def test_topk_build_splits_macros_from_the_bound():
         ("SPLIT=1", "THREADS=512", "LIST=0", "MINB=4"), 8192)
     assert variants.topk_build("bound=100") == ((), 100)
     assert variants.topk_build("bound=step") == ((), "step")
-    assert variants.topk_build("select") == (("select",), None)
     with pytest.raises(ValueError, match="one bound=N"):
         variants.topk_build("bound=1+bound=2")
     for bad in ("bound=0", "bound=x", "bound=-3"):

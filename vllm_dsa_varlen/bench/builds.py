@@ -171,8 +171,6 @@ def run(args) -> int:
                                     cooperative_rows=getattr(args, "topk_cooperative_rows",
                                                              None),
                                     eager_line=getattr(args, "topk_eager_line", None)))
-        if topk_ops is not None and "select" in (getattr(args, "topk_builds", None) or ()):
-            extra["fused-select"] = fused_select_call(torch, step, sched, variants[first])
         calls.update(extra)
         if lead:
             calls = led_calls(torch, step, calls, lead)
@@ -326,13 +324,10 @@ def topk_build(text: str, flag: str = "--topk-builds") -> tuple[tuple, int | str
     ``"THREADS=512+LIST=0+MINB=4+SPLIT=1+bound=8192"`` a planned build and
     ``bound`` (which sizes the plan and the stage, as vLLM's ``max_seq_len``
     does in serving); ``bound=step``: the step's longest row (``"step"``).
-    ``"select"``: :func:`.ops.cuda_select.select_topk` instead, at its plan
-    (``(("select",), None)``).  ``ValueError`` naming ``flag`` for a build
-    :func:`.ops.cuda_topk.plan_builds` does not list."""
+    ``ValueError`` naming ``flag`` for a build :func:`.ops.cuda_topk.plan_builds`
+    does not list."""
     from ..ops import cuda_topk as ct
 
-    if text == "select":  # the many-CTA top-k (ops/cuda_select.py), its own plan
-        return ("select",), None
     given = _macros(text)
     bound = [d.split("=", 1)[1] for d in given if d.startswith("bound=")]
     if len(bound) > 1:
@@ -446,9 +441,6 @@ def topk_calls(torch, ops, step, out, dg, sms, k=2048, builds=("default",), widt
         calls[name] = fn
         for build in builds:
             defines, bound = topk_build(build)
-            if defines == ("select",):
-                calls[name + "-select"] = select_topk_call(torch, name + "-select", logits, lens, k)
-                continue
             if bound == "step":
                 bound = int(flat.max())
             label = name + "-ours" + (f"[{build}]" if defines or bound else "")
@@ -478,67 +470,6 @@ def own_topk_call(torch, name, logits, lens, k, defines=None, bound=None):
     return fn
 
 
-def select_topk_call(torch, name, logits, lens, k):
-    """The many-CTA top-k (:func:`.ops.cuda_select.select_topk`) on the same
-    rows, checked first against the reference's first-ties selection on every
-    eighth row (``SystemExit`` where a set differs)."""
-    from ..ops.cuda_select import select_topk
-    from ..ops.reference import topk_first_ties
-
-    out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=logits.device)
-    fn = lambda: select_topk(logits, lens, k, out=out)  # noqa: E731
-    fn()
-    some = torch.arange(0, logits.shape[0], 8, device=logits.device)
-    want = topk_first_ties(logits[some].cpu(), lens.reshape(-1)[some].cpu(), k)
-    got = out[some].cpu()
-    bad = int((got.sort(dim=1).values != want.sort(dim=1).values).any(dim=1).sum())
-    print(f"  {name} (select_topk): {bad} of {some.numel()} rows off the first-ties "
-          "selection", flush=True)
-    if bad:
-        raise SystemExit(f"select_topk failed its check on {name}")
-    return fn
-
-
-def fused_select_call(torch, step, sched, defines, k=2048):
-    """Logits and top-k as the fused path runs them: a zeroed workspace, the
-    logits kernel's ``ROW_HIST=1`` twin of build ``defines`` counting the
-    rows' histograms as it writes, the one-launch select on them
-    (:func:`.ops.cuda_select.select_topk` with ``counted``); checked first
-    against the reference's first-ties selection on every eighth row
-    (``SystemExit`` where a set differs)."""
-    from ..ops import cuda_paged_mqa_logits as ck
-    from ..ops import cuda_select as cs
-    from ..ops.reference import topk_first_ties
-
-    rows = step.rows
-    ctx = rows.context_lens.view(-1, 1)
-    width = step.max_context_len
-    logits = torch.empty(rows.num_rows, width, device="cuda")
-    idx = torch.full((rows.num_rows, k), -7, dtype=torch.int32, device="cuda")
-    built = tuple(defines) + ck.ROW_HIST
-
-    def fn():
-        ws = cs.workspace(rows.num_rows, width, logits.device)
-        ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
-                  width, logits, schedule=sched, defines=built,
-                  hist=cs.histograms(ws, rows.num_rows))
-        cs.select_topk(logits, ctx, k, out=idx, counted=ws)
-
-    fn()
-    some = torch.arange(0, rows.num_rows, 8, device="cuda")
-    lens = ctx.reshape(-1)[some].cpu()
-    host = logits[some].cpu()
-    for i, n in enumerate(lens.tolist()):
-        host[i, n:] = float("-inf")
-    want = topk_first_ties(host, lens, k)
-    bad = int((idx[some].cpu().sort(dim=1).values != want.sort(dim=1).values).any(dim=1).sum())
-    print(f"  fused-select (logits {'+'.join(built)} + select_topk counted): {bad} of "
-          f"{some.numel()} rows off the first-ties selection", flush=True)
-    if bad:
-        raise SystemExit("the fused select failed its check")
-    return fn
-
-
 def per_step(res: dict, ours: str, tokens: int, variable: bool, layers: int) -> dict:
     """A decode step's indexer cost (µs): once per step the schedule (the
     project's plan, DeepGEMM's metadata), per layer the logits and the top-k.
@@ -549,10 +480,6 @@ def per_step(res: dict, ours: str, tokens: int, variable: bool, layers: int) -> 
     got = {"plugin": res["plan"] + layers * (res[ours] + res["topk-rows"])}
     if "topk-rows-ours" in res:  # the plugin with this project's top-k too
         got["plugin, own top-k"] = res["plan"] + layers * (res[ours] + res["topk-rows-ours"])
-    if "topk-rows-select" in res:  # ... or its many-CTA top-k
-        got["plugin, select"] = res["plan"] + layers * (res[ours] + res["topk-rows-select"])
-    if "fused-select" in res:  # ... its histogram counted by the logits kernel
-        got["plugin, fused"] = res["plan"] + layers * res["fused-select"]
     if "dg-flat" not in res:
         return got
     meta = res["dg-meta"]
@@ -564,16 +491,12 @@ def per_step(res: dict, ours: str, tokens: int, variable: bool, layers: int) -> 
         got["stock 0.33"] = meta + layers * (res[native] + res["topk-padded"])
     else:
         got["stock 0.33"] = flat
-    if (native and not variable and tokens in (1, 2, 4)
-            and "topk-padded-select" in res):  # stock's native logits, the select top-k
-        got["native, select"] = meta + layers * (res[native] + res["topk-padded-select"])
     if native and not variable and tokens <= 2:
         got["stock 0.27"] = meta + layers * (res[native] + res["topk-padded"])
     else:
         got["stock 0.27"] = flat
     for k in ("stock 0.33", "stock 0.27"):
-        for mine in ("plugin", "plugin, own top-k", "plugin, select", "plugin, fused",
-                     "native, select"):
+        for mine in ("plugin", "plugin, own top-k"):
             if mine in got:
                 got[f"{mine} / {k}"] = got[mine] / got[k]
     return got

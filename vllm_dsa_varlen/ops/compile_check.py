@@ -119,25 +119,6 @@ def compile_topk(defines: tuple = ()) -> dict:
         extra=("--ptxas-options=-v", *(f"-D{d}" for d in defines))))
 
 
-def compile_select(items: int) -> list[dict]:
-    """A build of the many-CTA top-k (:mod:`.cuda_select`, ``items`` columns
-    per thread) through NVRTC (``sm_90a``): each of its two kernels'
-    registers and spills as ptxas reports them (``row_hist`` then
-    ``row_select``)."""
-    from . import cuda_select as cs
-
-    cubin, log = cs.compile_cubin(items, ("--ptxas-options=-v",))
-    parts = re.split(r"Compiling entry function '(\w+)'", log)
-    reports = {name: _ptxas_report(cubin, text) for name, text in zip(parts[1::2], parts[2::2])}
-    return [reports["row_hist"], reports["row_select"]]
-
-
-def _worst(reports: list[dict]) -> dict:
-    """One row for several kernels of a build: the most registers, all spills."""
-    return {"registers": max(r["registers"] or 0 for r in reports),
-            "spills": sum(r["spills"] or 0 for r in reports)}
-
-
 def float_negations(ttir: str) -> int:
     """How many float values a kernel's Triton IR negates: ``arith.negf``
     (Triton 3.8 and later compile a float's unary minus so) and ``arith.subf``
@@ -188,15 +169,11 @@ def main() -> int:
         from . import cuda_topk as ct
 
         jobs += [("cuda_topk", None, build, {}) for build in ct.plan_builds()]
-        from . import cuda_select as cs
-
-        jobs += [("cuda_select", None, (f"ITEMS={items}",), {}) for items in cs.ITEMS_BUILDS]
     jobs += [("portable", h, arch, v) for h in (32, 64) for arch in (89, 90, 100, 120)
              for v in portable.portable_variants(h)]
     nvrtc_builds = {"cuda_sm90": lambda job: compile_cuda_sm90(job[2]),
                     "cuda_plan_sm90": lambda job: compile_plan_sm90(job[1]),
-                    "cuda_topk": lambda job: compile_topk(job[2]),
-                    "cuda_select": lambda job: _worst(compile_select(int(job[2][0][6:])))}
+                    "cuda_topk": lambda job: compile_topk(job[2])}
     # the query preparation (vLLM 0.33 on sm_90): its default shape, each query
     # path and RoPE layout, 64 and 128 MLA heads
     jobs += [("fused_q", h, 90, {"quantize": qm, "interleave": il, "fused": True})

@@ -108,10 +108,6 @@ PIPELINE_MIN_ROWS = 64
 # under the previous kernel's tail; off by default, as it measured level with
 # the plain launch (BENCHMARKS.md).
 PDL = ("PDL=1",)
-# A build that also counts each stored logit in its row's histogram of key top bits
-# (the first pass of the many-CTA top-k, cuda_select), and that histogram's bins.
-ROW_HIST = ("ROW_HIST=1",)
-HIST_BINS = 2048
 
 # The head sum (``read_head_sum``): "fp32" on the CUDA cores (the default build,
 # DeepGEMM's arithmetic) or "tf32" on the tensor cores (HEAD_SUM_TC=1).
@@ -160,8 +156,7 @@ PARAMS = (("kv_map", _TmaMap), ("q_map", _TmaMap),
           ("w", ctypes.c_uint64), ("stride_w", ctypes.c_int32),
           ("ctx", ctypes.c_uint64), ("bt", ctypes.c_uint64), ("stride_bt", ctypes.c_int32),
           ("out", ctypes.c_uint64), ("stride_out", ctypes.c_int64),
-          ("table", ctypes.c_uint64), ("ctas", ctypes.c_uint64), ("num_segs", ctypes.c_int32),
-          ("hist", ctypes.c_uint64))
+          ("table", ctypes.c_uint64), ("ctas", ctypes.c_uint64), ("num_segs", ctypes.c_int32))
 
 
 class _Params(ctypes.Structure):
@@ -430,8 +425,8 @@ def shipped_builds() -> list[tuple[str, ...]]:
     """Every build the launcher can load, as :func:`load` gets its defines:
     :func:`defines_for` at each head count over the run-length hint classes,
     head sums, launch sizes and the pipeline and PDL settings (``HEADS=32``
-    added as :func:`prepare` adds it), the plain fp32 ones with
-    :data:`ROW_HIST`, then each four-warpgroup build's ``HALF_MMA=0`` twin, what :func:`build_cubin` makes where ptxas
+    added as :func:`prepare` adds it), then each four-warpgroup build's
+    ``HALF_MMA=0`` twin, what :func:`build_cubin` makes where ptxas
     serialises its wgmmas."""
     builds: list[tuple[str, ...]] = []
     for heads in LAUNCHER_HEADS:
@@ -445,8 +440,6 @@ def shipped_builds() -> list[tuple[str, ...]]:
                                                 pdl) + extra
                             if build not in builds:
                                 builds.append(build)
-    builds += [(*b, *ROW_HIST) for b in builds  # the fused top-k's: plain launches, fp32 sum
-               if not set(PIPELINE) <= set(b) and "HEAD_SUM_TC=1" not in b and "PDL=1" not in b]
     return builds + [(*b, "HALF_MMA=0") for b in builds if not set(PIPELINE) <= set(b)]
 
 
@@ -725,7 +718,7 @@ class Prepared:
                  "q_maps", "kv_maps")
 
     def __call__(self, q: int, kv: int, w: int, ctx: int, bt: int, out: int, stride_out: int,
-                 table: int, ctas: int, hist: int = 0) -> None:
+                 table: int, ctas: int) -> None:
         """Launch on the tensors at these data addresses on the device's current
         stream; ``stride_out``: the logits' row stride (left open by the
         layout: the launcher allocates each step's logits at its own width).
@@ -739,7 +732,7 @@ class Prepared:
         with kern.lock:
             _PACK.pack_into(kern.params, 0, kv_map, q_map, kv, self.stride_block, w,
                             self.stride_w, ctx, bt, self.stride_bt, out, stride_out, table, ctas,
-                            self.rows, hist)
+                            self.rows)
             if _current_device() == index:
                 _launch(kern, self.programs, _stream(index))
             else:
@@ -782,12 +775,10 @@ def check_schedule(schedule, rows: int, programs: int) -> None:
 
 
 def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context_len, out, *,
-           rows_max: int | None = None, schedule=None, defines: tuple = (), hist=None):
+           rows_max: int | None = None, schedule=None, defines: tuple = ()):
     """Launch on checked inputs (:mod:`.launcher` checks them); ``schedule``:
     the step's :func:`plan` (made here when not given); ``defines``: a
-    build's macros (:func:`load`); ``hist``: with a ``ROW_HIST=1`` build, the
-    rows' key histograms (int32 ``[R, 2048]``, zero, counted into: what
-    :func:`.cuda_select.select_topk` takes).  32 heads (``q [R, 1, 32, D]``)
+    build's macros (:func:`load`).  32 heads (``q [R, 1, 32, D]``)
     take the ``HEADS=32`` build of ``defines``.  Returns the build launched.
 
     Prepares the launch on every call (:func:`prepare`); the launcher keeps
@@ -806,28 +797,8 @@ def launch(q, kv_cache, weights, context_lens, block_table, indices, max_context
     if not ctx.is_contiguous():  # [R, 1] or [R]: contiguous means one int per row
         ctx = ctx.reshape(-1).contiguous()
     go(q.data_ptr(), kv_cache.data_ptr(), weights.data_ptr(), ctx.data_ptr(),
-       block_table.data_ptr(), out.data_ptr(), out.stride(0), table.data_ptr(), ctas.data_ptr(),
-       _hist_ptr(hist, rows, defines, out.device))
+       block_table.data_ptr(), out.data_ptr(), out.stride(0), table.data_ptr(), ctas.data_ptr())
     return go.kern
-
-
-def _hist_ptr(hist, rows: int, defines: tuple, device) -> int:
-    """The address ``launch`` passes as ``hist``: a ``ROW_HIST=1`` build counts
-    into int32 ``[rows, 2048]`` (``ValueError`` naming ``hist``; none given: a
-    zeroed scratch one); others take none."""
-    counting = "ROW_HIST=1" in defines
-    if hist is None and not counting:
-        return 0
-    if hist is None:  # counted into a scratch histogram no one reads
-        hist = torch.zeros((rows, HIST_BINS), dtype=torch.int32, device=device)
-    if not counting:
-        raise ValueError(f"hist: only a ROW_HIST=1 build counts into it, got defines {defines}")
-    if (not isinstance(hist, torch.Tensor) or hist.dtype != torch.int32
-            or tuple(hist.shape) != (rows, HIST_BINS) or not hist.is_contiguous()):
-        raise ValueError(f"hist: expected contiguous int32 [{rows}, {HIST_BINS}], got "
-                         f"{getattr(hist, 'dtype', type(hist))} "
-                         f"{tuple(getattr(hist, 'shape', ()))}")
-    return hist.data_ptr()
 
 
 def _launch(kern: _Loaded, programs: int, stream: int) -> None:

@@ -239,24 +239,6 @@ def order_keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(b >= 0x80000000, (~b) & 0xFFFFFFFF, b | 0x80000000)
 
 
-def topk_first_ties(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """:func:`topk_ref`'s selection with the tie rule fixed: per row the ``k``
-    largest of ``logits[r, :lengths[r]]`` by :func:`order_keys`, of the keys
-    tied at the k-th the lowest columns; int32 ``[R, k]`` in descending key
-    order (column order among equal keys), a row with ``length <= k`` gets
-    ``0 .. length - 1`` then ``-1``.  The set :mod:`.cuda_select` selects."""
-    rows, width = logits.shape
-    lens = lengths.reshape(-1).long().clamp(0, width).tolist()
-    out = torch.full((rows, k), -1, dtype=torch.int32, device=logits.device)
-    for r, n in enumerate(lens):
-        if n <= k:
-            out[r, :n] = torch.arange(n, dtype=torch.int32, device=logits.device)
-        else:
-            order = torch.sort(-order_keys(logits[r, :n]), stable=True).indices
-            out[r] = order[:k].to(torch.int32)
-    return out
-
-
 def topk_selection_ok(logits: torch.Tensor, lengths: torch.Tensor, k: int,
                       got: torch.Tensor) -> list[str]:
     """What is wrong with ``got`` as the top-k of :func:`topk_ref`'s contract

@@ -29,9 +29,6 @@
 //   PDL=1                 launched as a programmatic dependent
 //   HALF_MMA=0            the host's build where ptxas serialises the default's
 //                         wgmmas
-//   ROW_HIST=1            each stored logit also counted in its row's histogram
-//                         of key top bits (`hist`, [R][2048], zero on entry): the
-//                         first pass of the many-CTA top-k (cuda/row_select.cu)
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -45,9 +42,6 @@ typedef unsigned char u8;
 #endif
 #ifndef HEAD_SUM_TC
 #define HEAD_SUM_TC 0
-#endif
-#ifndef ROW_HIST
-#define ROW_HIST 0
 #endif
 #ifndef NUM_MATH  // math warpgroups: 4, or 3 in the pipelined build
 #define NUM_MATH 4
@@ -79,9 +73,6 @@ typedef unsigned char u8;
 // A wgmma chain's descriptors as its first ones plus 2 a step (fewer uniform ops):
 // with HALF_MMA, NVRTC 13.0's ptxas serialises the wgmmas otherwise.
 #define DESC_STEP HALF_MMA
-#if ROW_HIST && DUAL_ACC
-#error "ROW_HIST is a build of four math warpgroups"
-#endif
 #if DUAL_ACC && (RG != 2 || HEAD_SUM_TC)
 #error "DUAL_ACC is a build of 3 math warpgroups, 64 heads, the CUDA-core head sum"
 #endif
@@ -175,14 +166,6 @@ DEV void mma_64x64x32(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
 // 16-byte units) + 2; a tile ends below 256 KB, so no carry leaves the field.
 DEV u64 desc_at(u64 first, const void* p, int kk) {
   return DESC_STEP ? first + u64(2 * kk) : sw128_desc(static_cast<const u8*>(p) + 32 * kk);
-}
-
-// A stored logit's count in its row's histogram (ROW_HIST): bin = the top 11
-// bits of its order-preserving key (row_select.cu's order_key >> 21).
-DEV void count_logit(int* hist, long long row, float x) {
-  const u32 b = __float_as_uint(x);
-  const u32 key = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-  atomicAdd(hist + row * 2048 + (key >> 21), 1);
 }
 
 struct Seg { int first_row, n_rows, kv_len, page_lo, page_hi, item_base, bt_row; };
@@ -545,8 +528,7 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
                    const float* __restrict__ w, int stride_w,
                    const int* __restrict__ ctx, const int* __restrict__ bt, int stride_bt,
                    float* __restrict__ out, long long stride_out,
-                   const int* __restrict__ table, const int* __restrict__ ctas, int num_segs,
-                   int* __restrict__ hist) {
+                   const int* __restrict__ table, const int* __restrict__ ctas, int num_segs) {
   extern __shared__ __align__(1024) u8 smem_raw[];
   // 1 KB alignment for the swizzled tiles, by pointer arithmetic on the shared
   // array (a round trip through an integer loses the address space)
@@ -720,11 +702,8 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
               ? group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 16)
               : group_logit(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, 8);
 #endif
-          if (pos < lim[g]) {
-            const long long row = s.first_row + 2 * g + q_hi;
-            out[row * stride_out + pos] = v * scale;
-            if (ROW_HIST) count_logit(hist, row, v * scale);
-          }
+          if (pos < lim[g])
+            out[(long long)(s.first_row + 2 * g + q_hi) * stride_out + pos] = v * scale;
 #else
           // a chunk's last group with absent rows: a code copy of its own
           const int present = min(s.n_rows - RG * g, RG);
@@ -748,12 +727,9 @@ varlen_logits_sm90(const __grid_constant__ TmaMap kv_map, const __grid_constant_
               : group_logit4(acc, page, qg, wq, &empty[slot], g == groups - 1, lane, present);
 #endif
 #endif
-          const long long row = s.first_row + RG * g + q_hi;
-          float* o = out + row * stride_out;
+          float* o = out + (long long)(s.first_row + RG * g + q_hi) * stride_out;
           if (pos < lim[g]) o[pos] = v.x * scale0;
           if (pos + 8 < lim[g]) o[pos + 8] = v.y * scale1;
-          if (ROW_HIST && pos < lim[g]) count_logit(hist, row, v.x * scale0);
-          if (ROW_HIST && pos + 8 < lim[g]) count_logit(hist, row, v.y * scale1);
 #endif
         }
       }
