@@ -231,14 +231,6 @@ def topk_ref(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tenso
     return out
 
 
-def order_keys(x: torch.Tensor) -> torch.Tensor:
-    """The order-preserving unsigned 32-bit images of float32 ``x`` (as int64):
-    negative floats bit-flipped, the others with the sign bit set, so that
-    integer order is float order (-0.0 below +0.0)."""
-    b = x.contiguous().view(torch.int32).long() & 0xFFFFFFFF
-    return torch.where(b >= 0x80000000, (~b) & 0xFFFFFFFF, b | 0x80000000)
-
-
 def topk_selection_ok(logits: torch.Tensor, lengths: torch.Tensor, k: int,
                       got: torch.Tensor) -> list[str]:
     """What is wrong with ``got`` as the top-k of :func:`topk_ref`'s contract
