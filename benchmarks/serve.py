@@ -12,15 +12,15 @@ starts ``vllm serve`` as a process of its own (vLLM's default multiprocess
 engine core; loopback, a free port), waits for ``/v1/models``, and runs:
 
 1. a warm-up (unmeasured) with vLLM's client;
-2. the sweep: per input length (``--input-len``, random dataset, fixed seeds,
+2. the greedy identity requests (``/v1/completions``, temperature 0,
+   ``ignore_eos``, mixed prompt lengths, a quarter one at a time, the rest in
+   concurrent groups), texts compared with stock's;
+3. the sweep: per input length (``--input-len``, random dataset, fixed seeds,
    the same prompts in every mode), ``vllm bench serve`` at each
    ``--max-concurrency`` (``--concurrency``) and each Poisson
    ``--request-rate`` (``--rates``; ``auto``: fractions of the first mode's
    request throughput at the highest concurrency, so every mode gets the same
    rates), each point after an idle spell of ``--gap`` seconds;
-3. the greedy identity requests (``/v1/completions``, temperature 0,
-   ``ignore_eos``, mixed prompt lengths, a quarter one at a time, the rest in
-   concurrent groups), texts compared with stock's;
 4. with ``--soak-minutes``, a soak: Poisson load at ``--soak-rate`` with
    variable output lengths and long prompts (chunked prefill mixed with
    decode), a few streams closed by the client mid-way, GPU memory sampled
@@ -657,20 +657,34 @@ def render_table(rows: list[dict]) -> str:
 # ----------------------------------------------------------------------------- the run
 
 class Budget:
-    """``--time-limit``: a deadline for the whole run, shared out per server."""
+    """``--time-limit``: a deadline for the whole run, shared out per server.
 
-    def __init__(self, limit: float | None):
+    The first server starts cold (every lazily compiled kernel built on the
+    way up), a later one with the caches it filled, so a start may take what
+    the later servers' warm starts (``--start-reserve`` each) leave, and the
+    measurements share what is left once it is up."""
+
+    def __init__(self, limit: float | None, start_reserve: float = 0.0):
         self.t0 = time.time()
         self.end = None if limit is None else self.t0 + limit
+        self.start_reserve = start_reserve
 
     def left(self) -> float:
         return float("inf") if self.end is None else self.end - time.time()
 
-    def share(self, servers_left: int, reserve: float) -> float:
-        """The deadline of the next server: an equal share of what is left."""
+    def start_by(self, servers_left: int) -> float:
+        """The latest the next server may come up."""
         if self.end is None:
             return float("inf")
-        return time.time() + max(0.0, (self.left() - reserve * servers_left) / servers_left)
+        return self.end - (servers_left - 1) * self.start_reserve
+
+    def share(self, servers_left: int, reserve: float) -> float:
+        """The deadline of a server's measurements once it is up: an equal
+        share of what is left after the later servers' starts."""
+        if self.end is None:
+            return float("inf")
+        spare = self.left() - reserve * servers_left - self.start_reserve * (servers_left - 1)
+        return time.time() + max(0.0, spare / servers_left)
 
 
 def _model_folder(args) -> tuple[str, dict]:
@@ -797,10 +811,11 @@ def identity_longest(args) -> int:
 
 
 def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], result: dict,
-               identity: dict, deadline: float, save) -> dict:
-    """One mode's server: started, measured (warm-up, the points, identity,
-    soak) until ``deadline``, stopped; its facts into ``result["servers"]``,
-    its runs into each point's ``runs``, its identity records into ``identity``."""
+               identity: dict, budget: Budget, servers_left: int, save) -> dict:
+    """One mode's server: started, measured (warm-up, identity, the points,
+    soak) within its share of ``budget``, stopped; its facts into
+    ``result["servers"]``, its runs into each point's ``runs``, its identity
+    records into ``identity``."""
     port = free_port()
     cmd = serve_command(args, model, port)
     env_extra = dict(kv.split("=", 1) for kv in args.env)
@@ -814,7 +829,8 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
     t0 = time.time()
     server.start()
     try:
-        why = server.wait_ready(port, min(args.server_timeout, max(1.0, deadline - time.time())))
+        why = server.wait_ready(port, min(args.server_timeout,
+                                          max(1.0, budget.start_by(servers_left) - time.time())))
         info["startup_s"] = round(time.time() - t0, 1)
         if why:
             info["failed"] = why
@@ -825,6 +841,7 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
         except Exception:  # noqa: BLE001
             info["vllm_version"] = None
         print(f"[{mode}] ready in {info['startup_s']} s on port {port}", flush=True)
+        deadline = budget.share(servers_left, args.stop_timeout / 2)
         tokenizer = model
         warm = {"id": "warmup", "input_len": args.input_len[0], "kind": "concurrency",
                 "value": max(args.concurrency), "num_prompts": args.warmup_prompts,
@@ -834,6 +851,22 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
             w = run_client(args, warm, port, tokenizer, mode, max(1.0, deadline - time.time()))
             info["warmup"] = {k: w[k] for k in ("rc", "wall_s")}
             per_point_s = w["wall_s"]
+        # the identity pass first: short (no longer than the warm-up), and what
+        # the sweep must not crowd out
+        if args.identity and time.time() + args.gap + (per_point_s or 60.0) < deadline:
+            time.sleep(args.gap)
+            prompts = identity_prompts(args.identity, cfg.get("vocab_size", 4096),
+                                       identity_longest(args), args.seed)
+            groups = identity_groups(args.identity, args.identity_concurrency)
+            t1 = time.time()
+            recs = run_identity(port, prompts, groups, args.identity_tokens,
+                                min(1800.0, max(30.0, deadline - time.time())))
+            write_json(os.path.join(args.out, f"identity-{mode}.json"), recs)
+            info["identity"] = {"requests": len(recs), "failed": sum("error" in r for r in recs),
+                                "window": [t1, time.time()]}
+            identity[mode] = recs
+        elif args.identity:
+            info["identity"] = {"skipped": "time limit"}
         for point in points:
             fill_rates(points, args)
             runs = point.setdefault("runs", {})
@@ -855,20 +888,6 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
                 print(f"[{mode}] {point['id']}: rc {run['rc']}, {run['wall_s']} s, TPOT "
                       f"{c.get('mean_tpot_ms')} ms, failed {c.get('failed')}", flush=True)
             save()
-        if args.identity and time.time() + args.gap + 60 < deadline:
-            time.sleep(args.gap)
-            prompts = identity_prompts(args.identity, cfg.get("vocab_size", 4096),
-                                       identity_longest(args), args.seed)
-            groups = identity_groups(args.identity, args.identity_concurrency)
-            t1 = time.time()
-            recs = run_identity(port, prompts, groups, args.identity_tokens,
-                                min(1800.0, max(30.0, deadline - time.time())))
-            write_json(os.path.join(args.out, f"identity-{mode}.json"), recs)
-            info["identity"] = {"requests": len(recs), "failed": sum("error" in r for r in recs),
-                                "window": [t1, time.time()]}
-            identity[mode] = recs
-        elif args.identity:
-            info["identity"] = {"skipped": "time limit"}
         if args.soak_minutes:
             if time.time() + args.gap + 60 * args.soak_minutes + 60 < deadline:
                 time.sleep(args.gap)
@@ -983,6 +1002,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop-timeout", type=float, default=60.0)
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds for the whole run: each server gets a share")
+    ap.add_argument("--start-reserve", type=float, default=90.0,
+                    help="with --time-limit: seconds kept for each later server's start")
     ap.add_argument("--keep-detailed", action="store_true",
                     help="keep the client's per-request result files (raw/)")
     ap.add_argument("--quick", action="store_true",
@@ -1028,6 +1049,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--range-ratio / --soak-range-ratio: expected in [0, 1)")
     if args.gap < 0:
         ap.error("--gap: expected >= 0")
+    if args.start_reserve < 0:
+        ap.error("--start-reserve: expected >= 0")
     for kv in args.env:
         if "=" not in kv:
             ap.error(f"--env: expected KEY=VALUE, got {kv!r}")
@@ -1061,10 +1084,10 @@ def main(argv: list[str] | None = None) -> int:
         summarize(result, identity)
         write_json(out_json, result)
 
-    budget = Budget(args.time_limit)
+    budget = Budget(args.time_limit, args.start_reserve)
     for i, mode in enumerate(args.modes):
-        deadline = budget.share(len(args.modes) - i, args.stop_timeout / 2)
-        run_server(args, mode, model, cfg, points, result, identity, deadline, save)
+        run_server(args, mode, model, cfg, points, result, identity, budget,
+                   len(args.modes) - i, save)
     result["finished"] = datetime.datetime.now().isoformat()
     save()
     print(render_table(result["table"]))

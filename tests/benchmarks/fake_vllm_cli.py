@@ -9,7 +9,8 @@ the text a fixed function of the prompt, with top logprobs), logging as
 vLLM's engine core does; with the plugin's mode variable at ``auto`` it logs
 a decode-path line and records ``STEPS_PER_REQUEST`` varlen steps per
 completion through the plugin's own counters, its log interval shortened by
-``FAKE_LOG_EVERY_S``.  ``FAKE_FAIL_MODE``: a server in that mode exits at once.
+``FAKE_LOG_EVERY_S``.  ``FAKE_FAIL_MODE``: a server in that mode exits at once;
+``FAKE_START_S`` (``mode=seconds,...``): a server in that mode takes that long to come up.
 ``bench serve``: sends the point's requests (concurrency or Poisson arrivals)
 and writes a result file with vLLM's keys, per-request arrays included.
 """
@@ -50,6 +51,8 @@ def serve(argv: list[str]) -> int:
     if os.environ.get("FAKE_FAIL_MODE") == mode:
         print("(APIServer pid=1) ERROR 12-06 00:00:00 [fake.py:1] cannot start", flush=True)
         return 1
+    delays = dict(kv.split("=") for kv in os.environ.get("FAKE_START_S", "").split(",") if kv)
+    time.sleep(float(delays.get(mode, 0)))
     from vllm_dsa_varlen import stats
 
     stats.LOG_EVERY_S = float(os.environ.get("FAKE_LOG_EVERY_S", "0.3"))

@@ -161,7 +161,8 @@ def test_quick_is_small_and_what_is_given_wins():
                                       (["--rates", "auto", "auto", "auto"], "--rate-fractions"),
                                       (["--range-ratio", "1.5"], "--range-ratio"),
                                       (["--env", "NOEQUALS"], "--env"),
-                                      (["--k", "0"], "--k")])
+                                      (["--k", "0"], "--k"),
+                                      (["--start-reserve", "-1"], "--start-reserve")])
 def test_bad_arguments_are_refused_naming_them(bad, word, capsys):
     with pytest.raises(SystemExit):
         _args(*bad)
@@ -648,7 +649,7 @@ def test_a_server_that_fails_and_a_time_limit_leave_a_result(fake_vllm, monkeypa
     t0 = time.time()
     assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "0",
                        "--concurrency", *map(str, range(1, 13)), "--stop-timeout", "4",
-                       "--time-limit", str(limit)]) == 0
+                       "--time-limit", str(limit), "--start-reserve", "1"]) == 0
     assert time.time() - t0 < limit + 4
     got = _strict(out / "serve.json")
     assert "exited with 1" in got["servers"]["plugin"]["failed"]
@@ -659,6 +660,28 @@ def test_a_server_that_fails_and_a_time_limit_leave_a_result(fake_vllm, monkeypa
     assert all(p["runs"]["stock"].get("skipped") == "time limit"
                for p, m in zip(got["points"], measured) if not m)
     assert got["servers"]["stock"]["stop"]["how"] == "SIGTERM"
+
+
+def test_a_slow_first_start_keeps_its_measurements(fake_vllm, monkeypatch):
+    """The first server's (cold) start may take more than an equal share of
+    the time limit: it waits past that share, into what the later server's
+    start reserve leaves, and both servers still measure their identity pass
+    and first point; the run stays within its limit."""
+    monkeypatch.setenv("FAKE_START_S", "stock=10")
+    out = fake_vllm / "out"
+    limit = 26
+    t0 = time.time()
+    assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "4",
+                       "--concurrency", "2", "--stop-timeout", "4", "--gap", "0.3",
+                       "--time-limit", str(limit), "--start-reserve", "3"]) == 0
+    assert time.time() - t0 < limit + 4
+    got = _strict(out / "serve.json")
+    stock, plugin = got["servers"]["stock"], got["servers"]["plugin"]
+    assert "failed" not in stock and stock["startup_s"] >= 10
+    for info in (stock, plugin):
+        assert info["identity"]["requests"] == 4 and info["identity"]["failed"] == 0
+    assert all("client" in got["points"][0]["runs"][m] for m in ("stock", "plugin"))
+    assert got["identity_vs_stock"]["plugin"]["all_identical"]
 
 
 def test_the_device_script_runs_a_preset_from_an_installed_tree(tmp_path):
