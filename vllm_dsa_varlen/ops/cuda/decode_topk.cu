@@ -32,6 +32,9 @@
 // every thread of every CTA of the cluster (the loop counts are functions of
 // cluster-wide sums, identical in every CTA).  Rows are independent; the
 // grid is rows x SPLIT.  Nothing leaves the GPU.
+// A function that reaches a barrier takes no non-const __restrict__ pointer:
+// through one the compiler may keep a word across __syncthreads() that
+// another thread wrote (a stale read, and threads taking different barriers).
 
 typedef unsigned int u32;
 typedef long long i64;
@@ -146,7 +149,7 @@ __device__ __forceinline__ void each_key(const u32* __restrict__ keys,
 // barrier).  Unsigned, so packed counts (low | high << half the width) add
 // without overflow.
 template <class T>
-__device__ __forceinline__ T block_exclusive_scan(T v, void* __restrict__ scratch) {
+__device__ __forceinline__ T block_exclusive_scan(T v, void* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   T* sums = reinterpret_cast<T*>(scratch);
   T incl = v;
@@ -201,8 +204,7 @@ __device__ __forceinline__ T* in_cta(T* p, u32) { return p; }
 // (bin, keys in higher bins, keys in the bin) to sel[0..2].  Thread t owns
 // BPT bins from BINS-1-BPT*t down.
 template <int CTAS>
-__device__ void find_bin(const int* __restrict__ hist, int need,
-                                         int* __restrict__ warp_sums, int* __restrict__ sel) {
+__device__ void find_bin(const int* __restrict__ hist, int need, int* warp_sums, int* sel) {
   const int top = BINS - 1 - BPT * (int)threadIdx.x;
   int h[BPT], sum = 0;
 #pragma unroll
