@@ -298,20 +298,8 @@ def test_nvrtc_builds_every_planned_build_without_spills(build):
 
 def _ptx(defines: tuple) -> str:
     """The kernel's PTX for a build (NVRTC, no GPU)."""
-    nv = cb.nvrtc()
-    with open(ct.SOURCE) as f:
-        src = f.read().encode()
-    prog = cb.ok(nv.nvrtcCreateProgram(src, b"decode_topk.cu", 0, [], []), "nvrtcCreateProgram")
-    try:
-        opts = [b"--gpu-architecture=compute_90a", b"-std=c++17",
-                *[f"-D{d}".encode() for d in defines]]
-        (res,) = nv.nvrtcCompileProgram(prog, len(opts), opts)
-        assert not res, res
-        text = bytearray(cb.ok(nv.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize"))
-        cb.ok(nv.nvrtcGetPTX(prog, text), "nvrtcGetPTX")
-    finally:
-        nv.nvrtcDestroyProgram(prog)
-    return bytes(text).split(b"\0", 1)[0].decode()
+    code, _ = cb.compile_source(ct.SOURCE, extra=tuple(f"-D{d}" for d in defines), ptx=True)
+    return code.decode()
 
 
 SEL_WORDS = 4 * (ct.BINS + 2 * 32)  # the kernel's `sel` words (16): after the histogram and scratch

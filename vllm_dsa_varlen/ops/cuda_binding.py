@@ -206,16 +206,20 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def compile_source(path: str, arch: str = ARCH, extra: tuple = ()) -> tuple[bytes, str]:
+def compile_source(path: str, arch: str = ARCH, extra: tuple = (),
+                   ptx: bool = False) -> tuple[bytes, str]:
     """Compile the CUDA source at ``path`` with NVRTC for ``arch`` (no GPU
-    needed); returns (cubin, log).  Raises ``RuntimeError`` with NVRTC's log
-    on a compile error."""
+    needed); returns (cubin, log), or with ``ptx`` (PTX text, log) for arch's
+    virtual architecture.  Raises ``RuntimeError`` with NVRTC's log on a
+    compile error."""
     nv = nvrtc()
     prog = ok(nv.nvrtcCreateProgram(_read(path).encode(),
                                         os.path.basename(path).encode(), 0, [], []),
                "nvrtcCreateProgram")
+    target = arch.replace("sm_", "compute_") if ptx else arch
     try:
-        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", *[o.encode() for o in extra]]
+        opts = [f"--gpu-architecture={target}".encode(), b"-std=c++17",
+                *[o.encode() for o in extra]]
         (res,) = nv.nvrtcCompileProgram(prog, len(opts), opts)
         size = ok(nv.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
         log = bytearray(size)
@@ -224,6 +228,10 @@ def compile_source(path: str, arch: str = ARCH, extra: tuple = ()) -> tuple[byte
         if res:
             why = nv.nvrtcGetErrorString(res)[1].decode()
             raise RuntimeError(f"NVRTC failed to compile {path} for {arch}: {why}\n{text}")
+        if ptx:
+            code = bytearray(ok(nv.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize"))
+            ok(nv.nvrtcGetPTX(prog, code), "nvrtcGetPTX")
+            return bytes(code).split(b"\0", 1)[0], text
         cubin = bytearray(ok(nv.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize"))
         ok(nv.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
         return bytes(cubin), text
