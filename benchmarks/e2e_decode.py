@@ -80,6 +80,9 @@ BOTH = "both"  # a child running both modes' engines in one process
 # named "control", in the plugin's place): an A/A run, the noise floor of the
 # round pairs where both engines do the same work
 CONTROL = "control"
+# --modes stock --repeats N (N >= 2): stock's processes compared pairwise, the
+# second of each pair named this in the plugin's place (an A/A pair across processes)
+STOCK_AGAIN = "stock-again"
 ENGINE_ENV = {**MODES, CONTROL: MODES["stock"]}
 # the cudagraph_mode each --graph-mode asks vLLM for
 GRAPH_MODES = {"default": "FULL_AND_PIECEWISE", "full": "FULL", "none": "FULL_DECODE_ONLY"}
@@ -1090,10 +1093,18 @@ def k_entry(runs: dict, repeats: list[dict]) -> dict:
     if traces:
         entry["traces"] = traces
     second = CONTROL if CONTROL in runs else "plugin"
+    stocks = [r["stock"] for r in repeats if r.get("stock") and "cases" in r["stock"]]
     if "stock" in runs and second in runs:
         entry["second"] = second  # the "plugin" columns' engine (control: stock again)
         entry["comparison"] = compare(runs["stock"], runs[second])
         entry["repeats"] = repeat_spread(repeats, second)
+    elif set(runs) == {"stock"} and len(stocks) >= 2:
+        # --modes stock --repeats N: an A/A pair of processes, repeat 2i against 2i + 1
+        entry["second"] = STOCK_AGAIN
+        entry["comparison"] = compare(stocks[0], stocks[1])
+        entry["repeats"] = repeat_spread([{"stock": a, STOCK_AGAIN: b}
+                                          for a, b in zip(stocks[::2], stocks[1::2])],
+                                         STOCK_AGAIN)
     entry["host_probe_us"] = {m: r.get("host_probe_us") for m, r in runs.items()}
     entry["mixed_window"] = {m: r.get("mixed_window") for m, r in runs.items()}
     return entry
@@ -1237,7 +1248,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "prompts prefilled once); the round of median TPOT is reported, "
                          "every round kept")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="engine processes per mode and k, in alternating order")
+                    help="engine processes per mode and k, in alternating order; with "
+                         "--modes stock, an A/A pair: stock's processes compared pairwise")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--graph-mode", default="default", choices=["default", "full", "none"],
                     help="default: vLLM's (FULL_AND_PIECEWISE, torch.compile); full: FULL "

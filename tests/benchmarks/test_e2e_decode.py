@@ -1129,3 +1129,33 @@ def test_same_process_engines_keep_vllms_query_kernels_unless_told():
         line = e2e.same_process_query_prep(env)
         assert env == {"DSA_VARLEN_FUSED_Q": value}
         assert f"={value} as set, for both engines" in line
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stock_alone_repeated_is_an_aa_pair(tmp_path, seed, capsys):
+    """``--modes stock --repeats N``: the table compares stock's processes
+    pairwise (repeat 0 against 1, 2 against 3), the second in the plugin's
+    columns; one stock process alone compares nothing."""
+    rng = random.Random(seed)
+    tpots = [rng.uniform(5, 15) for _ in range(4)]
+    for rep, t in enumerate(tpots):
+        run = run_file([[rng.randrange(100) for _ in range(4)]] * 2)
+        run["cases"][0]["tpot_ms"] = t
+        run.update(init_s=1.0, jit={})
+        name = f"run-stock-k3{'' if rep == 0 else f'-r{rep}'}.json"
+        (tmp_path / name).write_text(json.dumps(run))
+    assert e2e.main(["--out", str(tmp_path), "--k", "3", "--modes", "stock", "--repeats", "4",
+                     "--merge"]) == 0
+    out = capsys.readouterr().out
+    entry = json.loads((tmp_path / "e2e.json").read_text())["per_k"]["3"]
+    assert entry["second"] == e2e.STOCK_AGAIN
+    row = entry["comparison"]["rows"][0]
+    assert row["speedup"] == pytest.approx(tpots[0] / tpots[1])
+    rep = entry["repeats"][0]
+    assert rep["tpot_ms"] == [list(p) for p in zip(tpots[::2], tpots[1::2])] or \
+        rep["tpot_ms"] == list(zip(tpots[::2], tpots[1::2]))
+    assert rep["gain_median"] == pytest.approx((tpots[0] / tpots[1] + tpots[2] / tpots[3]) / 2)
+    assert f"{e2e.STOCK_AGAIN} tok/s" in out
+    one = e2e.k_entry({"stock": json.loads((tmp_path / "run-stock-k3.json").read_text())},
+                      [{"stock": json.loads((tmp_path / "run-stock-k3.json").read_text())}])
+    assert "comparison" not in one
