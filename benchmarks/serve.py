@@ -144,7 +144,11 @@ def serve_command(args, model: str, port: int) -> list[str]:
            "--max-num-seqs", str(max(args.concurrency + [args.identity_concurrency])),
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--kv-cache-dtype", args.kv_cache_dtype,
-           "--speculative-config", json.dumps(spec), "--disable-uvicorn-access-log"]
+           "--speculative-config", json.dumps(spec), "--disable-uvicorn-access-log",
+           # a drain, not vLLM's default abort: with 0 s its process manager kills the
+           # engine core right after SIGTERM, racing the core's own exit (the plugin's
+           # final count line lost, EngineDeadError lines in the API server's log)
+           "--shutdown-timeout", str(args.server_shutdown_timeout)]
     if attention:
         cmd += ["--attention-config", json.dumps(attention)]
     if args.max_num_batched_tokens:
@@ -678,13 +682,28 @@ class Budget:
             return float("inf")
         return self.end - (servers_left - 1) * self.start_reserve
 
-    def share(self, servers_left: int, reserve: float) -> float:
+    def share(self, servers_left: int, reserve: float, optional: int = 0,
+              least: float = 0.0) -> float:
         """The deadline of a server's measurements once it is up: an equal
-        share of what is left after the later servers' starts."""
+        share of what is left after the later servers' starts; where that is
+        under ``least`` seconds, shared without the last ``optional`` servers
+        (the A/A control: the comparison comes first)."""
         if self.end is None:
             return float("inf")
-        spare = self.left() - reserve * servers_left - self.start_reserve * (servers_left - 1)
-        return time.time() + max(0.0, spare / servers_left)
+
+        def per(n: int) -> float:
+            spare = self.left() - reserve * n - self.start_reserve * (n - 1)
+            return max(0.0, spare / n)
+
+        got = per(servers_left)
+        if got < least and 0 < optional < servers_left:
+            got = per(servers_left - optional)
+        return time.time() + got
+
+    def fits(self, reserve: float, least: float) -> bool:
+        """Whether a server started now can come up (``start_reserve``),
+        measure ``least`` seconds and stop (``reserve``) in the time left."""
+        return self.left() >= self.start_reserve + least + reserve
 
 
 def _model_folder(args) -> tuple[str, dict]:
@@ -811,11 +830,14 @@ def identity_longest(args) -> int:
 
 
 def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], result: dict,
-               identity: dict, budget: Budget, servers_left: int, save) -> dict:
+               identity: dict, budget: Budget, servers_left: int, save,
+               optional: int = 0) -> dict:
     """One mode's server: started, measured (warm-up, identity, the points,
     soak) within its share of ``budget``, stopped; its facts into
     ``result["servers"]``, its runs into each point's ``runs``, its identity
-    records into ``identity``."""
+    records into ``identity``.  ``optional``: how many of the
+    ``servers_left`` (this one included) are the A/A control, which a short
+    budget drops first."""
     port = free_port()
     cmd = serve_command(args, model, port)
     env_extra = dict(kv.split("=", 1) for kv in args.env)
@@ -841,7 +863,7 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
         except Exception:  # noqa: BLE001
             info["vllm_version"] = None
         print(f"[{mode}] ready in {info['startup_s']} s on port {port}", flush=True)
-        deadline = budget.share(servers_left, args.stop_timeout / 2)
+        deadline = budget.share(servers_left, args.stop_timeout / 2, optional, args.min_share)
         tokenizer = model
         warm = {"id": "warmup", "input_len": args.input_len[0], "kind": "concurrency",
                 "value": max(args.concurrency), "num_prompts": args.warmup_prompts,
@@ -1004,6 +1026,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds for the whole run: each server gets a share")
     ap.add_argument("--start-reserve", type=float, default=90.0,
                     help="with --time-limit: seconds kept for each later server's start")
+    ap.add_argument("--min-share", type=float, default=120.0,
+                    help="with --time-limit: the least a server's measurements should get "
+                    "(warm-up, identity, a point); where the servers' shares fall under it, "
+                    "the A/A control (--aa) is dropped first")
+    ap.add_argument("--server-shutdown-timeout", type=int, default=None,
+                    help="vllm serve --shutdown-timeout: seconds the engine core may drain "
+                    "at the stop (vLLM's 0 kills it right after SIGTERM); default: 10, at "
+                    "most half of --stop-timeout")
     ap.add_argument("--keep-detailed", action="store_true",
                     help="keep the client's per-request result files (raw/)")
     ap.add_argument("--quick", action="store_true",
@@ -1051,6 +1081,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--gap: expected >= 0")
     if args.start_reserve < 0:
         ap.error("--start-reserve: expected >= 0")
+    if args.min_share < 0:
+        ap.error("--min-share: expected >= 0")
+    if args.server_shutdown_timeout is None:
+        args.server_shutdown_timeout = max(1, min(10, int(args.stop_timeout / 2)))
+    if not 0 <= args.server_shutdown_timeout < args.stop_timeout:
+        ap.error("--server-shutdown-timeout: expected >= 0 and under --stop-timeout "
+                 f"({args.stop_timeout:g} s), got {args.server_shutdown_timeout}")
     for kv in args.env:
         if "=" not in kv:
             ap.error(f"--env: expected KEY=VALUE, got {kv!r}")
@@ -1086,8 +1123,17 @@ def main(argv: list[str] | None = None) -> int:
 
     budget = Budget(args.time_limit, args.start_reserve)
     for i, mode in enumerate(args.modes):
+        optional = sum(m == "control" for m in args.modes[i:])
+        if mode == "control" and i and not budget.fits(args.stop_timeout / 2, args.min_share):
+            why = (f"time limit: {budget.left():.0f} s left, under a start ({args.start_reserve:.0f}"
+                   f" s) and --min-share ({args.min_share:.0f} s): the comparison came first")
+            result["servers"][mode] = {"skipped": why}
+            for point in points:
+                point.setdefault("runs", {})[mode] = {"skipped": "time limit"}
+            print(f"[{mode}] not started: {why}", flush=True)
+            continue
         run_server(args, mode, model, cfg, points, result, identity, budget,
-                   len(args.modes) - i, save)
+                   len(args.modes) - i, save, optional)
     result["finished"] = datetime.datetime.now().isoformat()
     save()
     print(render_table(result["table"]))

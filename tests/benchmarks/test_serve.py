@@ -75,7 +75,8 @@ def test_vllm_serve_reads_the_server_command_as_meant(tmp_path, cpu_platform, as
     k = random.randint(1, 4)
     args = _args("--k", str(k), "--concurrency", "3", "40", "--input-len", "5000",
                  "--range-ratio", "0.2", "--async-scheduling", asynchronous,
-                 "--max-num-batched-tokens", "8192", "--serve-arg=--enforce-eager")
+                 "--max-num-batched-tokens", "8192", "--serve-arg=--enforce-eager",
+                 "--server-shutdown-timeout", str(drain := random.randint(1, 30)))
     port = serve.free_port()
     cmd = serve.serve_command(args, str(tmp_path), port)
     assert cmd[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
@@ -89,6 +90,7 @@ def test_vllm_serve_reads_the_server_command_as_meant(tmp_path, cpu_platform, as
     assert engine.max_model_len >= int(5000 * 1.2) + int(128 * 1.2) + k
     assert engine.max_num_batched_tokens == 8192 and engine.enforce_eager
     assert engine.async_scheduling == {"default": None, "on": True, "off": False}[asynchronous]
+    assert engine.shutdown_timeout == drain  # the engine core drains at the stop, not killed
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")
@@ -162,7 +164,12 @@ def test_quick_is_small_and_what_is_given_wins():
                                       (["--range-ratio", "1.5"], "--range-ratio"),
                                       (["--env", "NOEQUALS"], "--env"),
                                       (["--k", "0"], "--k"),
-                                      (["--start-reserve", "-1"], "--start-reserve")])
+                                      (["--start-reserve", "-1"], "--start-reserve"),
+                                      (["--min-share", "-1"], "--min-share"),
+                                      (["--server-shutdown-timeout", "60"],
+                                       "--server-shutdown-timeout"),
+                                      (["--server-shutdown-timeout", "-1"],
+                                       "--server-shutdown-timeout")])
 def test_bad_arguments_are_refused_naming_them(bad, word, capsys):
     with pytest.raises(SystemExit):
         _args(*bad)
@@ -715,3 +722,35 @@ def test_the_device_script_runs_a_preset_from_an_installed_tree(tmp_path):
     assert (out / "serve" / "table.txt").read_text().startswith("| point |")
     entry = (target / "site" / "vllm_dsa_varlen-0.0.0.dist-info" / "entry_points.txt").read_text()
     assert "vllm.general_plugins" in entry
+
+
+def test_a_short_budget_drops_the_aa_control_before_the_comparison(fake_vllm):
+    """Where the time left cannot give three servers ``--min-share`` each,
+    stock and the plugin share it without the control, which is then not
+    started (said why); both of them measure their identity pass and point.
+    The same call with time for all three runs the control too."""
+    args = [*_SMALL, "--rates", "--identity", "4", "--concurrency", "2", "--stop-timeout", "4",
+            "--gap", "0.3", "--aa", "--start-reserve", "3"]
+    out = fake_vllm / "short"
+    assert serve.main(["--out", str(out), *args, "--time-limit", "30", "--min-share", "20"]) == 0
+    got = _strict(out / "serve.json")
+    assert "time limit" in got["servers"]["control"]["skipped"]
+    assert got["points"][0]["runs"]["control"] == {"skipped": "time limit"}
+    for mode in ("stock", "plugin"):
+        assert got["servers"][mode]["identity"]["requests"] == 4
+        assert "client" in got["points"][0]["runs"][mode]
+    out = fake_vllm / "long"
+    assert serve.main(["--out", str(out), *args, "--time-limit", "90", "--min-share", "12"]) == 0
+    got = _strict(out / "serve.json")
+    assert all("client" in got["points"][0]["runs"][m] for m in ("stock", "plugin", "control"))
+
+
+def test_budget_shares_without_the_optional_server_only_when_short():
+    b = serve.Budget(100.0, start_reserve=10.0)
+    b.end = time.time() + 100.0  # 100 s left, 3 servers, 2 s stop reserve each
+    three = b.share(3, 2.0) - time.time()
+    assert three == pytest.approx((100 - 6 - 20) / 3, abs=0.5)
+    assert b.share(3, 2.0, optional=1, least=20.0) - time.time() == pytest.approx(three, abs=0.5)
+    two = b.share(3, 2.0, optional=1, least=30.0) - time.time()
+    assert two == pytest.approx((100 - 4 - 10) / 2, abs=0.5)
+    assert b.fits(2.0, 80.0) and not b.fits(2.0, 90.0)
