@@ -79,7 +79,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 import serve_model  # noqa: E402
 
-from vllm_dsa_varlen import stats  # noqa: E402
+from vllm_dsa_varlen import settings, stats  # noqa: E402
 from vllm_dsa_varlen.settings import MODE_ENV  # noqa: E402
 
 # The one place the plugin's settings are named: each mode's value of its mode variable.
@@ -105,18 +105,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env(mode: str, base: dict, extra: dict) -> dict:
+def server_env(mode: str, base: dict, extra: dict, variants: dict | None = None) -> dict:
     """The server's environment in ``mode``: ``base`` without
     :data:`DROPPED_ENV`, uncoloured unbuffered logs, no hub look-ups,
-    ``extra`` (``--env``), then the mode's value of the plugin's mode variable."""
-    if mode not in MODE_VALUES:
-        raise ValueError(f"mode: expected one of {', '.join(MODE_VALUES)}, got {mode!r}")
+    ``extra`` (``--env``), then the mode's value of the plugin's mode variable;
+    a variant (``variants``: name -> its settings, ``--variant``) is the
+    plugin with its settings over ``extra``."""
+    variants = variants or {}
+    if mode not in MODE_VALUES and mode not in variants:
+        raise ValueError(f"mode: expected one of {', '.join([*MODE_VALUES, *variants])}, "
+                         f"got {mode!r}")
     env = {k: v for k, v in base.items() if k not in DROPPED_ENV}
     env.update(PYTHONUNBUFFERED="1", VLLM_LOGGING_COLOR="0", NO_COLOR="1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.update(extra)
-    env[MODE_ENV] = MODE_VALUES[mode]
+    env.update(variants.get(mode, {}))
+    env[MODE_ENV] = MODE_VALUES.get(mode, MODE_VALUES["plugin"])
     return env
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``NAME:SETTING=VALUE[,SETTING=VALUE...]`` (``--variant``): a plugin
+    server named NAME with those of the plugin's settings (its mode variable
+    excepted), each checked as the plugin reads it; a clear error otherwise."""
+    name, sep, rest = text.partition(":")
+    if not sep or not re.fullmatch(r"[A-Za-z][\w.-]*", name) or name in MODE_VALUES:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME:SETTING=VALUE,... with NAME a new mode name (not "
+            f"{', '.join(MODE_VALUES)}), got {text!r}")
+    env = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or key not in settings.SETTINGS or key == MODE_ENV:
+            known = ", ".join(k for k in settings.SETTINGS if k != MODE_ENV)
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {item!r} is not SETTING=VALUE with SETTING one of {known}")
+        try:
+            settings.get(key, {key: value})
+        except Exception as exc:  # noqa: BLE001 - the plugin's own message
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+        env[key] = value
+    return name, env
 
 
 def max_model_len(args) -> int:
@@ -836,14 +865,15 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
     soak) within its share of ``budget``, stopped; its facts into
     ``result["servers"]``, its runs into each point's ``runs``, its identity
     records into ``identity``.  ``optional``: how many of the
-    ``servers_left`` (this one included) are the A/A control, which a short
-    budget drops first."""
+    ``servers_left`` (this one included) are the A/A control or a
+    ``--variant``, which a short budget drops first."""
     port = free_port()
     cmd = serve_command(args, model, port)
     env_extra = dict(kv.split("=", 1) for kv in args.env)
-    env = server_env(mode, dict(os.environ), env_extra)
+    env = server_env(mode, dict(os.environ), env_extra, args.variants)
     log = os.path.join(args.out, f"server-{mode}.log")
-    info = {"cmd": cmd, "env": {k: env[k] for k in sorted(set(env_extra) | {MODE_ENV})},
+    info = {"cmd": cmd, "env": {k: env[k] for k in sorted(set(env_extra) | {MODE_ENV}
+                                                         | set(args.variants.get(mode, {})))},
             "dropped_env": [k for k in DROPPED_ENV if k in os.environ], "port": port,
             "log": os.path.basename(log)}
     result["servers"][mode] = info
@@ -972,6 +1002,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--modes", nargs="+", default=["stock", "plugin"], choices=list(MODE_VALUES),
                     help="servers in this order; stock first where it is one of them")
     ap.add_argument("--aa", action="store_true", help="add a second stock server, 'control'")
+    ap.add_argument("--variant", action="append", default=[], type=parse_variant,
+                    metavar="NAME:SETTING=VALUE[,...]",
+                    help="one more plugin server with some of the plugin's settings changed "
+                    f"(e.g. notopk:{settings.TOPK_ENV}=vllm), after the plugin's, before the "
+                    "control; like the control, dropped first by a short --time-limit")
     ap.add_argument("--input-len", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--range-ratio", type=float, default=0.0,
@@ -1029,7 +1064,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-share", type=float, default=120.0,
                     help="with --time-limit: the least a server's measurements should get "
                     "(warm-up, identity, a point); where the servers' shares fall under it, "
-                    "the A/A control (--aa) is dropped first")
+                    "the A/A control (--aa) and the variants are dropped first")
     ap.add_argument("--server-shutdown-timeout", type=int, default=None,
                     help="vllm serve --shutdown-timeout: seconds the engine core may drain "
                     "at the stop (vLLM's 0 kills it right after SIGTERM); default: 10, at "
@@ -1055,6 +1090,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for key, value in QUICK.items():
             if f"--{key.replace('_', '-')}" not in given:
                 setattr(args, key, value)
+    args.variants = dict(args.variant)
+    if len(args.variants) != len(args.variant):
+        ap.error(f"--variant: each name once, got {[n for n, _ in args.variant]}")
+    if args.variants and "plugin" not in args.modes:
+        ap.error("--variant: compared with the plugin's server, which --modes leaves out")
+    args.modes = list(args.modes) + list(args.variants)
     if args.aa and "control" not in args.modes:
         args.modes = list(args.modes) + ["control"]
     if len(set(args.modes)) != len(args.modes):
@@ -1123,8 +1164,9 @@ def main(argv: list[str] | None = None) -> int:
 
     budget = Budget(args.time_limit, args.start_reserve)
     for i, mode in enumerate(args.modes):
-        optional = sum(m == "control" for m in args.modes[i:])
-        if mode == "control" and i and not budget.fits(args.stop_timeout / 2, args.min_share):
+        optional = sum(m not in ("stock", "plugin") for m in args.modes[i:])
+        if mode not in ("stock", "plugin") and i \
+                and not budget.fits(args.stop_timeout / 2, args.min_share):
             why = (f"time limit: {budget.left():.0f} s left, under a start ({args.start_reserve:.0f}"
                    f" s) and --min-share ({args.min_share:.0f} s): the comparison came first")
             result["servers"][mode] = {"skipped": why}

@@ -48,6 +48,27 @@ def test_each_mode_gets_its_value_of_the_mode_variable_and_a_multiprocess_engine
         serve.server_env("fast", base, {})
 
 
+def test_a_variant_is_the_plugin_with_its_settings_over_env():
+    from vllm_dsa_varlen import settings
+
+    name, env = serve.parse_variant(f"noq:{settings.FUSED_Q_ENV}=off,{settings.TOPK_ENV}=vllm")
+    assert (name, env) == ("noq", {settings.FUSED_Q_ENV: "off", settings.TOPK_ENV: "vllm"})
+    got = serve.server_env("noq", {MODE_ENV: "stock"}, {settings.TOPK_ENV: "own"}, {name: env})
+    assert got[MODE_ENV] == serve.MODE_VALUES["plugin"]
+    assert got[settings.TOPK_ENV] == "vllm" and got[settings.FUSED_Q_ENV] == "off"
+    args = _args("--variant", f"noq:{settings.FUSED_Q_ENV}=off", "--aa")
+    assert args.modes == ["stock", "plugin", "noq", "control"]
+
+
+@pytest.mark.parametrize("bad", ["noq", "noq:", "plugin:DSA_VARLEN_TOPK=vllm", "9x:DSA_VARLEN_TOPK=vllm",
+                                 "x:DSA_VARLEN=stock", "x:DSA_VARLEN_TOPK=fast",
+                                 "x:DSA_VARLEN_NOPE=1", "x:DSA_VARLEN_TOPK"])
+def test_a_bad_variant_is_refused_naming_the_option(bad, capsys):
+    with pytest.raises(SystemExit):
+        _args("--variant", bad)
+    assert "--variant" in capsys.readouterr().err
+
+
 @pytest.fixture
 def cpu_platform(monkeypatch):
     """vLLM's engine arguments read the device type: the CPU's platform here."""
@@ -754,3 +775,19 @@ def test_budget_shares_without_the_optional_server_only_when_short():
     two = b.share(3, 2.0, optional=1, least=30.0) - time.time()
     assert two == pytest.approx((100 - 4 - 10) / 2, abs=0.5)
     assert b.fits(2.0, 80.0) and not b.fits(2.0, 90.0)
+
+
+def test_a_variant_server_is_measured_and_compared_with_stock(fake_vllm, capsys):
+    from vllm_dsa_varlen import settings
+
+    out = fake_vllm / "variant"
+    assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "4",
+                       "--concurrency", "2", "--variant", f"vq:{settings.TOPK_ENV}=vllm"]) == 0
+    got = _strict(out / "serve.json")
+    assert list(got["servers"]) == ["stock", "plugin", "vq"]
+    assert got["servers"]["vq"]["env"] == {MODE_ENV: serve.MODE_VALUES["plugin"],
+                                           settings.TOPK_ENV: "vllm"}
+    assert got["servers"]["vq"]["path_lines"] > 0  # the plugin's engine core, counting
+    assert "client" in got["points"][0]["runs"]["vq"]
+    assert got["identity_vs_stock"]["vq"]["requests"] == 4
+    assert "| L40-c2 | vq |" in capsys.readouterr().out
