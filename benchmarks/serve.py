@@ -7,7 +7,8 @@
     python3 benchmarks/serve.py --out serve-out --dry-run                       # the commands
 
 For each mode -- ``stock`` (the plugin's mode variable ``stock``), ``plugin``
-(``auto``) and with ``--aa`` ``control`` (stock again: the A/A spread) -- it
+(``auto``), each ``--variant`` (the plugin with some settings changed) and
+with ``--aa`` ``control`` (stock again: the A/A spread) -- it
 starts ``vllm serve`` as a process of its own (vLLM's default multiprocess
 engine core; loopback, a free port), waits for ``/v1/models``, and runs:
 
@@ -26,8 +27,13 @@ engine core; loopback, a free port), waits for ``/v1/models``, and runs:
    decode), a few streams closed by the client mid-way, GPU memory sampled
    with ``nvidia-smi``;
 
-then stops the server (SIGTERM to the API server, which shuts its engine core
-down; SIGKILL to the process group only past ``--stop-timeout``).
+then stops the server (SIGTERM to the API server, which lets its engine core
+drain for ``--server-shutdown-timeout`` and exit; SIGKILL to the process group
+only past ``--stop-timeout``).  Every ``vllm bench serve`` run goes through
+one worker process that imports vLLM's command line once
+(``benchmarks/bench_client.py``; ``--client fresh``: a process a run).
+With ``--time-limit`` the servers share the time; where it is short, the
+variants and the control are dropped before stock and the plugin.
 
 Per point it keeps the client's result file without its per-request arrays
 (``client-<mode>-<point>.json``), the growth of vLLM's ``/metrics`` counters
@@ -62,6 +68,7 @@ import json
 import math
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -746,6 +753,86 @@ def _model_folder(args) -> tuple[str, dict]:
     return path, cfg
 
 
+class BenchClient:
+    """``vllm bench serve`` in one worker process for the whole run
+    (``benchmarks/bench_client.py``): vLLM imported once, while the first
+    server starts, instead of ~20 s before every run; restarted after a run
+    that overran its time or a worker that died."""
+
+    WORKER = os.path.join(_HERE, "bench_client.py")
+
+    def __init__(self, python: str, log: str):
+        self.python, self.log = python, log
+        self.proc: subprocess.Popen | None = None
+        self.ready = False
+        self._logf = None
+
+    def start(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.stop()
+        self._logf = open(self.log, "a")
+        self.proc = subprocess.Popen([self.python, "-u", self.WORKER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._logf, text=True,
+                                     start_new_session=True)
+        self.ready = False
+
+    def _reply(self, deadline: float) -> dict | None:
+        """The worker's next line, ``None`` past ``deadline``."""
+        while True:
+            left = deadline - time.time()
+            if left <= 0:
+                return None
+            if select.select([self.proc.stdout], [], [], min(left, 3600.0))[0]:
+                break
+        line = self.proc.stdout.readline()
+        return json.loads(line) if line.strip() else {"error": "the worker exited"}
+
+    def run(self, cmd: list[str], log: str, timeout: float) -> int | str:
+        """``cmd`` (:func:`bench_command`: ``python -m vllm.entrypoints.cli.main
+        bench serve ...``) run by the worker, its output in ``log``; its exit
+        code, ``"timeout"``, or why the worker could not run it."""
+        deadline = time.time() + max(1.0, timeout)
+        self.start()
+        if not self.ready:
+            got = self._reply(deadline)
+            if got is None or "error" in got:
+                self.stop()
+                why = "timeout" if got is None else f"client worker: {got['error']}"
+                with open(log, "w") as f:
+                    f.write(f"{why} (worker log: {os.path.basename(self.log)})\n")
+                return why
+            self.ready = True
+        self.proc.stdin.write(json.dumps({"argv": cmd[3:], "log": log}) + "\n")
+        self.proc.stdin.flush()
+        got = self._reply(deadline)
+        if got is None or "rc" not in got:
+            self.stop()
+            return "timeout" if got is None else f"client worker: {got.get('error')}"
+        return got["rc"]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.proc.wait()
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+            self.proc = None
+        if self._logf is not None:
+            self._logf.close()
+            self._logf = None
+
+
+# The run's shared client (--client shared), set by main().
+_bench_client: BenchClient | None = None
+
+
 def run_client(args, point: dict, port: int, tokenizer: str, mode: str, timeout: float) -> dict:
     """One ``vllm bench serve`` run; its result file shrunk (:func:`shrink_client`)."""
     raw_dir = os.path.join(args.out, "raw")
@@ -754,12 +841,15 @@ def run_client(args, point: dict, port: int, tokenizer: str, mode: str, timeout:
     cmd = bench_command(args, point, port, tokenizer, raw_dir, name, mode)
     log = os.path.join(args.out, f"client-{mode}-{point['id']}.log")
     t0 = time.time()
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=max(1.0, timeout)).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+    if _bench_client is not None:
+        rc = _bench_client.run(cmd, log, timeout)
+    else:
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                    timeout=max(1.0, timeout)).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
     out = {"rc": rc, "t0": t0, "t1": time.time(), "wall_s": round(time.time() - t0, 1),
            "log": os.path.basename(log)}
     raw = os.path.join(raw_dir, name)
@@ -905,7 +995,9 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
             per_point_s = w["wall_s"]
         # the identity pass first: short (no longer than the warm-up), and what
         # the sweep must not crowd out
-        if args.identity and time.time() + args.gap + (per_point_s or 60.0) < deadline:
+        # no warm-up: a minute for the identity pass (a warm-up's time, however short, is known)
+        guess = per_point_s if args.warmup_prompts else 60.0
+        if args.identity and time.time() + args.gap + guess < deadline:
             time.sleep(args.gap)
             prompts = identity_prompts(args.identity, cfg.get("vocab_size", 4096),
                                        identity_longest(args), args.seed)
@@ -1069,6 +1161,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="vllm serve --shutdown-timeout: seconds the engine core may drain "
                     "at the stop (vLLM's 0 kills it right after SIGTERM); default: 10, at "
                     "most half of --stop-timeout")
+    ap.add_argument("--client", choices=["shared", "fresh"], default="shared",
+                    help="shared: every vllm bench serve run in one worker process, vLLM "
+                    "imported once (benchmarks/bench_client.py); fresh: a process a run")
     ap.add_argument("--keep-detailed", action="store_true",
                     help="keep the client's per-request result files (raw/)")
     ap.add_argument("--quick", action="store_true",
@@ -1162,20 +1257,30 @@ def main(argv: list[str] | None = None) -> int:
         summarize(result, identity)
         write_json(out_json, result)
 
+    global _bench_client
+    if args.client == "shared":  # its import overlaps the first server's start
+        _bench_client = BenchClient(args.python, os.path.join(args.out, "bench-client.log"))
+        _bench_client.start()
     budget = Budget(args.time_limit, args.start_reserve)
-    for i, mode in enumerate(args.modes):
-        optional = sum(m not in ("stock", "plugin") for m in args.modes[i:])
-        if mode not in ("stock", "plugin") and i \
-                and not budget.fits(args.stop_timeout / 2, args.min_share):
-            why = (f"time limit: {budget.left():.0f} s left, under a start ({args.start_reserve:.0f}"
-                   f" s) and --min-share ({args.min_share:.0f} s): the comparison came first")
-            result["servers"][mode] = {"skipped": why}
-            for point in points:
-                point.setdefault("runs", {})[mode] = {"skipped": "time limit"}
-            print(f"[{mode}] not started: {why}", flush=True)
-            continue
-        run_server(args, mode, model, cfg, points, result, identity, budget,
-                   len(args.modes) - i, save, optional)
+    try:
+        for i, mode in enumerate(args.modes):
+            optional = sum(m not in ("stock", "plugin") for m in args.modes[i:])
+            if mode not in ("stock", "plugin") and i \
+                    and not budget.fits(args.stop_timeout / 2, args.min_share):
+                why = (f"time limit: {budget.left():.0f} s left, under a start "
+                       f"({args.start_reserve:.0f} s) and --min-share ({args.min_share:.0f} s): "
+                       f"the comparison came first")
+                result["servers"][mode] = {"skipped": why}
+                for point in points:
+                    point.setdefault("runs", {})[mode] = {"skipped": "time limit"}
+                print(f"[{mode}] not started: {why}", flush=True)
+                continue
+            run_server(args, mode, model, cfg, points, result, identity, budget,
+                       len(args.modes) - i, save, optional)
+    finally:
+        if _bench_client is not None:
+            _bench_client.stop()
+            _bench_client = None
     result["finished"] = datetime.datetime.now().isoformat()
     save()
     print(render_table(result["table"]))
