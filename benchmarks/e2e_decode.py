@@ -1012,6 +1012,23 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
     return out
 
 
+# nothing_fits' message, as a child's run file records it
+NOTHING_FITS = re.compile(r"no case fits the engine's KV cache of (\d+) tokens.*"
+                          r"the smallest needs (\d+)")
+
+
+def unfit(out: dict) -> str | None:
+    """The refusal of a child (``out``: :func:`run_child`'s) whose smallest case
+    needs over 1.1x the KV cache its engine got: no other mode's engine on
+    the same card gets 10 % more (the plugin's buffers are small), so the
+    processes left for that k would be refused the same way."""
+    for run in out.values():
+        m = NOTHING_FITS.search((run or {}).get("error") or "")
+        if m and int(m.group(2)) > 1.1 * int(m.group(1)):
+            return m.group(0)
+    return None
+
+
 def repeat_spread(repeats: list[dict], second: str = "plugin") -> list[dict]:
     """Per case: each repeat's TPOT for both modes and the plugin's gain
     (stock / plugin TPOT; ``second``: the mode in the plugin's place) per
@@ -1044,16 +1061,24 @@ def parent(args) -> int:
               "trace_only": bool(args.trace_only)}
     for k in args.k:
         runs, repeats = {}, []
+        refused = None  # a process's KV cache far too small for every case: skip the rest
         for rep in range(args.repeats):
             if args.same_process:
-                this = run_child(args, CONTROL if args.control else BOTH, k, rep, result)
+                order = [CONTROL if args.control else BOTH]
             else:
                 # alternate the order (stock, plugin / plugin, stock, ...) so a
                 # drift between processes shows as spread, not as a gain
                 order = list(args.modes) if rep % 2 == 0 else list(reversed(args.modes))
-                this = {}
-                for mode in order:
-                    this.update(run_child(args, mode, k, rep, result))
+            this = {}
+            for mode in order:
+                if refused:
+                    result["runs"].append({"mode": mode, "k": k, "repeat": rep, "rc": "skipped",
+                                           "skipped": refused})
+                    print(f"{mode} k={k} repeat {rep}: not started ({refused})", flush=True)
+                    continue
+                got = run_child(args, mode, k, rep, result)
+                this.update(got)
+                refused = unfit(got)
             repeats.append(this)
             if rep == 0:
                 runs = this

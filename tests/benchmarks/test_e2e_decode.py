@@ -1159,3 +1159,39 @@ def test_stock_alone_repeated_is_an_aa_pair(tmp_path, seed, capsys):
     one = e2e.k_entry({"stock": json.loads((tmp_path / "run-stock-k3.json").read_text())},
                       [{"stock": json.loads((tmp_path / "run-stock-k3.json").read_text())}])
     assert "comparison" not in one
+
+
+@pytest.mark.parametrize("short", [True, False])
+def test_a_kv_cache_far_too_small_skips_the_processes_left_for_that_k(tmp_path, monkeypatch,
+                                                                      capsys, short):
+    """A child refused because its smallest case needs over 1.1x its KV cache
+    stops the parent from starting that k's other processes (recorded as
+    skipped, the run's exit non-zero); a near miss does not (another mode's
+    engine might get those tokens), nor does it touch the next k."""
+    cap = random.randint(10 ** 5, 10 ** 6)
+    need = int(cap * (random.uniform(1.2, 3.0) if short else random.uniform(1.0, 1.09)))
+    started = []
+
+    def fake_run(cmd, env, stdout, stderr):
+        mode, k = cmd[cmd.index("--mode") + 1], int(cmd[cmd.index("--k") + 1])
+        rep = int(cmd[cmd.index("--repeat") + 1])
+        started.append((mode, k, rep))
+        word = (f"[{mode} k={k}] --batch / --prompt: no case fits the engine's KV cache of "
+                f"{cap} tokens; the smallest needs {need}")
+        name = f"run-{mode}-k{k}{'' if rep == 0 else f'-r{rep}'}.json"
+        (tmp_path / name).write_text(json.dumps(
+            {"error": f"Traceback (most recent call last):\nSystemExit: {word}\n"}
+            if k == 3 else dict(run_file([[1, 2]]), init_s=1.0, jit={})))
+        return type("Done", (), {"returncode": 1 if k == 3 else 0})()
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    rc = e2e.main(["--out", str(tmp_path), "--k", "3", "1", "--repeats", "2",
+                   "--model", str(tmp_path)])
+    assert rc == 1
+    k3 = [s for s in started if s[1] == 3]
+    assert len(k3) == (1 if short else 4)
+    assert len([s for s in started if s[1] == 1]) == 4
+    runs = json.loads((tmp_path / "e2e.json").read_text())["runs"]
+    skipped = [r for r in runs if r["rc"] == "skipped"]
+    assert len(skipped) == (3 if short else 0)
+    assert all(str(need) in r["skipped"] for r in skipped)
