@@ -723,7 +723,7 @@ class Budget:
         """The deadline of a server's measurements once it is up: an equal
         share of what is left after the later servers' starts; where that is
         under ``least`` seconds, shared without the last ``optional`` servers
-        (the A/A control: the comparison comes first)."""
+        (the A/A control, the variants: the comparison comes first)."""
         if self.end is None:
             return float("inf")
 
