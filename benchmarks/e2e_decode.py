@@ -204,6 +204,11 @@ def fitting_batches(args, length: int, capacity: int | None) -> list[int]:
     return [b for b in args.batch if case_fits(b, length, args.new_tokens, args.k, capacity)]
 
 
+# nothing_fits' message read back (:func:`unfit`), as a child's run file records it
+NOTHING_FITS = re.compile(r"no case fits the engine's KV cache of (\d+) tokens.*"
+                          r"the smallest needs (\d+)")
+
+
 def nothing_fits(args, capacity: int | None, engines: int = 1) -> str | None:
     """Why no case of ``args`` can run on an engine whose KV cache holds
     ``capacity`` tokens (``None``: some case fits, or the capacity is
@@ -1010,11 +1015,6 @@ def run_child(args, mode: str, k: int, rep: int, result: dict) -> dict:
         print(f"  {errors[0] if errors else result['runs'][-1]['last_line']}  ({log})",
               flush=True)
     return out
-
-
-# nothing_fits' message, as a child's run file records it
-NOTHING_FITS = re.compile(r"no case fits the engine's KV cache of (\d+) tokens.*"
-                          r"the smallest needs (\d+)")
 
 
 def unfit(out: dict) -> str | None:

@@ -1168,16 +1168,19 @@ def test_a_kv_cache_far_too_small_skips_the_processes_left_for_that_k(tmp_path, 
     stops the parent from starting that k's other processes (recorded as
     skipped, the run's exit non-zero); a near miss does not (another mode's
     engine might get those tokens), nor does it touch the next k."""
-    cap = random.randint(10 ** 5, 10 ** 6)
-    need = int(cap * (random.uniform(1.2, 3.0) if short else random.uniform(1.0, 1.09)))
+    child = e2e.build_parser().parse_args(["--out", str(tmp_path), "--k", "3", "--batch", "64",
+                                            "--prompt", "32768"])
+    child.k = 3  # one k, as main() gives a child
+    need = e2e.case_tokens(64, 32768, child.new_tokens, 3)
+    cap = int(need / (random.uniform(1.2, 3.0) if short else random.uniform(1.0, 1.09)))
+    word = f"[stock k=3] {e2e.nothing_fits(child, cap)}"  # the child's own refusal
+    assert str(need) in word
     started = []
 
     def fake_run(cmd, env, stdout, stderr):
         mode, k = cmd[cmd.index("--mode") + 1], int(cmd[cmd.index("--k") + 1])
         rep = int(cmd[cmd.index("--repeat") + 1])
         started.append((mode, k, rep))
-        word = (f"[{mode} k={k}] --batch / --prompt: no case fits the engine's KV cache of "
-                f"{cap} tokens; the smallest needs {need}")
         name = f"run-{mode}-k{k}{'' if rep == 0 else f'-r{rep}'}.json"
         (tmp_path / name).write_text(json.dumps(
             {"error": f"Traceback (most recent call last):\nSystemExit: {word}\n"}
