@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 import zlib
 
 import pytest
@@ -327,6 +328,86 @@ def test_nvrtc_builds_every_planned_build_without_spills(build):
     report = compile_topk(build)
     cap = 65536 // (ct.threads_of(build) * ct.minb_of(build))  # registers for MINB CTAs per SM
     assert report["spills"] == 0 and 0 < report["registers"] <= min(cap, 255), report
+
+
+def _ptx(defines: tuple) -> str:
+    """The kernel's PTX for a build (NVRTC, no GPU)."""
+    nv = cb.nvrtc()
+    with open(ct.SOURCE) as f:
+        src = f.read().encode()
+    prog = cb.ok(nv.nvrtcCreateProgram(src, b"decode_topk.cu", 0, [], []), "nvrtcCreateProgram")
+    try:
+        opts = [b"--gpu-architecture=compute_90a", b"-std=c++17",
+                *[f"-D{d}".encode() for d in defines]]
+        (res,) = nv.nvrtcCompileProgram(prog, len(opts), opts)
+        assert not res, res
+        text = bytearray(cb.ok(nv.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize"))
+        cb.ok(nv.nvrtcGetPTX(prog, text), "nvrtcGetPTX")
+    finally:
+        nv.nvrtcDestroyProgram(prog)
+    return bytes(text).split(b"\0", 1)[0].decode()
+
+
+SEL_WORDS = 4 * (ct.BINS + 2 * 32)  # the kernel's `sel` words (16): after the histogram and scratch
+
+
+def early_sel_loads(ptx: str) -> list[str]:
+    """Loads of a ``sel`` word (written by one thread, read by all after a
+    barrier) that no barrier precedes in their basic block."""
+    lines = ptx.splitlines()
+    bad = []
+    for n, line in enumerate(lines):
+        m = re.search(r"ld\.shared\S*\s.*\[smem\+(\d+)\]", line)
+        if not m or not SEL_WORDS <= int(m.group(1)) < SEL_WORDS + 64:
+            continue
+        for prev in reversed(lines[:n]):
+            p = prev.strip()
+            if p.startswith(("bar.sync", "barrier.sync", "barrier.cluster.wait")):
+                break
+            if p.endswith(":") or re.match(r"(@!?%p\d+\s+)?bra", p) or p.startswith("}"):
+                bad.append(f"line {n + 1}: {line.strip()}")
+                break
+    return bad
+
+
+@pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
+@pytest.mark.parametrize("build", BUILDS, ids="+".join)
+def test_every_build_reads_the_shared_words_after_the_barrier(build):
+    """The words one thread writes for all (``sel``: the bin, the counts,
+    the keys passing the sample) are loaded after the barrier that publishes
+    them, in every build: a load hoisted above it reads a stale value, and
+    threads that disagree on it take different barriers (the SAMPLE builds
+    did so through ``__restrict__`` parameters and hung)."""
+    assert early_sel_loads(_ptx(build)) == []
+
+
+def test_no_barrier_function_takes_a_writable_restrict_pointer():
+    """A device function that reaches a CTA barrier (directly or through
+    another) takes no non-const ``__restrict__`` pointer: through one the
+    compiler may keep a value across ``__syncthreads()`` that another thread
+    changed (the kernel's own parameters are global memory, not shared)."""
+    with open(ct.SOURCE) as f:
+        src = f.read()
+    funcs = {m.group(1): m for m in re.finditer(
+        r"__device__[^;{(]*?\b(\w+)\(([^)]*)\)\s*\{", src)}
+    bodies = {}
+    for name, m in funcs.items():
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"{": 1, "}": -1}.get(src[i], 0)
+            i += 1
+        bodies[name] = src[m.end():i]
+    barrier = {n for n, b in bodies.items() if "__syncthreads()" in b or "barrier.cluster" in b}
+    while True:
+        more = {n for n, b in bodies.items() if n not in barrier
+                and any(re.search(rf"\b{c}\s*(<[^>]*>)?\(", b) for c in barrier)}
+        if not more:
+            break
+        barrier |= more
+    assert {"find_bin", "block_exclusive_scan", "narrow_list", "sampled_select"} <= barrier
+    bad = [(n, p.strip()) for n in sorted(barrier) for p in funcs[n].group(2).split(",")
+           if "__restrict__" in p and not p.strip().startswith("const")]
+    assert bad == []
 
 
 def test_only_the_planned_builds_are_taken():

@@ -37,6 +37,9 @@
 // every thread of every CTA of the cluster (the loop counts are functions of
 // cluster-wide sums, identical in every CTA).  Rows are independent; the
 // grid is rows x SPLIT.  Nothing leaves the GPU.
+// A function that reaches a barrier takes no non-const __restrict__ pointer:
+// the compiler may carry a value across __syncthreads() through one (keep a
+// load from before the barrier of a word another thread writes).
 
 typedef unsigned int u32;
 typedef long long i64;
@@ -159,7 +162,7 @@ __device__ __forceinline__ void each_key(const u32* __restrict__ keys,
 // barrier).  Unsigned, so packed counts (low | high << half the width) add
 // without overflow.
 template <class T>
-__device__ __forceinline__ T block_exclusive_scan(T v, void* __restrict__ scratch) {
+__device__ __forceinline__ T block_exclusive_scan(T v, void* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   T* sums = reinterpret_cast<T*>(scratch);
   T incl = v;
@@ -214,8 +217,7 @@ __device__ __forceinline__ T* in_cta(T* p, u32) { return p; }
 // (bin, keys in higher bins, keys in the bin) to sel[0..2].  Thread t owns
 // BPT bins from BINS-1-BPT*t down.
 template <int CTAS>
-__device__ void find_bin(const int* __restrict__ hist, int need,
-                                         int* __restrict__ warp_sums, int* __restrict__ sel) {
+__device__ void find_bin(const int* __restrict__ hist, int need, int* warp_sums, int* sel) {
   const int top = BINS - 1 - BPT * (int)threadIdx.x;
   int h[BPT], sum = 0;
 #pragma unroll
@@ -252,8 +254,7 @@ __device__ __forceinline__ u32 key_top(u32 key, int shift) {
 // the first of those equal to it after the `above` slots.
 __device__ void narrow_list(const u32* __restrict__ cand_keys, const int* __restrict__ cand_cols,
                             int listed, u32 prefix, int shift, int above, int k,
-                            int* __restrict__ orow, int* __restrict__ hist,
-                            int* __restrict__ warp_sums, int* __restrict__ sel) {
+                            int* orow, int* hist, int* warp_sums, int* sel) {
   const int t = threadIdx.x, base = above;
   const int ctrips = (listed + THREADS - 1) / THREADS;
   int in_bin = listed;                             // every listed key is under the prefix
@@ -303,11 +304,9 @@ __device__ void narrow_list(const u32* __restrict__ cand_keys, const int* __rest
 // most CAND keys pass it, they are listed and the top k selected among them
 // (narrow_list); returns true.  Otherwise `hist` is left holding the whole
 // row's top digits, as the plain path needs; returns false.
-__device__ bool sampled_select(u32* __restrict__ keys, const float* __restrict__ row, int m,
-                               bool aligned, int k, int* __restrict__ orow,
-                               int* __restrict__ hist, int* __restrict__ warp_sums,
-                               int* __restrict__ sel, u32* __restrict__ cand_keys,
-                               int* __restrict__ cand_cols) {
+__device__ bool sampled_select(const u32* __restrict__ keys, const float* __restrict__ row, int m,
+                               bool aligned, int k, int* orow, int* hist,
+                               int* warp_sums, int* sel, u32* cand_keys, int* cand_cols) {
   const int t = threadIdx.x, span = 4 * THREADS, trips = (m + span - 1) / span;
   int s_cnt = 0;                                   // the sampled columns
   for (int it = 0; it < trips; it += SAMPLE_STRIDE) s_cnt += min(span, m - it * span);
