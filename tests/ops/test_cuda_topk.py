@@ -11,6 +11,7 @@ k of 2048, 512 and 7) and inside a CUDA-graph replay with new contents."""
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 import zlib
 
@@ -110,6 +111,87 @@ def model_select(row: torch.Tensor, n: int, k: int) -> torch.Tensor:
     assert hi.numel() == above
     out[:] = torch.cat([hi, eq]).to(torch.int32)
     return out
+
+
+def _bin_of(hist: list, need: int) -> tuple[int, int, int]:
+    """(bin, keys in higher bins, keys in it) of the ``need``-th largest."""
+    seen = 0
+    for b in range(len(hist) - 1, -1, -1):
+        if seen < need <= seen + hist[b]:
+            return b, seen, hist[b]
+        seen += hist[b]
+    raise AssertionError("need past the keys counted")
+
+
+def model_sampled(row: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, bool]:
+    """A SAMPLE build's steps for one staged row of 1024-thread CTAs, and
+    whether the sample decided it: every 8th trip of 4096 columns sampled
+    (rows of at least 4 trips), its bin of the expected rank of the k-th key
+    plus 3 sqrt + 16, refined by the next 11 bits, a 22-bit threshold; where k
+    to CAND keys pass, they are listed in the kernel's order (a thread's four
+    columns of each trip, thread by thread) and narrowed from the top digit,
+    the ties taken in list order; otherwise the plain steps."""
+    span, stride = 4 * ct.THREADS, 8
+    trips = -(-n // span)
+    if n <= k or trips < 4 or n > ct.MAX_STAGE:
+        return model_select(row, n, k), False
+    keys = order_keys(row[:n])
+    cols = torch.arange(n)
+    sample = keys[(cols // span) % stride == 0]
+    r = -(-k * sample.numel() // n)
+    need = min(sample.numel(), r + 3 * int(math.sqrt(r)) + 16)
+    top, before, _ = _bin_of(torch.bincount(sample >> 21, minlength=ct.BINS).tolist(), need)
+    inside = sample[(sample >> 21) == top]
+    low, _, _ = _bin_of(torch.bincount((inside >> 10) & 2047, minlength=ct.BINS).tolist(),
+                        need - before)
+    thr = (top << 11) | low
+    order = ((cols % span) // 4 * trips + cols // span) * 4 + cols % 4  # (thread, trip, column)
+    listed = cols[order.argsort()]
+    listed = listed[(keys[listed] >> 10) >= thr]
+    if not k <= listed.numel() <= ct.CAND:
+        return model_select(row, n, k), False
+    lk = keys[listed]
+    prefix, shift, above, in_bin = 0, 32, 0, listed.numel()
+    while in_bin != k - above and shift > 0:
+        nxt = 21 if shift == 32 else 10 if shift == 21 else 0
+        under = lk[(lk >> shift) == prefix] if shift < 32 else lk
+        digit, seen, in_bin = _bin_of(torch.bincount((under >> nxt) & ((1 << (shift - nxt)) - 1),
+                                                     minlength=ct.BINS).tolist(), k - above)
+        prefix, shift, above = ((prefix << (shift - nxt)) if shift < 32 else 0) | digit, nxt, \
+            above + seen
+    pre = lk >> shift
+    got = torch.cat([listed[pre > prefix], listed[pre == prefix][:k - above]])
+    return got.to(torch.int32), True
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("width", [20000, 47000])
+def test_sampled_host_model_meets_the_contract(kind, width):
+    gen = torch.Generator().manual_seed(width + len(kind))
+    logits = random_logits(kind, 12, width, gen)
+    lens = random_lengths(12, width, 2048, gen)
+    got = torch.full((12, 2048), -1, dtype=torch.int32)
+    for r, n in enumerate(lens.tolist()):
+        sel, _ = model_sampled(logits[r], n, 2048)
+        got[r, :sel.numel()] = sel
+    assert topk_selection_ok(logits, lens, 2048, got) == []
+
+
+def test_the_sample_decides_serving_like_rows():
+    """On rows like the indexer's (relu-weighted head sums, normal values) of
+    16K-47K columns the sample's threshold passes k to CAND keys on nearly
+    every row (the plain steps otherwise: right, slower); on rows of one
+    value it never does."""
+    gen = torch.Generator().manual_seed(3)
+    decided = total = 0
+    for kind in ("positive", "normal"):
+        logits = random_logits(kind, 100, 47000, gen)
+        for r, n in enumerate(torch.randint(16384, 47001, (100,), generator=gen).tolist()):
+            _, took = model_sampled(logits[r], n, 2048)
+            decided += took
+            total += 1
+    assert decided >= 0.99 * total, (decided, total)
+    assert not model_sampled(torch.ones(30000), 30000, 2048)[1]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -283,7 +365,7 @@ def test_split_and_minb_of_a_build():
     assert ct.minb_of(("SPLIT=1", "MINB=4")) == 4 and ct.minb_of(ct.SHORT_ROWS) == 4
 
 
-BUILDS = ct.plan_builds()  # the only builds the source compiles
+BUILDS = ct.known_builds()  # the only builds the source compiles
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
@@ -330,8 +412,8 @@ def test_every_build_reads_the_shared_words_after_the_barrier(build):
     """The words one thread writes for all (``sel``: the bin, the counts,
     the keys passing the sample) are loaded after the barrier that publishes
     them, in every build: a load hoisted above it reads a stale value, and
-    threads that disagree on it take different barriers (a trial build did
-    so through ``__restrict__`` parameters, and hung)."""
+    threads that disagree on it take different barriers (the SAMPLE builds
+    did so through ``__restrict__`` parameters and hung)."""
     assert early_sel_loads(_ptx(build)) == []
 
 
@@ -358,14 +440,14 @@ def test_no_barrier_function_takes_a_writable_restrict_pointer():
         if not more:
             break
         barrier |= more
-    assert {"find_bin", "block_exclusive_scan"} <= barrier
+    assert {"find_bin", "block_exclusive_scan", "narrow_list", "sampled_select"} <= barrier
     bad = [(n, p.strip()) for n in sorted(barrier) for p in funcs[n].group(2).split(",")
            if "__restrict__" in p and not p.strip().startswith("const")]
     assert bad == []
 
 
 def test_only_the_planned_builds_are_taken():
-    """decode_topk's ``defines``: one of plan_builds (absent macros at their
+    """decode_topk's ``defines``: one of known_builds (absent macros at their
     defaults), else a ValueError naming ``defines`` before anything runs; the
     source refuses the others at compile time too."""
     logits, lens = torch.zeros(2, 8), torch.ones(2, dtype=torch.int32)
@@ -373,14 +455,19 @@ def test_only_the_planned_builds_are_taken():
                 ("SPLIT=4", "LIST=0", "MINB=1"), ("SPLIT=2", "MINB=2"), ("LIST=0",)]:
         with pytest.raises(ValueError, match="defines"):
             ct.decode_topk(logits, lens, 4, defines=bad)
-    for build in ct.plan_builds():  # taken: the check passes, the CPU tensor is refused next
+    for build in ct.known_builds():  # taken: the check passes, the CPU tensor is refused next
         with pytest.raises(ValueError, match="logits"):
             ct.decode_topk(logits, lens, 4, defines=build)
+    for bad in [("SPLIT=2", "SAMPLE=1"), ("THREADS=512", "LIST=0", "MINB=4", "SAMPLE=1")]:
+        with pytest.raises(ValueError, match="defines"):  # the sample: one CTA a row, listed
+            ct.decode_topk(logits, lens, 4, defines=bad)
     with pytest.raises(ValueError, match="logits"):  # MINB=1 and LIST=1 are the defaults
         ct.decode_topk(logits, lens, 4, defines=("SPLIT=2",))
     if NVRTC is None:
         with pytest.raises(RuntimeError, match="not a build cuda_topk.plan_builds names"):
             ct.compile_cubin(extra=("-DSPLIT=8",))
+        with pytest.raises(RuntimeError, match="SAMPLE is a build of one CTA a row"):
+            ct.compile_cubin(extra=("-DSPLIT=2", "-DSAMPLE=1"))
 
 
 def test_a_build_s_threads_list_and_shared_memory():

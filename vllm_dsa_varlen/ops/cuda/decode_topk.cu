@@ -28,6 +28,11 @@
 //      with their keys, to a candidate list in CTA 0;
 //   4. CTA 0 narrows the candidates alone (at most CAND) and writes the rest
 //      (LIST=1 only: with LIST=0 step 2 has fixed the key).
+// SAMPLE=1 (one CTA a row, listed; a trial build): a staged row of at least
+// SAMPLE_MIN_TRIPS trips histograms only every SAMPLE_STRIDE-th trip in
+// pass 0, takes a 22-bit threshold below the k-th key from that sample, and
+// where k to CAND keys pass it lists them and selects among them (step 4
+// from the top digit); else the whole row's histogram and steps 1-4.
 // No atomics but the histogram adds; every cluster barrier is reached by
 // every thread of every CTA of the cluster (the loop counts are functions of
 // cluster-wide sums, identical in every CTA).  Rows are independent; the
@@ -59,8 +64,16 @@ typedef unsigned long long u64;
 #ifndef LIST
 #define LIST 1                    // 1: list the threshold bin's keys (<= CAND) in CTA 0 and
 #endif                            //    narrow them there; 0: narrow over the slices to the end
-// The builds cuda_topk.plan_builds names: SPLIT c (MINB 1, or 2 at one CTA a row),
+#ifndef SAMPLE
+#define SAMPLE 0                  // 1: a staged row of >= SAMPLE_MIN_TRIPS trips first histograms a
+#endif                            //    sample (every SAMPLE_STRIDE-th trip) for a threshold below the
+#define SAMPLE_STRIDE 8           //    k-th key, lists the keys at or above it and selects among them;
+#define SAMPLE_MIN_TRIPS 4        //    the plain path where fewer than k or more than CAND pass
+// The builds cuda_topk.known_builds names (its plan_builds, then the SAMPLE trials): SPLIT c (MINB 1, or 2 at one CTA a row),
 // and one CTA a row without the list at 512 threads (MINB 4) or 1024 (MINB 2).
+#if SAMPLE && !(LIST == 1 && SPLIT == 1 && THREADS == 1024)
+#error "SAMPLE is a build of one CTA a row with the candidate list"
+#endif
 #if !((LIST == 1 && THREADS == 1024 && (MINB == 1 || (SPLIT == 1 && MINB == 2)) \
        && (SPLIT == 1 || SPLIT == 2 || SPLIT == 4)) \
       || (LIST == 0 && SPLIT == 1 && ((THREADS == 512 && MINB == 4) \
@@ -226,6 +239,121 @@ __device__ void find_bin(const int* __restrict__ hist, int need, int* warp_sums,
   __syncthreads();
 }
 
+#if LIST
+// The top digits of a key above `shift` (0 .. 32: 32 keeps none).
+__device__ __forceinline__ u32 key_top(u32 key, int shift) {
+  return shift >= 32 ? 0u : key >> shift;
+}
+
+// The listed keys' part of the row's top k (CTA-wide; the list whole in this
+// CTA's shared memory): `listed` keys, all with top bits above `shift` equal
+// to `prefix` (shift 32: any key) and holding the k-th largest, `above` keys
+// of the row being larger than all of them (already written).  Narrows the prefix digit by
+// digit (11, 11, 10 bits from the top) until its keys are exactly the ones
+// still needed or the key is whole, then writes the listed keys above it and
+// the first of those equal to it after the `above` slots.
+__device__ void narrow_list(const u32* __restrict__ cand_keys, const int* __restrict__ cand_cols,
+                            int listed, u32 prefix, int shift, int above, int k,
+                            int* orow, int* hist, int* warp_sums, int* sel) {
+  const int t = threadIdx.x, base = above;
+  const int ctrips = (listed + THREADS - 1) / THREADS;
+  int in_bin = listed;                             // every listed key is under the prefix
+  while (in_bin != k - above && shift > 0) {
+    const int next = shift == 32 ? 21 : shift == 21 ? 10 : 0;
+    for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
+    __syncthreads();
+    for (int it = 0; it < ctrips; ++it) {
+      const int c = it * THREADS + t;
+      const u32 key = c < listed ? cand_keys[c] : 0u;
+      hist_add(hist, (key >> next) & ((1u << (shift - next)) - 1),
+               c < listed && key_top(key, shift) == prefix);
+    }
+    __syncthreads();
+    find_bin<1>(hist, k - above, warp_sums, sel);
+    prefix = (shift >= 32 ? 0u : prefix << (shift - next)) | (u32)sel[0];
+    shift = next;
+    above += sel[1];
+    in_bin = sel[2];
+  }
+  const int ties = k - above;
+  u32 ccounts = 0;                                 // above | equal << 16 (at most CAND listed)
+  for (int it = 0; it < ctrips; ++it) {
+    const int c = it * THREADS + t;
+    const u32 pre = c < listed ? key_top(cand_keys[c], shift) : 0u;
+    ccounts += c < listed ? (pre > prefix ? 1u : pre == prefix ? 1u << 16 : 0u) : 0u;
+  }
+  const u32 cfirst = block_exclusive_scan<u32>(ccounts, warp_sums);
+  int slot_hi = base + (int)(cfirst & 0xffff);
+  int slot_eq = (int)(cfirst >> 16);
+  for (int it = 0; it < ctrips; ++it) {
+    const int c = it * THREADS + t;
+    if (c >= listed) continue;
+    const u32 pre = key_top(cand_keys[c], shift);
+    if (pre > prefix) orow[slot_hi++] = cand_cols[c];
+    else if (pre == prefix && slot_eq++ < ties) orow[above + slot_eq - 1] = cand_cols[c];
+  }
+}
+#endif
+
+#if SAMPLE
+// A staged row's top k from a sample (SAMPLE builds; CTA-wide, after pass 0
+// histogrammed the top digit of every SAMPLE_STRIDE-th trip's keys into
+// `hist`): the sample's bin of its (expected rank of the k-th + a margin)-th
+// key, refined by the next 11 bits over the sample, gives a 22-bit threshold
+// below the row's k-th key unless the sample misled.  Where at least k and at
+// most CAND keys pass it, they are listed and the top k selected among them
+// (narrow_list); returns true.  Otherwise `hist` is left holding the whole
+// row's top digits, as the plain path needs; returns false.
+__device__ bool sampled_select(const u32* __restrict__ keys, const float* __restrict__ row, int m,
+                               bool aligned, int k, int* orow, int* hist,
+                               int* warp_sums, int* sel, u32* cand_keys, int* cand_cols) {
+  const int t = threadIdx.x, span = 4 * THREADS, trips = (m + span - 1) / span;
+  int s_cnt = 0;                                   // the sampled columns
+  for (int it = 0; it < trips; it += SAMPLE_STRIDE) s_cnt += min(span, m - it * span);
+  const long long r = ((long long)k * s_cnt + m - 1) / m;  // the k-th key's expected rank in it
+  const int need = (int)min((long long)s_cnt, r + 3 * (long long)sqrtf((float)r) + 16);
+  find_bin<1>(hist, need, warp_sums, sel);
+  const u32 top = (u32)sel[0];
+  const int before = sel[1];
+  for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
+  __syncthreads();
+  for (int it = 0; it < trips; it += SAMPLE_STRIDE) {
+    const int i = it * span + 4 * t;
+    if (i >= m) continue;
+    const Keys4 v = load4_staged(keys, i);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      hist_add(hist, (v.k[j] >> 10) & (BINS - 1), i + j < m && (v.k[j] >> 21) == top);
+  }
+  __syncthreads();
+  find_bin<1>(hist, need - before, warp_sums, sel);
+  const u32 thr = (top << 11) | (u32)sel[0];      // keys with key >> 10 >= thr pass
+  u32 mine = 0;
+  each_key(keys, row, m, true, aligned, [&](u32 key, int, bool valid) {
+    mine += valid && (key >> 10) >= thr;
+  });
+  const u32 first = block_exclusive_scan<u32>(mine, warp_sums);
+  if (t == THREADS - 1) sel[4] = (int)(first + mine);
+  __syncthreads();
+  const int passing = sel[4];
+  if (passing >= k && passing <= CAND) {
+    int slot = (int)first;
+    each_key(keys, row, m, true, aligned, [&](u32 key, int i, bool valid) {
+      if (valid && (key >> 10) >= thr) { cand_keys[slot] = key; cand_cols[slot] = i; ++slot; }
+    });
+    __syncthreads();
+    narrow_list(cand_keys, cand_cols, passing, 0u, 32, 0, k, orow, hist, warp_sums, sel);
+    return true;
+  }
+  for (int i = t; i < BINS; i += THREADS) hist[i] = 0;  // the sample misled: the whole row
+  __syncthreads();
+  each_key(keys, row, m, true, aligned, [&](u32 key, int, bool valid) {
+    hist_add(hist, key >> 21, valid);
+  });
+  return false;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 #if SPLIT > 1
 __cluster_dims__(SPLIT, 1, 1)
@@ -262,6 +390,7 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   const int span = 4 * THREADS;
   const int trips = (m + span - 1) / span;
   const int m4 = aligned && staged ? (m & ~3) : 0;        // columns the bulk copies bring
+  const bool sampling = SAMPLE && staged && trips >= SAMPLE_MIN_TRIPS;
 
   // Pass 0: stage the slice, histogram its top digit.
   if (t == 0 && m4 > 0) {
@@ -289,8 +418,16 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
     if (staged && i < m)
       *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) hist_add(hist, v.k[j] >> 21, i + j < m);
+    for (int j = 0; j < 4; ++j)
+      hist_add(hist, v.k[j] >> 21, i + j < m && (!sampling || it % SAMPLE_STRIDE == 0));
   }
+#if SAMPLE
+  if (sampling) {
+    __syncthreads();               // the stage and the sample's histogram are whole
+    if (sampled_select(keys, row, m, aligned, k, orow, hist, warp_sums, sel, cand_keys, cand_cols))
+      return;
+  }
+#endif
   cluster_sync();
   find_bin<SPLIT>(hist, k, warp_sums, sel);
   u32 prefix = (u32)sel[0];        // the threshold key's top bits so far
@@ -368,41 +505,6 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
   if (take || q != 0) return;
 
   // CTA 0: narrow the listed keys (in_bin <= CAND of them) and write the rest.
-  const int listed = in_bin, base = above;
-  const int ctrips = (listed + THREADS - 1) / THREADS;
-  while (in_bin != k - above && shift > 0) {
-    const int next = shift == 21 ? 10 : 0;
-    for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
-    __syncthreads();
-    for (int it = 0; it < ctrips; ++it) {
-      const int c = it * THREADS + t;
-      const u32 key = c < listed ? cand_keys[c] : 0u;
-      hist_add(hist, (key >> next) & ((1u << (shift - next)) - 1),
-               c < listed && (key >> shift) == prefix);
-    }
-    __syncthreads();
-    find_bin<1>(hist, k - above, warp_sums, sel);
-    prefix = (prefix << (shift - next)) | (u32)sel[0];
-    shift = next;
-    above += sel[1];
-    in_bin = sel[2];
-  }
-  const int ties = k - above;
-  u32 ccounts = 0;                                 // above | equal << 16 (at most CAND listed)
-  for (int it = 0; it < ctrips; ++it) {
-    const int c = it * THREADS + t;
-    const u32 pre = c < listed ? cand_keys[c] >> shift : 0u;
-    ccounts += c < listed ? (pre > prefix ? 1u : pre == prefix ? 1u << 16 : 0u) : 0u;
-  }
-  const u32 cfirst = block_exclusive_scan<u32>(ccounts, warp_sums);
-  slot_hi = base + (int)(cfirst & 0xffff);
-  slot_eq = (int)(cfirst >> 16);
-  for (int it = 0; it < ctrips; ++it) {
-    const int c = it * THREADS + t;
-    if (c >= listed) continue;
-    const u32 pre = cand_keys[c] >> shift;
-    if (pre > prefix) orow[slot_hi++] = cand_cols[c];
-    else if (pre == prefix && slot_eq++ < ties) orow[above + slot_eq - 1] = cand_cols[c];
-  }
+  narrow_list(cand_keys, cand_cols, in_bin, prefix, shift, above, k, orow, hist, warp_sums, sel);
 #endif
 }
