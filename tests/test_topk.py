@@ -79,8 +79,10 @@ def test_auto_builds_cover_every_call_the_rule_takes():
                 plan = cuda_topk.launch_plan(rows, longest, sms, bounded=True)
                 assert plan in builds, (sms, rows, longest)
         assert taken > 0
-    # On the H200 (132 SMs) the rule's calls take one to four CTAs per row, one CTA per SM.
-    assert sorted(topk.auto_builds(132)) == sorted((f"SPLIT={s}", "MINB=1") for s in (1, 2, 4))
+    # On 132 SMs (H100, H200) the rule's calls take one to four CTAs per row, one CTA per
+    # SM, and the sampled build for staged rows on one CTA each.
+    assert sorted(topk.auto_builds(132)) == sorted(
+        [(f"SPLIT={s}", "MINB=1") for s in (1, 2, 4)] + [cuda_topk.SAMPLED[0]])
 
 
 def _call(rows=6, width=300, k=16, gen=None):

@@ -644,6 +644,24 @@ def test_launch_plan_spreads_few_rows():
             continue
         two = rows * split > sms and 2 * (ct.smem_bytes(longest, split) + 1024) <= ct.SM_SMEM
         assert (minb == 2) == two and ct.listed(plan) and ct.threads_of(plan) == 1024
+        # a staged long row on one CTA at one per SM: first a threshold from a sample
+        sampled = split == 1 and not two and ct.SAMPLE_FROM <= slice_(1) <= ct.MAX_STAGE
+        assert (plan == ct.SAMPLED[0]) == sampled
+
+
+@pytest.mark.parametrize("rows,longest,plan", [
+    (256, 32768, ("SPLIT=1", "MINB=1", "SAMPLE=1")),   # 64 requests x 4 tokens of 32K
+    (128, 32768, ("SPLIT=1", "MINB=1", "SAMPLE=1")),   # x 2 tokens
+    (256, 65536, ("SPLIT=1", "MINB=1")),               # past the stage: no sample
+    (256, 16384, ("SPLIT=1", "MINB=2")),               # shorter than SAMPLE_FROM
+    (64, 32768, ("SPLIT=2", "MINB=1")),                # split rows: no sample
+])
+def test_launch_plan_samples_staged_long_rows(rows, longest, plan):
+    """The sampled build where the benchmark measured it faster (132 SMs):
+    one CTA a row at one per SM, the longest row staged and of at least
+    SAMPLE_FROM columns; elsewhere the plain builds."""
+    assert ct.launch_plan(rows, longest, 132) == plan
+    assert ct.launch_plan(rows, longest, 132, bounded=True) == plan
 
 
 @pytest.mark.gpu

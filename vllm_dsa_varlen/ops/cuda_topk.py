@@ -142,7 +142,9 @@ def launch_plan(rows: int, longest: int, sms: int, bounded: bool = False) -> tup
     set by shared memory: of at most ~12.1K columns, :data:`SHORT_ROWS` (four
     per SM); of ~18.4K-26.6K columns, where the candidate list leaves room
     for one CTA only, :data:`MID_ROWS` (two; faster there, slower on fewer
-    or longer rows).  ``bounded``: ``longest`` is a
+    or longer rows).  One CTA a row at one per SM over a staged longest
+    row of at least :data:`SAMPLE_FROM` columns: ``SAMPLED[0]`` (a threshold
+    from a sample first).  ``bounded``: ``longest`` is a
     host bound on the lengths (an eager step's ``max_seq_len``), not the
     logits' width; then ``SPLIT`` doubles once more where that stages a slice
     the spread leaves past :data:`MAX_STAGE` (read from global memory in
@@ -162,6 +164,8 @@ def launch_plan(rows: int, longest: int, sms: int, bounded: bool = False) -> tup
         if _fit(2, smem_bytes(longest, 1, False)) and not _fit(2, smem_bytes(longest)):
             return MID_ROWS
     two = rows * split > sms and _fit(2, smem_bytes(longest, split))
+    if split == 1 and not two and SAMPLE_FROM <= _slice(longest, 1) <= MAX_STAGE:
+        return SAMPLED[0]
     return (f"SPLIT={split}", f"MINB={2 if two else 1}")
 
 
@@ -191,9 +195,12 @@ MID_ROWS = ("SPLIT=1", "THREADS=1024", "LIST=0", "MINB=2")
 
 
 # One CTA a row that first histograms a sample of a staged row for a threshold
-# below the k-th key (the source's SAMPLE): a trial build, named by the
-# benchmark, which no launch plan takes until it is measured faster.
+# below the k-th key (the source's SAMPLE).  The plan takes the first where it
+# would give one CTA a row at one per SM and the longest row is staged and at
+# least SAMPLE_FROM long (measured faster there; shorter rows and split rows
+# measured slower); the second is a trial the benchmark names.
 SAMPLED = (("SPLIT=1", "MINB=1", "SAMPLE=1"), ("SPLIT=1", "MINB=2", "SAMPLE=1"))
+SAMPLE_FROM = 32768
 
 
 def plan_builds() -> list[tuple[str, ...]]:
@@ -201,13 +208,13 @@ def plan_builds() -> list[tuple[str, ...]]:
     start-up, so no decode step compiles)."""
     splits = [1 << i for i in range(SPREAD.bit_length())]
     return ([(f"SPLIT={s}", "MINB=1") for s in splits] + [("SPLIT=1", "MINB=2")]
-            + [SHORT_ROWS, MID_ROWS])
+            + [SHORT_ROWS, MID_ROWS, SAMPLED[0]])
 
 
 def known_builds() -> list[tuple[str, ...]]:
     """The builds the source compiles: :func:`plan_builds`, then the
-    :data:`SAMPLED` trials (a caller's ``defines`` only)."""
-    return plan_builds() + list(SAMPLED)
+    :data:`SAMPLED` trial no plan takes (a caller's ``defines`` only)."""
+    return plan_builds() + list(SAMPLED[1:])
 
 
 def kernel_args(logits: int, row_stride: int, lens: int, width: int, k: int, out: int,
