@@ -125,8 +125,9 @@ def _bin_of(hist: list, need: int) -> tuple[int, int, int]:
 
 def model_sampled(row: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, bool]:
     """A SAMPLE build's steps for one staged row of 1024-thread CTAs, and
-    whether the sample decided it: every 8th trip of 4096 columns sampled
-    (rows of at least 4 trips), its bin of the expected rank of the k-th key
+    whether the sample decided it: in each trip of 4096 columns, the 128
+    columns of every 8th warp, rotating with the trip (rows of at least 4
+    trips), its bin of the expected rank of the k-th key
     plus 3 sqrt + 16, refined by the next 11 bits, a 22-bit threshold; where k
     to CAND keys pass, they are listed in the kernel's order (a thread's four
     columns of each trip, thread by thread) and narrowed from the top digit,
@@ -137,7 +138,7 @@ def model_sampled(row: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, bool
         return model_select(row, n, k), False
     keys = order_keys(row[:n])
     cols = torch.arange(n)
-    sample = keys[(cols // span) % stride == 0]
+    sample = keys[((cols % span) // 128 + cols // span) % stride == 0]
     r = -(-k * sample.numel() // n)
     need = min(sample.numel(), r + 3 * int(math.sqrt(r)) + 16)
     top, before, _ = _bin_of(torch.bincount(sample >> 21, minlength=ct.BINS).tolist(), need)
@@ -192,6 +193,20 @@ def test_the_sample_decides_serving_like_rows():
             total += 1
     assert decided >= 0.99 * total, (decided, total)
     assert not model_sampled(torch.ones(30000), 30000, 2048)[1]
+
+
+def test_the_sample_spans_rows_that_drift_with_position():
+    """Logits that rise or fall along the row (a trend of 3 standard
+    deviations end to end): a sample from one stretch would set the threshold
+    far off; one spanning the row still decides nearly every row."""
+    gen = torch.Generator().manual_seed(4)
+    decided = total = 0
+    for sign in (1.0, -1.0):
+        for n in torch.randint(32768, 47001, (60,), generator=gen).tolist():
+            row = torch.randn(n, generator=gen) + sign * 3.0 * torch.linspace(0, 1, n)
+            decided += model_sampled(row, n, 2048)[1]
+            total += 1
+    assert decided >= 0.99 * total, (decided, total)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -509,6 +524,26 @@ def test_kernel_meets_the_contract(build, kind, width, k):
     lens = random_lengths(rows, width, k, gen)
     got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=build)
     assert topk_selection_ok(logits, lens, k, got.cpu()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("build", ct.SAMPLED, ids="+".join)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_sampled_builds_on_rows_that_drift(build, sign):
+    """The sampled builds on rows whose logits rise or fall along the row
+    (no ties): the sets of the host model of the sampled path, which decides
+    these rows from its sample (the contract either way)."""
+    gen = torch.Generator().manual_seed(int(sign) + 7)
+    rows, width, k = 16, 47000, 2048
+    logits = torch.randn(rows, width, generator=gen) + sign * 3.0 * torch.linspace(0, 1, width)
+    lens = torch.randint(32768, width + 1, (rows,), generator=gen, dtype=torch.int32)
+    got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=build).cpu()
+    assert topk_selection_ok(logits, lens, k, got) == []
+    for r, n in enumerate(lens.tolist()):
+        want, decided = model_sampled(logits[r], n, k)
+        assert decided
+        assert set(got[r].tolist()) == set(want.tolist()), r
 
 
 @pytest.mark.gpu

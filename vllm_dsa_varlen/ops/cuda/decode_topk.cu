@@ -28,9 +28,10 @@
 //      with their keys, to a candidate list in CTA 0;
 //   4. CTA 0 narrows the candidates alone (at most CAND) and writes the rest
 //      (LIST=1 only: with LIST=0 step 2 has fixed the key).
-// SAMPLE=1 (one CTA a row, listed; a trial build): a staged row of at least
-// SAMPLE_MIN_TRIPS trips histograms only every SAMPLE_STRIDE-th trip in
-// pass 0, takes a 22-bit threshold below the k-th key from that sample, and
+// SAMPLE=1 (one CTA a row, listed): a staged row of at least
+// SAMPLE_MIN_TRIPS trips histograms in pass 0 only a rotating one in
+// SAMPLE_STRIDE of each trip's warps (128 columns of every 1024, spread over
+// the whole row), takes a 22-bit threshold below the k-th key from that sample, and
 // where k to CAND keys pass it lists them and selects among them (step 4
 // from the top digit); else the whole row's histogram and steps 1-4.
 // No atomics but the histogram adds; every cluster barrier is reached by
@@ -66,7 +67,7 @@ typedef unsigned long long u64;
 #endif                            //    narrow them there; 0: narrow over the slices to the end
 #ifndef SAMPLE
 #define SAMPLE 0                  // 1: a staged row of >= SAMPLE_MIN_TRIPS trips first histograms a
-#endif                            //    sample (every SAMPLE_STRIDE-th trip) for a threshold below the
+#endif                            //    sample (in_sample) for a threshold below the
 #define SAMPLE_STRIDE 8           //    k-th key, lists the keys at or above it and selects among them;
 #define SAMPLE_MIN_TRIPS 4        //    the plain path where fewer than k or more than CAND pass
 // The builds cuda_topk.known_builds names (its plan_builds, then the SAMPLE trials): SPLIT c (MINB 1, or 2 at one CTA a row),
@@ -295,9 +296,16 @@ __device__ void narrow_list(const u32* __restrict__ cand_keys, const int* __rest
 }
 #endif
 
+// Whether this thread's keys of trip `it` are in the sample: its warp is one
+// in SAMPLE_STRIDE, rotating with the trip, so the sample spans the row
+// (logits that drift with position still give a fair threshold).
+__device__ __forceinline__ bool in_sample(int it) {
+  return ((threadIdx.x >> 5) + it) % SAMPLE_STRIDE == 0;
+}
+
 #if SAMPLE
 // A staged row's top k from a sample (SAMPLE builds; CTA-wide, after pass 0
-// histogrammed the top digit of every SAMPLE_STRIDE-th trip's keys into
+// histogrammed the top digit of the sampled keys (in_sample) into
 // `hist`): the sample's bin of its (expected rank of the k-th + a margin)-th
 // key, refined by the next 11 bits over the sample, gives a 22-bit threshold
 // below the row's k-th key unless the sample misled.  Where at least k and at
@@ -309,7 +317,10 @@ __device__ bool sampled_select(const u32* __restrict__ keys, const float* __rest
                                int* warp_sums, int* sel, u32* cand_keys, int* cand_cols) {
   const int t = threadIdx.x, span = 4 * THREADS, trips = (m + span - 1) / span;
   int s_cnt = 0;                                   // the sampled columns
-  for (int it = 0; it < trips; it += SAMPLE_STRIDE) s_cnt += min(span, m - it * span);
+  for (int it = 0; it < trips; ++it)                // warp w's 128 columns when in_sample
+    for (int w = (SAMPLE_STRIDE - it % SAMPLE_STRIDE) % SAMPLE_STRIDE; w < WARPS;
+         w += SAMPLE_STRIDE)
+      s_cnt += max(0, min(128, m - (it * span + 128 * w)));
   const long long r = ((long long)k * s_cnt + m - 1) / m;  // the k-th key's expected rank in it
   const int need = (int)min((long long)s_cnt, r + 3 * (long long)sqrtf((float)r) + 16);
   find_bin<1>(hist, need, warp_sums, sel);
@@ -317,9 +328,9 @@ __device__ bool sampled_select(const u32* __restrict__ keys, const float* __rest
   const int before = sel[1];
   for (int i = t; i < BINS; i += THREADS) hist[i] = 0;
   __syncthreads();
-  for (int it = 0; it < trips; it += SAMPLE_STRIDE) {
+  for (int it = 0; it < trips; ++it) {
     const int i = it * span + 4 * t;
-    if (i >= m) continue;
+    if (i >= m || !in_sample(it)) continue;
     const Keys4 v = load4_staged(keys, i);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -419,7 +430,7 @@ decode_topk(const float* __restrict__ logits, i64 row_stride, const int* __restr
       *reinterpret_cast<uint4*>(keys + i) = make_uint4(v.k[0], v.k[1], v.k[2], v.k[3]);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      hist_add(hist, v.k[j] >> 21, i + j < m && (!sampling || it % SAMPLE_STRIDE == 0));
+      hist_add(hist, v.k[j] >> 21, i + j < m && (!sampling || in_sample(it)));
   }
 #if SAMPLE
   if (sampling) {
