@@ -777,6 +777,24 @@ def test_budget_shares_without_the_optional_server_only_when_short():
     assert b.fits(2.0, 80.0) and not b.fits(2.0, 90.0)
 
 
+def test_the_stop_reserve_is_the_servers_drain_not_half_the_kill_timeout():
+    import argparse
+
+    args = argparse.Namespace(stop_timeout=60.0, server_shutdown_timeout=10)
+    assert serve.stop_reserve(args) == 10 + serve.STOP_SLACK_S
+    args.server_shutdown_timeout = 0
+    assert serve.stop_reserve(args) == serve.STOP_SLACK_S
+    args.stop_timeout, args.server_shutdown_timeout = 8.0, 7
+    assert serve.stop_reserve(args) == 8.0  # never past the kill
+    # The H100 run that left stock's point out: 297 s left when stock was up, a
+    # 90 s warm start to come; warm-up 19 s, identity 27 s, a point's guess 30.5 s.
+    b = serve.Budget(297.0, start_reserve=90.0)
+    need = 19 + 27 + 30.5
+    args = argparse.Namespace(stop_timeout=60.0, server_shutdown_timeout=10)
+    assert b.share(2, serve.stop_reserve(args)) - time.time() > need
+    assert b.share(2, 60.0 / 2) - time.time() < need  # the half-timeout reserve did not fit
+
+
 def test_a_variant_server_is_measured_and_compared_with_stock(fake_vllm, capsys):
     from vllm_dsa_varlen import settings
 
