@@ -117,7 +117,8 @@ def free_port() -> int:
 
 def server_env(mode: str, base: dict, extra: dict, variants: dict | None = None) -> dict:
     """The server's environment in ``mode``: ``base`` without
-    :data:`DROPPED_ENV`, uncoloured unbuffered logs, no hub look-ups,
+    :data:`DROPPED_ENV`, uncoloured unbuffered logs, every thread's stack on a
+    fatal signal (:meth:`Server.stop`), no hub look-ups,
     ``extra`` (``--env``), then the mode's value of the plugin's mode variable;
     a variant (``variants``: name -> its settings, ``--variant``) is the
     plugin with its settings over ``extra``."""
@@ -126,7 +127,8 @@ def server_env(mode: str, base: dict, extra: dict, variants: dict | None = None)
         raise ValueError(f"mode: expected one of {', '.join([*MODE_VALUES, *variants])}, "
                          f"got {mode!r}")
     env = {k: v for k, v in base.items() if k not in DROPPED_ENV}
-    env.update(PYTHONUNBUFFERED="1", VLLM_LOGGING_COLOR="0", NO_COLOR="1")
+    env.update(PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", VLLM_LOGGING_COLOR="0",
+               NO_COLOR="1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.update(extra)
     env.update(variants.get(mode, {}))
@@ -538,20 +540,31 @@ class Server:
             time.sleep(2)
         return f"not ready after {timeout:.0f} s"
 
-    def stop(self, timeout: float) -> dict:
+    def stop(self, timeout: float, drain: float = 0.0) -> dict:
         """SIGTERM to the API server (it stops its engine core), SIGKILL to
-        the process group past ``timeout``."""
+        the process group past ``timeout``.  ``drain``: the server's
+        ``--shutdown-timeout``; an engine core that has not logged the signal
+        2 s before vLLM would kill it gets SIGABRT instead, so that its
+        fault handler (``PYTHONFAULTHANDLER``, :func:`server_env`) writes
+        every thread's stack to the log: where its main thread was stuck."""
         if self.proc is None:
             return {"how": "never started"}
         self._logf.flush()
         self.stop_offset = os.path.getsize(self.log)
         t0 = time.time()
-        how = "exited by itself"
+        how, info = "exited by itself", {}
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             how = "SIGTERM"
             try:
-                self.proc.wait(timeout)
+                if drain > 0:
+                    try:
+                        self.proc.wait(max(0.5, drain - 2.0))
+                    except subprocess.TimeoutExpired:
+                        stuck = self._abort_deaf_cores()
+                        if stuck:
+                            info["cores_aborted"] = stuck
+                self.proc.wait(max(0.1, timeout - (time.time() - t0)))
             except subprocess.TimeoutExpired:
                 how = "SIGKILL (process group) after SIGTERM timed out"
         try:  # whatever of the group is left (an engine core its parent did not reap)
@@ -560,7 +573,32 @@ class Server:
             pass
         self.proc.wait()
         self._logf.close()
-        return {"how": how, "rc": self.proc.returncode, "seconds": round(time.time() - t0, 1)}
+        return {"how": how, "rc": self.proc.returncode, "seconds": round(time.time() - t0, 1),
+                **info}
+
+    def _abort_deaf_cores(self) -> list[int]:
+        """SIGABRT to each engine core of this server's log still alive when
+        none has logged the stop signal since :meth:`stop` began; the pids."""
+        self._logf.flush()
+        with open(self.log, errors="replace") as f:
+            text = f.read()
+        if CORE_HEARD_RE.search(text[self.stop_offset:]):
+            return []
+        aborted = []
+        for pid in sorted({int(p) for p in CORE_PID_RE.findall(text)}):
+            try:
+                os.kill(pid, signal.SIGABRT)
+                aborted.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return aborted
+
+
+# An engine core's log tag (vLLM: "(EngineCore pid=N)", "(EngineCore_DP0 pid=N)") and
+# its line on receiving a stop signal (vLLM 0.34: "[shutdown] EngineCore: trigger
+# received signal=SIGTERM").
+CORE_PID_RE = re.compile(r"\(EngineCore\w* pid=(\d+)\)")
+CORE_HEARD_RE = re.compile(r"EngineCore\w*: trigger received signal")
 
 
 def _get(port: int, path: str, timeout: float = 10) -> str:
@@ -1055,7 +1093,7 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
             else:
                 info["soak"] = {"skipped": "time limit"}
     finally:
-        info["stop"] = server.stop(args.stop_timeout)
+        info["stop"] = server.stop(args.stop_timeout, args.server_shutdown_timeout)
         with open(log, errors="replace") as f:
             text = f.read()
         info["health"] = log_health(text, server.stop_offset)

@@ -139,7 +139,11 @@ def serve(argv: list[str]) -> int:
             self._send(200, json.dumps(resp).encode())
 
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    if os.environ.get("FAKE_DEAF_MODE") == mode:  # an engine core that never hears SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM,
+                      lambda *_: threading.Thread(target=server.shutdown).start())
     server.serve_forever()
     logging.getLogger("vllm").info("shutting down")
     return 0

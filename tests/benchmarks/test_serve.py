@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import signal
 import time
 import types
 
@@ -621,6 +622,7 @@ def test_a_whole_run_against_a_stand_in_server(fake_vllm, capsys):
     steps = 2  # fake_vllm_cli.STEPS_PER_REQUEST
     for mode, info in got["servers"].items():
         assert info["stop"]["how"] == "SIGTERM" and info["stop"]["rc"] == 0, info["stop"]
+        assert "cores_aborted" not in info["stop"]  # a core that heard the signal is left be
         assert info["health"]["serving"]["lines"] == 0
         assert info["env"][MODE_ENV] == serve.MODE_VALUES[mode]
         assert info["vllm_version"] == "0.0.fake"
@@ -775,6 +777,25 @@ def test_budget_shares_without_the_optional_server_only_when_short():
     two = b.share(3, 2.0, optional=1, least=30.0) - time.time()
     assert two == pytest.approx((100 - 4 - 10) / 2, abs=0.5)
     assert b.fits(2.0, 80.0) and not b.fits(2.0, 90.0)
+
+
+def test_an_engine_core_deaf_to_sigterm_leaves_its_stacks(fake_vllm, monkeypatch):
+    """A plugin server whose engine core never logs the stop signal: 2 s
+    before vLLM's drain would end, SIGABRT makes its fault handler write
+    every thread's stack into the log (where the main thread was), and the
+    stop names the pid; stock's server, which stops, is left alone."""
+    monkeypatch.setenv("FAKE_DEAF_MODE", "auto")
+    out = fake_vllm / "deaf"
+    assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "0",
+                       "--concurrency", "2", "--server-shutdown-timeout", "3"]) == 0
+    got = _strict(out / "serve.json")
+    stop = got["servers"]["plugin"]["stop"]
+    assert stop["how"] == "SIGTERM" and stop["rc"] == -signal.SIGABRT, stop
+    assert len(stop["cores_aborted"]) == 1 and 1.0 <= stop["seconds"] < 5, stop  # drain - 2
+    text = (out / "server-plugin.log").read_text()
+    assert "Fatal Python error: Aborted" in text and "serve_forever" in text
+    assert f"pid={stop['cores_aborted'][0]})" in text
+    assert "cores_aborted" not in got["servers"]["stock"]["stop"]
 
 
 def test_the_stop_reserve_is_the_servers_drain_not_half_the_kill_timeout():
