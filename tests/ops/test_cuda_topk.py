@@ -380,7 +380,7 @@ def test_split_and_minb_of_a_build():
     assert ct.minb_of(("SPLIT=1", "MINB=4")) == 4 and ct.minb_of(ct.SHORT_ROWS) == 4
 
 
-BUILDS = ct.known_builds()  # the only builds the source compiles
+BUILDS = ct.plan_builds()  # the only builds the source compiles
 
 
 @pytest.mark.skipif(NVRTC is not None, reason=f"no NVRTC here: {NVRTC}")
@@ -462,7 +462,7 @@ def test_no_barrier_function_takes_a_writable_restrict_pointer():
 
 
 def test_only_the_planned_builds_are_taken():
-    """decode_topk's ``defines``: one of known_builds (absent macros at their
+    """decode_topk's ``defines``: one of plan_builds (absent macros at their
     defaults), else a ValueError naming ``defines`` before anything runs; the
     source refuses the others at compile time too."""
     logits, lens = torch.zeros(2, 8), torch.ones(2, dtype=torch.int32)
@@ -470,10 +470,11 @@ def test_only_the_planned_builds_are_taken():
                 ("SPLIT=4", "LIST=0", "MINB=1"), ("SPLIT=2", "MINB=2"), ("LIST=0",)]:
         with pytest.raises(ValueError, match="defines"):
             ct.decode_topk(logits, lens, 4, defines=bad)
-    for build in ct.known_builds():  # taken: the check passes, the CPU tensor is refused next
+    for build in ct.plan_builds():  # taken: the check passes, the CPU tensor is refused next
         with pytest.raises(ValueError, match="logits"):
             ct.decode_topk(logits, lens, 4, defines=build)
-    for bad in [("SPLIT=2", "SAMPLE=1"), ("THREADS=512", "LIST=0", "MINB=4", "SAMPLE=1")]:
+    for bad in [("SPLIT=2", "SAMPLE=1"), ("THREADS=512", "LIST=0", "MINB=4", "SAMPLE=1"),
+                ("SPLIT=1", "MINB=2", "SAMPLE=1")]:
         with pytest.raises(ValueError, match="defines"):  # the sample: one CTA a row, listed
             ct.decode_topk(logits, lens, 4, defines=bad)
     with pytest.raises(ValueError, match="logits"):  # MINB=1 and LIST=1 are the defaults
@@ -528,9 +529,8 @@ def test_kernel_meets_the_contract(build, kind, width, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("build", ct.SAMPLED, ids="+".join)
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_sampled_builds_on_rows_that_drift(build, sign):
+def test_sampled_build_on_rows_that_drift(sign):
     """The sampled builds on rows whose logits rise or fall along the row
     (no ties): the sets of the host model of the sampled path, which decides
     these rows from its sample (the contract either way)."""
@@ -538,7 +538,7 @@ def test_sampled_builds_on_rows_that_drift(build, sign):
     rows, width, k = 16, 47000, 2048
     logits = torch.randn(rows, width, generator=gen) + sign * 3.0 * torch.linspace(0, 1, width)
     lens = torch.randint(32768, width + 1, (rows,), generator=gen, dtype=torch.int32)
-    got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=build).cpu()
+    got = _run_poisoned(logits.cuda(), lens.cuda(), k, defines=ct.SAMPLED).cpu()
     assert topk_selection_ok(logits, lens, k, got) == []
     for r, n in enumerate(lens.tolist()):
         want, decided = model_sampled(logits[r], n, k)
@@ -681,7 +681,7 @@ def test_launch_plan_spreads_few_rows():
         assert (minb == 2) == two and ct.listed(plan) and ct.threads_of(plan) == 1024
         # a staged long row on one CTA at one per SM: first a threshold from a sample
         sampled = split == 1 and not two and ct.SAMPLE_FROM <= slice_(1) <= ct.MAX_STAGE
-        assert (plan == ct.SAMPLED[0]) == sampled
+        assert (plan == ct.SAMPLED) == sampled
 
 
 @pytest.mark.parametrize("rows,longest,plan", [

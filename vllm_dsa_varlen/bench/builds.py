@@ -334,7 +334,7 @@ def topk_build(text: str, flag: str = "--topk-builds") -> tuple[tuple, int | str
         raise ValueError(f"{flag} {text!r}: one bound=N at most")
     defines = tuple(d for d in given if not d.startswith("bound="))
     if defines and not ct.is_planned(defines):
-        names = ", ".join("+".join(b) for b in ct.known_builds())
+        names = ", ".join("+".join(b) for b in ct.plan_builds())
         raise ValueError(f"{flag} {text!r}: not a build the top-k plans; one of: "
                          f"{names} (or default)")
     if bound and bound[0] != "step" and not (bound[0].isdigit() and int(bound[0]) >= 1):

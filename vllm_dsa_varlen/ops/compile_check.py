@@ -168,7 +168,7 @@ def main() -> int:
         jobs += [("cuda_plan_sm90", h, cp.defines_for(h), {}) for h in cp.HEAD_COUNTS]
         from . import cuda_topk as ct
 
-        jobs += [("cuda_topk", None, build, {}) for build in ct.known_builds()]
+        jobs += [("cuda_topk", None, build, {}) for build in ct.plan_builds()]
     jobs += [("portable", h, arch, v) for h in (32, 64) for arch in (89, 90, 100, 120)
              for v in portable.portable_variants(h)]
     nvrtc_builds = {"cuda_sm90": lambda job: compile_cuda_sm90(job[2]),

@@ -143,7 +143,7 @@ def launch_plan(rows: int, longest: int, sms: int, bounded: bool = False) -> tup
     per SM); of ~18.4K-26.6K columns, where the candidate list leaves room
     for one CTA only, :data:`MID_ROWS` (two; faster there, slower on fewer
     or longer rows).  One CTA a row at one per SM over a staged longest
-    row of at least :data:`SAMPLE_FROM` columns: ``SAMPLED[0]`` (a threshold
+    row of at least :data:`SAMPLE_FROM` columns: ``SAMPLED`` (a threshold
     from a sample first).  ``bounded``: ``longest`` is a
     host bound on the lengths (an eager step's ``max_seq_len``), not the
     logits' width; then ``SPLIT`` doubles once more where that stages a slice
@@ -165,7 +165,7 @@ def launch_plan(rows: int, longest: int, sms: int, bounded: bool = False) -> tup
             return MID_ROWS
     two = rows * split > sms and _fit(2, smem_bytes(longest, split))
     if split == 1 and not two and SAMPLE_FROM <= _slice(longest, 1) <= MAX_STAGE:
-        return SAMPLED[0]
+        return SAMPLED
     return (f"SPLIT={split}", f"MINB={2 if two else 1}")
 
 
@@ -195,11 +195,11 @@ MID_ROWS = ("SPLIT=1", "THREADS=1024", "LIST=0", "MINB=2")
 
 
 # One CTA a row that first histograms a sample of a staged row for a threshold
-# below the k-th key (the source's SAMPLE).  The plan takes the first where it
-# would give one CTA a row at one per SM and the longest row is staged and at
-# least SAMPLE_FROM long (measured faster there; shorter rows and split rows
-# measured slower); the second is a trial the benchmark names.
-SAMPLED = (("SPLIT=1", "MINB=1", "SAMPLE=1"), ("SPLIT=1", "MINB=2", "SAMPLE=1"))
+# below the k-th key (the source's SAMPLE).  The plan takes it where it would
+# give one CTA a row at one per SM and the longest row is staged and at least
+# SAMPLE_FROM long (measured faster there; shorter rows and split rows measured
+# slower).
+SAMPLED = ("SPLIT=1", "MINB=1", "SAMPLE=1")
 SAMPLE_FROM = 32768
 
 
@@ -208,13 +208,7 @@ def plan_builds() -> list[tuple[str, ...]]:
     start-up, so no decode step compiles)."""
     splits = [1 << i for i in range(SPREAD.bit_length())]
     return ([(f"SPLIT={s}", "MINB=1") for s in splits] + [("SPLIT=1", "MINB=2")]
-            + [SHORT_ROWS, MID_ROWS, SAMPLED[0]])
-
-
-def known_builds() -> list[tuple[str, ...]]:
-    """The builds the source compiles: :func:`plan_builds`, then the
-    :data:`SAMPLED` trial no plan takes (a caller's ``defines`` only)."""
-    return plan_builds() + list(SAMPLED[1:])
+            + [SHORT_ROWS, MID_ROWS, SAMPLED])
 
 
 def kernel_args(logits: int, row_stride: int, lens: int, width: int, k: int, out: int,
@@ -350,11 +344,11 @@ def _values(defines: tuple) -> tuple[int, int, bool, int, int]:
 
 
 def is_planned(defines: tuple) -> bool:
-    """Whether ``defines`` make one of :func:`known_builds` (absent macros at
+    """Whether ``defines`` make one of :func:`plan_builds` (absent macros at
     their defaults): the only builds the source compiles."""
     known = all(d.partition("=")[0] in ("SPLIT", "THREADS", "LIST", "MINB", "SAMPLE")
                 for d in defines)
-    return known and _values(tuple(defines)) in {_values(b) for b in known_builds()}
+    return known and _values(tuple(defines)) in {_values(b) for b in plan_builds()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -363,7 +357,7 @@ def _facts(defines: tuple) -> tuple[int, int, bool]:
     (once per build): ``ValueError`` naming ``defines`` unless
     :func:`is_planned`."""
     if not is_planned(defines):
-        _fail("defines", f"one of known_builds() {known_builds()}", defines)
+        _fail("defines", f"one of plan_builds() {plan_builds()}", defines)
     return _values(defines)[:3]
 
 

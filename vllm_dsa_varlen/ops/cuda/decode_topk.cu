@@ -70,9 +70,10 @@ typedef unsigned long long u64;
 #endif                            //    sample (in_sample) for a threshold below the
 #define SAMPLE_STRIDE 8           //    k-th key, lists the keys at or above it and selects among them;
 #define SAMPLE_MIN_TRIPS 4        //    the plain path where fewer than k or more than CAND pass
-// The builds cuda_topk.known_builds names (its plan_builds, then the SAMPLE trials): SPLIT c (MINB 1, or 2 at one CTA a row),
-// and one CTA a row without the list at 512 threads (MINB 4) or 1024 (MINB 2).
-#if SAMPLE && !(LIST == 1 && SPLIT == 1 && THREADS == 1024)
+// The builds cuda_topk.plan_builds names: SPLIT c (MINB 1, or 2 at one CTA a row), the
+// sampled one (SPLIT 1, MINB 1), and one CTA a row without the list at 512 threads
+// (MINB 4) or 1024 (MINB 2).
+#if SAMPLE && !(LIST == 1 && SPLIT == 1 && THREADS == 1024 && MINB == 1)
 #error "SAMPLE is a build of one CTA a row with the candidate list"
 #endif
 #if !((LIST == 1 && THREADS == 1024 && (MINB == 1 || (SPLIT == 1 && MINB == 2)) \
