@@ -1,7 +1,7 @@
 """``vllm bench serve`` runs one after another in one process: serve.py's client.
 
-Each ``vllm bench serve`` process spends its first ~20 s importing vLLM, more
-than a short point serves.  This worker imports vLLM's command line once and
+Each ``vllm bench serve`` process spends its first seconds importing vLLM,
+often more than a short point serves.  This worker imports vLLM's command line once and
 hands every run to the same entry point a fresh ``vllm bench serve`` would
 reach (``vllm.entrypoints.cli.main.main`` with the run's arguments), its
 output (file descriptors 1 and 2) into the run's own log.  The client's code,

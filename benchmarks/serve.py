@@ -784,15 +784,15 @@ class Budget:
 
 
 # What a stop takes past the server's own drain (--server-shutdown-timeout): the
-# API server's exit after its engine core's (4-11 s in all on an H100).
+# API server's exit after its engine core's.
 STOP_SLACK_S = 5.0
 
 
 def stop_reserve(args) -> float:
     """The seconds a budget keeps for stopping one server: its drain and
     :data:`STOP_SLACK_S`, at most ``--stop-timeout`` (when a server is
-    killed).  Half the stop timeout, kept before, left the first server's
-    point unmeasured by 3 s."""
+    killed): a reserve of half the kill timeout crowded out the first
+    server's point."""
     return min(float(args.stop_timeout), args.server_shutdown_timeout + STOP_SLACK_S)
 
 
@@ -810,7 +810,7 @@ def _model_folder(args) -> tuple[str, dict]:
 class BenchClient:
     """``vllm bench serve`` in one worker process for the whole run
     (``benchmarks/bench_client.py``): vLLM imported once, while the first
-    server starts, instead of ~20 s before every run; restarted after a run
+    server starts, instead of before every run; restarted after a run
     that overran its time or a worker that died."""
 
     WORKER = os.path.join(_HERE, "bench_client.py")

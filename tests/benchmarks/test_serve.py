@@ -807,8 +807,9 @@ def test_the_stop_reserve_is_the_servers_drain_not_half_the_kill_timeout():
     assert serve.stop_reserve(args) == serve.STOP_SLACK_S
     args.stop_timeout, args.server_shutdown_timeout = 8.0, 7
     assert serve.stop_reserve(args) == 8.0  # never past the kill
-    # The H100 run that left stock's point out: 297 s left when stock was up, a
-    # 90 s warm start to come; warm-up 19 s, identity 27 s, a point's guess 30.5 s.
+    # A first server up with 297 s left and a 90 s start to come, needing 19 s
+    # (warm-up) + 27 s (identity) + 30.5 s (a point's guess): the drain's reserve
+    # leaves room for all three, half the kill timeout did not.
     b = serve.Budget(297.0, start_reserve=90.0)
     need = 19 + 27 + 30.5
     args = argparse.Namespace(stop_timeout=60.0, server_shutdown_timeout=10)
