@@ -53,6 +53,18 @@ server's log, and a table on stdout: TTFT, TPOT, ITL (mean / p50 / p99) and
 output tokens/s per point and mode, each mode's speed against stock's
 (``x``: stock's time over the mode's, the mode's tokens/s over stock's).
 
+Diagnostics (``benchmarks/serve_diag.py``), for finding where a served step
+loses: ``--env VLLM_GPU_SYNC_CHECK=warn`` makes vLLM warn at every line that
+synchronises with the GPU inside its step, kept per server as
+``sync_sites``; ``--py-spy PATH`` records each engine core's stacks over
+every measured point (``stacks``: per thread, functions by inclusive and self
+share, the share inside the plugin's package, the share waiting);
+``--profile-steps N`` takes a window of N engine steps under vLLM's torch
+profiler after the points (``profile``: GPU time per step by kernel class,
+the share of the window some kernel ran, the host's CUDA synchronisations per
+step).  At the stop each engine core's stand towards SIGTERM is kept
+(``/proc``: blocked, pending, handled).
+
 The model: ``--config tiny|proxy`` writes a model folder
 (``benchmarks/serve_model.py``: DeepSeek-V3.2's architecture, dummy weights,
 a word-level tokenizer); ``--model`` takes any checkpoint instead
@@ -84,6 +96,7 @@ from concurrent.futures import ThreadPoolExecutor
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # this checkout's plugin package (its log-line format), then the benchmarks beside this file
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
+import serve_diag  # noqa: E402
 import serve_model  # noqa: E402
 
 from vllm_dsa_varlen import settings, stats  # noqa: E402
@@ -170,7 +183,9 @@ def max_model_len(args) -> int:
     return int(longest * (1 + ratio)) + int(out * (1 + ratio)) + args.k + 64
 
 
-def serve_command(args, model: str, port: int) -> list[str]:
+def serve_command(args, model: str, port: int, trace_dir: str | None = None) -> list[str]:
+    """``vllm serve``'s command line; with ``--profile-steps`` vLLM's torch
+    profiler set up to write a window's trace under ``trace_dir``."""
     spec = {"method": "mtp", "num_speculative_tokens": args.k}
     attention = {}
     if args.attention_backend:
@@ -196,6 +211,9 @@ def serve_command(args, model: str, port: int) -> list[str]:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.async_scheduling != "default":
         cmd += ["--async-scheduling" if args.async_scheduling == "on" else "--no-async-scheduling"]
+    if args.profile_steps:
+        cmd += ["--profiler-config", json.dumps(serve_diag.profiler_config(
+            trace_dir or os.path.join(args.out, "trace"), args.profile_steps, args.profile_delay))]
     return cmd + list(args.serve_arg)
 
 
@@ -554,6 +572,9 @@ class Server:
         t0 = time.time()
         how, info = "exited by itself", {}
         if self.proc.poll() is None:
+            states = {str(pid): serve_diag.signal_state(pid) for pid in self.core_pids()}
+            if states:
+                info["cores_before_stop"] = states
             self.proc.send_signal(signal.SIGTERM)
             how = "SIGTERM"
             try:
@@ -561,9 +582,10 @@ class Server:
                     try:
                         self.proc.wait(max(0.5, drain - 2.0))
                     except subprocess.TimeoutExpired:
-                        stuck = self._abort_deaf_cores()
+                        stuck, states = self._abort_deaf_cores()
                         if stuck:
                             info["cores_aborted"] = stuck
+                            info["cores_at_abort"] = states
                 self.proc.wait(max(0.1, timeout - (time.time() - t0)))
             except subprocess.TimeoutExpired:
                 how = "SIGKILL (process group) after SIGTERM timed out"
@@ -576,22 +598,32 @@ class Server:
         return {"how": how, "rc": self.proc.returncode, "seconds": round(time.time() - t0, 1),
                 **info}
 
-    def _abort_deaf_cores(self) -> list[int]:
+    def core_pids(self) -> list[int]:
+        """The engine cores this server's log names."""
+        self._logf.flush()
+        with open(self.log, errors="replace") as f:
+            return sorted({int(p) for p in CORE_PID_RE.findall(f.read())})
+
+    def _abort_deaf_cores(self) -> tuple[list[int], dict]:
         """SIGABRT to each engine core of this server's log still alive when
-        none has logged the stop signal since :meth:`stop` began; the pids."""
+        none has logged the stop signal since :meth:`stop` began; the pids,
+        and how each stood towards SIGTERM just before
+        (:func:`serve_diag.signal_state`: pending for the process means no
+        thread took it)."""
         self._logf.flush()
         with open(self.log, errors="replace") as f:
             text = f.read()
         if CORE_HEARD_RE.search(text[self.stop_offset:]):
-            return []
-        aborted = []
+            return [], {}
+        aborted, states = [], {}
         for pid in sorted({int(p) for p in CORE_PID_RE.findall(text)}):
+            states[str(pid)] = serve_diag.signal_state(pid)
             try:
                 os.kill(pid, signal.SIGABRT)
                 aborted.append(pid)
             except (ProcessLookupError, PermissionError):
                 pass
-        return aborted
+        return aborted, states
 
 
 # An engine core's log tag (vLLM: "(EngineCore pid=N)", "(EngineCore_DP0 pid=N)") and
@@ -918,9 +950,21 @@ def run_client(args, point: dict, port: int, tokenizer: str, mode: str, timeout:
 
 
 def measure_point(args, point: dict, port: int, tokenizer: str, mode: str,
-                  timeout: float) -> dict:
+                  timeout: float, core_pids: list[int] | None = None) -> dict:
+    """A measured point: the client's run, /metrics growth over it and, with
+    ``--py-spy``, each engine core's (``core_pids``) stacks over it."""
     before = scrape(port)
-    run = run_client(args, point, port, tokenizer, mode, timeout)
+    sampler = None
+    if args.py_spy and core_pids:
+        sampler = serve_diag.StackSampler(args.py_spy, args.out, args.py_spy_rate)
+        sampler.start(core_pids, f"{mode}-{point['id']}")
+    try:
+        run = run_client(args, point, port, tokenizer, mode, timeout)
+    finally:
+        if sampler is not None:
+            stacks = sampler.finish()
+    if sampler is not None:
+        run["stacks"] = stacks
     after = scrape(port)
     run["engine"] = (counters_growth(before, after)
                      if "error" not in before and "error" not in after else
@@ -1012,7 +1056,8 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
     ``servers_left`` (this one included) are the A/A control or a
     ``--variant``, which a short budget drops first."""
     port = free_port()
-    cmd = serve_command(args, model, port)
+    trace_dir = os.path.join(args.out, f"trace-{mode}")
+    cmd = serve_command(args, model, port, trace_dir)
     env_extra = dict(kv.split("=", 1) for kv in args.env)
     env = server_env(mode, dict(os.environ), env_extra, args.variants)
     log = os.path.join(args.out, f"server-{mode}.log")
@@ -1079,12 +1124,17 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
                     run_client(args, dict(point, id=point["id"] + "-prime"), port, tokenizer, mode,
                                deadline - time.time())
                 time.sleep(args.gap)  # the idle spell that marks the point's start in the log
-                run = measure_point(args, point, port, tokenizer, mode, deadline - time.time())
+                run = measure_point(args, point, port, tokenizer, mode, deadline - time.time(),
+                                    server.core_pids())
                 per_point_s = max(per_point_s, run["wall_s"])
                 runs[mode] = run
                 c = run.get("client") or {}
                 print(f"[{mode}] {point['id']}: rc {run['rc']}, {run['wall_s']} s, TPOT "
                       f"{c.get('mean_tpot_ms')} ms, failed {c.get('failed')}", flush=True)
+            save()
+        if args.profile_steps and points:
+            info["profile"] = profile_window(args, points[0], port, tokenizer, mode, trace_dir,
+                                             deadline, per_point_s)
             save()
         if args.soak_minutes:
             if time.time() + args.gap + 60 * args.soak_minutes + 60 < deadline:
@@ -1097,6 +1147,7 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
         with open(log, errors="replace") as f:
             text = f.read()
         info["health"] = log_health(text, server.stop_offset)
+        info["sync_sites"] = serve_diag.sync_sites(text[:server.stop_offset or len(text)])
         info["plugin_log"] = plugin_path_log(text)
         lines = path_lines(text)
         info["path_lines"] = len(lines)
@@ -1111,6 +1162,39 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
             soak["consistency"] = soak_consistency(soak, args.k)
         save()
     return info
+
+
+def profile_window(args, point: dict, port: int, tokenizer: str, mode: str, trace_dir: str,
+                   deadline: float, per_point_s: float) -> dict:
+    """``--profile-steps``: one wave of ``point``'s load (unmeasured) under
+    vLLM's torch profiler (``/start_profile``; the worker stops by itself
+    after the window, :func:`serve_diag.profiler_config`), its trace
+    summarised (:func:`serve_diag.summarize_profile`) and deleted."""
+    if time.time() + args.gap + per_point_s + 90 > deadline:
+        return {"skipped": "time limit"}
+    time.sleep(args.gap)
+    try:
+        _post_empty(port, "/start_profile", 60)
+        wave = dict(point, id=point["id"] + "-profile", num_prompts=point["value"]) \
+            if point["kind"] == "concurrency" else dict(point, id=point["id"] + "-profile")
+        run = run_client(args, wave, port, tokenizer, mode, max(1.0, deadline - time.time()))
+        _post_empty(port, "/stop_profile", 120)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    path = serve_diag.wait_for_trace(trace_dir, max(5.0, min(120.0, deadline - time.time())))
+    if path is None:
+        return {"error": f"no trace under {trace_dir}", "client_rc": run["rc"]}
+    try:
+        summary = serve_diag.summarize_profile(serve_diag.read_trace(path))
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    return {"client_rc": run["rc"], "window": [run["t0"], run["t1"]], **summary}
+
+
+def _post_empty(port: int, path: str, timeout: float) -> None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        r.read()
 
 
 def soak_consistency(soak: dict, k: int) -> dict:
@@ -1223,6 +1307,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true",
                     help="one GPU call: 4K prompts, concurrency 8 and 32, no rate points, "
                     "16 identity requests")
+    ap.add_argument("--py-spy", default=None, metavar="PATH",
+                    help="py-spy executable: each engine core's stacks recorded over every "
+                    "measured point (benchmarks/serve_diag.py)")
+    ap.add_argument("--py-spy-rate", type=int, default=200, help="py-spy samples per second")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after the points, a window of this many engine steps under vLLM's "
+                    "torch profiler, summarised (GPU time by kernel class, host syncs)")
+    ap.add_argument("--profile-delay", type=int, default=20,
+                    help="engine steps between /start_profile and the window")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and stop")
     return ap
 
@@ -1281,6 +1374,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for kv in args.env:
         if "=" not in kv:
             ap.error(f"--env: expected KEY=VALUE, got {kv!r}")
+    if args.profile_steps < 0 or args.profile_delay < 0 or args.py_spy_rate < 1:
+        ap.error("--profile-steps / --profile-delay: expected >= 0; --py-spy-rate: >= 1")
     return args
 
 

@@ -11,6 +11,11 @@ a decode-path line and records ``STEPS_PER_REQUEST`` varlen steps per
 completion through the plugin's own counters, its log interval shortened by
 ``FAKE_LOG_EVERY_S``.  ``FAKE_FAIL_MODE``: a server in that mode exits at once;
 ``FAKE_START_S`` (``mode=seconds,...``): a server in that mode takes that long to come up.
+``--profiler-config``: ``/start_profile`` and ``/stop_profile``, the latter
+writing a gzipped trace of the completions since the start (per step an
+annotation, two kernels, a synchronising CUDA call under a host op);
+``FAKE_SYNC_WARN``: the server prints a sync-debug warning per completion
+from that ``file:line``, as Python's warnings module prints torch's.
 ``bench serve``: sends the point's requests (concurrency or Poisson arrivals)
 and writes a result file with vLLM's keys, per-request arrays included.
 """
@@ -43,11 +48,15 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("model")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--served-model-name", default="m")
+    ap.add_argument("--profiler-config", default=None)
     args, _ = ap.parse_known_args(argv)
+    profiler = json.loads(args.profiler_config) if args.profiler_config else None
+    profiled: list[int] = []  # steps recorded since /start_profile (None: not profiling)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO,
                         format="(EngineCore_DP0 pid=%(process)d) %(levelname)s 12-06 00:00:00 "
                                "[%(filename)s:%(lineno)d] %(message)s")
     mode = os.environ.get(MODE_VAR, "auto")
+    logging.getLogger("vllm").info("engine core starting")  # its tag names its pid, as vLLM's
     if os.environ.get("FAKE_FAIL_MODE") == mode:
         print("(APIServer pid=1) ERROR 12-06 00:00:00 [fake.py:1] cannot start", flush=True)
         return 1
@@ -67,7 +76,17 @@ def serve(argv: list[str]) -> int:
         if mode == "auto":
             for i in range(STEPS_PER_REQUEST):
                 stats.record("varlen", variable=i % 2 == 0, mixed=False)
+        if os.environ.get("FAKE_SYNC_WARN"):
+            import warnings
+
+            path, line = os.environ["FAKE_SYNC_WARN"].rsplit(":", 1)
+            sys.stdout.write("(EngineCore_DP0 pid=%d) " % os.getpid() + warnings.formatwarning(
+                "called a synchronizing CUDA operation (Triggered internally at sync.cpp:1.)",
+                UserWarning, path, int(line)))
+            sys.stdout.flush()
         with lock:
+            if profiled:
+                profiled[0] += STEPS_PER_REQUEST
             counts["drafts"] += STEPS_PER_REQUEST
             counts["draft_tokens"] += 3 * STEPS_PER_REQUEST
             counts["accepted"] += 1
@@ -114,6 +133,15 @@ def serve(argv: list[str]) -> int:
                 self._send(404, b"{}")
 
         def do_POST(self):
+            if self.path in ("/start_profile", "/stop_profile") and profiler:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with lock:
+                    if self.path == "/start_profile":
+                        profiled[:] = [0]
+                    elif profiled:
+                        write_trace(profiler["torch_profiler_dir"], profiled.pop())
+                self._send(200, b"")
+                return
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             out = complete(body)
             if body.get("stream"):
@@ -147,6 +175,34 @@ def serve(argv: list[str]) -> int:
     server.serve_forever()
     logging.getLogger("vllm").info("shutting down")
     return 0
+
+
+def write_trace(folder: str, steps: int) -> None:
+    """A gzipped Chrome trace of ``steps`` engine steps, as vLLM's worker
+    profiler writes one: per step its annotation on the host, a host op with
+    a cudaStreamSynchronize inside, and two kernels (an indexer top-k of 30
+    us, a GEMM of 70 us) of a 200 us step."""
+    import gzip
+
+    events = []
+    for i in range(steps):
+        t = 1000.0 + 200.0 * i
+        events += [
+            {"ph": "X", "cat": "user_annotation", "name": f"execute_context_0(0)_generation_4({16})",
+             "ts": t, "dur": 150.0, "pid": 1, "tid": 7},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::item", "ts": t + 10, "dur": 20.0,
+             "pid": 1, "tid": 7},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": t + 12,
+             "dur": 15.0, "pid": 1, "tid": 7},
+            {"ph": "X", "cat": "kernel", "name": "persistent_topk_kernel", "ts": t + 40,
+             "dur": 30.0, "pid": 0, "tid": 7},
+            {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm", "ts": t + 80, "dur": 70.0,
+             "pid": 0, "tid": 7}]
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"fake-worker.{int(time.time() * 1000)}.pt.trace.json.gz")
+    with gzip.open(path + ".tmp", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    os.rename(path + ".tmp", path)
 
 
 def _pct(values: list[float], p: float) -> float:

@@ -98,7 +98,8 @@ def test_vllm_serve_reads_the_server_command_as_meant(tmp_path, cpu_platform, as
     args = _args("--k", str(k), "--concurrency", "3", "40", "--input-len", "5000",
                  "--range-ratio", "0.2", "--async-scheduling", asynchronous,
                  "--max-num-batched-tokens", "8192", "--serve-arg=--enforce-eager",
-                 "--server-shutdown-timeout", str(drain := random.randint(1, 30)))
+                 "--server-shutdown-timeout", str(drain := random.randint(1, 30)),
+                 "--profile-steps", str(steps := random.randint(1, 60)))
     port = serve.free_port()
     cmd = serve.serve_command(args, str(tmp_path), port)
     assert cmd[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
@@ -113,6 +114,8 @@ def test_vllm_serve_reads_the_server_command_as_meant(tmp_path, cpu_platform, as
     assert engine.max_num_batched_tokens == 8192 and engine.enforce_eager
     assert engine.async_scheduling == {"default": None, "on": True, "off": False}[asynchronous]
     assert engine.shutdown_timeout == drain  # the engine core drains at the stop, not killed
+    assert engine.profiler_config.max_iterations == steps
+    assert engine.profiler_config.profiler == "torch"
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")
@@ -796,6 +799,48 @@ def test_an_engine_core_deaf_to_sigterm_leaves_its_stacks(fake_vllm, monkeypatch
     assert "Fatal Python error: Aborted" in text and "serve_forever" in text
     assert f"pid={stop['cores_aborted'][0]})" in text
     assert "cores_aborted" not in got["servers"]["stock"]["stop"]
+    # how each core stood towards SIGTERM: the deaf one ignores it, stock's handles it
+    pid = str(stop["cores_aborted"][0])
+    assert stop["cores_at_abort"][pid]["ignored"] and not stop["cores_at_abort"][pid]["handled"]
+    assert stop["cores_before_stop"][pid]["ignored"]
+    (before,) = got["servers"]["stock"]["stop"]["cores_before_stop"].values()
+    assert before["handled"] and not before["main_blocks"] and not before["pending_process"]
+
+
+def test_the_diagnostics_stacks_profile_and_sync_sites(fake_vllm, monkeypatch, tmp_path):
+    """--py-spy: each engine core's stacks over every measured point;
+    --profile-steps: a profiled window after the points, summarised per step
+    (its trace removed); VLLM_GPU_SYNC_CHECK's warnings read as sync sites."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    exe = tmp_path / "py-spy"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {os.path.join(here, 'fake_py_spy.py')} "
+                   '"$@"\n')
+    exe.chmod(0o755)
+    site = f"vllm_dsa_varlen/plan.py:{random.randint(1, 300)}"
+    monkeypatch.setenv("FAKE_SYNC_WARN", "/venv/lib/python3.12/site-packages/" + site)
+    out = fake_vllm / "diag"
+    assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "0",
+                       "--concurrency", "2", "--py-spy", str(exe),
+                       "--profile-steps", "50", "--profile-delay", "0"]) == 0
+    got = _strict(out / "serve.json")
+    (point,) = got["points"]
+    for mode in ("stock", "plugin"):
+        info = got["servers"][mode]
+        cmd = info["cmd"]
+        cfg = json.loads(cmd[cmd.index("--profiler-config") + 1])
+        assert cfg["max_iterations"] == 50 and cfg["torch_profiler_dir"].endswith(f"trace-{mode}")
+        (stacks,) = point["runs"][mode]["stacks"].values()
+        assert stacks["engine_thread"].startswith("thread (0x7F00AA)")
+        prof = info["profile"]
+        assert prof["client_rc"] == 0 and not os.path.exists(cfg["torch_profiler_dir"])
+        steps = 2 * 2  # one wave of concurrency 2, fake_vllm_cli.STEPS_PER_REQUEST each
+        assert prof["steps"] == steps and prof["gpu_us_per_step"] == pytest.approx(100.0)
+        assert prof["by_class_us_per_step"]["topk"] == pytest.approx(30.0)
+        assert prof["syncs_per_step"] == {"cudaStreamSynchronize": {"calls": 1.0, "us": 15.0}}
+        assert prof["syncs_under"] == {"aten::item": steps}
+        file, line = site.split(":")
+        assert [(x["file"], x["line"], x["plugin"]) for x in info["sync_sites"]] == \
+            [(file, int(line), True)]
 
 
 def test_the_stop_reserve_is_the_servers_drain_not_half_the_kill_timeout():
