@@ -103,11 +103,13 @@ def signal_state(pid: int, signum: int = signal.SIGTERM, proc: str = "/proc") ->
 # ----------------------------------------------------------------------------- py-spy
 
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
-# py-spy's own frames (``--threads``: "thread (0x...): name ()"): no file
+# py-spy's own frames: ``--threads``'s "thread (<tid>): <name>", ``--subprocesses``'
+# "process <pid>:..."
+LABEL = re.compile(r"^(thread \(|process \d+)")
 
 
 def _code(frame: str) -> bool:
-    m = FRAME.match(frame)
+    m = None if LABEL.match(frame) else FRAME.match(frame)
     return bool(m and m.group("file"))
 # A leaf frame of a thread waiting rather than working: in these modules (locks,
 # queues, selectors, zmq's poll, sockets), or these functions.
@@ -124,7 +126,7 @@ def _idle(frame: str) -> bool:
 def collapsed_summary(text: str, top: int = 25) -> dict:
     """A ``py-spy record --format raw --threads`` profile (one ``frames
     count`` line a stack, frames outermost first, ``;``-separated, each
-    ``function (file:line)``; the thread's own frame has no file), per
+    ``function (file:line)`` after the thread's own, ``thread (tid): name``), per
     thread: its samples, the share whose leaf is a wait, the share with a
     frame of the plugin's package, and its functions by inclusive and by
     self share (``function (file)``, lines dropped).  The engine's thread
@@ -137,7 +139,7 @@ def collapsed_summary(text: str, top: int = 25) -> dict:
         n = int(count)
         frames = stack.split(";")
         labels = [f for f in frames if not _code(f)]
-        label = next((f for f in labels if f.startswith("thread")), labels[0] if labels else "all")
+        label = next((f for f in labels if f.startswith("thread (")), labels[0] if labels else "all")
         raw_code = [f for f in frames if _code(f)]
         code = [_function(f) for f in raw_code]
         t = threads.setdefault(label, {"samples": 0, "idle": 0, "plugin": 0, "engine": 0,

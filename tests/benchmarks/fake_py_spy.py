@@ -23,7 +23,7 @@ def main() -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait(60)
-    main_thread = "thread (0x7F00AA): MainThread ()"
+    main_thread = "thread (10260): MainThread"
     loop = ["<module> (<string>:1)", "run_engine_core (vllm/v1/engine/core.py:1743)",
             "run_busy_loop (vllm/v1/engine/core.py:1798)"]
     lines = [
@@ -36,13 +36,13 @@ def main() -> int:
         (main_thread, loop + ["_process_input_queue (vllm/v1/engine/core.py:1840)",
                               "get (queue.py:171)", "wait (threading.py:355)"], 10),
         (main_thread, loop + ["step (vllm/v1/engine/core.py:400)"], 20),
-        ("thread (0x7F00BB): Thread-1 ()", ["_bootstrap (threading.py:1030)",
+        ("thread (10302): Thread-1 (run)", ["_bootstrap (threading.py:1030)",
                                           "run (vllm/v1/engine/core.py:2305)",
                                           "get (queue.py:171)", "wait (threading.py:355)"], 100),
     ]
     with open(args.output, "w") as f:
         for thread, frames, n in lines:
-            f.write(";".join([f"process {args.pid}:\"python\" ()", thread, *frames]) + f" {n}\n")
+            f.write(";".join([thread, *frames]) + f" {n}\n")
     return 0
 
 

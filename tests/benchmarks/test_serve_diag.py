@@ -86,7 +86,7 @@ def _raw(stacks):
 def test_collapsed_stacks_are_summed_per_thread_inclusive_and_self():
     rng = random.Random()
     busy, ours, waiting, other = (rng.randint(1, 200) for _ in range(4))
-    main = "thread (0x7F01): MainThread ()"
+    main = "thread (4101): MainThread"
     loop = ["<module> (<string>:1)", "run_busy_loop (/x/site-packages/vllm/v1/engine/core.py:9)"]
     text = _raw([
         ([main, *loop, "step (/x/site-packages/vllm/v1/engine/core.py:40)"], busy),
@@ -94,7 +94,7 @@ def test_collapsed_stacks_are_summed_per_thread_inclusive_and_self():
           "build (/x/site-packages/vllm_dsa_varlen/plan.py:3)"], ours),
         ([main, *loop, "get (/usr/lib/python3.12/queue.py:171)",
           "wait (/usr/lib/python3.12/threading.py:355)"], waiting),
-        (["thread (0x7F02): Thread-1 ()", "run (/usr/lib/python3.12/threading.py:1010)",
+        (["thread (4102): Thread-1 (run)", "run (/usr/lib/python3.12/threading.py:1010)",
           "wait (/usr/lib/python3.12/threading.py:355)"], other)])
     got = serve_diag.collapsed_summary(text + "garbage line without a count\n")
     assert got["engine_thread"] == main
@@ -108,7 +108,7 @@ def test_collapsed_stacks_are_summed_per_thread_inclusive_and_self():
     assert inclusive["step (vllm/v1/engine/core.py)"] == round((busy + ours) / total, 4)
     self_ = dict(map(tuple, m["self"]))
     assert self_["build (vllm_dsa_varlen/plan.py)"] == round(ours / total, 4)
-    assert got["threads"]["thread (0x7F02): Thread-1 ()"]["idle_share"] == 1.0
+    assert got["threads"]["thread (4102): Thread-1 (run)"]["idle_share"] == 1.0
 
 
 def test_the_sampler_interrupts_py_spy_and_reads_its_file(tmp_path):
@@ -123,7 +123,7 @@ def test_the_sampler_interrupts_py_spy_and_reads_its_file(tmp_path):
     one = got["4242"]
     assert one["file"] == "pyspy-plugin-L40-c2-4242.txt" and one["rc"] == 0
     main = one["engine_thread"]
-    assert main.startswith("thread (0x7F00AA)")
+    assert main.startswith("thread (10260)")
     assert one["threads"][main]["plugin_share"] == 0.2
     assert one["threads"][main]["idle_share"] == 0.1
     bad = serve_diag.StackSampler(str(tmp_path / "missing"), str(tmp_path))
