@@ -32,10 +32,12 @@ import time
 
 import e2e_trace
 
-# torch's sync-debug warning as Python's warnings module prints it (file:line of
-# the Python line that called the synchronising op), after a process tag.
-SYNC_WARNING = re.compile(r"(?:\((?P<tag>\w+)(?: pid=\d+)?\)\s*)?(?P<file>\S+\.py):(?P<line>\d+): "
-                          r"UserWarning: called a synchronizing CUDA operation")
+# torch's sync-debug warning as Python's warnings module prints it: the file:line of
+# the Python line that called the synchronising op (alone on its line, or inside a
+# logging record where warnings are captured into logging), after a process tag.
+SYNC_WARNING = re.compile(r"(?P<file>[^\s:()\[\]]+\.py):(?P<line>\d+): UserWarning: "
+                          r"called a synchronizing CUDA operation")
+TAG = re.compile(r"^\s*\((?P<tag>\w+)(?: pid=\d+)?\)")
 PACKAGE_PART = "vllm_dsa_varlen"
 
 
@@ -44,8 +46,13 @@ def sync_sites(text: str) -> list[dict]:
     (from ``site-packages/`` or the package on), line, how many times it was
     reported, and whether it is the plugin's."""
     counts: collections.Counter = collections.Counter()
-    for m in SYNC_WARNING.finditer(text):
-        counts[(m.group("tag") or "main", _short_path(m.group("file")), int(m.group("line")))] += 1
+    for row in text.splitlines():
+        m = SYNC_WARNING.search(row)
+        if m is None:
+            continue
+        tag = TAG.match(row)
+        counts[(tag.group("tag") if tag else "main", _short_path(m.group("file")),
+                int(m.group("line")))] += 1
     return [{"process": tag, "file": path, "line": line, "reports": n,
              "plugin": PACKAGE_PART in path}
             for (tag, path, line), n in sorted(counts.items())]

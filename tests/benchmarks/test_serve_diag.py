@@ -35,7 +35,9 @@ def test_sync_sites_are_read_as_pythons_warnings_module_prints_them():
     n = rng.randint(1, 4)
     text = "".join(["(EngineCore pid=41) INFO 12-06 [core.py:1] started\n",
                     *(f"(EngineCore pid=41) {_warning(*ours)}" for _ in range(n)),
-                    f"(EngineCore_DP0 pid=42) {_warning(*theirs)}",
+                    # warnings captured into logging: the record's own file:line first
+                    f"(EngineCore_DP0 pid=42) WARNING 12-06 17:00:00 [warnings.py:110] "
+                    f"{_warning(*theirs)}",
                     "(APIServer pid=40) WARNING something else entirely\n"])
     got = serve_diag.sync_sites(text)
     assert got == [
