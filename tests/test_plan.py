@@ -222,3 +222,37 @@ def test_out_buffers_too_short_are_named(short):
     # one row fewer to plan fits every buffer
     plan_decode_rows(seq_lens[:2], qsl[:3], bt[:2], num_rows=rows - 2, num_tokens=4,
                      out=dataclasses.replace(out, **{short: getattr(out, short)}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("uniform_len", [None, 1, 3, 4])
+def test_no_host_sync_when_planning_on_the_device(uniform_len):
+    """Planning a step's rows into the builder's buffers (uniform: broadcast
+    views; variable: sized from the host's token count) never waits on the
+    device: a build's host work keeps running ahead of the GPU."""
+    gen = torch.Generator().manual_seed(17 + (uniform_len or 0))
+    num_reqs = 24
+    if uniform_len is None:
+        decode_lens, seq_lens, block_table = random_batch(gen, num_reqs, 4)
+    else:
+        decode_lens = [uniform_len] * num_reqs
+        seq_lens = torch.randint(uniform_len, 300, (num_reqs,), generator=gen).tolist()
+        block_table = torch.randint(0, 1000, (num_reqs, 6), generator=gen, dtype=torch.int32)
+    tokens = sum(decode_lens)
+    qsl = torch.tensor([0] + list(torch.tensor(decode_lens).cumsum(0)), dtype=torch.int32)
+    out = DecodeRowBuffers.allocate(tokens + 8, 6, "cuda")
+    args = (torch.tensor(seq_lens, device="cuda"), qsl.cuda(), block_table.cuda())
+    kwargs = (dict(num_rows=tokens, uniform_len=uniform_len) if uniform_len else
+              dict(num_rows=tokens + 3, num_tokens=tokens))
+    plan_decode_rows(*args, out=out, **kwargs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = plan_decode_rows(*args, out=out, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ids, ctx, bt = expected_rows(decode_lens, seq_lens, block_table, 0)
+    assert rows.indices[:tokens].cpu().tolist() == ids
+    assert rows.context_lens[:tokens].cpu().tolist() == ctx
+    assert rows.block_table[:tokens].cpu().tolist() == bt

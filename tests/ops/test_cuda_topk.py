@@ -723,3 +723,28 @@ def test_a_bound_sizes_the_plan_not_the_result(bound):
     lens = random_lengths(40, 60000, 2048, gen)
     got = _run_poisoned(logits.cuda(), lens.cuda(), 2048, defines=None, bound=bound)
     assert topk_selection_ok(logits, lens, 2048, got.cpu()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("rows,width,bound", [(40, 33000, 33000), (128, 44000, 44000),
+                                              (200, 9000, 9000), (24, 160000, None)])
+def test_no_host_sync_in_eager_top_k_calls(rows, width, bound):
+    """The project's top-k as the dispatch calls it on an eager step (the
+    plan's build for the call: split, staged, sampled where it applies) never
+    waits on the device once its build is loaded: an engine step's host work
+    keeps running ahead of the GPU."""
+    gen = torch.Generator().manual_seed(rows * 7 + width)
+    logits = random_logits("normal", rows, width, gen).cuda()
+    lens = random_lengths(rows, width, 2048, gen).cuda()
+    out = torch.full((rows, 2048), POISON, dtype=torch.int32, device="cuda")
+    ct.launch_checked(logits, lens, 2048, out, bound=bound)  # the build loaded
+    torch.cuda.synchronize()
+    out.fill_(POISON)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            ct.launch_checked(logits, lens, 2048, out, bound=bound)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert topk_selection_ok(logits.cpu(), lens.cpu(), 2048, out.cpu()) == []
