@@ -1441,6 +1441,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{mode}] error/traceback lines while serving: {h.get('lines')}; "
               f"plugin lines: {len(info.get('plugin_log') or [])}; step-count lines: "
               f"{info.get('path_lines')} (final: {info.get('final_path_line')})")
+    for line in serve_diag.summary_lines(result):
+        print(line)
     print(f"wrote {out_json}")
     return 0
 

@@ -316,3 +316,42 @@ def _enclosing(ops, ts: float) -> str:
 def read_trace(path: str) -> list[dict]:
     with gzip.open(path, "rt") as f:
         return json.load(f)["traceEvents"]
+
+
+def summary_lines(result: dict, top: int = 5) -> list[str]:
+    """A few lines per server of what its diagnostics found (for a run's
+    stdout): its sync sites (the plugin's first), its engine thread's
+    busiest functions over the first measured point, its profiled window."""
+    out = []
+    for mode, info in (result.get("servers") or {}).items():
+        sites = sorted(info.get("sync_sites") or [], key=lambda s: (not s["plugin"], s["file"]))
+        if sites:
+            out.append(f"[{mode}] sync sites: " + "; ".join(
+                f"{s['file']}:{s['line']}" for s in sites[:top])
+                + (f" (+{len(sites) - top})" if len(sites) > top else ""))
+        for point in result.get("points") or []:
+            stacks = ((point.get("runs") or {}).get(mode) or {}).get("stacks") or {}
+            for pid, got in stacks.items():
+                if "error" in got:
+                    out.append(f"[{mode}] py-spy on {pid}: {got['error'].strip()[-160:]}")
+                    continue
+                thread = (got.get("threads") or {}).get(got.get("engine_thread") or "") or {}
+                if thread:
+                    busiest = ", ".join(f"{name} {share:.0%}" for name, share in
+                                        thread["inclusive"][2:2 + top])
+                    out.append(f"[{mode}] {point['id']} engine thread: plugin "
+                               f"{thread['plugin_share']:.0%}, waiting {thread['idle_share']:.0%}; "
+                               f"{busiest}")
+            if stacks:
+                break
+        prof = info.get("profile") or {}
+        if "gpu_us_per_step" in prof:
+            classes = sorted((prof.get("by_class_us_per_step") or {}).items(), key=lambda kv: -kv[1])
+            syncs = sum(v["calls"] for v in (prof.get("syncs_per_step") or {}).values())
+            busy = prof.get("gpu_busy_fraction")
+            out.append(f"[{mode}] profile: {prof['steps']} steps, GPU {prof['gpu_us_per_step']:.0f} us "
+                       f"a step ({', '.join(f'{k} {v:.0f}' for k, v in classes[:top])}), busy "
+                       f"{'-' if busy is None else f'{busy:.0%}'}, {syncs:.1f} host syncs a step")
+        elif prof:
+            out.append(f"[{mode}] profile: {prof.get('skipped') or prof.get('error')}")
+    return out

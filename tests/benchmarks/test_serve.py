@@ -807,7 +807,8 @@ def test_an_engine_core_deaf_to_sigterm_leaves_its_stacks(fake_vllm, monkeypatch
     assert before["handled"] and not before["main_blocks"] and not before["pending_process"]
 
 
-def test_the_diagnostics_stacks_profile_and_sync_sites(fake_vllm, monkeypatch, tmp_path):
+def test_the_diagnostics_stacks_profile_and_sync_sites(fake_vllm, monkeypatch, tmp_path,
+                                                        capsys):
     """--py-spy: each engine core's stacks over every measured point;
     --profile-steps: a profiled window after the points, summarised per step
     (its trace removed); VLLM_GPU_SYNC_CHECK's warnings read as sync sites."""
@@ -841,6 +842,12 @@ def test_the_diagnostics_stacks_profile_and_sync_sites(fake_vllm, monkeypatch, t
         file, line = site.split(":")
         assert [(x["file"], x["line"], x["plugin"]) for x in info["sync_sites"]] == \
             [(file, int(line), True)]
+    printed = capsys.readouterr().out
+    for mode in ("stock", "plugin"):
+        assert f"[{mode}] sync sites: {site}" in printed
+        assert f"[{mode}] L40-c2 engine thread: plugin 20%, waiting 10%" in printed
+        assert f"[{mode}] profile: 4 steps, GPU 100 us a step (other 70, topk 30)" in printed
+        assert "1.0 host syncs a step" in printed
 
 
 def test_the_stop_reserve_is_the_servers_drain_not_half_the_kill_timeout():

@@ -193,3 +193,21 @@ def test_the_profiler_config_is_one_vllms_profiler_takes(tmp_path):
     assert cfg.profiler == "torch" and os.path.isabs(cfg.torch_profiler_dir)
     assert (cfg.max_iterations, cfg.delay_iterations) == (steps, delay)
     assert not cfg.torch_profiler_with_stack and cfg.ignore_frontend
+
+
+def test_the_summary_says_what_failed_and_puts_the_plugins_sync_sites_first():
+    n = random.randint(6, 9)
+    theirs = [{"process": "EngineCore", "file": f"vllm/x{i}.py", "line": i, "reports": 1,
+               "plugin": False} for i in range(n)]
+    ours = {"process": "EngineCore", "file": "vllm_dsa_varlen/plan.py", "line": 3, "reports": 1,
+            "plugin": True}
+    result = {"servers": {"plugin": {"sync_sites": theirs + [ours],
+                                     "profile": {"skipped": "time limit"}}},
+              "points": [{"id": "L4096-c32", "runs": {"plugin": {"stacks": {
+                  "77": {"rc": 1, "error": "Permission Denied: try running as root"}}}}}]}
+    got = serve_diag.summary_lines(result)
+    assert got[0].startswith("[plugin] sync sites: vllm_dsa_varlen/plan.py:3; vllm/x0.py:0")
+    assert got[0].endswith(f"(+{n + 1 - 5})")
+    assert got[1] == "[plugin] py-spy on 77: Permission Denied: try running as root"
+    assert got[2] == "[plugin] profile: time limit"
+    assert serve_diag.summary_lines({"servers": {"stock": {}}, "points": []}) == []
