@@ -337,8 +337,9 @@ def summary_lines(result: dict, top: int = 5) -> list[str]:
                     continue
                 thread = (got.get("threads") or {}).get(got.get("engine_thread") or "") or {}
                 if thread:
+                    # below the frames every sample shares (the thread's roots)
                     busiest = ", ".join(f"{name} {share:.0%}" for name, share in
-                                        thread["inclusive"][2:2 + top])
+                                        [x for x in thread["inclusive"] if x[1] < 0.99][:top])
                     out.append(f"[{mode}] {point['id']} engine thread: plugin "
                                f"{thread['plugin_share']:.0%}, waiting {thread['idle_share']:.0%}; "
                                f"{busiest}")

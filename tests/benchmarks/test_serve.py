@@ -845,7 +845,8 @@ def test_the_diagnostics_stacks_profile_and_sync_sites(fake_vllm, monkeypatch, t
     printed = capsys.readouterr().out
     for mode in ("stock", "plugin"):
         assert f"[{mode}] sync sites: {site}" in printed
-        assert f"[{mode}] L40-c2 engine thread: plugin 20%, waiting 10%" in printed
+        assert (f"[{mode}] L40-c2 engine thread: plugin 20%, waiting 10%; "
+                "step (vllm/v1/engine/core.py) 90%, execute_model") in printed
         assert f"[{mode}] profile: 4 steps, GPU 100 us a step (other 70, topk 30)" in printed
         assert "1.0 host syncs a step" in printed
 
