@@ -598,11 +598,15 @@ class Server:
         return {"how": how, "rc": self.proc.returncode, "seconds": round(time.time() - t0, 1),
                 **info}
 
-    def core_pids(self) -> list[int]:
-        """The engine cores this server's log names."""
+    def _log_text(self) -> str:
         self._logf.flush()
         with open(self.log, errors="replace") as f:
-            return sorted({int(p) for p in CORE_PID_RE.findall(f.read())})
+            return f.read()
+
+    def core_pids(self, text: str | None = None) -> list[int]:
+        """The engine cores this server's log (or ``text`` read from it) names."""
+        text = self._log_text() if text is None else text
+        return sorted({int(p) for p in CORE_PID_RE.findall(text)})
 
     def _abort_deaf_cores(self) -> tuple[list[int], dict]:
         """SIGABRT to each engine core of this server's log still alive when
@@ -610,13 +614,11 @@ class Server:
         and how each stood towards SIGTERM just before
         (:func:`serve_diag.signal_state`: pending for the process means no
         thread took it)."""
-        self._logf.flush()
-        with open(self.log, errors="replace") as f:
-            text = f.read()
+        text = self._log_text()
         if CORE_HEARD_RE.search(text[self.stop_offset:]):
             return [], {}
         aborted, states = [], {}
-        for pid in sorted({int(p) for p in CORE_PID_RE.findall(text)}):
+        for pid in self.core_pids(text):
             states[str(pid)] = serve_diag.signal_state(pid)
             try:
                 os.kill(pid, signal.SIGABRT)

@@ -113,21 +113,16 @@ FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 # py-spy's own frames: ``--threads``'s "thread (<tid>): <name>", ``--subprocesses``'
 # "process <pid>:..."
 LABEL = re.compile(r"^(thread \(|process \d+)")
-
-
-def _code(frame: str) -> bool:
-    m = None if LABEL.match(frame) else FRAME.match(frame)
-    return bool(m and m.group("file"))
 # A leaf frame of a thread waiting rather than working: in these modules (locks,
 # queues, selectors, zmq's poll, sockets), or these functions.
 IDLE_FILES = ("threading.py", "queue.py", "selectors.py", "poll.py", "socket.py")
 IDLE_FUNCS = ("sleep", "select", "poll", "epoll", "recv", "accept")
 
 
-def _idle(frame: str) -> bool:
-    m = FRAME.match(frame)
-    return bool(m) and (os.path.basename(m.group("file")) in IDLE_FILES
-                        or m.group("func") in IDLE_FUNCS)
+def _code_frame(frame: str) -> re.Match | None:
+    """A frame of Python code (a function and its file), or ``None`` for py-spy's own."""
+    m = None if LABEL.match(frame) else FRAME.match(frame)
+    return m if m and m.group("file") else None
 
 
 def collapsed_summary(text: str, top: int = 25) -> dict:
@@ -145,10 +140,11 @@ def collapsed_summary(text: str, top: int = 25) -> dict:
             continue
         n = int(count)
         frames = stack.split(";")
-        labels = [f for f in frames if not _code(f)]
+        parsed = [(f, _code_frame(f)) for f in frames]
+        labels = [f for f, m in parsed if m is None]
         label = next((f for f in labels if f.startswith("thread (")), labels[0] if labels else "all")
-        raw_code = [f for f in frames if _code(f)]
-        code = [_function(f) for f in raw_code]
+        matches = [m for _, m in parsed if m is not None]
+        code = [f"{m.group('func')} ({_short_path(m.group('file'))})" for m in matches]
         t = threads.setdefault(label, {"samples": 0, "idle": 0, "plugin": 0, "engine": 0,
                                        "inclusive": collections.Counter(),
                                        "self": collections.Counter()})
@@ -156,7 +152,8 @@ def collapsed_summary(text: str, top: int = 25) -> dict:
         if code:
             leaf = code[-1]
             t["self"][leaf] += n
-            if _idle(raw_code[-1]):
+            if (os.path.basename(matches[-1].group("file")) in IDLE_FILES
+                    or matches[-1].group("func") in IDLE_FUNCS):
                 t["idle"] += n
             for name in set(code):
                 t["inclusive"][name] += n
@@ -174,11 +171,6 @@ def collapsed_summary(text: str, top: int = 25) -> dict:
     engine = max(threads, key=lambda k: threads[k]["engine"], default=None)
     return {"threads": out,
             "engine_thread": engine if engine and threads[engine]["engine"] else None}
-
-
-def _function(frame: str) -> str:
-    m = FRAME.match(frame)
-    return f"{m.group('func')} ({_short_path(m.group('file'))})"
 
 
 class StackSampler:
