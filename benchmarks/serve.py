@@ -34,6 +34,11 @@ one worker process that imports vLLM's command line once
 (``benchmarks/bench_client.py``; ``--client fresh``: a process a run).
 With ``--time-limit`` the servers share the time; where it is short, the
 variants and the control are dropped before stock and the plugin.
+``--rounds N`` runs the servers side by side instead (each with an equal part
+of the GPU's memory), the points measured in N rounds in which they take
+turns: where a step is the host's time, what drifts on the machine between
+one server's minutes and the next's is larger than the difference measured,
+and only same-round ratios compare (the table: their median and range).
 
 Per point it keeps the client's result file without its per-request arrays
 (``client-<mode>-<point>.json``), the growth of vLLM's ``/metrics`` counters
@@ -183,9 +188,11 @@ def max_model_len(args) -> int:
     return int(longest * (1 + ratio)) + int(out * (1 + ratio)) + args.k + 64
 
 
-def serve_command(args, model: str, port: int, trace_dir: str | None = None) -> list[str]:
+def serve_command(args, model: str, port: int, trace_dir: str | None = None,
+                  memory: float | None = None) -> list[str]:
     """``vllm serve``'s command line; with ``--profile-steps`` vLLM's torch
-    profiler set up to write a window's trace under ``trace_dir``."""
+    profiler set up to write a window's trace under ``trace_dir``; ``memory``:
+    its ``--gpu-memory-utilization`` instead of the option's."""
     spec = {"method": "mtp", "num_speculative_tokens": args.k}
     attention = {}
     if args.attention_backend:
@@ -198,7 +205,7 @@ def serve_command(args, model: str, port: int, trace_dir: str | None = None) -> 
            "--load-format", args.load_format, "--seed", "0",
            "--max-model-len", str(args.max_model_len or max_model_len(args)),
            "--max-num-seqs", str(max(args.concurrency + [args.identity_concurrency])),
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--gpu-memory-utilization", f"{memory or args.gpu_memory_utilization:.4g}",
            "--kv-cache-dtype", args.kv_cache_dtype,
            "--speculative-config", json.dumps(spec), "--disable-uvicorn-access-log",
            # a drain, not vLLM's default abort: with 0 s its process manager kills the
@@ -595,8 +602,8 @@ class Server:
             pass
         self.proc.wait()
         self._logf.close()
-        return {"how": how, "rc": self.proc.returncode, "seconds": round(time.time() - t0, 1),
-                **info}
+        return {"how": how, "rc": self.proc.returncode, "at": t0,
+                "seconds": round(time.time() - t0, 1), **info}
 
     def _log_text(self) -> str:
         self._logf.flush()
@@ -742,7 +749,13 @@ def table_rows(result: dict) -> list[dict]:
                 for stat in ("mean", "p50", "p99"):
                     key = f"{'median' if stat == 'p50' else stat}_{m}_ms"
                     row[f"{m}_{stat}"] = c.get(key, c.get(f"{stat}_{m}_ms"))
-            if mode != "stock" and base:
+            per_round = (point.get("x_rounds") or {}).get(mode)
+            if per_round:  # --rounds: the median of the same-round ratios, and their range
+                row["rounds"] = len(point["rounds"])
+                for name, got in per_round.items():
+                    row[name] = got["median"]
+                    row[name + "_range"] = [got["min"], got["max"]]
+            elif mode != "stock" and base:
                 row["x_tpot"] = _ratio(base.get("mean_tpot_ms"), c.get("mean_tpot_ms"))
                 row["x_itl_p99"] = _ratio(base.get("p99_itl_ms"), c.get("p99_itl_ms"))
                 row["x_tok_s"] = _ratio(c.get("output_throughput"), base.get("output_throughput"))
@@ -754,6 +767,11 @@ def render_table(rows: list[dict]) -> str:
     def f(v, nd=2):
         return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
+    def x(r, name):
+        got = f(r.get(name), 3)
+        lo_hi = r.get(name + "_range")
+        return got if not lo_hi else f"{got} [{f(lo_hi[0], 3)}, {f(lo_hi[1], 3)}]"
+
     head = ("| point | mode | TTFT mean/p50/p99 | TPOT mean/p50/p99 | ITL mean/p50/p99 | tok/s "
             "| acc. len | varlen / variable steps | x TPOT | x p99 ITL | x tok/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -764,8 +782,11 @@ def render_table(rows: list[dict]) -> str:
         trio = [" / ".join(f(r[f"{m}_{s}"]) for s in ("mean", "p50", "p99")) for m in ("ttft", "tpot", "itl")]
         lines.append(f"| {r['point']} | {r['mode']} | {trio[0]} | {trio[1]} | {trio[2]} | "
                      f"{f(r['output_tok_s'], 1)} | {f(r['acceptance_length'])} | "
-                     f"{f(r['varlen_steps'])} / {f(r['variable_steps'])} | {f(r.get('x_tpot'), 3)} | "
-                     f"{f(r.get('x_itl_p99'), 3)} | {f(r.get('x_tok_s'), 3)} |")
+                     f"{f(r['varlen_steps'])} / {f(r['variable_steps'])} | {x(r, 'x_tpot')} | "
+                     f"{x(r, 'x_itl_p99')} | {x(r, 'x_tok_s')} |")
+    if any(r.get("rounds") for r in rows):
+        lines.append("(--rounds: each mode's figures from its round of median TPOT; x: the median "
+                     "of the same-round ratios [least, greatest])")
     return "\n".join(lines)
 
 
@@ -1048,18 +1069,23 @@ def identity_longest(args) -> int:
     return room if not args.model else max(16, room // 4)
 
 
-def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], result: dict,
-               identity: dict, budget: Budget, servers_left: int, save,
-               optional: int = 0) -> dict:
-    """One mode's server: started, measured (warm-up, identity, the points,
-    soak) within its share of ``budget``, stopped; its facts into
-    ``result["servers"]``, its runs into each point's ``runs``, its identity
-    records into ``identity``.  ``optional``: how many of the
-    ``servers_left`` (this one included) are the A/A control or a
-    ``--variant``, which a short budget drops first."""
+class Live:
+    """One mode's server, up: what measuring it needs."""
+
+    def __init__(self, mode: str, server: "Server", info: dict, port: int, trace_dir: str):
+        self.mode, self.server, self.info, self.port, self.trace_dir = \
+            mode, server, info, port, trace_dir
+        self.per_point_s = 0.0  # the longest run so far: what the next one may take
+
+
+def start_server(args, mode: str, model: str, result: dict, ready_by: float,
+                 memory: float | None = None) -> Live:
+    """``vllm serve`` for ``mode`` started and waited for until ``ready_by``
+    (``memory``: its ``--gpu-memory-utilization`` instead of the option's);
+    its facts in ``result["servers"][mode]`` (``failed``: why it is not up)."""
     port = free_port()
     trace_dir = os.path.join(args.out, f"trace-{mode}")
-    cmd = serve_command(args, model, port, trace_dir)
+    cmd = serve_command(args, model, port, trace_dir, memory)
     env_extra = dict(kv.split("=", 1) for kv in args.env)
     env = server_env(mode, dict(os.environ), env_extra, args.variants)
     log = os.path.join(args.out, f"server-{mode}.log")
@@ -1071,99 +1097,237 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
     server = Server(cmd, env, log)
     t0 = time.time()
     server.start()
-    try:
-        why = server.wait_ready(port, min(args.server_timeout,
-                                          max(1.0, budget.start_by(servers_left) - time.time())))
-        info["startup_s"] = round(time.time() - t0, 1)
-        if why:
-            info["failed"] = why
-            print(f"[{mode}] server {why} (log {log})", flush=True)
-            return info
+    why = server.wait_ready(port, min(args.server_timeout, max(1.0, ready_by - time.time())))
+    info["startup_s"] = round(time.time() - t0, 1)
+    if why:
+        info["failed"] = why
+        print(f"[{mode}] server {why} (log {log})", flush=True)
+    else:
         try:
             info["vllm_version"] = json.loads(_get(port, "/version")).get("version")
         except Exception:  # noqa: BLE001
             info["vllm_version"] = None
+        info["ready_at"] = time.time()
         print(f"[{mode}] ready in {info['startup_s']} s on port {port}", flush=True)
+    return Live(mode, server, info, port, trace_dir)
+
+
+def warm_up(args, live: Live, model: str, cfg: dict, identity: dict, deadline: float) -> None:
+    """The unmeasured warm-up, then the greedy identity requests (short, and
+    what the sweep must not crowd out), each mode's records into ``identity``."""
+    info, mode = live.info, live.mode
+    warm = {"id": "warmup", "input_len": args.input_len[0], "kind": "concurrency",
+            "value": max(args.concurrency), "num_prompts": args.warmup_prompts,
+            "seed": args.seed + 104729}
+    if args.warmup_prompts:
+        w = run_client(args, warm, live.port, model, mode, max(1.0, deadline - time.time()))
+        info["warmup"] = {k: w[k] for k in ("rc", "wall_s")}
+        live.per_point_s = w["wall_s"]
+    # no warm-up: a minute for the identity pass (a warm-up's time, however short, is known)
+    guess = live.per_point_s if args.warmup_prompts else 60.0
+    if args.identity and time.time() + args.gap + guess < deadline:
+        time.sleep(args.gap)
+        prompts = identity_prompts(args.identity, cfg.get("vocab_size", 4096),
+                                   identity_longest(args), args.seed)
+        groups = identity_groups(args.identity, args.identity_concurrency)
+        t1 = time.time()
+        recs = run_identity(live.port, prompts, groups, args.identity_tokens,
+                            min(1800.0, max(30.0, deadline - time.time())))
+        write_json(os.path.join(args.out, f"identity-{mode}.json"), recs)
+        info["identity"] = {"requests": len(recs), "failed": sum("error" in r for r in recs),
+                            "window": [t1, time.time()]}
+        identity[mode] = recs
+    elif args.identity:
+        info["identity"] = {"skipped": "time limit"}
+
+
+def measure_on(args, live: Live, point: dict, model: str, deadline: float) -> dict:
+    """One point on ``live``'s server: with cached prompts a run of the same
+    prompts before (unmeasured), an idle spell of ``--gap`` (the point's start
+    in the log), the measured run; skipped where it would pass ``deadline``."""
+    if point["value"] is None:
+        return {"skipped": "no rate (the first mode measured no throughput)"}
+    if time.time() + (live.per_point_s + args.gap) * (2 if args.prompts == "cached" else 1) \
+            > deadline:
+        return {"skipped": "time limit"}
+    if args.prompts == "cached":
+        time.sleep(args.gap)
+        run_client(args, dict(point, id=point["id"] + "-prime"), live.port, model, live.mode,
+                   deadline - time.time())
+    time.sleep(args.gap)
+    run = measure_point(args, point, live.port, model, live.mode, deadline - time.time(),
+                        live.server.core_pids())
+    live.per_point_s = max(live.per_point_s, run["wall_s"])
+    c = run.get("client") or {}
+    print(f"[{live.mode}] {point['id']}: rc {run['rc']}, {run['wall_s']} s, TPOT "
+          f"{c.get('mean_tpot_ms')} ms, failed {c.get('failed')}", flush=True)
+    return run
+
+
+def finish_server(args, live: Live, points: list[dict], save) -> None:
+    """Stop ``live``'s server; from its log: health, sync sites, the plugin's
+    lines, and each of its runs' per-path step counts (every round's)."""
+    info, mode, server = live.info, live.mode, live.server
+    info["stop"] = server.stop(args.stop_timeout, args.server_shutdown_timeout)
+    with open(server.log, errors="replace") as f:
+        text = f.read()
+    info["health"] = log_health(text, server.stop_offset)
+    info["sync_sites"] = serve_diag.sync_sites(text[:server.stop_offset or len(text)])
+    info["plugin_log"] = plugin_path_log(text)
+    lines = path_lines(text)
+    info["path_lines"] = len(lines)
+    info["final_path_line"] = any(x["final"] for x in lines)
+    for point in points:
+        runs = [(point.get("runs") or {}).get(mode)]
+        runs += [r.get(mode) for r in point.get("rounds", [])]
+        for run in runs:
+            if run and "window" in run:
+                run["paths"] = path_growth(lines, *run["window"])
+    soak = info.get("soak") or {}
+    if "window" in soak:
+        soak["paths"] = path_growth(lines, *soak["window"])
+        soak["consistency"] = soak_consistency(soak, args.k)
+    save()
+
+
+def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], result: dict,
+               identity: dict, budget: Budget, servers_left: int, save,
+               optional: int = 0) -> dict:
+    """One mode's server: started, measured (warm-up, identity, the points,
+    soak) within its share of ``budget``, stopped; its facts into
+    ``result["servers"]``, its runs into each point's ``runs``, its identity
+    records into ``identity``.  ``optional``: how many of the
+    ``servers_left`` (this one included) are the A/A control or a
+    ``--variant``, which a short budget drops first."""
+    live = start_server(args, mode, model, result, budget.start_by(servers_left))
+    try:
+        if "failed" in live.info:
+            return live.info
         deadline = budget.share(servers_left, stop_reserve(args), optional, args.min_share)
-        tokenizer = model
-        warm = {"id": "warmup", "input_len": args.input_len[0], "kind": "concurrency",
-                "value": max(args.concurrency), "num_prompts": args.warmup_prompts,
-                "seed": args.seed + 104729}
-        per_point_s = 0.0  # the longest point so far: what the next one may take
-        if args.warmup_prompts:
-            w = run_client(args, warm, port, tokenizer, mode, max(1.0, deadline - time.time()))
-            info["warmup"] = {k: w[k] for k in ("rc", "wall_s")}
-            per_point_s = w["wall_s"]
-        # the identity pass first: short (no longer than the warm-up), and what
-        # the sweep must not crowd out
-        # no warm-up: a minute for the identity pass (a warm-up's time, however short, is known)
-        guess = per_point_s if args.warmup_prompts else 60.0
-        if args.identity and time.time() + args.gap + guess < deadline:
-            time.sleep(args.gap)
-            prompts = identity_prompts(args.identity, cfg.get("vocab_size", 4096),
-                                       identity_longest(args), args.seed)
-            groups = identity_groups(args.identity, args.identity_concurrency)
-            t1 = time.time()
-            recs = run_identity(port, prompts, groups, args.identity_tokens,
-                                min(1800.0, max(30.0, deadline - time.time())))
-            write_json(os.path.join(args.out, f"identity-{mode}.json"), recs)
-            info["identity"] = {"requests": len(recs), "failed": sum("error" in r for r in recs),
-                                "window": [t1, time.time()]}
-            identity[mode] = recs
-        elif args.identity:
-            info["identity"] = {"skipped": "time limit"}
+        warm_up(args, live, model, cfg, identity, deadline)
         for point in points:
             fill_rates(points, args)
-            runs = point.setdefault("runs", {})
-            if point["value"] is None:
-                runs[mode] = {"skipped": "no rate (the first mode measured no throughput)"}
-            elif time.time() + (per_point_s + args.gap) * (2 if args.prompts == "cached" else 1) \
-                    > deadline:
-                runs[mode] = {"skipped": "time limit"}
-            else:
-                if args.prompts == "cached":  # the same prompts once before, unmeasured
-                    time.sleep(args.gap)
-                    run_client(args, dict(point, id=point["id"] + "-prime"), port, tokenizer, mode,
-                               deadline - time.time())
-                time.sleep(args.gap)  # the idle spell that marks the point's start in the log
-                run = measure_point(args, point, port, tokenizer, mode, deadline - time.time(),
-                                    server.core_pids())
-                per_point_s = max(per_point_s, run["wall_s"])
-                runs[mode] = run
-                c = run.get("client") or {}
-                print(f"[{mode}] {point['id']}: rc {run['rc']}, {run['wall_s']} s, TPOT "
-                      f"{c.get('mean_tpot_ms')} ms, failed {c.get('failed')}", flush=True)
+            point.setdefault("runs", {})[mode] = measure_on(args, live, point, model, deadline)
             save()
         if args.profile_steps and points:
-            info["profile"] = profile_window(args, points[0], port, tokenizer, mode, trace_dir,
-                                             deadline, per_point_s)
+            live.info["profile"] = profile_window(args, points[0], live.port, model, mode,
+                                                  live.trace_dir, deadline, live.per_point_s)
             save()
         if args.soak_minutes:
             if time.time() + args.gap + 60 * args.soak_minutes + 60 < deadline:
                 time.sleep(args.gap)
-                info["soak"] = run_soak(args, port, tokenizer, mode, cfg.get("vocab_size", 4096))
+                live.info["soak"] = run_soak(args, live.port, model, mode,
+                                             cfg.get("vocab_size", 4096))
             else:
-                info["soak"] = {"skipped": "time limit"}
+                live.info["soak"] = {"skipped": "time limit"}
     finally:
-        info["stop"] = server.stop(args.stop_timeout, args.server_shutdown_timeout)
-        with open(log, errors="replace") as f:
-            text = f.read()
-        info["health"] = log_health(text, server.stop_offset)
-        info["sync_sites"] = serve_diag.sync_sites(text[:server.stop_offset or len(text)])
-        info["plugin_log"] = plugin_path_log(text)
-        lines = path_lines(text)
-        info["path_lines"] = len(lines)
-        info["final_path_line"] = any(x["final"] for x in lines)
+        finish_server(args, live, points, save)
+    return live.info
+
+
+def run_interleaved(args, model: str, cfg: dict, points: list[dict], result: dict,
+                    identity: dict, budget: Budget, save) -> None:
+    """``--rounds``: every mode's server up at once (each with an equal part of
+    ``--gpu-memory-utilization``), warmed up, then rounds in which the servers
+    take turns at each point, the order rotated a round, so that what drifts
+    on the machine over the minutes (clocks, the host's other load) falls on
+    every mode alike.  With fresh prompts each round has its own seed, the
+    same for every mode (:func:`round_point`).  Each point keeps every round's runs (``rounds``);
+    :func:`pick_rounds` then sets its ``runs`` and the per-round ratios."""
+    n = len(args.modes)
+    stops = stop_reserve(args) * n
+    lives: list[Live] = []
+    try:
+        for i, mode in enumerate(args.modes):
+            ready_by = budget.start_by(n - i) - args.min_share - stops
+            live = start_server(args, mode, model, result, ready_by,
+                                args.gpu_memory_utilization / n)
+            lives.append(live)
+            if "failed" in live.info:
+                for m in args.modes[i + 1:]:
+                    result["servers"][m] = {"skipped": f"{mode}'s server is not up"}
+                return
+        deadline = time.time() + max(0.0, budget.left() - stops)
+        for live in lives:
+            warm_up(args, live, model, cfg, identity, deadline)
+        round_s = 0.0
+        for r in range(args.rounds):
+            if r and time.time() + round_s > deadline:
+                result["rounds_left_out"] = {"rounds": args.rounds - r, "why": "time limit"}
+                break
+            t0 = time.time()
+            order = lives[r % n:] + lives[:r % n]
+            for point in points:
+                fill_rates(points, args)
+                this = round_point(point, r, args.prompts)
+                got = {}
+                for live in order:
+                    got[live.mode] = measure_on(args, live, this, model, deadline)
+                    point.setdefault("runs", {})[live.mode] = got[live.mode]
+                point.setdefault("rounds", []).append({m: got[m] for m in args.modes})
+                save()
+            round_s = max(round_s, time.time() - t0)
+    finally:
+        for live in lives:
+            finish_server(args, live, points, save)
         for point in points:
-            run = (point.get("runs") or {}).get(mode) or {}
-            if "window" in run:
-                run["paths"] = path_growth(lines, *run["window"])
-        soak = info.get("soak") or {}
-        if "window" in soak:
-            soak["paths"] = path_growth(lines, *soak["window"])
-            soak["consistency"] = soak_consistency(soak, args.k)
-        save()
-    return info
+            pick_rounds(point)
+
+
+# A round's seed offset for fresh prompts: far from the points' own seeds (seed + i).
+ROUND_SEED_STEP = 100003
+
+
+def round_point(point: dict, r: int, prompts: str) -> dict:
+    """``point`` as round ``r`` runs it: its own files (``-round<r>``) and,
+    with fresh prompts, its own seed (the same for every mode in the round)."""
+    seed = point["seed"] + (r * ROUND_SEED_STEP if prompts == "fresh" else 0)
+    return dict(point, id=f"{point['id']}-round{r}", seed=seed)
+
+ROUND_RATIOS = {"x_tpot": ("mean_tpot_ms", True), "x_itl_p99": ("p99_itl_ms", True),
+                "x_tok_s": ("output_throughput", False)}
+
+
+def pick_rounds(point: dict) -> None:
+    """A point measured in rounds: per mode, ``runs`` is its run of median
+    mean TPOT (the lower middle of an even count; ``round``: which), and
+    ``x_rounds`` holds per mode against stock each round's ratios, both runs
+    of the same round, with their median, least and greatest (rounds where
+    either has no result are left out)."""
+    rounds = point.get("rounds")
+    if not rounds:
+        return
+    modes = [m for m in rounds[0]]
+    for mode in modes:
+        done = [(i, r[mode]) for i, r in enumerate(rounds)
+                if ((r.get(mode) or {}).get("client") or {}).get("mean_tpot_ms") is not None]
+        if done:
+            done.sort(key=lambda ir: ir[1]["client"]["mean_tpot_ms"])
+            i, run = done[(len(done) - 1) // 2]
+            point.setdefault("runs", {})[mode] = dict(run, round=i)
+    x = {}
+    for mode in modes:
+        if mode == "stock":
+            continue
+        per = {}
+        for name, (key, time_like) in ROUND_RATIOS.items():
+            vals = []
+            for r in rounds:
+                a = ((r.get("stock") or {}).get("client") or {}).get(key)
+                b = ((r.get(mode) or {}).get("client") or {}).get(key)
+                v = _ratio(a, b) if time_like else _ratio(b, a)
+                if v is not None:
+                    vals.append(v)
+            if vals:
+                vals.sort()
+                mid = len(vals) // 2
+                median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+                per[name] = {"median": median, "min": vals[0], "max": vals[-1],
+                             "rounds": len(vals), "each": vals}
+        if per:
+            x[mode] = per
+    if x:
+        point["x_rounds"] = x
 
 
 def profile_window(args, point: dict, port: int, tokenizer: str, mode: str, trace_dir: str,
@@ -1234,6 +1398,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--modes", nargs="+", default=["stock", "plugin"], choices=list(MODE_VALUES),
                     help="servers in this order; stock first where it is one of them")
     ap.add_argument("--aa", action="store_true", help="add a second stock server, 'control'")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="every server up at once, the points measured in this many rounds "
+                    "in which the servers take turns (the order rotated a round): the "
+                    "comparison under the machine's drift; 0: one server after another")
     ap.add_argument("--variant", action="append", default=[], type=parse_variant,
                     metavar="NAME:SETTING=VALUE[,...]",
                     help="one more plugin server with some of the plugin's settings changed "
@@ -1376,6 +1544,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for kv in args.env:
         if "=" not in kv:
             ap.error(f"--env: expected KEY=VALUE, got {kv!r}")
+    if args.rounds < 0:
+        ap.error("--rounds: expected >= 0")
+    if args.rounds and (args.soak_minutes or args.profile_steps):
+        ap.error("--rounds: the soak and --profile-steps run on one server at a time; "
+                 "leave them out of an interleaved run")
     if args.profile_steps < 0 or args.profile_delay < 0 or args.py_spy_rate < 1:
         ap.error("--profile-steps / --profile-delay: expected >= 0; --py-spy-rate: >= 1")
     return args
@@ -1414,7 +1587,9 @@ def main(argv: list[str] | None = None) -> int:
         _bench_client.start()
     budget = Budget(args.time_limit, args.start_reserve)
     try:
-        for i, mode in enumerate(args.modes):
+        if args.rounds:
+            run_interleaved(args, model, cfg, points, result, identity, budget, save)
+        for i, mode in enumerate([] if args.rounds else args.modes):
             optional = sum(m not in COMPARED for m in args.modes[i:])
             if mode not in COMPARED and i \
                     and not budget.fits(stop_reserve(args), args.min_share):

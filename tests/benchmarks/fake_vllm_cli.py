@@ -245,6 +245,7 @@ def bench(argv: list[str]) -> int:
     dur = time.perf_counter() - t0
     lat = [d for d, _ in done]
     result = {"backend": "vllm", "label": args.label, "num_prompts": args.num_prompts,
+              "fake_seed": args.seed,  # the stand-in's own key: the seed it was given
               "duration": dur, "completed": len(done), "failed": 0,
               "request_throughput": len(done) / dur,
               "output_throughput": sum(n for _, n in done) / dur,

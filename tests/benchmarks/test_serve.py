@@ -884,3 +884,117 @@ def test_a_variant_server_is_measured_and_compared_with_stock(fake_vllm, capsys)
     assert "client" in got["points"][0]["runs"]["vq"]
     assert got["identity_vs_stock"]["vq"]["requests"] == 4
     assert "| L40-c2 | vq |" in capsys.readouterr().out
+
+
+def test_rounds_keep_every_server_up_and_take_turns(fake_vllm, capsys):
+    """--rounds: one server per mode, all up before the first measured run
+    and stopped after the last; in each round every mode runs each point, the
+    first to run rotating; fresh prompts: one seed per round, the same for
+    every mode in it; each run's path counts its own; the table's x figures
+    are the medians of the same-round ratios, with their range."""
+    out = fake_vllm / "rounds"
+    modes = ["stock", "plugin", "control"]
+    assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "4",
+                       "--concurrency", "2", "--aa", "--rounds", "3"]) == 0
+    got = _strict(out / "serve.json")
+    assert list(got["servers"]) == modes
+    for mode in modes:
+        with open(out / f"server-{mode}.log") as f:
+            assert f.read().count("engine core starting") == 1  # started once
+        assert got["servers"][mode]["stop"]["how"] == "SIGTERM"
+        assert got["servers"][mode]["identity"]["requests"] == 4
+    point = got["points"][0]
+    rounds = point["rounds"]
+    assert len(rounds) == 3
+    firsts, seeds = [], []
+    for r, runs in enumerate(rounds):
+        assert sorted(runs) == sorted(modes)
+        order = sorted(modes, key=lambda m: runs[m]["t0"])
+        firsts.append(order[0])
+        # one mode's run ends before the next one's begins: the servers take turns
+        assert all(runs[a]["t1"] <= runs[b]["t0"] for a, b in zip(order, order[1:]))
+        if r:
+            assert min(x["t0"] for x in runs.values()) >= max(
+                x["t1"] for x in rounds[r - 1].values())
+        round_seeds = {m: runs[m]["client"]["fake_seed"] for m in modes}
+        assert len(set(round_seeds.values())) == 1
+        seeds.append(round_seeds["stock"])
+        for m in modes:
+            assert runs[m]["client"]["completed"] == point["num_prompts"]
+            assert (runs[m]["paths"] is not None) is (m == "plugin")
+            if m == "plugin":  # each run's own steps, not the server's running total
+                assert runs[m]["paths"]["steps"]["varlen"] == 2 * point["num_prompts"]
+    assert firsts == modes  # rotated: each mode first once
+    assert len(set(seeds)) == 3
+    first_run = min(x["t0"] for runs in rounds for x in runs.values())
+    last_run = max(x["t1"] for runs in rounds for x in runs.values())
+    for info in got["servers"].values():  # up before the first round, stopped after the last
+        assert info["ready_at"] < first_run and info["stop"]["at"] > last_run
+    # the median-TPOT round's run, and the same-round ratios
+    for mode in modes:
+        tpots = [runs[mode]["client"]["mean_tpot_ms"] for runs in rounds]
+        assert point["runs"][mode]["client"]["mean_tpot_ms"] == sorted(tpots)[1]
+        assert tpots[point["runs"][mode]["round"]] == sorted(tpots)[1]
+    for mode in ("plugin", "control"):
+        each = sorted(runs["stock"]["client"]["mean_tpot_ms"] / runs[mode]["client"]["mean_tpot_ms"]
+                      for runs in rounds)
+        x = point["x_rounds"][mode]["x_tpot"]
+        assert x["each"] == pytest.approx(each)
+        assert (x["median"], x["min"], x["max"]) == pytest.approx((each[1], each[0], each[2]))
+        row = next(r for r in got["table"] if r["mode"] == mode)
+        assert row["x_tpot"] == pytest.approx(each[1])
+        assert row["x_tpot_range"] == pytest.approx([each[0], each[2]])
+    printed = capsys.readouterr().out
+    assert f"{each[1]:.3f} [{each[0]:.3f}, {each[2]:.3f}]" in printed
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_pick_rounds_against_a_plain_reference(seed):
+    """The median run per mode and each mode's same-round ratios against
+    stock, on random figures with a round a mode has no result in."""
+    import statistics
+
+    rng = random.Random(seed)
+    n = rng.randrange(2, 7)
+
+    def run():
+        return {"client": {"mean_tpot_ms": rng.uniform(5, 20), "p99_itl_ms": rng.uniform(10, 40),
+                           "output_throughput": rng.uniform(100, 900)}}
+
+    rounds = [{"stock": run(), "plugin": run()} for _ in range(n)]
+    gap = rng.randrange(n)
+    rounds[gap]["plugin"] = {"skipped": "time limit"}
+    point = {"rounds": rounds}
+    serve.pick_rounds(point)
+    done = [r for r in rounds if "client" in r["plugin"]]
+    for mode, kept in (("stock", rounds), ("plugin", done)):
+        tpots = sorted(r[mode]["client"]["mean_tpot_ms"] for r in kept)
+        assert point["runs"][mode]["client"]["mean_tpot_ms"] == tpots[(len(tpots) - 1) // 2]
+    for name, key, stock_over in (("x_tpot", "mean_tpot_ms", True),
+                                  ("x_itl_p99", "p99_itl_ms", True),
+                                  ("x_tok_s", "output_throughput", False)):
+        vals = [(r["stock"]["client"][key] / r["plugin"]["client"][key]) ** (1 if stock_over else -1)
+                for r in done]
+        got = point["x_rounds"]["plugin"][name]
+        assert got["rounds"] == len(done) == n - 1
+        assert got["median"] == pytest.approx(statistics.median(vals))
+        assert (got["min"], got["max"]) == pytest.approx((min(vals), max(vals)))
+
+
+@pytest.mark.parametrize("bad", [["--rounds", "-1"], ["--rounds", "2", "--soak-minutes", "1"],
+                                 ["--rounds", "2", "--profile-steps", "8"]])
+def test_rounds_refuse_what_runs_on_one_server_at_a_time(bad, capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--out", "x", *bad])
+    assert "--rounds" in capsys.readouterr().err
+
+
+def test_rounds_share_the_gpu_memory_between_the_servers(fake_vllm):
+    out = fake_vllm / "mem"
+    assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "0",
+                       "--concurrency", "2", "--rounds", "1", "--gpu-memory-utilization",
+                       "0.8"]) == 0
+    got = _strict(out / "serve.json")
+    for info in got["servers"].values():
+        cmd = info["cmd"]
+        assert float(cmd[cmd.index("--gpu-memory-utilization") + 1]) == pytest.approx(0.4)
