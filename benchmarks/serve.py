@@ -1561,7 +1561,8 @@ def main(argv: list[str] | None = None) -> int:
     points = sweep_points(args)
     if args.dry_run:
         port = 8000
-        print(shlex.join(serve_command(args, model, port)))
+        memory = args.gpu_memory_utilization / len(args.modes) if args.rounds else None
+        print(shlex.join(serve_command(args, model, port, memory=memory)))
         for p in points:
             if p["value"] is None:
                 p = dict(p, value=1.0, num_prompts=args.min_prompts)
