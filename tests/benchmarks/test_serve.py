@@ -998,3 +998,15 @@ def test_rounds_share_the_gpu_memory_between_the_servers(fake_vllm):
     for info in got["servers"].values():
         cmd = info["cmd"]
         assert float(cmd[cmd.index("--gpu-memory-utilization") + 1]) == pytest.approx(0.4)
+
+
+def test_rounds_with_a_server_that_fails_stop_the_others_and_say_why(fake_vllm, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL_MODE", "auto")
+    out = fake_vllm / "rounds-fail"
+    assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "0",
+                       "--concurrency", "2", "--aa", "--rounds", "2"]) == 0
+    got = _strict(out / "serve.json")
+    assert "before it was ready" in got["servers"]["plugin"]["failed"]
+    assert got["servers"]["control"] == {"skipped": "plugin's server is not up"}
+    assert got["servers"]["stock"]["stop"]["how"] == "SIGTERM"  # the one up is stopped
+    assert "rounds" not in got["points"][0]
