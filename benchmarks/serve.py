@@ -1233,7 +1233,8 @@ def run_interleaved(args, model: str, cfg: dict, points: list[dict], result: dic
     on the machine over the minutes (clocks, the host's other load) falls on
     every mode alike.  With fresh prompts each round has its own seed, the
     same for every mode (:func:`round_point`).  Each point keeps every round's runs (``rounds``);
-    :func:`pick_rounds` then sets its ``runs`` and the per-round ratios."""
+    :func:`pick_rounds` then sets its ``runs`` and the per-round ratios.  With
+    ``--profile-steps``, after the rounds each server's profiled window in turn."""
     n = len(args.modes)
     stops = stop_reserve(args) * n
     lives: list[Live] = []
@@ -1267,6 +1268,11 @@ def run_interleaved(args, model: str, cfg: dict, points: list[dict], result: dic
                 point.setdefault("rounds", []).append({m: got[m] for m in args.modes})
                 save()
             round_s = max(round_s, time.time() - t0)
+        if args.profile_steps and points:  # one window a server, the others idle
+            for live in lives:
+                live.info["profile"] = profile_window(args, points[0], live.port, model, live.mode,
+                                                      live.trace_dir, deadline, live.per_point_s)
+                save()
     finally:
         for live in lives:
             finish_server(args, live, points, save)
@@ -1546,9 +1552,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--env: expected KEY=VALUE, got {kv!r}")
     if args.rounds < 0:
         ap.error("--rounds: expected >= 0")
-    if args.rounds and (args.soak_minutes or args.profile_steps):
-        ap.error("--rounds: the soak and --profile-steps run on one server at a time; "
-                 "leave them out of an interleaved run")
+    if args.rounds and args.soak_minutes:
+        ap.error("--rounds: a soak runs on one server at a time; leave it out of an "
+                 "interleaved run")
     if args.profile_steps < 0 or args.profile_delay < 0 or args.py_spy_rate < 1:
         ap.error("--profile-steps / --profile-delay: expected >= 0; --py-spy-rate: >= 1")
     return args

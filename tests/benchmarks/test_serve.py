@@ -981,23 +981,32 @@ def test_pick_rounds_against_a_plain_reference(seed):
         assert (got["min"], got["max"]) == pytest.approx((min(vals), max(vals)))
 
 
-@pytest.mark.parametrize("bad", [["--rounds", "-1"], ["--rounds", "2", "--soak-minutes", "1"],
-                                 ["--rounds", "2", "--profile-steps", "8"]])
+@pytest.mark.parametrize("bad", [["--rounds", "-1"], ["--rounds", "2", "--soak-minutes", "1"]])
 def test_rounds_refuse_what_runs_on_one_server_at_a_time(bad, capsys):
     with pytest.raises(SystemExit):
         serve.parse_args(["--out", "x", *bad])
     assert "--rounds" in capsys.readouterr().err
 
 
-def test_rounds_share_the_gpu_memory_between_the_servers(fake_vllm):
+def test_rounds_share_the_gpu_memory_and_profile_each_server_after_them(fake_vllm):
+    """Each server gets its part of the memory; with --profile-steps each has
+    its own profiled window, after the last round, one server at a time."""
     out = fake_vllm / "mem"
     assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "0",
-                       "--concurrency", "2", "--rounds", "1", "--gpu-memory-utilization",
-                       "0.8"]) == 0
+                       "--concurrency", "2", "--rounds", "2", "--gpu-memory-utilization",
+                       "0.8", "--profile-steps", "50", "--profile-delay", "0"]) == 0
     got = _strict(out / "serve.json")
+    last_run = max(x["t1"] for runs in got["points"][0]["rounds"] for x in runs.values())
+    windows = []
     for info in got["servers"].values():
         cmd = info["cmd"]
         assert float(cmd[cmd.index("--gpu-memory-utilization") + 1]) == pytest.approx(0.4)
+        prof = info["profile"]
+        assert prof["client_rc"] == 0 and prof["steps"] == 2 * 2  # one wave of concurrency 2
+        assert prof["window"][0] >= last_run
+        windows.append(prof["window"])
+    windows.sort()
+    assert windows[0][1] <= windows[1][0]  # one server's window after the other's
 
 
 def test_rounds_with_a_server_that_fails_stop_the_others_and_say_why(fake_vllm, monkeypatch):
