@@ -1097,7 +1097,11 @@ def start_server(args, mode: str, model: str, result: dict, ready_by: float,
     server = Server(cmd, env, log)
     t0 = time.time()
     server.start()
-    why = server.wait_ready(port, min(args.server_timeout, max(1.0, ready_by - time.time())))
+    try:
+        why = server.wait_ready(port, min(args.server_timeout, max(1.0, ready_by - time.time())))
+    except BaseException:  # interrupted while it comes up: not left running
+        info["stop"] = server.stop(args.stop_timeout)
+        raise
     info["startup_s"] = round(time.time() - t0, 1)
     if why:
         info["failed"] = why

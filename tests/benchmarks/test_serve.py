@@ -1019,3 +1019,23 @@ def test_rounds_with_a_server_that_fails_stop_the_others_and_say_why(fake_vllm, 
     assert got["servers"]["control"] == {"skipped": "plugin's server is not up"}
     assert got["servers"]["stock"]["stop"]["how"] == "SIGTERM"  # the one up is stopped
     assert "rounds" not in got["points"][0]
+
+
+def test_a_start_interrupted_while_the_server_comes_up_stops_it(fake_vllm, monkeypatch):
+    args = serve.parse_args(["--out", str(fake_vllm / "intr"), *_SMALL, "--rates"])
+    os.makedirs(args.out, exist_ok=True)
+    model, _ = serve._model_folder(args)
+    procs = []
+
+    def interrupted(self, port, timeout):
+        procs.append(self.proc)
+        time.sleep(0.5)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve.Server, "wait_ready", interrupted)
+    result = {"servers": {}}
+    with pytest.raises(KeyboardInterrupt):
+        serve.start_server(args, "plugin", model, result, time.time() + 30)
+    (proc,) = procs
+    assert proc.poll() is not None  # gone, not left running
+    assert result["servers"]["plugin"]["stop"]["how"] in ("SIGTERM", "exited by itself")
