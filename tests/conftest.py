@@ -8,6 +8,7 @@ the reason, before they are imported when another line (or no vLLM) is
 installed, so ``python -m pytest tests`` passes in either environment.
 """
 
+import contextlib
 import functools
 import os
 import pathlib
@@ -82,6 +83,23 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device kernel tests run on: CUDA when present, else the CPU (interpreter)."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def no_host_sync():
+    """A context manager under which a CUDA call that waits on the device
+    raises (torch's sync debug mode ``error``), the mode set back however the
+    block ends."""
+
+    @contextlib.contextmanager
+    def guard():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return guard
 
 
 # Without a GPU, each test's Triton launches are watched: one that runs a

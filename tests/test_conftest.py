@@ -43,3 +43,17 @@ def test_interpreted_launches_are_counted():
     _double[(1,)](x, 7, BLOCK=8)
     assert conftest._LAUNCHED[before:] == ["_double"]
     torch.testing.assert_close(x, want)
+
+
+def test_the_no_host_sync_guard_sets_the_mode_and_sets_it_back_on_error(monkeypatch):
+    """``no_host_sync`` turns torch's sync debug mode to ``error`` for its block
+    and back to ``default`` after it, also when the block raises."""
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    guard = conftest.no_host_sync.__wrapped__()
+    with guard():
+        assert modes == ["error"]
+    assert modes == ["error", "default"]
+    with pytest.raises(RuntimeError), guard():
+        raise RuntimeError("a call waited on the device")
+    assert modes == ["error", "default", "error", "default"]

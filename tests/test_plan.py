@@ -227,7 +227,7 @@ def test_out_buffers_too_short_are_named(short):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("uniform_len", [None, 1, 3, 4])
-def test_no_host_sync_when_planning_on_the_device(uniform_len):
+def test_no_host_sync_when_planning_on_the_device(uniform_len, no_host_sync):
     """Planning a step's rows into the builder's buffers (uniform: broadcast
     views; variable: sized from the host's token count) never waits on the
     device: a build's host work keeps running ahead of the GPU."""
@@ -247,11 +247,8 @@ def test_no_host_sync_when_planning_on_the_device(uniform_len):
               dict(num_rows=tokens + 3, num_tokens=tokens))
     plan_decode_rows(*args, out=out, **kwargs)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         rows = plan_decode_rows(*args, out=out, **kwargs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     ids, ctx, bt = expected_rows(decode_lens, seq_lens, block_table, 0)
     assert rows.indices[:tokens].cpu().tolist() == ids
     assert rows.context_lens[:tokens].cpu().tolist() == ctx

@@ -786,7 +786,7 @@ def test_bad_schedule_and_weights_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_no_host_sync_in_plan_and_launch():
+def test_no_host_sync_in_plan_and_launch(no_host_sync):
     """The GPU-side plan and the launch (after the kernel is loaded) never wait
     on the device: the step's facts stay on the GPU."""
     if NVRTC is not None:
@@ -797,14 +797,11 @@ def test_no_host_sync_in_plan_and_launch():
     out = torch.empty(rows.num_rows, step.max_context_len, device="cuda")
     ck.load(step.q.device)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(2):  # the second call reuses the cached TMA descriptors
             sched = ck.plan(rows.indices, ctx, step.max_context_len, rows.block_table.shape[1])
             ck.launch(step.q, step.kv_cache, step.weights, ctx, rows.block_table, rows.indices,
                       step.max_context_len, out, schedule=sched)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     ref = paged_mqa_logits_ref(step.q, step.kv_cache, step.weights, ctx, rows.block_table,
                                step.max_context_len, indices=rows.indices)

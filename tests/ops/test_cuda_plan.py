@@ -794,7 +794,8 @@ def small_uniform_rows(seed: int, heads: int = 64):
 @pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync(heads, cut):
+def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync(heads, cut,
+                                                                        no_host_sync):
     """Captured once into preallocated outputs; replays on new ids and
     context lengths (same row count) give each step's plan_torch exactly;
     neither the capture nor the launches sync with the host.  With the
@@ -808,14 +809,11 @@ def test_planner_replays_in_a_graph_with_new_contents_and_no_host_sync(heads, cu
     out = cp.allocate(rows, programs, "cuda")
     cp.load("cuda", heads)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(2):
             cp.plan_device(ids_buf, ctx_buf, 131072, 2048, heads=heads, programs=programs,
                            out=out, cut_items=cut_items)
             ck.plan(ids_buf, ctx_buf, 131072, 2048, heads, programs=programs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -729,7 +729,7 @@ def test_a_bound_sizes_the_plan_not_the_result(bound):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("rows,width,bound", [(40, 33000, 33000), (128, 44000, 44000),
                                               (200, 9000, 9000), (24, 160000, None)])
-def test_no_host_sync_in_eager_top_k_calls(rows, width, bound):
+def test_no_host_sync_in_eager_top_k_calls(rows, width, bound, no_host_sync):
     """The project's top-k as the dispatch calls it on an eager step (the
     plan's build for the call: split, staged, sampled where it applies) never
     waits on the device once its build is loaded: an engine step's host work
@@ -741,10 +741,7 @@ def test_no_host_sync_in_eager_top_k_calls(rows, width, bound):
     ct.launch_checked(logits, lens, 2048, out, bound=bound)  # the build loaded
     torch.cuda.synchronize()
     out.fill_(POISON)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(2):
             ct.launch_checked(logits, lens, 2048, out, bound=bound)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert topk_selection_ok(logits.cpu(), lens.cpu(), 2048, out.cpu()) == []

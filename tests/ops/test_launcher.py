@@ -782,7 +782,7 @@ def test_a_captured_launch_keeps_its_own_parameters():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_no_host_sync_in_eager_launcher_calls():
+def test_no_host_sync_in_eager_launcher_calls(no_host_sync):
     """An eager call through the launcher (schedule planned by the step's first
     call, logits allocated or given) never waits on the device, on a new route
     or a kept one."""
@@ -793,12 +793,9 @@ def test_no_host_sync_in_eager_launcher_calls():
     launcher.varlen_paged_mqa_logits(*args, out=out)   # the build loaded
     launcher._ROUTES.clear()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         cache = {}
         for _ in range(2):
             launcher.varlen_paged_mqa_logits(*args, schedule_cache=cache)
             launcher.varlen_paged_mqa_logits(*args, out=out, schedule_cache=cache)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     _check_against_reference(*args, out, poisoned=False)

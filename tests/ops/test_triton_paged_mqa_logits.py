@@ -196,19 +196,16 @@ def test_serving_sizes_match_reference(case):
 
 
 @pytest.mark.gpu
-def test_no_host_sync_in_plan_and_launch():
+def test_no_host_sync_in_plan_and_launch(no_host_sync):
     step = random_decode_step(16, 3, 2048, heads=64, device="cuda")
     qsl = torch.arange(0, 17 * 3, 3, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         rows = plan_decode_rows(step.seq_lens, qsl, step.block_table, num_rows=48, uniform_len=3)
         q = torch.zeros((48, 1, 64, 128), dtype=torch.float8_e4m3fn, device="cuda")
         w = torch.zeros((48, 64), device="cuda")
         varlen_paged_mqa_logits(q, step.kv_cache, w, rows.context_lens.view(-1, 1), rows.block_table,
                                 rows.indices, step.max_context_len)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu
