@@ -90,6 +90,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -728,6 +729,19 @@ def _ratio(a, b):
     return a / b if a and b else None
 
 
+# Each mode against stock: the client's figure, and whether it is a time (then
+# stock's over the mode's, so that > 1 is faster) or a rate (the mode's over stock's).
+RATIOS = {"x_tpot": ("mean_tpot_ms", True), "x_itl_p99": ("p99_itl_ms", True),
+          "x_tok_s": ("output_throughput", False)}
+
+
+def against_stock(stock: dict, other: dict, name: str) -> float | None:
+    """:data:`RATIOS`' ``name`` of client results ``other`` against ``stock``'s."""
+    key, time_like = RATIOS[name]
+    a, b = stock.get(key), other.get(key)
+    return _ratio(a, b) if time_like else _ratio(b, a)
+
+
 def table_rows(result: dict) -> list[dict]:
     """One row per point and mode: the client's figures, the acceptance
     length, the plugin's varlen / variable-step counts, and against stock:
@@ -756,9 +770,7 @@ def table_rows(result: dict) -> list[dict]:
                     row[name] = got["median"]
                     row[name + "_range"] = [got["min"], got["max"]]
             elif mode != "stock" and base:
-                row["x_tpot"] = _ratio(base.get("mean_tpot_ms"), c.get("mean_tpot_ms"))
-                row["x_itl_p99"] = _ratio(base.get("p99_itl_ms"), c.get("p99_itl_ms"))
-                row["x_tok_s"] = _ratio(c.get("output_throughput"), base.get("output_throughput"))
+                row.update((name, against_stock(base, c, name)) for name in RATIOS)
             rows.append(row)
     return rows
 
@@ -1294,9 +1306,6 @@ def round_point(point: dict, r: int, prompts: str) -> dict:
     seed = point["seed"] + (r * ROUND_SEED_STEP if prompts == "fresh" else 0)
     return dict(point, id=f"{point['id']}-round{r}", seed=seed)
 
-ROUND_RATIOS = {"x_tpot": ("mean_tpot_ms", True), "x_itl_p99": ("p99_itl_ms", True),
-                "x_tok_s": ("output_throughput", False)}
-
 
 def pick_rounds(point: dict) -> None:
     """A point measured in rounds: per mode, ``runs`` is its run of median
@@ -1307,7 +1316,7 @@ def pick_rounds(point: dict) -> None:
     rounds = point.get("rounds")
     if not rounds:
         return
-    modes = [m for m in rounds[0]]
+    modes = list(rounds[0])
     for mode in modes:
         done = [(i, r[mode]) for i, r in enumerate(rounds)
                 if ((r.get(mode) or {}).get("client") or {}).get("mean_tpot_ms") is not None]
@@ -1320,19 +1329,13 @@ def pick_rounds(point: dict) -> None:
         if mode == "stock":
             continue
         per = {}
-        for name, (key, time_like) in ROUND_RATIOS.items():
-            vals = []
-            for r in rounds:
-                a = ((r.get("stock") or {}).get("client") or {}).get(key)
-                b = ((r.get(mode) or {}).get("client") or {}).get(key)
-                v = _ratio(a, b) if time_like else _ratio(b, a)
-                if v is not None:
-                    vals.append(v)
+        for name in RATIOS:
+            vals = sorted(v for r in rounds
+                          if (v := against_stock((r.get("stock") or {}).get("client") or {},
+                                                 (r.get(mode) or {}).get("client") or {},
+                                                 name)) is not None)
             if vals:
-                vals.sort()
-                mid = len(vals) // 2
-                median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
-                per[name] = {"median": median, "min": vals[0], "max": vals[-1],
+                per[name] = {"median": statistics.median(vals), "min": vals[0], "max": vals[-1],
                              "rounds": len(vals), "each": vals}
         if per:
             x[mode] = per
