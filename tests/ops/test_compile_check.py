@@ -5,6 +5,7 @@ spills)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -130,3 +131,16 @@ def test_the_planner_builds_for_both_head_counts_without_spills(compiled_variant
     assert sorted(cp.HEAD_COUNTS) == sorted(ck.LAUNCHER_HEADS)
     assert all(r["ok"] and r["spills"] == 0 and 0 < r["registers"] <= 64 and r["cubin_bytes"] > 0
                for r in plan), plan
+
+
+def test_nvrtc_compiles_leave_the_signal_mask_alone():
+    """The engine core compiles these kernels in its main thread at start-up;
+    a compile that left SIGTERM blocked there would leave vLLM's handler
+    unrun at a server's stop (a process-directed signal goes to a thread that
+    does not block it, and the main thread sleeps on)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.SIGTERM not in before
+    ck.compile_cubin()
+    cp.compile_cubin(heads=32)
+    ct.compile_cubin()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before

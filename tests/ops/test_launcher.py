@@ -15,6 +15,7 @@ after its caches are dropped, no host sync.
 import contextlib
 import ctypes
 import os
+import signal
 import types
 
 import pytest
@@ -24,6 +25,7 @@ from vllm_dsa_varlen import settings
 from vllm_dsa_varlen.bench import launch as host_time
 from vllm_dsa_varlen.ops import common, launcher
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
+from vllm_dsa_varlen.ops import cuda_topk as ct
 from vllm_dsa_varlen.ops import triton_paged_mqa_logits as portable
 from vllm_dsa_varlen.ops.launcher import precompile
 from vllm_dsa_varlen.ops.reference import paged_mqa_logits_ref, quantize_kv_fp8, valid_mask
@@ -799,3 +801,35 @@ def test_no_host_sync_in_eager_launcher_calls(no_host_sync):
             launcher.varlen_paged_mqa_logits(*args, schedule_cache=cache)
             launcher.varlen_paged_mqa_logits(*args, out=out, schedule_cache=cache)
     _check_against_reference(*args, out, poisoned=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_the_serving_path_leaves_the_signal_mask_alone():
+    """What the plugin's engine core runs beyond stock's, in its main thread:
+    the precompile, the driver's module loads, an eager call, a graph capture
+    and replay, the decode top-k.  None may leave SIGTERM blocked there (vLLM's
+    handler would not run at a server's stop)."""
+    _needs_cuda_kernel()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.SIGTERM not in before
+    precompile(heads=64)
+    step = random_decode_step(8, 3, 3000, heads=64, device="cuda", variable=True,
+                              seed=int(torch.randint(0, 2**31 - 1, (1,))))
+    args = launcher_args(step)
+    out = torch.full((step.rows.num_rows, step.max_context_len), POISON, device="cuda")
+    launcher.varlen_paged_mqa_logits(*args, out=out)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        launcher.varlen_paged_mqa_logits(*args, out=out, schedule_cache={})
+    out.fill_(POISON)
+    graph.replay()
+    lens = torch.full((step.rows.num_rows,), step.max_context_len, dtype=torch.int32, device="cuda")
+    picked = torch.empty((step.rows.num_rows, 2048), dtype=torch.int32, device="cuda")
+    ct.launch_checked(torch.randn(step.rows.num_rows, step.max_context_len, device="cuda"),
+                      lens, 2048, picked, bound=step.max_context_len)
+    torch.cuda.synchronize()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+    _check_against_reference(*args, out, poisoned=True)
