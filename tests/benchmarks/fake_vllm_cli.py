@@ -7,8 +7,9 @@ parses for real without a GPU.
 (vLLM's metric names and labels) and ``/v1/completions`` (plain and streamed;
 the text a fixed function of the prompt, with top logprobs), logging as
 vLLM's engine core does; with the plugin's mode variable at ``auto`` it logs
-a decode-path line and records ``STEPS_PER_REQUEST`` varlen steps per
-completion through the plugin's own counters, its log interval shortened by
+a decode-path line and records ``STEPS_PER_REQUEST`` engine steps per
+completion through the plugin's own counters (a step: the target model's
+varlen build and the drafter's ``k`` native ones), its log interval shortened by
 ``FAKE_LOG_EVERY_S``.  ``FAKE_FAIL_MODE``: a server in that mode exits at once;
 ``FAKE_START_S`` (``mode=seconds,...``): a server in that mode takes that long to come up.
 ``--profiler-config``: ``/start_profile`` and ``/stop_profile``, the latter
@@ -49,7 +50,9 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--served-model-name", default="m")
     ap.add_argument("--profiler-config", default=None)
+    ap.add_argument("--speculative-config", default='{"num_speculative_tokens": 1}')
     args, _ = ap.parse_known_args(argv)
+    k = json.loads(args.speculative_config)["num_speculative_tokens"]
     profiler = json.loads(args.profiler_config) if args.profiler_config else None
     profiled: list[int] = []  # steps recorded since /start_profile (None: not profiling)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO,
@@ -76,6 +79,8 @@ def serve(argv: list[str]) -> int:
         if mode == "auto":
             for i in range(STEPS_PER_REQUEST):
                 stats.record("varlen", variable=i % 2 == 0, mixed=False)
+                for _ in range(k):
+                    stats.record("stock_native", variable=False, mixed=False)
         if os.environ.get("FAKE_SYNC_WARN"):
             import warnings
 
