@@ -25,7 +25,11 @@ engine core; loopback, a free port), waits for ``/v1/models``, and runs:
 4. with ``--soak-minutes``, a soak: Poisson load at ``--soak-rate`` with
    variable output lengths and long prompts (chunked prefill mixed with
    decode), a few streams closed by the client mid-way, GPU memory sampled
-   with ``nvidia-smi``;
+   with ``nvidia-smi``, and ``--soak-structured`` clients sending
+   regex-constrained completions one after another: the grammar trims a
+   request's MTP drafts to their valid prefix, so its decode runs vary
+   between 1 and k + 1 tokens (the variable steps vLLM's scheduler otherwise
+   never makes: it schedules every running request's k drafts whole);
 
 then stops the server (SIGTERM to the API server, which lets its engine core
 drain for ``--server-shutdown-timeout`` and exit; SIGKILL to the process group
@@ -683,6 +687,37 @@ def memory_flatness(samples: list[tuple[float, float | None]], warmup_fraction: 
             "range_mib": spread, "flat": spread <= tolerance_mib}
 
 
+# What the structured-output requests are held to: words of the serving
+# tokenizer (:func:`serve_model.word`) spelled from the first half of the
+# alphabet, so about half the vocabulary is allowed at every position and
+# most drafts of a dummy-weight drafter break off early.
+STRUCTURED_REGEX = "[a-m]+"
+
+
+def structured_completion(port: int, prompt: str, max_tokens: int, timeout: float) -> dict:
+    """One greedy completion constrained to :data:`STRUCTURED_REGEX`: its
+    status, tokens and whether every word of the text keeps to the regex."""
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "structured_outputs": {"regex": STRUCTURED_REGEX}}
+    try:
+        choice = _post(port, "/v1/completions", body, timeout)["choices"][0]
+    except Exception as exc:  # noqa: BLE001 - a failed request is a finding
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    words = choice["text"].split()
+    return {"words": len(words), "finish_reason": choice.get("finish_reason"),
+            "kept_to_regex": bool(words) and all(re.fullmatch(STRUCTURED_REGEX, w) for w in words)}
+
+
+def structured_summary(records: list[dict]) -> dict:
+    """The structured-output requests of a soak: sent, failed, and those whose
+    text broke the regex."""
+    failed = [r for r in records if "error" in r]
+    return {"sent": len(records), "failed": len(failed),
+            "broke_regex": sum(1 for r in records if "error" not in r and not r["kept_to_regex"]),
+            "words": sum(r.get("words", 0) for r in records),
+            "errors": [r["error"] for r in failed][:3]}
+
+
 def disconnect_mid_stream(port: int, prompt: str, chunks: int, timeout: float) -> dict:
     """A streaming completion the client closes after ``chunks`` chunks."""
     body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": 4096,
@@ -1032,6 +1067,8 @@ def first_gpu() -> int:
 def run_soak(args, port: int, tokenizer: str, mode: str, vocab: int) -> dict:
     """Poisson load for ``--soak-minutes`` (variable output lengths, long
     prompts), ``--soak-disconnects`` streams closed mid-way spread over it,
+    ``--soak-structured`` clients of regex-constrained completions through
+    its middle (10 to 80 % of the span),
     GPU memory sampled every ``--soak-sample-s``."""
     n = math.ceil(args.soak_rate * 60 * args.soak_minutes)
     point = {"id": "soak", "input_len": args.soak_input_len, "output_len": args.soak_output_len,
@@ -1055,8 +1092,23 @@ def run_soak(args, port: int, tokenizer: str, mode: str, vocab: int) -> dict:
                 return
             disconnects.append(disconnect_mid_stream(port, prompt, 3, 120))
 
+    structured: list = []
+
+    def constrained(client: int):
+        # Through the middle of the arrivals only: the soak's window opens and
+        # closes on its own traffic, so the path counts stay exact at both ends.
+        prompts = identity_prompts(64, vocab, 512, args.seed + 101 + client)
+        if stop.wait(max(0.0, start + 0.1 * span - time.time())):
+            return
+        i = 0
+        while not stop.is_set() and time.time() < start + 0.8 * span:
+            structured.append(structured_completion(port, prompts[i % len(prompts)], 128, 300))
+            i += 1
+
     threads = [threading.Thread(target=sample, daemon=True),
-               threading.Thread(target=disconnect, daemon=True)]
+               threading.Thread(target=disconnect, daemon=True),
+               *(threading.Thread(target=constrained, args=(c,), daemon=True)
+                 for c in range(args.soak_structured))]
     for t in threads:
         t.start()
     try:
@@ -1069,6 +1121,7 @@ def run_soak(args, port: int, tokenizer: str, mode: str, vocab: int) -> dict:
     run["gpu_memory"] = memory_flatness(samples, 0.2, args.soak_memory_tolerance_mib)
     run["gpu_memory_samples"] = samples
     run["disconnects"] = disconnects
+    run["structured"] = structured_summary(structured)
     run["point"] = point
     return run
 
@@ -1203,7 +1256,21 @@ def finish_server(args, live: Live, points: list[dict], save) -> None:
     if "window" in soak:
         soak["paths"] = path_growth(lines, *soak["window"])
         soak["consistency"] = soak_consistency(soak, args.k)
+        print(f"[{mode}] soak: {soak_line(soak)}", flush=True)
     save()
+
+
+def soak_line(soak: dict) -> str:
+    """A soak's facts in one line: requests, structured-output requests,
+    variable decode steps, memory, counters."""
+    client = soak.get("client") or {}
+    st = soak.get("structured") or {}
+    variable = sum(((soak.get("paths") or {}).get("variable") or {}).values())
+    return (f"{client.get('completed')} completed, {client.get('failed')} failed; "
+            f"structured {st.get('sent')} sent, {st.get('failed')} failed, "
+            f"{st.get('broke_regex')} broke the regex; {variable} variable steps; "
+            f"memory flat {(soak.get('gpu_memory') or {}).get('flat')}; "
+            f"builds a step {(soak.get('consistency') or {}).get('builds_per_step')}")
 
 
 def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], result: dict,
@@ -1458,6 +1525,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--soak-output-len", type=int, default=256)
     ap.add_argument("--soak-range-ratio", type=float, default=0.5)
     ap.add_argument("--soak-disconnects", type=int, default=4)
+    ap.add_argument("--soak-structured", type=int, default=2,
+                    help="clients sending regex-constrained completions through the soak, "
+                    "one at a time each (variable decode runs); 0: none")
     ap.add_argument("--soak-sample-s", type=float, default=5.0)
     ap.add_argument("--soak-memory-tolerance-mib", type=float, default=64.0)
     ap.add_argument("--load-format", default="dummy")
@@ -1550,6 +1620,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--concurrency / --input-len: expected >= 1")
     if not 0 <= args.range_ratio < 1 or not 0 <= args.soak_range_ratio < 1:
         ap.error("--range-ratio / --soak-range-ratio: expected in [0, 1)")
+    if args.soak_structured < 0:
+        ap.error(f"--soak-structured: expected >= 0, got {args.soak_structured}")
     if args.gap < 0:
         ap.error("--gap: expected >= 0")
     if args.start_reserve < 0:

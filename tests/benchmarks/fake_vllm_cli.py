@@ -5,7 +5,8 @@ parses for real without a GPU.
 
 ``serve``: loopback HTTP with ``/v1/models``, ``/version``, ``/metrics``
 (vLLM's metric names and labels) and ``/v1/completions`` (plain and streamed;
-the text a fixed function of the prompt, with top logprobs), logging as
+the text a fixed function of the prompt, with top logprobs; a
+``structured_outputs`` regex keeps the words it allows), logging as
 vLLM's engine core does; with the plugin's mode variable at ``auto`` it logs
 a decode-path line and records ``STEPS_PER_REQUEST`` engine steps per
 completion through the plugin's own counters (a step: the target model's
@@ -27,6 +28,7 @@ import logging
 import math
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -76,6 +78,10 @@ def serve(argv: list[str]) -> int:
 
     def complete(body: dict) -> list[str]:
         out = words_out(body["prompt"], int(body["max_tokens"]))
+        regex = (body.get("structured_outputs") or {}).get("regex")
+        if regex:  # a grammar: only the words the regex allows, in a generation's time
+            out = [w for w in out if re.fullmatch(regex, w)] or ["a"]
+            time.sleep(0.05)
         if mode == "auto":
             for i in range(STEPS_PER_REQUEST):
                 stats.record("varlen", variable=i % 2 == 0, mixed=False)

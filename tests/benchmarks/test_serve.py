@@ -558,6 +558,29 @@ def test_memory_flatness_ignores_the_warm_up():
     assert serve.memory_flatness([(0.0, None)], 0.2, 4)["flat"] is None
 
 
+def test_structured_completions_are_held_to_the_regex(monkeypatch):
+    """A text with a word outside the regex, a failed request and an empty
+    text are each counted; a text kept to it is not."""
+    rng = random.Random()
+    inside = [serve.serve_model.word(rng.randrange(0, 13)) for _ in range(rng.randint(1, 9))]
+    outside = inside + ["z" + serve.serve_model.word(rng.randrange(0, 500))]
+    rng.shuffle(outside)
+    replies = iter([" ".join(inside), " ".join(outside), ""])
+
+    def post(port, path, body, timeout):
+        assert body["structured_outputs"] == {"regex": serve.STRUCTURED_REGEX}
+        text = next(replies, None)
+        if text is None:
+            raise OSError("connection refused")
+        return {"choices": [{"text": text, "finish_reason": "length"}]}
+    monkeypatch.setattr(serve, "_post", post)
+    recs = [serve.structured_completion(1, "a b", 8, 1) for _ in range(4)]
+    assert [r.get("kept_to_regex") for r in recs] == [True, False, False, None]
+    got = serve.structured_summary(recs)
+    assert (got["sent"], got["failed"], got["broke_regex"]) == (4, 1, 2)
+    assert got["words"] == 2 * len(inside) + 1 and "connection refused" in got["errors"][0]
+
+
 def test_soak_consistency_holds_the_builds_to_k_plus_one_a_step():
     """k + 1 builds an engine step, within the tolerance either way: a few
     steps vLLM does not count pass; a lost counter or a doubled build does not."""
@@ -626,7 +649,8 @@ def test_a_whole_run_against_a_stand_in_server(fake_vllm, capsys):
     rc = serve.main(["--out", str(out), *_SMALL, "--aa", "--rates", "auto",
                      "--rate-fractions", "0.5", "--rate-seconds", "3", "--soak-minutes", "0.05",
                      "--soak-rate", "20", "--soak-input-len", "30", "--soak-output-len", "6",
-                     "--soak-disconnects", "2", "--soak-sample-s", "0.5"])
+                     "--soak-disconnects", "2", "--soak-sample-s", "0.5",
+                     "--soak-structured", "1"])
     assert rc == 0
     got = _strict(out / "serve.json")
     assert list(got["servers"]) == ["stock", "plugin", "control"]
@@ -671,7 +695,9 @@ def test_a_whole_run_against_a_stand_in_server(fake_vllm, capsys):
     assert soak["client"]["failed"] == 0 and soak["client"]["completed"] == soak["point"][
         "num_prompts"]
     assert [d["chunks_read"] for d in soak["disconnects"]] == [3, 3]
-    assert soak["consistency"]["within_bounds"] and soak["consistency"]["exact"]
+    st = soak["structured"]
+    assert st["sent"] > 0 and st["failed"] == 0 and st["broke_regex"] == 0 and st["words"] > 0
+    assert soak["consistency"]["within_bounds"] and soak["consistency"]["exact"], (soak["consistency"], st)
     assert soak["gpu_memory"]["samples"] >= 0
     rows = got["table"]
     assert len(rows) == 3 * 3 and all(r["failed"] == 0 for r in rows)
