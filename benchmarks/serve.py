@@ -28,8 +28,9 @@ engine core; loopback, a free port), waits for ``/v1/models``, and runs:
    with ``nvidia-smi``, and ``--soak-structured`` clients sending
    regex-constrained completions one after another: the grammar trims a
    request's MTP drafts to their valid prefix, so its decode runs vary
-   between 1 and k + 1 tokens (the variable steps vLLM's scheduler otherwise
-   never makes: it schedules every running request's k drafts whole);
+   between 1 and k + 1 tokens (variable steps, which vLLM's scheduler does
+   not make otherwise: it schedules a running request's k drafts whole,
+   cutting them only at the token budget);
 
 then stops the server (SIGTERM to the API server, which lets its engine core
 drain for ``--server-shutdown-timeout`` and exit; SIGKILL to the process group
