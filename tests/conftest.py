@@ -12,6 +12,7 @@ import contextlib
 import functools
 import os
 import pathlib
+import signal
 
 import pytest
 import torch
@@ -98,6 +99,32 @@ def no_host_sync():
             yield
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+    return guard
+
+
+@pytest.fixture
+def sigterm_kept():
+    """A context manager for work a served engine core does in its main
+    thread: vLLM stops that core by SIGTERM through a Python handler, so the
+    block may neither leave SIGTERM blocked there nor replace the handler (a
+    sentinel while the block runs).  Mask and handler are set back either way."""
+
+    @contextlib.contextmanager
+    def guard():
+        def sentinel(signum, frame):
+            pass
+
+        old = signal.signal(signal.SIGTERM, sentinel)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        try:
+            assert signal.SIGTERM not in mask
+            yield
+            assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask, "the signal mask changed"
+            assert signal.getsignal(signal.SIGTERM) is sentinel, "SIGTERM's handler was replaced"
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            signal.signal(signal.SIGTERM, old)
 
     return guard
 

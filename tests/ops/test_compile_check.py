@@ -5,7 +5,6 @@ spills)."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -133,14 +132,13 @@ def test_the_planner_builds_for_both_head_counts_without_spills(compiled_variant
                for r in plan), plan
 
 
-def test_nvrtc_compiles_leave_the_signal_mask_alone():
+def test_nvrtc_compiles_leave_the_signal_handling_alone(sigterm_kept):
     """The engine core compiles these kernels in its main thread at start-up;
-    a compile that left SIGTERM blocked there would leave vLLM's handler
-    unrun at a server's stop (a process-directed signal goes to a thread that
-    does not block it, and the main thread sleeps on)."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    assert signal.SIGTERM not in before
-    ck.compile_cubin()
-    cp.compile_cubin(heads=32)
-    ct.compile_cubin()
-    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+    a compile that left SIGTERM blocked there, or replaced vLLM's handler,
+    would leave that handler unrun at a server's stop (a process-directed
+    signal goes to a thread that does not block it, and the main thread
+    sleeps on)."""
+    with sigterm_kept():
+        ck.compile_cubin()
+        cp.compile_cubin(heads=32)
+        ct.compile_cubin()
