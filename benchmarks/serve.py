@@ -696,8 +696,9 @@ STRUCTURED_REGEX = "[a-m]+"
 
 
 def structured_completion(port: int, prompt: str, max_tokens: int, timeout: float) -> dict:
-    """One greedy completion constrained to :data:`STRUCTURED_REGEX`: its
-    status, tokens and whether every word of the text keeps to the regex."""
+    """One greedy completion constrained to :data:`STRUCTURED_REGEX`: its word
+    count, finish reason and whether every word of the text keeps to the regex
+    (an error instead where the request failed)."""
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "structured_outputs": {"regex": STRUCTURED_REGEX}}
     try:
