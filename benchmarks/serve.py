@@ -702,11 +702,11 @@ def structured_completion(port: int, prompt: str, max_tokens: int, timeout: floa
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "structured_outputs": {"regex": STRUCTURED_REGEX}}
     try:
-        choice = _post(port, "/v1/completions", body, timeout)["choices"][0]
+        rec = completion_record(_post(port, "/v1/completions", body, timeout))
     except Exception as exc:  # noqa: BLE001 - a failed request is a finding
         return {"error": f"{type(exc).__name__}: {exc}"}
-    words = choice["text"].split()
-    return {"words": len(words), "finish_reason": choice.get("finish_reason"),
+    words = rec["text"].split()
+    return {"words": len(words), "finish_reason": rec["finish_reason"],
             "kept_to_regex": bool(words) and all(re.fullmatch(STRUCTURED_REGEX, w) for w in words)}
 
 
