@@ -26,11 +26,13 @@ engine core; loopback, a free port), waits for ``/v1/models``, and runs:
    variable output lengths and long prompts (chunked prefill mixed with
    decode), a few streams closed by the client mid-way, GPU memory sampled
    with ``nvidia-smi``, and ``--soak-structured`` clients sending
-   regex-constrained completions one after another: the grammar trims a
-   request's MTP drafts to their valid prefix, so its decode runs vary
-   between 1 and k + 1 tokens (variable steps, which vLLM's scheduler does
-   not make otherwise: it schedules a running request's k drafts whole,
-   cutting them only at the token budget);
+   regex-constrained completions one after another: under synchronous
+   scheduling (``--async-scheduling off``) the grammar trims a request's MTP
+   drafts to their valid prefix, so its decode runs vary between 1 and k + 1
+   tokens (variable steps, which vLLM's scheduler does not make otherwise: it
+   schedules a running request's k drafts whole, cutting them only at the
+   token budget; under async scheduling, its default with MTP, it keeps the
+   k slots and pads the drafts the grammar refuses);
 
 then stops the server (SIGTERM to the API server, which lets its engine core
 drain for ``--server-shutdown-timeout`` and exit; SIGKILL to the process group
@@ -1529,7 +1531,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--soak-disconnects", type=int, default=4)
     ap.add_argument("--soak-structured", type=int, default=2,
                     help="clients sending regex-constrained completions through the soak, "
-                    "one at a time each (variable decode runs); 0: none")
+                    "one at a time each (variable decode runs with --async-scheduling off); "
+                    "0: none")
     ap.add_argument("--soak-sample-s", type=float, default=5.0)
     ap.add_argument("--soak-memory-tolerance-mib", type=float, default=64.0)
     ap.add_argument("--load-format", default="dummy")
