@@ -1125,7 +1125,8 @@ def run_soak(args, port: int, tokenizer: str, mode: str, vocab: int) -> dict:
     run["gpu_memory"] = memory_flatness(samples, 0.2, args.soak_memory_tolerance_mib)
     run["gpu_memory_samples"] = samples
     run["disconnects"] = disconnects
-    run["structured"] = structured_summary(structured)
+    # Only synchronous scheduling lets the grammar trim drafts (variable steps).
+    run["structured"] = dict(structured_summary(structured), async_scheduling=args.async_scheduling)
     run["point"] = point
     return run
 
@@ -1272,7 +1273,8 @@ def soak_line(soak: dict) -> str:
     variable = sum(((soak.get("paths") or {}).get("variable") or {}).values())
     return (f"{client.get('completed')} completed, {client.get('failed')} failed; "
             f"structured {st.get('sent')} sent, {st.get('failed')} failed, "
-            f"{st.get('broke_regex')} broke the regex; {variable} variable steps; "
+            f"{st.get('broke_regex')} broke the regex; {variable} variable steps "
+            f"(async scheduling: {st.get('async_scheduling')}); "
             f"memory flat {(soak.get('gpu_memory') or {}).get('flat')}; "
             f"builds a step {(soak.get('consistency') or {}).get('builds_per_step')}")
 

@@ -697,6 +697,8 @@ def test_a_whole_run_against_a_stand_in_server(fake_vllm, capsys):
     assert [d["chunks_read"] for d in soak["disconnects"]] == [3, 3]
     st = soak["structured"]
     assert st["sent"] > 0 and st["failed"] == 0 and st["broke_regex"] == 0 and st["words"] > 0
+    assert st["async_scheduling"] == "default" and "(async scheduling: default)" in serve.soak_line(
+        soak)
     assert soak["consistency"]["within_bounds"] and soak["consistency"]["exact"], (soak["consistency"], st)
     assert soak["gpu_memory"]["samples"] >= 0
     rows = got["table"]
