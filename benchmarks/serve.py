@@ -1125,8 +1125,7 @@ def run_soak(args, port: int, tokenizer: str, mode: str, vocab: int) -> dict:
     run["gpu_memory"] = memory_flatness(samples, 0.2, args.soak_memory_tolerance_mib)
     run["gpu_memory_samples"] = samples
     run["disconnects"] = disconnects
-    # Only synchronous scheduling lets the grammar trim drafts (variable steps).
-    run["structured"] = dict(structured_summary(structured), async_scheduling=args.async_scheduling)
+    run["structured"] = structured_summary(structured)
     run["point"] = point
     return run
 
@@ -1261,20 +1260,21 @@ def finish_server(args, live: Live, points: list[dict], save) -> None:
     if "window" in soak:
         soak["paths"] = path_growth(lines, *soak["window"])
         soak["consistency"] = soak_consistency(soak, args.k)
-        print(f"[{mode}] soak: {soak_line(soak)}", flush=True)
+        print(f"[{mode}] soak: {soak_line(soak, args.async_scheduling)}", flush=True)
     save()
 
 
-def soak_line(soak: dict) -> str:
+def soak_line(soak: dict, async_scheduling: str) -> str:
     """A soak's facts in one line: requests, structured-output requests,
-    variable decode steps, memory, counters."""
+    variable decode steps beside the server's ``--async-scheduling`` (only
+    synchronous scheduling lets a grammar trim drafts), memory, counters."""
     client = soak.get("client") or {}
     st = soak.get("structured") or {}
     variable = sum(((soak.get("paths") or {}).get("variable") or {}).values())
     return (f"{client.get('completed')} completed, {client.get('failed')} failed; "
             f"structured {st.get('sent')} sent, {st.get('failed')} failed, "
             f"{st.get('broke_regex')} broke the regex; {variable} variable steps "
-            f"(async scheduling: {st.get('async_scheduling')}); "
+            f"(async scheduling: {async_scheduling}); "
             f"memory flat {(soak.get('gpu_memory') or {}).get('flat')}; "
             f"builds a step {(soak.get('consistency') or {}).get('builds_per_step')}")
 
