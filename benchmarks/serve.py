@@ -418,7 +418,8 @@ def path_growth(lines: list[dict], t0: float, t1: float) -> dict | None:
 
 def log_health(text: str, stop_at: int | None = None) -> dict:
     """Error-level and traceback lines of a server log, by process tag, before
-    the stop was asked (byte offset ``stop_at``) and during the shutdown."""
+    the stop was asked (character offset ``stop_at`` into ``text``) and
+    during the shutdown."""
     def count(part: str) -> dict:
         by: dict[str, dict] = {}
         examples = []
@@ -615,8 +616,7 @@ class Server:
 
     def _log_text(self) -> str:
         self._logf.flush()
-        with open(self.log, errors="replace") as f:
-            return f.read()
+        return "".join(log_parts(self.log))
 
     def core_pids(self, text: str | None = None) -> list[int]:
         """The engine cores this server's log (or ``text`` read from it) names."""
@@ -629,12 +629,15 @@ class Server:
         and how each stood towards SIGTERM just before
         (:func:`serve_diag.signal_state`: pending for the process means no
         thread took it)."""
-        text = self._log_text()
-        if CORE_HEARD_RE.search(text[self.stop_offset:]):
+        self._logf.flush()
+        before, after = log_parts(self.log, self.stop_offset)
+        if CORE_HEARD_RE.search(after):
             return [], {}
         aborted, states = [], {}
-        for pid in self.core_pids(text):
-            states[str(pid)] = serve_diag.signal_state(pid)
+        for pid in self.core_pids(before + after):
+            state = states[str(pid)] = serve_diag.signal_state(pid)
+            if state is None or state["main_state"].startswith("Z"):
+                continue  # exited: nothing left to hear the signal or write stacks
             try:
                 os.kill(pid, signal.SIGABRT)
                 aborted.append(pid)
@@ -646,6 +649,17 @@ class Server:
 # An engine core's log tag (vLLM: "(EngineCore pid=N)", "(EngineCore_DP0 pid=N)") and
 # its line on receiving a stop signal (vLLM 0.34: "[shutdown] EngineCore: trigger
 # received signal=SIGTERM").
+def log_parts(path: str, at: int | None = None) -> tuple[str, str]:
+    """A server log's text before and after byte offset ``at`` (``None``:
+    all of it before).  The offset is a file size: vLLM's banner has
+    multi-byte characters, so it is applied to the bytes, not the text."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    cut = len(raw) if at is None else at
+    return (raw[:cut].decode("utf-8", errors="replace"),
+            raw[cut:].decode("utf-8", errors="replace"))
+
+
 CORE_PID_RE = re.compile(r"\(EngineCore\w* pid=(\d+)\)")
 CORE_HEARD_RE = re.compile(r"EngineCore\w*: trigger received signal")
 
@@ -1242,10 +1256,10 @@ def finish_server(args, live: Live, points: list[dict], save) -> None:
     lines, and each of its runs' per-path step counts (every round's)."""
     info, mode, server = live.info, live.mode, live.server
     info["stop"] = server.stop(args.stop_timeout, args.server_shutdown_timeout)
-    with open(server.log, errors="replace") as f:
-        text = f.read()
-    info["health"] = log_health(text, server.stop_offset)
-    info["sync_sites"] = serve_diag.sync_sites(text[:server.stop_offset or len(text)])
+    serving, shutdown = log_parts(server.log, server.stop_offset)
+    text = serving + shutdown
+    info["health"] = log_health(text, len(serving))
+    info["sync_sites"] = serve_diag.sync_sites(serving)
     info["plugin_log"] = plugin_path_log(text)
     lines = path_lines(text)
     info["path_lines"] = len(lines)

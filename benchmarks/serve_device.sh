@@ -5,8 +5,10 @@
 # remaining arguments inside one call's time: TIME_LIMIT seconds for the whole call (default
 # 570), install included; serve.py gets what is left (less STOP_MARGIN, default 20 s) as its
 # --time-limit and shares it out per server, and `timeout` stops it for good past that.
-# Everything lands in $OUT/serve (default /tmp/serve-out/serve): serve.json, the table
-# (table.txt), client and identity files, each server's log, nvidia-smi before and after.
+# serve.py works in $WORK (default /tmp/serve-work); $OUT/serve (default /tmp/serve-out/serve)
+# gets serve.json, the table (table.txt), serve.py's output and logs.tar.xz (client and identity
+# files, each server's log, nvidia-smi before and after; not the model): few files, as a
+# device call brings back only a handful.
 #   bash benchmarks/serve_device.sh .device/offline/call-3 --quick --config proxy --k 3
 #   OUT=$OUT TIME_LIMIT=590 bash benchmarks/serve_device.sh - --quick --aa --concurrency 32
 set -uo pipefail
@@ -20,8 +22,9 @@ export PYTHONPATH=${line#complete: export PYTHONPATH=}
 # a server runs vLLM's default: its engine core in a process of its own
 unset VLLM_ENABLE_V1_MULTIPROCESSING
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-out=${OUT:-/tmp/serve-out}/serve
-mkdir -p "$out"
+out=${WORK:-/tmp/serve-work}/serve
+back=${OUT:-/tmp/serve-out}/serve
+mkdir -p "$out" "$back"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$out/gpu-before.txt" 2>&1
 left=$(( ${TIME_LIMIT:-570} - (SECONDS - start) - ${STOP_MARGIN:-20} ))
 if [ "$left" -lt 60 ]; then echo "only ${left} s left after the install: not started"; exit 0; fi
@@ -32,4 +35,8 @@ echo "serve.py rc=$?"
 nvidia-smi --query-gpu=memory.used --format=csv > "$out/gpu-after.txt" 2>&1
 sed -n '/^| point /,$p' "$out/serve-stdout.txt" | tee "$out/table.txt"
 grep -E '^\[(stock|plugin|control)\] ' "$out/serve-stdout.txt" | tail -40
+if [ "$out" != "$back" ]; then
+  cp "$out"/serve.json "$out"/table.txt "$out"/serve-stdout.txt "$back"/ 2>/dev/null
+  tar -C "$out" --exclude='./model-*' --exclude=./serve.json -cJf "$back/logs.tar.xz" .
+fi
 exit 0

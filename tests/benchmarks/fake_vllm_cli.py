@@ -13,6 +13,10 @@ completion through the plugin's own counters (a step: the target model's
 varlen build and the drafter's ``k`` native ones), its log interval shortened by
 ``FAKE_LOG_EVERY_S``.  ``FAKE_FAIL_MODE``: a server in that mode exits at once;
 ``FAKE_START_S`` (``mode=seconds,...``): a server in that mode takes that long to come up.
+It starts with a banner of block characters (vLLM's has them: the log's byte
+count runs ahead of its character count) and logs vLLM's line on hearing
+SIGTERM; ``FAKE_SLOW_STOP`` (``mode=seconds``): a server in that mode then
+takes that long to tear down.
 ``--profiler-config``: ``/start_profile`` and ``/stop_profile``, the latter
 writing a gzipped trace of the completions since the start (per step an
 annotation, two kernels, a synchronising CUDA call under a host op);
@@ -62,6 +66,8 @@ def serve(argv: list[str]) -> int:
                                "[%(filename)s:%(lineno)d] %(message)s")
     mode = os.environ.get(MODE_VAR, "auto")
     logging.getLogger("vllm").info("engine core starting")  # its tag names its pid, as vLLM's
+    for row in ("\u2588\u2584  \u2584\u2588 " * 8, "\u2580\u2584\u2580 \u2588 " * 8):
+        logging.getLogger("vllm").info(row)
     if os.environ.get("FAKE_FAIL_MODE") == mode:
         print("(APIServer pid=1) ERROR 12-06 00:00:00 [fake.py:1] cannot start", flush=True)
         return 1
@@ -181,8 +187,17 @@ def serve(argv: list[str]) -> int:
     if os.environ.get("FAKE_DEAF_MODE") == mode:  # an engine core that never hears SIGTERM
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
-        signal.signal(signal.SIGTERM,
-                      lambda *_: threading.Thread(target=server.shutdown).start())
+        slow = dict(kv.split("=") for kv in os.environ.get("FAKE_SLOW_STOP", "").split(",") if kv)
+
+        def heard(*_):
+            logging.getLogger("vllm").info(
+                "[shutdown] EngineCore: trigger received signal=SIGTERM")
+
+            def teardown():
+                time.sleep(float(slow.get(mode, 0)))
+                server.shutdown()
+            threading.Thread(target=teardown).start()
+        signal.signal(signal.SIGTERM, heard)
     server.serve_forever()
     logging.getLogger("vllm").info("shutting down")
     return 0

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import signal
+import tarfile
 import time
 import types
 
@@ -756,7 +757,9 @@ def test_a_slow_first_start_keeps_its_measurements(fake_vllm, monkeypatch):
 def test_the_device_script_runs_a_preset_from_an_installed_tree(tmp_path):
     """benchmarks/serve_device.sh on an unpacked tree (the stand-in vLLM in
     its site folder): the plugin's entry point declared, the run inside the
-    time limit, results and the table under $OUT/serve."""
+    time limit; under $OUT/serve a few files (a device call brings back a
+    handful): the results, the table, the output, and the logs packed
+    without the model."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
     target = tmp_path / "offline"
@@ -769,7 +772,8 @@ def test_the_device_script_runs_a_preset_from_an_installed_tree(tmp_path):
     (target / "parts").mkdir()
     (target / "parts" / "MANIFEST").write_text("")
     out = tmp_path / "out"
-    env = dict(os.environ, OFFLINE_GPU=str(target), OUT=str(out), TIME_LIMIT="120",
+    env = dict(os.environ, OFFLINE_GPU=str(target), OUT=str(out), WORK=str(tmp_path / "work"),
+               TIME_LIMIT="120",
                STOP_MARGIN="5", FAKE_LOG_EVERY_S="0.3", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("PYTHONPATH", None)
     done = subprocess.run(["bash", "benchmarks/serve_device.sh", "-", *_SMALL[:-2], "--rates",
@@ -782,6 +786,12 @@ def test_the_device_script_runs_a_preset_from_an_installed_tree(tmp_path):
     assert got["servers"]["stock"]["dropped_env"] == []  # the script unset it already
     assert got["points"][1]["runs"]["plugin"]["paths"]["steps"]["varlen"] == 2 * 4
     assert (out / "serve" / "table.txt").read_text().startswith("| point |")
+    back = sorted(p.name for p in (out / "serve").iterdir())
+    assert back == ["logs.tar.xz", "serve-stdout.txt", "serve.json", "table.txt"], back
+    with tarfile.open(out / "serve" / "logs.tar.xz") as tar:
+        packed = {os.path.normpath(n) for n in tar.getnames()}
+    assert {"server-stock.log", "server-plugin.log", "gpu-before.txt"} <= packed, packed
+    assert not any(n.startswith("model-") for n in packed), packed
     entry = (target / "site" / "vllm_dsa_varlen-0.0.0.dist-info" / "entry_points.txt").read_text()
     assert "vllm.general_plugins" in entry
 
@@ -885,6 +895,47 @@ def test_the_diagnostics_stacks_profile_and_sync_sites(fake_vllm, monkeypatch, t
                 "step (vllm/v1/engine/core.py) 90%, execute_model") in printed
         assert f"[{mode}] profile: 4 steps, GPU 100 us a step (other 70, topk 30)" in printed
         assert "1.0 host syncs a step" in printed
+
+
+def test_a_core_that_heard_sigterm_and_tears_down_slowly_is_left_be(fake_vllm, monkeypatch):
+    """The plugin's core logs vLLM's line on SIGTERM, after a banner of
+    multi-byte characters, then takes past the abort point to exit: the stop
+    finds the line (the log's byte and character offsets differ) and aborts
+    nothing; the shutdown's lines are told apart from the serving's."""
+    monkeypatch.setenv("FAKE_SLOW_STOP", "auto=2.5")
+    out = fake_vllm / "slow"
+    assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "0",
+                       "--concurrency", "2", "--server-shutdown-timeout", "3"]) == 0
+    got = _strict(out / "serve.json")
+    for mode, info in got["servers"].items():
+        stop = info["stop"]
+        assert stop["how"] == "SIGTERM" and stop["rc"] == 0, (mode, stop)
+        assert "cores_aborted" not in stop, (mode, stop)
+    assert got["servers"]["plugin"]["stop"]["seconds"] >= 2.5
+    text = (out / "server-plugin.log").read_text()
+    assert "Fatal Python error" not in text and "\u2588" in text
+
+
+def test_an_exited_core_is_not_aborted(tmp_path):
+    """An engine core the log names that has exited (a zombie its parent has
+    not reaped yet) is not counted as deaf to the stop signal."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 10
+    while time.time() < deadline:  # exited, not reaped: /proc shows it as a zombie
+        state = serve.serve_diag.signal_state(child.pid)
+        if state and state["main_state"].startswith("Z"):
+            break
+        time.sleep(0.05)
+    log = tmp_path / "server.log"
+    log.write_text(f"\u2588\u2584 banner\n(EngineCore_DP0 pid={child.pid}) INFO started\n")
+    server = serve.Server(["true"], {}, str(log))
+    server.stop_offset = 0
+    try:
+        with open(log, "a") as server._logf:
+            aborted, states = server._abort_deaf_cores()
+        assert aborted == [] and states[str(child.pid)]["main_state"].startswith("Z"), states
+    finally:
+        child.wait()
 
 
 def test_the_stop_reserve_is_the_servers_drain_not_half_the_kill_timeout():
