@@ -323,3 +323,15 @@ def test_the_early_lead_copies_the_queries_and_lets_a_dependent_read_them():
         torch.cuda.synchronize()
         assert torch.equal(step.q.view(torch.uint8), source.view(torch.uint8))
         check_poisoned(step, out)
+
+
+def test_a_case_takes_a_share_of_cut_requests():
+    """``requests,tokens,context[,share]``: three fields as before (no share),
+    a fourth the share of requests with fewer tokens; a share outside (0, 1]
+    or one on fewer than 2 tokens is refused naming --cases."""
+    assert variants.parse_step_case("64,-4,8192") == (64, -4, 8192, None)
+    assert variants.parse_step_case("32,4,16384,0.1") == (32, 4, 16384, 0.1)
+    for bad in ("32,4,16384,0", "32,4,16384,1.5", "32,-4,16384,0.1", "32,1,16384,0.5",
+                "32,4,16384,x", "32,4"):
+        with pytest.raises(ValueError, match="--cases"):
+            variants.parse_step_case(bad)

@@ -4,6 +4,8 @@ fresh random steps, the gathered buffers scored per token must reproduce the
 paged reference on every valid position of the tail rows, and the prefix must
 be the step's own rows in the native ``[B, next_n]`` layout."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -138,3 +140,27 @@ def test_in_order_pages_are_each_requests_consecutive_run_of_the_pool(seed):
 def test_pages_names_the_argument():
     with pytest.raises(ValueError, match="pages"):
         make_decode_step([1], [100], pages="shuffled")
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("reqs,tokens,share", [(32, 4, 0.1), (8, 4, 0.25), (48, 3, 0.5),
+                                               (5, 2, 1.0), (64, 8, 0.01)])
+def test_a_step_with_cut_requests_has_that_many_short_ones(seed, reqs, tokens, share):
+    """``short``: every request has ``tokens`` but round(share * requests) of
+    them (at least one), which have 1..tokens - 1; the rows follow the counts."""
+    step = random_decode_step(reqs, tokens, 2000, short=share, seed=seed)
+    lens = step.decode_lens.cpu().tolist()
+    cut = [n for n in lens if n != tokens]
+    assert len(cut) == max(1, round(share * reqs)), lens
+    assert all(1 <= n < tokens for n in cut), lens
+    assert step.rows.num_rows == sum(lens)
+    ids = step.rows.indices.tolist()
+    runs = [len(list(g)) for _, g in itertools.groupby(ids)]
+    assert runs == lens
+
+
+@pytest.mark.parametrize("tokens,share,name", [(1, 0.5, "max_tokens"), (4, 0.0, "short"),
+                                               (4, 1.5, "short")])
+def test_cut_requests_name_the_bad_argument(tokens, share, name):
+    with pytest.raises(ValueError, match=name):
+        random_decode_step(8, tokens, 2000, short=share)

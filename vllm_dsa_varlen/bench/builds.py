@@ -14,7 +14,9 @@ and the per-step figures (:func:`per_step`).
 A build is ``default`` or ``MACRO=v+MACRO=v``, one of
 :func:`.ops.cuda_paged_mqa_logits.shipped_builds` at the run's head count
 (:func:`parse_build`).  Cases: ``requests,tokens,context`` (tokens ``-n``:
-1..n per request).  ``--heads 32`` runs every check and case at 32 heads
+1..n per request), or ``requests,tokens,context,share``: ``tokens`` per
+request but for that share of the requests, cut to fewer (a served step
+whose drafts a grammar trimmed; :func:`parse_step_case`).  ``--heads 32`` runs every check and case at 32 heads
 (the kernel's HEADS=32 build, which ``launch`` takes from the queries'
 shape).
 """
@@ -30,6 +32,25 @@ CASES = ["64,4,32768", "64,2,32768", "64,3,32768", "64,-4,32768", "128,-4,8192",
 TOPK_PREFIXES = ("topk-",)  # the top-k paths' names (topk_calls)
 LEADS = ("copy", "early")  # --lead: the kernel before each logits path (led_calls)
 REP_MS = 30  # do_bench repetition time per timed call (ms) unless --rep-ms says otherwise
+
+
+def parse_step_case(text: str) -> tuple[int, int, int, float | None]:
+    """``"requests,tokens,context[,share]"`` -> ints and the share of short
+    requests (``None`` without it); ``ValueError`` naming ``--cases``."""
+    from .schedule import parse_case
+
+    head, _, share = text.rpartition(",") if text.count(",") == 3 else (text, "", "")
+    reqs, tokens, context = parse_case(head)
+    if not share:
+        return reqs, tokens, context, None
+    try:
+        short = float(share)
+    except ValueError:
+        short = float("nan")
+    if not (0.0 < short <= 1.0) or tokens < 2:
+        raise ValueError(f"--cases: a share of short requests needs tokens >= 2 and a share in "
+                         f"(0, 1], got {text!r}")
+    return reqs, tokens, context, short
 
 
 def _macros(text: str) -> tuple[str, ...]:
@@ -82,7 +103,6 @@ def run(args) -> int:
 
     from .deepgemm import import_deepgemm
     from .graph import graph_replay_us
-    from .schedule import parse_case
     from ..ops import cuda_paged_mqa_logits as ck
     from ..ops.reference import paged_mqa_logits_ref, valid_mask
     from .workloads import PAGE_ORDERS, make_decode_step, random_decode_step
@@ -140,9 +160,10 @@ def run(args) -> int:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for case in args.cases:
-        reqs, tokens, context = parse_case(case)
-        step = random_decode_step(reqs, abs(tokens), context, variable=tokens < 0, seed=0,
-                                  device="cuda", heads=args.heads, pages=page_order)
+        reqs, tokens, context, short = parse_step_case(case)
+        variable = tokens < 0 or short is not None
+        step = random_decode_step(reqs, abs(tokens), context, variable=tokens < 0, short=short,
+                                  seed=0, device="cuda", heads=args.heads, pages=page_order)
         rows = step.rows
         ctx = rows.context_lens.view(-1, 1)
         ends = torch.cat([rows.indices[1:] != rows.indices[:-1],
@@ -189,9 +210,10 @@ def run(args) -> int:
                   "median_us": res,
                   "paired_vs_" + first: paired_ratios(times, first)}
         if topk_ops is not None:
-            record["per_step_us"] = per_step(res, first, abs(tokens), tokens < 0, args.layers)
+            record["per_step_us"] = per_step(res, first, abs(tokens), variable, args.layers)
         report["cases"].append(record)
         label = (f"B{reqs} L{context} {'1..' + str(-tokens) if tokens < 0 else tokens}tok"
+                 + ("" if short is None else f" {short:.0%} cut")
                  + ("" if args.heads == 64 else f" H{args.heads}"))
         print(f"{label:22s} " + "  ".join(f"{k} {us:7.1f}" for k, us in res.items())
               + (f"  (median of {rounds}; widest spread {spread:.1%})" if rounds > 1

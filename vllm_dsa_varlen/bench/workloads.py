@@ -167,6 +167,23 @@ def accepted_lengths(num_reqs: int, max_tokens: int, acceptance: float | None,
     return (1 + leading).to(torch.int32)
 
 
+def short_lengths(num_reqs: int, max_tokens: int, short: float,
+                  generator: torch.Generator) -> torch.Tensor:
+    """Tokens per request of a served step whose drafts were cut for a few
+    requests (a grammar under synchronous scheduling, a request's last
+    tokens): ``max_tokens`` each, but ``round(short * num_reqs)`` requests (at
+    least one) drawn at random get ``1..max_tokens - 1``."""
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens: a step with short requests needs >= 2, got {max_tokens}")
+    if not 0.0 < short <= 1.0:
+        raise ValueError(f"short: expected a share in (0, 1], got {short!r}")
+    lens = torch.full((num_reqs,), max_tokens, dtype=torch.int32)
+    count = max(1, round(short * num_reqs))
+    picked = torch.randperm(num_reqs, generator=generator)[:count]
+    lens[picked] = torch.randint(1, max_tokens, (count,), generator=generator, dtype=torch.int32)
+    return lens
+
+
 PAGE_ORDERS = ("random", "in-order")
 
 
@@ -243,10 +260,12 @@ def make_decode_step(
 
 
 def _random_lens(num_reqs: int, max_tokens: int, context_len: int, acceptance: float | None,
-                 variable: bool, spread: float, seed: int):
+                 variable: bool, spread: float, seed: int, short: float | None = None):
     """Tokens and KV lengths per request (see :func:`random_decode_step`)."""
     gen = torch.Generator().manual_seed(seed + 7919)
-    if variable:
+    if short is not None:
+        lens = short_lengths(num_reqs, max_tokens, short, gen)
+    elif variable:
         lens = torch.randint(1, max_tokens + 1, (num_reqs,), generator=gen, dtype=torch.int32)
     else:
         lens = accepted_lengths(num_reqs, max_tokens, acceptance, gen)
@@ -258,13 +277,15 @@ def _random_lens(num_reqs: int, max_tokens: int, context_len: int, acceptance: f
 
 def random_decode_step(num_reqs: int, max_tokens: int, context_len: int, *,
                        acceptance: float | None = None, variable: bool = False,
-                       spread: float = 0.3, seed: int = 0, **kwargs) -> DecodeStep:
+                       short: float | None = None, spread: float = 0.3, seed: int = 0,
+                       **kwargs) -> DecodeStep:
     """A step of ``num_reqs`` requests with KV lengths uniform in
-    ``context_len * [1 - spread, 1 + spread]``.  Tokens per request: uniform
-    in ``1..max_tokens`` when ``variable``, else from :func:`accepted_lengths`
-    (``max_tokens`` each when ``acceptance`` is None)."""
+    ``context_len * [1 - spread, 1 + spread]``.  Tokens per request: from
+    :func:`short_lengths` when ``short`` is given, uniform in ``1..max_tokens``
+    when ``variable``, else from :func:`accepted_lengths` (``max_tokens`` each
+    when ``acceptance`` is None)."""
     lens, seq_lens = _random_lens(num_reqs, max_tokens, context_len, acceptance, variable,
-                                  spread, seed)
+                                  spread, seed, short)
     return make_decode_step(lens, seq_lens, seed=seed, **kwargs)
 
 
