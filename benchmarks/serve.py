@@ -46,6 +46,9 @@ of the GPU's memory), the points measured in N rounds in which they take
 turns: where a step is the host's time, what drifts on the machine between
 one server's minutes and the next's is larger than the difference measured,
 and only same-round ratios compare (the table: their median and range).
+With ``--start-together`` (and ``--kv-cache-gib``: a fixed KV cache, so vLLM
+skips the free-memory profiling a server starting beside another would
+misread) they also come up at once, one start's wait instead of one each.
 
 Per point it keeps the client's result file without its per-request arrays
 (``client-<mode>-<point>.json``), the growth of vLLM's ``/metrics`` counters
@@ -224,6 +227,8 @@ def serve_command(args, model: str, port: int, trace_dir: str | None = None,
         cmd += ["--attention-config", json.dumps(attention)]
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.kv_cache_gib:
+        cmd += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
     if args.async_scheduling != "default":
         cmd += ["--async-scheduling" if args.async_scheduling == "on" else "--no-async-scheduling"]
     if args.profile_steps:
@@ -1159,6 +1164,7 @@ class Live:
         self.mode, self.server, self.info, self.port, self.trace_dir = \
             mode, server, info, port, trace_dir
         self.per_point_s = 0.0  # the longest run so far: what the next one may take
+        self.started_at = time.time()  # when its process was launched
 
 
 def start_server(args, mode: str, model: str, result: dict, ready_by: float,
@@ -1166,6 +1172,12 @@ def start_server(args, mode: str, model: str, result: dict, ready_by: float,
     """``vllm serve`` for ``mode`` started and waited for until ``ready_by``
     (``memory``: its ``--gpu-memory-utilization`` instead of the option's);
     its facts in ``result["servers"][mode]`` (``failed``: why it is not up)."""
+    return await_ready(args, launch_server(args, mode, model, result, memory), ready_by)
+
+
+def launch_server(args, mode: str, model: str, result: dict,
+                  memory: float | None = None) -> Live:
+    """``vllm serve`` for ``mode`` started, not waited for (:func:`await_ready`)."""
     port = free_port()
     trace_dir = os.path.join(args.out, f"trace-{mode}")
     cmd = serve_command(args, model, port, trace_dir, memory)
@@ -1178,25 +1190,32 @@ def start_server(args, mode: str, model: str, result: dict, ready_by: float,
             "log": os.path.basename(log)}
     result["servers"][mode] = info
     server = Server(cmd, env, log)
-    t0 = time.time()
+    live = Live(mode, server, info, port, trace_dir)
     server.start()
+    return live
+
+
+def await_ready(args, live: Live, ready_by: float) -> Live:
+    """``live``'s server waited for until ``ready_by``: ``startup_s`` and
+    vLLM's version, or ``failed`` and why; a wait interrupted stops it."""
+    info, server, port = live.info, live.server, live.port
     try:
         why = server.wait_ready(port, min(args.server_timeout, max(1.0, ready_by - time.time())))
     except BaseException:  # interrupted while it comes up: not left running
         info["stop"] = server.stop(args.stop_timeout)
         raise
-    info["startup_s"] = round(time.time() - t0, 1)
+    info["startup_s"] = round(time.time() - live.started_at, 1)
     if why:
         info["failed"] = why
-        print(f"[{mode}] server {why} (log {log})", flush=True)
+        print(f"[{live.mode}] server {why} (log {server.log})", flush=True)
     else:
         try:
             info["vllm_version"] = json.loads(_get(port, "/version")).get("version")
         except Exception:  # noqa: BLE001
             info["vllm_version"] = None
         info["ready_at"] = time.time()
-        print(f"[{mode}] ready in {info['startup_s']} s on port {port}", flush=True)
-    return Live(mode, server, info, port, trace_dir)
+        print(f"[{live.mode}] ready in {info['startup_s']} s on port {port}", flush=True)
+    return live
 
 
 def warm_up(args, live: Live, model: str, cfg: dict, identity: dict, deadline: float) -> None:
@@ -1342,7 +1361,19 @@ def run_interleaved(args, model: str, cfg: dict, points: list[dict], result: dic
     stops = stop_reserve(args) * n
     lives: list[Live] = []
     try:
-        for i, mode in enumerate(args.modes):
+        if args.start_together:  # all launched, then each waited for: one start's wait
+            for mode in args.modes:
+                lives.append(launch_server(args, mode, model, result,
+                                           args.gpu_memory_utilization / n))
+            for live in lives:
+                await_ready(args, live, budget.start_by(1) - args.min_share - stops)
+            down = [live.mode for live in lives if "failed" in live.info]
+            if down:
+                for live in lives:
+                    if "failed" not in live.info:
+                        live.info["skipped"] = f"{down[0]}'s server is not up"
+                return
+        for i, mode in enumerate([] if args.start_together else args.modes):
             ready_by = budget.start_by(n - i) - args.min_share - stops
             live = start_server(args, mode, model, result, ready_by,
                                 args.gpu_memory_utilization / n)
@@ -1509,6 +1540,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every server up at once, the points measured in this many rounds "
                     "in which the servers take turns (the order rotated a round): the "
                     "comparison under the machine's drift; 0: one server after another")
+    ap.add_argument("--start-together", action="store_true",
+                    help="with --rounds and --kv-cache-gib: every server launched at once, "
+                    "then each waited for")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="each server's KV cache in GiB (vLLM's --kv-cache-memory-bytes: the "
+                    "same for every mode, vLLM's memory profiling skipped)")
     ap.add_argument("--variant", action="append", default=[], type=parse_variant,
                     metavar="NAME:SETTING=VALUE[,...]",
                     help="one more plugin server with some of the plugin's settings changed "
@@ -1659,6 +1696,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--env: expected KEY=VALUE, got {kv!r}")
     if args.rounds < 0:
         ap.error("--rounds: expected >= 0")
+    if args.kv_cache_gib is not None and not args.kv_cache_gib > 0:
+        ap.error(f"--kv-cache-gib: expected a size > 0, got {args.kv_cache_gib}")
+    if args.start_together and not (args.rounds and args.kv_cache_gib):
+        ap.error("--start-together: needs --rounds (servers side by side) and --kv-cache-gib "
+                 "(vLLM sizes the KV cache from the free memory it profiles, which a server "
+                 "starting beside another would misread)")
     if args.rounds and args.soak_minutes:
         ap.error("--rounds: a soak runs on one server at a time; leave it out of an "
                  "interleaved run")

@@ -1108,6 +1108,52 @@ def test_rounds_with_a_server_that_fails_stop_the_others_and_say_why(fake_vllm, 
     assert "rounds" not in got["points"][0]
 
 
+def test_servers_started_together_come_up_in_one_starts_wait(fake_vllm, monkeypatch):
+    """--start-together: every server launched before any is waited for, so
+    three servers of 2.5 s each are up in about one start's time, not three;
+    each gets the same fixed KV cache (--kv-cache-gib as vLLM's bytes); the
+    rounds then run as before."""
+    monkeypatch.setenv("FAKE_START_S", "auto=2.5,stock=2.5")
+    out = fake_vllm / "together"
+    assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "0",
+                       "--concurrency", "2", "--aa", "--rounds", "2", "--start-together",
+                       "--kv-cache-gib", "1.5"]) == 0
+    got = _strict(out / "serve.json")
+    servers = got["servers"]
+    assert list(servers) == ["stock", "plugin", "control"]
+    ready = [info["ready_at"] for info in servers.values()]
+    assert max(ready) - min(ready) < 2.0, ready  # one after another: 2.5 s apart at least
+    for info in servers.values():
+        assert info["startup_s"] >= 2.5
+        cmd = info["cmd"]
+        assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(int(1.5 * 2**30))
+        assert info["stop"]["how"] == "SIGTERM"
+    assert len(got["points"][0]["rounds"]) == 2
+
+
+def test_servers_started_together_stop_when_one_fails(fake_vllm, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL_MODE", "auto")
+    out = fake_vllm / "together-fail"
+    assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "0",
+                       "--concurrency", "2", "--rounds", "2", "--start-together",
+                       "--kv-cache-gib", "1"]) == 0
+    got = _strict(out / "serve.json")
+    assert "before it was ready" in got["servers"]["plugin"]["failed"]
+    stock = got["servers"]["stock"]
+    assert stock["skipped"] == "plugin's server is not up" and stock["stop"]["how"] == "SIGTERM"
+    assert "rounds" not in got["points"][0]
+
+
+@pytest.mark.parametrize("bad,flag", [(["--start-together", "--kv-cache-gib", "2"],
+                                       "--start-together"),
+                                      (["--rounds", "2", "--start-together"], "--start-together"),
+                                      (["--kv-cache-gib", "0"], "--kv-cache-gib")])
+def test_start_together_needs_rounds_and_a_fixed_kv_cache(bad, flag, capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--out", "x", *bad])
+    assert flag in capsys.readouterr().err
+
+
 def test_a_start_interrupted_while_the_server_comes_up_stops_it(fake_vllm, monkeypatch):
     args = serve.parse_args(["--out", str(fake_vllm / "intr"), *_SMALL, "--rates"])
     os.makedirs(args.out, exist_ok=True)
