@@ -25,6 +25,8 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 out=${WORK:-/tmp/serve-work}/serve
 back=${OUT:-/tmp/serve-out}/serve
 mkdir -p "$out" "$back"
+# an earlier call's files out (the model folder kept: its path is in vLLM's compile-cache key)
+[ "$out" != "$back" ] && find "$out" -mindepth 1 -maxdepth 1 ! -name 'model-*' -exec rm -rf {} +
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$out/gpu-before.txt" 2>&1
 left=$(( ${TIME_LIMIT:-570} - (SECONDS - start) - ${STOP_MARGIN:-20} ))
 if [ "$left" -lt 60 ]; then echo "only ${left} s left after the install: not started"; exit 0; fi

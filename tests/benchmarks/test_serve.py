@@ -772,6 +772,9 @@ def test_the_device_script_runs_a_preset_from_an_installed_tree(tmp_path):
     (target / "parts").mkdir()
     (target / "parts" / "MANIFEST").write_text("")
     out = tmp_path / "out"
+    stale = tmp_path / "work" / "serve" / "client-stock-old.json"  # an earlier call's
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")
     env = dict(os.environ, OFFLINE_GPU=str(target), OUT=str(out), WORK=str(tmp_path / "work"),
                TIME_LIMIT="120",
                STOP_MARGIN="5", FAKE_LOG_EVERY_S="0.3", VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -792,6 +795,7 @@ def test_the_device_script_runs_a_preset_from_an_installed_tree(tmp_path):
         packed = {os.path.normpath(n) for n in tar.getnames()}
     assert {"server-stock.log", "server-plugin.log", "gpu-before.txt"} <= packed, packed
     assert not any(n.startswith("model-") for n in packed), packed
+    assert stale.name not in packed and (tmp_path / "work" / "serve" / "model-tiny").is_dir()
     entry = (target / "site" / "vllm_dsa_varlen-0.0.0.dist-info" / "entry_points.txt").read_text()
     assert "vllm.general_plugins" in entry
 
