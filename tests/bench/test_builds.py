@@ -146,6 +146,15 @@ def test_builds_without_a_gpu_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="--builds: needs a CUDA GPU"):
         bench.main(["--builds", "default"])
+    # a case with a share of cut requests passes the command line's check (then: no GPU)
+    with pytest.raises(SystemExit, match="--builds: needs a CUDA GPU"):
+        bench.main(["--builds", "default", "--cases", "8,4,4096,0.25"])
+
+
+def test_a_share_of_cut_requests_is_for_builds_cases_only(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--plan-timing", "--cases", "8,4,4096,0.25"])
+    assert "--cases" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("seed", range(4))

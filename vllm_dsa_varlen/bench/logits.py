@@ -735,9 +735,10 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
             parser.error(str(exc))
     try:
         if args.plan_timing or args.builds:
+            from .builds import parse_step_case
             from .schedule import parse_case
-            for text in args.cases or []:
-                parse_case(text)
+            for text in args.cases or []:  # a share of cut requests: --builds' cases alone
+                (parse_case if args.plan_timing else parse_step_case)(text)
         if args.builds:
             from .builds import parse_build, topk_build
             for text in args.builds:
