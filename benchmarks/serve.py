@@ -651,9 +651,6 @@ class Server:
         return aborted, states
 
 
-# An engine core's log tag (vLLM: "(EngineCore pid=N)", "(EngineCore_DP0 pid=N)") and
-# its line on receiving a stop signal (vLLM 0.34: "[shutdown] EngineCore: trigger
-# received signal=SIGTERM").
 def log_parts(path: str, at: int | None = None) -> tuple[str, str]:
     """A server log's text before and after byte offset ``at`` (``None``:
     all of it before).  The offset is a file size: vLLM's banner has
@@ -665,6 +662,9 @@ def log_parts(path: str, at: int | None = None) -> tuple[str, str]:
             raw[cut:].decode("utf-8", errors="replace"))
 
 
+# An engine core's log tag (vLLM: "(EngineCore pid=N)", "(EngineCore_DP0 pid=N)") and
+# its line on receiving a stop signal (vLLM 0.27.1 and 0.34: "[shutdown] EngineCore: trigger
+# received signal=SIGTERM").
 CORE_PID_RE = re.compile(r"\(EngineCore\w* pid=(\d+)\)")
 CORE_HEARD_RE = re.compile(r"EngineCore\w*: trigger received signal")
 
