@@ -21,7 +21,9 @@ engine core; loopback, a free port), waits for ``/v1/models``, and runs:
    ``--max-concurrency`` (``--concurrency``) and each Poisson
    ``--request-rate`` (``--rates``; ``auto``: fractions of the first mode's
    request throughput at the highest concurrency, so every mode gets the same
-   rates), each point after an idle spell of ``--gap`` seconds;
+   rates), each point after an idle spell of ``--gap`` seconds; with
+   ``--structured N``, N clients of regex-constrained completions beside
+   vLLM's client in each point (the variable steps described in 4);
 4. with ``--soak-minutes``, a soak: Poisson load at ``--soak-rate`` with
    variable output lengths and long prompts (chunked prefill mixed with
    decode), a few streams closed by the client mid-way, GPU memory sampled
@@ -741,6 +743,37 @@ def structured_summary(records: list[dict]) -> dict:
             "errors": [r["error"] for r in failed][:3]}
 
 
+def structured_clients(port: int, clients: int, vocab: int, seed: int, stop: threading.Event,
+                       records: list, start_at: float = 0.0,
+                       until: float = math.inf) -> list[threading.Thread]:
+    """``clients`` threads, each sending regex-constrained completions
+    (:func:`structured_completion`) one after another from ``start_at`` until
+    ``until`` or ``stop``, their records appended to ``records``; started."""
+    def client(prompts: list[str]):
+        if stop.wait(max(0.0, start_at - time.time())):
+            return
+        i = 0
+        while not stop.is_set() and time.time() < until:
+            records.append(structured_completion(port, prompts[i % len(prompts)], 128, 300))
+            i += 1
+
+    threads = [threading.Thread(target=client, daemon=True,
+                                args=(identity_prompts(64, vocab, 512, seed + 101 + c),))
+               for c in range(clients)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def model_vocab(model: str) -> int:
+    """The vocabulary size in ``model``'s ``config.json`` (4096 where it names none)."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return int(json.load(f).get("vocab_size", 4096))
+    except (OSError, ValueError):
+        return 4096
+
+
 def disconnect_mid_stream(port: int, prompt: str, chunks: int, timeout: float) -> dict:
     """A streaming completion the client closes after ``chunks`` chunks."""
     body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": 4096,
@@ -1045,19 +1078,31 @@ def run_client(args, point: dict, port: int, tokenizer: str, mode: str, timeout:
 def measure_point(args, point: dict, port: int, tokenizer: str, mode: str,
                   timeout: float, core_pids: list[int] | None = None) -> dict:
     """A measured point: the client's run, /metrics growth over it and, with
-    ``--py-spy``, each engine core's (``core_pids``) stacks over it."""
+    ``--py-spy``, each engine core's (``core_pids``) stacks over it; with
+    ``--structured``, that many clients of regex-constrained completions
+    beside the client's for as long as it runs (not the soak's point: it
+    runs its own)."""
     before = scrape(port)
     sampler = None
     if args.py_spy and core_pids:
         sampler = serve_diag.StackSampler(args.py_spy, args.out, args.py_spy_rate)
         sampler.start(core_pids, f"{mode}-{point['id']}")
+    stop, records, threads = threading.Event(), [], []
+    if args.structured and point["id"] != "soak":
+        threads = structured_clients(port, args.structured, model_vocab(tokenizer),
+                                     point["seed"], stop, records)
     try:
         run = run_client(args, point, port, tokenizer, mode, timeout)
     finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=310)
         if sampler is not None:
             stacks = sampler.finish()
     if sampler is not None:
         run["stacks"] = stacks
+    if threads:
+        run["structured"] = dict(structured_summary(records), clients=len(threads))
     after = scrape(port)
     run["engine"] = (counters_growth(before, after)
                      if "error" not in before and "error" not in after else
@@ -1116,24 +1161,14 @@ def run_soak(args, port: int, tokenizer: str, mode: str, vocab: int) -> dict:
             disconnects.append(disconnect_mid_stream(port, prompt, 3, 120))
 
     structured: list = []
-
-    def constrained(client: int):
-        # Through the middle of the arrivals only: the soak's window opens and
-        # closes on its own traffic, so the path counts stay exact at both ends.
-        prompts = identity_prompts(64, vocab, 512, args.seed + 101 + client)
-        if stop.wait(max(0.0, start + 0.1 * span - time.time())):
-            return
-        i = 0
-        while not stop.is_set() and time.time() < start + 0.8 * span:
-            structured.append(structured_completion(port, prompts[i % len(prompts)], 128, 300))
-            i += 1
-
     threads = [threading.Thread(target=sample, daemon=True),
-               threading.Thread(target=disconnect, daemon=True),
-               *(threading.Thread(target=constrained, args=(c,), daemon=True)
-                 for c in range(args.soak_structured))]
+               threading.Thread(target=disconnect, daemon=True)]
     for t in threads:
         t.start()
+    # Through the middle of the arrivals only: the soak's window opens and
+    # closes on its own traffic, so the path counts stay exact at both ends.
+    threads += structured_clients(port, args.soak_structured, vocab, args.seed, stop, structured,
+                                  start + 0.1 * span, start + 0.8 * span)
     try:
         run = measure_point(args, point, port, tokenizer, mode, 3 * span + 300)
     finally:
@@ -1264,9 +1299,11 @@ def measure_on(args, live: Live, point: dict, model: str, deadline: float) -> di
     run = measure_point(args, point, live.port, model, live.mode, deadline - time.time(),
                         live.server.core_pids())
     live.per_point_s = max(live.per_point_s, run["wall_s"])
-    c = run.get("client") or {}
+    c, st = run.get("client") or {}, run.get("structured")
     print(f"[{live.mode}] {point['id']}: rc {run['rc']}, {run['wall_s']} s, TPOT "
-          f"{c.get('mean_tpot_ms')} ms, failed {c.get('failed')}", flush=True)
+          f"{c.get('mean_tpot_ms')} ms, failed {c.get('failed')}"
+          + (f"; structured {st['sent']} sent, {st['failed']} failed, {st['broke_regex']} broke "
+             "the regex" if st else ""), flush=True)
     return run
 
 
@@ -1586,6 +1623,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="clients sending regex-constrained completions through the soak, "
                     "one at a time each (variable decode runs with --async-scheduling off); "
                     "0: none")
+    ap.add_argument("--structured", type=int, default=0,
+                    help="clients sending regex-constrained completions, one at a time each, "
+                    "beside vLLM's client in every measured point: with --async-scheduling off "
+                    "their trimmed drafts make the step variable (what stock 0.33 / 0.34 "
+                    "splits, 0.27.1 flattens); 0: none")
     ap.add_argument("--soak-sample-s", type=float, default=5.0)
     ap.add_argument("--soak-memory-tolerance-mib", type=float, default=64.0)
     ap.add_argument("--load-format", default="dummy")
@@ -1680,6 +1722,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--range-ratio / --soak-range-ratio: expected in [0, 1)")
     if args.soak_structured < 0:
         ap.error(f"--soak-structured: expected >= 0, got {args.soak_structured}")
+    if args.structured < 0:
+        ap.error(f"--structured: expected >= 0, got {args.structured}")
     if args.gap < 0:
         ap.error("--gap: expected >= 0")
     if args.start_reserve < 0:

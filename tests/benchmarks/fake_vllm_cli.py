@@ -16,7 +16,7 @@ varlen build and the drafter's ``k`` native ones), its log interval shortened by
 It starts with a banner of block characters (vLLM's has them: the log's byte
 count runs ahead of its character count) and logs vLLM's line on hearing
 SIGTERM; ``FAKE_SLOW_STOP`` (``mode=seconds``): a server in that mode then
-takes that long to tear down.
+takes that long to tear down.  ``FAKE_TOKEN_S``: a completion takes that long a word.
 ``--profiler-config``: ``/start_profile`` and ``/stop_profile``, the latter
 writing a gzipped trace of the completions since the start (per step an
 annotation, two kernels, a synchronising CUDA call under a host op);
@@ -88,6 +88,7 @@ def serve(argv: list[str]) -> int:
         if regex:  # a grammar: only the words the regex allows, in a generation's time
             out = [w for w in out if re.fullmatch(regex, w)] or ["a"]
             time.sleep(0.05)
+        time.sleep(float(os.environ.get("FAKE_TOKEN_S", "0")) * len(out))
         if mode == "auto":
             for i in range(STEPS_PER_REQUEST):
                 stats.record("varlen", variable=i % 2 == 0, mixed=False)

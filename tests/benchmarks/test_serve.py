@@ -708,6 +708,31 @@ def test_a_whole_run_against_a_stand_in_server(fake_vllm, capsys):
     assert re.search(r"\[plugin\] soak: .* variable steps \(async scheduling: default\)", table)
 
 
+def test_structured_clients_run_beside_each_points_client(fake_vllm, capsys, monkeypatch):
+    """--structured N: in every measured point (each mode's), N clients send
+    regex-constrained completions while vLLM's client runs and stop with it;
+    the run records what they sent, none failed or broke the regex, and the
+    printed line says so; without the option a run has no such record."""
+    monkeypatch.setenv("FAKE_TOKEN_S", "0.01")  # the client's run: about a second
+    out = fake_vllm / "structured"
+    assert serve.main(["--out", str(out), *_SMALL, "--rates", "--identity", "0",
+                       "--concurrency", "4", "--output-len", "24", "--min-prompts", "16",
+                       "--structured", "2"]) == 0
+    got = _strict(out / "serve.json")
+    for mode in ("stock", "plugin"):
+        run = got["points"][0]["runs"][mode]
+        st = run["structured"]
+        assert st["clients"] == 2 and st["sent"] >= 2, st
+        assert st["failed"] == 0 and st["broke_regex"] == 0 and st["words"] > 0, st
+    printed = capsys.readouterr().out
+    assert re.search(r"\[plugin\] L40-c4: .*; structured \d+ sent, 0 failed, 0 broke the regex",
+                     printed), printed
+    plain = fake_vllm / "plain"
+    assert serve.main(["--out", str(plain), *_SMALL, "--rates", "--identity", "0",
+                       "--concurrency", "2", "--modes", "plugin"]) == 0
+    assert "structured" not in _strict(plain / "serve.json")["points"][0]["runs"]["plugin"]
+
+
 def test_a_server_that_fails_and_a_time_limit_leave_a_result(fake_vllm, monkeypatch):
     """A server that exits before it is ready is recorded as such and the run
     goes on; points that would pass a server's share of the time limit are
