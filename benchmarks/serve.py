@@ -765,15 +765,6 @@ def structured_clients(port: int, clients: int, vocab: int, seed: int, stop: thr
     return threads
 
 
-def model_vocab(model: str) -> int:
-    """The vocabulary size in ``model``'s ``config.json`` (4096 where it names none)."""
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            return int(json.load(f).get("vocab_size", 4096))
-    except (OSError, ValueError):
-        return 4096
-
-
 def disconnect_mid_stream(port: int, prompt: str, chunks: int, timeout: float) -> dict:
     """A streaming completion the client closes after ``chunks`` chunks."""
     body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": 4096,
@@ -1076,12 +1067,12 @@ def run_client(args, point: dict, port: int, tokenizer: str, mode: str, timeout:
 
 
 def measure_point(args, point: dict, port: int, tokenizer: str, mode: str,
-                  timeout: float, core_pids: list[int] | None = None) -> dict:
+                  timeout: float, core_pids: list[int] | None = None, vocab: int = 4096) -> dict:
     """A measured point: the client's run, /metrics growth over it and, with
     ``--py-spy``, each engine core's (``core_pids``) stacks over it; with
     ``--structured``, that many clients of regex-constrained completions
-    beside the client's for as long as it runs (not the soak's point: it
-    runs its own)."""
+    (prompts of the model's ``vocab``) beside the client's for as long as it
+    runs (not the soak's point: it runs its own)."""
     before = scrape(port)
     sampler = None
     if args.py_spy and core_pids:
@@ -1089,8 +1080,7 @@ def measure_point(args, point: dict, port: int, tokenizer: str, mode: str,
         sampler.start(core_pids, f"{mode}-{point['id']}")
     stop, records, threads = threading.Event(), [], []
     if args.structured and point["id"] != "soak":
-        threads = structured_clients(port, args.structured, model_vocab(tokenizer),
-                                     point["seed"], stop, records)
+        threads = structured_clients(port, args.structured, vocab, point["seed"], stop, records)
     try:
         run = run_client(args, point, port, tokenizer, mode, timeout)
     finally:
@@ -1170,7 +1160,7 @@ def run_soak(args, port: int, tokenizer: str, mode: str, vocab: int) -> dict:
     threads += structured_clients(port, args.soak_structured, vocab, args.seed, stop, structured,
                                   start + 0.1 * span, start + 0.8 * span)
     try:
-        run = measure_point(args, point, port, tokenizer, mode, 3 * span + 300)
+        run = measure_point(args, point, port, tokenizer, mode, 3 * span + 300, vocab=vocab)
     finally:
         stop.set()
         for t in threads:
@@ -1282,7 +1272,8 @@ def warm_up(args, live: Live, model: str, cfg: dict, identity: dict, deadline: f
         info["identity"] = {"skipped": "time limit"}
 
 
-def measure_on(args, live: Live, point: dict, model: str, deadline: float) -> dict:
+def measure_on(args, live: Live, point: dict, model: str, deadline: float,
+               vocab: int) -> dict:
     """One point on ``live``'s server: with cached prompts a run of the same
     prompts before (unmeasured), an idle spell of ``--gap`` (the point's start
     in the log), the measured run; skipped where it would pass ``deadline``."""
@@ -1297,7 +1288,7 @@ def measure_on(args, live: Live, point: dict, model: str, deadline: float) -> di
                    deadline - time.time())
     time.sleep(args.gap)
     run = measure_point(args, point, live.port, model, live.mode, deadline - time.time(),
-                        live.server.core_pids())
+                        live.server.core_pids(), vocab)
     live.per_point_s = max(live.per_point_s, run["wall_s"])
     c, st = run.get("client") or {}, run.get("structured")
     print(f"[{live.mode}] {point['id']}: rc {run['rc']}, {run['wall_s']} s, TPOT "
@@ -1366,7 +1357,8 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
         warm_up(args, live, model, cfg, identity, deadline)
         for point in points:
             fill_rates(points, args)
-            point.setdefault("runs", {})[mode] = measure_on(args, live, point, model, deadline)
+            point.setdefault("runs", {})[mode] = measure_on(args, live, point, model, deadline,
+                                                            cfg.get("vocab_size", 4096))
             save()
         if args.profile_steps and points:
             live.info["profile"] = profile_window(args, points[0], live.port, model, mode,
@@ -1434,7 +1426,8 @@ def run_interleaved(args, model: str, cfg: dict, points: list[dict], result: dic
                 this = round_point(point, r, args.prompts)
                 got = {}
                 for live in order:
-                    got[live.mode] = measure_on(args, live, this, model, deadline)
+                    got[live.mode] = measure_on(args, live, this, model, deadline,
+                                                cfg.get("vocab_size", 4096))
                     point.setdefault("runs", {})[live.mode] = got[live.mode]
                 point.setdefault("rounds", []).append({m: got[m] for m in args.modes})
                 save()
