@@ -779,14 +779,9 @@ def test_a_slow_first_start_keeps_its_measurements(fake_vllm, monkeypatch):
     assert got["identity_vs_stock"]["plugin"]["all_identical"]
 
 
-def test_the_device_script_runs_a_preset_from_an_installed_tree(tmp_path):
-    """benchmarks/serve_device.sh on an unpacked tree (the stand-in vLLM in
-    its site folder): the plugin's entry point declared, the run inside the
-    time limit; under $OUT/serve a few files (a device call brings back a
-    handful): the results, the table, the output, and the logs packed
-    without the model."""
+def _installed_stand_in(tmp_path):
+    """An unpacked offline tree whose site folder holds the stand-in vLLM."""
     here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
     target = tmp_path / "offline"
     pkg = target / "site" / "vllm" / "entrypoints" / "cli"
     pkg.mkdir(parents=True)
@@ -796,6 +791,19 @@ def test_the_device_script_runs_a_preset_from_an_installed_tree(tmp_path):
     (target / "site" / ".complete").write_text("")
     (target / "parts").mkdir()
     (target / "parts" / "MANIFEST").write_text("")
+    return target
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_device_script_runs_a_preset_from_an_installed_tree(tmp_path):
+    """benchmarks/serve_device.sh on an unpacked tree (the stand-in vLLM in
+    its site folder): the plugin's entry point declared, the run inside the
+    time limit; under $OUT/serve a few files (a device call brings back a
+    handful): the results, the table, the output, and the logs packed
+    without the model."""
+    target, root = _installed_stand_in(tmp_path), _ROOT
     out = tmp_path / "out"
     stale = tmp_path / "work" / "serve" / "client-stock-old.json"  # an earlier call's
     stale.parent.mkdir(parents=True)
@@ -823,6 +831,36 @@ def test_the_device_script_runs_a_preset_from_an_installed_tree(tmp_path):
     assert stale.name not in packed and (tmp_path / "work" / "serve" / "model-tiny").is_dir()
     entry = (target / "site" / "vllm_dsa_varlen-0.0.0.dist-info" / "entry_points.txt").read_text()
     assert "vllm.general_plugins" in entry
+
+
+def test_the_device_script_detaches_a_run_longer_than_a_call_and_attaches_to_it(tmp_path):
+    """RUN_S beyond TIME_LIMIT: serve.py runs in a session of its own (what
+    the device keeps past a call's end while the machine is warm), the call
+    returns at its limit saying so, and an --attach call waits for the run
+    and brings back the same few files, serve.py's whole time given."""
+    target = _installed_stand_in(tmp_path)
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = dict(os.environ, OFFLINE_GPU=str(target), OUT=str(out), WORK=str(work),
+               TIME_LIMIT="12", RUN_S="150", STOP_MARGIN="5", FAKE_LOG_EVERY_S="0.3",
+               FAKE_START_S="stock=8")
+    env.pop("PYTHONPATH", None)
+    first = subprocess.run(["bash", "benchmarks/serve_device.sh", "-", *_SMALL[:-2], "--rates",
+                            "--identity", "4"], cwd=_ROOT, env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert "detached: serve.py still running" in first.stdout, first.stdout
+    pid = int((work / "serve" / "pid").read_text())
+    assert os.getsid(pid) == pid != os.getsid(0)  # its own session
+    assert not (out / "serve" / "serve.json").exists()
+    env["TIME_LIMIT"] = "200"
+    second = subprocess.run(["bash", "benchmarks/serve_device.sh", "--attach"], cwd=_ROOT, env=env,
+                            capture_output=True, text=True, timeout=260)
+    assert second.returncode == 0, second.stderr
+    assert "serve.py rc=0" in second.stdout and "| L40-c4 | plugin |" in second.stdout
+    got = _strict(out / "serve" / "serve.json")
+    assert 150 - 5 - 12 <= got["args"]["time_limit"] <= 150 - 5
+    back = sorted(p.name for p in (out / "serve").iterdir())
+    assert back == ["logs.tar.xz", "serve-stdout.txt", "serve.json", "table.txt"], back
 
 
 def test_a_short_budget_drops_the_aa_control_before_the_comparison(fake_vllm):
