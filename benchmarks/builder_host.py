@@ -161,12 +161,17 @@ class FunctionCosts:
 VLLM_CAPTURE_SIZES = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
 
 
-def decode_batches(k: int, batches: list[int], capture_sizes: list[int]):
+def decode_batches(k: int, batches: list[int], capture_sizes: list[int], cut: float = 0.0):
     """(label, decode_lens, num_tokens) of the main model's and drafter's builds.
     A verification step pads to a FULL graph's size, and vLLM keys those on a
     whole number of ``k + 1``-token requests (0.27.1 rounds the capture sizes
     up to multiples of ``k + 1``; 0.33's graphs are counted in requests), so
-    the padding is whole requests of 0 tokens."""
+    the padding is whole requests of 0 tokens.  ``cut`` > 0 adds, per batch, a
+    verification step whose last ``round(cut * B)`` (at least one) requests
+    had their drafts cut to 1..k tokens (what a grammar makes under
+    synchronous scheduling): variable, so unpadded (it runs outside FULL graphs)."""
+    if not 0.0 <= cut < 1.0:
+        raise ValueError(f"cut: expected a share in [0, 1), got {cut!r}")
     n = k + 1
     sizes = sorted({-(-s // n) * n for s in capture_sizes})
     out = []
@@ -175,6 +180,10 @@ def decode_batches(k: int, batches: list[int], capture_sizes: list[int]):
         padded = min((s for s in sizes if s >= tokens), default=tokens)
         pad_reqs = (padded - tokens) // n
         out.append((f"B{b} x{n}", [n] * b + [0] * pad_reqs, padded))
+        if cut and k and b > 1:
+            short = min(b - 1, max(1, round(cut * b)))
+            lens = [n] * (b - short) + [1 + i % k for i in range(short)]
+            out.append((f"B{b} x{n} cut {short}", lens, sum(lens)))
         out.append((f"B{b} x1", [1] * b, b))
     return out
 
@@ -218,7 +227,7 @@ def _line_setup(line: str, mp, k: int, width: int, adaptive: bool):
 
 def measure(mode: str, k: int, batches, calls: int, context: int, by_function: bool,
             cudagraph_mode: str = "FULL_AND_PIECEWISE", line: str = "0.27",
-            adaptive: bool = False):
+            adaptive: bool = False, graph_kernel: str | None = None):
     """Per batch: host µs and op counts of one ``build()`` (``mode``: stock | plugin)."""
     import pytest
     from vllm_stubs import decode_batch, random_block_table
@@ -235,6 +244,9 @@ def measure(mode: str, k: int, batches, calls: int, context: int, by_function: b
             patches.apply_all(line=line)
         width = -(-(context + 1024) // 64)
         pix, make = _line_setup(line, mp, k, width, adaptive)
+        if graph_kernel:  # the kernel a Hopper host would name (its kernel-gated rules apply)
+            from vllm_dsa_varlen.ops import launcher
+            mp.setattr(launcher, "graph_kernel", lambda *a, **kw: graph_kernel)
         if by_function and mode == "plugin":
             for name in PLUGIN_FUNCTIONS:
                 if hasattr(pix, name):
@@ -335,10 +347,16 @@ def main(argv=None) -> int:
     p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     p.add_argument("--adaptive", action="store_true",
                    help="adaptive verification (vLLM 0.33: every step flattened)")
+    p.add_argument("--cut", type=float, default=0.0,
+                   help="also a variable verification step per batch, this share of its "
+                   "requests' drafts cut (default 0: none)")
+    p.add_argument("--graph-kernel", choices=["cuda_sm90", "portable"], default=None,
+                   help="the varlen kernel the builder names, as on a GPU that runs it "
+                   "(default: what this machine's launcher says)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    batches = decode_batches(args.k, args.batch, args.capture_sizes)
+    batches = decode_batches(args.k, args.batch, args.capture_sizes, args.cut)
     from vllm_dsa_varlen import patches
 
     line = patches.installed_line()
@@ -346,7 +364,7 @@ def main(argv=None) -> int:
           + (", adaptive verification" if args.adaptive else ""))
     res = combine(interleaved(args.rounds, lambda mode: measure(
         mode, args.k, batches, args.calls, args.context, args.by_function,
-        args.cudagraph_mode, line, args.adaptive)))
+        args.cudagraph_mode, line, args.adaptive, args.graph_kernel)))
     print(f"µs: medians of {args.rounds} rounds, stock's and the plugin's alternating; "
           f"plugin extra: its µs minus stock's in the same round (median [min, max])")
     print(f"{'batch':>10} {'tokens':>6} | {'stock us':>8} {'ops':>4} {'calls':>5} | "

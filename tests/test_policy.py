@@ -8,7 +8,9 @@ states it (varlen at least as fast as DeepGEMM flattened on uniform 2-token
 steps from 128 rows, uniform 3-4-token steps from 64 rows (with the CUDA sm_90
 kernel: 3 tokens from 18 rows, 4 from 32), uniform 8-token
 steps from 64 requests, and variable steps whose longest request has 4 tokens
-from 64 requests at >= 32K contexts; never measured faster than DeepGEMM's
+from 64 requests at >= 32K contexts (with the CUDA sm_90 kernel also from 64
+at 8K, and, >= 2.8 tokens a request, from 16 at 16K and 32 at 8K); never
+measured faster than DeepGEMM's
 native kernels) and from stock's split behaviour,
 independently of how :data:`policy.MEASURED` encodes them.
 """
@@ -68,13 +70,15 @@ def test_bad_decode_lens_and_stock_kind_raise():
 @pytest.mark.parametrize("seed", range(300))
 def test_measured_table_as_benchmarks_states_it(seed):
     rng = random.Random(1000 + seed)
-    num = rng.choice([1, 2, 4, 5, 6, 7, 8, 15, 16, 63, 64, 65, 128, 256])
+    num = rng.choice([1, 2, 4, 5, 6, 7, 8, 15, 16, 31, 32, 63, 64, 65, 128, 256])
     top = rng.choice([1, 2, 3, 4, 5, 6, 7, 8])
     lens = [top] * num if rng.random() < 0.5 else [rng.randint(1, top) for _ in range(num)]
     if rng.random() < 0.3:  # longer runs on average (variable steps up to 8: >= 4.5 per request)
         lens = [rng.randint(max(1, top - 2), top) for _ in range(num)]
-    step = StepFacts.from_decode_lens(lens, max_context=rng.choice([0, 8192, 32767, 32768,
-                                                                    1 << 17]))
+    if rng.random() < 0.3:  # a served step: k + 1 tokens but for a few cut drafts
+        lens = [top if rng.random() < 0.8 else rng.randint(1, top) for _ in range(num)]
+    step = StepFacts.from_decode_lens(lens, max_context=rng.choice([0, 8191, 8192, 16383, 16384,
+                                                                    32767, 32768, 1 << 17]))
     uniform = len(set(lens)) == 1
     top = max(lens)
     # stock flattens: varlen measured at least as fast only on these steps
@@ -95,6 +99,10 @@ def test_measured_table_as_benchmarks_states_it(seed):
                  or (uniform and top == 3 and sum(lens) >= 18)
                  or (not uniform and top == 4 and num >= 64 and step.max_context >= 8192
                      and sum(lens) >= 2.6 * num)
+                 # (h100, cut drafts) from 16 requests at 16K, 32 at 8K, >= 2.8 a request
+                 or (not uniform and top == 4 and sum(lens) >= 2.8 * num
+                     and ((num >= 16 and step.max_context >= 16384)
+                          or (num >= 32 and step.max_context >= 8192)))
                  or (not uniform and top == 8 and num >= 64 and step.max_context >= 8192
                      and sum(lens) >= 4.5 * num))
     assert varlen_wins(step, "flattened", kernel="cuda_sm90") == want_cuda
@@ -210,6 +218,26 @@ def test_min_varlen_rows_bounds_every_rule():
     assert pol.min_varlen_rows("native") is None
     assert pol.min_varlen_rows("native", kernel="cuda_sm90") is None
     assert pol.min_varlen_rows("native", kernel="cuda_sm90", max_run=4) is None
+
+
+def test_min_varlen_rows_counts_the_tokens_a_rule_asks_of_each_request():
+    """A rule asking ``t`` tokens of each of at least ``r`` requests needs
+    ``ceil(t * r)`` rows (rows hold every token); one row fewer never wins,
+    that many can."""
+    from vllm_dsa_varlen import policy as pol
+
+    for requests, per in ((16, 2.8), (5, 1.5), (7, 3.0)):
+        table = (pol.Rule("flattened", min_run=2, min_requests=requests,
+                          min_tokens_per_request=per, note="t"),)
+        bound = pol.min_varlen_rows("flattened", table)
+        assert bound == -(-int(per * 10) * requests // 10)
+        top = -(-bound // requests)
+        fits = [top] * requests
+        while sum(fits) > bound:
+            fits[fits.index(max(fits))] -= 1
+        assert pol.varlen_wins(pol.StepFacts.from_decode_lens(fits), "flattened", table)
+        short = pol.StepFacts(rows=bound - 1, requests=requests, max_run=top, uniform=False)
+        assert not pol.varlen_wins(short, "flattened", table)
 
 
 def test_min_varlen_rows_follows_the_table_in_place(monkeypatch):

@@ -11,6 +11,7 @@ read wherever a step could go either way (docs/design.md).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -180,6 +181,17 @@ MEASURED: tuple[Rule, ...] = (
          note="uniform 4 tokens, >= 32 rows (CUDA sm_90 kernel)"),
     Rule("flattened", min_run=3, max_run_le=3, min_rows=18, uniform=True, kernel="cuda_sm90",
          note="uniform 3 tokens, >= 18 rows (CUDA sm_90 kernel)"),
+    # Served variable steps: every request's k + 1 tokens but for a share whose
+    # drafts were cut (a grammar under synchronous scheduling); these run eager
+    # in 0.27.1 (piecewise), so the contexts are the step's own.
+    Rule("flattened", min_run=4, max_run_le=4, min_requests=16, min_context=16384,
+         min_tokens_per_request=2.8, uniform=False, kernel="cuda_sm90",
+         note="variable steps up to 4 tokens, >= 16 requests, >= 16K contexts, >= 2.8 tokens "
+              "per request (CUDA sm_90 kernel)"),
+    Rule("flattened", min_run=4, max_run_le=4, min_requests=32, min_context=8192,
+         min_tokens_per_request=2.8, uniform=False, kernel="cuda_sm90",
+         note="variable steps up to 4 tokens, >= 32 requests, >= 8K contexts, >= 2.8 tokens "
+              "per request (CUDA sm_90 kernel)"),
     Rule("flattened", min_run=8, max_run_le=8, min_requests=64, min_context=8192,
          min_tokens_per_request=4.5, uniform=False, kernel="cuda_sm90",
          note="variable steps up to 8 tokens, >= 64 requests, >= 8K contexts, >= 4.5 tokens "
@@ -200,7 +212,9 @@ def min_varlen_rows(stock: str, table: tuple[Rule, ...] | None = None,
     known = _BOUNDS.get(key)
     if known is not None and known[0] is rules:
         return known[1]
-    bounds = [max(1, rule.min_rows, rule.min_requests, rule.min_run)
+    # rows >= real tokens >= min_tokens_per_request * requests
+    bounds = [max(1, rule.min_rows, rule.min_requests, rule.min_run,
+                  math.ceil(rule.min_tokens_per_request * rule.min_requests))
               for rule in rules
               if rule.stock == stock and (rule.kernel is None or rule.kernel == kernel)
               and (max_run is None or rule.min_run <= max_run)]

@@ -35,6 +35,28 @@ def test_verification_steps_pad_to_whole_requests_of_the_next_graph(seed):
         assert draft == (f"B{b} x1", [1] * b, b)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_a_cut_share_adds_an_unpadded_variable_step_per_batch(seed):
+    """With ``cut``, each batch of two or more requests gains, after its
+    verification step, one whose requests keep k + 1 tokens but for the cut
+    share (at least one, never all) at 1..k tokens: variable, unpadded."""
+    rng = random.Random(seed)
+    k, cut = rng.randint(1, 4), rng.choice([0.05, 0.1, 0.25, 0.5, 0.9])
+    batches = sorted(rng.sample(range(1, 80), 4))
+    got = bh.decode_batches(k, batches, [8, 64, 256], cut)
+    plain = bh.decode_batches(k, batches, [8, 64, 256])
+    assert [g for g in got if "cut" not in g[0]] == plain
+    for label, lens, tokens in (g for g in got if "cut" in g[0]):
+        b = int(label[1:label.index(" ")])
+        short = [n for n in lens if n < k + 1]
+        assert len(lens) == b and 1 <= len(short) < b and abs(len(short) - cut * b) <= 1
+        assert all(1 <= n <= k for n in short) and tokens == sum(lens)
+        assert max(lens) == k + 1 and len(set(lens)) > 1
+    assert sum("cut" in g[0] for g in got) == sum(b > 1 for b in batches) * (k > 0)
+    with pytest.raises(ValueError, match="cut"):
+        bh.decode_batches(k, batches, [8], 1.0)
+
+
 @pytest.mark.parametrize("rounds", [1, 2, 5])
 def test_modes_alternate_and_the_extra_is_taken_within_a_round(rounds):
     """Stock's and the plugin's rounds alternate (stock first in even rounds);
