@@ -821,10 +821,12 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, mode, plain_
     builder = _hopper_next4_builder(monkeypatch, mode)
     assert builder.varlen_graph_kernel == graph_kernel
     # The table's smallest row bound for 3-4-token steps, read off the rules
-    # here: 18 rows with the CUDA sm_90 kernel (3 tokens; 4 tokens from 32),
-    # 64 with the portable one.
+    # here (a rule's requests times the tokens it asks of each fill rows too):
+    # 18 rows with the CUDA sm_90 kernel (3 tokens; 4 tokens from 32), 64 with
+    # the portable one.
     kernel = builder.varlen_graph_kernel
-    bound = min(max(r.min_rows, r.min_requests) for r in policy.MEASURED
+    bound = min(max(r.min_rows, r.min_requests, -(-r.min_requests * r.min_tokens_per_request // 1))
+                for r in policy.MEASURED
                 if r.stock == "flattened" and r.kernel in (None, kernel) and r.min_run <= 4)
     assert bound == (18 if kernel == "cuda_sm90" else 64)
     # 4-token steps: stock's build below 18 rows; the step's rule from 32 (cuda) / 64 rows

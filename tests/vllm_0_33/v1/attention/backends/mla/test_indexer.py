@@ -575,9 +575,11 @@ def test_steps_left_to_stock_replay_the_captured_graph(monkeypatch, next_n, adap
     builder.vllm_config.compilation_config.cudagraph_mode = getattr(CUDAGraphMode, mode)
     assert builder.use_flattening is (next_n == 3 or adaptive)
     mixed = mode == "FULL" or adaptive
-    # The table's smallest row bound for runs of 2..4 tokens, read off the rules:
-    # 64, and 18 with the CUDA sm_90 kernel (uniform 3 tokens from 18 rows).
-    bound = min(max(r.min_rows, r.min_requests) for r in policy.MEASURED
+    # The table's smallest row bound for runs of 2..4 tokens, read off the rules
+    # (a rule's requests times the tokens it asks of each fill rows too): 64, and
+    # 18 with the CUDA sm_90 kernel (uniform 3 tokens from 18 rows).
+    bound = min(max(r.min_rows, r.min_requests, -(-r.min_requests * r.min_tokens_per_request // 1))
+                for r in policy.MEASURED
                 if r.stock == "flattened" and r.min_run <= 4 and r.kernel in (None, graph_kernel))
     assert bound == (18 if graph_kernel == "cuda_sm90" else 64)
     heads, dim, page, blocks = 4, 128, 64, 64
