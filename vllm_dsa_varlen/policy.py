@@ -182,8 +182,8 @@ MEASURED: tuple[Rule, ...] = (
     Rule("flattened", min_run=3, max_run_le=3, min_rows=18, uniform=True, kernel="cuda_sm90",
          note="uniform 3 tokens, >= 18 rows (CUDA sm_90 kernel)"),
     # Served variable steps: every request's k + 1 tokens but for a share whose
-    # drafts were cut (a grammar under synchronous scheduling); these run eager
-    # in 0.27.1 (piecewise), so the contexts are the step's own.
+    # drafts were cut (a grammar under synchronous scheduling).  Under vLLM's
+    # default graph mode they run eager (piecewise): the contexts are the step's own.
     Rule("flattened", min_run=4, max_run_le=4, min_requests=16, min_context=16384,
          min_tokens_per_request=2.8, uniform=False, kernel="cuda_sm90",
          note="variable steps up to 4 tokens, >= 16 requests, >= 16K contexts, >= 2.8 tokens "
