@@ -465,6 +465,11 @@ def plugin_path_log(text: str) -> list[str]:
 
 # ----------------------------------------------------------------------------- identity
 
+def model_vocab(cfg: dict) -> int:
+    """The vocabulary the served model's prompts draw words from (its config's)."""
+    return cfg.get("vocab_size", 4096)
+
+
 def identity_prompts(n: int, vocab_size: int, longest: int, seed: int) -> list[str]:
     """``n`` fixed prompts (words of the tokenizer, :func:`serve_model.word`),
     their lengths cycling through :data:`IDENTITY_LENGTHS` up to ``longest``."""
@@ -1067,7 +1072,7 @@ def run_client(args, point: dict, port: int, tokenizer: str, mode: str, timeout:
 
 
 def measure_point(args, point: dict, port: int, tokenizer: str, mode: str,
-                  timeout: float, core_pids: list[int] | None = None, vocab: int = 4096) -> dict:
+                  timeout: float, vocab: int, core_pids: list[int] | None = None) -> dict:
     """A measured point: the client's run, /metrics growth over it and, with
     ``--py-spy``, each engine core's (``core_pids``) stacks over it; with
     ``--structured``, that many clients of regex-constrained completions
@@ -1160,7 +1165,7 @@ def run_soak(args, port: int, tokenizer: str, mode: str, vocab: int) -> dict:
     threads += structured_clients(port, args.soak_structured, vocab, args.seed, stop, structured,
                                   start + 0.1 * span, start + 0.8 * span)
     try:
-        run = measure_point(args, point, port, tokenizer, mode, 3 * span + 300, vocab=vocab)
+        run = measure_point(args, point, port, tokenizer, mode, 3 * span + 300, vocab)
     finally:
         stop.set()
         for t in threads:
@@ -1258,7 +1263,7 @@ def warm_up(args, live: Live, model: str, cfg: dict, identity: dict, deadline: f
     guess = live.per_point_s if args.warmup_prompts else 60.0
     if args.identity and time.time() + args.gap + guess < deadline:
         time.sleep(args.gap)
-        prompts = identity_prompts(args.identity, cfg.get("vocab_size", 4096),
+        prompts = identity_prompts(args.identity, model_vocab(cfg),
                                    identity_longest(args), args.seed)
         groups = identity_groups(args.identity, args.identity_concurrency)
         t1 = time.time()
@@ -1287,8 +1292,8 @@ def measure_on(args, live: Live, point: dict, model: str, deadline: float,
         run_client(args, dict(point, id=point["id"] + "-prime"), live.port, model, live.mode,
                    deadline - time.time())
     time.sleep(args.gap)
-    run = measure_point(args, point, live.port, model, live.mode, deadline - time.time(),
-                        live.server.core_pids(), vocab)
+    run = measure_point(args, point, live.port, model, live.mode, deadline - time.time(), vocab,
+                        live.server.core_pids())
     live.per_point_s = max(live.per_point_s, run["wall_s"])
     c, st = run.get("client") or {}, run.get("structured")
     print(f"[{live.mode}] {point['id']}: rc {run['rc']}, {run['wall_s']} s, TPOT "
@@ -1358,7 +1363,7 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
         for point in points:
             fill_rates(points, args)
             point.setdefault("runs", {})[mode] = measure_on(args, live, point, model, deadline,
-                                                            cfg.get("vocab_size", 4096))
+                                                            model_vocab(cfg))
             save()
         if args.profile_steps and points:
             live.info["profile"] = profile_window(args, points[0], live.port, model, mode,
@@ -1367,8 +1372,7 @@ def run_server(args, mode: str, model: str, cfg: dict, points: list[dict], resul
         if args.soak_minutes:
             if time.time() + args.gap + 60 * args.soak_minutes + 60 < deadline:
                 time.sleep(args.gap)
-                live.info["soak"] = run_soak(args, live.port, model, mode,
-                                             cfg.get("vocab_size", 4096))
+                live.info["soak"] = run_soak(args, live.port, model, mode, model_vocab(cfg))
             else:
                 live.info["soak"] = {"skipped": "time limit"}
     finally:
@@ -1402,15 +1406,16 @@ def run_interleaved(args, model: str, cfg: dict, points: list[dict], result: dic
                     if "failed" not in live.info:
                         live.info["skipped"] = f"{down[0]}'s server is not up"
                 return
-        for i, mode in enumerate([] if args.start_together else args.modes):
-            ready_by = budget.start_by(n - i) - args.min_share - stops
-            live = start_server(args, mode, model, result, ready_by,
-                                args.gpu_memory_utilization / n)
-            lives.append(live)
-            if "failed" in live.info:
-                for m in args.modes[i + 1:]:
-                    result["servers"][m] = {"skipped": f"{mode}'s server is not up"}
-                return
+        else:
+            for i, mode in enumerate(args.modes):
+                ready_by = budget.start_by(n - i) - args.min_share - stops
+                live = start_server(args, mode, model, result, ready_by,
+                                    args.gpu_memory_utilization / n)
+                lives.append(live)
+                if "failed" in live.info:
+                    for m in args.modes[i + 1:]:
+                        result["servers"][m] = {"skipped": f"{mode}'s server is not up"}
+                    return
         deadline = time.time() + max(0.0, budget.left() - stops)
         for live in lives:
             warm_up(args, live, model, cfg, identity, deadline)
@@ -1427,7 +1432,7 @@ def run_interleaved(args, model: str, cfg: dict, points: list[dict], result: dic
                 got = {}
                 for live in order:
                     got[live.mode] = measure_on(args, live, this, model, deadline,
-                                                cfg.get("vocab_size", 4096))
+                                                model_vocab(cfg))
                     point.setdefault("runs", {})[live.mode] = got[live.mode]
                 point.setdefault("rounds", []).append({m: got[m] for m in args.modes})
                 save()

@@ -21,6 +21,7 @@ start=$SECONDS
 out=${WORK:-/tmp/serve-work}/serve
 back=${OUT:-/tmp/serve-out}/serve
 margin=${STOP_MARGIN:-20}
+limit=${TIME_LIMIT:-570}
 
 finish() {   # serve.py has ended (its status in $out/rc): the table, then the few files back
   echo "serve.py rc=$(cat "$out/rc")"
@@ -35,7 +36,7 @@ finish() {   # serve.py has ended (its status in $out/rc): the table, then the f
 }
 
 wait_or_leave() {   # a detached run: wait for it until this call's time is up
-  while [ ! -f "$out/rc" ] && [ $(( SECONDS - start )) -lt $(( ${TIME_LIMIT:-570} - margin )) ]; do
+  while [ ! -f "$out/rc" ] && [ $(( SECONDS - start )) -lt $(( limit - margin )) ]; do
     sleep 2
   done
   if [ -f "$out/rc" ]; then finish
@@ -62,7 +63,7 @@ mkdir -p "$out" "$back"
 # an earlier call's files out (the model folder kept: its path is in vLLM's compile-cache key)
 [ "$out" != "$back" ] && find "$out" -mindepth 1 -maxdepth 1 ! -name 'model-*' -exec rm -rf {} +
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$out/gpu-before.txt" 2>&1
-left=$(( ${RUN_S:-${TIME_LIMIT:-570}} - (SECONDS - start) - margin ))
+left=$(( ${RUN_S:-$limit} - (SECONDS - start) - margin ))
 if [ "$left" -lt 60 ]; then echo "only ${left} s left after the install: not started"; exit 0; fi
 echo "serve.py: ${left} s"
 run() {
