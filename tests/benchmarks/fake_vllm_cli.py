@@ -50,6 +50,12 @@ def words_out(prompt: str, n: int) -> list[str]:
     return [words[(7 * i + len(words)) % len(words)] for i in range(n)]
 
 
+def _seconds_for(mode: str, name: str) -> float:
+    """The seconds environment variable ``name`` (``mode=seconds,...``) gives ``mode`` (0)."""
+    given = dict(kv.split("=") for kv in os.environ.get(name, "").split(",") if kv)
+    return float(given.get(mode, 0))
+
+
 def serve(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -71,8 +77,7 @@ def serve(argv: list[str]) -> int:
     if os.environ.get("FAKE_FAIL_MODE") == mode:
         print("(APIServer pid=1) ERROR 12-06 00:00:00 [fake.py:1] cannot start", flush=True)
         return 1
-    delays = dict(kv.split("=") for kv in os.environ.get("FAKE_START_S", "").split(",") if kv)
-    time.sleep(float(delays.get(mode, 0)))
+    time.sleep(_seconds_for(mode, "FAKE_START_S"))
     from vllm_dsa_varlen import stats
 
     stats.LOG_EVERY_S = float(os.environ.get("FAKE_LOG_EVERY_S", "0.3"))
@@ -188,14 +193,12 @@ def serve(argv: list[str]) -> int:
     if os.environ.get("FAKE_DEAF_MODE") == mode:  # an engine core that never hears SIGTERM
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
-        slow = dict(kv.split("=") for kv in os.environ.get("FAKE_SLOW_STOP", "").split(",") if kv)
-
         def heard(*_):
             logging.getLogger("vllm").info(
                 "[shutdown] EngineCore: trigger received signal=SIGTERM")
 
             def teardown():
-                time.sleep(float(slow.get(mode, 0)))
+                time.sleep(_seconds_for(mode, "FAKE_SLOW_STOP"))
                 server.shutdown()
             threading.Thread(target=teardown).start()
         signal.signal(signal.SIGTERM, heard)
