@@ -522,7 +522,8 @@ def test_the_table_compares_every_mode_with_stock_at_every_point(tmp_path):
             runs[mode] = {"client": serve.shrink_client(c),
                           "engine": {"acceptance_length": rng.uniform(1, 2)},
                           "paths": None if mode != "plugin" else {
-                              "steps": {"varlen": 9}, "variable": {"varlen": 4, "stock_native": 1}}}
+                              "steps": {p: rng.randrange(50) for p in stats.PATHS},
+                              "variable": {p: rng.randrange(20) for p in stats.PATHS}}}
         points.append({"id": pid, "runs": runs})
     points.append({"id": "L4096-r0", "runs": {"stock": {"skipped": "time limit"}}})
     rows = serve.table_rows({"points": points})
@@ -538,8 +539,15 @@ def test_the_table_compares_every_mode_with_stock_at_every_point(tmp_path):
         assert r["x_tok_s"] == pytest.approx(mine["output_throughput"] / base["output_throughput"])
         assert r["tpot_p50"] == mine["median_tpot_ms"] and r["ttft_p99"] == mine["p99_ttft_ms"]
     plugin = [r for r in rows if r["mode"] == "plugin"]
-    assert all(r["varlen_steps"] == 9 and r["variable_steps"] == 5 for r in plugin)
+    for r in plugin:  # the project's kernel: varlen steps and the splits it avoided
+        paths = next(p for p in points if p["id"] == r["point"])["runs"]["plugin"]["paths"]
+        steps, var = paths["steps"], paths["variable"]
+        assert r["own_steps"] == steps["varlen"] + steps["split_avoided"]
+        assert r["variable_own"] == var["varlen"] + var["split_avoided"]
+        assert r["variable_steps"] == sum(var.values())
     text = serve.render_table(rows)
+    for r in plugin:
+        assert f"| {r['own_steps']} ({r['variable_own']} / {r['variable_steps']}) |" in text
     assert len(text.splitlines()) == 2 + len(rows) and "skipped: time limit" in text
     path = tmp_path / "out.json"
     serve.write_json(str(path), {"rows": rows, "nan": float("nan"), "inf": [math.inf]})
