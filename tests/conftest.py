@@ -9,10 +9,12 @@ installed, so ``python -m pytest tests`` passes in either environment.
 """
 
 import contextlib
+import ctypes
 import functools
 import os
 import pathlib
 import signal
+import sys
 
 import pytest
 import torch
@@ -103,12 +105,37 @@ def no_host_sync():
     return guard
 
 
+class _SigAction(ctypes.Structure):
+    """glibc's ``struct sigaction`` on Linux (x86-64, aarch64): the handler,
+    the mask (1024 bits), the flags, the restorer."""
+    _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16),
+                ("flags", ctypes.c_int), ("restorer", ctypes.c_void_p)]
+
+
+def c_signal_action(signum: int) -> tuple | None:
+    """The process's C-level action for ``signum`` (handler address, flags),
+    as the kernel delivers it; ``None`` off Linux.  Python's
+    ``signal.getsignal`` reports only its own table: a native library that
+    calls ``sigaction`` itself replaces the C handler without Python knowing,
+    and Python's handler then never runs."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    got = _SigAction()
+    if libc.sigaction(signum, None, ctypes.byref(got)) != 0:
+        raise OSError(ctypes.get_errno(), f"sigaction({signum}) failed")
+    return got.handler, got.flags
+
+
 @pytest.fixture
 def sigterm_kept():
     """A context manager for work a served engine core does in its main
-    thread: vLLM stops that core by SIGTERM through a Python handler, so the
-    block may neither leave SIGTERM blocked there nor replace the handler (a
-    sentinel while the block runs).  Mask and handler are set back either way."""
+    thread: vLLM stops that core by SIGTERM through a Python handler (vLLM
+    0.34 installs it before the engine is built, so before the plugin's
+    kernels compile and load), so the block may neither leave SIGTERM blocked
+    there nor replace the handler, in Python's table (a sentinel while the
+    block runs) or at the C level (:func:`c_signal_action`).  Mask and
+    handler are set back either way."""
 
     @contextlib.contextmanager
     def guard():
@@ -116,15 +143,18 @@ def sigterm_kept():
             pass
 
         old = signal.signal(signal.SIGTERM, sentinel)
+        c_action = c_signal_action(signal.SIGTERM)
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
         try:
             assert signal.SIGTERM not in mask
             yield
             assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask, "the signal mask changed"
             assert signal.getsignal(signal.SIGTERM) is sentinel, "SIGTERM's handler was replaced"
+            assert c_signal_action(signal.SIGTERM) == c_action, \
+                "SIGTERM's C-level handler was replaced (Python's handler would not run)"
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            signal.signal(signal.SIGTERM, old)
+            signal.signal(signal.SIGTERM, old)  # sets the C-level handler back too
 
     return guard
 

@@ -2,6 +2,9 @@
 kernel in the interpreter must take the ``device`` fixture or carry the
 ``interpreter`` mark, so the whole suite also runs where a GPU is."""
 
+import ctypes
+import signal
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -57,3 +60,43 @@ def test_the_no_host_sync_guard_sets_the_mode_and_sets_it_back_on_error(monkeypa
     with pytest.raises(RuntimeError), guard():
         raise RuntimeError("a call waited on the device")
     assert modes == ["error", "default", "error", "default"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads glibc's sigaction")
+def test_the_sigterm_guard_catches_each_way_a_core_could_miss_its_stop():
+    """``sigterm_kept`` passes a block that leaves SIGTERM alone and fails one
+    that blocks it, one that replaces Python's handler, and one that replaces
+    the C-level handler behind Python's back (a native ``signal`` call, which
+    ``signal.getsignal`` does not see); the handler is set back each time."""
+    guard = conftest.sigterm_kept.__wrapped__()
+    before = signal.getsignal(signal.SIGTERM)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+
+    def native_ignore():
+        assert libc.signal(signal.SIGTERM, 1) is not None  # SIG_IGN, through libc
+
+    with guard():
+        x = torch.randn(64)
+        torch.testing.assert_close(x + 0, x)
+    blocks = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM]),
+              lambda: signal.signal(signal.SIGTERM, lambda s, f: None),
+              native_ignore)
+    for block, why in zip(blocks, ("signal mask", "handler was replaced", "C-level handler")):
+        with pytest.raises(AssertionError, match=why), guard():
+            block()
+        assert signal.getsignal(signal.SIGTERM) is before
+        assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    # The C-level reading follows a Python handler's install and its removal.
+    default = conftest.c_signal_action(signal.SIGTERM) if before is signal.SIG_DFL else None
+    old = signal.signal(signal.SIGTERM, lambda s, f: None)
+    try:
+        handled = conftest.c_signal_action(signal.SIGTERM)
+        assert handled[0] not in (None, 0, 1)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        assert conftest.c_signal_action(signal.SIGTERM)[0] == 1
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    if default is not None:
+        assert conftest.c_signal_action(signal.SIGTERM) == default

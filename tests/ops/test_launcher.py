@@ -15,6 +15,7 @@ after its caches are dropped, no host sync.
 import contextlib
 import ctypes
 import os
+import signal
 import types
 
 import pytest
@@ -807,16 +808,30 @@ def test_no_host_sync_in_eager_launcher_calls(no_host_sync):
 def test_the_serving_path_leaves_the_signal_handling_alone(sigterm_kept):
     """What the plugin's engine core runs beyond stock's, in its main thread:
     the precompile, the driver's module loads, an eager call, a graph capture
-    and replay, the decode top-k.  None may leave SIGTERM blocked there or
-    replace vLLM's handler (it would not run at a server's stop)."""
+    and replay, the decode top-k, the query kernel.  None may leave SIGTERM
+    blocked there or replace vLLM's handler, in Python's table or at the C
+    level (it would not run at a server's stop); the C level is read after
+    each stage, so a failure names the stage."""
     _needs_cuda_kernel()
+    from conftest import c_signal_action
+    from query_checks import fused_q_inputs
+    from vllm_dsa_varlen.ops import triton_fused_q as fq
+
     with sigterm_kept():
+        kept = c_signal_action(signal.SIGTERM)
+
+        def stage(name):
+            torch.cuda.synchronize()
+            assert c_signal_action(signal.SIGTERM) == kept, f"{name} replaced SIGTERM's C handler"
+
         precompile(heads=64)
+        stage("the precompile")
         step = random_decode_step(8, 3, 3000, heads=64, device="cuda", variable=True,
                                   seed=int(torch.randint(0, 2**31 - 1, (1,))))
         args = launcher_args(step)
         out = torch.full((step.rows.num_rows, step.max_context_len), POISON, device="cuda")
         launcher.varlen_paged_mqa_logits(*args, out=out)
+        stage("the eager logits call")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
@@ -824,9 +839,14 @@ def test_the_serving_path_leaves_the_signal_handling_alone(sigterm_kept):
             launcher.varlen_paged_mqa_logits(*args, out=out, schedule_cache={})
         out.fill_(POISON)
         graph.replay()
+        stage("the graph capture and replay")
         rows, width = step.rows.num_rows, step.max_context_len
         lens = torch.full((rows,), width, dtype=torch.int32, device="cuda")
         picked = torch.empty((rows, 2048), dtype=torch.int32, device="cuda")
         ct.launch_checked(torch.randn(rows, width, device="cuda"), lens, 2048, picked, bound=width)
-        torch.cuda.synchronize()
+        stage("the decode top-k")
+        fq.fused_q(**fused_q_inputs(5, device=torch.device("cuda"),
+                                    seed=int(torch.randint(0, 2**31 - 1, (1,)))),
+                   index_rope_interleave=False, quantize_mqa=False)
+        stage("the query kernel")
     _check_against_reference(*args, out, poisoned=True)
