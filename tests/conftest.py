@@ -9,12 +9,10 @@ installed, so ``python -m pytest tests`` passes in either environment.
 """
 
 import contextlib
-import ctypes
 import functools
 import os
 import pathlib
 import signal
-import sys
 
 import pytest
 import torch
@@ -105,26 +103,14 @@ def no_host_sync():
     return guard
 
 
-class _SigAction(ctypes.Structure):
-    """glibc's ``struct sigaction`` on Linux (x86-64, aarch64): the handler,
-    the mask (1024 bits), the flags, the restorer."""
-    _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16),
-                ("flags", ctypes.c_int), ("restorer", ctypes.c_void_p)]
-
-
 def c_signal_action(signum: int) -> tuple | None:
-    """The process's C-level action for ``signum`` (handler address, flags),
-    as the kernel delivers it; ``None`` off Linux.  Python's
-    ``signal.getsignal`` reports only its own table: a native library that
-    calls ``sigaction`` itself replaces the C handler without Python knowing,
-    and Python's handler then never runs."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    got = _SigAction()
-    if libc.sigaction(signum, None, ctypes.byref(got)) != 0:
-        raise OSError(ctypes.get_errno(), f"sigaction({signum}) failed")
-    return got.handler, got.flags
+    """The process's C-level action for ``signum`` as (handler address,
+    flags), ``None`` off Linux (:func:`vllm_dsa_varlen.ops.cuda_binding.signal_action`:
+    what Python's ``signal.getsignal`` does not see)."""
+    from vllm_dsa_varlen.ops.cuda_binding import signal_action
+
+    got = signal_action(signum)
+    return None if got is None else (got.handler, got.flags)
 
 
 @pytest.fixture

@@ -1,7 +1,13 @@
 """vllm_dsa_varlen/ops/cuda_binding.py: what runs without a GPU."""
 
+import contextlib
+import ctypes
+import logging
+import signal
+import sys
 import threading
 
+import pytest
 import torch
 
 from vllm_dsa_varlen.ops import cuda_binding as cb
@@ -37,3 +43,98 @@ def test_load_once_makes_each_device_and_build_once_across_threads():
     assert set(cache) == {(1, ("SPLIT=2",)), (2, ("SPLIT=2",)), (1, ("SPLIT=4",))}
     assert cb.load_once(cache, lock, torch.device("cuda", 2), ("SPLIT=2",), make) is other
     assert len(made) == 3
+
+
+# ----------------------------------------------------------------------------- stop signals
+
+LINUX = sys.platform.startswith("linux")
+
+
+def _native_ignore(signum):
+    """SIG_IGN through libc, as a native library's own ``signal`` call would:
+    Python's table does not see it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal(signum, 1)
+
+
+@contextlib.contextmanager
+def _python_handler(signum):
+    """A Python handler for ``signum`` that records each delivery; set back after."""
+    heard = []
+    old = signal.signal(signum, lambda s, f: heard.append(s))
+    try:
+        yield heard
+    finally:
+        signal.signal(signum, old)
+
+
+def _action(signum):
+    got = cb.signal_action(signum)
+    return got.handler, got.flags
+
+
+@pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=str)
+def test_a_native_replacement_of_a_python_stop_handler_is_set_back(signum, caplog):
+    """A block that replaces the C-level action of a Python-handled stop
+    signal behind Python's back leaves it restored, with a warning naming the
+    signal and the work; the Python handler then hears the signal."""
+    with _python_handler(signum) as heard:
+        before = _action(signum)
+        with caplog.at_level(logging.WARNING, logger="vllm.dsa_varlen"):
+            with cb.keep_stop_signals("a test's native call"):
+                _native_ignore(signum)
+                assert _action(signum)[0] == 1  # SIG_IGN now, behind Python
+        assert _action(signum) == before
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == 1 and signal.Signals(signum).name in warned[0]
+        assert "a test's native call" in warned[0]
+        signal.raise_signal(signum)
+        assert heard == [signum]
+
+
+@pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")
+def test_what_the_stop_signal_guard_leaves_alone(caplog):
+    """No warning and nothing set where the block left the action alone,
+    where Python itself installed another handler (that handler stays), and
+    where the signal had no Python handler (a native one installed then is
+    the library's business)."""
+    with _python_handler(signal.SIGTERM), caplog.at_level(logging.WARNING,
+                                                          logger="vllm.dsa_varlen"):
+        before = _action(signal.SIGTERM)
+        with cb.keep_stop_signals("nothing"):
+            torch.randn(8).sum()
+        assert _action(signal.SIGTERM) == before
+        with _python_handler(signal.SIGTERM) as heard:
+            with cb.keep_stop_signals("Python's own install"):
+                signal.signal(signal.SIGTERM, lambda s, f: heard.append("new"))
+            signal.raise_signal(signal.SIGTERM)
+            assert heard == ["new"]
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.dsa_varlen"):
+            with cb.keep_stop_signals("a native install over the default"):
+                _native_ignore(signal.SIGTERM)
+        assert _action(signal.SIGTERM)[0] == 1
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert caplog.records == []
+
+
+@pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")
+def test_load_once_makes_a_build_under_the_stop_signal_guard(caplog):
+    """A kernel's compile and load (``make``) that replaced SIGTERM's C-level
+    handler leaves Python's handler in place once ``load_once`` returns."""
+    def make(device, build):
+        _native_ignore(signal.SIGTERM)
+        return object()
+
+    with _python_handler(signal.SIGTERM) as heard:
+        before = _action(signal.SIGTERM)
+        with caplog.at_level(logging.WARNING, logger="vllm.dsa_varlen"):
+            cb.load_once({}, threading.Lock(), "cuda:0", ("B",), make)
+        assert _action(signal.SIGTERM) == before and len(caplog.records) == 1
+        signal.raise_signal(signal.SIGTERM)
+        assert heard == [signal.SIGTERM]

@@ -3,14 +3,21 @@ what this project's CUDA C++ kernels need to be compiled, loaded and launched
 with no host compiler and no build step (the sm_90 logits kernel,
 :mod:`.cuda_paged_mqa_logits`, and its planner, :mod:`.cuda_plan`).  Knows no
 kernel.  ``DSA_VARLEN_NVRTC`` names another NVRTC library.
+
+Compiles and loads leave the process's stop signals as they found them
+(:func:`keep_stop_signals`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib
+import logging
 import os
+import signal
+import sys
 import threading
 
 import torch
@@ -21,6 +28,9 @@ from vllm_dsa_varlen.settings import NVRTC_ENV
 
 ARCH = "sm_90a"
 INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+logger = logging.getLogger("vllm.dsa_varlen")
 
 
 def _import(name: str):
@@ -130,8 +140,8 @@ def current_device() -> int:
 def load_once(cache: dict, lock, device, build, make):
     """``cache[(index, build)]`` for ``device``'s index, made on first use by
     ``make(torch.device("cuda", index), build)`` under ``lock`` (checked
-    again there): a kernel's build compiled and loaded once per process and
-    device, whichever thread asks first."""
+    again there) and :func:`keep_stop_signals`: a kernel's build compiled
+    and loaded once per process and device, whichever thread asks first."""
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, build)
@@ -140,8 +150,57 @@ def load_once(cache: dict, lock, device, build, make):
         with lock:
             got = cache.get(key)
             if got is None:
-                got = cache[key] = make(torch.device("cuda", index), build)
+                with keep_stop_signals("loading a kernel (NVRTC, the CUDA driver)"):
+                    got = cache[key] = make(torch.device("cuda", index), build)
     return got
+
+
+class SigAction(ctypes.Structure):
+    """``struct sigaction`` of glibc and musl on Linux: the handler, the mask
+    (1024 bits), the flags, the restorer."""
+    _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16),
+                ("flags", ctypes.c_int), ("restorer", ctypes.c_void_p)]
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def signal_action(signum: int) -> SigAction | None:
+    """The process's C-level action for ``signum`` as the kernel delivers it
+    (``None`` off Linux).  Python's ``signal.getsignal`` reports only its own
+    table: a native library that calls ``sigaction`` itself replaces the C
+    handler behind it, and the Python handler then never runs."""
+    libc = _libc()
+    got = SigAction()
+    if libc is None or libc.sigaction(signum, None, ctypes.byref(got)) != 0:
+        return None
+    return got
+
+
+@contextlib.contextmanager
+def keep_stop_signals(what: str):
+    """Native work (``what``) that must not take the stop signals from
+    Python: vLLM 0.34's engine core installs its SIGTERM handler before it
+    builds the engine, so before this project compiles and loads its
+    kernels, and stops only through that handler.  Where the block replaced
+    the C-level action of a signal that Python handles, while Python's table
+    stayed the same, the action is set back and a warning says so."""
+    saved = {s: (signal.getsignal(s), signal_action(s)) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, (python, before) in saved.items():
+            if before is None or not callable(python) or signal.getsignal(signum) is not python:
+                continue  # not Python's handler, or Python itself changed it
+            now = signal_action(signum)
+            if now is None or (now.handler, now.flags) == (before.handler, before.flags):
+                continue
+            _libc().sigaction(signum, ctypes.byref(before), None)
+            logger.warning("vllm-dsa-varlen: %s replaced the process's %s handler; set back "
+                           "(vLLM stops its engine core through it)", what,
+                           signal.Signals(signum).name)
 
 
 class ParamBlock:
