@@ -77,18 +77,17 @@ def _action(signum):
 
 @pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=str)
-def test_a_native_replacement_of_a_python_stop_handler_is_set_back(signum, caplog):
+def test_a_native_replacement_of_a_python_stop_handler_is_set_back(signum, plugin_log):
     """A block that replaces the C-level action of a Python-handled stop
     signal behind Python's back leaves it restored, with a warning naming the
     signal and the work; the Python handler then hears the signal."""
     with _python_handler(signum) as heard:
         before = _action(signum)
-        with caplog.at_level(logging.WARNING, logger="vllm.dsa_varlen"):
-            with cb.keep_stop_signals("a test's native call"):
-                _native_ignore(signum)
-                assert _action(signum)[0] == 1  # SIG_IGN now, behind Python
+        with cb.keep_stop_signals("a test's native call"):
+            _native_ignore(signum)
+            assert _action(signum)[0] == 1  # SIG_IGN now, behind Python
         assert _action(signum) == before
-        warned = [r.getMessage() for r in caplog.records]
+        warned = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
         assert len(warned) == 1 and signal.Signals(signum).name in warned[0]
         assert "a test's native call" in warned[0]
         signal.raise_signal(signum)
@@ -96,13 +95,12 @@ def test_a_native_replacement_of_a_python_stop_handler_is_set_back(signum, caplo
 
 
 @pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")
-def test_what_the_stop_signal_guard_leaves_alone(caplog):
+def test_what_the_stop_signal_guard_leaves_alone(plugin_log):
     """No warning and nothing set where the block left the action alone,
     where Python itself installed another handler (that handler stays), and
     where the signal had no Python handler (a native one installed then is
     the library's business)."""
-    with _python_handler(signal.SIGTERM), caplog.at_level(logging.WARNING,
-                                                          logger="vllm.dsa_varlen"):
+    with _python_handler(signal.SIGTERM):
         before = _action(signal.SIGTERM)
         with cb.keep_stop_signals("nothing"):
             torch.randn(8).sum()
@@ -114,17 +112,16 @@ def test_what_the_stop_signal_guard_leaves_alone(caplog):
             assert heard == ["new"]
     old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        with caplog.at_level(logging.WARNING, logger="vllm.dsa_varlen"):
-            with cb.keep_stop_signals("a native install over the default"):
-                _native_ignore(signal.SIGTERM)
+        with cb.keep_stop_signals("a native install over the default"):
+            _native_ignore(signal.SIGTERM)
         assert _action(signal.SIGTERM)[0] == 1
     finally:
         signal.signal(signal.SIGTERM, old)
-    assert caplog.records == []
+    assert [r for r in plugin_log if r.levelno >= logging.WARNING] == []
 
 
 @pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")
-def test_load_once_makes_a_build_under_the_stop_signal_guard(caplog):
+def test_load_once_makes_a_build_under_the_stop_signal_guard(plugin_log):
     """A kernel's compile and load (``make``) that replaced SIGTERM's C-level
     handler leaves Python's handler in place once ``load_once`` returns."""
     def make(device, build):
@@ -133,8 +130,8 @@ def test_load_once_makes_a_build_under_the_stop_signal_guard(caplog):
 
     with _python_handler(signal.SIGTERM) as heard:
         before = _action(signal.SIGTERM)
-        with caplog.at_level(logging.WARNING, logger="vllm.dsa_varlen"):
-            cb.load_once({}, threading.Lock(), "cuda:0", ("B",), make)
-        assert _action(signal.SIGTERM) == before and len(caplog.records) == 1
+        cb.load_once({}, threading.Lock(), "cuda:0", ("B",), make)
+        warned = [r for r in plugin_log if r.levelno == logging.WARNING]
+        assert _action(signal.SIGTERM) == before and len(warned) == 1
         signal.raise_signal(signal.SIGTERM)
         assert heard == [signal.SIGTERM]
