@@ -3,9 +3,12 @@
 import contextlib
 import ctypes
 import logging
+import os
 import signal
+import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -77,10 +80,13 @@ def _action(signum):
 
 @pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=str)
-def test_a_native_replacement_of_a_python_stop_handler_is_set_back(signum, plugin_log):
+def test_a_native_replacement_of_a_python_stop_handler_is_set_back(signum, plugin_log,
+                                                                  monkeypatch):
     """A block that replaces the C-level action of a Python-handled stop
     signal behind Python's back leaves it restored, with a warning naming the
-    signal and the work; the Python handler then hears the signal."""
+    signal and the work (once: the same again logs at debug); the Python
+    handler then hears the signal."""
+    monkeypatch.setattr(cb, "_told", set())
     with _python_handler(signum) as heard:
         before = _action(signum)
         with cb.keep_stop_signals("a test's native call"):
@@ -90,6 +96,10 @@ def test_a_native_replacement_of_a_python_stop_handler_is_set_back(signum, plugi
         warned = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
         assert len(warned) == 1 and signal.Signals(signum).name in warned[0]
         assert "a test's native call" in warned[0]
+        with cb.keep_stop_signals("a test's native call"):
+            _native_ignore(signum)
+        assert _action(signum) == before
+        assert [r.levelno for r in plugin_log] == [logging.WARNING, logging.DEBUG]
         signal.raise_signal(signum)
         assert heard == [signum]
 
@@ -121,9 +131,11 @@ def test_what_the_stop_signal_guard_leaves_alone(plugin_log):
 
 
 @pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")
-def test_load_once_makes_a_build_under_the_stop_signal_guard(plugin_log):
+def test_load_once_makes_a_build_under_the_stop_signal_guard(plugin_log, monkeypatch):
     """A kernel's compile and load (``make``) that replaced SIGTERM's C-level
     handler leaves Python's handler in place once ``load_once`` returns."""
+    monkeypatch.setattr(cb, "_told", set())
+
     def make(device, build):
         _native_ignore(signal.SIGTERM)
         return object()
@@ -135,3 +147,44 @@ def test_load_once_makes_a_build_under_the_stop_signal_guard(plugin_log):
         assert _action(signal.SIGTERM) == before and len(warned) == 1
         signal.raise_signal(signal.SIGTERM)
         assert heard == [signal.SIGTERM]
+
+
+_WAITER = """
+import ctypes, queue, signal, sys, time
+sys.path.insert(0, {root!r})
+from vllm_dsa_varlen.ops import cuda_binding as cb
+signal.signal(signal.SIGTERM, lambda s, f: sys.exit(7))  # as vLLM's engine core: before the work
+libc = ctypes.CDLL(None)
+libc.signal.restype = ctypes.c_void_p
+libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+guard = cb.keep_stop_signals("the work") if {guarded} else __import__("contextlib").nullcontext()
+with guard:  # glibc's signal(): the same handler back, with SA_RESTART (BSD semantics)
+    libc.signal(signal.SIGTERM, libc.signal(signal.SIGTERM, 1))
+print("waiting", flush=True)
+queue.Queue().get()  # idle, as the engine core's busy loop waits for input
+"""
+
+
+@pytest.mark.skipif(not LINUX, reason="glibc's signal() and sigaction")
+@pytest.mark.parametrize("guarded", [False, True], ids=["bare", "guarded"])
+def test_a_handler_set_back_with_sa_restart_leaves_an_idle_main_thread_deaf(guarded):
+    """Why the guard compares the flags too: the same Python handler set
+    back by glibc's ``signal()`` (as NVRTC 13.0's compile does) carries
+    ``SA_RESTART``, so the main thread's lock wait restarts after the C
+    handler and never returns to run the Python one: SIGTERM goes unheard.
+    Under the guard the process exits through its handler at once."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.Popen([sys.executable, "-c", _WAITER.format(root=root, guarded=guarded)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)  # into the wait
+        child.send_signal(signal.SIGTERM)
+        try:
+            code = child.wait(timeout=5 if guarded else 2)
+        except subprocess.TimeoutExpired:
+            code = None
+    finally:
+        child.kill()
+        child.wait()
+    assert code == (7 if guarded else None)

@@ -5,7 +5,10 @@ with no host compiler and no build step (the sm_90 logits kernel,
 kernel.  ``DSA_VARLEN_NVRTC`` names another NVRTC library.
 
 Compiles and loads leave the process's stop signals as they found them
-(:func:`keep_stop_signals`).
+(:func:`keep_stop_signals`): NVRTC 13.0's compile re-installs SIGTERM's
+handler with ``SA_RESTART`` (and without ``SA_ONSTACK``), and under
+``SA_RESTART`` a thread asleep in a lock wait never returns to Python to run
+its handler.
 """
 
 from __future__ import annotations
@@ -179,14 +182,18 @@ def signal_action(signum: int) -> SigAction | None:
     return got
 
 
+_told: set = set()  # (what, signal) pairs already warned about in this process
+
+
 @contextlib.contextmanager
 def keep_stop_signals(what: str):
     """Native work (``what``) that must not take the stop signals from
     Python: vLLM 0.34's engine core installs its SIGTERM handler before it
     builds the engine, so before this project compiles and loads its
-    kernels, and stops only through that handler.  Where the block replaced
-    the C-level action of a signal that Python handles, while Python's table
-    stayed the same, the action is set back and a warning says so."""
+    kernels, and stops only through that handler.  Where the block changed
+    the C-level action (handler or flags) of a signal that Python handles,
+    while Python's table stayed the same, the action is set back, with a
+    warning the first time for each ``what`` and signal."""
     saved = {s: (signal.getsignal(s), signal_action(s)) for s in STOP_SIGNALS}
     try:
         yield
@@ -198,9 +205,12 @@ def keep_stop_signals(what: str):
             if now is None or (now.handler, now.flags) == (before.handler, before.flags):
                 continue
             _libc().sigaction(signum, ctypes.byref(before), None)
-            logger.warning("vllm-dsa-varlen: %s replaced the process's %s handler; set back "
-                           "(vLLM stops its engine core through it)", what,
-                           signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            log = logger.debug if (what, name) in _told else logger.warning
+            _told.add((what, name))
+            log("vllm-dsa-varlen: %s changed the process's %s action (handler %#x, flags %#x; "
+                "was %#x, %#x); set back, as vLLM stops its engine core through it", what, name,
+                now.handler or 0, now.flags, before.handler or 0, before.flags)
 
 
 class ParamBlock:
@@ -271,7 +281,11 @@ def compile_source(path: str, arch: str = ARCH, extra: tuple = (),
     needed); returns (cubin, log), or with ``ptx`` (PTX text, log) for arch's
     virtual architecture.  Raises ``RuntimeError`` with NVRTC's log on a
     compile error."""
-    nv = nvrtc()
+    with keep_stop_signals("NVRTC's compile"):
+        return _compile(nvrtc(), path, arch, extra, ptx)
+
+
+def _compile(nv, path: str, arch: str, extra: tuple, ptx: bool) -> tuple[bytes, str]:
     prog = ok(nv.nvrtcCreateProgram(_read(path).encode(),
                                         os.path.basename(path).encode(), 0, [], []),
                "nvrtcCreateProgram")
