@@ -83,8 +83,8 @@ def _action(signum):
 def test_a_native_replacement_of_a_python_stop_handler_is_set_back(signum, plugin_log,
                                                                   monkeypatch):
     """A block that replaces the C-level action of a Python-handled stop
-    signal behind Python's back leaves it restored, with a warning naming the
-    signal and the work (once: the same again logs at debug); the Python
+    signal behind Python's back leaves it restored, logged naming the
+    signal and the work (at info once; the same again at debug); the Python
     handler then hears the signal."""
     monkeypatch.setattr(cb, "_told", set())
     with _python_handler(signum) as heard:
@@ -93,20 +93,20 @@ def test_a_native_replacement_of_a_python_stop_handler_is_set_back(signum, plugi
             _native_ignore(signum)
             assert _action(signum)[0] == 1  # SIG_IGN now, behind Python
         assert _action(signum) == before
-        warned = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
+        warned = [r.getMessage() for r in plugin_log if r.levelno == logging.INFO]
         assert len(warned) == 1 and signal.Signals(signum).name in warned[0]
         assert "a test's native call" in warned[0]
         with cb.keep_stop_signals("a test's native call"):
             _native_ignore(signum)
         assert _action(signum) == before
-        assert [r.levelno for r in plugin_log] == [logging.WARNING, logging.DEBUG]
+        assert [r.levelno for r in plugin_log] == [logging.INFO, logging.DEBUG]
         signal.raise_signal(signum)
         assert heard == [signum]
 
 
 @pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")
 def test_what_the_stop_signal_guard_leaves_alone(plugin_log):
-    """No warning and nothing set where the block left the action alone,
+    """Nothing logged and nothing set where the block left the action alone,
     where Python itself installed another handler (that handler stays), and
     where the signal had no Python handler (a native one installed then is
     the library's business)."""
@@ -127,7 +127,7 @@ def test_what_the_stop_signal_guard_leaves_alone(plugin_log):
         assert _action(signal.SIGTERM)[0] == 1
     finally:
         signal.signal(signal.SIGTERM, old)
-    assert [r for r in plugin_log if r.levelno >= logging.WARNING] == []
+    assert [r for r in plugin_log if r.levelno >= logging.DEBUG] == []
 
 
 @pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")
@@ -143,7 +143,7 @@ def test_load_once_makes_a_build_under_the_stop_signal_guard(plugin_log, monkeyp
     with _python_handler(signal.SIGTERM) as heard:
         before = _action(signal.SIGTERM)
         cb.load_once({}, threading.Lock(), "cuda:0", ("B",), make)
-        warned = [r for r in plugin_log if r.levelno == logging.WARNING]
+        warned = [r for r in plugin_log if r.levelno == logging.INFO]
         assert _action(signal.SIGTERM) == before and len(warned) == 1
         signal.raise_signal(signal.SIGTERM)
         assert heard == [signal.SIGTERM]

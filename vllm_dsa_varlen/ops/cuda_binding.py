@@ -182,7 +182,7 @@ def signal_action(signum: int) -> SigAction | None:
     return got
 
 
-_told: set = set()  # (what, signal) pairs already warned about in this process
+_told: set = set()  # (what, signal) pairs already logged at info in this process
 
 
 @contextlib.contextmanager
@@ -192,8 +192,8 @@ def keep_stop_signals(what: str):
     builds the engine, so before this project compiles and loads its
     kernels, and stops only through that handler.  Where the block changed
     the C-level action (handler or flags) of a signal that Python handles,
-    while Python's table stayed the same, the action is set back, with a
-    warning the first time for each ``what`` and signal."""
+    while Python's table stayed the same, the action is set back, logged
+    (info) the first time for each ``what`` and signal, then at debug."""
     saved = {s: (signal.getsignal(s), signal_action(s)) for s in STOP_SIGNALS}
     try:
         yield
@@ -206,7 +206,7 @@ def keep_stop_signals(what: str):
                 continue
             _libc().sigaction(signum, ctypes.byref(before), None)
             name = signal.Signals(signum).name
-            log = logger.debug if (what, name) in _told else logger.warning
+            log = logger.debug if (what, name) in _told else logger.info
             _told.add((what, name))
             log("vllm-dsa-varlen: %s changed the process's %s action (handler %#x, flags %#x; "
                 "was %#x, %#x); set back, as vLLM stops its engine core through it", what, name,
