@@ -113,6 +113,18 @@ def c_signal_action(signum: int) -> tuple | None:
     return None if got is None else (got.handler, got.flags)
 
 
+def native_signal(signum: int, handler: int) -> int | None:
+    """glibc's own ``signal(signum, handler)`` (an address; 1: SIG_IGN), as a
+    native library calls it, behind Python's table (BSD semantics: the action
+    gets ``SA_RESTART``); the previous handler's address."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    return libc.signal(signum, handler)
+
+
 @pytest.fixture
 def sigterm_kept():
     """A context manager for work a served engine core does in its main

@@ -2,7 +2,6 @@
 kernel in the interpreter must take the ``device`` fixture or carry the
 ``interpreter`` mark, so the whole suite also runs where a GPU is."""
 
-import ctypes
 import signal
 import sys
 from types import SimpleNamespace
@@ -70,12 +69,9 @@ def test_the_sigterm_guard_catches_each_way_a_core_could_miss_its_stop():
     ``signal.getsignal`` does not see); the handler is set back each time."""
     guard = conftest.sigterm_kept.__wrapped__()
     before = signal.getsignal(signal.SIGTERM)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.signal.restype = ctypes.c_void_p
-    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
 
     def native_ignore():
-        assert libc.signal(signal.SIGTERM, 1) is not None  # SIG_IGN, through libc
+        assert conftest.native_signal(signal.SIGTERM, 1) is not None  # SIG_IGN, through libc
 
     with guard():
         x = torch.randn(64)

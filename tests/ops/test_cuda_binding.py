@@ -1,7 +1,6 @@
 """vllm_dsa_varlen/ops/cuda_binding.py: what runs without a GPU."""
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -12,6 +11,7 @@ import time
 
 import pytest
 import torch
+from conftest import c_signal_action, native_signal
 
 from vllm_dsa_varlen.ops import cuda_binding as cb
 
@@ -56,10 +56,7 @@ LINUX = sys.platform.startswith("linux")
 def _native_ignore(signum):
     """SIG_IGN through libc, as a native library's own ``signal`` call would:
     Python's table does not see it."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.signal.restype = ctypes.c_void_p
-    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
-    libc.signal(signum, 1)
+    native_signal(signum, 1)
 
 
 @contextlib.contextmanager
@@ -73,11 +70,6 @@ def _python_handler(signum):
         signal.signal(signum, old)
 
 
-def _action(signum):
-    got = cb.signal_action(signum)
-    return got.handler, got.flags
-
-
 @pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=str)
 def test_a_native_replacement_of_a_python_stop_handler_is_set_back(signum, plugin_log,
@@ -88,17 +80,17 @@ def test_a_native_replacement_of_a_python_stop_handler_is_set_back(signum, plugi
     handler then hears the signal."""
     monkeypatch.setattr(cb, "_told", set())
     with _python_handler(signum) as heard:
-        before = _action(signum)
+        before = c_signal_action(signum)
         with cb.keep_stop_signals("a test's native call"):
             _native_ignore(signum)
-            assert _action(signum)[0] == 1  # SIG_IGN now, behind Python
-        assert _action(signum) == before
+            assert c_signal_action(signum)[0] == 1  # SIG_IGN now, behind Python
+        assert c_signal_action(signum) == before
         warned = [r.getMessage() for r in plugin_log if r.levelno == logging.INFO]
         assert len(warned) == 1 and signal.Signals(signum).name in warned[0]
         assert "a test's native call" in warned[0]
         with cb.keep_stop_signals("a test's native call"):
             _native_ignore(signum)
-        assert _action(signum) == before
+        assert c_signal_action(signum) == before
         assert [r.levelno for r in plugin_log] == [logging.INFO, logging.DEBUG]
         signal.raise_signal(signum)
         assert heard == [signum]
@@ -111,10 +103,10 @@ def test_what_the_stop_signal_guard_leaves_alone(plugin_log):
     where the signal had no Python handler (a native one installed then is
     the library's business)."""
     with _python_handler(signal.SIGTERM):
-        before = _action(signal.SIGTERM)
+        before = c_signal_action(signal.SIGTERM)
         with cb.keep_stop_signals("nothing"):
             torch.randn(8).sum()
-        assert _action(signal.SIGTERM) == before
+        assert c_signal_action(signal.SIGTERM) == before
         with _python_handler(signal.SIGTERM) as heard:
             with cb.keep_stop_signals("Python's own install"):
                 signal.signal(signal.SIGTERM, lambda s, f: heard.append("new"))
@@ -124,27 +116,32 @@ def test_what_the_stop_signal_guard_leaves_alone(plugin_log):
     try:
         with cb.keep_stop_signals("a native install over the default"):
             _native_ignore(signal.SIGTERM)
-        assert _action(signal.SIGTERM)[0] == 1
+        assert c_signal_action(signal.SIGTERM)[0] == 1
     finally:
         signal.signal(signal.SIGTERM, old)
     assert [r for r in plugin_log if r.levelno >= logging.DEBUG] == []
 
 
 @pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")
-def test_load_once_makes_a_build_under_the_stop_signal_guard(plugin_log, monkeypatch):
-    """A kernel's compile and load (``make``) that replaced SIGTERM's C-level
-    handler leaves Python's handler in place once ``load_once`` returns."""
+def test_an_nvrtc_compile_that_sets_the_handler_back_with_sa_restart_is_undone(plugin_log,
+                                                                            monkeypatch):
+    """A kernel's compile whose NVRTC call sets SIGTERM's handler back through
+    glibc's ``signal()`` (the same handler, ``SA_RESTART``: NVRTC 13.0) leaves
+    the action as it was once ``compile_source`` returns, said once."""
     monkeypatch.setattr(cb, "_told", set())
+    monkeypatch.setattr(cb, "nvrtc", lambda: None)
 
-    def make(device, build):
-        _native_ignore(signal.SIGTERM)
-        return object()
+    def compile_(nv, path, arch, extra, ptx):
+        native_signal(signal.SIGTERM, native_signal(signal.SIGTERM, 1))
+        assert c_signal_action(signal.SIGTERM) != before  # the flags now differ
+        return b"cubin", ""
 
+    monkeypatch.setattr(cb, "_compile", compile_)
     with _python_handler(signal.SIGTERM) as heard:
-        before = _action(signal.SIGTERM)
-        cb.load_once({}, threading.Lock(), "cuda:0", ("B",), make)
+        before = c_signal_action(signal.SIGTERM)
+        assert cb.compile_source("kernel.cu") == (b"cubin", "")
         warned = [r for r in plugin_log if r.levelno == logging.INFO]
-        assert _action(signal.SIGTERM) == before and len(warned) == 1
+        assert c_signal_action(signal.SIGTERM) == before and len(warned) == 1
         signal.raise_signal(signal.SIGTERM)
         assert heard == [signal.SIGTERM]
 

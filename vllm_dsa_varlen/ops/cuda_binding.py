@@ -4,9 +4,9 @@ with no host compiler and no build step (the sm_90 logits kernel,
 :mod:`.cuda_paged_mqa_logits`, and its planner, :mod:`.cuda_plan`).  Knows no
 kernel.  ``DSA_VARLEN_NVRTC`` names another NVRTC library.
 
-Compiles and loads leave the process's stop signals as they found them
-(:func:`keep_stop_signals`): NVRTC 13.0's compile re-installs SIGTERM's
-handler with ``SA_RESTART`` (and without ``SA_ONSTACK``), and under
+NVRTC compiles and driver loads leave the process's stop signals as they
+found them (:func:`keep_stop_signals`): NVRTC 13.0's compile re-installs
+SIGTERM's handler with ``SA_RESTART`` (and without ``SA_ONSTACK``), and under
 ``SA_RESTART`` a thread asleep in a lock wait never returns to Python to run
 its handler.
 """
@@ -105,7 +105,7 @@ def load_function(drv, device: torch.device, cubin: bytes, name: bytes, smem: in
     """Load ``cubin`` (through ``drv``, :func:`driver`) in ``device``'s primary context and allow its kernel
     ``name`` ``smem`` bytes of dynamic shared memory: ``(function, context,
     module)`` driver handles (the module is kept alive with the function)."""
-    with torch.cuda.device(device):
+    with keep_stop_signals("the CUDA driver's module load"), torch.cuda.device(device):
         torch.cuda.init()
         torch.empty(1, device=device)  # the primary context is current
         ctx = ok(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
@@ -143,8 +143,8 @@ def current_device() -> int:
 def load_once(cache: dict, lock, device, build, make):
     """``cache[(index, build)]`` for ``device``'s index, made on first use by
     ``make(torch.device("cuda", index), build)`` under ``lock`` (checked
-    again there) and :func:`keep_stop_signals`: a kernel's build compiled
-    and loaded once per process and device, whichever thread asks first."""
+    again there): a kernel's build compiled and loaded once per process and
+    device, whichever thread asks first."""
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, build)
@@ -153,8 +153,7 @@ def load_once(cache: dict, lock, device, build, make):
         with lock:
             got = cache.get(key)
             if got is None:
-                with keep_stop_signals("loading a kernel (NVRTC, the CUDA driver)"):
-                    got = cache[key] = make(torch.device("cuda", index), build)
+                got = cache[key] = make(torch.device("cuda", index), build)
     return got
 
 
