@@ -12,7 +12,10 @@ import contextlib
 import functools
 import os
 import pathlib
+import queue
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -125,31 +128,77 @@ def native_signal(signum: int, handler: int) -> int | None:
     return libc.signal(signum, handler)
 
 
+class _StopHeard(Exception):
+    """Raised in the main thread by :func:`sigterm_kept`'s handler when armed."""
+
+
 @pytest.fixture
 def sigterm_kept():
     """A context manager for work a served engine core does in its main
     thread: vLLM stops that core by SIGTERM through a Python handler (vLLM
     0.34 installs it before the engine is built, so before the plugin's
     kernels compile and load), so the block may neither leave SIGTERM blocked
-    there nor replace the handler, in Python's table (a sentinel while the
-    block runs) or at the C level (:func:`c_signal_action`).  Mask and
-    handler are set back either way."""
+    there nor replace the handler in Python's table (a sentinel while the
+    block runs), nor leave an action under which that handler no longer runs
+    when the core sleeps in its input queue's lock wait.  It yields
+    ``heard()``: SIGTERM sent to the main thread while it waits so runs the
+    handler at once (a C-level action with ``SA_RESTART`` restarts the wait
+    instead, and the stop goes unheard).  ``exact=True`` also asks for the
+    C-level action (:func:`c_signal_action`) as it was.  Mask and handler are
+    set back either way."""
 
     @contextlib.contextmanager
-    def guard():
+    def guard(exact: bool = True):
+        armed = []
+
         def sentinel(signum, frame):
-            pass
+            if armed:
+                armed.clear()
+                raise _StopHeard
+
+        def heard(wait: float = 3.0) -> bool:
+            # An untimed wait, as the idle core's queue.get(): the kernel restarts
+            # that one under SA_RESTART (a timed one returns EINTR either way).
+            inbox, done, main = queue.Queue(), threading.Event(), threading.get_ident()
+
+            def send():
+                time.sleep(0.2)  # the main thread is in the wait by then
+                signal.pthread_kill(main, signal.SIGTERM)
+                if not done.wait(wait):
+                    inbox.put(None)  # wakes a wait that did not hear it
+
+            sender = threading.Thread(target=send)
+            took = None
+            armed.append(True)
+            start = time.monotonic()
+            sender.start()
+            try:
+                try:
+                    inbox.get()
+                except _StopHeard:
+                    took = time.monotonic() - start
+                else:
+                    time.sleep(0.05)  # the held-back handler runs now
+            except _StopHeard:
+                pass
+            finally:
+                done.set()
+                sender.join()
+                armed.clear()
+            return took is not None and took < wait
 
         old = signal.signal(signal.SIGTERM, sentinel)
         c_action = c_signal_action(signal.SIGTERM)
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
         try:
             assert signal.SIGTERM not in mask
-            yield
+            yield heard
             assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask, "the signal mask changed"
             assert signal.getsignal(signal.SIGTERM) is sentinel, "SIGTERM's handler was replaced"
-            assert c_signal_action(signal.SIGTERM) == c_action, \
-                "SIGTERM's C-level handler was replaced (Python's handler would not run)"
+            if exact:
+                assert c_signal_action(signal.SIGTERM) == c_action, \
+                    "SIGTERM's C-level handler was replaced (Python's handler would not run)"
+            assert heard(), "SIGTERM sent to the main thread asleep in a lock wait went unheard"
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             signal.signal(signal.SIGTERM, old)  # sets the C-level handler back too

@@ -64,23 +64,33 @@ def test_the_no_host_sync_guard_sets_the_mode_and_sets_it_back_on_error(monkeypa
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads glibc's sigaction")
 def test_the_sigterm_guard_catches_each_way_a_core_could_miss_its_stop():
     """``sigterm_kept`` passes a block that leaves SIGTERM alone and fails one
-    that blocks it, one that replaces Python's handler, and one that replaces
-    the C-level handler behind Python's back (a native ``signal`` call, which
-    ``signal.getsignal`` does not see); the handler is set back each time."""
+    that blocks it, one that replaces Python's handler, one that replaces the
+    C-level handler behind Python's back (a native ``signal`` call, which
+    ``signal.getsignal`` does not see) and, without ``exact``, one that sets
+    the same handler back with ``SA_RESTART`` (glibc's ``signal()``), under
+    which a main thread asleep in a lock wait no longer hears the signal;
+    the handler is set back each time."""
     guard = conftest.sigterm_kept.__wrapped__()
     before = signal.getsignal(signal.SIGTERM)
 
     def native_ignore():
         assert conftest.native_signal(signal.SIGTERM, 1) is not None  # SIG_IGN, through libc
 
-    with guard():
+    def native_restart():
+        conftest.native_signal(signal.SIGTERM, conftest.native_signal(signal.SIGTERM, 1))
+
+    with guard() as heard:
         x = torch.randn(64)
         torch.testing.assert_close(x + 0, x)
+        assert heard()
+    with guard(exact=False) as heard:
+        assert heard()
     blocks = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM]),
               lambda: signal.signal(signal.SIGTERM, lambda s, f: None),
-              native_ignore)
-    for block, why in zip(blocks, ("signal mask", "handler was replaced", "C-level handler")):
-        with pytest.raises(AssertionError, match=why), guard():
+              native_ignore, native_restart)
+    whys = ("signal mask", "handler was replaced", "C-level handler", "went unheard")
+    for block, why in zip(blocks, whys):
+        with pytest.raises(AssertionError, match=why), guard(exact=why == "C-level handler"):
             block()
         assert signal.getsignal(signal.SIGTERM) is before
         assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])

@@ -5,8 +5,10 @@ spills)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -142,3 +144,41 @@ def test_nvrtc_compiles_leave_the_signal_handling_alone(sigterm_kept):
         ck.compile_cubin()
         cp.compile_cubin(heads=32)
         ct.compile_cubin()
+
+
+_COMPILE_THEN_IDLE = """
+import queue, signal, sys
+signal.signal(signal.SIGTERM, lambda s, f: sys.exit(7))  # as vLLM 0.34's core: before the work
+from vllm_dsa_varlen.ops import compile_check, cuda_binding as cb
+before = cb.signal_action(signal.SIGTERM)
+compile_check.compile_portable(90, 64)  # Triton: its LLVM compiles in this process
+print("changed" if cb.signal_action(signal.SIGTERM) != before else "same", flush=True)
+queue.Queue().get()  # idle, as the engine core's busy loop waits for input
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's sigaction")
+def test_a_triton_compile_leaves_sigterm_heard_though_it_installs_its_own_action():
+    """Why the stop-signal guard stays off Triton's compiles: Triton's LLVM
+    installs its own SIGTERM action in the process (so the C-level action
+    is not kept), but that handler sets the previous one back and raises the
+    signal again, without SA_RESTART: a core idle in its input queue still
+    exits through vLLM's handler at once."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    child = subprocess.Popen([sys.executable, "-c", _COMPILE_THEN_IDLE], stdout=subprocess.PIPE,
+                             text=True, env=env, cwd=root)
+    try:
+        said = child.stdout.readline().strip()
+        time.sleep(0.3)  # into the wait
+        child.send_signal(signal.SIGTERM)
+        try:
+            code = child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            code = None
+    finally:
+        child.kill()
+        child.wait()
+    assert said in ("changed", "same"), said
+    assert code == 7

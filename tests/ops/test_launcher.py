@@ -809,20 +809,22 @@ def test_the_serving_path_leaves_the_signal_handling_alone(sigterm_kept):
     """What the plugin's engine core runs beyond stock's, in its main thread:
     the precompile, the driver's module loads, an eager call, a graph capture
     and replay, the decode top-k, the query kernel.  None may leave SIGTERM
-    blocked there or replace vLLM's handler, in Python's table or at the C
-    level (it would not run at a server's stop); the C level is read after
-    each stage, so a failure names the stage."""
+    blocked there, replace vLLM's handler in Python's table, or leave a C-level
+    action under which that handler no longer runs while the core sleeps in
+    its input queue's wait (it would not hear a server's stop); that is tried
+    after each stage, so a failure names the stage.  The C-level action
+    itself may change: Triton's compiler (LLVM) installs its own, which hands
+    the signal on to the handler before it (stock vLLM compiles Triton
+    kernels too)."""
     _needs_cuda_kernel()
-    from conftest import c_signal_action
     from query_checks import fused_q_inputs
     from vllm_dsa_varlen.ops import triton_fused_q as fq
 
-    with sigterm_kept():
-        kept = c_signal_action(signal.SIGTERM)
+    with sigterm_kept(exact=False) as heard:
 
         def stage(name):
             torch.cuda.synchronize()
-            assert c_signal_action(signal.SIGTERM) == kept, f"{name} replaced SIGTERM's C handler"
+            assert heard(), f"after {name}, SIGTERM no longer reaches the waiting main thread"
 
         precompile(heads=64)
         stage("the precompile")
