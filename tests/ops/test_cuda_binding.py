@@ -1,6 +1,7 @@
 """vllm_dsa_varlen/ops/cuda_binding.py: what runs without a GPU."""
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -94,6 +95,19 @@ def test_a_native_replacement_of_a_python_stop_handler_is_set_back(signum, plugi
         assert [r.levelno for r in plugin_log] == [logging.INFO, logging.DEBUG]
         signal.raise_signal(signum)
         assert heard == [signum]
+
+
+@pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")
+def test_the_action_flags_read_as_the_kernels_bits():
+    """``SA_RESETHAND`` is the flags' top bit (LLVM's handlers, which Triton
+    installs, carry it): read unsigned, as the log prints it, not negative."""
+    reset_hand = 0x80000000
+    with _python_handler(signal.SIGTERM):
+        action = cb.signal_action(signal.SIGTERM)
+        action.flags |= reset_hand
+        assert cb._libc().sigaction(signal.SIGTERM, ctypes.byref(action), None) == 0
+        flags = c_signal_action(signal.SIGTERM)[1]
+        assert flags & reset_hand and flags > 0
 
 
 @pytest.mark.skipif(not LINUX, reason="reads the C-level action through libc's sigaction")

@@ -159,9 +159,10 @@ def load_once(cache: dict, lock, device, build, make):
 
 class SigAction(ctypes.Structure):
     """``struct sigaction`` of glibc and musl on Linux: the handler, the mask
-    (1024 bits), the flags, the restorer."""
+    (1024 bits), the flags (C's ``int``, read unsigned: ``SA_RESETHAND`` is
+    the top bit), the restorer."""
     _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16),
-                ("flags", ctypes.c_int), ("restorer", ctypes.c_void_p)]
+                ("flags", ctypes.c_uint), ("restorer", ctypes.c_void_p)]
 
 
 @functools.lru_cache(maxsize=None)
