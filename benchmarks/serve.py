@@ -1206,6 +1206,7 @@ class Live:
         self.mode, self.server, self.info, self.port, self.trace_dir = \
             mode, server, info, port, trace_dir
         self.per_point_s = 0.0  # the longest run so far: what the next one may take
+        self.seconds_at: dict[int, float] = {}  # prompts -> seconds of the latest such run
         self.started_at = time.time()  # when its process was launched
 
 
@@ -1271,6 +1272,7 @@ def warm_up(args, live: Live, model: str, cfg: dict, identity: dict, deadline: f
         w = run_client(args, warm, live.port, model, mode, max(1.0, deadline - time.time()))
         info["warmup"] = {k: w[k] for k in ("rc", "wall_s")}
         live.per_point_s = w["wall_s"]
+        live.seconds_at[warm["num_prompts"]] = w["wall_s"]
     # no warm-up: a minute for the identity pass (a warm-up's time, however short, is known)
     guess = live.per_point_s if args.warmup_prompts else 60.0
     if args.identity and time.time() + args.gap + guess < deadline:
@@ -1296,8 +1298,7 @@ def measure_on(args, live: Live, point: dict, model: str, deadline: float,
     in the log), the measured run; skipped where it would pass ``deadline``."""
     if point["value"] is None:
         return {"skipped": "no rate (the first mode measured no throughput)"}
-    if time.time() + (live.per_point_s + args.gap) * (2 if args.prompts == "cached" else 1) \
-            > deadline:
+    if time.time() + run_cost(args, live, point) > deadline:
         return {"skipped": "time limit"}
     if args.prompts == "cached":
         time.sleep(args.gap)
@@ -1307,12 +1308,44 @@ def measure_on(args, live: Live, point: dict, model: str, deadline: float,
     run = measure_point(args, point, live.port, model, live.mode, deadline - time.time(), vocab,
                         live.server.core_pids())
     live.per_point_s = max(live.per_point_s, run["wall_s"])
+    if point.get("num_prompts"):
+        live.seconds_at[point["num_prompts"]] = run["wall_s"]
     c, st = run.get("client") or {}, run.get("structured")
     print(f"[{live.mode}] {point['id']}: rc {run['rc']}, {run['wall_s']} s, TPOT "
           f"{c.get('mean_tpot_ms')} ms, failed {c.get('failed')}"
           + (f"; structured {st['sent']} sent, {st['failed']} failed, {st['broke_regex']} broke "
              "the regex" if st else ""), flush=True)
     return run
+
+
+def expected_s(live: Live, point: dict) -> float:
+    """Seconds a run of ``point`` may take on ``live``'s server: the latest
+    run with the most prompts up to this point's (else the fewest) scaled by
+    the prompt count, since a sweep's later points carry more prompts at a
+    similar rate a prompt (c64 twice c32's); never less than the longest run
+    so far."""
+    n = point.get("num_prompts") or 0
+    if not n or not live.seconds_at:
+        return live.per_point_s
+    below = [k for k in live.seconds_at if k <= n]
+    k = max(below) if below else min(live.seconds_at)
+    return max(live.per_point_s, live.seconds_at[k] * n / k)
+
+
+def run_cost(args, live: Live, point: dict) -> float:
+    """What measuring ``point`` on ``live`` takes: the idle spell and the run,
+    twice with cached prompts (the unmeasured run before)."""
+    return (expected_s(live, point) + args.gap) * (2 if args.prompts == "cached" else 1)
+
+
+def measure_side_by_side(args, order: list[Live], point: dict, model: str, deadline: float,
+                         vocab: int) -> dict:
+    """One round's runs of ``point``, a server after another in ``order``;
+    none where the time left does not hold every server's run (a lone run
+    has no ratio, and its minutes are the later points' loss)."""
+    if time.time() + sum(run_cost(args, live, point) for live in order) > deadline:
+        return {live.mode: {"skipped": "time limit"} for live in order}
+    return {live.mode: measure_on(args, live, point, model, deadline, vocab) for live in order}
 
 
 def finish_server(args, live: Live, points: list[dict], save) -> None:
@@ -1441,11 +1474,8 @@ def run_interleaved(args, model: str, cfg: dict, points: list[dict], result: dic
             for point in points:
                 fill_rates(points, args)
                 this = round_point(point, r, args.prompts)
-                got = {}
-                for live in order:
-                    got[live.mode] = measure_on(args, live, this, model, deadline,
-                                                model_vocab(cfg))
-                    point.setdefault("runs", {})[live.mode] = got[live.mode]
+                got = measure_side_by_side(args, order, this, model, deadline, model_vocab(cfg))
+                point.setdefault("runs", {}).update(got)
                 point.setdefault("rounds", []).append({m: got[m] for m in args.modes})
                 save()
             round_s = max(round_s, time.time() - t0)

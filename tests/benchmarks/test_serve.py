@@ -1247,3 +1247,45 @@ def test_a_start_interrupted_while_the_server_comes_up_stops_it(fake_vllm, monke
     (proc,) = procs
     assert proc.poll() is not None  # gone, not left running
     assert result["servers"]["plugin"]["stop"]["how"] in ("SIGTERM", "exited by itself")
+
+
+def _live(mode, per_point_s=0.0, seconds_at=None):
+    live = serve.Live(mode, None, {}, 0, "")
+    live.per_point_s, live.seconds_at = per_point_s, dict(seconds_at or {})
+    return live
+
+
+def test_a_points_expected_time_scales_the_nearest_smaller_run_by_its_prompts():
+    """A run's expected seconds: the latest run with the most prompts up to
+    the point's, scaled by the prompt count (c64 after c32: twice), never
+    under the longest run so far; with nothing known, that longest run."""
+    rng = random.Random()
+    small, big = rng.randint(4, 32), rng.randint(40, 100)
+    s_small, s_big = rng.uniform(1, 10), rng.uniform(11, 40)
+    live = _live("stock", per_point_s=s_big, seconds_at={small: s_small, big: s_big})
+    assert serve.expected_s(live, {"num_prompts": 2 * big}) == pytest.approx(2 * s_big)
+    assert serve.expected_s(live, {"num_prompts": big}) == pytest.approx(s_big)
+    assert serve.expected_s(live, {"num_prompts": small}) == pytest.approx(s_big)  # the floor
+    slow = _live("stock", per_point_s=1.0, seconds_at={small: 1.0})
+    assert serve.expected_s(slow, {"num_prompts": 3 * small}) == pytest.approx(3.0)
+    assert serve.expected_s(slow, {"num_prompts": small // 2}) == pytest.approx(1.0)
+    assert serve.expected_s(_live("stock", per_point_s=7.0), {"num_prompts": 64}) == 7.0
+
+
+def test_a_round_runs_a_point_on_every_server_or_on_none(monkeypatch):
+    """Side by side, a point starts only where the time left holds every
+    server's run of it (as expected from its prompts); otherwise each is
+    skipped, none half-measured; the runs go in the round's order."""
+    ran = []
+    monkeypatch.setattr(serve, "measure_on",
+                        lambda args, live, point, model, deadline, vocab:
+                        ran.append(live.mode) or {"client": {}})
+    args = serve.parse_args(["--out", "x", "--prompts", "fresh", "--gap", "1"])
+    order = [_live(m, 20.0, {64: 20.0}) for m in ("plugin", "stock")]
+    point = {"num_prompts": 128}  # 40 s a server expected, + the gap
+    now = time.time()
+    assert serve.measure_side_by_side(args, order, point, "m", now + 80, 1) == {
+        "plugin": {"skipped": "time limit"}, "stock": {"skipped": "time limit"}}
+    assert ran == []
+    got = serve.measure_side_by_side(args, order, point, "m", now + 90, 1)
+    assert ran == ["plugin", "stock"] and all("client" in r for r in got.values())
