@@ -537,23 +537,28 @@ def _top2(rec: dict, pos: int):
 def compare_identity(ref: list[dict], other: list[dict]) -> dict:
     """Request by request: identical texts, or where they part (the first
     differing token, from the logprobs' tokens or else the words) with both
-    sides' top-2 logprobs there; failed requests counted apart."""
+    sides' top-2 logprobs there and whether ``ref``'s two tie exactly (then
+    any rounding picks either); failed requests counted apart; how many
+    completed requests carry bitwise-equal top logprobs throughout."""
     if len(ref) != len(other):
         raise ValueError(f"other: {len(other)} results against {len(ref)}")
-    same, failed, diverged = 0, 0, []
+    same, failed, equal, diverged = 0, 0, 0, []
     for i, (a, b) in enumerate(zip(ref, other)):
         if "error" in a or "error" in b:
             failed += 1
             continue
+        equal += a.get("top_logprobs") == b.get("top_logprobs")
         if a["text"] == b["text"]:
             same += 1
             continue
         ta, tb = a.get("tokens") or a["text"].split(), b.get("tokens") or b["text"].split()
         pos = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
-        diverged.append({"request": i, "position": pos, "ref_top2": _top2(a, pos),
-                         "other_top2": _top2(b, pos)})
+        top = _top2(a, pos)
+        diverged.append({"request": i, "position": pos, "ref_top2": top,
+                         "other_top2": _top2(b, pos),
+                         "at_ref_tie": bool(top) and len(top) == 2 and top[0][1] == top[1][1]})
     return {"requests": len(ref), "identical": same, "failed": failed, "diverged": diverged,
-            "all_identical": same == len(ref)}
+            "logprobs_equal": equal, "all_identical": same == len(ref)}
 
 
 # ----------------------------------------------------------------------------- the server
@@ -1852,8 +1857,10 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print(render_table(result["table"]))
     for mode, cmp in (result.get("identity_vs_stock") or {}).items():
+        ties = sum(d["at_ref_tie"] for d in cmp["diverged"])
         print(f"identity {mode} vs stock: {cmp['identical']}/{cmp['requests']} identical, "
-              f"{cmp['failed']} failed, {len(cmp['diverged'])} diverged")
+              f"{cmp['failed']} failed, {len(cmp['diverged'])} diverged ({ties} at stock's exact "
+              f"tie); top logprobs bitwise equal in {cmp['logprobs_equal']}")
     for mode, info in result["servers"].items():
         h = info.get("health", {}).get("serving", {})
         print(f"[{mode}] error/traceback lines while serving: {h.get('lines')}; "

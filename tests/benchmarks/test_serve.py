@@ -487,13 +487,21 @@ def test_identity_comparison_finds_a_changed_text_and_where():
     changed[i]["tokens"][pos] = " qqq"
     changed[i]["text"] = "".join(changed[i]["tokens"])
     changed[(i + 1) % 32] = {"error": "HTTPError: 500"}
+    j = (i + 2) % 32  # a rounding step off in one logprob only: the text holds
+    k = rng.randrange(len(changed[j]["top_logprobs"]))
+    changed[j]["top_logprobs"][k] = {t: v - 2 ** -10 for t, v in changed[j]["top_logprobs"][k].items()}
     got = serve.compare_identity(ref, changed)
     assert not got["all_identical"] and got["identical"] == 30 and got["failed"] == 1
+    assert got["logprobs_equal"] == 30  # the failed and the rounded one left out
     assert got["diverged"] == [{"request": i, "position": pos,
                                 "ref_top2": sorted(ref[i]["top_logprobs"][pos].items(),
                                                    key=lambda kv: -kv[1]),
                                 "other_top2": sorted(changed[i]["top_logprobs"][pos].items(),
-                                                     key=lambda kv: -kv[1])}]
+                                                     key=lambda kv: -kv[1]),
+                                "at_ref_tie": False}]
+    tied = json.loads(json.dumps(ref))  # the reference's two best equal where the texts part
+    tied[i]["top_logprobs"][pos] = {ref[i]["tokens"][pos]: -1.5, " qqq": -1.5}
+    assert serve.compare_identity(tied, changed)["diverged"][0]["at_ref_tie"]
     with pytest.raises(ValueError, match="other"):
         serve.compare_identity(ref, ref[:3])
 
