@@ -14,6 +14,8 @@ import os
 import pathlib
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -126,6 +128,28 @@ def native_signal(signum: int, handler: int) -> int | None:
     libc.signal.restype = ctypes.c_void_p
     libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
     return libc.signal(signum, handler)
+
+
+def sigterm_to_idle_child(script: str, timeout: float, **popen) -> tuple[str, int | None]:
+    """Run ``script`` in a child (it installs its SIGTERM handler, does the
+    work, prints a line and idles in ``queue.get``, as an engine core waits
+    for input); SIGTERM once the line came and the child is in its wait.
+    Returns the line and the exit code, ``None`` where the child did not
+    exit within ``timeout`` (it is killed then)."""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             **popen)
+    try:
+        said = child.stdout.readline().strip()
+        time.sleep(0.3)  # into the wait
+        child.send_signal(signal.SIGTERM)
+        try:
+            code = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+    finally:
+        child.kill()
+        child.wait()
+    return said, code
 
 
 class _StopHeard(Exception):

@@ -5,12 +5,11 @@ spills)."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from conftest import sigterm_to_idle_child
 
 from vllm_dsa_varlen.ops import cuda_paged_mqa_logits as ck
 from vllm_dsa_varlen.ops import cuda_plan as cp
@@ -149,10 +148,9 @@ def test_nvrtc_compiles_leave_the_signal_handling_alone(sigterm_kept):
 _COMPILE_THEN_IDLE = """
 import queue, signal, sys
 signal.signal(signal.SIGTERM, lambda s, f: sys.exit(7))  # as vLLM 0.34's core: before the work
-from vllm_dsa_varlen.ops import compile_check, cuda_binding as cb
-before = cb.signal_action(signal.SIGTERM)
+from vllm_dsa_varlen.ops import compile_check
 compile_check.compile_portable(90, 64)  # Triton: its LLVM compiles in this process
-print("changed" if cb.signal_action(signal.SIGTERM) != before else "same", flush=True)
+print("waiting", flush=True)
 queue.Queue().get()  # idle, as the engine core's busy loop waits for input
 """
 
@@ -167,18 +165,6 @@ def test_a_triton_compile_leaves_sigterm_heard_though_it_installs_its_own_action
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    child = subprocess.Popen([sys.executable, "-c", _COMPILE_THEN_IDLE], stdout=subprocess.PIPE,
-                             text=True, env=env, cwd=root)
-    try:
-        said = child.stdout.readline().strip()
-        time.sleep(0.3)  # into the wait
-        child.send_signal(signal.SIGTERM)
-        try:
-            code = child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            code = None
-    finally:
-        child.kill()
-        child.wait()
-    assert said in ("changed", "same"), said
+    said, code = sigterm_to_idle_child(_COMPILE_THEN_IDLE, timeout=10, env=env, cwd=root)
+    assert said == "waiting"
     assert code == 7

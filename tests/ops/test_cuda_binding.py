@@ -5,14 +5,12 @@ import ctypes
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
-from conftest import c_signal_action, native_signal
+from conftest import c_signal_action, native_signal, sigterm_to_idle_child
 
 from vllm_dsa_varlen.ops import cuda_binding as cb
 
@@ -185,17 +183,7 @@ def test_a_handler_set_back_with_sa_restart_leaves_an_idle_main_thread_deaf(guar
     handler and never returns to run the Python one: SIGTERM goes unheard.
     Under the guard the process exits through its handler at once."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    child = subprocess.Popen([sys.executable, "-c", _WAITER.format(root=root, guarded=guarded)],
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout.readline().strip() == "waiting"
-        time.sleep(0.3)  # into the wait
-        child.send_signal(signal.SIGTERM)
-        try:
-            code = child.wait(timeout=5 if guarded else 2)
-        except subprocess.TimeoutExpired:
-            code = None
-    finally:
-        child.kill()
-        child.wait()
+    said, code = sigterm_to_idle_child(_WAITER.format(root=root, guarded=guarded),
+                                       timeout=5 if guarded else 2)
+    assert said == "waiting"
     assert code == (7 if guarded else None)
