@@ -217,7 +217,8 @@ def serve_command(args, model: str, port: int, trace_dir: str | None = None,
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
            "--load-format", args.load_format, "--seed", "0",
            "--max-model-len", str(args.max_model_len or max_model_len(args)),
-           "--max-num-seqs", str(max(args.concurrency + [args.identity_concurrency])),
+           "--max-num-seqs", str(args.max_num_seqs
+                                  or max(args.concurrency + [args.identity_concurrency])),
            "--gpu-memory-utilization", f"{memory or args.gpu_memory_utilization:.4g}",
            "--kv-cache-dtype", args.kv_cache_dtype,
            "--speculative-config", json.dumps(spec), "--disable-uvicorn-access-log",
@@ -1681,6 +1682,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--force-sparse-prefill", type=int, default=1,
                     help="1: sparse MLA's MQA path for prefills too, as the engine benchmark")
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="default: the largest concurrency (an A/A run at one point sets the "
+                    "sweep's, so that both servers are configured as the sweep's were)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="default: vLLM's for a server")
     ap.add_argument("--async-scheduling", default="default", choices=["default", "on", "off"])

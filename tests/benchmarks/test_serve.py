@@ -120,6 +120,16 @@ def test_vllm_serve_reads_the_server_command_as_meant(tmp_path, cpu_platform, as
     assert engine.profiler_config.profiler == "torch"
 
 
+def test_max_num_seqs_is_the_largest_concurrency_unless_given(tmp_path):
+    points = random.sample(range(1, 200), 3)
+    given = random.randint(1, 300)
+    for extra, want in (([], max(points)), (["--max-num-seqs", str(given)], given)):
+        cmd = serve.serve_command(_args("--concurrency", *map(str, points), "--identity", "0",
+                                        "--identity-concurrency", "1", *extra),
+                                  str(tmp_path), serve.free_port())
+        assert cmd[cmd.index("--max-num-seqs") + 1] == str(want)
+
+
 @pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")
 def test_vllm_bench_serve_reads_every_point_as_meant(tmp_path):
     from vllm.benchmarks.serve import add_cli_args
