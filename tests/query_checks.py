@@ -25,14 +25,16 @@ def rope_table(positions: int, rot_dim: int, device, dtype=torch.float32, base=1
 
 
 def fused_q_inputs(tokens, heads=64, index_heads=64, *, device, seed=0, nope=512, rope=64,
-                   index_dim=128, index_rope=64, dtype=torch.bfloat16, spread=1.0):
-    """vLLM 0.33's ``fused_q`` inputs (by name) for ``tokens`` positions."""
+                   index_dim=128, index_rope=64, dtype=torch.bfloat16, spread=1.0,
+                   max_pos=4096, cache_dtype=torch.float32, cache_scale=1.0):
+    """vLLM 0.33's and 0.34's ``fused_q`` inputs (by name) for ``tokens``
+    positions drawn below ``max_pos``; the RoPE tables in ``cache_dtype``,
+    times ``cache_scale`` (YaRN's attention factor scales them past 1)."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
 
-    max_pos = 4096
     positions = torch.randint(0, max_pos, (tokens,), generator=g).to(device)
     # q rows [T, H, nope_head + rope] as the q projection writes them; q_pe is their tail.
     q = rand(tokens, heads, 128 + rope, scale=spread)
@@ -45,9 +47,13 @@ def fused_q_inputs(tokens, heads=64, index_heads=64, *, device, seed=0, nope=512
     if tokens:
         index_q[0, 0] = 0  # an all-zero head: the 1e-4 floor of the scale
     kw = rand(tokens, index_dim + index_heads)
+
+    def table(rot_dim):
+        return (rope_table(max_pos, rot_dim, device) * cache_scale).to(cache_dtype)
+
     return dict(
-        positions=positions, q_pe=q_pe, q_pe_cos_sin_cache=rope_table(max_pos, rope, device),
-        index_q=index_q, index_q_cos_sin_cache=rope_table(max_pos, index_rope, device),
+        positions=positions, q_pe=q_pe, q_pe_cos_sin_cache=table(rope),
+        index_q=index_q, index_q_cos_sin_cache=table(index_rope),
         ql_nope=ql_nope, q_scale=torch.tensor([0.0371], device=device),
         index_weights=kw[:, index_dim:], index_weights_softmax_scale=index_dim ** -0.5,
         index_weights_head_scale=index_heads ** -0.5)

@@ -1,5 +1,5 @@
 """The indexer's query preparation (ops.triton_fused_q) against the torch
-reference and, where vLLM 0.33 is installed, against vLLM's own ``fused_q``
+reference and, where vLLM 0.33 or 0.34 is installed, against vLLM's own ``fused_q``
 kernel on the same inputs.
 
 Inputs are laid out as the attention layer hands them over: ``q_pe`` a view
@@ -25,6 +25,7 @@ RoPE'd ``q_pe`` (a bf16 output hides most of them).
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -104,6 +105,16 @@ def _cases(gpu):
 @pytest.mark.parametrize("tokens,heads,index_heads,interleave,quantize_mqa", _cases(False))
 def test_against_reference(device, tokens, heads, index_heads, interleave, quantize_mqa):
     inp = fused_q_inputs(tokens, heads, index_heads, device=device, seed=tokens * 131 + heads)
+    got = run_ours(inp, interleave=interleave, quantize_mqa=quantize_mqa)
+    ref = reference(inp, interleave=interleave, quantize_mqa=quantize_mqa)
+    assert_matches_reference(got, ref, inp, quantize_mqa, interpreter=device.type == "cpu")
+
+
+@pytest.mark.parametrize("interleave,quantize_mqa", [(False, True), (True, False)])
+def test_against_reference_with_model_tables(device, interleave, quantize_mqa):
+    """bf16 RoPE tables scaled past 1 (YaRN), positions deep into a 32K context."""
+    inp = fused_q_inputs(5, 16, 64, device=device, seed=random.randrange(1 << 30),
+                         max_pos=32768, cache_dtype=torch.bfloat16, cache_scale=1.2)
     got = run_ours(inp, interleave=interleave, quantize_mqa=quantize_mqa)
     ref = reference(inp, interleave=interleave, quantize_mqa=quantize_mqa)
     assert_matches_reference(got, ref, inp, quantize_mqa, interpreter=device.type == "cpu")
@@ -204,17 +215,18 @@ def test_bad_blocks_and_out_are_refused(device):
         fq.fused_q(**inp, quantize_mqa=False, out=tuple(out))
 
 
-# ---- against vLLM 0.33's own kernel (where vLLM 0.33 is installed) ----------------------
+# ---- against vLLM's own kernel (where vLLM 0.33 or 0.34 is installed) ------------------
 
 def _vllm_fused_q():
-    """vLLM 0.33's own ``fused_q`` (its Triton kernel).  Off CUDA vLLM hands
+    """vLLM's own ``fused_q`` (its Triton kernel; 0.34 ships 0.33's module
+    unchanged, and both lines serve the project's kernel in its place).  Off CUDA vLLM hands
     its modules a placeholder ``triton``; there its kernels module is loaded a
     second time, under another name, with the real Triton (the interpreter),
     leaving vLLM's own import untouched."""
     pytest.importorskip("vllm")
     from vllm_dsa_varlen.patches import installed_line
-    if installed_line() != "0.33":
-        pytest.skip("vLLM 0.33's fused_q is compared where vLLM 0.33 is installed")
+    if installed_line() not in ("0.33", "0.34"):
+        pytest.skip("vLLM's fused_q is compared where vLLM 0.33 or 0.34 is installed")
     import importlib.util
 
     import triton
@@ -245,9 +257,10 @@ def _vllm_run(stock, inp, interleave, quantize_mqa):
 
 
 def check_bit_equal_to_vllm(device, tokens, heads, index_heads, interleave, quantize_mqa, seed,
-                            blocks=fq.Blocks(), dtype=torch.bfloat16):
+                            blocks=fq.Blocks(), dtype=torch.bfloat16, **tables):
     stock = _vllm_fused_q()
-    inp = fused_q_inputs(tokens, heads, index_heads, device=device, seed=seed, dtype=dtype)
+    inp = fused_q_inputs(tokens, heads, index_heads, device=device, seed=seed, dtype=dtype,
+                         **tables)
     want = _vllm_run(stock, inp, interleave, quantize_mqa)
     got = run_ours(inp, interleave=interleave, quantize_mqa=quantize_mqa, blocks=blocks)
     for name, a, b in zip(("index_q_fp8", "index_weights_out", "mqa_q"), got, want):
@@ -256,7 +269,7 @@ def check_bit_equal_to_vllm(device, tokens, heads, index_heads, interleave, quan
 
 
 @pytest.mark.parametrize("interleave,quantize_mqa", [(False, False), (True, True)])
-def test_bit_equal_to_vllm_033(device, interleave, quantize_mqa):
+def test_bit_equal_to_vllm(device, interleave, quantize_mqa):
     check_bit_equal_to_vllm(device, 3, 16, 64, interleave, quantize_mqa, seed=7)
 
 
@@ -267,7 +280,7 @@ _PATHS = [(False, False), (False, True), (True, False), (True, True)]  # (interl
 @pytest.mark.parametrize("tokens", [1, 4, 256, 1027])
 @pytest.mark.parametrize("heads", [16, 64, 128])
 @pytest.mark.parametrize("interleave,quantize_mqa", _PATHS)
-def test_bit_equal_to_vllm_033_gpu(tokens, heads, interleave, quantize_mqa):
+def test_bit_equal_to_vllm_gpu(tokens, heads, interleave, quantize_mqa):
     for seed in range(3):
         check_bit_equal_to_vllm(torch.device("cuda"), tokens, heads, 64, interleave,
                                 quantize_mqa, seed=seed * 1000 + tokens)
@@ -277,12 +290,34 @@ def test_bit_equal_to_vllm_033_gpu(tokens, heads, interleave, quantize_mqa):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("blocks", SHAPES, ids=str)
 @pytest.mark.parametrize("interleave,quantize_mqa", _PATHS)
-def test_every_shape_bit_equal_to_vllm_033_gpu(interleave, quantize_mqa, blocks, dtype):
+def test_every_shape_bit_equal_to_vllm_gpu(interleave, quantize_mqa, blocks, dtype):
     """At 1027 tokens of 64 heads, each shape with bf16 and float32 inputs
     (float32: every bit of the RoPE'd ``q_pe`` shows)."""
     for seed in range(3):
         check_bit_equal_to_vllm(torch.device("cuda"), 1027, 64, 64, interleave, quantize_mqa,
                                 seed=seed * 1000 + 1027, blocks=blocks, dtype=dtype)
+
+
+# A served prefill: chunks of thousands of tokens at positions deep into a long context,
+# with the model's own tables (bf16 or float32, YaRN-scaled past 1).
+_TABLES = [dict(max_pos=32768, cache_dtype=torch.float32, cache_scale=1.0),
+           dict(max_pos=32768, cache_dtype=torch.bfloat16, cache_scale=1.2)]
+
+
+@pytest.mark.parametrize("tables", _TABLES, ids=["fp32", "bf16-scaled"])
+def test_deep_positions_and_model_tables_bit_equal_to_vllm(device, tables):
+    for interleave, quantize_mqa in _PATHS:
+        check_bit_equal_to_vllm(device, 3, 16, 64, interleave, quantize_mqa,
+                                seed=random.randrange(1 << 30), **tables)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [4096, 8192])
+@pytest.mark.parametrize("tables", _TABLES, ids=["fp32", "bf16-scaled"])
+@pytest.mark.parametrize("interleave,quantize_mqa", _PATHS)
+def test_prefill_chunks_bit_equal_to_vllm_gpu(tokens, tables, interleave, quantize_mqa):
+    check_bit_equal_to_vllm(torch.device("cuda"), tokens, 16, 64, interleave, quantize_mqa,
+                            seed=random.randrange(1 << 30), **tables)
 
 
 def test_reference_rope_is_a_rotation():
