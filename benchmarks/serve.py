@@ -535,20 +535,42 @@ def _top2(rec: dict, pos: int):
     return None
 
 
+def logprob_gap(a: dict, b: dict) -> dict | None:
+    """Where two completions' top logprobs first differ (a token whose
+    entries differ in value or in which tokens they name) and the largest
+    difference of a value both name; ``None`` when equal throughout."""
+    ta, tb = a.get("top_logprobs") or [], b.get("top_logprobs") or []
+    first, most = None, 0.0
+    for j in range(max(len(ta), len(tb))):
+        x = ta[j] if j < len(ta) else None
+        y = tb[j] if j < len(tb) else None
+        if x == y:
+            continue
+        first = j if first is None else first
+        for k in set(x or {}) & set(y or {}):
+            most = max(most, abs(x[k] - y[k]))
+    return None if first is None else {"token": first, "most": most}
+
+
 def compare_identity(ref: list[dict], other: list[dict]) -> dict:
     """Request by request: identical texts, or where they part (the first
     differing token, from the logprobs' tokens or else the words) with both
     sides' top-2 logprobs there and whether ``ref``'s two tie exactly (then
     any rounding picks either); failed requests counted apart; how many
-    completed requests carry bitwise-equal top logprobs throughout."""
+    completed requests carry bitwise-equal top logprobs throughout, and for
+    each other one where its logprobs part and by how much at most
+    (:func:`logprob_gap`: which prompts, by length, move it)."""
     if len(ref) != len(other):
         raise ValueError(f"other: {len(other)} results against {len(ref)}")
-    same, failed, equal, diverged = 0, 0, 0, []
+    same, failed, equal, diverged, apart = 0, 0, 0, [], []
     for i, (a, b) in enumerate(zip(ref, other)):
         if "error" in a or "error" in b:
             failed += 1
             continue
-        equal += a.get("top_logprobs") == b.get("top_logprobs")
+        gap = logprob_gap(a, b)
+        equal += gap is None
+        if gap is not None:
+            apart.append({"request": i, **gap})
         if a["text"] == b["text"]:
             same += 1
             continue
@@ -559,7 +581,7 @@ def compare_identity(ref: list[dict], other: list[dict]) -> dict:
                          "other_top2": _top2(b, pos),
                          "at_ref_tie": bool(top) and len(top) == 2 and top[0][1] == top[1][1]})
     return {"requests": len(ref), "identical": same, "failed": failed, "diverged": diverged,
-            "logprobs_equal": equal, "all_identical": same == len(ref)}
+            "logprobs_equal": equal, "logprobs_apart": apart, "all_identical": same == len(ref)}
 
 
 # ----------------------------------------------------------------------------- the server
@@ -1865,6 +1887,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"identity {mode} vs stock: {cmp['identical']}/{cmp['requests']} identical, "
               f"{cmp['failed']} failed, {len(cmp['diverged'])} diverged ({ties} at stock's exact "
               f"tie); top logprobs bitwise equal in {cmp['logprobs_equal']}")
+        for gap in cmp.get("logprobs_apart", []):
+            print(f"  request {gap['request']}: logprobs apart from token {gap['token']}, "
+                  f"by {gap['most']:.3g} at most")
     for mode, info in result["servers"].items():
         h = info.get("health", {}).get("serving", {})
         print(f"[{mode}] error/traceback lines while serving: {h.get('lines')}; "

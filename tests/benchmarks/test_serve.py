@@ -486,6 +486,30 @@ def _records(rng, n):
     return out
 
 
+def test_logprob_gap_finds_the_first_moved_token_and_the_largest_move():
+    rng = random.Random()
+    for _ in range(50):
+        a = _records(rng, 1)[0]
+        for top in a["top_logprobs"]:  # dyadic values: each step below moves one exactly
+            for tok in top:
+                top[tok] = -rng.randint(1, 64) / 8
+        b = json.loads(json.dumps(a))
+        assert serve.logprob_gap(a, b) is None
+        n = len(a["top_logprobs"])
+        moved = sorted(rng.sample(range(n), rng.randint(1, n)))
+        steps = {}
+        for t in moved:
+            tok = rng.choice(sorted(b["top_logprobs"][t]))
+            steps[t] = rng.choice([-1, 1]) * 2.0 ** -rng.randint(1, 20)
+            b["top_logprobs"][t][tok] += steps[t]
+        want = {"token": moved[0], "most": max(abs(x) for x in steps.values())}
+        assert serve.logprob_gap(a, b) == want
+        b["top_logprobs"].append({" extra": -1.0})  # one more token: apart there, no shared value
+        assert serve.logprob_gap(a, b) == want
+        assert serve.logprob_gap(a, {**a, "top_logprobs": a["top_logprobs"][:-1]}) == {
+            "token": n - 1, "most": 0.0}
+
+
 def test_identity_comparison_finds_a_changed_text_and_where():
     rng = random.Random(6)
     ref = _records(rng, 32)
@@ -503,6 +527,7 @@ def test_identity_comparison_finds_a_changed_text_and_where():
     got = serve.compare_identity(ref, changed)
     assert not got["all_identical"] and got["identical"] == 30 and got["failed"] == 1
     assert got["logprobs_equal"] == 30  # the failed and the rounded one left out
+    assert got["logprobs_apart"] == [{"request": j, "token": k, "most": 2 ** -10}]
     assert got["diverged"] == [{"request": i, "position": pos,
                                 "ref_top2": sorted(ref[i]["top_logprobs"][pos].items(),
                                                    key=lambda kv: -kv[1]),
