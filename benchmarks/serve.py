@@ -562,13 +562,12 @@ def compare_identity(ref: list[dict], other: list[dict]) -> dict:
     (:func:`logprob_gap`: which prompts, by length, move it)."""
     if len(ref) != len(other):
         raise ValueError(f"other: {len(other)} results against {len(ref)}")
-    same, failed, equal, diverged, apart = 0, 0, 0, [], []
+    same, failed, diverged, apart = 0, 0, [], []
     for i, (a, b) in enumerate(zip(ref, other)):
         if "error" in a or "error" in b:
             failed += 1
             continue
         gap = logprob_gap(a, b)
-        equal += gap is None
         if gap is not None:
             apart.append({"request": i, **gap})
         if a["text"] == b["text"]:
@@ -581,7 +580,8 @@ def compare_identity(ref: list[dict], other: list[dict]) -> dict:
                          "other_top2": _top2(b, pos),
                          "at_ref_tie": bool(top) and len(top) == 2 and top[0][1] == top[1][1]})
     return {"requests": len(ref), "identical": same, "failed": failed, "diverged": diverged,
-            "logprobs_equal": equal, "logprobs_apart": apart, "all_identical": same == len(ref)}
+            "logprobs_equal": len(ref) - failed - len(apart), "logprobs_apart": apart,
+            "all_identical": same == len(ref)}
 
 
 # ----------------------------------------------------------------------------- the server

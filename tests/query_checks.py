@@ -18,10 +18,13 @@ from vllm_dsa_varlen.ops.triton_fused_q import ROPE_FUSED
 FP8 = torch.float8_e4m3fn
 
 
-def rope_table(positions: int, rot_dim: int, device, dtype=torch.float32, base=10000.0):
+def rope_table(positions: int, rot_dim: int, device, dtype=torch.float32, base=10000.0,
+               scale=1.0):
+    """cos | sin rows per position, times ``scale`` (YaRN's attention factor
+    scales them past 1), rounded once to ``dtype``."""
     inv = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
     ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]
-    return torch.cat([ang.cos(), ang.sin()], dim=1).to(dtype).to(device)
+    return (torch.cat([ang.cos(), ang.sin()], dim=1) * scale).to(dtype).to(device)
 
 
 def fused_q_inputs(tokens, heads=64, index_heads=64, *, device, seed=0, nope=512, rope=64,
@@ -47,13 +50,12 @@ def fused_q_inputs(tokens, heads=64, index_heads=64, *, device, seed=0, nope=512
     if tokens:
         index_q[0, 0] = 0  # an all-zero head: the 1e-4 floor of the scale
     kw = rand(tokens, index_dim + index_heads)
-
-    def table(rot_dim):
-        return (rope_table(max_pos, rot_dim, device) * cache_scale).to(cache_dtype)
-
     return dict(
-        positions=positions, q_pe=q_pe, q_pe_cos_sin_cache=table(rope),
-        index_q=index_q, index_q_cos_sin_cache=table(index_rope),
+        positions=positions, q_pe=q_pe,
+        q_pe_cos_sin_cache=rope_table(max_pos, rope, device, cache_dtype, scale=cache_scale),
+        index_q=index_q,
+        index_q_cos_sin_cache=rope_table(max_pos, index_rope, device, cache_dtype,
+                                         scale=cache_scale),
         ql_nope=ql_nope, q_scale=torch.tensor([0.0371], device=device),
         index_weights=kw[:, index_dim:], index_weights_softmax_scale=index_dim ** -0.5,
         index_weights_head_scale=index_heads ** -0.5)
